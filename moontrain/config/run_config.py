@@ -1,0 +1,42 @@
+"""The run config: composition of the component configs, plus cross-component checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moontrain.data.config import DataConfig
+from moontrain.model.config import ExpertsConfig, ModelConfig
+from moontrain.optim.config import OptimConfig
+from moontrain.parallel.config import ParallelConfig
+from moontrain.trainer.config import TrainConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    model: ModelConfig
+    train: TrainConfig
+    experts: ExpertsConfig = field(default_factory=ExpertsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def check_world(self, world_size: int) -> None:
+        """Checks that need the world size (known only at launch)."""
+        ep = self.parallel.ep
+        if world_size % ep:
+            raise ValueError(
+                f"world size {world_size} is not divisible by parallel.ep={ep}; use --nproc a multiple of {ep} "
+                f"or set parallel.ep to a divisor of {world_size}"
+            )
+        if self.model.num_experts % ep:
+            raise ValueError(
+                f"model.num_experts={self.model.num_experts} is not divisible by parallel.ep={ep}; "
+                f"choose ep among the divisors of {self.model.num_experts}"
+            )
+        if self.train.global_batch_size % world_size:
+            raise ValueError(
+                f"train.global_batch_size={self.train.global_batch_size} is not divisible by the world size "
+                f"{world_size}; use a multiple of {world_size}"
+            )
+        if self.experts.backend == "local" and ep != 1:
+            raise ValueError(f"experts.backend=local holds all experts on each rank and needs parallel.ep=1, got {ep}")

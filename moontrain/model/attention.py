@@ -1,0 +1,77 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3 and Kimi K2/K3 style) through SDPA.
+
+Legend: B batch, T sequence, D hidden, N heads, Cq q low rank, Ckv kv low rank,
+Dn nope head dim, Dr rope head dim, Dv value head dim.
+
+q = W_qb(RMSNorm(W_qa x)) (or a full-rank W_q), kv latent c = RMSNorm(first Ckv of W_kva x) expands to
+per-head k_nope and v through W_kvb; the last Dr dims of W_kva x are one rope key shared by all heads.
+With use_nope the rope dims are kept but never rotated (no positional encoding at all). With the
+output gate, o = o * sigmoid(W_g x) per head and channel before W_o (gated attention).
+Values are zero-padded to the q/k head dim when it differs so every SDPA backend (flash included,
+which wants equal head dims) accepts them; the padding is sliced off the output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moontrain.model.config import ModelConfig
+from moontrain.model.norm import RMSNorm
+from moontrain.model.rope import apply_rope
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        D, N = cfg.hidden_size, cfg.num_heads
+        if cfg.q_lora_rank is None:
+            self.wq = nn.Linear(D, N * cfg.qk_head_dim, bias=False, device=device)
+        else:
+            self.wq_a = nn.Linear(D, cfg.q_lora_rank, bias=False, device=device)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, device=device)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, N * cfg.qk_head_dim, bias=False, device=device)
+        self.wkv_a = nn.Linear(D, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False, device=device)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, device=device)
+        self.wkv_b = nn.Linear(cfg.kv_lora_rank, N * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False,
+                               device=device)
+        if cfg.attn_output_gate:
+            self.wg = nn.Linear(D, N * cfg.v_head_dim, bias=False, device=device)
+        self.wo = nn.Linear(N * cfg.v_head_dim, D, bias=False, device=device)
+
+    def forward(self, x_BTD: torch.Tensor, cos_TDr: torch.Tensor, sin_TDr: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        B, T, _ = x_BTD.shape
+        N, Dn, Dr, Dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        if cfg.q_lora_rank is None:
+            q = self.wq(x_BTD)
+        else:
+            q = self.wq_b(self.q_norm(self.wq_a(x_BTD)))
+        q_BNTd = q.view(B, T, N, Dn + Dr).transpose(1, 2)
+        kv = self.wkv_a(x_BTD)
+        c_BTC, k_rope_BTDr = kv.split([cfg.kv_lora_rank, Dr], dim=-1)
+        kv_BNTd = self.wkv_b(self.kv_norm(c_BTC)).view(B, T, N, Dn + Dv).transpose(1, 2)
+        k_nope_BNTDn, v_BNTDv = kv_BNTd.split([Dn, Dv], dim=-1)
+        k_rope_BNTDr = k_rope_BTDr.unsqueeze(1)
+        if Dr and not cfg.use_nope:
+            q_nope, q_rope = q_BNTd.split([Dn, Dr], dim=-1)
+            q_BNTd = torch.cat([q_nope, apply_rope(q_rope, cos_TDr, sin_TDr)], dim=-1)
+            k_rope_BNTDr = apply_rope(k_rope_BNTDr, cos_TDr, sin_TDr)
+        k_BNTd = torch.cat([k_nope_BNTDn, k_rope_BNTDr.expand(B, N, T, Dr)], dim=-1)
+        if Dv != Dn + Dr:
+            v_pad = F.pad(v_BNTDv, (0, Dn + Dr - Dv)) if Dv < Dn + Dr else v_BNTDv
+        else:
+            v_pad = v_BNTDv
+        if Dv > Dn + Dr:
+            q_BNTd = F.pad(q_BNTd, (0, Dv - Dn - Dr))
+            k_BNTd = F.pad(k_BNTd, (0, Dv - Dn - Dr))
+        o_BNTd = F.scaled_dot_product_attention(q_BNTd, k_BNTd, v_pad, is_causal=True,
+                                                scale=1.0 / math.sqrt(Dn + Dr))
+        o_BTNDv = o_BNTd[..., :Dv].transpose(1, 2).reshape(B, T, N * Dv)
+        if cfg.attn_output_gate:
+            o_BTNDv = o_BTNDv * torch.sigmoid(self.wg(x_BTD))
+        return self.wo(o_BTNDv)

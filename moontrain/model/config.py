@@ -1,0 +1,88 @@
+"""Model configuration for the K3-like decoder (MLA attention, dense FFN first, latent MoE after)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_dense_layers: int = 1  # the first layers use a dense SwiGLU FFN instead of MoE
+    dense_intermediate_size: int
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    # MLA attention
+    num_heads: int
+    q_lora_rank: int | None = None  # None: a full-rank q projection
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    use_nope: bool = False  # True: no positional rotation at all (the rope dims stay, unrotated)
+    attn_output_gate: bool = True  # sigmoid(x W_g) * attention output, per head and channel
+    rope_theta: float = 50000.0
+    # MoE
+    num_experts: int
+    num_experts_per_tok: int
+    num_shared_experts: int = 0
+    moe_intermediate_size: int
+    moe_latent_size: int | None = None  # routed experts run at this width between down and up projections
+    routed_scaling_factor: float = 1.0
+    router_bias_update_rate: float = 1e-3  # aux-loss-free balancing step on the score-correction bias
+    seq_aux_loss_coef: float = 0.0  # sequence-wise balance loss (DeepSeek-V3); 0 disables it
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_lora_rank", "v_head_dim",
+                     "qk_nope_head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "dense_intermediate_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.num_dense_layers <= self.num_layers:
+            raise ValueError(
+                f"model.num_dense_layers={self.num_dense_layers} must be in [0, num_layers={self.num_layers}]"
+            )
+        if self.qk_rope_head_dim < 0 or self.qk_rope_head_dim % 2:
+            raise ValueError(f"model.qk_rope_head_dim must be even and >= 0, got {self.qk_rope_head_dim}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}"
+            )
+        elems = self.expert_width * self.moe_intermediate_size
+        if elems % 2048:
+            raise ValueError(
+                f"expert shape {self.expert_width}x{self.moe_intermediate_size} has {elems} elements, not a "
+                "multiple of 2048 (moonep maps expert rows at 4 KiB / 2 MiB granularity); change "
+                "model.moe_intermediate_size or model.moe_latent_size/hidden_size"
+            )
+
+    @property
+    def expert_width(self) -> int:
+        """Width H seen by the routed experts: the latent width when the latent projection is on."""
+        return self.moe_latent_size if self.moe_latent_size is not None else self.hidden_size
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+ExpertsBackendName = Literal["local", "alltoall", "moonep"]
+
+
+@dataclass(kw_only=True, slots=True)
+class ExpertsConfig:
+    """How routed experts are computed and where their tokens travel."""
+
+    backend: ExpertsBackendName = "alltoall"
+    token_padding: int = 16  # each expert's row group is padded to this many rows (grouped-GEMM alignment)
+
+    def __post_init__(self) -> None:
+        if self.token_padding < 1:
+            raise ValueError(f"experts.token_padding must be >= 1, got {self.token_padding}")

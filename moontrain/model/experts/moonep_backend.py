@@ -1,0 +1,44 @@
+"""The moonep backend: perfectly balanced EP with static shapes (see SPEC.md sections 2-7).
+
+Expert weights live in moonep's symmetric memory: ExpertWeights binds `layer.w_local[name]` (bf16 view
+of this rank's local rows) as its compute tensors and `layer.g_local[name]` (fp32 grad mirror, local
+rows only; slot-row grads are folded in by moonep's reduce_grad) as its grad tensors. One Buffer and
+one ExpertPools are shared by every MoE layer of the model (created on the first layer, collectively).
+moonep is imported lazily so the rest of moontrain works without it.
+
+Status: written against the announced moonep API; untested until moonep lands.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moontrain.model.experts.backend import ExpertsContext
+from moontrain.model.experts.weights import ExpertWeights
+
+
+class MoonEPExperts:
+    def __init__(self, ctx: ExpertsContext, weights: ExpertWeights) -> None:
+        import moonep
+
+        if ctx.ep_group is None:
+            raise ValueError("the moonep backend needs an initialised process group (launch with torchrun)")
+        if "moonep_pools" not in ctx.shared:
+            hidden, intermediate = weights.shapes["gate"]
+            buf = moonep.Buffer(
+                moonep.BufferConfig(max_tokens=ctx.max_tokens, hidden=hidden, topk=ctx.topk,
+                                    num_experts=ctx.num_experts, num_slots=None,
+                                    token_padding=ctx.token_padding, timeout_s=60.0),
+                ctx.ep_group,
+            )
+            ctx.shared["moonep_buffer"] = buf
+            ctx.shared["moonep_pools"] = moonep.ExpertPools(buf, projections=dict(weights.shapes),
+                                                            dtype=ctx.compute_dtype)
+        self.buf = ctx.shared["moonep_buffer"]
+        self.pools = ctx.shared["moonep_pools"]
+        self.layer = self.pools.add_layer()
+        weights.bind_external(self.layer.w_local, self.layer.g_local)
+        self._expert_swiglu = moonep.expert_swiglu
+
+    def forward(self, x_sH: torch.Tensor, weights_sK: torch.Tensor, topk_sK: torch.Tensor) -> torch.Tensor:
+        return self._expert_swiglu(self.buf, self.pools, self.layer, x_sH, weights_sK, topk_sK)

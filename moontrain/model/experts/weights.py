@@ -1,0 +1,116 @@
+"""Expert weights: one storage contract for every EP backend.
+
+Legend: epn local experts on this rank, Hin/Hout a projection's input/output width.
+
+Per projection (gate [H,F], up [H,F], down [F,H]) a MoE layer holds three tensors of shape
+[epn, Hin, Hout] for this rank's local expert rows (global experts [ep_rank*epn, (ep_rank+1)*epn)):
+
+- master (fp32 nn.Parameter): what the optimizer sees and updates. Never used in forward, so FSDP is
+  told to ignore it (expert data parallelism is done explicitly, below).
+- compute (compute dtype, bf16 on GPU): what the grouped GEMM reads. For `local`/`alltoall` it is a
+  plain leaf tensor owned here; for `moonep` it is `layer.w_local[name]`, a view into moonep's
+  symmetric memory (rows [E, E+B) of that memory are prefetch slots and are never seen here).
+- grad (fp32): where weight gradients land. For `moonep` it is `layer.g_local[name]` (the fp32 grad
+  mirror's local rows; moonep's reduce_grad folds slot-row grads in before we read it). For the
+  other backends a post-accumulate hook on the compute leaf adds its .grad (upcast) here and frees it,
+  so both paths present the same fp32 tensor to the trainer.
+
+Step protocol (trainer): backward -> reduce_grads over the expert-data-parallel group (local rows only)
+-> attach_grads (master.grad = grad) -> clip, optimizer.step -> push_master (compute <- master)
+-> zero_grads. Rows of other ranks or slot rows never pass through any reduction issued here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+class ExpertWeights(nn.Module):
+    def __init__(self, *, num_experts: int, ep_rank: int, ep_size: int, hidden: int, intermediate: int,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if num_experts % ep_size:
+            raise ValueError(
+                f"num_experts={num_experts} is not divisible by the expert-parallel size {ep_size}; "
+                f"choose parallel.ep among the divisors of {num_experts}"
+            )
+        self.num_experts = num_experts
+        self.num_local = num_experts // ep_size
+        self.expert_offset = ep_rank * self.num_local
+        self.shapes = {"gate": (hidden, intermediate), "up": (hidden, intermediate), "down": (intermediate, hidden)}
+        self.master = nn.ParameterDict({
+            name: nn.Parameter(torch.empty(self.num_local, *shape, device=device, dtype=torch.float32))
+            for name, shape in self.shapes.items()
+        })
+        self.compute: dict[str, torch.Tensor] = {}
+        self.grad: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def init_master(self, *, seed: int, layer_idx: int, std: float) -> None:
+        """Each global expert gets its own generator, so the values do not depend on the EP layout."""
+        for proj_idx, name in enumerate(PROJECTIONS):
+            master = self.master[name]
+            for j in range(self.num_local):
+                e = self.expert_offset + j
+                gen = torch.Generator(device=master.device)
+                gen.manual_seed(((seed * 1009 + layer_idx) * 3 + proj_idx) * 1_000_003 + e)
+                master[j].normal_(0.0, std, generator=gen)
+
+    def bind_owned(self, dtype: torch.dtype) -> None:
+        """local/alltoall: own the compute leaves and an fp32 grad buffer filled by a hook."""
+        for name, master in self.master.items():
+            compute = torch.empty(master.shape, dtype=dtype, device=master.device, requires_grad=True)
+            grad = torch.zeros(master.shape, dtype=torch.float32, device=master.device)
+            compute.register_post_accumulate_grad_hook(_make_fold_hook(grad))
+            self.compute[name], self.grad[name] = compute, grad
+        self.push_master()
+
+    def bind_external(self, compute: dict[str, torch.Tensor], grad: dict[str, torch.Tensor]) -> None:
+        """moonep: compute and grad are views into memory the EP library owns."""
+        for name, master in self.master.items():
+            if tuple(compute[name].shape) != tuple(master.shape) or tuple(grad[name].shape) != tuple(master.shape):
+                raise ValueError(
+                    f"expert projection {name!r}: backend views {tuple(compute[name].shape)} / "
+                    f"{tuple(grad[name].shape)} do not match the master shape {tuple(master.shape)}"
+                )
+            if grad[name].dtype != torch.float32:
+                raise ValueError(f"expert projection {name!r}: grad view must be float32, got {grad[name].dtype}")
+        self.compute, self.grad = dict(compute), dict(grad)
+        self.push_master()
+
+    @torch.no_grad()
+    def push_master(self) -> None:
+        for name, master in self.master.items():
+            self.compute[name].copy_(master)
+
+    @torch.no_grad()
+    def reduce_grads(self, group: dist.ProcessGroup | None, scale: float) -> None:
+        """Sum this rank's local-row grads over the expert-data-parallel group, then scale."""
+        for name in PROJECTIONS:
+            g = self.grad[name]
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
+            if scale != 1.0:
+                g.mul_(scale)
+
+    def attach_grads(self) -> None:
+        for name, master in self.master.items():
+            master.grad = self.grad[name]
+
+    @torch.no_grad()
+    def zero_grads(self) -> None:
+        for name, master in self.master.items():
+            self.grad[name].zero_()
+            master.grad = None
+
+
+def _make_fold_hook(grad_fp32: torch.Tensor):
+    def fold(leaf: torch.Tensor) -> None:
+        grad_fp32.add_(leaf.grad)
+        leaf.grad = None
+
+    return fold

@@ -1,0 +1,90 @@
+"""The K3-like decoder: embedding, pre-norm blocks (MLA + dense FFN or MoE), final norm, LM head, CE loss.
+
+Legend: B batch, T sequence, D hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moontrain.model.attention import MLAttention
+from moontrain.model.config import ModelConfig
+from moontrain.model.experts import ExpertsContext, build_experts_backend
+from moontrain.model.ffn import SwiGLU
+from moontrain.model.moe import MoE
+from moontrain.model.norm import RMSNorm
+from moontrain.model.rope import rope_cos_sin
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, *, ep_rank: int, ep_size: int,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
+        self.attn = MLAttention(cfg, device=device)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
+        self.is_moe = layer_idx >= cfg.num_dense_layers
+        self.ffn = (MoE(cfg, ep_rank=ep_rank, ep_size=ep_size, device=device) if self.is_moe
+                    else SwiGLU(cfg.hidden_size, cfg.dense_intermediate_size, device=device))
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin)
+        if self.is_moe:
+            y, aux = self.ffn(self.ffn_norm(x_BTD))
+            return x_BTD + y, aux
+        return x_BTD + self.ffn(self.ffn_norm(x_BTD)), None
+
+
+class K3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, ep_rank: int = 0, ep_size: int = 1,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device)
+        self.layers = nn.ModuleList(
+            Block(cfg, i, ep_rank=ep_rank, ep_size=ep_size, device=device) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
+
+    def moe_layers(self) -> list[MoE]:
+        return [block.ffn for block in self.layers if block.is_moe]
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init independent of the parallel layout (dense params from one seeded stream,
+        experts from per-expert generators)."""
+        gen = torch.Generator(device=self.embed.weight.device)
+        gen.manual_seed(seed)
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if ".experts.master." in name:
+                continue
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
+        for layer_idx, moe in enumerate(self.moe_layers()):
+            moe.experts.init_master(seed=seed, layer_idx=layer_idx, std=std)
+            moe.router.score_bias_E.zero_()
+
+    def attach_experts_backends(self, name: str, ctx: ExpertsContext) -> None:
+        for moe in self.moe_layers():
+            moe.backend = build_experts_backend(name, ctx, moe.experts)
+
+    def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (loss to backpropagate = CE + aux, CE alone for logging)."""
+        cfg = self.cfg
+        T = tokens_BT.shape[1]
+        cos, sin = rope_cos_sin(T, cfg.qk_rope_head_dim, cfg.rope_theta, tokens_BT.device)
+        x_BTD = self.embed(tokens_BT)
+        aux_total = x_BTD.new_zeros((), dtype=torch.float32)
+        for block in self.layers:
+            x_BTD, aux = block(x_BTD, cos, sin)
+            if aux is not None:
+                aux_total = aux_total + aux
+        logits_BTV = self.lm_head(self.norm(x_BTD))
+        ce = F.cross_entropy(logits_BTV.float().view(-1, cfg.vocab_size), targets_BT.reshape(-1))
+        return ce + aux_total, ce.detach()

@@ -1,0 +1,32 @@
+"""Optimizer and learning-rate schedule configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly to min_lr
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ValueError(f"optim.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        if self.grad_clip < 0:
+            raise ValueError(f"optim.grad_clip must be >= 0 (0 disables), got {self.grad_clip}")

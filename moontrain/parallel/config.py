@@ -1,0 +1,18 @@
+"""Parallel layout configuration: expert parallel degree and precision; data parallel is derived."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    ep: int = 1  # expert-parallel degree; dp_replicate = world_size // ep is derived, never set
+    fsdp: bool = True  # shard dense parameters with FSDP2 over the whole world (when world > 1)
+    # auto: bf16 compute with fp32 reduction on GPU, fp32 everywhere on CPU
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.ep < 1:
+            raise ValueError(f"parallel.ep must be >= 1, got {self.ep}")
