@@ -1,0 +1,39 @@
+"""A synthetic token source with learnable structure: a fixed sparse Markov chain.
+
+Legend: G global batch (sequences), T sequence length, V vocab, b branching.
+
+Every token has `branching` successors drawn once from the data seed; each next token is one of them,
+uniformly. A model that learns the table reaches a loss of log(branching), far below log(V), so
+"the loss falls" is a meaningful check. Batch `step` is a pure function of (seed, step): the global
+batch is generated identically on every rank and each rank takes its contiguous slice, so any
+parallel layout trains on exactly the same tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moontrain.data.config import DataConfig
+
+
+class MarkovTokens:
+    def __init__(self, cfg: DataConfig, *, vocab_size: int, seq_len: int, global_batch: int, rank: int,
+                 world_size: int, device: torch.device) -> None:
+        self.cfg, self.vocab, self.seq_len = cfg, vocab_size, seq_len
+        self.global_batch, self.rank, self.world = global_batch, rank, world_size
+        self.device = device
+        gen = torch.Generator().manual_seed(cfg.seed)
+        self.successors_Vb = torch.randint(0, vocab_size, (vocab_size, cfg.branching), generator=gen)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens_BT, targets_BT) of this rank for optimizer step `step`."""
+        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
+        G, T = self.global_batch, self.seq_len
+        seq_GT1 = torch.empty(G, T + 1, dtype=torch.long)
+        seq_GT1[:, 0] = torch.randint(0, self.vocab, (G,), generator=gen)
+        choice_GT = torch.randint(0, self.cfg.branching, (G, T), generator=gen)
+        for t in range(T):
+            seq_GT1[:, t + 1] = self.successors_Vb[seq_GT1[:, t], choice_GT[:, t]]
+        b = G // self.world
+        local = seq_GT1[self.rank * b:(self.rank + 1) * b].to(self.device)
+        return local[:, :-1].contiguous(), local[:, 1:].contiguous()

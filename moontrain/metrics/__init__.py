@@ -1,0 +1,1 @@
+"""Step metrics: expert balance (maxvio) and the console / jsonl progress log."""

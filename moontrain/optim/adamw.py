@@ -1,0 +1,42 @@
+"""AdamW over three homogeneous parameter groups.
+
+- decay: dense matrices (attention, FFN, router, latent projections, LM head)
+- no_decay: norms, biases and the token embedding (decaying them hurts and buys nothing)
+- experts: the fp32 expert masters (this rank's local rows), decayed like dense matrices
+
+Groups stay homogeneous (DTensor shards vs plain tensors) so the foreach kernels never mix the two.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moontrain.optim.config import OptimConfig
+from moontrain.optim.schedule import lr_multiplier
+
+
+def split_param_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    groups: dict[str, list[nn.Parameter]] = {"decay": [], "no_decay": [], "experts": []}
+    for name, p in model.named_parameters():
+        if ".experts.master." in name:
+            groups["experts"].append(p)
+        elif p.ndim < 2 or name.endswith(".bias") or "embed" in name:
+            groups["no_decay"].append(p)
+        else:
+            groups["decay"].append(p)
+    return groups
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int
+                    ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    groups = split_param_groups(model)
+    param_groups = [
+        {"params": groups["decay"], "weight_decay": cfg.weight_decay, "name": "decay"},
+        {"params": groups["no_decay"], "weight_decay": 0.0, "name": "no_decay"},
+        {"params": groups["experts"], "weight_decay": cfg.weight_decay, "name": "experts"},
+    ]
+    param_groups = [g for g in param_groups if g["params"]]
+    opt = torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_multiplier(step, cfg, total_steps))
+    return opt, sched

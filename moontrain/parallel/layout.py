@@ -1,0 +1,69 @@
+"""The parallel layout: world = dp_replicate * ep, EP ranks borrowed from data parallel (torchtitan efsdp).
+
+Rank r sits at (dp_replicate index r // ep, ep index r % ep): the ranks of one EP group are contiguous
+(on one host when ep <= GPUs per host, so the symmetric heap can use NVLink). Dense parameters are
+sharded with FSDP over the whole world; expert local rows are replicated over the dp_replicate axis
+(the expert-data-parallel group: same ep index, every replica) and reduced there explicitly.
+
+FSDP2 on CPU: gloo in this torch (2.13) implements reduce_scatter and all_gather_into_tensor, so
+fully_shard runs unchanged on CPU (checked by the EP-equality test, which runs with FSDP on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(kw_only=True)
+class ParallelLayout:
+    world_size: int
+    rank: int
+    ep: int
+    device: torch.device
+    mesh: DeviceMesh | None = None  # 2-D (dp_replicate, ep)
+    fsdp_mesh: DeviceMesh | None = None  # 1-D over the whole world
+    ep_group: dist.ProcessGroup | None = None
+    edp_group: dist.ProcessGroup | None = None
+    world_group: dist.ProcessGroup | None = None
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.world_size // self.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep
+
+    @property
+    def dp_replicate_rank(self) -> int:
+        return self.rank // self.ep
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_group is not None
+
+    def describe(self) -> str:
+        return (f"world={self.world_size} = dp_replicate {self.dp_replicate} x ep {self.ep}; "
+                f"dense params: FSDP over {self.world_size} ranks; experts: {self.ep}-way EP, "
+                f"expert-data-parallel over {self.dp_replicate} replicas")
+
+
+def single_process_layout(device: torch.device) -> ParallelLayout:
+    """No process group: everything local (the reference the distributed runs are tested against)."""
+    return ParallelLayout(world_size=1, rank=0, ep=1, device=device)
+
+
+def build_layout(ep: int, device: torch.device) -> ParallelLayout:
+    """Collective: builds the meshes over the already-initialised default process group."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % ep:
+        raise ValueError(f"world size {world} is not divisible by parallel.ep={ep}; use a multiple of {ep} ranks")
+    mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp_replicate", "ep"))
+    fsdp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
+    return ParallelLayout(world_size=world, rank=rank, ep=ep, device=device, mesh=mesh, fsdp_mesh=fsdp_mesh,
+                          ep_group=mesh.get_group("ep"), edp_group=mesh.get_group("dp_replicate"),
+                          world_group=dist.group.WORLD)

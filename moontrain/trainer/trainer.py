@@ -1,0 +1,119 @@
+"""The trainer: builds model, parallelism, optimizer and data from a RunConfig; train_step reads top to bottom.
+
+Gradient scaling: each rank's loss is the mean over its own tokens, so the global loss is the mean of
+the per-rank losses. FSDP's reduce-scatter averages dense grads over the world. An expert's grad on
+its owner already sums the contributions of every rank of its EP group (the all-to-all backward
+sums them); summing over the expert-data-parallel replicas and dividing by the world size gives the
+same mean.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from moontrain.config.run_config import RunConfig
+from moontrain.data.markov import MarkovTokens
+from moontrain.metrics.balance import maxvio_L
+from moontrain.metrics.progress import ProgressLog, StepStats
+from moontrain.model.experts import ExpertsContext
+from moontrain.model.transformer import K3Model
+from moontrain.optim.adamw import build_optimizer
+from moontrain.parallel.clip import clip_grad_norm_global
+from moontrain.parallel.fsdp import allreduce_dense_grads, apply_fsdp
+from moontrain.parallel.layout import ParallelLayout
+
+
+def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, layout: ParallelLayout, *, log: ProgressLog | None = None) -> None:
+        cfg.check_world(layout.world_size)
+        self.cfg, self.layout, self.log = cfg, layout, log
+        device = layout.device
+        self.compute_dtype = resolve_compute_dtype(cfg.parallel.compute_dtype, device)
+        self.model = K3Model(cfg.model, ep_rank=layout.ep_rank, ep_size=layout.ep, device=device)
+        self.model.init_weights(cfg.train.seed)
+        self.fsdp = layout.distributed and cfg.parallel.fsdp
+        if self.fsdp:
+            apply_fsdp(self.model, layout, param_dtype=self.compute_dtype)
+        micro_batch = cfg.train.global_batch_size // layout.world_size
+        self.model.attach_experts_backends(cfg.experts.backend, ExpertsContext(
+            num_experts=cfg.model.num_experts, topk=cfg.model.num_experts_per_tok, ep_group=layout.ep_group,
+            ep_size=layout.ep, compute_dtype=self.compute_dtype, token_padding=cfg.experts.token_padding,
+            max_tokens=micro_batch * cfg.train.seq_len,
+        ))
+        self.experts = [moe.experts for moe in self.model.moe_layers()]
+        self.expert_params = [p for w in self.experts for p in w.master.values()]
+        expert_ids = {id(p) for p in self.expert_params}
+        self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.train.steps)
+        self.data = MarkovTokens(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
+                                 global_batch=cfg.train.global_batch_size, rank=layout.rank,
+                                 world_size=layout.world_size, device=device)
+        self.step = 0
+
+    def train_step(self) -> StepStats:
+        t0 = time.perf_counter()
+        tokens_BT, targets_BT = self.data.batch(self.step)
+        loss, ce = self.model(tokens_BT, targets_BT)
+        loss.backward()
+        self._reduce_grads()
+        grad_norm = clip_grad_norm_global(self.dense_params, self.expert_params, self.layout,
+                                          self.cfg.optim.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for w in self.experts:
+            w.push_master()
+            w.zero_grads()
+        max_maxvio = self._balance_routers()
+        mean_ce = self._world_mean(ce)
+        if self.layout.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        self.step += 1
+        stats = StepStats(step=self.step, loss=mean_ce, lr=lr, grad_norm=float(grad_norm),
+                          tokens_per_s=self.cfg.train.global_batch_size * self.cfg.train.seq_len / dt,
+                          step_time_s=dt, max_maxvio=max_maxvio)
+        if self.log is not None and (self.step % self.cfg.train.log_every == 0 or self.step == self.cfg.train.steps):
+            self.log.log(stats)
+        return stats
+
+    def fit(self) -> list[StepStats]:
+        return [self.train_step() for _ in range(self.step, self.cfg.train.steps)]
+
+    def _reduce_grads(self) -> None:
+        layout = self.layout
+        if layout.distributed and not self.fsdp:
+            allreduce_dense_grads(self.model, layout.world_group)
+        for w in self.experts:
+            w.reduce_grads(layout.edp_group, scale=1.0 / layout.world_size)
+            w.attach_grads()
+
+    @torch.no_grad()
+    def _balance_routers(self) -> float:
+        """Reduce this step's expert counts over the world, update every router bias, return max maxvio."""
+        routers = [moe.router for moe in self.model.moe_layers()]
+        if not routers:
+            return 0.0
+        counts_LE = torch.stack([r.tokens_per_expert_E for r in routers])
+        if self.layout.distributed:
+            dist.all_reduce(counts_LE, group=self.layout.world_group)
+        for router, counts_E in zip(routers, counts_LE):
+            router.update_bias(counts_E)
+        return float(maxvio_L(counts_LE).max())
+
+    def _world_mean(self, value: torch.Tensor) -> float:
+        value = value.detach().float().clone()
+        if self.layout.distributed:
+            dist.all_reduce(value, group=self.layout.world_group)
+            value /= self.layout.world_size
+        return float(value)
