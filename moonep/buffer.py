@@ -1,0 +1,231 @@
+"""Buffer: moonep's public EP communication object (pure-PyTorch data path, SPEC section 6).
+
+Protocol of one call (every rank runs the same sequence of calls; every barrier names its call):
+
+dispatch (fresh plan)
+    1. write tokens_per_expert into row `rank` of every peer's hist region (unicast)
+    2. barrier "dispatch:histograms"
+    3. every rank plans redundantly from the gathered [R, E] histograms
+    4. write, for every (t, k): route weight, copy row and source id into the destination's row
+       metadata; the token row itself once per (token, destination rank); the receiver marks its
+       own padding rows (copy from the zero row)
+    5. barrier "dispatch:rows"
+    6. the receiver expands duplicates and zeroes padding: row <- row[copy_row]
+dispatch (saved plan): barrier "dispatch:enter" replaces 1-3, so no peer writes rows this rank
+    may still be reading.
+combine
+    1. y rows (route weights already applied by the caller) land in the comb region (no copy when
+       the caller wrote into `combine_input(plan)`)
+    2. barrier "combine:rows"
+    3. each source pulls its K rows per token from the destinations and sums them in fp32 in
+       ascending k order (deterministic); optional per-row scalars (route-weight grads) likewise
+    4. barrier "combine:done" so the comb region may be rewritten
+
+Returned rows are zero-copy views into symmetric memory, valid until the next call on this buffer;
+clone what must outlive it (autograd saves). No call synchronises with the host unless
+`BufferConfig.check_values` is on.
+
+Legend: s tokens of this rank, K top-k, H hidden, E experts, R ranks, nvs_s rows of this call.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from moonep.config import BufferConfig
+from moonep.heap import Piece, SymmetricHeap, create_heap, strided_view
+from moonep.layout import Layout
+from moonep.planner import Plan, make_plan
+from moonep.validate import check_gathered_counts, check_num_tokens, check_routing_values, check_tensor
+
+
+class DispatchResult(NamedTuple):
+    x_rows: torch.Tensor  # [nvs_s, H] rows grouped by W_full row, padding rows zero
+    weights_rows: torch.Tensor  # [nvs_s] fp32 route weight of each row (0 on padding)
+    cu_seqlens: torch.Tensor  # [epn + B] int32 offs over W_compact
+    plan: Plan
+
+
+class Buffer:
+    """Symmetric receive/combine buffers and metadata for one EP group.
+
+    Collective constructor: every rank of `group` builds it with the same config.
+    """
+
+    def __init__(self, config: BufferConfig, group: dist.ProcessGroup | None = None,
+                 device: torch.device | str | None = None) -> None:
+        self.group = group if group is not None else dist.group.WORLD
+        self.config = config
+        self.rank = dist.get_rank(self.group)
+        self.num_ranks = dist.get_world_size(self.group)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" \
+                else torch.device("cpu")
+        self.device = torch.device(device)
+        self.heap: SymmetricHeap = create_heap(self.group, self.device, timeout_s=config.timeout_s)
+        try:
+            self.layout = Layout(config, self.num_ranks, self.heap.granularity)
+            self._comm = self.heap.alloc("comm", self.layout.comm_bytes)
+            mapping = self.heap.map([Piece(self._comm, r, 0, self.layout.comm_bytes) for r in range(self.num_ranks)])
+        except BaseException:
+            self.heap.destroy()
+            raise
+        R, stride = self.num_ranks, self.layout.comm_bytes
+        self._all = {name: strided_view(mapping, reg.offset, stride, R, reg.shape, reg.dtype)
+                     for name, reg in self.layout.comm.items()}
+        self._mine = {name: t[self.rank] for name, t in self._all.items()}
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_experts(self) -> int:
+        return self.config.num_experts
+
+    @property
+    def epn(self) -> int:
+        return self.layout.epn
+
+    @property
+    def num_slots(self) -> int:
+        return self.layout.num_slots
+
+    def barrier(self, call: str) -> None:
+        self.heap.barrier(call)
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x_sH: torch.Tensor, weights_sK: torch.Tensor | None = None, topk_sK: torch.Tensor | None = None,
+                 tokens_per_expert_E: torch.Tensor | None = None, *, plan: Plan | None = None,
+                 total_num_tokens: int | None = None) -> DispatchResult:
+        """Send every token row to the rows of its K experts (fresh plan from topk_sK, or a saved
+        plan, as in backward). Weights travel per (token, k)."""
+        cfg, layout = self.config, self.layout
+        s = x_sH.shape[0] if isinstance(x_sH, torch.Tensor) and x_sH.dim() == 2 else -1
+        check_tensor("x_sH", x_sH, shape=(max(s, 0), cfg.hidden), dtype=cfg.dtype, device=self.device)
+        check_num_tokens(layout, s)
+        if weights_sK is not None:
+            check_tensor("weights_sK", weights_sK, shape=(s, cfg.topk), dtype=(torch.float32, cfg.dtype),
+                         device=self.device)
+        if plan is None:
+            if topk_sK is None:
+                raise ValueError("dispatch needs topk_sK for a fresh plan, or plan= a saved plan")
+            check_tensor("topk_sK", topk_sK, shape=(s, cfg.topk), dtype=(torch.int32, torch.int64), device=self.device)
+            if tokens_per_expert_E is None:
+                tokens_per_expert_E = torch.zeros(cfg.num_experts, dtype=torch.int32, device=self.device)
+                tokens_per_expert_E.scatter_add_(0, topk_sK.reshape(-1).long(),
+                                                 torch.ones(topk_sK.numel(), dtype=torch.int32, device=self.device))
+            check_tensor("tokens_per_expert_E", tokens_per_expert_E, shape=(cfg.num_experts,),
+                         dtype=(torch.int32, torch.int64), device=self.device)
+            if total_num_tokens is not None and not s <= total_num_tokens <= self.num_ranks * cfg.max_tokens:
+                raise ValueError(f"total_num_tokens={total_num_tokens} must lie in [{s}, R*S="
+                                 f"{self.num_ranks * cfg.max_tokens}]")
+            if cfg.check_values:
+                check_routing_values(layout, topk_sK, tokens_per_expert_E)
+            plan = self._plan(topk_sK, tokens_per_expert_E, total_num_tokens)
+        else:
+            if topk_sK is not None or tokens_per_expert_E is not None:
+                raise ValueError("dispatch got both plan= and routing; pass one of them")
+            if plan.num_tokens != s:
+                raise ValueError(f"the saved plan was made for s={plan.num_tokens} tokens but x_sH has {s} rows; "
+                                 "reuse a plan only with the same tokens (as in backward)")
+            self.barrier("dispatch:enter")
+        self._scatter(plan, x_sH, weights_sK)
+        self.barrier("dispatch:rows")
+        return self._expand(plan)
+
+    def _plan(self, topk_sK: torch.Tensor, tokens_per_expert_E: torch.Tensor, total: int | None) -> Plan:
+        self._all["hist"][:, self.rank, :] = tokens_per_expert_E.to(torch.int32)
+        self.barrier("dispatch:histograms")
+        counts_RE = self._mine["hist"].clone()
+        if self.config.check_values:
+            check_gathered_counts(self.layout, counts_RE, topk_sK.shape[0], total)
+        return make_plan(self.layout, self.rank, topk_sK, counts_RE, total_num_tokens=total)
+
+    def _scatter(self, plan: Plan, x_sH: torch.Tensor, weights_sK: torch.Tensor | None) -> None:
+        layout, mine, every = self.layout, self._mine, self._all
+        s, K = plan.num_tokens, plan.topk
+        dst_rank = plan.dst_rank_sK.reshape(-1).long()
+        dst_row = plan.dst_row_sK.reshape(-1).long()
+        # this rank as receiver: padding rows copy from the zero row, weight 0, no source
+        valid = self._valid_rows(plan)
+        pad_rows = torch.where(valid, layout.trash_row, torch.arange(plan.nvs_s, device=self.device))
+        mine["row_copy"].index_put_((pad_rows,), torch.tensor(layout.zero_row, dtype=torch.int32, device=self.device))
+        mine["row_weight"].index_put_((pad_rows,), torch.zeros((), device=self.device))
+        mine["row_src"].index_put_((pad_rows,), torch.tensor(-1, dtype=torch.int32, device=self.device))
+        # this rank as sender: metadata for every entry, the row once per (token, rank)
+        idx = (dst_rank, dst_row)
+        flat = torch.arange(s * K, device=self.device, dtype=torch.int32)
+        every["row_copy"].index_put_(idx, plan.copy_row_sK.reshape(-1))
+        every["row_src"].index_put_(idx, self.rank * self.config.max_tokens * K + flat)
+        if weights_sK is not None:
+            every["row_weight"].index_put_(idx, weights_sK.reshape(-1).float())
+        sent = plan.sent_sK.reshape(-1)
+        rows_to = (torch.where(sent, dst_rank, self.rank), torch.where(sent, dst_row, layout.trash_row))
+        token = torch.arange(s, device=self.device).repeat_interleave(K)
+        every["recv"].index_put_(rows_to, x_sH.index_select(0, token))
+
+    def _valid_rows(self, plan: Plan) -> torch.Tensor:
+        """[nvs_s] bool: rows of this rank that receive a token (not padding)."""
+        offs = plan.offs_RG[self.rank].long()
+        sizes = plan.group_rows_RG[self.rank].long()
+        pad = self.config.token_padding
+        padded = (sizes + pad - 1) // pad * pad
+        row = torch.arange(plan.nvs_s, device=self.device)
+        g = torch.searchsorted(offs, row, right=True).clamp(max=offs.numel() - 1)
+        return (row < offs[-1]) & (row - (offs[g] - padded[g]) < sizes[g])
+
+    def _expand(self, plan: Plan) -> DispatchResult:
+        recv = self._mine["recv"]
+        x_rows = recv[: plan.nvs_s]
+        x_rows.copy_(recv.index_select(0, self._mine["row_copy"][: plan.nvs_s].long()))
+        return DispatchResult(x_rows, self._mine["row_weight"][: plan.nvs_s], plan.cu_seqlens, plan)
+
+    # ------------------------------------------------------------------ combine
+    def combine_input(self, plan: Plan) -> torch.Tensor:
+        """[nvs_s, H] symmetric rows; writing y rows here makes combine copy nothing."""
+        return self._mine["comb"][: plan.nvs_s]
+
+    def combine(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sum each token's K rows back on its source rank in fp32 -> (y_sH, scalars_sK).
+
+        `row_scalars` [nvs_s] fp32 (optional) are gathered per (token, k), e.g. the gradient of
+        the route weights in dispatch's backward."""
+        H = self.config.hidden
+        check_tensor("y_rows", y_rows, shape=(plan.nvs_s, H), dtype=self.config.dtype, device=self.device)
+        comb = self.combine_input(plan)
+        if y_rows.data_ptr() != comb.data_ptr():
+            comb.copy_(y_rows)
+        if row_scalars is not None:
+            check_tensor("row_scalars", row_scalars, shape=(plan.nvs_s,), dtype=torch.float32, device=self.device)
+            self._mine["row_scalar"][: plan.nvs_s].copy_(row_scalars)
+        self.barrier("combine:rows")
+        idx = (plan.dst_rank_sK.long(), plan.dst_row_sK.long())
+        rows_sKH = self._all["comb"][idx]
+        y_sH = rows_sKH[:, 0].float()
+        for k in range(1, plan.topk):
+            y_sH += rows_sKH[:, k].float()
+        scalars_sK = self._all["row_scalar"][idx].clone() if row_scalars is not None else None
+        self.barrier("combine:done")
+        return y_sH.to(self.config.dtype), scalars_sK
+
+    # ------------------------------------------------------------------ experts (see moonep.pools)
+    def prefetch_weight(self, plan: Plan, layer) -> None:  # noqa: ANN001 - LayerExperts, avoids an import cycle
+        """Copy every planned remote expert of `layer` into this rank's slots."""
+        layer.pools.prefetch(plan, layer)
+
+    def reduce_grad(self, plan: Plan, layer) -> None:  # noqa: ANN001
+        """Fold every slot's fp32 weight gradient into its owner's grad rows; zero the slots."""
+        layer.pools.reduce_grad(plan, layer)
+
+    def destroy(self) -> None:
+        """Release all symmetric memory (idempotent). Tensors returned earlier become invalid."""
+        self._all, self._mine = {}, {}
+        self.heap.destroy()
+
+    def __enter__(self) -> Buffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()

@@ -1,0 +1,47 @@
+"""BufferConfig: the static problem of one moonep buffer (SPEC section 3 notation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class BufferConfig:
+    """Static sizes of an EP buffer. Everything else (epn, NvS, offsets) is derived in `Layout`.
+
+    max_tokens: S, token capacity per rank per call (1 <= s <= S at each call).
+    hidden: H, row width seen by the experts.
+    topk: K experts per token.
+    num_experts: E routed experts, E % R == 0.
+    num_slots: B prefetch slots per rank; None means E // R, which training requires.
+    token_padding: every non-empty expert group on a rank is padded to a multiple of this.
+    dtype: dtype of token rows and expert weights (grads are always fp32).
+    timeout_s: a collective call that waits longer than this raises MoonEPTimeoutError.
+    check_values: data-dependent input checks (expert ids in range, histogram == bincount(topk),
+        equal s on every rank). Each costs a device-to-host sync, so the GPU hot path turns it off.
+    """
+
+    max_tokens: int
+    hidden: int
+    topk: int
+    num_experts: int
+    num_slots: int | None = None
+    token_padding: int = 16
+    dtype: torch.dtype = torch.bfloat16
+    timeout_s: float = 120.0
+    check_values: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "hidden", "topk", "num_experts", "token_padding"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"BufferConfig.{name} must be a positive int, got {value!r}")
+        if self.topk > self.num_experts:
+            raise ValueError(f"BufferConfig.topk={self.topk} exceeds num_experts={self.num_experts}; "
+                             "each token needs topk distinct experts")
+        if self.num_slots is not None and (not isinstance(self.num_slots, int) or self.num_slots < 1):
+            raise ValueError(f"BufferConfig.num_slots must be None (= E // R) or an int >= 1, got {self.num_slots!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"BufferConfig.timeout_s must be > 0, got {self.timeout_s}")

@@ -1,0 +1,23 @@
+"""Grouped GEMMs over expert row groups (the `offs` format of torch._grouped_mm).
+
+offs[g] is the cumulative end of group g's rows; rows past offs[-1] are padding that no caller
+reads. The weight gradient is produced in fp32 for the grad mirror.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def grouped_mm(x_rows: torch.Tensor, w_GIO: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """y[rows of g] = x[rows of g] @ w[g]  -> [rows, O] in x's dtype."""
+    return torch._grouped_mm(x_rows, w_GIO, offs=offs)
+
+
+def grouped_mm_wgrad(x_rows: torch.Tensor, grad_rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """dW[g] = x[rows of g]^T @ grad[rows of g] -> [G, I, O] fp32."""
+    if x_rows.is_cuda:
+        return torch._grouped_mm(x_rows.t(), grad_rows, offs=offs, out_dtype=torch.float32)
+    # the CPU kernel only writes x's dtype; bf16 products are exact in fp32, so upcasting first
+    # gives the fp32-accumulated result the GPU kernel produces
+    return torch._grouped_mm(x_rows.t().float(), grad_rows.float(), offs=offs)

@@ -1,0 +1,124 @@
+"""Layout: the one object that owns every size and offset in moonep's symmetric memory.
+
+Per rank there is one *comm* segment (receive rows, combine rows, metadata) and, per expert
+projection, a weight segment per layer ([epn, in, out] in `dtype`), a grad segment per layer
+([epn, in, out] fp32), one slot pool ([B, in, out] in `dtype`) and one reduce pool ([B, in, out]
+fp32) shared by all layers. Views are assembled from these by `moonep.pools` and `moonep.buffer`.
+
+Comm segment regions (rows are token rows of width H):
+    recv        [NvS + 2, H] dtype   dispatch destination; row NvS is a trash row for masked-out
+                                     writes, row NvS + 1 stays zero (source of padding rows)
+    comb        [NvS + 2, H] dtype   combine source rows (y_rows), read by the tokens' home ranks
+    hist        [R, E]       int32   every rank's tokens_per_expert, written by that rank
+    row_weight  [NvS + 1]    fp32    route weight per received row (trash at NvS)
+    row_copy    [NvS + 1]    int32   row to copy from: itself, a duplicate's primary row, or the
+                                     zero row for padding
+    row_src     [NvS + 1]    int32   source of the row: src_rank * S * K + t * K + k
+    row_scalar  [NvS + 1]    fp32    per-row scalars read back by the sources (route-weight grads)
+
+NvS = round_up(S*K + 2*epn*(token_padding - 1), token_padding): every rank receives exactly
+cap_d <= S*K rows in at most 2*epn non-empty groups (epn local experts plus at most epn experts
+of one remote home group), each padded by at most token_padding - 1 rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moonep.config import BufferConfig
+
+_ALIGN = 256  # bytes; every region starts on a 256-byte boundary (vector loads, TMA)
+
+
+def round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    offset: int  # bytes from the start of the segment
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = dtype_bytes(self.dtype)
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    config: BufferConfig
+    num_ranks: int
+    granularity: int
+    epn: int = field(init=False)
+    num_slots: int = field(init=False)
+    nvs: int = field(init=False)
+    comm: dict[str, Region] = field(init=False)
+    comm_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        cfg, R = self.config, self.num_ranks
+        if cfg.num_experts % R:
+            raise ValueError(
+                f"num_experts={cfg.num_experts} is not divisible by the EP group size R={R}; "
+                f"use a multiple of {R} experts or another group size"
+            )
+        epn = cfg.num_experts // R
+        num_slots = epn if cfg.num_slots is None else cfg.num_slots
+        pad = cfg.token_padding
+        nvs = round_up(cfg.max_tokens * cfg.topk + 2 * epn * (pad - 1), pad)
+        H, E = cfg.hidden, cfg.num_experts
+        specs = [
+            ("recv", (nvs + 2, H), cfg.dtype),
+            ("comb", (nvs + 2, H), cfg.dtype),
+            ("hist", (R, E), torch.int32),
+            ("row_weight", (nvs + 1,), torch.float32),
+            ("row_copy", (nvs + 1,), torch.int32),
+            ("row_src", (nvs + 1,), torch.int32),
+            ("row_scalar", (nvs + 1,), torch.float32),
+        ]
+        regions: dict[str, Region] = {}
+        offset = 0
+        for name, shape, dtype in specs:
+            regions[name] = Region(offset, shape, dtype)
+            offset = round_up(offset + regions[name].nbytes, _ALIGN)
+        object.__setattr__(self, "epn", epn)
+        object.__setattr__(self, "num_slots", num_slots)
+        object.__setattr__(self, "nvs", nvs)
+        object.__setattr__(self, "comm", regions)
+        object.__setattr__(self, "comm_bytes", round_up(offset, self.granularity))
+
+    @property
+    def trash_row(self) -> int:
+        return self.nvs
+
+    @property
+    def zero_row(self) -> int:
+        return self.nvs + 1
+
+    def nvs_rows(self, max_cap: int) -> int:
+        """Rows a call may fill when no rank receives more than `max_cap` token slots."""
+        pad = self.config.token_padding
+        return round_up(max_cap + 2 * self.epn * (pad - 1), pad)
+
+    def expert_block_bytes(self, shape: tuple[int, int], dtype: torch.dtype, num_rows: int) -> int:
+        """Bytes of `num_rows` expert matrices of `shape`; must be a multiple of the granularity."""
+        nbytes = num_rows * shape[0] * shape[1] * dtype_bytes(dtype)
+        if nbytes % self.granularity:
+            raise ValueError(
+                f"{num_rows} expert rows of shape {shape} in {dtype} take {nbytes} bytes, not a multiple "
+                f"of the symmetric-heap granularity {self.granularity} bytes, so W_full cannot be "
+                f"contiguous; choose hidden/intermediate sizes whose product times {dtype_bytes(dtype)} "
+                f"bytes is a multiple of {self.granularity} (e.g. scale H' to a multiple of "
+                f"{self.granularity // (shape[0] * dtype_bytes(dtype)) or 1}), or change epn/num_slots"
+            )
+        return nbytes

@@ -1,0 +1,90 @@
+"""expert_swiglu: the routed-expert half of an MoE layer on moonep, as one autograd op.
+
+forward:  dispatch -> prefetch -> h = x W_gate, u = x W_up (grouped over W_compact) ->
+          o = (silu(h) * u) W_down -> y_rows = o * route weight -> combine
+backward: dispatch(grad_y) with the saved plan -> re-prefetch if another layer used the slots ->
+          grads of rows and weights (fp32 into the grad mirror: local rows accumulate into
+          g_local, slot rows into the reduce pool) -> reduce_grad -> combine(grad_x_rows) with
+          the route-weight grads gathered per (token, k)
+
+Legend: s tokens, K top-k, H hidden (buffer width), F expert FFN width, G = epn + B groups.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moonep.buffer import Buffer
+from moonep.grouped_gemm import grouped_mm, grouped_mm_wgrad
+from moonep.pools import ExpertPools, LayerExperts
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+def swiglu_projections(hidden: int, ffn: int) -> dict[str, tuple[int, int]]:
+    """The projection shapes `expert_swiglu` expects in ExpertPools."""
+    return {"gate": (hidden, ffn), "up": (hidden, ffn), "down": (ffn, hidden)}
+
+
+class _ExpertSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_sH, weights_sK, topk_sK, tokens_per_expert_E, buffer: Buffer, layer: LayerExperts):  # noqa: ANN001
+        res = buffer.dispatch(x_sH, weights_sK, topk_sK, tokens_per_expert_E)
+        plan, offs = res.plan, res.cu_seqlens
+        buffer.prefetch_weight(plan, layer)
+        x_rows = res.x_rows.clone()  # the receive buffer is reused by the next dispatch
+        w_rows = res.weights_rows.clone()
+        w = layer.w_compact
+        h = grouped_mm(x_rows, w["gate"], offs)
+        u = grouped_mm(x_rows, w["up"], offs)
+        o = grouped_mm(F.silu(h) * u, w["down"], offs)
+        y_in = buffer.combine_input(plan)
+        y_in.copy_(o.float() * w_rows[:, None])
+        y_sH, _ = buffer.combine(plan, y_in)
+        ctx.save_for_backward(x_rows, w_rows, h, u, o)
+        ctx.plan, ctx.buffer, ctx.layer = plan, buffer, layer
+        ctx.weights_dtype = weights_sK.dtype
+        return y_sH
+
+    @staticmethod
+    def backward(ctx, grad_y_sH):  # noqa: ANN001
+        x_rows, w_rows, h, u, o = ctx.saved_tensors
+        plan, buffer, layer = ctx.plan, ctx.buffer, ctx.layer
+        offs = plan.cu_seqlens
+        gy = buffer.dispatch(grad_y_sH.contiguous(), plan=plan).x_rows
+        grad_w_rows = (gy.float() * o.float()).sum(-1)
+        grad_o = (gy.float() * w_rows[:, None]).to(gy.dtype)
+        layer.pools.ensure(plan, layer)
+        w, g = layer.w_compact, layer.g_compact
+        hf = h.float()
+        sig = torch.sigmoid(hf)
+        silu_h = hf * sig
+        a = F.silu(h) * u
+        grad_a = grouped_mm(grad_o, w["down"].transpose(1, 2), offs).float()
+        grad_h = (grad_a * u.float() * sig * (1 + hf * (1 - sig))).to(h.dtype)
+        grad_u = (grad_a * silu_h).to(h.dtype)
+        grad_x_rows = (grouped_mm(grad_h, w["gate"].transpose(1, 2), offs).float()
+                       + grouped_mm(grad_u, w["up"].transpose(1, 2), offs).float()).to(x_rows.dtype)
+        g["down"] += grouped_mm_wgrad(a, grad_o, offs)
+        g["gate"] += grouped_mm_wgrad(x_rows, grad_h, offs)
+        g["up"] += grouped_mm_wgrad(x_rows, grad_u, offs)
+        buffer.reduce_grad(plan, layer)
+        grad_x_sH, grad_weights_sK = buffer.combine(plan, grad_x_rows, row_scalars=grad_w_rows)
+        return grad_x_sH, grad_weights_sK.to(ctx.weights_dtype), None, None, None, None
+
+
+def expert_swiglu(buffer: Buffer, pools: ExpertPools, layer: LayerExperts, x_sH: torch.Tensor,
+                  weights_sK: torch.Tensor, topk_sK: torch.Tensor,
+                  tokens_per_expert_E: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed SwiGLU experts of one MoE layer: y[t] = sum_k w[t,k] * expert_{topk[t,k]}(x[t]).
+
+    Differentiable in x_sH and weights_sK; expert weight grads accumulate (fp32) into
+    `layer.g_local` after reduce_grad. Collective: every rank of the buffer's group calls it."""
+    if layer.pools is not pools or pools.buffer is not buffer:
+        raise ValueError("layer does not belong to these pools/buffer; pass the objects it was created from")
+    missing = [p for p in PROJECTIONS if p not in pools.projections]
+    if missing:
+        raise ValueError(f"expert_swiglu needs projections {PROJECTIONS}, pools lack {missing}; build them with "
+                         "moonep.moe.swiglu_projections(H, F)")
+    return _ExpertSwiGLU.apply(x_sH, weights_sK, topk_sK, tokens_per_expert_E, buffer, layer)

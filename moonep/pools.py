@@ -1,0 +1,145 @@
+"""ExpertPools: expert weights, the fp32 grad mirror, and the slot/reduce pools shared by layers.
+
+Per projection p with matrices of shape (in, out):
+    weight segment of each layer   [epn, in, out] dtype   this rank's canonical expert rows
+    grad segment of each layer     [epn, in, out] fp32    their gradients (the only grads the
+                                                          framework ever reduces)
+    slot pool (one for all layers) [B, in, out]   dtype   prefetched remote experts
+    reduce pool (one for all)      [B, in, out]   fp32    slot gradients, folded back by reduce_grad
+Views per layer (same physical memory, SPEC section 4):
+    w_full [E+B, in, out]  every rank's rows (mapped from the owners) then this rank's slots
+    w_compact [epn+B, ...] this rank's rows then its slots: what the grouped GEMM reads
+    g_full / g_compact     the same in fp32 with the reduce pool behind rows [E, E+B) / [epn, epn+B)
+Per pool: w_slots_all / g_slots_all [R, B, in, out], every rank's slots.
+
+The slots hold one layer's copies at a time. `ensure(plan, layer)` re-prefetches when another
+layer (or another plan) used them since; all ranks run the same call sequence, so they agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moonep.buffer import Buffer
+from moonep.heap import Piece, view
+from moonep.planner import Plan
+
+
+@dataclass(frozen=True, eq=False)
+class LayerExperts:
+    pools: ExpertPools
+    index: int
+    w_full: dict[str, torch.Tensor]
+    w_compact: dict[str, torch.Tensor]
+    w_local: dict[str, torch.Tensor]
+    g_full: dict[str, torch.Tensor]
+    g_compact: dict[str, torch.Tensor]
+    g_local: dict[str, torch.Tensor]
+
+
+class ExpertPools:
+    """Collective: every rank builds it with the same projections, then adds the same layers."""
+
+    def __init__(self, buffer: Buffer, projections: dict[str, tuple[int, int]],
+                 dtype: torch.dtype | None = None) -> None:
+        if not projections:
+            raise ValueError("ExpertPools needs at least one projection, e.g. {'gate': (H, F), 'up': (H, F), "
+                             "'down': (F, H)}")
+        for name, shape in projections.items():
+            if len(shape) != 2 or any((not isinstance(n, int)) or n < 1 for n in shape):
+                raise ValueError(f"projection {name!r} has shape {shape}; expected (in_features, out_features)")
+        self.buffer = buffer
+        self.heap = buffer.heap
+        self.projections = dict(projections)
+        self.dtype = dtype or buffer.config.dtype
+        self.layers: list[LayerExperts] = []
+        self._owner: tuple[int, Plan] | None = None  # (layer index, plan) whose copies the slots hold
+        layout, heap, R, rank = buffer.layout, buffer.heap, buffer.num_ranks, buffer.rank
+        B = layout.num_slots
+        self.w_slots_all: dict[str, torch.Tensor] = {}
+        self.g_slots_all: dict[str, torch.Tensor] = {}
+        self._slot_segments: dict[str, tuple] = {}
+        for name, shape in self.projections.items():
+            w_bytes = layout.expert_block_bytes(shape, self.dtype, B)
+            g_bytes = layout.expert_block_bytes(shape, torch.float32, B)
+            layout.expert_block_bytes(shape, self.dtype, layout.epn)
+            w_seg = heap.alloc(f"w_slots:{name}", w_bytes)
+            g_seg = heap.alloc(f"g_slots:{name}", g_bytes)
+            self._slot_segments[name] = (w_seg, g_seg)
+            w_map = heap.map([Piece(w_seg, r, 0, w_bytes) for r in range(R)])
+            g_map = heap.map([Piece(g_seg, r, 0, g_bytes) for r in range(R)])
+            self.w_slots_all[name] = view(w_map, 0, (R, B, *shape), self.dtype)
+            self.g_slots_all[name] = view(g_map, 0, (R, B, *shape), torch.float32)
+        del rank
+
+    def add_layer(self) -> LayerExperts:
+        """Collective: allocate one MoE layer's expert weights and grad mirror (zero-initialised)."""
+        buf, heap = self.buffer, self.heap
+        layout, R, rank = buf.layout, buf.num_ranks, buf.rank
+        E, B, epn = buf.num_experts, layout.num_slots, layout.epn
+        index = len(self.layers)
+        views: dict[str, dict[str, torch.Tensor]] = {k: {} for k in
+                                                     ("w_full", "w_compact", "w_local", "g_full", "g_compact", "g_local")}
+        for name, shape in self.projections.items():
+            w_slot_seg, g_slot_seg = self._slot_segments[name]
+            for kind, dtype, slot_seg in (("w", self.dtype, w_slot_seg), ("g", torch.float32, g_slot_seg)):
+                local_bytes = layout.expert_block_bytes(shape, dtype, epn)
+                slot_bytes = layout.expert_block_bytes(shape, dtype, B)
+                seg = heap.alloc(f"{kind}:{index}:{name}", local_bytes)
+                full = heap.map([Piece(seg, r, 0, local_bytes) for r in range(R)] + [Piece(slot_seg, rank, 0, slot_bytes)])
+                compact = heap.map([Piece(seg, rank, 0, local_bytes), Piece(slot_seg, rank, 0, slot_bytes)])
+                views[f"{kind}_full"][name] = view(full, 0, (E + B, *shape), dtype)
+                views[f"{kind}_compact"][name] = view(compact, 0, (epn + B, *shape), dtype)
+                views[f"{kind}_local"][name] = views[f"{kind}_compact"][name][:epn]
+        layer = LayerExperts(self, index, **views)
+        self.layers.append(layer)
+        return layer
+
+    @property
+    def slot_plan(self) -> Plan | None:
+        """The plan whose expert copies the slots hold now (None before the first prefetch)."""
+        return None if self._owner is None else self._owner[1]
+
+    # ------------------------------------------------------------------ prefetch
+    def prefetch(self, plan: Plan, layer: LayerExperts) -> None:
+        """Pull each planned remote expert's rows from its owner into this rank's slots (local
+        stream order; the owners' rows were published by the barriers of the dispatch before)."""
+        E, B = plan.num_experts, plan.num_slots
+        slot_e = plan.slot_expert_RB[plan.rank].long()
+        src = torch.where(slot_e >= 0, slot_e, E + torch.arange(B, device=slot_e.device))
+        for name in self.projections:
+            w_full = layer.w_full[name]
+            w_full[E:].copy_(w_full.index_select(0, src))
+        self._owner = (layer.index, plan)
+
+    def ensure(self, plan: Plan, layer: LayerExperts) -> None:
+        """Prefetch again only if the slots hold another layer's or plan's copies."""
+        if self._owner is None or self._owner[0] != layer.index or self._owner[1] is not plan:
+            self.prefetch(plan, layer)
+
+    # ------------------------------------------------------------------ reduce_grad
+    def reduce_grad(self, plan: Plan, layer: LayerExperts) -> None:
+        """Add every slot's gradient into the owner's grad rows, in ascending (rank, slot) order
+        (deterministic), then zero the consumed slots.
+
+        barrier "reduce_grad:ready" -> owners read peers' reduce pools -> barrier
+        "reduce_grad:read" -> each rank zeroes its own reduce pool."""
+        buf = self.buffer
+        rank, R, epn = buf.rank, buf.num_ranks, buf.epn
+        slot_e = plan.slot_expert_RB.long()  # [R, B]
+        owned = (slot_e >= 0) & (slot_e // epn == rank)
+        local_idx = torch.where(owned, slot_e - rank * epn, 0)
+        buf.barrier("reduce_grad:ready")
+        for name in self.projections:
+            g_local = layer.g_local[name]
+            g_all = self.g_slots_all[name]
+            for d in range(R):
+                if d == rank:
+                    continue  # a rank never holds copies of its own experts
+                contrib = torch.where(owned[d][:, None, None], g_all[d], 0.0)
+                g_local.index_add_(0, local_idx[d], contrib)
+        buf.barrier("reduce_grad:read")
+        for name in self.projections:
+            self.g_slots_all[name][rank].zero_()

@@ -1,0 +1,62 @@
+"""Boundary checks of moonep's public calls (SPEC section 8): ValueError naming value and fix."""
+
+from __future__ import annotations
+
+import torch
+
+from moonep.layout import Layout
+
+
+def check_tensor(name: str, t: torch.Tensor, *, shape: tuple[int, ...], dtype: torch.dtype | tuple[torch.dtype, ...],
+                 device: torch.device) -> None:
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}, expected {' or '.join(map(str, dtypes))}; convert it with .to()")
+    if t.device.type != device.type:
+        raise ValueError(f"{name} is on {t.device}, expected the buffer's device {device}; move it with .to()")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} is not contiguous (strides {t.stride()}); call .contiguous() first")
+
+
+def check_num_tokens(layout: Layout, s: int) -> None:
+    S = layout.config.max_tokens
+    if not 1 <= s <= S:
+        raise ValueError(f"this call has s={s} tokens, but a buffer built with max_tokens S={S} takes "
+                         f"1 <= s <= {S}; split the batch or build the buffer with a larger max_tokens")
+
+
+def check_routing_values(layout: Layout, topk_sK: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> None:
+    """Data-dependent checks (host sync): ids in range, distinct per token, histogram matches."""
+    E = layout.config.num_experts
+    lo, hi = int(topk_sK.min()), int(topk_sK.max())
+    if lo < 0 or hi >= E:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"topk_sK holds expert id {bad}, outside [0, {E}); routing must pick ids in [0, E)")
+    sorted_sK = torch.sort(topk_sK, dim=1).values
+    dup = (sorted_sK[:, 1:] == sorted_sK[:, :-1]).any(dim=1)
+    if bool(dup.any()):
+        t = int(torch.nonzero(dup)[0, 0])
+        raise ValueError(f"token {t} routes to the same expert twice: {topk_sK[t].tolist()}; "
+                         "each token needs topk distinct experts")
+    expected = torch.bincount(topk_sK.reshape(-1).long(), minlength=E)
+    if not torch.equal(expected, tokens_per_expert_E.long()):
+        e = int(torch.nonzero(expected != tokens_per_expert_E.long())[0, 0])
+        raise ValueError(f"tokens_per_expert_E[{e}]={int(tokens_per_expert_E[e])} but topk_sK routes "
+                         f"{int(expected[e])} tokens to expert {e}; pass the histogram of topk_sK (or None)")
+
+
+def check_gathered_counts(layout: Layout, counts_RE: torch.Tensor, s: int, total_num_tokens: int | None) -> None:
+    """After the histogram exchange every rank sees every s; the same error is raised on all ranks."""
+    K = layout.config.topk
+    per_rank = (counts_RE.long().sum(1) // K).tolist()
+    if total_num_tokens is None:
+        if any(n != per_rank[0] for n in per_rank):
+            raise ValueError(f"s differs across ranks: {per_rank}; pass total_num_tokens={sum(per_rank)} "
+                             "to dispatch for per-rank token counts, or give every rank the same s")
+    elif sum(per_rank) != total_num_tokens:
+        raise ValueError(f"total_num_tokens={total_num_tokens} but the ranks hold {per_rank} tokens "
+                         f"(sum {sum(per_rank)}); pass the true total")
