@@ -1,0 +1,78 @@
+"""The `moontrain` command.
+
+    moontrain launch RECIPE [key=value ...] [--nproc N] [--nnodes N --node-rank I --rdzv-endpoint HOST:PORT]
+                     [--dry-run [--device cuda|cpu]]
+
+launch validates the recipe (strict loader, world-size checks) before anything starts, then runs
+torchrun with one worker per rank (`moontrain.trainer.worker`); the worker picks nccl on GPU and gloo
+on CPU. --dry-run prints the parallel layout, parameter counts and a per-rank memory estimate without
+allocating anything (the model is built on the meta device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import torch
+
+from moontrain.config import RunConfig, from_dict, load_recipe
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "launch":
+        print("usage: moontrain launch RECIPE [key=value ...] [--nproc N] [--dry-run] (see --help)",
+              file=sys.stderr)
+        return 2
+    # subparsers cannot be combined with intermixed options, so the one command is matched by hand
+    launch = argparse.ArgumentParser(prog="moontrain launch",
+                                     description="train a recipe under torchrun (or plan it with --dry-run)")
+    launch.add_argument("recipe")
+    launch.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.num_layers=4")
+    launch.add_argument("--nproc", type=int, default=None,
+                        help="processes per node (default: GPUs on this host, or parallel.ep on CPU)")
+    launch.add_argument("--nnodes", type=int, default=1)
+    launch.add_argument("--node-rank", type=int, default=0)
+    launch.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (multi-node)")
+    launch.add_argument("--dry-run", action="store_true", help="print layout, parameters and memory; run nothing")
+    launch.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                        help="dry-run target (default: cuda, i.e. bf16 compute unless the recipe says float32)")
+    args = launch.parse_intermixed_args(argv[1:])
+    try:
+        cfg = from_dict(RunConfig, load_recipe(args.recipe, args.overrides))
+        nproc = args.nproc if args.nproc is not None else _default_nproc(cfg)
+        if nproc < 1 or args.nnodes < 1:
+            raise ValueError(f"--nproc ({nproc}) and --nnodes ({args.nnodes}) must be >= 1")
+        world = nproc * args.nnodes
+        cfg.check_world(world)
+        if args.nnodes > 1 and args.rdzv_endpoint is None:
+            raise ValueError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)")
+    except ValueError as err:
+        print(f"moontrain: error: {err}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        from moontrain.planning.report import dry_run_report
+
+        print(dry_run_report(cfg, world, args.device or "cuda"))
+        return 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    if args.nnodes > 1:
+        cmd += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", args.rdzv_endpoint]
+    else:
+        cmd += ["--standalone"]
+    cmd += ["-m", "moontrain.trainer.worker", args.recipe, *args.overrides]
+    print("moontrain: " + " ".join(cmd), flush=True)
+    return subprocess.call(cmd)
+
+
+def _default_nproc(cfg: RunConfig) -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return cfg.parallel.ep
+
+
+if __name__ == "__main__":
+    sys.exit(main())

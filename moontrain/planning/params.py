@@ -1,0 +1,74 @@
+"""Parameter counts (total and active per token), from the model built on the meta device (no memory)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moontrain.model.config import ModelConfig
+from moontrain.model.transformer import K3Model
+
+
+@dataclass(kw_only=True, slots=True)
+class ParamCounts:
+    embedding: int  # token embedding + LM head
+    attention: int
+    dense_ffn: int
+    routed_experts: int  # all E experts of all MoE layers
+    shared_experts: int
+    router_and_latent: int  # routers, latent down/up projections
+    norms: int
+    active: int  # parameters touched per token (K of E routed experts)
+
+    @property
+    def total(self) -> int:
+        return (self.embedding + self.attention + self.dense_ffn + self.routed_experts + self.shared_experts
+                + self.router_and_latent + self.norms)
+
+    @property
+    def dense(self) -> int:
+        """Everything FSDP shards (all but the routed experts)."""
+        return self.total - self.routed_experts
+
+    def max_block_dense(self, cfg: ModelConfig) -> int:
+        """Dense parameters of the largest block (what FSDP gathers at once, per block)."""
+        per_layer = (self.attention + self.norms) // max(1, cfg.num_layers)
+        ffn = [cfg_block_ffn(cfg, moe=False)] if cfg.num_dense_layers else []
+        ffn += [cfg_block_ffn(cfg, moe=True)] if cfg.num_moe_layers else []
+        return per_layer + max(ffn)
+
+
+def cfg_block_ffn(cfg: ModelConfig, moe: bool) -> int:
+    D = cfg.hidden_size
+    if not moe:
+        return 3 * D * cfg.dense_intermediate_size
+    latent = 2 * D * cfg.moe_latent_size if cfg.moe_latent_size is not None else 0
+    return cfg.num_experts * D + latent + 3 * D * cfg.num_shared_experts * cfg.moe_intermediate_size
+
+
+def count_params(cfg: ModelConfig) -> ParamCounts:
+    with torch.device("meta"):
+        model = K3Model(cfg, ep_rank=0, ep_size=1, device="meta")
+    buckets = dict(embedding=0, attention=0, dense_ffn=0, routed_experts=0, shared_experts=0,
+                   router_and_latent=0, norms=0)
+    for name, p in model.named_parameters():
+        n = p.numel()
+        if ".experts.master." in name:
+            buckets["routed_experts"] += n
+        elif name.endswith("norm.weight"):
+            buckets["norms"] += n
+        elif name.startswith(("embed.", "lm_head.")):
+            buckets["embedding"] += n
+        elif ".attn." in name:
+            buckets["attention"] += n
+        elif ".ffn.shared." in name:
+            buckets["shared_experts"] += n
+        elif ".ffn.router." in name or ".ffn.latent_" in name:
+            buckets["router_and_latent"] += n
+        else:
+            buckets["dense_ffn"] += n
+    counts = ParamCounts(**buckets, active=0)
+    per_expert = 3 * cfg.expert_width * cfg.moe_intermediate_size
+    counts.active = counts.total - counts.routed_experts + cfg.num_moe_layers * cfg.num_experts_per_tok * per_expert
+    return counts

@@ -1,0 +1,56 @@
+"""The --dry-run report: parallel layout, parameter counts, per-rank memory estimate."""
+
+from __future__ import annotations
+
+from moontrain.config.run_config import RunConfig
+from moontrain.planning.memory import estimate_memory
+from moontrain.planning.params import count_params
+
+
+H200_BYTES = 141e9
+
+
+def dry_run_report(cfg: RunConfig, world_size: int, device: str) -> str:
+    m, R = cfg.model, cfg.parallel.ep
+    epn = m.num_experts // R
+    dtype = cfg.parallel.compute_dtype
+    compute_bytes = 4 if dtype == "float32" or (dtype == "auto" and device == "cpu") else 2
+    counts = count_params(m)
+    mem = estimate_memory(cfg, counts, world_size, compute_bytes)
+    tokens_per_rank = cfg.train.global_batch_size // world_size * cfg.train.seq_len
+    lines = [
+        "== layout ==",
+        f"world {world_size} = dp_replicate {world_size // R} x ep {R}; experts backend {cfg.experts.backend}; "
+        f"compute {'bf16' if compute_bytes == 2 else 'fp32'} on {device}",
+        f"experts: E={m.num_experts}, epn={epn} per rank"
+        + (f", B={epn} prefetch slots per projection (training needs B = epn)" if cfg.experts.backend == "moonep" else "")
+        + f", top-{m.num_experts_per_tok}, expert shape {m.expert_width}x{m.moe_intermediate_size}",
+        f"dense params: FSDP2 over {world_size} ranks; expert grads: reduced over {world_size // R} replicas "
+        f"(local rows only)",
+        f"tokens per rank per step: {tokens_per_rank} ({cfg.train.global_batch_size // world_size} x {cfg.train.seq_len})",
+        "== parameters ==",
+        f"total {_num(counts.total)}   active per token {_num(counts.active)}",
+    ]
+    for name in ("embedding", "attention", "dense_ffn", "routed_experts", "shared_experts", "router_and_latent",
+                 "norms"):
+        lines.append(f"  {name:<18} {_num(getattr(counts, name))}")
+    lines.append("== memory per rank (estimate) ==")
+    for name, value in mem.rows():
+        lines.append(f"  {name:<18} {_bytes(value):>12}")
+    lines.append(f"  (activations without recomputation; an H200 has {_bytes(H200_BYTES)}: "
+                 f"{'fits' if mem.total <= H200_BYTES else 'does NOT fit'})")
+    return "\n".join(lines)
+
+
+def _num(n: int) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3f}{unit} ({n:,})"
+    return str(n)
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
