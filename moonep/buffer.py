@@ -110,19 +110,7 @@ class Buffer:
         if plan is None:
             if topk_sK is None:
                 raise ValueError("dispatch needs topk_sK for a fresh plan, or plan= a saved plan")
-            check_tensor("topk_sK", topk_sK, shape=(s, cfg.topk), dtype=(torch.int32, torch.int64), device=self.device)
-            if tokens_per_expert_E is None:
-                tokens_per_expert_E = torch.zeros(cfg.num_experts, dtype=torch.int32, device=self.device)
-                tokens_per_expert_E.scatter_add_(0, topk_sK.reshape(-1).long(),
-                                                 torch.ones(topk_sK.numel(), dtype=torch.int32, device=self.device))
-            check_tensor("tokens_per_expert_E", tokens_per_expert_E, shape=(cfg.num_experts,),
-                         dtype=(torch.int32, torch.int64), device=self.device)
-            if total_num_tokens is not None and not s <= total_num_tokens <= self.num_ranks * cfg.max_tokens:
-                raise ValueError(f"total_num_tokens={total_num_tokens} must lie in [{s}, R*S="
-                                 f"{self.num_ranks * cfg.max_tokens}]")
-            if cfg.check_values:
-                check_routing_values(layout, topk_sK, tokens_per_expert_E)
-            plan = self._plan(topk_sK, tokens_per_expert_E, total_num_tokens)
+            plan = self.plan(topk_sK, tokens_per_expert_E, total_num_tokens=total_num_tokens)
         else:
             if topk_sK is not None or tokens_per_expert_E is not None:
                 raise ValueError("dispatch got both plan= and routing; pass one of them")
@@ -133,6 +121,29 @@ class Buffer:
         self._scatter(plan, x_sH, weights_sK)
         self.barrier("dispatch:rows")
         return self._expand(plan)
+
+    def plan(self, topk_sK: torch.Tensor, tokens_per_expert_E: torch.Tensor | None = None, *,
+             total_num_tokens: int | None = None) -> Plan:
+        """Exchange histograms and plan (collective) without moving tokens; pass the result to
+        dispatch(plan=...). `dispatch` with routing does both."""
+        cfg = self.config
+        s = topk_sK.shape[0] if isinstance(topk_sK, torch.Tensor) and topk_sK.dim() == 2 else -1
+        check_num_tokens(self.layout, s)
+        check_tensor("topk_sK", topk_sK, shape=(s, cfg.topk), dtype=(torch.int32, torch.int64), device=self.device)
+        tokens_per_expert_E = self._histogram(topk_sK) if tokens_per_expert_E is None else tokens_per_expert_E
+        check_tensor("tokens_per_expert_E", tokens_per_expert_E, shape=(cfg.num_experts,),
+                     dtype=(torch.int32, torch.int64), device=self.device)
+        if total_num_tokens is not None and not s <= total_num_tokens <= self.num_ranks * cfg.max_tokens:
+            raise ValueError(f"total_num_tokens={total_num_tokens} must lie in [{s}, R*S="
+                             f"{self.num_ranks * cfg.max_tokens}]")
+        if cfg.check_values:
+            check_routing_values(self.layout, topk_sK, tokens_per_expert_E)
+        return self._plan(topk_sK, tokens_per_expert_E, total_num_tokens)
+
+    def _histogram(self, topk_sK: torch.Tensor) -> torch.Tensor:
+        counts = torch.zeros(self.config.num_experts, dtype=torch.int32, device=self.device)
+        return counts.scatter_add_(0, topk_sK.reshape(-1).long(),
+                                   torch.ones(topk_sK.numel(), dtype=torch.int32, device=self.device))
 
     def _plan(self, topk_sK: torch.Tensor, tokens_per_expert_E: torch.Tensor, total: int | None) -> Plan:
         self._all["hist"][:, self.rank, :] = tokens_per_expert_E.to(torch.int32)
@@ -148,11 +159,10 @@ class Buffer:
         dst_rank = plan.dst_rank_sK.reshape(-1).long()
         dst_row = plan.dst_row_sK.reshape(-1).long()
         # this rank as receiver: padding rows copy from the zero row, weight 0, no source
-        valid = self._valid_rows(plan)
-        pad_rows = torch.where(valid, layout.trash_row, torch.arange(plan.nvs_s, device=self.device))
-        mine["row_copy"].index_put_((pad_rows,), torch.tensor(layout.zero_row, dtype=torch.int32, device=self.device))
-        mine["row_weight"].index_put_((pad_rows,), torch.zeros((), device=self.device))
-        mine["row_src"].index_put_((pad_rows,), torch.tensor(-1, dtype=torch.int32, device=self.device))
+        pad = ~self._valid_rows(plan)
+        mine["row_copy"][: plan.nvs_s].masked_fill_(pad, layout.zero_row)
+        mine["row_weight"][: plan.nvs_s].masked_fill_(pad, 0.0)
+        mine["row_src"][: plan.nvs_s].masked_fill_(pad, -1)
         # this rank as sender: metadata for every entry, the row once per (token, rank)
         idx = (dst_rank, dst_row)
         flat = torch.arange(s * K, device=self.device, dtype=torch.int32)
@@ -162,7 +172,7 @@ class Buffer:
             every["row_weight"].index_put_(idx, weights_sK.reshape(-1).float())
         sent = plan.sent_sK.reshape(-1)
         rows_to = (torch.where(sent, dst_rank, self.rank), torch.where(sent, dst_row, layout.trash_row))
-        token = torch.arange(s, device=self.device).repeat_interleave(K)
+        token = torch.arange(s * K, device=self.device) // K
         every["recv"].index_put_(rows_to, x_sH.index_select(0, token))
 
     def _valid_rows(self, plan: Plan) -> torch.Tensor:

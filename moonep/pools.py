@@ -97,6 +97,14 @@ class ExpertPools:
         self.layers.append(layer)
         return layer
 
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's weights over all projections (one slot's worth of prefetch)."""
+        return sum(i * o for i, o in self.projections.values()) * torch.empty((), dtype=self.dtype).element_size()
+
+    def prefetch_bytes(self, plan: Plan) -> torch.Tensor:
+        """Bytes this rank pulls in `prefetch(plan, ...)`, as a device scalar (no host sync)."""
+        return (plan.slot_expert_RB[plan.rank] >= 0).sum() * self.expert_bytes()
+
     @property
     def slot_plan(self) -> Plan | None:
         """The plan whose expert copies the slots hold now (None before the first prefetch)."""

@@ -112,6 +112,11 @@ class SymmetricHeap:
     def device(self) -> torch.device:
         return self.backend.device
 
+    @property
+    def local_bytes(self) -> int:
+        """Physical bytes this rank allocated (its chunk of every segment)."""
+        return sum(seg.nbytes for seg in self._segments)
+
     def barrier(self, call: str) -> None:
         """Every rank of the group reaches `call`; raises MoonEPTimeoutError naming it otherwise."""
         self._check_alive(call)

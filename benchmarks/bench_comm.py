@@ -1,0 +1,217 @@
+"""moonep vs the all-to-all baseline: communication per op over routing skew (SPEC section 9).
+
+    torchrun --nproc_per_node=2 benchmarks/bench_comm.py --experts 96 384 --maxvio 0 0.2 1 10 20
+
+Per (E, target maxvio) point and backend: median over --iters timed iterations (CUDA events,
+after warm-up; ranks aligned before each op), max over ranks. moonep ops: plan; dispatch fwd
+(planning + dispatch + prefetch), prefetch alone; combine fwd; dispatch bwd (a combine with the
+saved plan, route-weight grads gathered); combine bwd (a dispatch with the saved plan);
+reduce_grad. Baseline: torchtitan-style all-to-all (count exchange, host split sizes, NCCL
+all_to_all_single, permute), forward and backward. Also reported: realised expert maxvio,
+rank-level max/mean received rows, logical GB/s = s*K*H*2/t, bytes that crossed NVLink, peak
+memory, and the shapes moonep returned (identical across points for a fixed s).
+Writes benchmarks/results/bench_comm_<tag>.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.alltoall_baseline import AllToAllDispatcher
+from moonep import Buffer, BufferConfig, ExpertPools
+from moonep.routing import generate_routing, max_maxvio
+
+
+def timed(fn: Callable[[], object], iters: int, warmup: int, group: dist.ProcessGroup) -> float:
+    """Median microseconds of fn over iters (ranks aligned before each), max over ranks."""
+    times = []
+    for i in range(warmup + iters):
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end) * 1e3)
+    med = torch.tensor(statistics.median(times), device="cuda")
+    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=group)
+    return float(med)
+
+
+def max_over_ranks(x: float, group: dist.ProcessGroup) -> float:
+    t = torch.tensor(float(x), device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, pools: ExpertPools, layer,
+                a2a: AllToAllDispatcher, group: dist.ProcessGroup) -> dict:  # noqa: ANN001
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    S, H, K = args.tokens, args.hidden, args.topk
+    reach = max_maxvio(E, K)
+    eff_target = min(target, 0.97 * reach)
+    routing = generate_routing(num_ranks=R, tokens_per_rank=S, num_experts=E, topk=K, target_maxvio=eff_target,
+                               seed=args.seed)
+    topk = routing.topk_RsK[rank].cuda()
+    hist = routing.tokens_per_expert_RE[rank].cuda()
+    gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
+    x = torch.randn(S, H, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.rand(S, K, device="cuda", generator=gen)
+    grad_y = torch.randn(S, H, device="cuda", generator=gen).to(torch.bfloat16)
+    it, wu = args.iters, args.warmup
+    out: dict = {"E": E, "target_maxvio": target, "routed_target": eff_target,
+                 "realised_maxvio": routing.realised_maxvio, "sigma": routing.sigma}
+
+    # ---------------- moonep
+    torch.cuda.reset_peak_memory_stats()
+    res = buf.dispatch(x, w, topk, hist)
+    plan = res.plan
+    shapes = {"x_rows": list(res.x_rows.shape), "weights_rows": list(res.weights_rows.shape),
+              "cu_seqlens": list(res.cu_seqlens.shape)}
+    y_rows = buf.combine_input(plan)
+    y_rows.copy_(torch.randn_like(y_rows, dtype=torch.float32).to(torch.bfloat16))
+    grad_rows = torch.randn(plan.nvs_s, H, device="cuda").to(torch.bfloat16)
+    grad_scal = torch.randn(plan.nvs_s, device="cuda")
+    m = {}
+    m["plan"] = timed(lambda: buf.plan(topk, hist), it, wu, group)
+    m["dispatch_fwd"] = timed(lambda: pools.prefetch(buf.dispatch(x, w, topk, hist).plan, layer), it, wu, group)
+    m["dispatch_only"] = timed(lambda: buf.dispatch(x, w, topk, hist), it, wu, group)
+    m["prefetch"] = timed(lambda: pools.prefetch(plan, layer), it, wu, group)
+    m["combine_fwd"] = timed(lambda: buf.combine(plan, y_rows), it, wu, group)
+    m["dispatch_bwd"] = timed(lambda: buf.combine(plan, grad_rows, row_scalars=grad_scal), it, wu, group)
+    m["combine_bwd"] = timed(lambda: buf.dispatch(grad_y, plan=plan), it, wu, group)
+    m["reduce_grad"] = timed(lambda: pools.reduce_grad(plan, layer), it, wu, group)
+    y_sH, _ = buf.combine(plan, y_rows)
+    shapes["y_sH"] = list(y_sH.shape)
+    remote = (plan.dst_rank_sK != rank) & plan.sent_sK
+    sent_bytes = int(remote.sum()) * H * 2
+    rows_R = plan.alloc_ER.sum(0).float()
+    slot_copies = int((plan.slot_expert_RB >= 0).sum())
+    moonep_out = {f"{k}_us": v for k, v in m.items()}
+    moonep_out.update(
+        rank_load_max_over_mean=float(rows_R.max() / rows_R.mean()),
+        nvlink_dispatch_bytes=max_over_ranks(sent_bytes, group),
+        dispatch_logical_GBps=S * K * H * 2 / (m["dispatch_only"] * 1e-6) / 1e9,
+        combine_logical_GBps=S * K * H * 2 / (m["combine_fwd"] * 1e-6) / 1e9,
+        dispatch_nvlink_GBps=max_over_ranks(sent_bytes, group) / (m["dispatch_only"] * 1e-6) / 1e9,
+        expert_copies=slot_copies,
+        prefetch_bytes_per_rank=max_over_ranks(int(pools.prefetch_bytes(plan)), group),
+        peak_allocated_bytes=max_over_ranks(torch.cuda.max_memory_allocated(), group),
+        symmetric_heap_bytes=buf.heap.local_bytes,
+        shapes=shapes,
+    )
+    out["moonep"] = moonep_out
+
+    # ---------------- all-to-all baseline
+    torch.cuda.reset_peak_memory_stats()
+    rows, st = a2a.dispatch(x, topk)
+    y_m = torch.randn_like(rows, dtype=torch.float32).to(torch.bfloat16)
+    b = {}
+    b["dispatch_fwd"] = timed(lambda: a2a.dispatch(x, topk), it, wu, group)
+    b["combine_fwd"] = timed(lambda: a2a.combine(st, y_m, w), it, wu, group)
+    b["dispatch_bwd"] = timed(lambda: a2a.dispatch_backward(st, y_m), it, wu, group)
+    b["combine_bwd"] = timed(lambda: a2a.combine_backward(st, grad_y), it, wu, group)
+    recv = torch.tensor(sum(st.recv_splits), device="cuda", dtype=torch.float64)
+    recv_all = [torch.zeros_like(recv) for _ in range(R)]
+    dist.all_gather(recv_all, recv, group=group)
+    recv_all = torch.stack(recv_all)
+    a2a_remote = sum(n for r, n in enumerate(st.send_splits) if r != rank) * H * 2
+    base_out = {f"{k}_us": v for k, v in b.items()}
+    base_out.update(
+        rank_load_max_over_mean=float(recv_all.max() / recv_all.mean()),
+        received_rows_per_rank=recv_all.tolist(),
+        nvlink_dispatch_bytes=max_over_ranks(a2a_remote, group),
+        dispatch_logical_GBps=S * K * H * 2 / (b["dispatch_fwd"] * 1e-6) / 1e9,
+        combine_logical_GBps=S * K * H * 2 / (b["combine_fwd"] * 1e-6) / 1e9,
+        peak_allocated_bytes=max_over_ranks(torch.cuda.max_memory_allocated(), group),
+    )
+    out["alltoall"] = base_out
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=int, nargs="+", default=[96, 384])
+    p.add_argument("--maxvio", type=float, nargs="+", default=[0.0, 0.2, 1.0, 10.0, 20.0])
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--ffn", type=int, default=2048)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default=time.strftime("%Y%m%d"))
+    args = p.parse_args()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    group = dist.group.WORLD
+    rank, R = dist.get_rank(), dist.get_world_size()
+    results = []
+    for E in args.experts:
+        cfg = BufferConfig(max_tokens=args.tokens, hidden=args.hidden, topk=args.topk, num_experts=E,
+                           check_values=False, timeout_s=60.0)
+        buf = Buffer(cfg, group)
+        pools = ExpertPools(buf, {"gate_up": (args.hidden, 2 * args.ffn), "down": (args.ffn, args.hidden)})
+        layer = pools.add_layer()
+        for name, w in layer.w_local.items():
+            w.copy_(torch.randn(w.shape, device="cuda").to(w.dtype))
+        a2a = AllToAllDispatcher(group, E)
+        for target in args.maxvio:
+            t0 = time.time()
+            point = bench_point(args, E, target, buf, pools, layer, a2a, group)
+            results.append(point)
+            if rank == 0:
+                mo, ba = point["moonep"], point["alltoall"]
+                print(f"E={E} maxvio {target} (realised {point['realised_maxvio']:.2f}): moonep dispatch "
+                      f"{mo['dispatch_fwd_us']:.0f} us combine {mo['combine_fwd_us']:.0f} us | a2a dispatch "
+                      f"{ba['dispatch_fwd_us']:.0f} us combine {ba['combine_fwd_us']:.0f} us [{time.time() - t0:.0f} s]",
+                      flush=True)
+        buf.destroy()
+        torch.cuda.empty_cache()
+    if rank == 0:
+        print_table(results)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"bench_comm_R{R}_{args.tag}.json"
+        meta = {"R": R, "S": args.tokens, "H": args.hidden, "K": args.topk, "ffn": args.ffn, "iters": args.iters,
+                "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+        path.write_text(json.dumps({"config": meta, "points": results}, indent=1))
+        print(f"wrote {path}")
+    dist.destroy_process_group()
+
+
+def print_table(results: list[dict]) -> None:
+    hdr = (f"{'E':>4} {'target':>6} {'real':>6} | {'plan':>6} {'disp+pf':>8} {'disp':>7} {'pf':>6} {'comb':>7} "
+           f"{'d.bwd':>7} {'c.bwd':>7} {'rgrad':>7} {'load':>5} | {'a2a d':>7} {'a2a c':>7} {'a2a db':>7} "
+           f"{'a2a cb':>7} {'load':>5}")
+    print("times in us (median, max over ranks); load = max/mean rows received per rank")
+    print(hdr)
+    for r in results:
+        m, b = r["moonep"], r["alltoall"]
+        print(f"{r['E']:>4} {r['target_maxvio']:>6.1f} {r['realised_maxvio']:>6.2f} | {m['plan_us']:>6.0f} "
+              f"{m['dispatch_fwd_us']:>8.0f} {m['dispatch_only_us']:>7.0f} {m['prefetch_us']:>6.0f} "
+              f"{m['combine_fwd_us']:>7.0f} {m['dispatch_bwd_us']:>7.0f} {m['combine_bwd_us']:>7.0f} "
+              f"{m['reduce_grad_us']:>7.0f} {m['rank_load_max_over_mean']:>5.2f} | {b['dispatch_fwd_us']:>7.0f} "
+              f"{b['combine_fwd_us']:>7.0f} {b['dispatch_bwd_us']:>7.0f} {b['combine_bwd_us']:>7.0f} "
+              f"{b['rank_load_max_over_mean']:>5.2f}")
+    shapes = {json.dumps(r["moonep"]["shapes"]) for r in results if r["E"] == results[0]["E"]}
+    peaks = {r["moonep"]["peak_allocated_bytes"] for r in results}
+    print(f"moonep shapes identical across points: {len(shapes) == 1}; moonep peak allocated (GiB): "
+          f"{sorted({round(p / 2**30, 3) for p in peaks})}")
+
+
+if __name__ == "__main__":
+    main()
