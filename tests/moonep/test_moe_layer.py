@@ -20,7 +20,7 @@ H, F, K, S = 32, 64, 4, 24
 BF16_EPS = 2.0**-8
 
 
-def _problem(R: int, E: int, maxvio: float):  # noqa: ANN202
+def _problem(R: int, E: int, maxvio: float, H: int = H, F: int = F, K: int = K, S: int = S):  # noqa: ANN202
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(R, S, H, generator=g).to(torch.bfloat16)
     w = {"gate": torch.randn(E, H, F, generator=g) / H**0.5, "up": torch.randn(E, H, F, generator=g) / H**0.5,
