@@ -10,12 +10,14 @@ recipe is deep-merged over it. A base may not itself have a base: one level keep
 
 Command-line overrides are dotted `key=value` strings (`model.num_layers=4`); the value is parsed
 with yaml.safe_load (so `4` is an int, `1e-3` a float, `null` None) and then type-checked exactly
-like a recipe value.
+like a recipe value. One YAML 1.1 quirk is repaired: PyYAML reads `1e-3` (an exponent without a dot)
+as a string; float fields accept such strings.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -24,6 +26,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 import yaml
 
 T = TypeVar("T")
+_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
@@ -139,6 +142,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             raise ValueError(f"{key}: expected int, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and _FLOAT_RE.fullmatch(value):
+            return float(value)  # PyYAML (YAML 1.1) reads 1e-3 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{key}: expected float, got {value!r}")
         return float(value)
