@@ -110,8 +110,11 @@ def test_granularity_and_offset_violations_name_the_sizes(group: dist.ProcessGro
         seg = heap.alloc("even", 4 * MiB)
         with pytest.raises(ValueError, match=r"offset 1048576, 2097152 bytes\) is not aligned to the 2097152-byte"):
             heap.map([Piece(seg, heap.rank, MiB, 2 * MiB)])
-        with pytest.raises(ValueError, match=r"maps whole chunks only, not 2097152 bytes at offset 2097152"):
-            heap.map([Piece(seg, heap.rank, 0, 2 * MiB), Piece(seg, 1 - heap.rank, 2 * MiB, 2 * MiB)])
+        whole_only = r"maps whole chunks only, not 2097152 bytes at offset {} of a 4194304-byte chunk"
+        with pytest.raises(ValueError, match=whole_only.format(2097152)):
+            heap.map([Piece(seg, heap.rank, 0, 4 * MiB), Piece(seg, 1 - heap.rank, 2 * MiB, 2 * MiB)])
+        with pytest.raises(ValueError, match=whole_only.format(0)):
+            heap.map([Piece(seg, 1 - heap.rank, 0, 2 * MiB)])
         whole = heap.map([Piece(seg, heap.rank, 0, 4 * MiB)])  # the failed map left the heap usable
         assert int(whole.bytes_u8.count_nonzero()) == 0
     finally:
