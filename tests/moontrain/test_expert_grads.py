@@ -1,0 +1,78 @@
+"""The expert-grad contract every backend relies on (moonep's grad mirror in particular):
+
+the expert-data-parallel reduction is handed exactly this rank's local rows, never the slot rows
+[E, E+B) of a grad mirror. The mirror is emulated here as in SPEC.md section 4: one fp32 tensor
+[E+B, Hin, Hout] whose rows [r*epn, (r+1)*epn) are this rank's local grads (bound as the grad view) and
+whose rows [E, E+B) are the reduce buffer. The reduce buffer is poisoned with NaN before the reduction;
+the reduced local rows must equal the exact mean, the poison must stay where it was, and every tensor
+given to all_reduce must be exactly a local-row view.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moontrain.model.experts import ExpertWeights
+from tests.moontrain.dist_utils import run_distributed
+
+E, H, FF, EP = 4, 16, 32, 1  # one EP rank per replica, two replicas: the EDP group is the whole world
+
+
+def _local_grad(rank: int, e: int, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.full(shape, float(10 * rank + e))
+
+
+def _rank_fn() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    w = ExpertWeights(num_experts=E, ep_rank=0, ep_size=EP, hidden=H, intermediate=FF)
+    w.init_master(seed=0, layer_idx=0, std=0.02)
+    epn, slots = w.num_local, w.num_local
+    mirrors, compute = {}, {}
+    for name, shape in w.shapes.items():
+        mirror = torch.zeros(E + slots, *shape)
+        for e in range(E):
+            mirror[e] = _local_grad(rank, e, shape)
+        mirror[E:] = float("nan")  # the reduce buffer: must never enter a DP reduction
+        mirrors[name] = mirror
+        compute[name] = torch.empty(epn, *shape, dtype=torch.bfloat16)
+    w.bind_external(compute, {n: m[:epn] for n, m in mirrors.items()})
+    given = []
+    real_all_reduce = dist.all_reduce
+
+    def recording_all_reduce(tensor, *args, **kwargs):
+        given.append((tensor.data_ptr(), tuple(tensor.shape)))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording_all_reduce
+    try:
+        w.reduce_grads(dist.group.WORLD, scale=1.0 / world)
+    finally:
+        dist.all_reduce = real_all_reduce
+    w.attach_grads()
+    local_ptrs = {(m[:epn].data_ptr(), tuple(m[:epn].shape)) for m in mirrors.values()}
+    return {"mirrors": mirrors, "given": given, "local": local_ptrs,
+            "master_grad_is_view": all(w.master[n].grad.data_ptr() == mirrors[n].data_ptr() for n in mirrors),
+            "compute_matches_master": all(torch.equal(compute[n], w.master[n].detach().bfloat16()) for n in mirrors)}
+
+
+def test_dp_reduction_sees_local_rows_only() -> None:
+    results = run_distributed(2, _rank_fn)
+    for rank, res in enumerate(results):
+        assert sorted(res["given"]) == sorted(res["local"]), f"rank {rank}: all_reduce got {res['given']}"
+        assert res["master_grad_is_view"] and res["compute_matches_master"]
+        for name, mirror in res["mirrors"].items():
+            for e in range(E):
+                want = torch.full_like(mirror[e], (0 + e + 10 + e) / 2)  # mean over the two replicas
+                assert torch.equal(mirror[e], want), f"rank {rank} {name} row {e}: {mirror[e].flatten()[0]}"
+            assert torch.isnan(mirror[E:]).all(), f"rank {rank} {name}: slot rows were touched"
+
+
+def test_bind_external_rejects_wrong_views() -> None:
+    w = ExpertWeights(num_experts=E, ep_rank=0, ep_size=2, hidden=H, intermediate=FF)
+    good = {n: torch.zeros(2, *s) for n, s in w.shapes.items()}
+    bad = dict(good, up=torch.zeros(3, H, FF))
+    with pytest.raises(ValueError, match=r"'up': backend views \(2, 16, 32\) / \(3, 16, 32\) do not match the "
+                                         r"master shape \(2, 16, 32\)"):
+        w.bind_external(good, bad)
