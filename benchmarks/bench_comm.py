@@ -56,7 +56,7 @@ def max_over_ranks(x: float, group: dist.ProcessGroup) -> float:
 
 
 def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, pools: ExpertPools, layer,
-                a2a: AllToAllDispatcher, group: dist.ProcessGroup) -> dict:  # noqa: ANN001
+                a2a: AllToAllDispatcher, group: dist.ProcessGroup) -> dict:
     rank, R = dist.get_rank(group), dist.get_world_size(group)
     S, H, K = args.tokens, args.hidden, args.topk
     reach = max_maxvio(E, K)
@@ -154,7 +154,7 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=time.strftime("%Y%m%d"))
     args = p.parse_args()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     group = dist.group.WORLD
@@ -166,7 +166,7 @@ def main() -> None:
         buf = Buffer(cfg, group)
         pools = ExpertPools(buf, {"gate_up": (args.hidden, 2 * args.ffn), "down": (args.ffn, args.hidden)})
         layer = pools.add_layer()
-        for name, w in layer.w_local.items():
+        for w in layer.w_local.values():
             w.copy_(torch.randn(w.shape, device="cuda").to(w.dtype))
         a2a = AllToAllDispatcher(group, E)
         for target in args.maxvio:

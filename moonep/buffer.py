@@ -221,11 +221,11 @@ class Buffer:
         return y_sH.to(self.config.dtype), scalars_sK
 
     # ------------------------------------------------------------------ experts (see moonep.pools)
-    def prefetch_weight(self, plan: Plan, layer) -> None:  # noqa: ANN001 - LayerExperts, avoids an import cycle
+    def prefetch_weight(self, plan: Plan, layer) -> None:
         """Copy every planned remote expert of `layer` into this rank's slots."""
         layer.pools.prefetch(plan, layer)
 
-    def reduce_grad(self, plan: Plan, layer) -> None:  # noqa: ANN001
+    def reduce_grad(self, plan: Plan, layer) -> None:
         """Fold every slot's fp32 weight gradient into its owner's grad rows; zero the slots."""
         layer.pools.reduce_grad(plan, layer)
 

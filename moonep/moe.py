@@ -29,7 +29,7 @@ def swiglu_projections(hidden: int, ffn: int) -> dict[str, tuple[int, int]]:
 
 class _ExpertSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_sH, weights_sK, topk_sK, tokens_per_expert_E, buffer: Buffer, layer: LayerExperts):  # noqa: ANN001
+    def forward(ctx, x_sH, weights_sK, topk_sK, tokens_per_expert_E, buffer: Buffer, layer: LayerExperts):
         res = buffer.dispatch(x_sH, weights_sK, topk_sK, tokens_per_expert_E)
         plan, offs = res.plan, res.cu_seqlens
         buffer.prefetch_weight(plan, layer)
@@ -48,7 +48,7 @@ class _ExpertSwiGLU(torch.autograd.Function):
         return y_sH
 
     @staticmethod
-    def backward(ctx, grad_y_sH):  # noqa: ANN001
+    def backward(ctx, grad_y_sH):
         x_rows, w_rows, h, u, o = ctx.saved_tensors
         plan, buffer, layer = ctx.plan, ctx.buffer, ctx.layer
         offs = plan.cu_seqlens

@@ -33,7 +33,8 @@ class HeapBackend(Protocol):
     def map(self, addr: int, handle: Any, offset: int, nbytes: int) -> None: ...
     def free_range(self, addr: int, nbytes: int) -> None: ...  # unmap everything in it, release VA
     def tensor(self, addr: int, nbytes: int) -> torch.Tensor: ...  # uint8 tensor over the range
-    def barrier(self, heap: SymmetricHeap, call: str) -> None: ...
+    def barrier(self, heap: SymmetricHeap, call: str) -> None: ...  # stream-ordered where it can be
+    def host_barrier(self, heap: SymmetricHeap, call: str) -> None: ...  # the hosts meet (setup steps)
     def close(self) -> None: ...
 
 
@@ -139,7 +140,8 @@ class SymmetricHeap:
         local = self.backend.create(nbytes)
         fd = self.backend.export_fd(local)
         try:
-            fds = exchange_fds([fd], group=self.group, barrier=self.barrier, timeout_s=self.timeout_s)
+            fds = exchange_fds([fd], group=self.group, barrier=lambda c: self.backend.host_barrier(self, c),
+                              timeout_s=self.timeout_s)
         finally:
             close_fds([fd])
         handles: list[Any] = []

@@ -98,5 +98,8 @@ class CpuHeapBackend:
                 f"a peer died, raised, or is in a different call ({exc})"
             ) from exc
 
+    def host_barrier(self, heap: SymmetricHeap, call: str) -> None:
+        self.barrier(heap, call)
+
     def close(self) -> None:
         pass

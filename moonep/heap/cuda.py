@@ -33,9 +33,10 @@ Teardown: `free_range` synchronises the device (nothing may still use the range)
 piece and frees the address range; `release` drops the handle. Physical memory is returned when
 every process that imported it has released it too. destroy() idempotence is SymmetricHeap's.
 
-Barriers: the heap's own host-side protocol steps (calls named "heap.*", e.g. the fd exchange's
-"sockets are listening" step) need the hosts to meet and use an object collective over the group;
-every other call is the device-side, stream-ordered barrier of device_barrier.py.
+Barriers: the heap's own setup steps (e.g. the fd exchange's "sockets are listening" step) need
+the hosts to meet: `host_barrier`, an object collective over the group that also checks every
+rank is in the same call. Every data-path call uses `barrier`: the device-side, stream-ordered
+barrier of device_barrier.py.
 
 Never NVLink multicast: no cuMulticast* call and no multimem instruction anywhere in this backend.
 Driver errors raise RuntimeError naming the call and the CUresult.
@@ -58,7 +59,6 @@ if TYPE_CHECKING:
     from moonep.heap.base import SymmetricHeap
     from moonep.heap.device_barrier import DeviceBarrier
 
-_HOST_CALL_PREFIX = "heap."
 
 
 class CudaHeapBackend:
@@ -183,9 +183,6 @@ class CudaHeapBackend:
     def barrier(self, heap: SymmetricHeap, call: str) -> None:
         if heap.world_size == 1:
             return
-        if call.startswith(_HOST_CALL_PREFIX):
-            self._host_barrier(heap, call)
-            return
         if self._barrier is None:
             from moonep.heap.device_barrier import DeviceBarrier  # needs triton: GPU machines only
 
@@ -202,7 +199,8 @@ class CudaHeapBackend:
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _host_barrier(self, heap: SymmetricHeap, call: str) -> None:
+    def host_barrier(self, heap: SymmetricHeap, call: str) -> None:
+        """Host-side meeting of the ranks (the heap's own setup steps, e.g. the fd exchange)."""
         calls: list[Any] = [None] * heap.world_size
         with torch.cuda.device(self.device):
             dist.all_gather_object(calls, call, group=self.group)
