@@ -48,7 +48,7 @@ class MemoryEstimate:
 def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, compute_bytes: int) -> MemoryEstimate:
     m, R = cfg.model, cfg.parallel.ep
     epn = m.num_experts // R
-    H, F, D, K = m.expert_width, m.moe_intermediate_size, m.hidden_size, m.num_experts_per_tok
+    H, F, K = m.expert_width, m.moe_intermediate_size, m.num_experts_per_tok
     S = cfg.train.global_batch_size // world_size * cfg.train.seq_len
     expert_local = m.num_moe_layers * epn * 3 * H * F
     P = counts.dense

@@ -50,8 +50,8 @@ def cfg_block_ffn(cfg: ModelConfig, moe: bool) -> int:
 def count_params(cfg: ModelConfig) -> ParamCounts:
     with torch.device("meta"):
         model = K3Model(cfg, ep_rank=0, ep_size=1, device="meta")
-    buckets = dict(embedding=0, attention=0, dense_ffn=0, routed_experts=0, shared_experts=0,
-                   router_and_latent=0, norms=0)
+    buckets = {k: 0 for k in ("embedding", "attention", "dense_ffn", "routed_experts", "shared_experts",
+                              "router_and_latent", "norms")}
     for name, p in model.named_parameters():
         n = p.numel()
         if ".experts.master." in name:

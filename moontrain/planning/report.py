@@ -6,7 +6,6 @@ from moontrain.config.run_config import RunConfig
 from moontrain.planning.memory import estimate_memory
 from moontrain.planning.params import count_params
 
-
 H200_BYTES = 141e9
 
 
@@ -20,13 +19,13 @@ def dry_run_report(cfg: RunConfig, world_size: int, device: str) -> str:
     tokens_per_rank = cfg.train.global_batch_size // world_size * cfg.train.seq_len
     lines = [
         "== layout ==",
-        f"world {world_size} = dp_replicate {world_size // R} x ep {R}; experts backend {cfg.experts.backend}; "
-        f"compute {'bf16' if compute_bytes == 2 else 'fp32'} on {device}",
+        (f"world {world_size} = dp_replicate {world_size // R} x ep {R}; experts backend {cfg.experts.backend}; "
+         f"compute {'bf16' if compute_bytes == 2 else 'fp32'} on {device}"),
         f"experts: E={m.num_experts}, epn={epn} per rank"
         + (f", B={epn} prefetch slots per projection (training needs B = epn)" if cfg.experts.backend == "moonep" else "")
         + f", top-{m.num_experts_per_tok}, expert shape {m.expert_width}x{m.moe_intermediate_size}",
-        f"dense params: FSDP2 over {world_size} ranks; expert grads: reduced over {world_size // R} replicas "
-        f"(local rows only)",
+        (f"dense params: FSDP2 over {world_size} ranks; expert grads: reduced over {world_size // R} replicas "
+         f"(local rows only)"),
         f"tokens per rank per step: {tokens_per_rank} ({cfg.train.global_batch_size // world_size} x {cfg.train.seq_len})",
         "== parameters ==",
         f"total {_num(counts.total)}   active per token {_num(counts.active)}",

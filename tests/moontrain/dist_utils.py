@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

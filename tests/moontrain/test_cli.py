@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _moontrain(*args: str, timeout: float) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     return subprocess.run([sys.executable, "-m", "moontrain.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, check=False)
 
 
 def test_launch_k3_tiny_loss_falls(tmp_path: Path) -> None:

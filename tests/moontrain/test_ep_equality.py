@@ -28,7 +28,7 @@ SKEW = 0.5  # initial score bias of experts 0 and 1
 
 def tiny_config(backend: str, ep: int) -> RunConfig:
     return from_dict(RunConfig, {
-        "model": dict(vocab_size=128, hidden_size=64, num_layers=2, num_dense_layers=0, dense_intermediate_size=128,
+        "model": dict(vocab_size=128, hidden_size=64, num_layers=2, num_dense_layers=0, dense_intermediate_size=128,  # noqa: C408
                       num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                       v_head_dim=16, num_experts=8, num_experts_per_tok=3, num_shared_experts=1,
                       moe_intermediate_size=64, moe_latent_size=32, routed_scaling_factor=2.0,

@@ -89,8 +89,8 @@ def test_local_backend_matches_per_token_loop() -> None:
     _close(y, y_ref, "y")
     _close(x.grad, x_ref.grad, "x.grad")
     _close(weights.grad, weights_ref.grad, "weights.grad")
-    for name in w_ref:
-        _close(w.grad[name], w_ref[name].grad, f"expert grad {name}")
+    for name, ref in w_ref.items():
+        _close(w.grad[name], ref.grad, f"expert grad {name}")
         assert w.compute[name].grad is None  # folded into the fp32 grad tensor
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from moontrain.model.config import ModelConfig
 from moontrain.model.transformer import K3Model

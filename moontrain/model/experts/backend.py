@@ -9,8 +9,9 @@ Adding a backend is one entry in BACKENDS.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist

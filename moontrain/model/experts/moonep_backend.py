@@ -24,7 +24,7 @@ class MoonEPExperts:
         if ctx.ep_group is None:
             raise ValueError("the moonep backend needs an initialised process group (launch with torchrun)")
         if "moonep_pools" not in ctx.shared:
-            hidden, intermediate = weights.shapes["gate"]
+            hidden = weights.shapes["gate"][0]
             buf = moonep.Buffer(
                 moonep.BufferConfig(max_tokens=ctx.max_tokens, hidden=hidden, topk=ctx.topk,
                                     num_experts=ctx.num_experts, num_slots=None,
