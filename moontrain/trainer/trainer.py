@@ -17,6 +17,7 @@ import torch.distributed as dist
 from moontrain.config.run_config import RunConfig
 from moontrain.data.markov import MarkovTokens
 from moontrain.metrics.balance import maxvio_L
+from moontrain.metrics.flops import flops_per_token, peak_flops
 from moontrain.metrics.progress import ProgressLog, StepStats
 from moontrain.model.experts import ExpertsContext
 from moontrain.model.transformer import K3Model
@@ -58,6 +59,8 @@ class Trainer:
                                  global_batch=cfg.train.global_batch_size, rank=layout.rank,
                                  world_size=layout.world_size, device=device)
         self.step = 0
+        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
+        self.peak_flops = peak_flops(device)
 
     def train_step(self) -> StepStats:
         t0 = time.perf_counter()
@@ -80,9 +83,12 @@ class Trainer:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         self.step += 1
-        stats = StepStats(step=self.step, loss=mean_ce, lr=lr, grad_norm=float(grad_norm),
-                          tokens_per_s=self.cfg.train.global_batch_size * self.cfg.train.seq_len / dt,
-                          step_time_s=dt, max_maxvio=max_maxvio)
+        tokens_per_s = self.cfg.train.global_batch_size * self.cfg.train.seq_len / dt
+        mfu = (tokens_per_s / self.layout.world_size * self.flops_per_token / self.peak_flops
+               if self.peak_flops else None)
+        peak_mem = torch.cuda.max_memory_allocated() / 2**30 if self.layout.device.type == "cuda" else None
+        stats = StepStats(step=self.step, loss=mean_ce, lr=lr, grad_norm=float(grad_norm), tokens_per_s=tokens_per_s,
+                          step_time_s=dt, max_maxvio=max_maxvio, mfu=mfu, peak_mem_gib=peak_mem)
         if self.log is not None and (self.step % self.cfg.train.log_every == 0 or self.step == self.cfg.train.steps):
             self.log.log(stats)
         return stats
