@@ -65,7 +65,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
         for depth, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise ValueError(  # noqa: TRY004 (house style: config errors are ValueError)
+                raise ValueError(
                     f"override {item!r}: {'.'.join(parts[: depth + 1])} is a value, not a section; "
                     f"it cannot hold {parts[depth + 1]!r}"
                 )
@@ -78,7 +78,7 @@ def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
     """Build dataclass `cls` from a mapping, strictly (see module docstring)."""
     where = prefix or "<recipe root>"
     if not isinstance(data, dict):
-        raise ValueError(f"{where} must be a mapping with keys {_field_names(cls)}, got {data!r}")  # noqa: TRY004 (house style: config errors are ValueError)
+        raise ValueError(f"{where} must be a mapping with keys {_field_names(cls)}, got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
@@ -160,7 +160,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise ValueError(f"recipe {path} must be a YAML mapping at the top level, got {type(raw).__name__}")  # noqa: TRY004 (house style: config errors are ValueError)
+        raise ValueError(f"recipe {path} must be a YAML mapping at the top level, got {type(raw).__name__}")
     return raw
 
 

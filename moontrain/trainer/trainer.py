@@ -113,7 +113,7 @@ class Trainer:
         counts_LE = torch.stack([r.tokens_per_expert_E for r in routers])
         if self.layout.distributed:
             dist.all_reduce(counts_LE, group=self.layout.world_group)
-        for router, counts_E in zip(routers, counts_LE):
+        for router, counts_E in zip(routers, counts_LE, strict=True):
             router.update_bias(counts_E)
         return float(maxvio_L(counts_LE).max())
 
