@@ -28,7 +28,7 @@ SKEW = 0.5  # initial score bias of experts 0 and 1
 
 def tiny_config(backend: str, ep: int) -> RunConfig:
     return from_dict(RunConfig, {
-        "model": dict(vocab_size=128, hidden_size=64, num_layers=2, num_dense_layers=0, dense_intermediate_size=128,  # noqa: C408
+        "model": dict(vocab_size=128, hidden_size=64, num_layers=2, num_dense_layers=0, dense_intermediate_size=128,
                       num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                       v_head_dim=16, num_experts=8, num_experts_per_tok=3, num_shared_experts=1,
                       moe_intermediate_size=64, moe_latent_size=32, routed_scaling_factor=2.0,
@@ -113,7 +113,7 @@ def reference():
     losses, maxvio, state = train_reference(reverse=False)
     losses_r, _, state_r = train_reference(reverse=True)
     # per (loss, grad norm): the grad norm catches gradient-scale bugs that Adam would hide in the params
-    loss_tol = [max(20 * max(abs(a[i] - b[i]) for a, b in zip(losses, losses_r)), 1e-6 * abs(losses[0][i]))
+    loss_tol = [max(20 * max(abs(a[i] - b[i]) for a, b in zip(losses, losses_r, strict=True)), 1e-6 * abs(losses[0][i]))
                 for i in range(2)]
     param_tol = {k: max(20 * (state[k] - state_r[k]).abs().max().item(), 1e-6 * state[k].abs().max().item(), 1e-9)
                  for k in state}
@@ -124,7 +124,7 @@ def _check(result, reference) -> None:
     losses, maxvio, state, loss_tol, param_tol = reference
     got_losses, got_maxvio, got_state = result
     assert maxvio[0] > 1.0, f"router not skewed enough: maxvio {maxvio}"
-    for step, (a, b) in enumerate(zip(got_losses, losses)):
+    for step, (a, b) in enumerate(zip(got_losses, losses, strict=True)):
         for i, what in enumerate(("loss", "grad norm")):
             assert abs(a[i] - b[i]) <= loss_tol[i], (
                 f"step {step}: {what} {a[i]} vs reference {b[i]} (tol {loss_tol[i]:.3g})")
