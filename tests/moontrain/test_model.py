@@ -1,0 +1,159 @@
+"""Model pieces against explicit references: MLA through SDPA vs a hand-written causal softmax attention,
+the router's renormalised top-k and its aux-loss-free bias update, the sequence aux loss formula, and
+the latent MoE layer against a per-token loop.
+
+Tolerance: the references compute the same fp32 math in another order; 1e-5 relative to the largest
+value (~100 ulps of the accumulated magnitude) bounds the reordering error.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moontrain.model.attention import MLAttention
+from moontrain.model.config import ModelConfig
+from moontrain.model.experts import ExpertsContext
+from moontrain.model.moe import MoE
+from moontrain.model.rope import apply_rope, rope_cos_sin
+from moontrain.model.router import Router
+
+RTOL = 1e-5
+
+
+def _cfg(**over) -> ModelConfig:
+    base = dict(vocab_size=64, hidden_size=32, num_layers=2, dense_intermediate_size=64, num_heads=2, q_lora_rank=16,
+                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, num_experts=8,
+                num_experts_per_tok=3, num_shared_experts=2, moe_intermediate_size=128, moe_latent_size=16,
+                routed_scaling_factor=2.5, seq_aux_loss_coef=0.1)
+    return ModelConfig(**{**base, **over})
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    diff, tol = (got - ref).abs().max().item(), RTOL * ref.abs().max().item()
+    assert diff <= tol, f"{what}: max |diff| {diff:.3g} > {tol:.3g}"
+
+
+def _init(module: torch.nn.Module, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+
+def _attention_reference(m: MLAttention, x_BTD: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    B, T, _ = x_BTD.shape
+    N, Dn, Dr, Dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    q = m.wq_b(m.q_norm(m.wq_a(x_BTD))).view(B, T, N, Dn + Dr)
+    c, k_rope = m.wkv_a(x_BTD).split([cfg.kv_lora_rank, Dr], -1)
+    kv = m.wkv_b(m.kv_norm(c)).view(B, T, N, Dn + Dv)
+    k_nope, v = kv.split([Dn, Dv], -1)
+    cos, sin = rope_cos_sin(T, Dr, cfg.rope_theta, x_BTD.device)
+    out = torch.zeros(B, T, N, Dv)
+    for b in range(B):
+        for n in range(N):
+            q_rope = q[b, :, n, Dn:] if cfg.use_nope else apply_rope(q[b, :, n, Dn:], cos, sin)
+            kr = k_rope[b] if cfg.use_nope else apply_rope(k_rope[b], cos, sin)
+            qq = torch.cat([q[b, :, n, :Dn], q_rope], -1)
+            kk = torch.cat([k_nope[b, :, n], kr], -1)
+            scores = qq @ kk.T / math.sqrt(Dn + Dr)
+            scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+            out[b, :, n] = scores.softmax(-1) @ v[b, :, n]
+    o = out.reshape(B, T, N * Dv)
+    if cfg.attn_output_gate:
+        o = o * torch.sigmoid(m.wg(x_BTD))
+    return m.wo(o)
+
+
+@pytest.mark.parametrize("use_nope", [False, True])
+def test_mla_matches_explicit_attention(use_nope: bool) -> None:
+    cfg = _cfg(use_nope=use_nope)
+    m = MLAttention(cfg)
+    _init(m)
+    x = torch.randn(2, 7, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    cos, sin = rope_cos_sin(7, cfg.qk_rope_head_dim, cfg.rope_theta, x.device)
+    _close(m(x, cos, sin), _attention_reference(m, x, cfg), "attention output")
+
+
+def test_nope_ignores_position_in_rope_dims() -> None:
+    """With use_nope, shifting a (causally complete) prefix by position cannot change it: check the
+    first token's output does not depend on rope_theta."""
+    outs = []
+    for theta in (100.0, 1e6):
+        cfg = _cfg(use_nope=True, rope_theta=theta)
+        m = MLAttention(cfg)
+        _init(m)
+        x = torch.randn(1, 5, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+        cos, sin = rope_cos_sin(5, cfg.qk_rope_head_dim, theta, x.device)
+        outs.append(m(x, cos, sin))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_router_topk_renormalised_and_scaled() -> None:
+    cfg = _cfg()
+    r = Router(cfg)
+    _init(r)
+    with torch.no_grad():
+        r.score_bias_E.copy_(torch.linspace(-0.2, 0.2, cfg.num_experts))
+    x = torch.randn(10, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    weights, topk, _ = r(x, batch=2)
+    scores = torch.sigmoid(x @ r.weight.T)
+    want_topk = (scores + r.score_bias_E).topk(cfg.num_experts_per_tok, -1).indices
+    assert torch.equal(topk, want_topk)
+    chosen = scores.gather(1, want_topk)
+    _close(weights, chosen / chosen.sum(-1, keepdim=True) * cfg.routed_scaling_factor, "route weights")
+    assert torch.equal(r.tokens_per_expert_E, torch.bincount(want_topk.flatten(), minlength=cfg.num_experts).float())
+
+
+def test_bias_update_moves_toward_balance() -> None:
+    cfg = _cfg(router_bias_update_rate=0.01)
+    r = Router(cfg)
+    counts = torch.tensor([10.0, 0, 5, 5, 5, 5, 3, 7])  # mean 5
+    r.tokens_per_expert_E.fill_(1.0)
+    r.update_bias(counts)
+    assert r.score_bias_E.tolist() == pytest.approx([-0.01, 0.01, 0, 0, 0, 0, 0.01, -0.01])
+    assert r.tokens_per_expert_E.abs().sum() == 0
+
+
+def test_sequence_aux_loss_formula() -> None:
+    cfg = _cfg()
+    r = Router(cfg)
+    _init(r)
+    B, T, E, K = 2, 5, cfg.num_experts, cfg.num_experts_per_tok
+    x = torch.randn(B * T, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    _, topk, aux = r(x, batch=B)
+    scores = torch.sigmoid(x @ r.weight.T)
+    want = 0.0
+    for b in range(B):
+        rows = slice(b * T, (b + 1) * T)
+        p = (scores[rows] / scores[rows].sum(-1, keepdim=True)).mean(0)
+        f = torch.stack([(topk[rows] == e).sum() for e in range(E)]).float() * E / (K * T)
+        want += (f * p).sum() / B
+    _close(aux, cfg.seq_aux_loss_coef * want, "seq aux loss")
+
+
+def test_latent_moe_matches_per_token_loop() -> None:
+    cfg = _cfg()
+    moe = MoE(cfg, ep_rank=0, ep_size=1)
+    _init(moe)
+    from moontrain.model.experts import build_experts_backend
+
+    moe.backend = build_experts_backend("local", ExpertsContext(
+        num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep_size=1,
+        compute_dtype=torch.float32, token_padding=8, max_tokens=12), moe.experts)
+    x = torch.randn(2, 6, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    y, _ = moe(x)
+    x_sD = x.view(12, -1)
+    weights, topk, _ = moe.router(x_sD, batch=2)
+    h = moe.latent_norm(moe.latent_down(x_sD))
+    w = {k: v.detach() for k, v in moe.experts.master.items()}
+    routed = torch.zeros_like(h)
+    for t in range(12):
+        for k in range(cfg.num_experts_per_tok):
+            e = topk[t, k]
+            routed[t] += weights[t, k] * ((F.silu(h[t] @ w["gate"][e]) * (h[t] @ w["up"][e])) @ w["down"][e])
+    want = moe.latent_up(routed) + moe.shared(x_sD)
+    _close(y.view(12, -1), want, "moe output")
