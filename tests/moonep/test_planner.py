@@ -28,7 +28,7 @@ NUM_RANDOM = 200
 
 
 # ---------------------------------------------------------------------------------- helpers
-def first_mismatch(got, ref, path: str = "") -> str | None:  # noqa: ANN001
+def first_mismatch(got, ref, path: str = "") -> str | None:
     """Path and values of the first difference between two nested lists (None when equal)."""
     if isinstance(ref, list):
         if not isinstance(got, list) or len(got) != len(ref):
@@ -257,7 +257,7 @@ def test_maximum_maxvio_uses_every_slot_of_the_receivers() -> None:
     R, epn, s = 4, 4, 16
     E, K = R * epn, epn
     topk_R = _same_k_experts(R, s, list(range(K)))
-    plans, ref = check_problem(R, E, K, 4, topk_R, None, "max maxvio")
+    plans, _ = check_problem(R, E, K, 4, topk_R, None, "max maxvio")
     slots = plans[0].slot_expert_RB
     assert (slots[0] == -1).all(), f"rank 0 owns the hot experts and needs no slot: {slots.tolist()}"
     for d in range(1, R):
@@ -280,11 +280,11 @@ def test_fewer_slots_than_remote_experts_keeps_home_rows() -> None:
         if case % 2:  # and a random remainder elsewhere
             topk_R = [torch.where(torch.rand(24, 1, generator=gen) < 0.5, t, t + epn * (1 + case % (R - 1)))
                       for t in topk_R]
-        plans, ref = check_problem(R, R * epn, K, 4, topk_R, None, f"B=2 case {case}", num_slots=2)
+        plans, _ = check_problem(R, R * epn, K, 4, topk_R, None, f"B=2 case {case}", num_slots=2)
         alloc, slots = plans[0].alloc_ER, plans[0].slot_expert_RB
         for d in range(R):
             remote = [e for e in range(R * epn) if alloc[e, d] > 0 and e // epn != d]
-            assert slots[d].tolist() == (remote[:2] + [-1, -1])[:2], f"case {case} rank {d}"
+            assert slots[d].tolist() == [*remote[:2], -1, -1][:2], f"case {case} rank {d}"
             for e in remote[2:]:  # no slot: its tokens sit in the group of W_full row e
                 overflow += 1
                 assert int(plans[0].group_rows_RG[d, e]) == int(alloc[e, d])
@@ -308,7 +308,7 @@ def test_per_rank_s_caps_and_nvs_in_the_plan() -> None:
     s_R = [1, 2, 2, 0 + 2]  # T = 7, T*K = 21 = 4*5 + 1
     gen = torch.Generator().manual_seed(3)
     topk_R = skewed_routing(gen, s_R, E, K, 1.0)
-    plans, ref = check_problem(R, E, K, 4, topk_R, sum(s_R), "per-rank s caps")
+    plans, _ = check_problem(R, E, K, 4, topk_R, sum(s_R), "per-rank s caps")
     assert plans[0].cap_R.tolist() == [6, 5, 5, 5]
     layout = layout_for(R, E, K, max(s_R), 4)
     assert all(p.nvs_s == layout.nvs_rows(6) == round_up(6 + 2 * 2 * 3, 4) for p in plans)
