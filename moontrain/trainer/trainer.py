@@ -48,7 +48,7 @@ class Trainer:
         self.model.attach_experts_backends(cfg.experts.backend, ExpertsContext(
             num_experts=cfg.model.num_experts, topk=cfg.model.num_experts_per_tok, ep_group=layout.ep_group,
             ep_size=layout.ep, compute_dtype=self.compute_dtype, token_padding=cfg.experts.token_padding,
-            max_tokens=micro_batch * cfg.train.seq_len,
+            max_tokens=micro_batch * cfg.train.seq_len, device=device,
         ))
         self.experts = [moe.experts for moe in self.model.moe_layers()]
         self.expert_params = [p for w in self.experts for p in w.master.values()]

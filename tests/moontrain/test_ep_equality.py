@@ -1,12 +1,13 @@
-"""Sharded == unsharded: a 2-layer MoE model trained 3 steps on one global batch gives the same losses,
-step-1 gradients, parameters and router biases at EP = 1 (local backend, one process, no FSDP), EP = 2 and EP = 4
-(alltoall backend, FSDP on), and dp_replicate 2 x EP 2 (expert data parallel on).
+"""Sharded == unsharded: a 2-layer MoE model trained 3 steps on one global batch gives the same losses, grad
+norms, step-1 gradients, parameters and router biases at EP = 1 (local backend, one process, no FSDP) and at
+EP = 2, EP = 4 and dp_replicate 2 x EP 2 (expert data parallel on), FSDP on, with both the alltoall and the
+moonep backend (fp32 on CPU; moonep must use redundant experts, asserted).
 
 Tolerance: derived from an fp32 reference against itself. The reference is run twice in one process,
 once with the global batch rows reversed: the loss is the same mean, only the fp32 summation order
 changes -- exactly the kind of difference sharding introduces. Sharded results must agree with the
-reference within 20x that reorder noise (floor 1e-6 relative, to avoid a zero tolerance when the
-reorder happens to be bitwise identical). The router is skewed (experts 0 and 1 preferred) so the
+reference within 20x that reorder noise, with a floor of 1e-5 relative (~100 fp32 ulps) because one
+reordering can land luckily close for a scalar (a grad norm) or be bitwise identical for a tensor. The router is skewed (experts 0 and 1 preferred) so the
 all-to-all moves unequal token counts; the test asserts the realised maxvio is large.
 """
 
@@ -103,9 +104,21 @@ def train_reference(reverse: bool) -> tuple[list[float], list[float], dict[str, 
     return _train(trainer)
 
 
-def train_sharded(ep: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    cfg = tiny_config("alltoall", ep)
-    return _train(Trainer(cfg, build_layout(ep, torch.device("cpu"))))
+def train_sharded(backend: str, ep: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    trainer = Trainer(tiny_config(backend, ep), build_layout(ep, torch.device("cpu")))
+    slots_used = []
+    if backend == "moonep":  # record how many remote experts each prefetch copies into this rank's slots
+        pools = trainer.model.moe_layers()[0].backend.pools
+        prefetch = pools.prefetch
+
+        def recording_prefetch(plan, layer) -> None:
+            slots_used.append(int((plan.slot_expert_RB >= 0).sum()))
+            prefetch(plan, layer)
+
+        pools.prefetch = recording_prefetch
+    losses, maxvio, state = _train(trainer)
+    state["slots_used"] = torch.tensor(slots_used)
+    return losses, maxvio, state
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +126,9 @@ def reference():
     losses, maxvio, state = train_reference(reverse=False)
     losses_r, _, state_r = train_reference(reverse=True)
     # per (loss, grad norm): the grad norm catches gradient-scale bugs that Adam would hide in the params
-    loss_tol = [max(20 * max(abs(a[i] - b[i]) for a, b in zip(losses, losses_r, strict=True)), 1e-6 * abs(losses[0][i]))
+    loss_tol = [max(20 * max(abs(a[i] - b[i]) for a, b in zip(losses, losses_r, strict=True)), 1e-5 * abs(losses[0][i]))
                 for i in range(2)]
-    param_tol = {k: max(20 * (state[k] - state_r[k]).abs().max().item(), 1e-6 * state[k].abs().max().item(), 1e-9)
+    param_tol = {k: max(20 * (state[k] - state_r[k]).abs().max().item(), 1e-5 * state[k].abs().max().item(), 1e-9)
                  for k in state}
     return losses, maxvio, state, loss_tol, param_tol
 
@@ -129,13 +142,24 @@ def _check(result, reference) -> None:
             assert abs(a[i] - b[i]) <= loss_tol[i], (
                 f"step {step}: {what} {a[i]} vs reference {b[i]} (tol {loss_tol[i]:.3g})")
     assert got_maxvio == pytest.approx(maxvio, abs=1e-6), "routing differs from the reference"
+    slots_used = got_state.pop("slots_used")
     assert got_state.keys() == state.keys()
     for name, ref in state.items():
         diff = (got_state[name] - ref).abs().max().item()
         assert diff <= param_tol[name], f"{name}: max |diff| {diff:.3g} > tol {param_tol[name]:.3g}"
 
 
-@pytest.mark.parametrize(("world", "ep"), [(2, 2), (4, 4), (4, 2)], ids=["ep2", "ep4", "dp2xep2"])
-def test_sharded_training_matches_single_process(reference, world: int, ep: int) -> None:
-    result = run_distributed(world, train_sharded, ep)[0]
+LAYOUTS = [(2, 2), (4, 4), (4, 2)]
+LAYOUT_IDS = ["ep2", "ep4", "dp2xep2"]
+
+
+@pytest.mark.parametrize(("world", "ep"), LAYOUTS, ids=LAYOUT_IDS)
+def test_alltoall_training_matches_single_process(reference, world: int, ep: int) -> None:
+    _check(run_distributed(world, train_sharded, "alltoall", ep)[0], reference)
+
+
+@pytest.mark.parametrize(("world", "ep"), LAYOUTS, ids=LAYOUT_IDS)
+def test_moonep_training_matches_single_process(reference, world: int, ep: int) -> None:
+    result = run_distributed(world, train_sharded, "moonep", ep)[0]
+    assert result[2]["slots_used"].sum() > 0, "the skewed router should make moonep use redundant experts"
     _check(result, reference)

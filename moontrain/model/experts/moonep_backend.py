@@ -6,7 +6,7 @@ rows only; slot-row grads are folded in by moonep's reduce_grad) as its grad ten
 one ExpertPools are shared by every MoE layer of the model (created on the first layer, collectively).
 moonep is imported lazily so the rest of moontrain works without it.
 
-Status: written against the announced moonep API; untested until moonep lands.
+num_slots=None means B = epn, which training requires (SPEC 5.2-5.3).
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ class MoonEPExperts:
             raise ValueError("the moonep backend needs an initialised process group (launch with torchrun)")
         if "moonep_pools" not in ctx.shared:
             hidden = weights.shapes["gate"][0]
+            # check_values costs host syncs per call: on for CPU (tests, debugging), off on the GPU hot path
             buf = moonep.Buffer(
                 moonep.BufferConfig(max_tokens=ctx.max_tokens, hidden=hidden, topk=ctx.topk,
                                     num_experts=ctx.num_experts, num_slots=None,
-                                    token_padding=ctx.token_padding, timeout_s=60.0),
-                ctx.ep_group,
+                                    token_padding=ctx.token_padding, dtype=ctx.compute_dtype, timeout_s=60.0,
+                                    check_values=ctx.device.type == "cpu"),
+                ctx.ep_group, device=ctx.device,
             )
             ctx.shared["moonep_buffer"] = buf
             ctx.shared["moonep_pools"] = moonep.ExpertPools(buf, projections=dict(weights.shapes),
@@ -41,4 +43,7 @@ class MoonEPExperts:
         self._expert_swiglu = moonep.expert_swiglu
 
     def forward(self, x_sH: torch.Tensor, weights_sK: torch.Tensor, topk_sK: torch.Tensor) -> torch.Tensor:
-        return self._expert_swiglu(self.buf, self.pools, self.layer, x_sH, weights_sK, topk_sK)
+        dtype = self.pools.dtype
+        y_sH = self._expert_swiglu(self.buf, self.pools, self.layer, x_sH.to(dtype).contiguous(),
+                                   weights_sK.contiguous(), topk_sK.to(torch.int32).contiguous())
+        return y_sH.to(x_sH.dtype)
