@@ -77,6 +77,7 @@ class Buffer:
         self._all = {name: strided_view(mapping, reg.offset, stride, R, reg.shape, reg.dtype)
                      for name, reg in self.layout.comm.items()}
         self._mine = {name: t[self.rank] for name, t in self._all.items()}
+        self.barrier("buffer:init")  # every rank is ready; the GPU barrier sets up its signals here
 
     # ------------------------------------------------------------------ properties
     @property

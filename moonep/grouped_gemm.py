@@ -15,9 +15,10 @@ def grouped_mm(x_rows: torch.Tensor, w_GIO: torch.Tensor, offs: torch.Tensor) ->
 
 
 def grouped_mm_wgrad(x_rows: torch.Tensor, grad_rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """dW[g] = x[rows of g]^T @ grad[rows of g] -> [G, I, O] fp32."""
+    """dW[g] = x[rows of g]^T @ grad[rows of g] -> [G, I, O] fp32 (rounded through bf16 on CUDA)."""
     if x_rows.is_cuda:
-        return torch._grouped_mm(x_rows.t(), grad_rows, offs=offs, out_dtype=torch.float32)
+        # torch 2.11's CUDA kernel writes only the input dtype: fp32 accumulation, bf16 result
+        return torch._grouped_mm(x_rows.t(), grad_rows, offs=offs).float()
     # the CPU kernel only writes x's dtype; bf16 products are exact in fp32, so upcasting first
     # gives the fp32-accumulated result the GPU kernel produces
     return torch._grouped_mm(x_rows.t().float(), grad_rows.float(), offs=offs)

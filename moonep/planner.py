@@ -101,15 +101,16 @@ def fill_receivers(group_R: torch.Tensor, cap_R: torch.Tensor) -> torch.Tensor:
     balance = group_R.to(_I64) - cap_R
     quota = torch.zeros(R, R, dtype=_I64, device=group_R.device)
     for _ in range(R - 1):
-        h = torch.argmax(balance)
-        u = torch.argmin(balance)
-        active = balance[h] > 0
-        bal_u = balance[u]
-        q = torch.where(active, -bal_u, torch.zeros_like(bal_u))
-        quota.index_put_((h.view(1), u.view(1)), q.view(1), accumulate=True)
-        new_h = balance[h] + torch.where(active, bal_u, torch.zeros_like(bal_u))
-        new_u = torch.where(active, torch.zeros_like(bal_u), bal_u)
-        balance = balance.index_put((u.view(1),), new_u.view(1)).index_put((h.view(1),), new_h.view(1))
+        # 1-element index tensors: indexing with a 0-dim tensor would read it on the host
+        h = torch.argmax(balance).view(1)
+        u = torch.argmin(balance).view(1)
+        bal_h, bal_u = balance[h], balance[u]
+        active = bal_h > 0
+        zero = torch.zeros_like(bal_u)
+        quota.index_put_((h, u), torch.where(active, -bal_u, zero), accumulate=True)
+        new_h = bal_h + torch.where(active, bal_u, zero)
+        new_u = torch.where(active, zero, bal_u)
+        balance = balance.index_put((u,), new_u).index_put((h,), new_h)
     return quota
 
 

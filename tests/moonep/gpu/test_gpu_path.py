@@ -79,7 +79,7 @@ def test_plans_and_rows_bitwise_equal_cpu_spec(group: dist.ProcessGroup, maxvio:
 
 def test_moe_layer_matches_dense_reference_on_gpu(group: dist.ProcessGroup) -> None:
     rank, R = dist.get_rank(group), dist.get_world_size(group)
-    Hs, Fs, Ks, Ss, Es = 512, 2048, 4, 64, 8  # 512*2048*2 B = 2 MiB per expert row
+    Hs, Fs, Ks, Ss, Es = 512, 2048, 4, 64, 16  # 512*2048*2 B = 2 MiB per expert row
     x, w, topk, weights, grad_y = cpu_moe._problem(R, Es, 2.5, H=Hs, F=Fs, K=Ks, S=Ss)
     buf = Buffer(BufferConfig(max_tokens=Ss, hidden=Hs, topk=Ks, num_experts=Es), group)
     try:
