@@ -39,7 +39,13 @@ from moonep.config import BufferConfig
 from moonep.heap import Piece, SymmetricHeap, create_heap, strided_view
 from moonep.layout import Layout
 from moonep.planner import Plan, make_plan
-from moonep.validate import check_gathered_counts, check_num_tokens, check_routing_values, check_tensor
+from moonep.validate import (
+    check_expert_ids,
+    check_gathered_counts,
+    check_num_tokens,
+    check_routing_values,
+    check_tensor,
+)
 
 
 class DispatchResult(NamedTuple):
@@ -111,6 +117,8 @@ class Buffer:
         if plan is None:
             if topk_sK is None:
                 raise ValueError("dispatch needs topk_sK for a fresh plan, or plan= a saved plan")
+            # one topk row per row of x: plan() alone would plan topk's s and drop x's extra rows
+            check_tensor("topk_sK", topk_sK, shape=(s, cfg.topk), dtype=(torch.int32, torch.int64), device=self.device)
             plan = self.plan(topk_sK, tokens_per_expert_E, total_num_tokens=total_num_tokens)
         else:
             if topk_sK is not None or tokens_per_expert_E is not None:
@@ -131,7 +139,10 @@ class Buffer:
         s = topk_sK.shape[0] if isinstance(topk_sK, torch.Tensor) and topk_sK.dim() == 2 else -1
         check_num_tokens(self.layout, s)
         check_tensor("topk_sK", topk_sK, shape=(s, cfg.topk), dtype=(torch.int32, torch.int64), device=self.device)
-        tokens_per_expert_E = self._histogram(topk_sK) if tokens_per_expert_E is None else tokens_per_expert_E
+        if tokens_per_expert_E is None:
+            if cfg.check_values:  # an id outside [0, E) is a ValueError, not an out-of-bounds scatter
+                check_expert_ids(self.layout, topk_sK)
+            tokens_per_expert_E = self._histogram(topk_sK)
         check_tensor("tokens_per_expert_E", tokens_per_expert_E, shape=(cfg.num_experts,),
                      dtype=(torch.int32, torch.int64), device=self.device)
         if total_num_tokens is not None and not s <= total_num_tokens <= self.num_ranks * cfg.max_tokens:

@@ -23,6 +23,7 @@ of one remote home group), each padded by at most token_padding - 1 rows.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -119,6 +120,7 @@ class Layout:
                 f"of the symmetric-heap granularity {self.granularity} bytes, so W_full cannot be "
                 f"contiguous; choose hidden/intermediate sizes whose product times {dtype_bytes(dtype)} "
                 f"bytes is a multiple of {self.granularity} (e.g. scale H' to a multiple of "
-                f"{self.granularity // (shape[0] * dtype_bytes(dtype)) or 1}), or change epn/num_slots"
+                f"{self.granularity // math.gcd(self.granularity, shape[0] * dtype_bytes(dtype))}), or change "
+                "epn/num_slots"
             )
         return nbytes

@@ -29,13 +29,19 @@ def check_num_tokens(layout: Layout, s: int) -> None:
                          f"1 <= s <= {S}; split the batch or build the buffer with a larger max_tokens")
 
 
-def check_routing_values(layout: Layout, topk_sK: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> None:
-    """Data-dependent checks (host sync): ids in range, distinct per token, histogram matches."""
+def check_expert_ids(layout: Layout, topk_sK: torch.Tensor) -> None:
+    """Data-dependent (host sync): every expert id in [0, E)."""
     E = layout.config.num_experts
     lo, hi = int(topk_sK.min()), int(topk_sK.max())
     if lo < 0 or hi >= E:
         bad = lo if lo < 0 else hi
         raise ValueError(f"topk_sK holds expert id {bad}, outside [0, {E}); routing must pick ids in [0, E)")
+
+
+def check_routing_values(layout: Layout, topk_sK: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> None:
+    """Data-dependent checks (host sync): ids in range, distinct per token, histogram matches."""
+    E = layout.config.num_experts
+    check_expert_ids(layout, topk_sK)
     sorted_sK = torch.sort(topk_sK, dim=1).values
     dup = (sorted_sK[:, 1:] == sorted_sK[:, :-1]).any(dim=1)
     if bool(dup.any()):

@@ -1,0 +1,268 @@
+"""Bad input (SPEC 8): every public entry point raises ValueError naming the offending value.
+
+The single-rank cases run in one spawn of a gloo group of 1, the cross-rank cases (E % R, s
+differing across ranks, a wrong total_num_tokens) in one spawn of 2 ranks. Each rank records the
+outcome of every case as (exception type, message); the parent re-raises it under
+`pytest.raises(ValueError, match=...)`, one test per case. After all the errors, a valid dispatch
+and combine on the same buffer must still give the reference rows (a rejected call corrupts
+nothing).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from moonep import Buffer, BufferConfig, ExpertPools
+from moonep.layout import Layout
+from tests.dist_utils import run_ranks
+from tests.moonep.planner_reference import reference_plan
+
+S, H, K, E, PAD = 8, 32, 2, 4, 4
+
+
+def _outcome(fn: Callable[[], object]) -> tuple[str | None, str]:
+    try:
+        fn()
+    except Exception as exc:  # reported to the parent, which checks the type
+        return type(exc).__name__, str(exc)
+    return None, ""
+
+
+def _reraise(outcome: tuple[str | None, str]) -> None:
+    kind, msg = outcome
+    if kind == "ValueError":
+        raise ValueError(msg)
+    if kind is not None:
+        raise RuntimeError(f"{kind} instead of ValueError: {msg}")
+
+
+def _valid(s: int = 6, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(s, H, generator=g).to(torch.bfloat16)
+    w = torch.rand(s, K, generator=g)
+    topk = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(s)]).to(torch.int32)
+    hist = torch.bincount(topk.reshape(-1).long(), minlength=E).to(torch.int32)
+    return x, w, topk, hist
+
+
+def _still_correct(buf: Buffer, rank: int, topk_R: list[torch.Tensor], x_R: list[torch.Tensor],
+                   w_R: list[torch.Tensor], total: int | None) -> str:
+    """A valid dispatch + combine after the errors: every row is its source token (padding zero),
+    and combining the dispatched rows gives K * x (K equal bf16 rows summed in fp32 are exact)."""
+    R = len(topk_R)
+    res = buf.dispatch(x_R[rank], w_R[rank], topk_R[rank], total_num_tokens=total)
+    ref = reference_plan([t.tolist() for t in topk_R], E, E // R, PAD, total)
+    for row, entry in enumerate(ref.row_entry[rank]):
+        want = torch.zeros(H, dtype=torch.bfloat16) if entry is None else x_R[entry[0]][entry[1]]
+        want_w = 0.0 if entry is None else float(w_R[entry[0]][entry[1], entry[2]])
+        if not torch.equal(res.x_rows[row], want) or float(res.weights_rows[row]) != want_w:
+            return f"row {row} (entry {entry}) holds {res.x_rows[row][:4].tolist()}, weight {res.weights_rows[row]}"
+    y, _ = buf.combine(res.plan, res.x_rows.clone())
+    want_y = (x_R[rank].float() * K).to(torch.bfloat16)
+    if not torch.equal(y, want_y):
+        return f"combine of the dispatched rows != K * x: {(y.float() - want_y.float()).abs().max().item()}"
+    return "ok"
+
+
+# ---------------------------------------------------------------------------------- R = 1
+def _single_rank(rank: int, world: int) -> dict[str, tuple[str | None, str]]:
+    out: dict[str, tuple[str | None, str]] = {}
+    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=PAD, timeout_s=30))
+    try:
+        x, w, topk, hist = _valid()
+        s = x.shape[0]
+        big = _valid(S + 1)
+        bad_hi, bad_lo, dup, bad_hist = topk.clone(), topk.clone(), topk.clone(), hist.clone()
+        bad_hi[3, 1] = E
+        bad_lo[1, 0] = -1
+        dup[2, 1] = dup[2, 0]
+        moved = int(topk[0, 0])
+        bad_hist[moved] -= 1
+        bad_hist[(moved + 1) % E] += 1
+        d = buf.dispatch
+        cases: dict[str, Callable[[], object]] = {
+            "s > S": lambda: d(big[0], big[1], big[2], big[3]),
+            "s < 1 (empty x)": lambda: d(x[:0].contiguous(), w[:0].contiguous(), topk[:0].contiguous()),
+            "expert id >= E": lambda: d(x, w, bad_hi),
+            "expert id < 0": lambda: d(x, w, bad_lo),
+            "expert id >= E with a histogram": lambda: d(x, w, bad_hi, hist),
+            "same expert twice in a token": lambda: d(x, w, dup),
+            "histogram not matching topk": lambda: d(x, w, topk, bad_hist),
+            "x dtype": lambda: d(x.float(), w, topk, hist),
+            "weights dtype": lambda: d(x, w.to(torch.int64), topk, hist),
+            "topk dtype": lambda: d(x, w, topk.float(), hist),
+            "histogram dtype": lambda: d(x, w, topk, hist.float()),
+            "x device": lambda: d(x.to("meta"), w, topk, hist),
+            "topk device": lambda: d(x, w, topk.to("meta"), hist),
+            "x shape": lambda: d(torch.zeros(s, H + 1, dtype=torch.bfloat16), w, topk, hist),
+            "x 1-D": lambda: d(x[0].contiguous(), w, topk, hist),
+            "topk shape": lambda: d(x, w, torch.zeros(s, K + 1, dtype=torch.int32), hist),
+            "topk rows != x rows": lambda: d(x, w, topk[:-1].contiguous()),
+            "topk rows != x rows, no weights": lambda: d(x, None, topk[:-1].contiguous()),
+            "histogram shape": lambda: d(x, w, topk, torch.zeros(E + 1, dtype=torch.int32)),
+            "weights shape": lambda: d(x, w[:, :1].contiguous(), topk, hist),
+            "x non-contiguous": lambda: d(x.t().contiguous().t(), w, topk, hist),
+            "topk non-contiguous": lambda: d(x, w, torch.cat([topk, topk], 1)[:, ::2], hist),
+            "weights non-contiguous": lambda: d(x, w.t().contiguous().t(), topk, hist),
+            "no routing and no plan": lambda: d(x, w),
+            "total_num_tokens out of range": lambda: d(x, w, topk, hist, total_num_tokens=R_S_PLUS_1),
+            "total_num_tokens not the sum": lambda: d(x, w, topk, hist, total_num_tokens=s + 1),
+            "plan() with a bad expert id": lambda: buf.plan(bad_hi),
+        }
+        for name, fn in cases.items():
+            out[name] = _outcome(fn)
+        plan = buf.dispatch(x, w, topk, hist).plan
+        out["plan reused with another s"] = _outcome(lambda: d(x[:-1].contiguous(), plan=plan))
+        out["plan and routing together"] = _outcome(lambda: d(x, plan=plan, topk_sK=topk))
+        y = torch.zeros(plan.nvs_s, H, dtype=torch.bfloat16)
+        out["combine y dtype"] = _outcome(lambda: buf.combine(plan, y.float()))
+        out["combine y shape"] = _outcome(lambda: buf.combine(plan, y[:-1].contiguous()))
+        out["combine y non-contiguous"] = _outcome(lambda: buf.combine(plan, torch.cat([y, y], 1)[:, ::2]))
+        out["combine row_scalars dtype"] = _outcome(
+            lambda: buf.combine(plan, y, row_scalars=torch.zeros(plan.nvs_s, dtype=torch.float64)))
+        out["heap granularity"] = _outcome(lambda: ExpertPools(buf, {"gate": (3, 5)}))
+        out["no projections"] = _outcome(lambda: ExpertPools(buf, {}))
+        out["projection shape"] = _outcome(lambda: ExpertPools(buf, {"gate": (H,)}))
+        out["still correct"] = ("ok", _still_correct(buf, rank, [topk], [x], [w], None))
+    finally:
+        buf.destroy()
+    return out
+
+
+R_S_PLUS_1 = S + 1  # one more than R * S at R = 1
+
+SINGLE_RANK = {
+    "s > S": r"s=9 tokens, but a buffer built with max_tokens S=8 takes 1 <= s <= 8",
+    "s < 1 (empty x)": r"s=0 tokens, but a buffer built with max_tokens S=8",
+    "expert id >= E": r"expert id 4, outside \[0, 4\)",
+    "expert id < 0": r"expert id -1, outside \[0, 4\)",
+    "expert id >= E with a histogram": r"expert id 4, outside \[0, 4\)",
+    "same expert twice in a token": r"token 2 routes to the same expert twice",
+    "histogram not matching topk": r"tokens_per_expert_E\[\d\]=\d+ but topk_sK routes \d+ tokens to expert \d",
+    "x dtype": r"x_sH has dtype torch.float32, expected torch.bfloat16",
+    "weights dtype": r"weights_sK has dtype torch.int64, expected torch.float32 or torch.bfloat16",
+    "topk dtype": r"topk_sK has dtype torch.float32, expected torch.int32 or torch.int64",
+    "histogram dtype": r"tokens_per_expert_E has dtype torch.float32",
+    "x device": r"x_sH is on meta, expected the buffer's device cpu",
+    "topk device": r"topk_sK is on meta, expected the buffer's device cpu",
+    "x shape": r"x_sH has shape \(6, 33\), expected \(6, 32\)",
+    "x 1-D": r"x_sH has shape \(32,\)",
+    "topk shape": r"topk_sK has shape \(6, 3\), expected \(6, 2\)",
+    "topk rows != x rows": r"topk_sK has shape \(5, 2\), expected \(6, 2\)",
+    "topk rows != x rows, no weights": r"topk_sK has shape \(5, 2\), expected \(6, 2\)",
+    "histogram shape": r"tokens_per_expert_E has shape \(5,\), expected \(4,\)",
+    "weights shape": r"weights_sK has shape \(6, 1\), expected \(6, 2\)",
+    "x non-contiguous": r"x_sH is not contiguous",
+    "topk non-contiguous": r"topk_sK is not contiguous",
+    "weights non-contiguous": r"weights_sK is not contiguous",
+    "no routing and no plan": r"dispatch needs topk_sK",
+    "total_num_tokens out of range": r"total_num_tokens=9 must lie in \[6, R\*S=8\]",
+    "total_num_tokens not the sum": r"total_num_tokens=7 but the ranks hold \[6\] tokens",
+    "plan() with a bad expert id": r"expert id 4, outside \[0, 4\)",
+    "plan reused with another s": r"saved plan was made for s=6 tokens but x_sH has 5 rows",
+    "plan and routing together": r"dispatch got both plan= and routing",
+    "combine y dtype": r"y_rows has dtype torch.float32, expected torch.bfloat16",
+    "combine y shape": r"y_rows has shape \(\d+, 32\), expected \(\d+, 32\)",
+    "combine y non-contiguous": r"y_rows is not contiguous",
+    "combine row_scalars dtype": r"row_scalars has dtype torch.float64, expected torch.float32",
+    "heap granularity": r"rows of shape \(3, 5\) in torch.bfloat16 take \d+ bytes, not a multiple of the "
+                        r"symmetric-heap granularity 4096 bytes",
+    "no projections": r"ExpertPools needs at least one projection",
+    "projection shape": r"projection 'gate' has shape \(32,\); expected \(in_features, out_features\)",
+}
+
+
+@pytest.fixture(scope="module")
+def single_rank() -> dict[str, tuple[str | None, str]]:
+    return run_ranks(_single_rank, 1, timeout_s=120)[0]
+
+
+@pytest.mark.parametrize("case", list(SINGLE_RANK))
+def test_single_rank_bad_input(single_rank: dict, case: str) -> None:
+    with pytest.raises(ValueError, match=SINGLE_RANK[case]):
+        _reraise(single_rank[case])
+
+
+def test_buffer_still_correct_after_rejected_calls(single_rank: dict) -> None:
+    assert single_rank["still correct"] == ("ok", "ok")
+
+
+# ---------------------------------------------------------------------------------- R = 2
+def _two_ranks(rank: int, world: int) -> dict[str, tuple[str | None, str]]:
+    out: dict[str, tuple[str | None, str]] = {}
+    out["E % R != 0"] = _outcome(lambda: Buffer(BufferConfig(max_tokens=S, hidden=H, topk=1, num_experts=3)))
+    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=PAD, timeout_s=30))
+    try:
+        s_R = [4, 3]
+        data = [_valid(s_R[r], seed=10 + r) for r in range(world)]
+        x, w, topk, hist = data[rank]
+        out["s differs across ranks"] = _outcome(lambda: buf.dispatch(x, w, topk, hist))
+        out["total_num_tokens not the sum"] = _outcome(lambda: buf.dispatch(x, w, topk, hist, total_num_tokens=8))
+        plan = buf.dispatch(x, w, topk, hist, total_num_tokens=7).plan
+        out["plan reused with another s"] = _outcome(lambda: buf.dispatch(x[:-1].contiguous(), plan=plan))
+        out["still correct"] = ("ok", _still_correct(buf, rank, [d[2] for d in data], [d[0] for d in data],
+                                                      [d[1] for d in data], 7))
+    finally:
+        buf.destroy()
+    return out
+
+
+TWO_RANKS = {
+    "E % R != 0": r"num_experts=3 is not divisible by the EP group size R=2",
+    "s differs across ranks": r"s differs across ranks: \[4, 3\]; pass total_num_tokens=7",
+    "total_num_tokens not the sum": r"total_num_tokens=8 but the ranks hold \[4, 3\] tokens \(sum 7\)",
+    "plan reused with another s": r"saved plan was made for s=[43] tokens but x_sH has [32] rows",
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, tuple[str | None, str]]]:
+    return run_ranks(_two_ranks, 2, timeout_s=120)
+
+
+@pytest.mark.parametrize("case", list(TWO_RANKS))
+@pytest.mark.parametrize("rank", [0, 1])
+def test_two_rank_bad_input_raises_on_every_rank(two_ranks: list[dict], rank: int, case: str) -> None:
+    with pytest.raises(ValueError, match=TWO_RANKS[case]):
+        _reraise(two_ranks[rank][case])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_two_rank_buffer_still_correct_after_rejected_calls(two_ranks: list[dict], rank: int) -> None:
+    assert two_ranks[rank]["still correct"] == ("ok", "ok")
+
+
+# ---------------------------------------------------------------------------------- no process group
+def test_layout_rejects_experts_not_divisible_by_ranks() -> None:
+    cfg = BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=10)
+    with pytest.raises(ValueError, match=r"num_experts=10 is not divisible by the EP group size R=4; use a multiple"):
+        Layout(cfg, 4, 4096)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"max_tokens": 0}, r"BufferConfig.max_tokens must be a positive int, got 0"),
+    ({"hidden": -1}, r"BufferConfig.hidden must be a positive int, got -1"),
+    ({"topk": 5}, r"BufferConfig.topk=5 exceeds num_experts=4"),
+    ({"num_slots": 0}, r"BufferConfig.num_slots must be None \(= E // R\) or an int >= 1, got 0"),
+    ({"timeout_s": 0.0}, r"BufferConfig.timeout_s must be > 0, got 0.0"),
+    ({"token_padding": 0}, r"BufferConfig.token_padding must be a positive int, got 0"),
+])
+def test_buffer_config_rejects_bad_sizes(kwargs: dict, match: str) -> None:
+    base = {"max_tokens": S, "hidden": H, "topk": K, "num_experts": E}
+    with pytest.raises(ValueError, match=match):
+        BufferConfig(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize(("shape", "dtype"), [((3, 5), torch.bfloat16), ((3000, 7), torch.bfloat16),
+                                              ((48, 10), torch.float32), ((6, 100), torch.bfloat16)])
+def test_granularity_error_suggests_a_size_that_works(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    """The message names the sizes and suggests an H' multiple; that suggestion must be accepted."""
+    layout = Layout(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E), 2, 4096)
+    with pytest.raises(ValueError, match=rf"expert rows of shape \({shape[0]}, {shape[1]}\)") as info:
+        layout.expert_block_bytes(shape, dtype, 1)
+    multiple = int(re.search(r"scale H' to a multiple of (\d+)", str(info.value)).group(1))
+    layout.expert_block_bytes((shape[0], multiple), dtype, 1)  # must not raise
