@@ -28,7 +28,7 @@ def _close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 
 def _ctx(ep_size: int, group=None) -> ExpertsContext:
     return ExpertsContext(num_experts=E, topk=K, ep_group=group, ep_size=ep_size, compute_dtype=torch.float32,
-                          token_padding=16, max_tokens=S)
+                          token_padding=16, max_tokens=S, device=torch.device("cpu"))
 
 
 def _weights(ep_rank: int, ep_size: int) -> ExpertWeights:

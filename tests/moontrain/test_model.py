@@ -143,7 +143,8 @@ def test_latent_moe_matches_per_token_loop() -> None:
 
     moe.backend = build_experts_backend("local", ExpertsContext(
         num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep_size=1,
-        compute_dtype=torch.float32, token_padding=8, max_tokens=12), moe.experts)
+        compute_dtype=torch.float32, token_padding=8, max_tokens=12,
+        device=torch.device("cpu")), moe.experts)
     x = torch.randn(2, 6, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
     y, _ = moe(x)
     x_sD = x.view(12, -1)

@@ -34,7 +34,7 @@ class ExpertsContext:
     compute_dtype: torch.dtype
     token_padding: int
     max_tokens: int  # tokens per rank per call (S)
-    device: torch.device = torch.device("cpu")
+    device: torch.device
     shared: dict[str, Any] = field(default_factory=dict)  # e.g. moonep's Buffer and ExpertPools
 
 
