@@ -25,9 +25,11 @@ def _moontrain(*args: str, timeout: float) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, check=False)
 
 
-def test_launch_k3_tiny_loss_falls(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["moonep", "alltoall"])
+def test_launch_k3_tiny_loss_falls(tmp_path: Path, backend: str) -> None:
     run_dir = tmp_path / "run"
-    proc = _moontrain("launch", "recipes/k3_tiny.yaml", f"train.run_dir={run_dir}", "--nproc", "2", timeout=240)
+    proc = _moontrain("launch", "recipes/k3_tiny.yaml", f"train.run_dir={run_dir}", f"experts.backend={backend}",
+                      "--nproc", "2", timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = from_dict(RunConfig, yaml.safe_load((run_dir / "config.yaml").read_text())).train.steps
@@ -40,9 +42,9 @@ def test_launch_k3_tiny_loss_falls(tmp_path: Path) -> None:
 
 
 def test_dry_run_full_k3(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["launch", "recipes/k3.yaml", "--dry-run", "--nproc", "896"]) == 0
+    assert main(["launch", "recipes/k3.yaml", "--dry-run", "--nproc", "512"]) == 0
     out = capsys.readouterr().out
-    assert "world 896 = dp_replicate 1 x ep 896" in out and "B=1 prefetch slots" in out
+    assert "world 512 = dp_replicate 4 x ep 128" in out and "B=7 prefetch slots" in out
     for row in ("dense_master", "expert_optimizer", "heap_extra", "receive_buffers", "activations", "total"):
         assert f"  {row} " in out
     total = count_params(from_dict(RunConfig, yaml.safe_load((REPO / "recipes" / "k3.yaml").read_text())).model).total

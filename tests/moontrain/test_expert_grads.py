@@ -1,4 +1,5 @@
-"""The expert-grad contract every backend relies on (moonep's grad mirror in particular):
+"""The expert-grad contract every backend relies on (moonep's grad mirror in particular), first on an
+emulated mirror, then on the real moonep pools in a dp_replicate 2 x EP 2 run:
 
 the expert-data-parallel reduction is handed exactly this rank's local rows, never the slot rows
 [E, E+B) of a grad mirror. The mirror is emulated here as in SPEC.md section 4: one fp32 tensor
@@ -76,3 +77,65 @@ def test_bind_external_rejects_wrong_views() -> None:
     with pytest.raises(ValueError, match=r"'up': backend views \(2, 16, 32\) / \(3, 16, 32\) do not match the "
                                          r"master shape \(2, 16, 32\)"):
         w.bind_external(good, bad)
+
+
+def _moonep_rank_fn() -> dict:
+    """dp_replicate 2 x EP 2 with the real moonep pools: poison the reduce pool after backward (moonep's
+    reduce_grad has consumed it), then run the trainer's expert-data-parallel reduction."""
+    from torch.distributed.tensor import DTensor
+
+    from moontrain.parallel.layout import build_layout
+    from moontrain.trainer.trainer import Trainer
+    from tests.moontrain.test_ep_equality import SKEW, tiny_config
+
+    trainer = Trainer(tiny_config("moonep", 2), build_layout(2, torch.device("cpu")))
+    for moe in trainer.model.moe_layers():
+        moe.router.score_bias_E[:2] += SKEW
+    tokens, targets = trainer.data.batch(0)
+    loss, _ = trainer.model(tokens, targets)
+    loss.backward()
+    layers = [moe.backend.layer for moe in trainer.model.moe_layers()]
+    num_experts = trainer.cfg.model.num_experts
+    before = {}
+    for i, layer in enumerate(layers):
+        for name in layer.g_local:
+            before[(i, name)] = layer.g_local[name].clone()
+            layer.g_full[name][num_experts:] = float("nan")  # the reduce pool: rows [E, E+B)
+    given = []
+    real_all_reduce = dist.all_reduce
+
+    def recording_all_reduce(tensor, *args, **kwargs):
+        given.append((tensor.data_ptr(), tuple(tensor.shape)))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording_all_reduce
+    try:
+        trainer._reduce_grads()
+    finally:
+        dist.all_reduce = real_all_reduce
+    edp = trainer.layout.edp_group
+    expected, reduced, poison_kept = {}, {}, True
+    for (i, name), g in before.items():
+        parts = [torch.empty_like(g) for _ in range(dist.get_world_size(edp))]
+        dist.all_gather(parts, g, group=edp)
+        expected[(i, name)] = (parts[0] + parts[1]) * (1.0 / dist.get_world_size())
+        reduced[(i, name)] = layers[i].g_local[name].clone()
+        poison_kept &= bool(torch.isnan(layers[i].g_full[name][num_experts:]).all())
+    local_views = {(layer.g_local[n].data_ptr(), tuple(layer.g_local[n].shape)) for layer in layers for n in layer.g_local}
+    masters_plain = all(not isinstance(p, DTensor) for p in trainer.expert_params)
+    master_grads_are_views = all(
+        moe.experts.master[n].grad.data_ptr() == layer.g_local[n].data_ptr()
+        for moe, layer in zip(trainer.model.moe_layers(), layers, strict=True) for n in layer.g_local)
+    return {"given": given, "local_views": local_views, "expected": expected, "reduced": reduced,
+            "poison_kept": poison_kept, "masters_plain": masters_plain, "views": master_grads_are_views}
+
+
+def test_moonep_reduce_pool_never_reaches_dp_reduction() -> None:
+    for rank, res in enumerate(run_distributed(4, _moonep_rank_fn)):
+        assert sorted(res["given"]) == sorted(res["local_views"]), f"rank {rank}: all_reduce got {res['given']}"
+        assert res["poison_kept"], f"rank {rank}: the reduce pool was written by the DP reduction"
+        assert res["masters_plain"], "expert masters must not be FSDP (DTensor) parameters"
+        assert res["views"], "master.grad must be moonep's g_local view"
+        for key, want in res["expected"].items():
+            got = res["reduced"][key]
+            assert torch.isfinite(got).all() and torch.equal(got, want), f"rank {rank} layer/proj {key}"
