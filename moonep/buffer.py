@@ -101,12 +101,17 @@ class Buffer:
     def barrier(self, call: str) -> None:
         self.heap.barrier(call)
 
+    def _check_alive(self, call: str) -> None:
+        if not self._mine:  # destroy() dropped the views over unmapped memory
+            raise RuntimeError(f"moonep Buffer used after destroy() (in {call})")
+
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x_sH: torch.Tensor, weights_sK: torch.Tensor | None = None, topk_sK: torch.Tensor | None = None,
                  tokens_per_expert_E: torch.Tensor | None = None, *, plan: Plan | None = None,
                  total_num_tokens: int | None = None) -> DispatchResult:
         """Send every token row to the rows of its K experts (fresh plan from topk_sK, or a saved
         plan, as in backward). Weights travel per (token, k)."""
+        self._check_alive("dispatch")
         cfg, layout = self.config, self.layout
         s = x_sH.shape[0] if isinstance(x_sH, torch.Tensor) and x_sH.dim() == 2 else -1
         check_tensor("x_sH", x_sH, shape=(max(s, 0), cfg.hidden), dtype=cfg.dtype, device=self.device)
@@ -135,6 +140,7 @@ class Buffer:
              total_num_tokens: int | None = None) -> Plan:
         """Exchange histograms and plan (collective) without moving tokens; pass the result to
         dispatch(plan=...). `dispatch` with routing does both."""
+        self._check_alive("plan")
         cfg = self.config
         s = topk_sK.shape[0] if isinstance(topk_sK, torch.Tensor) and topk_sK.dim() == 2 else -1
         check_num_tokens(self.layout, s)
@@ -206,6 +212,7 @@ class Buffer:
     # ------------------------------------------------------------------ combine
     def combine_input(self, plan: Plan) -> torch.Tensor:
         """[nvs_s, H] symmetric rows; writing y rows here makes combine copy nothing."""
+        self._check_alive("combine_input")
         return self._mine["comb"][: plan.nvs_s]
 
     def combine(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None = None
@@ -214,6 +221,7 @@ class Buffer:
 
         `row_scalars` [nvs_s] fp32 (optional) are gathered per (token, k), e.g. the gradient of
         the route weights in dispatch's backward."""
+        self._check_alive("combine")
         H = self.config.hidden
         check_tensor("y_rows", y_rows, shape=(plan.nvs_s, H), dtype=self.config.dtype, device=self.device)
         comb = self.combine_input(plan)
