@@ -1,18 +1,22 @@
 """Per-rank memory estimate for a training layout, computed from shapes only (nothing is allocated).
 
 Legend: W world, R = ep, epn = E/R, B = epn prefetch slots (training), S tokens per rank per step,
-K top-k, H expert width, F expert FFN width, D hidden, L_moe MoE layers.
+K top-k, H expert width, F expert FFN width, P dense (FSDP-sharded) parameters.
 
-Terms (bytes per rank):
-- dense params (FSDP over W): fp32 master 4P/W, fp32 grad shard 4P/W, Adam 8P/W; the gathered compute
-  copy of the root (embedding, head) plus two blocks (current + prefetched), in the compute dtype.
-- expert local rows (L_moe * epn * 3*H*F): compute weights (bf16; in the symmetric heap for moonep),
-  fp32 master, fp32 grad (moonep: the grad mirror, also in the heap), Adam 8 bytes/param.
-- symmetric heap extra (moonep): per projection B slot rows (compute dtype) and B reduce-buffer rows
-  (fp32), shared by all layers; plus the receive buffer NvS x H (NvS = S*K + 2*epn*token_padding).
-- alltoall receive buffers are dynamic: S*K*H at balance, up to R times that under full skew.
-- activations: tensors saved for backward per token per layer (no recomputation), the compute dtype
-  for most, fp32 for routing weights, the K-way combine and the logits (a rough model, within ~30%).
+Each row is split into the dense part (FSDP over W) and the expert part (this rank's local rows,
+L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
+- weights: compute-dtype copies. Dense: the gathered root (embedding, head) plus two blocks (current
+  and prefetched). Experts: the local rows (for moonep they live in the symmetric heap).
+- master: fp32, dense 4P/W, experts 4 bytes per local parameter.
+- grads: dense: the fp32 reduce-scatter output 4P/W plus the gathered compute-dtype grads of two
+  blocks; experts: fp32 local rows (moonep: the grad mirror's local rows, in the heap).
+- optimizer: Adam's two fp32 moments on the master.
+- symmetric heap (moonep, beyond the local weight/grad rows above): per projection B slot rows in the
+  compute dtype and B reduce-pool rows in fp32, shared by all layers.
+- receive buffers: moonep NvS x H, NvS = S*K + 2*epn*token_padding (static); alltoall S*K*H at
+  balance (dynamic: up to R times that under full skew).
+- activations: tensors saved for backward per token per layer without recomputation: the compute
+  dtype for most, fp32 for routing weights, the K-way combine and the logits (a rough model, ~30%).
 """
 
 from __future__ import annotations
@@ -22,27 +26,20 @@ from dataclasses import dataclass
 from moontrain.config.run_config import RunConfig
 from moontrain.planning.params import ParamCounts
 
+ROWS = ("weights", "master", "grads", "optimizer", "symmetric_heap", "receive_buffers", "activations")
+
 
 @dataclass(kw_only=True, slots=True)
 class MemoryEstimate:
-    dense_compute: float
-    dense_master: float
-    dense_grads: float
-    dense_optimizer: float
-    expert_compute: float
-    expert_master: float
-    expert_grads: float
-    expert_optimizer: float
-    heap_extra: float  # moonep slot pools + reduce buffers
-    receive_buffers: float
-    activations: float
+    dense: dict[str, float]  # bytes per row of ROWS
+    experts: dict[str, float]
+
+    def row(self, name: str) -> float:
+        return self.dense.get(name, 0.0) + self.experts.get(name, 0.0)
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, f) for f in self.__slots__)
-
-    def rows(self) -> list[tuple[str, float]]:
-        return [(f, getattr(self, f)) for f in self.__slots__] + [("total", self.total)]
+        return sum(self.row(name) for name in ROWS)
 
 
 def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, compute_bytes: int) -> MemoryEstimate:
@@ -50,26 +47,27 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
     epn = m.num_experts // R
     H, F, K = m.expert_width, m.moe_intermediate_size, m.num_experts_per_tok
     S = cfg.train.global_batch_size // world_size * cfg.train.seq_len
-    expert_local = m.num_moe_layers * epn * 3 * H * F
+    local = m.num_moe_layers * epn * 3 * H * F
     P = counts.dense
     gathered = counts.embedding + 2 * counts.max_block_dense(m)
     moonep = cfg.experts.backend == "moonep"
-    slots = epn if moonep else 0
     nvs = S * K + 2 * epn * cfg.experts.token_padding
-    receive = nvs * H * compute_bytes if moonep else S * K * H * compute_bytes
-    return MemoryEstimate(
-        dense_compute=gathered * compute_bytes,
-        dense_master=4 * P / world_size,
-        dense_grads=4 * P / world_size + gathered * compute_bytes,
-        dense_optimizer=8 * P / world_size,
-        expert_compute=expert_local * compute_bytes,
-        expert_master=4 * expert_local,
-        expert_grads=4 * expert_local,
-        expert_optimizer=8 * expert_local,
-        heap_extra=slots * 3 * H * F * (compute_bytes + 4),
-        receive_buffers=receive,
-        activations=S * _activation_bytes_per_token(cfg, compute_bytes),
-    )
+    dense = {
+        "weights": gathered * compute_bytes,
+        "master": 4 * P / world_size,
+        "grads": 4 * P / world_size + 2 * counts.max_block_dense(m) * compute_bytes,
+        "optimizer": 8 * P / world_size,
+        "activations": S * _activation_bytes_per_token(cfg, compute_bytes),
+    }
+    experts = {
+        "weights": local * compute_bytes,
+        "master": 4 * local,
+        "grads": 4 * local,
+        "optimizer": 8 * local,
+        "symmetric_heap": epn * 3 * H * F * (compute_bytes + 4) if moonep else 0.0,
+        "receive_buffers": (nvs if moonep else S * K) * H * compute_bytes,
+    }
+    return MemoryEstimate(dense=dense, experts=experts)
 
 
 def _activation_bytes_per_token(cfg: RunConfig, c: int) -> float:

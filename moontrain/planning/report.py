@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from moontrain.config.run_config import RunConfig
-from moontrain.planning.memory import estimate_memory
+from moontrain.planning.memory import ROWS, estimate_memory
 from moontrain.planning.params import count_params
 
 H200_BYTES = 141e9
@@ -34,8 +34,11 @@ def dry_run_report(cfg: RunConfig, world_size: int, device: str) -> str:
                  "norms"):
         lines.append(f"  {name:<18} {_num(getattr(counts, name))}")
     lines.append("== memory per rank (estimate) ==")
-    for name, value in mem.rows():
-        lines.append(f"  {name:<18} {_bytes(value):>12}")
+    lines.append(f"  {'':<16} {'dense':>12} {'experts':>12} {'total':>12}")
+    for name in ROWS:
+        dense, experts = mem.dense.get(name, 0.0), mem.experts.get(name, 0.0)
+        lines.append(f"  {name:<16} {_bytes(dense):>12} {_bytes(experts):>12} {_bytes(dense + experts):>12}")
+    lines.append(f"  {'total':<16} {'':>12} {'':>12} {_bytes(mem.total):>12}")
     lines.append(f"  (activations without recomputation; an H200 has {_bytes(H200_BYTES)}: "
                  f"{'fits' if mem.total <= H200_BYTES else 'does NOT fit'})")
     return "\n".join(lines)
@@ -49,6 +52,8 @@ def _num(n: int) -> str:
 
 
 def _bytes(n: float) -> str:
+    if n == 0:
+        return "-"
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"

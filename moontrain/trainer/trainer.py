@@ -45,11 +45,12 @@ class Trainer:
         if self.fsdp:
             apply_fsdp(self.model, layout, param_dtype=self.compute_dtype)
         micro_batch = cfg.train.global_batch_size // layout.world_size
-        self.model.attach_experts_backends(cfg.experts.backend, ExpertsContext(
+        self.experts_ctx = ExpertsContext(
             num_experts=cfg.model.num_experts, topk=cfg.model.num_experts_per_tok, ep_group=layout.ep_group,
             ep_size=layout.ep, compute_dtype=self.compute_dtype, token_padding=cfg.experts.token_padding,
             max_tokens=micro_batch * cfg.train.seq_len, device=device,
-        ))
+        )
+        self.model.attach_experts_backends(cfg.experts.backend, self.experts_ctx)
         self.experts = [moe.experts for moe in self.model.moe_layers()]
         self.expert_params = [p for w in self.experts for p in w.master.values()]
         expert_ids = {id(p) for p in self.expert_params}
@@ -95,6 +96,10 @@ class Trainer:
 
     def fit(self) -> list[StepStats]:
         return [self.train_step() for _ in range(self.step, self.cfg.train.steps)]
+
+    def close(self) -> None:
+        """Release backend-owned memory (moonep's symmetric heap). The model is unusable afterwards."""
+        self.experts_ctx.close()
 
     def _reduce_grads(self) -> None:
         layout = self.layout

@@ -40,7 +40,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"moontrain: {layout.describe()}; experts backend {cfg.experts.backend}; device {device}",
                   flush=True)
         trainer = Trainer(cfg, layout, log=ProgressLog(cfg.train.run_dir, cfg.train.steps) if is_main else None)
-        trainer.fit()
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
     finally:
         dist.destroy_process_group()
 

@@ -45,7 +45,8 @@ def test_dry_run_full_k3(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["launch", "recipes/k3.yaml", "--dry-run", "--nproc", "512"]) == 0
     out = capsys.readouterr().out
     assert "world 512 = dp_replicate 4 x ep 128" in out and "B=7 prefetch slots" in out
-    for row in ("dense_master", "expert_optimizer", "heap_extra", "receive_buffers", "activations", "total"):
+    for row in ("weights", "master", "grads", "optimizer", "symmetric_heap", "receive_buffers", "activations",
+                "total"):
         assert f"  {row} " in out
     total = count_params(from_dict(RunConfig, yaml.safe_load((REPO / "recipes" / "k3.yaml").read_text())).model).total
     assert abs(total - 2.8e12) / 2.8e12 < 0.02, total

@@ -117,6 +117,7 @@ def train_sharded(backend: str, ep: int) -> tuple[list[float], list[float], dict
 
         pools.prefetch = recording_prefetch
     losses, maxvio, state = _train(trainer)
+    trainer.close()
     state["slots_used"] = torch.tensor(slots_used)
     return losses, maxvio, state
 

@@ -126,6 +126,7 @@ def _moonep_rank_fn() -> dict:
     master_grads_are_views = all(
         moe.experts.master[n].grad.data_ptr() == layer.g_local[n].data_ptr()
         for moe, layer in zip(trainer.model.moe_layers(), layers, strict=True) for n in layer.g_local)
+    trainer.close()
     return {"given": given, "local_views": local_views, "expected": expected, "reduced": reduced,
             "poison_kept": poison_kept, "masters_plain": masters_plain, "views": master_grads_are_views}
 

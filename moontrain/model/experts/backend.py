@@ -36,6 +36,12 @@ class ExpertsContext:
     max_tokens: int  # tokens per rank per call (S)
     device: torch.device
     shared: dict[str, Any] = field(default_factory=dict)  # e.g. moonep's Buffer and ExpertPools
+    closers: list[Callable[[], None]] = field(default_factory=list)  # release backend-owned memory
+
+    def close(self) -> None:
+        """Release what the backends own (moonep's symmetric heap); expert tensors become invalid."""
+        while self.closers:
+            self.closers.pop()()
 
 
 def _build_local(ctx: ExpertsContext, weights: ExpertWeights) -> ExpertsBackend:

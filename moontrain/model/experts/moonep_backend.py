@@ -34,6 +34,7 @@ class MoonEPExperts:
                 ctx.ep_group, device=ctx.device,
             )
             ctx.shared["moonep_buffer"] = buf
+            ctx.closers.append(buf.destroy)
             ctx.shared["moonep_pools"] = moonep.ExpertPools(buf, projections=dict(weights.shapes),
                                                             dtype=ctx.compute_dtype)
         self.buf = ctx.shared["moonep_buffer"]
