@@ -188,7 +188,7 @@ def _reduce_grad_once(pools, layer, plan, rank: int, epn: int, key: int) -> tupl
     for p in PROJ:
         layer.g_local[p].copy_(init[p][rank])
         layer.g_compact[p][epn:].copy_(slot[p][rank])  # unused slots hold junk that must be ignored
-    pools.reduce_grad(plan, layer)
+    pools.buffer.reduce_grad(plan, layer)
     want = {}
     slot_e = plan.slot_expert_RB.tolist()
     for p in PROJ:
@@ -228,6 +228,8 @@ def _data_path_rank(rank: int, R: int) -> dict:
             res = buf.dispatch(x_R[rank], w_R[rank], topk_R[rank], hist, total_num_tokens=total)
             plan = res.plan
             info["slots_used"] += int((plan.slot_expert_RB >= 0).sum())
+            if ci == 0:
+                saved = (plan, ref, s_R)
             _check_plan(c, ctx, plan, ref, rank)
             want_x, want_w = _expected_rows(ref, rank, x_R, w_R)
             c.bitwise("dispatched rows equal a direct gather", ctx, "x_rows", res.x_rows, want_x)
@@ -240,7 +242,7 @@ def _data_path_rank(rank: int, R: int) -> dict:
             info["remote_rows"] += sum(1 for e in ref.row_entry[rank] if e is not None and e[0] != rank)
 
             # prefetch layer 0; ensure() after layer 1 used the slots brings layer 0 back, and only then
-            pools.prefetch(plan, layers[0])
+            buf.prefetch_weight(plan, layers[0])
             _check_slots(c, "prefetched slots are the owners' rows", f"{ctx} layer 0", plan, layers[0], W[0], E, epn)
             pools.prefetch(plan, layers[1])
             _check_slots(c, "prefetched slots are the owners' rows", f"{ctx} layer 1", plan, layers[1], W[1], E, epn)
@@ -286,11 +288,66 @@ def _data_path_rank(rank: int, R: int) -> dict:
                               torch.zeros_like(run[2][p]))
                 c.true("reduce_grad sums in a fixed order", ctx, bool((layers[1].g_local[p] == 0).all()),
                        "reduce_grad of layer 0 touched layer 1's grads")
+        # backward reuses a plan saved many calls earlier: same destinations, fresh data
+        plan, ref, s_R = saved
+        ctx = f"R={R} rank {rank} saved plan of case 0 after the other cases"
+        x3_R = [_rows(s_R[r], (90, r)) for r in range(R)]
+        res3 = buf.dispatch(x3_R[rank], plan=plan)
+        c.bitwise("dispatch with a saved plan", ctx, "x_rows", res3.x_rows, _expected_rows(ref, rank, x3_R, None)[0])
+        y_R = [_wide_rows(plan.nvs_s, (91, d)) for d in range(R)]
+        sc_R = [torch.randn(plan.nvs_s, generator=_gen(92, d)) for d in range(R)]
+        want_y, want_sc = _expected_combine(ref, rank, y_R, sc_R)
+        y, sc = buf.combine(plan, y_R[rank].clone(), row_scalars=sc_R[rank].clone())
+        c.bitwise("combine is the fp32 sum in ascending k", ctx, "y_sH", y, want_y)
+        c.bitwise("route-weight scalar gather", ctx, "scalars_sK", sc, want_sc)
         pools_info = {"slots_used": info["slots_used"], "remote_rows": info["remote_rows"]}
     finally:
         buf.destroy()
     shapes = _static_shapes_rank(rank, R, c)
-    return {"failures": dict(c.failures), **pools_info, **shapes}
+    overflow = _few_slots_rank(rank, R, c)
+    return {"failures": dict(c.failures), **pools_info, **shapes, "overflow_rows": overflow}
+
+
+def _overflow_case(R: int, E: int, K: int, S: int) -> tuple[str, list[torch.Tensor], None]:
+    """The first seeded log-normal routing in which some rank needs two remote experts."""
+    epn = E // R
+    for seed in range(500):
+        g = _gen(70, seed)
+        log_p = (1.0 + seed % 3) * torch.randn(E, generator=g)
+        topk_R = [(log_p - torch.empty(S, E).exponential_(generator=g).log()).topk(K, dim=1).indices.to(torch.int32)
+                  for _ in range(R)]
+        ref = reference_plan([t.tolist() for t in topk_R], E, 1, 1)
+        if any(sum(ref.alloc[e][d] > 0 and e // epn != d for e in range(E)) >= 2 for d in range(R)):
+            return f"two remote experts (seed {seed})", topk_R, None
+    raise AssertionError("no routing with two remote experts on a rank")
+
+
+def _few_slots_rank(rank: int, R: int, c: Checks) -> int:
+    """Inference with B = 1 < epn where possible: remote experts past the first keep their home
+    W_full row; rows still land where the reference says, cu_seqlens_full covers them."""
+    sz = SIZES[R]
+    E, K, S, pad = sz["E"], sz["K"], sz["S"], sz["pad"]
+    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=pad, num_slots=1,
+                              timeout_s=60))
+    overflow = 0
+    try:
+        for name, topk_R, total in [*_cases(R, E, K, S), _overflow_case(R, E, K, S)]:
+            ctx = f"R={R} rank {rank} B=1 case {name!r}"
+            s_R = [t.shape[0] for t in topk_R]
+            ref = reference_plan([t.tolist() for t in topk_R], E, 1, pad, total)
+            x_R = [_rows(s_R[r], (60, r)) for r in range(R)]
+            w_R = [torch.rand(s_R[r], K, generator=_gen(61, r)) for r in range(R)]
+            res = buf.dispatch(x_R[rank], w_R[rank], topk_R[rank], total_num_tokens=total)
+            want_x, want_w = _expected_rows(ref, rank, x_R, w_R)
+            c.bitwise("fewer slots than remote experts (inference)", ctx, "x_rows", res.x_rows, want_x)
+            c.bitwise("fewer slots than remote experts (inference)", ctx, "weights_rows", res.weights_rows, want_w)
+            c.bitwise("fewer slots than remote experts (inference)", ctx, "cu_seqlens_full",
+                      res.plan.cu_seqlens_full, torch.tensor(ref.offs[rank], dtype=torch.int32))
+            epn = E // R
+            overflow += sum(ref.group_rows[rank][e] for e in range(E) if e // epn != rank)
+    finally:
+        buf.destroy()
+    return overflow
 
 
 def _static_shapes_rank(rank: int, R: int, c: Checks) -> dict:
@@ -345,6 +402,7 @@ CHECKS = [
     "reduce_grad is deterministic",
     "reduce_grad zeroes consumed slots",
     "static shapes at maxvio 0 and 20",
+    "fewer slots than remote experts (inference)",
 ]
 
 
@@ -364,4 +422,5 @@ def test_data_path_exercises_slots_and_maxvio_20(data_path: tuple[int, list[dict
     assert all(o["remote_rows"] > 0 for o in out), [o["remote_rows"] for o in out]
     lo, hi = out[0]["shape_maxvio"]
     assert lo == 0.0 and abs(hi - SHAPE_MAXVIO) <= 1.0, f"realised maxvio {lo}, {hi}"
+    assert any(o["overflow_rows"] > 0 for o in out), "no rank read a remote expert from its home row at B=1"
     assert out[0]["shape_slots"][1] > 0, f"maxvio 20 used no slot: {out[0]['shape_slots']}"
