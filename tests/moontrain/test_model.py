@@ -26,7 +26,7 @@ RTOL = 1e-5
 
 def _cfg(**over) -> ModelConfig:
     base = dict(vocab_size=64, hidden_size=32, num_layers=2, dense_intermediate_size=64, num_heads=2, q_lora_rank=16,
-                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, num_experts=8,
+                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, num_experts=8,
                 num_experts_per_tok=3, num_shared_experts=2, moe_intermediate_size=128, moe_latent_size=16,
                 routed_scaling_factor=2.5, seq_aux_loss_coef=0.1)
     return ModelConfig(**{**base, **over})
@@ -68,9 +68,13 @@ def _attention_reference(m: MLAttention, x_BTD: torch.Tensor, cfg: ModelConfig) 
     return m.wo(o)
 
 
-@pytest.mark.parametrize("use_nope", [False, True])
-def test_mla_matches_explicit_attention(use_nope: bool) -> None:
-    cfg = _cfg(use_nope=use_nope)
+@pytest.mark.parametrize(("use_nope", "dims"), [
+    (False, {}),  # q/k head dim 8 + 4 = 12 > v head dim 8: v is padded
+    (True, {}),
+    (False, {"qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 16}),  # v wider: q/k are padded
+], ids=["rope", "nope", "wide-v"])
+def test_mla_matches_explicit_attention(use_nope: bool, dims: dict) -> None:
+    cfg = _cfg(use_nope=use_nope, **dims)
     m = MLAttention(cfg)
     _init(m)
     x = torch.randn(2, 7, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
