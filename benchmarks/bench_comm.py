@@ -19,12 +19,15 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from benchmarks.alltoall_baseline import AllToAllDispatcher
 from moonep import Buffer, BufferConfig, ExpertPools
@@ -153,7 +156,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=time.strftime("%Y%m%d"))
+    p.add_argument("--show", metavar="JSON", help="print the table of a saved result and exit (no GPU needed)")
     args = p.parse_args()
+    if args.show:
+        print_table(json.loads(Path(args.show).read_text())["points"])
+        return
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
@@ -207,11 +214,14 @@ def print_table(results: list[dict]) -> None:
               f"{m['reduce_grad_us']:>7.0f} {m['rank_load_max_over_mean']:>5.2f} | {b['dispatch_fwd_us']:>7.0f} "
               f"{b['combine_fwd_us']:>7.0f} {b['dispatch_bwd_us']:>7.0f} {b['combine_bwd_us']:>7.0f} "
               f"{b['rank_load_max_over_mean']:>5.2f}")
-    shapes = {json.dumps(r["moonep"]["shapes"]) for r in results if r["E"] == results[0]["E"]}
-    peaks = {r["moonep"]["peak_allocated_bytes"] for r in results}
-    print(f"moonep shapes identical across points: {len(shapes) == 1}; moonep peak allocated (GiB): "
-          f"{sorted({round(p / 2**30, 3) for p in peaks})}")
-
+    for E in sorted({r["E"] for r in results}):
+        pts = [r for r in results if r["E"] == E]
+        shapes = {json.dumps(r["moonep"]["shapes"]) for r in pts}
+        peaks = sorted({round(r["moonep"]["peak_allocated_bytes"] / 2**30, 3) for r in pts})
+        heap = pts[0]["moonep"]["symmetric_heap_bytes"] / 2**30
+        print(f"E={E}: moonep shapes identical across {len(pts)} points: {len(shapes) == 1} {shapes.pop()}; "
+              f"peak allocated GiB {peaks} + symmetric heap {heap:.2f} GiB; a2a peak GiB "
+              f"{sorted({round(r['alltoall']['peak_allocated_bytes'] / 2**30, 3) for r in pts})}")
 
 if __name__ == "__main__":
     main()

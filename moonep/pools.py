@@ -26,6 +26,8 @@ from moonep.buffer import Buffer
 from moonep.heap import Piece, view
 from moonep.planner import Plan
 
+_TEMP_BYTES = 1 << 30
+
 
 @dataclass(frozen=True, eq=False)
 class LayerExperts:
@@ -119,13 +121,23 @@ class ExpertPools:
         src = torch.where(slot_e >= 0, slot_e, E + torch.arange(B, device=slot_e.device))
         for name in self.projections:
             w_full = layer.w_full[name]
-            w_full[E:].copy_(w_full.index_select(0, src))
+            for j0, j1 in self._chunks(name, w_full.dtype):
+                w_full[E + j0 : E + j1].copy_(w_full.index_select(0, src[j0:j1]))
         self._owner = (layer.index, plan)
 
     def ensure(self, plan: Plan, layer: LayerExperts) -> None:
         """Prefetch again only if the slots hold another layer's or plan's copies."""
         if self._owner is None or self._owner[0] != layer.index or self._owner[1] is not plan:
             self.prefetch(plan, layer)
+
+    def _chunks(self, name: str, dtype: torch.dtype) -> list[tuple[int, int]]:
+        """Slot ranges whose temporaries stay under _TEMP_BYTES (prefetch and reduce_grad gather
+        whole slots; at K3 sizes all B slots at once would need tens of GB)."""
+        i, o = self.projections[name]
+        per_slot = i * o * torch.empty((), dtype=dtype).element_size()
+        step = max(1, _TEMP_BYTES // per_slot)
+        B = self.buffer.num_slots
+        return [(j, min(j + step, B)) for j in range(0, B, step)]
 
     # ------------------------------------------------------------------ reduce_grad
     def reduce_grad(self, plan: Plan, layer: LayerExperts) -> None:
@@ -146,8 +158,9 @@ class ExpertPools:
             for d in range(R):
                 if d == rank:
                     continue  # a rank never holds copies of its own experts
-                contrib = torch.where(owned[d][:, None, None], g_all[d], 0.0)
-                g_local.index_add_(0, local_idx[d], contrib)
+                for j0, j1 in self._chunks(name, torch.float32):
+                    contrib = torch.where(owned[d, j0:j1, None, None], g_all[d, j0:j1], 0.0)
+                    g_local.index_add_(0, local_idx[d, j0:j1], contrib)
         buf.barrier("reduce_grad:read")
         for name in self.projections:
             self.g_slots_all[name][rank].zero_()

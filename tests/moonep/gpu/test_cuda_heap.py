@@ -9,9 +9,7 @@ regenerate what a peer wrote and compare bitwise.
 
 from __future__ import annotations
 
-import os
 import time
-from datetime import timedelta
 
 import pytest
 import torch
@@ -23,17 +21,6 @@ from moonep.heap import Piece, SymmetricHeap, create_heap
 pytestmark = pytest.mark.multigpu
 
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def group() -> dist.ProcessGroup:
-    if "LOCAL_RANK" not in os.environ:
-        pytest.skip("run under torchrun --nproc_per_node=2 (one process per GPU)")
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), timeout=timedelta(seconds=120))
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _device() -> torch.device:

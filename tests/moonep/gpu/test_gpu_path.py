@@ -5,9 +5,6 @@ Run on the 2xH200 machine: torchrun --nproc_per_node=2 -m pytest -q -m multigpu 
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,17 +16,6 @@ from tests.moonep import test_moe_layer as cpu_moe
 from tests.moonep.moe_reference import reference_grads
 
 pytestmark = pytest.mark.multigpu
-
-
-@pytest.fixture(scope="module")
-def group() -> dist.ProcessGroup:
-    if "LOCAL_RANK" not in os.environ:
-        pytest.skip("run under torchrun --nproc_per_node=2 (one process per GPU)")
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), timeout=timedelta(seconds=120))
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _first_mismatch(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
