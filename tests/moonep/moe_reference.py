@@ -20,7 +20,7 @@ def dense_moe(x_NH: torch.Tensor, weights_NK: torch.Tensor, topk_NK: torch.Tenso
     return y.to(x_NH.dtype)
 
 
-def reference_grads(x_NH, weights_NK, topk_NK, w, grad_y_NH, dtype):  # noqa: ANN001, ANN201
+def reference_grads(x_NH, weights_NK, topk_NK, w, grad_y_NH, dtype):
     """Output and grads (x, route weights, every expert weight) of dense_moe at `dtype`."""
     x = x_NH.to(dtype).clone().requires_grad_()
     wt = weights_NK.to(torch.float64 if dtype == torch.float64 else torch.float32).clone().requires_grad_()

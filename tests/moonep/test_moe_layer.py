@@ -20,7 +20,7 @@ H, F, K, S = 32, 64, 4, 24
 BF16_EPS = 2.0**-8
 
 
-def _problem(R: int, E: int, maxvio: float, H: int = H, F: int = F, K: int = K, S: int = S):  # noqa: ANN202
+def _problem(R: int, E: int, maxvio: float, H: int = H, F: int = F, K: int = K, S: int = S):
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(R, S, H, generator=g).to(torch.bfloat16)
     w = {"gate": torch.randn(E, H, F, generator=g) / H**0.5, "up": torch.randn(E, H, F, generator=g) / H**0.5,
@@ -74,7 +74,7 @@ def test_moe_layer_matches_dense_reference(R: int) -> None:
     args = (x.view(N, H), weights.view(N, K), topk.view(N, K), w, grad_y.view(N, H))
     y16, gx16, gw16, gW16 = reference_grads(*args, torch.bfloat16)
     y64, gx64, gw64, gW64 = reference_grads(*args, torch.float64)
-    cat = lambda key: torch.cat([o[key] for o in out])  # noqa: E731
+    cat = lambda key: torch.cat([o[key] for o in out])
     _close("y", cat("y"), y16, y64)
     _close("grad x", cat("gx"), gx16, gx64)
     _close("grad route weights", cat("gw"), gw16, gw64)
