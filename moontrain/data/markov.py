@@ -11,6 +11,7 @@ parallel layout trains on exactly the same tokens.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from moontrain.data.config import DataConfig
@@ -29,11 +30,15 @@ class MarkovTokens:
         """(tokens_BT, targets_BT) of this rank for optimizer step `step`."""
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
         G, T = self.global_batch, self.seq_len
-        seq_GT1 = torch.empty(G, T + 1, dtype=torch.long)
-        seq_GT1[:, 0] = torch.randint(0, self.vocab, (G,), generator=gen)
+        # draw the random numbers of the whole global batch (cheap), walk the chain for local rows only
+        start_G = torch.randint(0, self.vocab, (G,), generator=gen)
         choice_GT = torch.randint(0, self.cfg.branching, (G, T), generator=gen)
-        for t in range(T):
-            seq_GT1[:, t + 1] = self.successors_Vb[seq_GT1[:, t], choice_GT[:, t]]
         b = G // self.world
-        local = seq_GT1[self.rank * b:(self.rank + 1) * b].to(self.device)
+        rows = slice(self.rank * b, (self.rank + 1) * b)
+        succ, choice = self.successors_Vb.numpy(), choice_GT[rows].numpy()
+        seq_bT1 = np.empty((b, T + 1), dtype=np.int64)
+        seq_bT1[:, 0] = start_G[rows].numpy()
+        for t in range(T):  # numpy: ~3x faster than torch indexing for these tiny per-step gathers
+            seq_bT1[:, t + 1] = succ[seq_bT1[:, t], choice[:, t]]
+        local = torch.from_numpy(seq_bT1).to(self.device)
         return local[:, :-1].contiguous(), local[:, 1:].contiguous()
