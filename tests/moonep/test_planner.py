@@ -30,6 +30,8 @@ NUM_RANDOM = 200
 # ---------------------------------------------------------------------------------- helpers
 def first_mismatch(got, ref, path: str = "") -> str | None:
     """Path and values of the first difference between two nested lists (None when equal)."""
+    if got == ref:
+        return None
     if isinstance(ref, list):
         if not isinstance(got, list) or len(got) != len(ref):
             return f"{path}: length {len(got) if isinstance(got, list) else got!r} != {len(ref)}"
@@ -139,7 +141,7 @@ def check_properties(layout: Layout, plans: list[Plan], topk_R: list[torch.Tenso
     for p in plans:
         dr, row = p.dst_rank_sK.long(), p.dst_row_sK.long()
         same = dr[:, :, None] == dr[:, None, :]
-        lower = torch.tril(torch.ones(K, K, dtype=torch.bool), diagonal=-1)  # k' < k
+        lower = torch.arange(K)[None, :] < torch.arange(K)[:, None]  # [k, k']: k' < k
         has_lower = (same & lower[None]).any(2)
         assert torch.equal(p.sent_sK, ~has_lower), f"{ctx}: rank {p.rank} sent {p.sent_sK.tolist()}"
         first = torch.argmax(same.to(torch.int8), dim=2)
