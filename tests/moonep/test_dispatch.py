@@ -324,11 +324,12 @@ def _overflow_case(R: int, E: int, K: int, S: int) -> tuple[str, list[torch.Tens
 
 def _few_slots_rank(rank: int, R: int, c: Checks) -> int:
     """Inference with B = 1 < epn where possible: remote experts past the first keep their home
-    W_full row; rows still land where the reference says, cu_seqlens_full covers them."""
+    W_full row; rows still land where the reference says, cu_seqlens_full covers them. Also the
+    GPU hot-path settings: check_values=False and bf16 route weights."""
     sz = SIZES[R]
     E, K, S, pad = sz["E"], sz["K"], sz["S"], sz["pad"]
     buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=pad, num_slots=1,
-                              timeout_s=60))
+                              timeout_s=60, check_values=False))
     overflow = 0
     try:
         for name, topk_R, total in [*_cases(R, E, K, S), _overflow_case(R, E, K, S)]:
@@ -336,7 +337,7 @@ def _few_slots_rank(rank: int, R: int, c: Checks) -> int:
             s_R = [t.shape[0] for t in topk_R]
             ref = reference_plan([t.tolist() for t in topk_R], E, 1, pad, total)
             x_R = [_rows(s_R[r], (60, r)) for r in range(R)]
-            w_R = [torch.rand(s_R[r], K, generator=_gen(61, r)) for r in range(R)]
+            w_R = [torch.rand(s_R[r], K, generator=_gen(61, r)).to(torch.bfloat16) for r in range(R)]
             res = buf.dispatch(x_R[rank], w_R[rank], topk_R[rank], total_num_tokens=total)
             want_x, want_w = _expected_rows(ref, rank, x_R, w_R)
             c.bitwise("fewer slots than remote experts (inference)", ctx, "x_rows", res.x_rows, want_x)
