@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from moontrain.config import RunConfig, from_dict
 from moontrain.parallel.layout import build_layout, single_process_layout
 from moontrain.trainer.trainer import Trainer
-from tests.moontrain.dist_utils import run_distributed
+from tests.dist_utils import run_ranks
 
 STEPS = 3
 SKEW = 0.5  # initial score bias of experts 0 and 1
@@ -104,7 +104,7 @@ def train_reference(reverse: bool) -> tuple[list[float], list[float], dict[str, 
     return _train(trainer)
 
 
-def train_sharded(backend: str, ep: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+def train_sharded(rank: int, world: int, backend: str, ep: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     trainer = Trainer(tiny_config(backend, ep), build_layout(ep, torch.device("cpu")))
     slots_used = []
     if backend == "moonep":  # record how many remote experts each prefetch copies into this rank's slots
@@ -156,11 +156,11 @@ LAYOUT_IDS = ["ep2", "ep4", "dp2xep2"]
 
 @pytest.mark.parametrize(("world", "ep"), LAYOUTS, ids=LAYOUT_IDS)
 def test_alltoall_training_matches_single_process(reference, world: int, ep: int) -> None:
-    _check(run_distributed(world, train_sharded, "alltoall", ep)[0], reference)
+    _check(run_ranks(train_sharded, world, "alltoall", ep, timeout_s=300)[0], reference)
 
 
 @pytest.mark.parametrize(("world", "ep"), LAYOUTS, ids=LAYOUT_IDS)
 def test_moonep_training_matches_single_process(reference, world: int, ep: int) -> None:
-    result = run_distributed(world, train_sharded, "moonep", ep)[0]
+    result = run_ranks(train_sharded, world, "moonep", ep, timeout_s=300)[0]
     assert result[2]["slots_used"].sum() > 0, "the skewed router should make moonep use redundant experts"
     _check(result, reference)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from moontrain.model.experts import ExpertWeights
-from tests.moontrain.dist_utils import run_distributed
+from tests.dist_utils import run_ranks
 
 E, H, FF, EP = 4, 16, 32, 1  # one EP rank per replica, two replicas: the EDP group is the whole world
 
@@ -25,8 +25,7 @@ def _local_grad(rank: int, e: int, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.full(shape, float(10 * rank + e))
 
 
-def _rank_fn() -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _rank_fn(rank: int, world: int) -> dict:
     w = ExpertWeights(num_experts=E, ep_rank=0, ep_size=EP, hidden=H, intermediate=FF)
     w.init_master(seed=0, layer_idx=0, std=0.02)
     epn, slots = w.num_local, w.num_local
@@ -59,7 +58,7 @@ def _rank_fn() -> dict:
 
 
 def test_dp_reduction_sees_local_rows_only() -> None:
-    results = run_distributed(2, _rank_fn)
+    results = run_ranks(_rank_fn, 2, timeout_s=300)
     for rank, res in enumerate(results):
         assert sorted(res["given"]) == sorted(res["local"]), f"rank {rank}: all_reduce got {res['given']}"
         assert res["master_grad_is_view"] and res["compute_matches_master"]
@@ -79,7 +78,7 @@ def test_bind_external_rejects_wrong_views() -> None:
         w.bind_external(good, bad)
 
 
-def _moonep_rank_fn() -> dict:
+def _moonep_rank_fn(rank: int, world: int) -> dict:
     """dp_replicate 2 x EP 2 with the real moonep pools: poison the reduce pool after backward (moonep's
     reduce_grad has consumed it), then run the trainer's expert-data-parallel reduction."""
     from torch.distributed.tensor import DTensor
@@ -132,7 +131,7 @@ def _moonep_rank_fn() -> dict:
 
 
 def test_moonep_reduce_pool_never_reaches_dp_reduction() -> None:
-    for rank, res in enumerate(run_distributed(4, _moonep_rank_fn)):
+    for rank, res in enumerate(run_ranks(_moonep_rank_fn, 4, timeout_s=300)):
         assert sorted(res["given"]) == sorted(res["local_views"]), f"rank {rank}: all_reduce got {res['given']}"
         assert res["poison_kept"], f"rank {rank}: the reduce pool was written by the DP reduction"
         assert res["masters_plain"], "expert masters must not be FSDP (DTensor) parameters"

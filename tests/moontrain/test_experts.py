@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from moontrain.model.experts import ExpertsContext, ExpertWeights, build_experts_backend
 from moontrain.model.experts.grouped import group_rows
-from tests.moontrain.dist_utils import run_distributed
+from tests.dist_utils import run_ranks
 
 E, H, FF, K, S = 8, 32, 64, 3, 24
 RTOL = 1e-5
@@ -94,8 +94,7 @@ def test_local_backend_matches_per_token_loop() -> None:
         assert w.compute[name].grad is None  # folded into the fp32 grad tensor
 
 
-def _alltoall_rank(ep: int, skewed: bool) -> dict[str, torch.Tensor]:
-    rank = dist.get_rank()
+def _alltoall_rank(rank: int, ep: int, skewed: bool) -> dict[str, torch.Tensor]:
     w = _weights(rank, ep)
     backend = build_experts_backend("alltoall", _ctx(ep, dist.group.WORLD), w)
     x, weights, topk = _inputs(rank, skewed)
@@ -112,7 +111,7 @@ def _alltoall_rank(ep: int, skewed: bool) -> dict[str, torch.Tensor]:
 
 
 def _check_alltoall(ep: int, skewed: bool) -> None:
-    results = run_distributed(ep, _alltoall_rank, ep, skewed)
+    results = run_ranks(_alltoall_rank, ep, skewed, timeout_s=300)
     w = _weights(0, 1)
     backend = build_experts_backend("local", _ctx(1), w)
     for rank, got in enumerate(results):
