@@ -1,0 +1,52 @@
+"""Global-norm clipping counts every parameter exactly once across meshes: dense grads are FSDP shards
+over the whole world, expert grads are local rows replicated over dp_replicate. With every dense
+grad element set to 1 and every expert grad element to 2, the norm must be
+sqrt(#dense + 4 * #expert) over the *unsharded, unreplicated* model, on every layout."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from moontrain.parallel.clip import clip_grad_norm_global
+from moontrain.parallel.layout import build_layout, single_process_layout
+from moontrain.trainer.trainer import Trainer
+from tests.dist_utils import run_ranks
+from tests.moontrain.test_ep_equality import tiny_config
+
+MAX_NORM = 0.5
+
+
+def _fill_and_clip(trainer: Trainer) -> tuple[float, float, float]:
+    for p in trainer.dense_params:
+        p.grad = torch.ones_like(p)
+    for p in trainer.expert_params:
+        p.grad = torch.full_like(p, 2.0)
+    norm = float(clip_grad_norm_global(trainer.dense_params, trainer.expert_params, trainer.layout, MAX_NORM))
+    dense = trainer.dense_params[0].grad
+    dense_value = float((dense.to_local() if isinstance(dense, DTensor) else dense).flatten()[0])
+    return norm, dense_value, float(trainer.expert_params[0].grad.flatten()[0])
+
+
+def _expected() -> float:
+    trainer = Trainer(tiny_config("local", 1), single_process_layout(torch.device("cpu")))
+    dense = sum(p.numel() for p in trainer.dense_params)
+    experts = sum(p.numel() for p in trainer.expert_params)
+    return math.sqrt(dense + 4 * experts)
+
+
+def _rank(rank: int, world: int, ep: int) -> tuple[float, float, float]:
+    trainer = Trainer(tiny_config("alltoall", ep), build_layout(ep, torch.device("cpu")))
+    return _fill_and_clip(trainer)
+
+
+@pytest.mark.parametrize(("world", "ep"), [(1, 1), (2, 2), (4, 2), (4, 1)], ids=["ep1", "ep2", "dp2xep2", "dp4"])
+def test_global_norm_counts_each_parameter_once(world: int, ep: int) -> None:
+    want = _expected()
+    for rank, (norm, dense_value, expert_value) in enumerate(run_ranks(_rank, world, ep, timeout_s=300)):
+        assert norm == pytest.approx(want, rel=1e-6), f"rank {rank}: norm {norm} vs {want}"
+        coef = MAX_NORM / (want + 1e-6)
+        assert dense_value == pytest.approx(coef, rel=1e-6) and expert_value == pytest.approx(2 * coef, rel=1e-6)
