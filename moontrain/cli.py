@@ -57,15 +57,22 @@ def main(argv: list[str] | None = None) -> int:
 
         print(dry_run_report(cfg, world, args.device or "cuda"))
         return 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    if args.nnodes > 1:
-        cmd += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", args.rdzv_endpoint]
-    else:
-        cmd += ["--standalone"]
-    cmd += ["-m", "moontrain.trainer.worker", args.recipe, *args.overrides]
+    cmd = torchrun_command(args.recipe, args.overrides, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                           rdzv_endpoint=args.rdzv_endpoint)
     print("moontrain: " + " ".join(cmd), flush=True)
     return subprocess.call(cmd)
+
+
+def torchrun_command(recipe: str, overrides: list[str], *, nproc: int, nnodes: int = 1, node_rank: int = 0,
+                     rdzv_endpoint: str | None = None) -> list[str]:
+    """The torchrun invocation: standalone rendezvous on one node, c10d at rdzv_endpoint on several."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    if nnodes > 1:
+        cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", str(rdzv_endpoint)]
+    else:
+        cmd += ["--standalone"]
+    return [*cmd, "-m", "moontrain.trainer.worker", recipe, *overrides]
 
 
 def _default_nproc(cfg: RunConfig) -> int:

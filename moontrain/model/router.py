@@ -28,8 +28,10 @@ class Router(nn.Module):
         self.seq_aux_loss_coef = cfg.seq_aux_loss_coef
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, device=device))
         self.register_buffer("score_bias_E", torch.zeros(cfg.num_experts, device=device))
-        # tokens routed to each expert since the last bias update (this rank only; reduced by the trainer)
-        self.register_buffer("tokens_per_expert_E", torch.zeros(cfg.num_experts, device=device), persistent=False)
+        # tokens routed to each expert since the last bias update (this rank only; reduced by the trainer).
+        # int64: a world-reduced count passes 2^24 (fp32's exact range) at K3 scale
+        self.register_buffer("tokens_per_expert_E", torch.zeros(cfg.num_experts, dtype=torch.long, device=device),
+                             persistent=False)
 
     def forward(self, x_sD: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Returns (weights_sK fp32, topk_sK int64, sequence aux loss or None)."""
@@ -57,6 +59,6 @@ class Router(nn.Module):
 
     @torch.no_grad()
     def update_bias(self, global_tokens_per_expert_E: torch.Tensor) -> None:
-        counts = global_tokens_per_expert_E.float()
+        counts = global_tokens_per_expert_E.double()
         self.score_bias_E += self.update_rate * torch.sign(counts.mean() - counts)
         self.tokens_per_expert_E.zero_()

@@ -73,3 +73,15 @@ def test_param_counts_match_formula() -> None:
 def test_bad_launch_fails_before_torchrun(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["launch", *args, "--dry-run"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_torchrun_command() -> None:
+    from moontrain.cli import torchrun_command
+
+    single = torchrun_command("r.yaml", ["a.b=1"], nproc=8)
+    assert single[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "8", "--standalone",
+                          "-m", "moontrain.trainer.worker", "r.yaml", "a.b=1"]
+    multi = torchrun_command("r.yaml", [], nproc=8, nnodes=4, node_rank=2, rdzv_endpoint="h:29500")
+    assert multi[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "8", "--nnodes", "4", "--node-rank", "2",
+                         "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29500",
+                         "-m", "moontrain.trainer.worker", "r.yaml"]

@@ -109,14 +109,14 @@ def test_router_topk_renormalised_and_scaled() -> None:
     assert torch.equal(topk, want_topk)
     chosen = scores.gather(1, want_topk)
     _close(weights, chosen / chosen.sum(-1, keepdim=True) * cfg.routed_scaling_factor, "route weights")
-    assert torch.equal(r.tokens_per_expert_E, torch.bincount(want_topk.flatten(), minlength=cfg.num_experts).float())
+    assert torch.equal(r.tokens_per_expert_E, torch.bincount(want_topk.flatten(), minlength=cfg.num_experts))
 
 
 def test_bias_update_moves_toward_balance() -> None:
     cfg = _cfg(router_bias_update_rate=0.01)
     r = Router(cfg)
-    counts = torch.tensor([10.0, 0, 5, 5, 5, 5, 3, 7])  # mean 5
-    r.tokens_per_expert_E.fill_(1.0)
+    counts = torch.tensor([10, 0, 5, 5, 5, 5, 3, 7])  # mean 5
+    r.tokens_per_expert_E.fill_(1)
     r.update_bias(counts)
     assert r.score_bias_E.tolist() == pytest.approx([-0.01, 0.01, 0, 0, 0, 0, 0.01, -0.01])
     assert r.tokens_per_expert_E.abs().sum() == 0
