@@ -26,6 +26,7 @@ class Router(nn.Module):
         self.scaling = cfg.routed_scaling_factor
         self.update_rate = cfg.router_bias_update_rate
         self.seq_aux_loss_coef = cfg.seq_aux_loss_coef
+        self.count_tokens = True  # off while activation checkpointing recomputes this layer
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, device=device))
         self.register_buffer("score_bias_E", torch.zeros(cfg.num_experts, device=device))
         # tokens routed to each expert since the last bias update (this rank only; reduced by the trainer).
@@ -40,7 +41,7 @@ class Router(nn.Module):
         topk_sK = torch.topk(scores_sE.detach() + self.score_bias_E, self.topk, dim=-1).indices
         weights_sK = scores_sE.gather(1, topk_sK)
         weights_sK = weights_sK / weights_sK.sum(-1, keepdim=True) * self.scaling
-        with torch.no_grad():
+        if self.count_tokens:
             self.tokens_per_expert_E += torch.bincount(topk_sK.flatten(), minlength=self.num_experts)
         aux = None
         if self.seq_aux_loss_coef > 0:

@@ -1,13 +1,22 @@
 """The K3-like decoder: embedding, pre-norm blocks (MLA + dense FFN or MoE), final norm, LM head, CE loss.
 
 Legend: B batch, T sequence, D hidden, V vocab.
+
+Activation checkpointing (optional) recomputes each block in backward (non-reentrant). The recompute
+re-runs the expert backend's collectives; every rank recomputes the same blocks in the same order,
+so they stay matched. early_stop is off so a recompute always runs the whole block (a partial one
+could stop inside a collective call). The router does not count tokens again while recomputing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from moontrain.model.attention import MLAttention
 from moontrain.model.config import ModelConfig
@@ -28,8 +37,26 @@ class Block(nn.Module):
         self.is_moe = layer_idx >= cfg.num_dense_layers
         self.ffn = (MoE(cfg, ep_rank=ep_rank, ep_size=ep_size, device=device) if self.is_moe
                     else SwiGLU(cfg.hidden_size, cfg.dense_intermediate_size, device=device))
+        self.activation_checkpointing = False
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return checkpoint(self._forward, x_BTD, cos, sin, use_reentrant=False, early_stop=False,
+                              context_fn=lambda: (nullcontext(), self._recomputing()))
+        return self._forward(x_BTD, cos, sin)
+
+    @contextmanager
+    def _recomputing(self) -> Iterator[None]:
+        if not self.is_moe:
+            yield
+            return
+        self.ffn.router.count_tokens = False
+        try:
+            yield
+        finally:
+            self.ffn.router.count_tokens = True
+
+    def _forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin)
         if self.is_moe:
             y, aux = self.ffn(self.ffn_norm(x_BTD))
@@ -69,6 +96,10 @@ class K3Model(nn.Module):
         for layer_idx, moe in enumerate(self.moe_layers()):
             moe.experts.init_master(seed=seed, layer_idx=layer_idx, std=std)
             moe.router.score_bias_E.zero_()
+
+    def enable_activation_checkpointing(self) -> None:
+        for block in self.layers:
+            block.activation_checkpointing = True
 
     def attach_experts_backends(self, name: str, ctx: ExpertsContext) -> None:
         for moe in self.moe_layers():

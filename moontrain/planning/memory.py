@@ -15,8 +15,9 @@ L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
   compute dtype and B reduce-pool rows in fp32, shared by all layers.
 - receive buffers: moonep NvS x H, NvS = S*K + 2*epn*token_padding (static); alltoall S*K*H at
   balance (dynamic: up to R times that under full skew).
-- activations: tensors saved for backward per token per layer without recomputation: the compute
-  dtype for most, fp32 for routing weights, the K-way combine and the logits (a rough model, ~30%).
+- activations: tensors saved for backward per token per layer: the compute dtype for most, fp32 for
+  routing weights, the K-way combine and the logits (a rough model, ~30%). With activation
+  checkpointing: each block's input, plus one block's full activations during its recompute.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
         "master": 4 * P / world_size,
         "grads": 4 * P / world_size + 2 * counts.max_block_dense(m) * compute_bytes,
         "optimizer": 8 * P / world_size,
-        "activations": S * _activation_bytes_per_token(cfg, compute_bytes),
+        "activations": S * _activation_bytes_per_token(cfg, compute_bytes, cfg.train.activation_checkpointing),
     }
     experts = {
         "weights": local * compute_bytes,
@@ -70,7 +71,7 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
     return MemoryEstimate(dense=dense, experts=experts)
 
 
-def _activation_bytes_per_token(cfg: RunConfig, c: int) -> float:
+def _activation_bytes_per_token(cfg: RunConfig, c: int, checkpointed: bool) -> float:
     m = cfg.model
     D, N, K = m.hidden_size, m.num_heads, m.num_experts_per_tok
     qk, dv = m.qk_head_dim, m.v_head_dim
@@ -84,4 +85,6 @@ def _activation_bytes_per_token(cfg: RunConfig, c: int) -> float:
     shared = (3 * m.num_shared_experts * F + D) * c
     moe = (2 * D + latent) * c + routed + shared
     logits = cfg.model.vocab_size * (c + 8)
+    if checkpointed:
+        return m.num_layers * D * c + attn + max(dense_ffn, moe) + logits
     return m.num_dense_layers * (attn + dense_ffn) + m.num_moe_layers * (attn + moe) + logits

@@ -39,7 +39,8 @@ def dry_run_report(cfg: RunConfig, world_size: int, device: str) -> str:
         dense, experts = mem.dense.get(name, 0.0), mem.experts.get(name, 0.0)
         lines.append(f"  {name:<16} {_bytes(dense):>12} {_bytes(experts):>12} {_bytes(dense + experts):>12}")
     lines.append(f"  {'total':<16} {'':>12} {'':>12} {_bytes(mem.total):>12}")
-    lines.append(f"  (activations without recomputation; an H200 has {_bytes(H200_BYTES)}: "
+    recompute = "with" if cfg.train.activation_checkpointing else "without"
+    lines.append(f"  (activations {recompute} recomputation; an H200 has {_bytes(H200_BYTES)}: "
                  f"{'fits' if mem.total <= H200_BYTES else 'does NOT fit'})")
     return "\n".join(lines)
 

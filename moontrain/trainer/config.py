@@ -13,6 +13,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 1
     run_dir: str = "runs/default"
+    activation_checkpointing: bool = False  # recompute every block in backward (saves its activations)
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "seq_len", "log_every"):

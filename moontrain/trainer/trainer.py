@@ -41,6 +41,8 @@ class Trainer:
         self.compute_dtype = resolve_compute_dtype(cfg.parallel.compute_dtype, device)
         self.model = K3Model(cfg.model, ep_rank=layout.ep_rank, ep_size=layout.ep, device=device)
         self.model.init_weights(cfg.train.seed)
+        if cfg.train.activation_checkpointing:
+            self.model.enable_activation_checkpointing()
         self.fsdp = layout.distributed and cfg.parallel.fsdp
         if self.fsdp:
             apply_fsdp(self.model, layout, param_dtype=self.compute_dtype)

@@ -27,7 +27,7 @@ STEPS = 3
 SKEW = 0.5  # initial score bias of experts 0 and 1
 
 
-def tiny_config(backend: str, ep: int) -> RunConfig:
+def tiny_config(backend: str, ep: int, activation_checkpointing: bool = False) -> RunConfig:
     return from_dict(RunConfig, {
         "model": dict(vocab_size=128, hidden_size=64, num_layers=2, num_dense_layers=0, dense_intermediate_size=128,
                       num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -37,7 +37,8 @@ def tiny_config(backend: str, ep: int) -> RunConfig:
         "experts": {"backend": backend},
         "parallel": {"ep": ep},
         "optim": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant", "grad_clip": 1.0},
-        "train": {"steps": STEPS, "global_batch_size": 8, "seq_len": 16, "seed": 3},
+        "train": {"steps": STEPS, "global_batch_size": 8, "seq_len": 16, "seed": 3,
+                  "activation_checkpointing": activation_checkpointing},
     })
 
 
@@ -104,8 +105,8 @@ def train_reference(reverse: bool) -> tuple[list[float], list[float], dict[str, 
     return _train(trainer)
 
 
-def train_sharded(rank: int, world: int, backend: str, ep: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    trainer = Trainer(tiny_config(backend, ep), build_layout(ep, torch.device("cpu")))
+def train_sharded(rank: int, world: int, backend: str, ep: int, activation_checkpointing: bool = False) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    trainer = Trainer(tiny_config(backend, ep, activation_checkpointing), build_layout(ep, torch.device("cpu")))
     slots_used = []
     if backend == "moonep":  # record how many remote experts each prefetch copies into this rank's slots
         pools = trainer.model.moe_layers()[0].backend.pools
@@ -164,3 +165,10 @@ def test_moonep_training_matches_single_process(reference, world: int, ep: int) 
     result = run_ranks(train_sharded, world, "moonep", ep, timeout_s=300)[0]
     assert result[2]["slots_used"].sum() > 0, "the skewed router should make moonep use redundant experts"
     _check(result, reference)
+
+
+@pytest.mark.parametrize("backend", ["alltoall", "moonep"])
+def test_activation_checkpointing_matches_single_process(reference, backend: str) -> None:
+    """Recomputing every block in backward (collectives included) changes nothing, and the router
+    does not count the recomputed tokens twice (maxvio and the bias updates match)."""
+    _check(run_ranks(train_sharded, 2, backend, 2, True, timeout_s=300)[0], reference)

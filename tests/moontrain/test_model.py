@@ -162,3 +162,29 @@ def test_latent_moe_matches_per_token_loop() -> None:
             routed[t] += weights[t, k] * ((F.silu(h[t] @ w["gate"][e]) * (h[t] @ w["up"][e])) @ w["down"][e])
     want = moe.latent_up(routed) + moe.shared(x_sD)
     _close(y.view(12, -1), want, "moe output")
+
+
+def test_activation_checkpointing_same_grads_and_counts_once() -> None:
+    from moontrain.model.transformer import K3Model
+
+    cfg = _cfg(num_dense_layers=1, num_layers=3)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(6))
+    grads, counts = [], []
+    for ac in (False, True):
+        model = K3Model(cfg)
+        model.init_weights(seed=0)
+        model.attach_experts_backends("local", ExpertsContext(
+            num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep_size=1,
+            compute_dtype=torch.float32, token_padding=8, max_tokens=18, device=torch.device("cpu")))
+        if ac:
+            model.enable_activation_checkpointing()
+        loss, _ = model(tokens, tokens.roll(-1, 1))
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+                     | {f"{i}.{k}": g.clone() for i, m in enumerate(model.moe_layers()) for k, g in m.experts.grad.items()})
+        counts.append([m.router.tokens_per_expert_E.clone() for m in model.moe_layers()])
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        assert torch.equal(grads[1][name], g), f"{name} differs under activation checkpointing"
+    for c0, c1 in zip(counts[0], counts[1], strict=True):
+        assert int(c0.sum()) == 18 * cfg.num_experts_per_tok and torch.equal(c0, c1)
