@@ -2,8 +2,8 @@
 
 Gradient scaling: each rank's loss is the mean over its own tokens, so the global loss is the mean of
 the per-rank losses. FSDP's reduce-scatter averages dense grads over the world. An expert's grad on
-its owner already sums the contributions of every rank of its EP group (the all-to-all backward
-sums them); summing over the expert-data-parallel replicas and dividing by the world size gives the
+its owner already sums the contributions of every rank of its EP group (the backend's backward sums
+them: the reversed all-to-all, or moonep's combine-backward plus reduce_grad); summing over the expert-data-parallel replicas and dividing by the world size gives the
 same mean.
 """
 
