@@ -33,6 +33,7 @@ from tests.moonep.planner_reference import RefPlan, reference_plan
 
 H, F = 32, 64  # one expert projection of (32, 64) bf16 is 4096 bytes: one page of the CPU heap
 PROJ = {"gate": (H, F), "down": (F, H)}
+PROJ_IDX = {p: i for i, p in enumerate(PROJ)}  # distinct random streams per projection
 SIZES = {2: dict(E=8, K=4, S=24, pad=4), 4: dict(E=16, K=4, S=20, pad=4), 8: dict(E=16, K=3, S=10, pad=2)}
 SHAPE_E, SHAPE_K, SHAPE_S, SHAPE_MAXVIO = 384, 8, 48, 20.0  # R*S*K % E == 0: round robin is maxvio 0
 
@@ -162,7 +163,7 @@ def _check_plan(c: Checks, ctx: str, plan, ref: RefPlan, rank: int) -> None:
 def _fill_weights(layers, rank: int, epn: int) -> dict:
     """Known expert weights W[layer][proj] [E, in, out] (every rank computes all of them)."""
     E = epn * dist.get_world_size()
-    W = {li: {p: torch.randn(E, *shape, generator=_gen(7, li, len(p))).to(torch.bfloat16) for p, shape in PROJ.items()}
+    W = {li: {p: torch.randn(E, *shape, generator=_gen(7, li, PROJ_IDX[p])).to(torch.bfloat16) for p, shape in PROJ.items()}
          for li in range(len(layers))}
     for li, layer in enumerate(layers):
         for p in PROJ:
@@ -183,8 +184,8 @@ def _reduce_grad_once(pools, layer, plan, rank: int, epn: int, key: int) -> tupl
     """Fill this rank's grad rows and reduce pool with known values, reduce; -> (result, reference,
     this rank's reduce pool afterwards)."""
     R, B = plan.num_ranks, plan.num_slots
-    init = {p: torch.randn(R, epn, *s, generator=_gen(key, 1, len(p))) for p, s in PROJ.items()}
-    slot = {p: torch.randn(R, B, *s, generator=_gen(key, 2, len(p))) for p, s in PROJ.items()}
+    init = {p: torch.randn(R, epn, *s, generator=_gen(key, 1, PROJ_IDX[p])) for p, s in PROJ.items()}
+    slot = {p: torch.randn(R, B, *s, generator=_gen(key, 2, PROJ_IDX[p])) for p, s in PROJ.items()}
     for p in PROJ:
         layer.g_local[p].copy_(init[p][rank])
         layer.g_compact[p][epn:].copy_(slot[p][rank])  # unused slots hold junk that must be ignored
