@@ -126,3 +126,24 @@ def test_dispatch_combine_without_host_sync(group: dist.ProcessGroup) -> None:
         torch.testing.assert_close(y.float(), (x.float() * K).to(torch.bfloat16).float(), rtol=0, atol=0)
     finally:
         buf.destroy()
+
+
+def test_graph_planner_replays_equal_eager_plans(group: dist.ProcessGroup) -> None:
+    from moonep.plan_graph import GraphPlanner
+
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    layout = Layout(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E), R, 4096)
+    planner = GraphPlanner(layout, rank)
+    plans = []
+    for seed, maxvio in ((1, 0.5), (2, 3.0), (3, 0.0)):  # one capture, then replays with new inputs
+        routing = generate_routing(num_ranks=R, tokens_per_rank=S, num_experts=E, topk=K, target_maxvio=maxvio,
+                                   seed=seed)
+        topk = routing.topk_RsK[rank].cuda()
+        counts = routing.tokens_per_expert_RE.cuda()
+        plans.append((planner(topk, counts, None), make_plan(layout, rank, topk, counts)))
+    for got, want in plans:  # compared after all replays: a plan must not alias the graph's outputs
+        for name, value in vars(want).items():
+            if isinstance(value, torch.Tensor):
+                _first_mismatch(getattr(got, name), value, f"graph plan.{name}")
+            else:
+                assert getattr(got, name) == value, name
