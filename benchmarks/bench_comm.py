@@ -4,13 +4,16 @@
 
 Per (E, target maxvio) point and backend: median over --iters timed iterations (CUDA events,
 after warm-up; ranks aligned before each op), max over ranks. moonep ops: plan; dispatch fwd
-(planning + dispatch + prefetch), prefetch alone; combine fwd; dispatch bwd (a combine with the
+(planning + dispatch + prefetch), dispatch alone (planning included), dispatch with the saved plan
+(no planning: the data-path kernels alone), prefetch alone; combine fwd; dispatch bwd (a combine with the
 saved plan, route-weight grads gathered); combine bwd (a dispatch with the saved plan);
 reduce_grad. Baseline: torchtitan-style all-to-all (count exchange, host split sizes, NCCL
 all_to_all_single, permute), forward and backward. Also reported: realised expert maxvio,
 rank-level max/mean received rows, logical GB/s = s*K*H*2/t, bytes that crossed NVLink, peak
 memory, and the shapes moonep returned (identical across points for a fixed s).
-Writes benchmarks/results/bench_comm_<tag>.json and prints a table.
+--kernels picks the moonep data path (BufferConfig.kernels: torch, triton or auto), --num-sms the
+grid of its persistent kernels.
+Writes benchmarks/results/bench_comm_R<R>_<tag>.json and prints a table.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, po
     m["plan"] = timed(lambda: buf.plan(topk, hist), it, wu, group)
     m["dispatch_fwd"] = timed(lambda: pools.prefetch(buf.dispatch(x, w, topk, hist).plan, layer), it, wu, group)
     m["dispatch_only"] = timed(lambda: buf.dispatch(x, w, topk, hist), it, wu, group)
+    m["dispatch_saved"] = timed(lambda: buf.dispatch(x, w, plan=plan), it, wu, group)
     m["prefetch"] = timed(lambda: pools.prefetch(plan, layer), it, wu, group)
     m["combine_fwd"] = timed(lambda: buf.combine(plan, y_rows), it, wu, group)
     m["dispatch_bwd"] = timed(lambda: buf.combine(plan, grad_rows, row_scalars=grad_scal), it, wu, group)
@@ -108,6 +112,7 @@ def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, po
         dispatch_logical_GBps=S * K * H * 2 / (m["dispatch_only"] * 1e-6) / 1e9,
         combine_logical_GBps=S * K * H * 2 / (m["combine_fwd"] * 1e-6) / 1e9,
         dispatch_nvlink_GBps=max_over_ranks(sent_bytes, group) / (m["dispatch_only"] * 1e-6) / 1e9,
+        dispatch_saved_nvlink_GBps=max_over_ranks(sent_bytes, group) / (m["dispatch_saved"] * 1e-6) / 1e9,
         expert_copies=slot_copies,
         prefetch_bytes_per_rank=max_over_ranks(int(pools.prefetch_bytes(plan)), group),
         peak_allocated_bytes=max_over_ranks(torch.cuda.max_memory_allocated(), group),
@@ -155,7 +160,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--tag", default=time.strftime("%Y%m%d"))
+    p.add_argument("--tag", default=None, help="file tag (default: the --kernels value and the date)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
+                   help="moonep data path (BufferConfig.kernels)")
+    p.add_argument("--num-sms", type=int, default=None, help="grid of moonep's persistent kernels (None: all SMs)")
     p.add_argument("--show", metavar="JSON", help="print the table of a saved result and exit (no GPU needed)")
     args = p.parse_args()
     if args.show:
@@ -169,7 +177,7 @@ def main() -> None:
     results = []
     for E in args.experts:
         cfg = BufferConfig(max_tokens=args.tokens, hidden=args.hidden, topk=args.topk, num_experts=E,
-                           check_values=False, timeout_s=60.0)
+                           check_values=False, timeout_s=60.0, kernels=args.kernels, num_sms=args.num_sms)
         buf = Buffer(cfg, group)
         pools = ExpertPools(buf, {"gate_up": (args.hidden, 2 * args.ffn), "down": (args.ffn, args.hidden)})
         layer = pools.add_layer()
@@ -192,8 +200,10 @@ def main() -> None:
         print_table(results)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        path = out / f"bench_comm_R{R}_{args.tag}.json"
+        tag = args.tag or f"{args.kernels}_{time.strftime('%Y%m%d')}"
+        path = out / f"bench_comm_R{R}_{tag}.json"
         meta = {"R": R, "S": args.tokens, "H": args.hidden, "K": args.topk, "ffn": args.ffn, "iters": args.iters,
+                "kernels": args.kernels, "num_sms": args.num_sms,
                 "device": torch.cuda.get_device_name(), "torch": torch.__version__}
         path.write_text(json.dumps({"config": meta, "points": results}, indent=1))
         print(f"wrote {path}")
@@ -201,15 +211,17 @@ def main() -> None:
 
 
 def print_table(results: list[dict]) -> None:
-    hdr = (f"{'E':>4} {'target':>6} {'real':>6} | {'plan':>6} {'disp+pf':>8} {'disp':>7} {'pf':>6} {'comb':>7} "
+    hdr = (f"{'E':>4} {'target':>6} {'real':>6} | {'plan':>6} {'disp+pf':>8} {'disp':>7} {'d.saved':>7} {'pf':>6} {'comb':>7} "
            f"{'d.bwd':>7} {'c.bwd':>7} {'rgrad':>7} {'load':>5} | {'a2a d':>7} {'a2a c':>7} {'a2a db':>7} "
            f"{'a2a cb':>7} {'load':>5}")
-    print("times in us (median, max over ranks); load = max/mean rows received per rank")
+    print("times in us (median, max over ranks); d.saved = dispatch with the saved plan (no planning); "
+          "load = max/mean rows received per rank")
     print(hdr)
     for r in results:
         m, b = r["moonep"], r["alltoall"]
         print(f"{r['E']:>4} {r['target_maxvio']:>6.1f} {r['realised_maxvio']:>6.2f} | {m['plan_us']:>6.0f} "
-              f"{m['dispatch_fwd_us']:>8.0f} {m['dispatch_only_us']:>7.0f} {m['prefetch_us']:>6.0f} "
+              f"{m['dispatch_fwd_us']:>8.0f} {m['dispatch_only_us']:>7.0f} {m.get('dispatch_saved_us', float('nan')):>7.0f} "
+              f"{m['prefetch_us']:>6.0f} "
               f"{m['combine_fwd_us']:>7.0f} {m['dispatch_bwd_us']:>7.0f} {m['combine_bwd_us']:>7.0f} "
               f"{m['reduce_grad_us']:>7.0f} {m['rank_load_max_over_mean']:>5.2f} | {b['dispatch_fwd_us']:>7.0f} "
               f"{b['combine_fwd_us']:>7.0f} {b['dispatch_bwd_us']:>7.0f} {b['combine_bwd_us']:>7.0f} "

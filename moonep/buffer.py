@@ -21,6 +21,10 @@ combine
        ascending k order (deterministic); optional per-row scalars (route-weight grads) likewise
     4. barrier "combine:done" so the comb region may be rewritten
 
+With BufferConfig.kernels resolving to "triton" (CUDA), steps 4-6 of dispatch and the whole
+combine run as the kernels of moonep.kernels.dispatch_combine (its docstring holds their protocol:
+a push combine through a landing region, bitwise equal to the path above).
+
 Returned rows are zero-copy views into symmetric memory, valid until the next call on this buffer;
 clone what must outlive it (autograd saves). No call synchronises with the host unless
 `BufferConfig.check_values` is on.
@@ -37,6 +41,7 @@ import torch.distributed as dist
 
 from moonep.config import BufferConfig
 from moonep.heap import Piece, SymmetricHeap, create_heap, strided_view
+from moonep.kernels import resolve_kernels
 from moonep.layout import Layout
 from moonep.planner import Plan, make_plan
 from moonep.validate import (
@@ -83,6 +88,13 @@ class Buffer:
         self._all = {name: strided_view(mapping, reg.offset, stride, R, reg.shape, reg.dtype)
                      for name, reg in self.layout.comm.items()}
         self._mine = {name: t[self.rank] for name, t in self._all.items()}
+        self._kernels = None  # moonep.kernels.dispatch_combine when the triton path is on
+        if resolve_kernels(config.kernels, self.device) == "triton":
+            from moonep.kernels import dispatch_combine  # imports triton: CUDA machines only
+
+            self._kernels = dispatch_combine
+            self._grid = dispatch_combine.num_sms(self.device, config.num_sms)
+        self._rows_plan: Plan | None = None  # plan of the last dispatch: its rows are in row_src
         self.barrier("buffer:init")  # every rank is ready; the GPU barrier sets up its signals here
 
     # ------------------------------------------------------------------ properties
@@ -134,6 +146,7 @@ class Buffer:
             self.barrier("dispatch:enter")
         self._scatter(plan, x_sH, weights_sK)
         self.barrier("dispatch:rows")
+        self._rows_plan = plan
         return self._expand(plan)
 
     def plan(self, topk_sK: torch.Tensor, tokens_per_expert_E: torch.Tensor | None = None, *,
@@ -171,8 +184,13 @@ class Buffer:
             check_gathered_counts(self.layout, counts_RE, topk_sK.shape[0], total)
         return make_plan(self.layout, self.rank, topk_sK, counts_RE, total_num_tokens=total)
 
-    def _scatter(self, plan: Plan, x_sH: torch.Tensor, weights_sK: torch.Tensor | None) -> None:
+    def _scatter(self, plan: Plan, x_sH: torch.Tensor, weights_sK: torch.Tensor | None, *, rows: bool = True) -> None:
         layout, mine, every = self.layout, self._mine, self._all
+        if self._kernels is not None:  # receiver padding marks move to _expand (after the barrier)
+            self._kernels.scatter(x_sH, weights_sK, plan.dst_rank_sK, plan.dst_row_sK, plan.copy_row_sK, plan.sent_sK,
+                                  every["recv"], every["row_weight"], every["row_copy"], every["row_src"],
+                                  self.rank * self.config.max_tokens * plan.topk, self._grid, rows=rows)
+            return
         s, K = plan.num_tokens, plan.topk
         dst_rank = plan.dst_rank_sK.reshape(-1).long()
         dst_row = plan.dst_row_sK.reshape(-1).long()
@@ -203,10 +221,16 @@ class Buffer:
         g = torch.searchsorted(offs, row, right=True).clamp(max=offs.numel() - 1)
         return (row < offs[-1]) & (row - (offs[g] - padded[g]) < sizes[g])
 
-    def _expand(self, plan: Plan) -> DispatchResult:
+    def _expand(self, plan: Plan, *, copy: bool = True) -> DispatchResult:
         recv = self._mine["recv"]
         x_rows = recv[: plan.nvs_s]
-        x_rows.copy_(recv.index_select(0, self._mine["row_copy"][: plan.nvs_s].long()))
+        if self._kernels is not None:
+            mine = self._mine
+            self._kernels.expand(recv, mine["row_weight"], mine["row_copy"], mine["row_src"], plan.offs_RG[self.rank],
+                                 plan.group_rows_RG[self.rank], plan.nvs_s, self.layout.zero_row,
+                                 self.config.token_padding, copy=copy)
+        else:
+            x_rows.copy_(recv.index_select(0, self._mine["row_copy"][: plan.nvs_s].long()))
         return DispatchResult(x_rows, self._mine["row_weight"][: plan.nvs_s], plan.cu_seqlens, plan)
 
     # ------------------------------------------------------------------ combine
@@ -224,11 +248,14 @@ class Buffer:
         self._check_alive("combine")
         H = self.config.hidden
         check_tensor("y_rows", y_rows, shape=(plan.nvs_s, H), dtype=self.config.dtype, device=self.device)
+        if row_scalars is not None:
+            check_tensor("row_scalars", row_scalars, shape=(plan.nvs_s,), dtype=torch.float32, device=self.device)
+        if self._kernels is not None:
+            return self._push_combine(plan, y_rows, row_scalars)
         comb = self.combine_input(plan)
         if y_rows.data_ptr() != comb.data_ptr():
             comb.copy_(y_rows)
         if row_scalars is not None:
-            check_tensor("row_scalars", row_scalars, shape=(plan.nvs_s,), dtype=torch.float32, device=self.device)
             self._mine["row_scalar"][: plan.nvs_s].copy_(row_scalars)
         self.barrier("combine:rows")
         idx = (plan.dst_rank_sK.long(), plan.dst_row_sK.long())
@@ -239,6 +266,28 @@ class Buffer:
         scalars_sK = self._all["row_scalar"][idx].clone() if row_scalars is not None else None
         self.barrier("combine:done")
         return y_sH.to(self.config.dtype), scalars_sK
+
+    def _push_combine(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """combine on the triton path: destinations push rows into the sources' landing rows."""
+        mine, every, K = self._mine, self._all, plan.topk
+        if plan is not self._rows_plan:
+            # row_src describes another dispatch's rows; every rank runs the same call sequence, so
+            # every rank takes this branch together
+            self.barrier("combine:enter")
+            self._scatter(plan, y_rows, None, rows=False)
+            self._expand(plan, copy=False)
+            self.barrier("combine:meta")
+            self._rows_plan = plan
+        self._kernels.push(y_rows, row_scalars, mine["row_src"], plan.nvs_s, every["land"], every["land_scalar"],
+                           self.config.max_tokens * K, self._grid)
+        self.barrier("combine:rows")
+        s = plan.num_tokens
+        y_sH = torch.empty(s, self.config.hidden, dtype=self.config.dtype, device=self.device)
+        self._kernels.reduce(mine["land"], y_sH, K)
+        scalars_sK = mine["land_scalar"][: s * K].view(s, K).clone() if row_scalars is not None else None
+        self.barrier("combine:done")
+        return y_sH, scalars_sK
 
     # ------------------------------------------------------------------ experts (see moonep.pools)
     def prefetch_weight(self, plan: Plan, layer) -> None:

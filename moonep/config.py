@@ -21,6 +21,9 @@ class BufferConfig:
     timeout_s: a collective call that waits longer than this raises MoonEPTimeoutError.
     check_values: data-dependent input checks (expert ids in range, histogram == bincount(topk),
         equal s on every rank). Each costs a device-to-host sync, so the GPU hot path turns it off.
+    kernels: data-path implementation: "torch" (the pure-PyTorch specification, any device),
+        "triton" (moonep.kernels, CUDA only), "auto" (triton on CUDA, torch on the CPU).
+    num_sms: programs of the persistent dispatch/combine kernels; None means every SM.
     """
 
     max_tokens: int
@@ -32,6 +35,8 @@ class BufferConfig:
     dtype: torch.dtype = torch.bfloat16
     timeout_s: float = 120.0
     check_values: bool = True
+    kernels: str = "auto"
+    num_sms: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "hidden", "topk", "num_experts", "token_padding"):
@@ -43,5 +48,9 @@ class BufferConfig:
                              "each token needs topk distinct experts")
         if self.num_slots is not None and (not isinstance(self.num_slots, int) or self.num_slots < 1):
             raise ValueError(f"BufferConfig.num_slots must be None (= E // R) or an int >= 1, got {self.num_slots!r}")
+        if self.kernels not in ("auto", "torch", "triton"):
+            raise ValueError(f"BufferConfig.kernels must be 'auto', 'torch' or 'triton', got {self.kernels!r}")
+        if self.num_sms is not None and (not isinstance(self.num_sms, int) or self.num_sms < 1):
+            raise ValueError(f"BufferConfig.num_sms must be None (every SM) or an int >= 1, got {self.num_sms!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"BufferConfig.timeout_s must be > 0, got {self.timeout_s}")

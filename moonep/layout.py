@@ -15,6 +15,9 @@ Comm segment regions (rows are token rows of width H):
                                      zero row for padding
     row_src     [NvS + 1]    int32   source of the row: src_rank * S * K + t * K + k
     row_scalar  [NvS + 1]    fp32    per-row scalars read back by the sources (route-weight grads)
+    land        [S*K, H]     dtype   combine landing rows of this rank's entries t*K + k, pushed by
+                                     the destinations (triton path, moonep.kernels.dispatch_combine)
+    land_scalar [S*K]        fp32    row scalars of the same entries (triton path)
 
 NvS = round_up(S*K + 2*epn*(token_padding - 1), token_padding): every rank receives exactly
 cap_d <= S*K rows in at most 2*epn non-empty groups (epn local experts plus at most epn experts
@@ -86,6 +89,8 @@ class Layout:
             ("row_copy", (nvs + 1,), torch.int32),
             ("row_src", (nvs + 1,), torch.int32),
             ("row_scalar", (nvs + 1,), torch.float32),
+            ("land", (cfg.max_tokens * cfg.topk, H), cfg.dtype),
+            ("land_scalar", (cfg.max_tokens * cfg.topk,), torch.float32),
         ]
         regions: dict[str, Region] = {}
         offset = 0

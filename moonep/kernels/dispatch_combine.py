@@ -1,0 +1,280 @@
+"""Triton kernels of the dispatch and combine data path (issue 4), bitwise equal to the PyTorch path
+of `moonep.buffer` (the specification).
+
+Every kernel addresses the comm segment through the all-ranks views of `Buffer._all` ([R, ...]
+strided views over one contiguous virtual range): one base pointer plus rank * rank_stride reaches
+any peer's region, so a store to a peer is a plain `st.global` that travels over NVLink.
+
+Protocol (each step is one launch on the current stream; barriers are the device barriers of
+moonep.heap.device_barrier, so nothing here waits on the host and a fixed-s sequence can be
+captured in a CUDA graph):
+
+dispatch
+    1. `_scatter_kernel` (this rank as sender), persistent grid over blocks of BLOCK_T tokens:
+       the metadata of every entry (t, k) -> (row_copy, row_src, row_weight) of its destination
+       row; each token row x[t] is loaded once per H chunk and stored once per destination rank
+       (the entries with sent_sK), straight into the destination's recv row.
+    2. barrier "dispatch:rows" (peer stores above are ordered before it by its fence.sc.sys).
+    3. `_expand_kernel` (this rank as receiver), local: finds each row's group by a binary search
+       over offs_RG[rank], marks padding rows (row_copy = zero row, weight 0, source -1) and zeroes
+       them, and copies duplicate rows (row_copy != row) from their primary row. Primary rows are
+       never touched, so the kernel has no dependency between programs. The PyTorch path copies
+       every row through index_select; this touches only duplicates and padding.
+combine (push; y rows already carry the route weights)
+    0. only when `plan` is not the plan of the last dispatch on this buffer (row_src then describes
+       other rows): barrier "combine:enter", `_scatter_kernel` with ROWS=False rewrites row_src on
+       the destinations, `_expand_kernel` with COPY=False sets row_src = -1 on the own padding
+       rows (nothing else: the last dispatch's rows and weights stay as the PyTorch path leaves
+       them), barrier "combine:meta". Buffer takes this branch on every rank alike (same call sequence).
+    1. `_push_kernel` (this rank as destination), persistent grid over row blocks: each row with
+       row_src = src_rank * S * K + t * K + k >= 0 is stored into the source's landing region
+       land[src_rank, t * K + k] (and its row scalar into land_scalar). Each entry has its own
+       row, so every landing row is written exactly once and without a race. The landing region
+       is free: its last reader finished before the previous "combine:done".
+    2. barrier "combine:rows".
+    3. `_reduce_kernel` (this rank as source), local: y[t] = sum_k land[t*K + k] in fp32 in
+       ascending k (a separate add per k, no reassociation), one rounding to the output dtype: the
+       PyTorch path's arithmetic exactly, hence bitwise equal.
+    4. barrier "combine:done": no peer pushes the next combine into land while it is read.
+
+Why push: SM stores to a peer saturate NVLink with ~24 CTAs (~370 GB/s per direction), while plain
+SM loads from a peer are latency-bound (~200 GB/s with 32 CTAs) on 2xH200 NV18 (shared/device
+README, 2026-11). The PyTorch combine pulls (advanced indexing over the all-ranks view).
+
+Memory ordering: peer stores are weak `st.global`; the following device barrier executes
+`fence.sc.sys` then `st.release.sys`, and the peer's `ld.acquire.sys` + stream order make every
+store visible to kernels queued after the barrier on the peer. Local kernels need only stream order.
+
+Rejected: a pull combine with plain loads (latency-bound, see above); reducing a token's duplicate
+rows on the destination before sending (fewer NVLink bytes but another fp32 add order, so not
+bitwise equal to the specification); copy-engine copies per row (one launch or one descriptor per
+row, tens of thousands per call); folding the receiver's padding marks into the scatter (they need
+each row's group, cheap to find only on the receiver, and the scatter has no barrier before it).
+
+Also rejected, measured: writing a token's duplicates on the sender's own rank inside the scatter
+(so the receiver expands only remote duplicates; predicted 0.85 -> 0.55 ms) gave a saved-plan
+dispatch of 818/913/893/935/927 us over the points below, no better than the kept version (the
+extra local stores share the CTAs and store queues with the NVLink stores). num_sms=32 instead of
+all 132 SMs: dispatch 1131 us, combine 1997 us at maxvio 1 (vs 893 / 1671), so the default is every SM.
+
+Measured (2xH200 linked by NV18, torch 2.11, triton 3.6, 2026-11-29; benchmarks/bench_comm.py
+--experts 96 --iters 5 --warmup 2 --kernels triton: R=2, S=8192, H=7168, K=8, E=96; median of 5,
+max over ranks; benchmarks/results/bench_comm_R2_triton.json), in us, realised maxvio
+0.00 / 0.22 / 0.98 / 9.99 / 10.84:
+    dispatch, saved plan (scatter + expand + 2 barriers)  688 /  980 /  841 /  845 /  862
+    NCCL all-to-all dispatch (count exchange + a2a)      3727 / 3856 / 3860 / 4015 / 4092
+    combine fwd (push + reduce + 2 barriers)             1638 / 1729 / 1698 / 1539 / 1563
+    NCCL all-to-all combine                              6639 / 6654 / 6604 / 6932 / 6957
+    combine with row scalars (dispatch bwd)              1769 / 1741 / 1715 / 1560 / 1579
+    dispatch with planning (PyTorch planner ~14-22 ms)  19117 / 20554 / 21734 / 22606 / 14451
+A second run of the same combine gave 1815 / 1678 / 1671 / 1630 / 1621 (spread ~10 %). The
+dispatch moves 117 MB per rank over NVLink (59 MB at maxvio 0), 120-140 GB/s averaged over the
+whole call against ~370-390 GB/s peer bandwidth: the expansion (about 6 of every 8 rows are local
+duplicates, ~0.7 GB read + written per rank, ~0.35 ms of HBM time) runs after the barrier and
+does not overlap the NVLink stores; the scatter alone should be near its 0.32 ms NVLink floor (not
+profiled separately for lack of device time).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# scatter / expand / push move tiles of _TILE elements (32 KiB in bf16) with 16 warps: whole rows
+# (H padded to a power of two, at most 8192 wide) so that one load serves all K stores and each CTA
+# keeps 32 KiB in flight; the reduce runs many small CTAs over [4, 1024] tiles.
+_TILE = 16384
+_MAX_BLOCK_H = 8192
+_NUM_WARPS = 16
+_REDUCE_BLOCK_T, _REDUCE_BLOCK_H, _REDUCE_WARPS = 4, 1024, 4
+
+
+def _tile(H: int) -> tuple[int, int]:
+    """(rows per tile, hidden elements per tile)."""
+    block_h = min(triton.next_power_of_2(H), _MAX_BLOCK_H)
+    return max(1, _TILE // block_h), block_h
+
+
+@triton.jit
+def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_ptr,
+                    recv_ptr, row_weight_ptr, row_copy_ptr, row_src_ptr,
+                    s, H, x_stride, recv_rank_stride, recv_row_stride, meta_rank_stride, src_base,
+                    num_iters, num_programs, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                    HAS_W: tl.constexpr, ROWS: tl.constexpr):
+    pid = tl.program_id(0)
+    kk = tl.arange(0, BLOCK_K)
+    hh0 = tl.arange(0, BLOCK_H)
+    for i in range(0, num_iters):  # persistent: block pid + i * num_programs (past the end: masked)
+        tb = pid + i * num_programs
+        t = (tb * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+        t_ok = t < s
+        # metadata of every entry (t, k) into its destination row
+        entry = t[:, None] * K + kk[None, :]
+        e_ok = t_ok[:, None] & (kk[None, :] < K)
+        d_rank = tl.load(dst_rank_ptr + entry, mask=e_ok, other=0).to(tl.int64)
+        d_row = tl.load(dst_row_ptr + entry, mask=e_ok, other=0).to(tl.int64)
+        meta = d_rank * meta_rank_stride + d_row
+        tl.store(row_src_ptr + meta, (src_base + entry).to(tl.int32), mask=e_ok)
+        if ROWS:
+            tl.store(row_copy_ptr + meta, tl.load(copy_row_ptr + entry, mask=e_ok, other=0), mask=e_ok)
+            if HAS_W:
+                w = tl.load(w_ptr + entry, mask=e_ok, other=0.0).to(tl.float32)
+                tl.store(row_weight_ptr + meta, w, mask=e_ok)
+            # the token row: loaded once per H chunk, stored once per destination rank
+            for h0 in range(0, H, BLOCK_H):
+                hh = h0 + hh0
+                m = t_ok[:, None] & (hh < H)[None, :]
+                tile = tl.load(x_ptr + t[:, None] * x_stride + hh[None, :], mask=m)
+                for k in tl.static_range(K):
+                    sent = tl.load(sent_ptr + t * K + k, mask=t_ok, other=0) != 0
+                    r = tl.load(dst_rank_ptr + t * K + k, mask=t_ok, other=0).to(tl.int64)
+                    row = tl.load(dst_row_ptr + t * K + k, mask=t_ok, other=0).to(tl.int64)
+                    dst = r * recv_rank_stride + row * recv_row_stride
+                    tl.store(recv_ptr + dst[:, None] + hh[None, :], tile, mask=m & sent[:, None])
+
+
+@triton.jit
+def _expand_kernel(recv_ptr, row_weight_ptr, row_copy_ptr, row_src_ptr, offs_ptr, sizes_ptr,
+                   nvs_s, H, recv_row_stride, G, zero_row, pad,
+                   LOG_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, COPY: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < nvs_s
+    # g = searchsorted(offs, r, right=True): the first group whose padded end lies past r
+    lo = tl.zeros([BLOCK_R], dtype=tl.int32)
+    hi = tl.zeros([BLOCK_R], dtype=tl.int32) + G
+    for _ in tl.static_range(LOG_G):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(offs_ptr + mid, mask=active, other=0)
+        right = v <= r
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & (v > r), mid, hi)
+    g = tl.minimum(lo, G - 1)
+    end = tl.load(offs_ptr + g)
+    size = tl.load(sizes_ptr + g)
+    padded = (size + pad - 1) // pad * pad
+    last = tl.load(offs_ptr + G - 1)
+    is_row = r_ok & (r < last) & (r - (end - padded) < size)
+    is_pad = r_ok & ((r >= last) | (r - (end - padded) >= size))
+    tl.store(row_src_ptr + r, tl.zeros([BLOCK_R], dtype=tl.int32) - 1, mask=is_pad)
+    if COPY:
+        tl.store(row_copy_ptr + r, tl.zeros([BLOCK_R], dtype=tl.int32) + zero_row, mask=is_pad)
+        tl.store(row_weight_ptr + r, tl.zeros([BLOCK_R], dtype=tl.float32), mask=is_pad)
+        src = tl.load(row_copy_ptr + r, mask=is_row, other=0)
+        dup = is_row & (src != r)
+        write = dup | is_pad
+        src64 = src.to(tl.int64)
+        r64 = r.to(tl.int64)
+        hh0 = tl.arange(0, BLOCK_H)
+        for h0 in range(0, H, BLOCK_H):
+            hh = h0 + hh0
+            h_ok = (hh < H)[None, :]
+            tile = tl.load(recv_ptr + src64[:, None] * recv_row_stride + hh[None, :], mask=dup[:, None] & h_ok,
+                           other=0.0)
+            tl.store(recv_ptr + r64[:, None] * recv_row_stride + hh[None, :], tile, mask=write[:, None] & h_ok)
+
+
+@triton.jit
+def _push_kernel(y_ptr, scal_ptr, row_src_ptr, land_ptr, land_scal_ptr,
+                 nvs_s, H, y_stride, land_rank_stride, land_row_stride, land_scal_rank_stride, SK,
+                 num_iters, num_programs, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SCAL: tl.constexpr):
+    pid = tl.program_id(0)
+    hh0 = tl.arange(0, BLOCK_H)
+    for i in range(0, num_iters):
+        rb = pid + i * num_programs
+        r = (rb * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        r_ok = r < nvs_s
+        src = tl.load(row_src_ptr + r, mask=r_ok, other=-1)
+        ok = r_ok & (src >= 0)
+        src = tl.where(ok, src, 0).to(tl.int64)
+        src_rank = src // SK
+        entry = src % SK
+        if HAS_SCAL:
+            v = tl.load(scal_ptr + r, mask=ok, other=0.0)
+            tl.store(land_scal_ptr + src_rank * land_scal_rank_stride + entry, v, mask=ok)
+        dst = src_rank * land_rank_stride + entry * land_row_stride
+        for h0 in range(0, H, BLOCK_H):
+            hh = h0 + hh0
+            m = ok[:, None] & (hh < H)[None, :]
+            tile = tl.load(y_ptr + r[:, None] * y_stride + hh[None, :], mask=m)
+            tl.store(land_ptr + dst[:, None] + hh[None, :], tile, mask=m)
+
+
+@triton.jit
+def _reduce_kernel(land_ptr, out_ptr, s, H, land_row_stride, out_stride,
+                   K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = (t < s)[:, None] & (hh < H)[None, :]
+    first = land_ptr + (t * K)[:, None] * land_row_stride + hh[None, :]
+    acc = tl.load(first, mask=m, other=0.0).to(tl.float32)
+    for k in tl.static_range(1, K):  # ascending k, one fp32 add each: the PyTorch path's order
+        acc += tl.load(first + k * land_row_stride, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t[:, None] * out_stride + hh[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+# ---------------------------------------------------------------------------------------------- launches
+
+def num_sms(device: torch.device, cap: int | None) -> int:
+    """Programs of the persistent kernels: `cap` (BufferConfig.num_sms) or every SM."""
+    count = torch.cuda.get_device_properties(device).multi_processor_count
+    return count if cap is None else cap
+
+
+def scatter(x_sH: torch.Tensor, weights_sK: torch.Tensor | None, dst_rank_sK: torch.Tensor,
+            dst_row_sK: torch.Tensor, copy_row_sK: torch.Tensor, sent_sK: torch.Tensor,
+            recv_all: torch.Tensor, row_weight_all: torch.Tensor, row_copy_all: torch.Tensor,
+            row_src_all: torch.Tensor, src_base: int, grid: int, *, rows: bool = True) -> None:
+    """Sender side of dispatch: entry metadata to every destination row, token rows once per
+    destination rank (rows=False: row_src only, for combine's refresh)."""
+    s, K = dst_rank_sK.shape
+    H = recv_all.shape[-1]
+    assert row_weight_all.stride(0) == row_copy_all.stride(0) == row_src_all.stride(0)
+    w = weights_sK if weights_sK is not None else row_weight_all  # never read when HAS_W is off
+    block_t, block_h = _tile(H)
+    num_blocks = triton.cdiv(s, block_t)
+    programs = max(1, min(grid, num_blocks))
+    _scatter_kernel[(programs,)](
+        x_sH, w, dst_rank_sK, dst_row_sK, copy_row_sK, sent_sK.view(torch.uint8),
+        recv_all, row_weight_all, row_copy_all, row_src_all,
+        s, H, x_sH.stride(0), recv_all.stride(0), recv_all.stride(1), row_src_all.stride(0), src_base,
+        triton.cdiv(num_blocks, programs), programs, K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=block_t, BLOCK_H=block_h,
+        HAS_W=weights_sK is not None, ROWS=rows, num_warps=_NUM_WARPS)
+
+
+def expand(recv: torch.Tensor, row_weight: torch.Tensor, row_copy: torch.Tensor, row_src: torch.Tensor,
+           offs_G: torch.Tensor, sizes_G: torch.Tensor, nvs_s: int, zero_row: int, token_padding: int, *,
+           copy: bool = True) -> None:
+    """Receiver side of dispatch: mark and zero padding rows, copy duplicates from their primary
+    row (copy=False: only row_src = -1 on padding rows, for combine's refresh)."""
+    G = offs_G.numel()
+    H = recv.shape[-1]
+    block_r, block_h = _tile(H)
+    _expand_kernel[(triton.cdiv(nvs_s, block_r),)](
+        recv, row_weight, row_copy, row_src, offs_G, sizes_G, nvs_s, H, recv.stride(0), G, zero_row,
+        token_padding, LOG_G=G.bit_length(), BLOCK_R=block_r, BLOCK_H=block_h, COPY=copy,
+        num_warps=_NUM_WARPS)
+
+
+def push(y_rows: torch.Tensor, row_scalars: torch.Tensor | None, row_src: torch.Tensor, nvs_s: int,
+         land_all: torch.Tensor, land_scalar_all: torch.Tensor, entries_per_rank: int, grid: int) -> None:
+    """Destination side of combine: every valid row into its source's landing row."""
+    H = y_rows.shape[-1]
+    scal = row_scalars if row_scalars is not None else land_scalar_all  # never read when HAS_SCAL is off
+    block_r, block_h = _tile(H)
+    num_blocks = triton.cdiv(nvs_s, block_r)
+    programs = max(1, min(grid, num_blocks))
+    _push_kernel[(programs,)](
+        y_rows, scal, row_src, land_all, land_scalar_all,
+        nvs_s, H, y_rows.stride(0), land_all.stride(0), land_all.stride(1), land_scalar_all.stride(0),
+        entries_per_rank, triton.cdiv(num_blocks, programs), programs, BLOCK_R=block_r, BLOCK_H=block_h, HAS_SCAL=row_scalars is not None,
+        num_warps=_NUM_WARPS)
+
+
+def reduce(land: torch.Tensor, out_sH: torch.Tensor, topk: int) -> None:
+    """Source side of combine: out[t] = sum over k of land[t*K + k], fp32, ascending k."""
+    s, H = out_sH.shape
+    _reduce_kernel[(triton.cdiv(s, _REDUCE_BLOCK_T), triton.cdiv(H, _REDUCE_BLOCK_H))](
+        land, out_sH, s, H, land.stride(0), out_sH.stride(0), K=topk, BLOCK_T=_REDUCE_BLOCK_T,
+        BLOCK_H=_REDUCE_BLOCK_H, num_warps=_REDUCE_WARPS)
