@@ -19,6 +19,8 @@ class BufferConfig:
     token_padding: every non-empty expert group on a rank is padded to a multiple of this.
     dtype: dtype of token rows and expert weights (grads are always fp32).
     timeout_s: a collective call that waits longer than this raises MoonEPTimeoutError.
+    plan_graph: on CUDA, replay the planner from a CUDA graph captured once per shape (bitwise the
+        same plan, one host launch instead of ~400; the first call per shape captures, a host sync).
     check_values: data-dependent input checks (expert ids in range, histogram == bincount(topk),
         equal s on every rank). Each costs a device-to-host sync, so the GPU hot path turns it off.
     kernels: data-path implementation: "torch" (the pure-PyTorch specification, any device),
@@ -37,6 +39,8 @@ class BufferConfig:
     check_values: bool = True
     kernels: str = "auto"
     num_sms: int | None = None
+
+    plan_graph: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "hidden", "topk", "num_experts", "token_padding"):
