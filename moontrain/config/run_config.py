@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moontrain.checkpoint.config import CheckpointConfig
 from moontrain.data.config import DataConfig
+from moontrain.metrics.config import MetricsConfig
 from moontrain.model.config import ExpertsConfig, ModelConfig
 from moontrain.optim.config import OptimConfig
 from moontrain.parallel.config import ParallelConfig
@@ -19,6 +21,8 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def check_world(self, world_size: int) -> None:
         """Checks that need the world size (known only at launch)."""

@@ -1,1 +1,1 @@
-"""Token sources (an in-memory synthetic source here; datasets and checkpoints come with issue 6)."""
+"""Token sources: a synthetic Markov chain, and packed documents from local files via HF datasets."""

@@ -6,10 +6,13 @@ Every token has `branching` successors drawn once from the data seed; each next 
 uniformly. A model that learns the table reaches a loss of log(branching), far below log(V), so
 "the loss falls" is a meaningful check. Batch `step` is a pure function of (seed, step): the global
 batch is generated identically on every rank and each rank takes its contiguous slice, so any
-parallel layout trains on exactly the same tokens.
+parallel layout trains on exactly the same tokens. Having no position of its own, it resumes exactly at
+any layout (its state is empty).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,3 +45,9 @@ class MarkovTokens:
             seq_bT1[:, t + 1] = succ[seq_bT1[:, t], choice[:, t]]
         local = torch.from_numpy(seq_bT1).to(self.device)
         return local[:, :-1].contiguous(), local[:, 1:].contiguous()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, rank_states: list[dict[str, Any]]) -> None:
+        pass

@@ -9,16 +9,18 @@ same mean.
 
 from __future__ import annotations
 
-import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from moontrain.checkpoint import load_checkpoint, save_checkpoint
 from moontrain.config.run_config import RunConfig
-from moontrain.data.markov import MarkovTokens
-from moontrain.metrics.balance import maxvio_L
+from moontrain.data.source import build_token_source
 from moontrain.metrics.flops import flops_per_token, peak_flops
+from moontrain.metrics.moe_stats import MoEStats
 from moontrain.metrics.progress import ProgressLog, StepStats
+from moontrain.metrics.window import MetricsWindow, memory_stats
 from moontrain.model.experts import ExpertsContext
 from moontrain.model.transformer import K3Model
 from moontrain.optim.adamw import build_optimizer
@@ -58,15 +60,21 @@ class Trainer:
         expert_ids = {id(p) for p in self.expert_params}
         self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.train.steps)
-        self.data = MarkovTokens(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
-                                 global_batch=cfg.train.global_batch_size, rank=layout.rank,
-                                 world_size=layout.world_size, device=device)
+        self.data = build_token_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
+                                       global_batch=cfg.train.global_batch_size, rank=layout.rank,
+                                       world_size=layout.world_size, device=device)
         self.step = 0
+        self.tokens_seen = 0
+        self.wandb_run_id: str | None = None  # set by the worker (rank 0); kept in checkpoints
+        self.last_saved_step: int | None = None
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = peak_flops(device)
+        self.moe_stats = MoEStats(self.model.moe_layers(), ep=layout.ep)
+        moe_ids = [i for i, block in enumerate(self.model.layers) if block.is_moe]
+        self.window = MetricsWindow(moe_ids, layout)
 
-    def train_step(self) -> StepStats:
-        t0 = time.perf_counter()
+    def train_step(self) -> StepStats | None:
+        """One optimizer step; returns the logged stats on a logging step (the only host read), else None."""
         tokens_BT, targets_BT = self.data.batch(self.step)
         loss, ce = self.model(tokens_BT, targets_BT)
         loss.backward()
@@ -80,24 +88,60 @@ class Trainer:
         for w in self.experts:
             w.push_master()
             w.zero_grads()
-        max_maxvio = self._balance_routers()
-        mean_ce = self._world_mean(ce)
-        if self.layout.device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        counts_LE = self._balance_routers()
+        self.window.add(ce, grad_norm, self.moe_stats.step(counts_LE))
         self.step += 1
-        tokens_per_s = self.cfg.train.global_batch_size * self.cfg.train.seq_len / dt
-        mfu = (tokens_per_s / self.layout.world_size * self.flops_per_token / self.peak_flops
-               if self.peak_flops else None)
-        peak_mem = torch.cuda.max_memory_allocated() / 2**30 if self.layout.device.type == "cuda" else None
-        stats = StepStats(step=self.step, loss=mean_ce, lr=lr, grad_norm=float(grad_norm), tokens_per_s=tokens_per_s,
-                          step_time_s=dt, max_maxvio=max_maxvio, mfu=mfu, peak_mem_gib=peak_mem)
-        if self.log is not None and (self.step % self.cfg.train.log_every == 0 or self.step == self.cfg.train.steps):
-            self.log.log(stats)
-        return stats
+        self.tokens_seen += self.cfg.train.global_batch_size * self.cfg.train.seq_len
+        if self.step % self.cfg.train.log_every == 0 or self.step == self.cfg.train.steps:
+            return self._log(lr)
+        return None
 
     def fit(self) -> list[StepStats]:
-        return [self.train_step() for _ in range(self.step, self.cfg.train.steps)]
+        """Train to train.steps, saving checkpoints as configured; returns the logged stats."""
+        ckpt = self.cfg.checkpoint
+        logged = []
+        while self.step < self.cfg.train.steps:
+            stats = self.train_step()
+            if stats is not None:
+                logged.append(stats)
+            if ckpt.every and self.step % ckpt.every == 0:
+                self.save_checkpoint()
+        if ckpt.save_final and self.last_saved_step != self.step:
+            self.save_checkpoint()
+        return logged
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.cfg.checkpoint.dir or Path(self.cfg.train.run_dir) / "checkpoints")
+
+    def save_checkpoint(self, root: str | Path | None = None) -> Path:
+        """Collective: the whole train state as <checkpoint dir>/step_<step> (see moontrain.checkpoint)."""
+        path = save_checkpoint(self, root if root is not None else self.checkpoint_dir,
+                               keep_last=self.cfg.checkpoint.keep_last)
+        self.last_saved_step = self.step
+        return path
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Collective-free: restore model, optimizer, schedule, step, RNG and data position from `path`."""
+        load_checkpoint(self, path)
+        self.last_saved_step = self.step
+
+    def _log(self, lr: float) -> StepStats:
+        """Collective: reduce the window's metrics (one all_reduce) and report them."""
+        values = self.window.flush()
+        n, dt = values.pop("window_steps"), values.pop("window_s")
+        tokens_per_s = n * self.cfg.train.global_batch_size * self.cfg.train.seq_len / dt
+        mfu = (tokens_per_s / self.layout.world_size * self.flops_per_token / self.peak_flops
+               if self.peak_flops else None)
+        mem = memory_stats(self.layout.device)
+        stats = StepStats(step=self.step, loss=values.pop("loss"), lr=lr, grad_norm=values.pop("grad_norm"),
+                          tokens_per_s=tokens_per_s, step_time_s=dt / n,
+                          max_maxvio=values.get("moe/expert_maxvio/max", 0.0), mfu=mfu,
+                          peak_mem_gib=mem.get("mem/peak_gib"),
+                          scalars={**values, **mem, "tokens_seen": float(self.tokens_seen)})
+        if self.log is not None:
+            self.log.log(stats)
+        return stats
 
     def close(self) -> None:
         """Release backend-owned memory (moonep's symmetric heap). The model is unusable afterwards."""
@@ -112,21 +156,14 @@ class Trainer:
             w.attach_grads()
 
     @torch.no_grad()
-    def _balance_routers(self) -> float:
-        """Reduce this step's expert counts over the world, update every router bias, return max maxvio."""
+    def _balance_routers(self) -> torch.Tensor:
+        """Reduce this step's expert counts over the world, update every router bias; returns counts_LE."""
         routers = [moe.router for moe in self.model.moe_layers()]
         if not routers:
-            return 0.0
+            return torch.zeros(0, self.cfg.model.num_experts, dtype=torch.long, device=self.layout.device)
         counts_LE = torch.stack([r.tokens_per_expert_E for r in routers])
         if self.layout.distributed:
             dist.all_reduce(counts_LE, group=self.layout.world_group)
         for router, counts_E in zip(routers, counts_LE, strict=True):
             router.update_bias(counts_E)
-        return float(maxvio_L(counts_LE).max())
-
-    def _world_mean(self, value: torch.Tensor) -> float:
-        value = value.detach().float().clone()
-        if self.layout.distributed:
-            dist.all_reduce(value, group=self.layout.world_group)
-            value /= self.layout.world_size
-        return float(value)
+        return counts_LE

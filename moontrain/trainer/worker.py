@@ -1,6 +1,8 @@
 """Per-rank entry point started by torchrun: `python -m moontrain.trainer.worker RECIPE [key=value ...]`.
 
-Picks nccl on GPU and gloo on CPU, builds the layout, writes the resolved config (rank 0) and trains.
+Picks nccl on GPU and gloo on CPU, builds the layout, writes the resolved config (rank 0), resumes from a
+checkpoint when checkpoint.resume says so, opens the wandb run (rank 0; the id comes from the checkpoint
+on resume) and trains.
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moontrain.checkpoint import find_latest
 from moontrain.config import RunConfig, dump_config, from_dict, load_recipe
+from moontrain.config.loader import to_dict
 from moontrain.metrics.progress import ProgressLog
+from moontrain.metrics.wandb_run import WandbRun
 from moontrain.parallel.layout import build_layout
 from moontrain.trainer.trainer import Trainer
 
@@ -39,13 +44,43 @@ def main(argv: list[str] | None = None) -> None:
             dump_config(cfg, Path(cfg.train.run_dir) / "config.yaml")
             print(f"moontrain: {layout.describe()}; experts backend {cfg.experts.backend}; device {device}",
                   flush=True)
-        trainer = Trainer(cfg, layout, log=ProgressLog(cfg.train.run_dir, cfg.train.steps) if is_main else None)
+        trainer = Trainer(cfg, layout)
         try:
+            resume_from = resolve_resume(cfg, trainer.checkpoint_dir)
+            if resume_from is not None:
+                trainer.load_checkpoint(resume_from)
+                if is_main:
+                    print(f"moontrain: resumed from {resume_from} at step {trainer.step}", flush=True)
+            if is_main:
+                sink = None
+                if cfg.metrics.wandb:
+                    sink = WandbRun(cfg.metrics, run_dir=cfg.train.run_dir, config=to_dict(cfg),
+                                    run_id=trainer.wandb_run_id)
+                    trainer.wandb_run_id = sink.id
+                trainer.log = ProgressLog(cfg.train.run_dir, cfg.train.steps, sink=sink,
+                                          append=resume_from is not None)
             trainer.fit()
         finally:
+            if trainer.log is not None:
+                trainer.log.close()
             trainer.close()
     finally:
         dist.destroy_process_group()
+
+
+def resolve_resume(cfg: RunConfig, checkpoint_dir: Path) -> Path | None:
+    """checkpoint.resume: none -> None; auto -> the latest complete checkpoint (None if there is none);
+    otherwise the named directory, which must exist."""
+    resume = cfg.checkpoint.resume
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return find_latest(checkpoint_dir)
+    path = Path(resume)
+    if not path.is_dir():
+        raise ValueError(f"checkpoint.resume={resume!r} is not a directory; use none, auto or a checkpoint path "
+                         f"such as {checkpoint_dir}/step_00000100")
+    return path
 
 
 if __name__ == "__main__":

@@ -1,0 +1,24 @@
+"""Checkpoint configuration: where, how often, how many to keep, and whether to resume."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    dir: str | None = None  # default: <train.run_dir>/checkpoints
+    every: int = 0  # save every this many steps (0: only the final save)
+    save_final: bool = True  # save after the last step
+    keep_last: int = 3  # older complete checkpoints are deleted after a successful save
+    # "none": start fresh; "auto": the latest valid checkpoint in `dir` (fresh when there is none);
+    # anything else: the path of one checkpoint directory
+    resume: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"checkpoint.every must be >= 0 (0: only the final save), got {self.every}")
+        if self.keep_last < 1:
+            raise ValueError(f"checkpoint.keep_last must be >= 1, got {self.keep_last}")
+        if not self.resume:
+            raise ValueError("checkpoint.resume must be 'none', 'auto' or a checkpoint directory, got ''")

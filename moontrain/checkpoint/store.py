@@ -1,0 +1,310 @@
+"""Saving and loading the whole train state; atomic directories; keep_last; `resume: auto`.
+
+A checkpoint is a directory `<dir>/step_<step:08d>/`:
+
+    rank_<r:05d>.safetensors   what rank r owns (see tensors.py): model.<name>, optim.<name>.exp_avg /
+                               .exp_avg_sq / .step, rng.rank<r>.cpu / .cuda
+    train_state.json           step, tokens seen, LR schedule, optimizer hyperparameters, the layout it
+                               was saved at, the model config, the wandb run id, per-rank data position
+    manifest.json              written last: every file with its size and sha256, every tensor's
+                               canonical shape and the (file, offset, rows) pieces that hold it
+
+Atomicity: every rank writes into `step_<step>.tmp/` and fsyncs its file; after a barrier rank 0 writes
+train_state.json and manifest.json, fsyncs them and the directory, renames it to `step_<step>` and
+fsyncs the parent. A directory is a checkpoint only when it has that name and its manifest: a save
+killed at any point leaves at most a `.tmp` directory, which is ignored and removed by the next save.
+All ranks must see one shared filesystem.
+
+Loading verifies every file it reads against the manifest (size and sha256), so a missing or damaged
+file is reported by name. Parameters and optimizer moments are read as canonical rows, so the EP and
+DP degree may differ from the save. RNG states are restored when the world size is unchanged (rank r
+gets rank r's); the data position is restored by the data source (exactly at the same world size).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save as safetensors_bytes
+
+from moontrain.checkpoint.tensors import CheckpointError, Piece, TensorSource, local_tensor, ownership
+from moontrain.config.loader import to_dict
+
+if TYPE_CHECKING:
+    from moontrain.trainer.trainer import Trainer
+
+FORMAT = "moontrain-checkpoint-v1"
+MANIFEST = "manifest.json"
+TRAIN_STATE = "train_state.json"
+_PREFIX = "step_"
+_TMP = ".tmp"
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{_PREFIX}{step:08d}"
+
+
+# ---------------------------------------------------------------------------------------------- save
+def save_checkpoint(trainer: Trainer, root: str | Path, *, keep_last: int) -> Path:
+    """Collective: write the train state of every rank as `<root>/step_<step>`; returns its path."""
+    layout, root = trainer.layout, Path(root)
+    final = root / checkpoint_name(trainer.step)
+    tmp = root / (final.name + _TMP)
+    if layout.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(f"{_PREFIX}*{_TMP}"):
+            shutil.rmtree(stale)
+        tmp.mkdir()
+    _barrier(trainer)
+    tensors, pieces = _collect_tensors(trainer)
+    file = f"rank_{layout.rank:05d}.safetensors"
+    payload = safetensors_bytes(tensors, metadata={"format": "pt", "moontrain": FORMAT})
+    _write_durable(tmp / file, payload)
+    entry = {"file": file, "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
+             "pieces": pieces, "rank_state": {"data": trainer.data.state_dict()}}
+    entries = _gather(trainer, entry)
+    if layout.rank == 0:
+        state = _train_state(trainer, [e["rank_state"] for e in entries])
+        state_bytes = json.dumps(state, indent=1).encode()
+        _write_durable(tmp / TRAIN_STATE, state_bytes)
+        files = {e["file"]: {"bytes": e["bytes"], "sha256": e["sha256"]} for e in entries}
+        files[TRAIN_STATE] = {"bytes": len(state_bytes), "sha256": hashlib.sha256(state_bytes).hexdigest()}
+        index: dict[str, dict[str, Any]] = {}
+        for e in entries:
+            for name, (offset, rows, shape) in e["pieces"].items():
+                index.setdefault(name, {"shape": shape, "pieces": []})["pieces"].append([e["file"], offset, rows])
+        manifest = {"format": FORMAT, "step": trainer.step, "files": files, "tensors": index}
+        _write_durable(tmp / MANIFEST, json.dumps(manifest).encode())
+        _fsync_dir(tmp)
+        if final.exists():  # the same step saved twice (checkpoint.every and the final save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        prune(root, keep_last)
+    _barrier(trainer)
+    return final
+
+
+def _collect_tensors(trainer: Trainer) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+    """This rank's share: name -> contiguous CPU tensor, and name -> [offset, rows, global shape]."""
+    layout = trainer.layout
+    tensors: dict[str, torch.Tensor] = {}
+    pieces: dict[str, list] = {}
+
+    def whole(name: str, t: torch.Tensor) -> None:
+        tensors[name] = t.detach().to("cpu", copy=True).contiguous()
+        pieces[name] = [0, t.shape[0] if t.ndim else 0, list(t.shape)]
+
+    def put(name: str, t: torch.Tensor, owner_of: torch.Tensor | None = None) -> None:
+        own = ownership(name, owner_of if owner_of is not None else t, layout)
+        if own.writes:
+            tensors[name] = local_tensor(t).detach().to("cpu", copy=True).contiguous()
+            pieces[name] = [own.offset, own.rows, list(own.global_shape)]
+
+    for name, t in _model_tensors(trainer.model).items():
+        put(f"model.{name}", t)
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    for group in trainer.optimizer.param_groups:
+        for p in group["params"]:
+            state = trainer.optimizer.state.get(p)
+            if not state:
+                continue
+            name = names[id(p)]
+            for moment in _MOMENTS:
+                put(f"optim.{name}.{moment}", state[moment], owner_of=p)
+            if layout.rank == 0:  # Adam's step count: a scalar, the same on every rank
+                whole(f"optim.{name}.step", state["step"])
+    whole(f"rng.rank{layout.rank}.cpu", torch.get_rng_state())
+    if layout.device.type == "cuda":
+        whole(f"rng.rank{layout.rank}.cuda", torch.cuda.get_rng_state(layout.device))
+    return tensors, pieces
+
+
+def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers (router biases) under their canonical (state-dict) names."""
+    out = dict(model.named_parameters())
+    for module_name, module in model.named_modules():
+        for buf_name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf_name not in module._non_persistent_buffers_set:
+                out[f"{module_name}.{buf_name}" if module_name else buf_name] = buf
+    return out
+
+
+def _train_state(trainer: Trainer, rank_states: list[dict]) -> dict[str, Any]:
+    layout = trainer.layout
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
+    return {
+        "format": FORMAT,
+        "step": trainer.step,
+        "tokens_seen": trainer.tokens_seen,
+        "world_size": layout.world_size,
+        "ep": layout.ep,
+        "dp_replicate": layout.dp_replicate,
+        "experts_backend": trainer.cfg.experts.backend,
+        "wandb_run_id": trainer.wandb_run_id,
+        "scheduler": trainer.scheduler.state_dict(),
+        "param_groups": groups,
+        "model": to_dict(trainer.cfg.model),
+        "ranks": rank_states,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- load
+def open_checkpoint(path: str | Path) -> tuple[dict[str, Any], TensorSource]:
+    """Read and check the manifest and train state of one checkpoint; tensors are read on demand."""
+    path = Path(path)
+    manifest_path = path / MANIFEST
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint: {manifest_path} is missing "
+                              "(a save that did not finish?)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"checkpoint file {manifest_path} is corrupt: {err}") from err
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint file {manifest_path} has format {manifest.get('format')!r}, "
+                              f"expected {FORMAT!r}")
+    index = {name: (tuple(e["shape"]), [Piece(f, o, r) for f, o, r in e["pieces"]])
+             for name, e in manifest["tensors"].items()}
+    source = TensorSource(path, index, expected=manifest["files"])
+    state_path = path / TRAIN_STATE
+    if not state_path.is_file():
+        raise CheckpointError(f"checkpoint file {state_path} is missing")
+    raw = state_path.read_bytes()
+    if hashlib.sha256(raw).hexdigest() != manifest["files"][TRAIN_STATE]["sha256"]:
+        raise CheckpointError(f"checkpoint file {state_path} is corrupt: its sha256 differs from the manifest")
+    return json.loads(raw), source
+
+
+def load_checkpoint(trainer: Trainer, path: str | Path) -> dict[str, Any]:
+    """Restore the whole train state into `trainer` (any EP / DP layout); returns the train state."""
+    state, source = open_checkpoint(path)
+    saved_model, model = state["model"], to_dict(trainer.cfg.model)
+    if saved_model != model:
+        diff = sorted(k for k in set(saved_model) | set(model) if saved_model.get(k) != model.get(k))
+        raise CheckpointError(f"checkpoint {path} was saved with a different model config; differing keys: "
+                              + ", ".join(f"model.{k} (saved {saved_model.get(k)!r}, now {model.get(k)!r})"
+                                          for k in diff))
+    load_model_tensors(trainer, source, prefix="model.")
+    _load_optimizer(trainer, source, state)
+    layout = trainer.layout
+    if state["world_size"] == layout.world_size:
+        torch.set_rng_state(source.full(f"rng.rank{layout.rank}.cpu"))
+        if layout.device.type == "cuda" and f"rng.rank{layout.rank}.cuda" in source.index:
+            torch.cuda.set_rng_state(source.full(f"rng.rank{layout.rank}.cuda"), layout.device)
+    trainer.data.load_state_dict([r["data"] for r in state["ranks"]])
+    trainer.step = state["step"]
+    trainer.tokens_seen = state["tokens_seen"]
+    trainer.wandb_run_id = state["wandb_run_id"]
+    return state
+
+
+@torch.no_grad()
+def load_model_tensors(trainer: Trainer, source: TensorSource, *, prefix: str) -> None:
+    """Copy the rows this rank owns of every parameter and persistent buffer from `source`."""
+    for name, t in _model_tensors(trainer.model).items():
+        own = ownership(name, t, trainer.layout)
+        key = prefix + name
+        if tuple(source.shape(key)) != own.global_shape:
+            raise CheckpointError(f"{source.root}: {key} has shape {list(source.shape(key))}, the model "
+                                  f"has {list(own.global_shape)}")
+        local_tensor(t).copy_(source.rows(key, own.offset, own.rows))
+    for w in trainer.experts:
+        w.push_master()
+
+
+@torch.no_grad()
+def _load_optimizer(trainer: Trainer, source: TensorSource, state: dict[str, Any]) -> None:
+    opt = trainer.optimizer
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    saved_groups = {g["name"]: g for g in state["param_groups"]}
+    for group in opt.param_groups:
+        saved = saved_groups[group["name"]]
+        group.update({k: tuple(v) if isinstance(group[k], tuple) else v for k, v in saved.items() if k in group})
+        for p in group["params"]:
+            name = names[id(p)]
+            key = f"optim.{name}.step"
+            if key not in source.index:  # saved before the first optimizer step
+                continue
+            own = ownership(name, p, trainer.layout)
+            entry = {"step": source.full(key).clone()}
+            for moment in _MOMENTS:
+                t = torch.zeros_like(p, memory_format=torch.preserve_format)
+                local_tensor(t).copy_(source.rows(f"optim.{name}.{moment}", own.offset, own.rows))
+                entry[moment] = t
+            opt.state[p] = entry
+    trainer.scheduler.load_state_dict(state["scheduler"])
+
+
+# ---------------------------------------------------------------------------------------------- find
+def is_complete(path: Path) -> bool:
+    """Cheap validity: the final name, a readable manifest, and every listed file at its size."""
+    if path.name.endswith(_TMP) or not (path / MANIFEST).is_file():
+        return False
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError):
+        return False
+    return all((path / f).is_file() and (path / f).stat().st_size == e["bytes"] for f, e in files.items())
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.glob(f"{_PREFIX}*"):
+        step = path.name[len(_PREFIX):]
+        if path.is_dir() and step.isdigit() and is_complete(path):
+            found.append((int(step), path))
+    return [p for _, p in sorted(found)]
+
+
+def find_latest(root: str | Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def prune(root: Path, keep_last: int) -> None:
+    for old in list_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(old)
+
+
+# ---------------------------------------------------------------------------------------------- io
+def _write_durable(path: Path, data: bytes) -> None:
+    with path.open("wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _barrier(trainer: Trainer) -> None:
+    if trainer.layout.distributed:
+        dist.barrier(group=trainer.layout.world_group)
+
+
+def _gather(trainer: Trainer, obj: Any) -> list[Any]:
+    if not trainer.layout.distributed:
+        return [obj]
+    out: list[Any] = [None] * trainer.layout.world_size
+    dist.all_gather_object(out, obj, group=trainer.layout.world_group)
+    return out

@@ -1,0 +1,151 @@
+"""Canonical tensors stored as dim-0 row ranges, and a reader that reassembles any row range.
+
+Every tensor in a checkpoint has a canonical name and a canonical (global) shape, the one a
+single-process model would hold: `model.layers.1.ffn.experts.master.gate` is [E, H, F] whatever the
+EP degree. A rank stores the rows [offset, offset + rows) of it that it owns:
+
+- FSDP2 dense params (DTensor, Shard(0) over the world): the torch.chunk rule, rank r holds
+  rows [r * ceil(n / W), ...) clipped to n (a rank past the end holds none and writes nothing);
+- expert masters: the EP rank's canonical experts [ep_rank * epn, (ep_rank + 1) * epn), written by
+  the first data-parallel replica only (the other replicas hold the same rows);
+- replicated tensors (unsharded dense params, router biases, Adam's step): rank 0, all rows.
+
+Optimizer moments follow their parameter. Loading asks a `TensorSource` for the rows this rank owns
+under the new layout, so a checkpoint saved at one EP / DP degree loads at any other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch.distributed.tensor import DTensor, Shard
+
+from moontrain.parallel.layout import ParallelLayout
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (or exported model) that cannot be used; the message names the file."""
+
+
+def dim0_rows(n: int, world: int, rank: int) -> tuple[int, int]:
+    """(offset, rows) of `rank` under torch.chunk(n rows, world), the split FSDP2 uses."""
+    chunk = -(-n // world) if n else 0
+    offset = min(rank * chunk, n)
+    return offset, min(chunk, n - offset)
+
+
+@dataclass(frozen=True, slots=True)
+class Ownership:
+    offset: int  # first canonical row this rank holds
+    rows: int  # rows it holds
+    global_shape: tuple[int, ...]
+    writes: bool  # whether this rank's copy goes into the checkpoint
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def ownership(name: str, t: torch.Tensor, layout: ParallelLayout) -> Ownership:
+    """Which canonical rows of tensor `name` (a parameter or its optimizer moment) this rank holds."""
+    if ".experts.master." in name:
+        epn = t.shape[0]
+        return Ownership(offset=layout.ep_rank * epn, rows=epn, global_shape=(epn * layout.ep, *t.shape[1:]),
+                         writes=layout.dp_replicate_rank == 0)
+    if isinstance(t, DTensor):
+        assert t.placements == (Shard(0),) and t.device_mesh.ndim == 1, (name, t.placements)
+        mesh = t.device_mesh
+        offset, rows = dim0_rows(t.shape[0], mesh.size(), mesh.get_local_rank())
+        assert t.to_local().shape[0] == rows, (name, t.to_local().shape, rows)
+        return Ownership(offset=offset, rows=rows, global_shape=tuple(t.shape), writes=rows > 0)
+    shape = tuple(t.shape)
+    return Ownership(offset=0, rows=shape[0] if shape else 0, global_shape=shape, writes=layout.rank == 0)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    file: str
+    offset: int
+    rows: int
+
+
+class TensorSource:
+    """Row ranges of canonical tensors spread over safetensors files of one directory.
+
+    index: name -> (global shape, pieces). Files are checked against `expected` (bytes, sha256) on
+    first use, so a missing, truncated or altered file is reported by name before any value is read.
+    """
+
+    def __init__(self, root: Path, index: dict[str, tuple[tuple[int, ...], list[Piece]]],
+                 expected: dict[str, dict] | None = None) -> None:
+        self.root, self.index, self.expected = root, index, expected
+        self._open: dict[str, object] = {}
+
+    def names(self) -> list[str]:
+        return list(self.index)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name)[0]
+
+    def full(self, name: str) -> torch.Tensor:
+        shape = self.shape(name)
+        return self.rows(name, 0, shape[0] if shape else 0)
+
+    def rows(self, name: str, offset: int, rows: int) -> torch.Tensor:
+        """Canonical rows [offset, offset + rows) of `name` (the whole tensor when it is 0-d)."""
+        shape, pieces = self._entry(name)
+        if not shape:
+            return self._handle(pieces[0].file).get_tensor(name)
+        if offset + rows > shape[0]:
+            raise CheckpointError(f"{self.root}: {name} has {shape[0]} rows, rows [{offset}, {offset + rows}) "
+                                  "were asked for; the model does not match the checkpoint")
+        parts, covered = [], offset
+        for piece in sorted(pieces, key=lambda p: p.offset):
+            lo, hi = max(covered, piece.offset), min(offset + rows, piece.offset + piece.rows)
+            if lo > covered or hi <= lo:
+                continue
+            parts.append(self._handle(piece.file).get_slice(name)[lo - piece.offset:hi - piece.offset])
+            covered = hi
+        if covered != offset + rows:
+            raise CheckpointError(f"{self.root}: rows [{covered}, {offset + rows}) of {name} are in no file of "
+                                  f"the checkpoint (pieces {[(p.file, p.offset, p.rows) for p in pieces]})")
+        if not parts:
+            return torch.empty(0, *shape[1:])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _entry(self, name: str) -> tuple[tuple[int, ...], list[Piece]]:
+        if name not in self.index:
+            raise CheckpointError(f"{self.root}: no tensor {name!r} in the checkpoint; the model does not match it")
+        return self.index[name]
+
+    def _handle(self, file: str):
+        if file not in self._open:
+            path = self.root / file
+            if not path.is_file():
+                raise CheckpointError(f"checkpoint file {path} is missing")
+            if self.expected is not None:
+                want = self.expected[file]
+                size = path.stat().st_size
+                if size != want["bytes"]:
+                    raise CheckpointError(f"checkpoint file {path} is corrupt: {size} bytes, the manifest says "
+                                          f"{want['bytes']}")
+                if file_sha256(path) != want["sha256"]:
+                    raise CheckpointError(f"checkpoint file {path} is corrupt: its sha256 differs from the manifest")
+            try:
+                self._open[file] = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError, json.JSONDecodeError) as err:
+                raise CheckpointError(f"checkpoint file {path} is not a readable safetensors file: {err}") from err
+        return self._open[file]

@@ -1,0 +1,36 @@
+"""The token-source protocol the trainer uses, and the factory that picks one from data.source."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from moontrain.data.config import DataConfig
+
+
+class TokenSource(Protocol):
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens_bT, targets_bT) of this rank for optimizer step `step`."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's position (JSON-serialisable), saved in checkpoints."""
+        ...
+
+    def load_state_dict(self, rank_states: list[dict[str, Any]]) -> None:
+        """Restore from the saved positions of every rank of the saving job (its world size may differ)."""
+        ...
+
+
+def build_token_source(cfg: DataConfig, *, vocab_size: int, seq_len: int, global_batch: int, rank: int,
+                       world_size: int, device: torch.device) -> TokenSource:
+    kwargs = dict(vocab_size=vocab_size, seq_len=seq_len, global_batch=global_batch, rank=rank,
+                  world_size=world_size, device=device)
+    if cfg.source == "markov":
+        from moontrain.data.markov import MarkovTokens
+
+        return MarkovTokens(cfg, **kwargs)
+    from moontrain.data.packed import PackedDocuments
+
+    return PackedDocuments(cfg, **kwargs)

@@ -1,0 +1,37 @@
+"""The wandb run of a training job (rank 0 only).
+
+Mode: the recipe's metrics.wandb_mode (offline by default) unless the WANDB_MODE environment variable
+is set, which wandb users expect to win. Offline runs are written under <run_dir>/wandb and can be
+uploaded later with `wandb sync`. The run id is stored in every checkpoint; a resumed job passes it
+back with resume="allow", so its steps continue the same run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from moontrain.metrics.config import MetricsConfig
+
+
+class WandbRun:
+    def __init__(self, cfg: MetricsConfig, *, run_dir: str | Path, config: dict[str, Any],
+                 run_id: str | None = None) -> None:
+        import wandb
+
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        mode = os.environ.get("WANDB_MODE") or cfg.wandb_mode
+        self.run = wandb.init(
+            project=cfg.project, name=cfg.run_name or run_dir.resolve().name, id=run_id or wandb.util.generate_id(),
+            resume="allow", mode=mode, dir=str(run_dir), config=config,
+            settings=wandb.Settings(x_disable_stats=True, console="off", silent=True),
+        )
+        self.id = self.run.id
+
+    def log(self, values: dict[str, float | int | None], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()

@@ -1,0 +1,73 @@
+"""Step metrics accumulated on device between logging steps; one reduction and one host read per log.
+
+Between two logging steps nothing is read on the host: the loss, the grad norm and the per-layer MoE
+statistics are added into device tensors. At a logging step the values that differ between ranks
+(the loss of each rank's tokens, the prefetch bytes of each rank) go through one all_reduce; the
+others are identical on every rank already (global grad norm, world-reduced counts, shared plans).
+Reported values are means over the steps of the window; tokens/s and MFU use the window's wall time.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from moontrain.metrics.moe_stats import FIELDS
+from moontrain.parallel.layout import ParallelLayout
+
+
+class MetricsWindow:
+    def __init__(self, moe_layer_ids: list[int], layout: ParallelLayout) -> None:
+        """moe_layer_ids: the model layer index of each MoE layer (names the per-layer series)."""
+        self.layer_ids, self.num_layers, self.layout = moe_layer_ids, len(moe_layer_ids), layout
+        self._reset()
+
+    def _reset(self) -> None:
+        dev = self.layout.device
+        self.ce_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        self.grad_norm_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        self.moe_sum = torch.zeros(len(FIELDS), self.num_layers, dtype=torch.float64, device=dev)
+        self.steps = 0
+        self.t0 = time.perf_counter()
+
+    def add(self, ce: torch.Tensor, grad_norm: torch.Tensor, moe_FL: torch.Tensor) -> None:
+        self.ce_sum += ce.detach().double()
+        self.grad_norm_sum += grad_norm.double()
+        self.moe_sum += moe_FL
+        self.steps += 1
+
+    def flush(self) -> dict[str, float]:
+        """Collective: the window's means (loss over all ranks' tokens), then a new window starts."""
+        layout, n, L = self.layout, self.steps, self.num_layers
+        prefetch = FIELDS.index("prefetch_bytes")
+        varying = torch.cat([self.ce_sum.view(1), self.moe_sum[prefetch]])
+        if layout.distributed:
+            dist.all_reduce(varying, group=layout.world_group)
+            varying /= layout.world_size  # prefetch bytes: the mean over ranks
+        moe = self.moe_sum.clone()
+        moe[prefetch] = varying[1:]
+        values = torch.cat([varying[:1], self.grad_norm_sum.view(1), moe.flatten()]).div(n).tolist()
+        elapsed = time.perf_counter() - self.t0  # after the host read: the device work is done
+        out = {"loss": values[0], "grad_norm": values[1], "window_s": elapsed, "window_steps": float(n)}
+        per_field = [values[2 + f * L: 2 + (f + 1) * L] for f in range(len(FIELDS))]
+        for name, series in zip(FIELDS, per_field, strict=True):
+            for layer_id, v in zip(self.layer_ids, series, strict=True):
+                out[f"moe/{name}/layer{layer_id}"] = v
+            out[f"moe/{name}/max" if "maxvio" in name else f"moe/{name}/total"] = (
+                (max(series) if "maxvio" in name else sum(series)) if series else 0.0)
+        self._reset()
+        return out
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Allocator statistics in GiB (and the retry count) on CUDA; nothing elsewhere."""
+    if device.type != "cuda":
+        return {}
+    gib = 2**30
+    stats = torch.cuda.memory_stats(device)
+    return {"mem/allocated_gib": torch.cuda.memory_allocated(device) / gib,
+            "mem/reserved_gib": torch.cuda.memory_reserved(device) / gib,
+            "mem/peak_gib": torch.cuda.max_memory_allocated(device) / gib,
+            "mem/alloc_retries": float(stats.get("num_alloc_retries", 0))}
