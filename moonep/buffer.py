@@ -44,7 +44,7 @@ from moonep.heap import Piece, SymmetricHeap, create_heap, strided_view
 from moonep.kernels import resolve_kernels
 from moonep.layout import Layout
 from moonep.plan_graph import GraphPlanner
-from moonep.planner import Plan, make_plan
+from moonep.planner import Plan, make_plan, plan_shared
 from moonep.validate import (
     check_expert_ids,
     check_gathered_counts,
@@ -95,8 +95,13 @@ class Buffer:
 
             self._kernels = dispatch_combine
             self._grid = dispatch_combine.num_sms(self.device, config.num_sms)
-        self._planner = GraphPlanner(self.layout, self.rank) if self.device.type == "cuda" and config.plan_graph \
-            else None
+        self._shared_planner = plan_shared  # SPEC 5.2-5.4; one Triton kernel on the triton path
+        if self._kernels is not None:
+            from moonep.kernels.planner import plan_shared as plan_shared_kernel
+
+            self._shared_planner = plan_shared_kernel
+        self._planner = GraphPlanner(self.layout, self.rank, self._shared_planner) \
+            if self.device.type == "cuda" and config.plan_graph else None
         self._rows_plan: Plan | None = None  # plan of the last dispatch: its rows are in row_src
         self.barrier("buffer:init")  # every rank is ready; the GPU barrier sets up its signals here
 
@@ -187,7 +192,8 @@ class Buffer:
             check_gathered_counts(self.layout, counts_RE, topk_sK.shape[0], total)
         if self._planner is not None:
             return self._planner(topk_sK, counts_RE, total)
-        return make_plan(self.layout, self.rank, topk_sK, counts_RE, total_num_tokens=total)
+        return make_plan(self.layout, self.rank, topk_sK, counts_RE, total_num_tokens=total,
+                         shared=self._shared_planner)
 
     def _scatter(self, plan: Plan, x_sH: torch.Tensor, weights_sK: torch.Tensor | None, *, rows: bool = True) -> None:
         layout, mine, every = self.layout, self._mine, self._all

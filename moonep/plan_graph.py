@@ -19,13 +19,14 @@ import dataclasses
 import torch
 
 from moonep.layout import Layout
-from moonep.planner import Plan, make_plan
+from moonep.planner import Plan, SharedPlanner, make_plan, plan_shared
 
 
 class GraphPlanner:
-    def __init__(self, layout: Layout, rank: int) -> None:
+    def __init__(self, layout: Layout, rank: int, shared: SharedPlanner = plan_shared) -> None:
         self.layout = layout
         self.rank = rank
+        self.shared = shared
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, Plan]] = {}
 
     def __call__(self, topk_sK: torch.Tensor, counts_RE: torch.Tensor, total_num_tokens: int | None) -> Plan:
@@ -45,9 +46,9 @@ class GraphPlanner:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up outside the graph (lazy inits, workspace)
-            make_plan(self.layout, self.rank, topk_in, counts_in, total_num_tokens=total)
+            make_plan(self.layout, self.rank, topk_in, counts_in, total_num_tokens=total, shared=self.shared)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = make_plan(self.layout, self.rank, topk_in, counts_in, total_num_tokens=total)
+            out = make_plan(self.layout, self.rank, topk_in, counts_in, total_num_tokens=total, shared=self.shared)
         return graph, topk_in, counts_in, out

@@ -13,6 +13,7 @@ s tokens of this rank, K top-k.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -210,26 +211,38 @@ def token_destinations(topk_sK: torch.Tensor, counts_RE: torch.Tensor, rank: int
     return dst_rank_sK.to(torch.int32), dst_row_sK.to(torch.int32), copy_row.to(torch.int32), sent
 
 
+def plan_shared(counts_RE: torch.Tensor, cap_R: torch.Tensor, num_slots: int, token_padding: int
+                ) -> tuple[torch.Tensor, ...]:
+    """SPEC 5.2-5.4, the part every rank computes identically: (quota_RR, alloc_ER, slot_expert_RB,
+    group_ER, group_rows_RG, offs_RG). moonep.kernels.planner computes the same in one kernel."""
+    R = cap_R.numel()
+    count_E = counts_RE.to(_I64).sum(0)
+    group_R = count_E.view(R, -1).sum(1)
+    quota = fill_receivers(group_R, cap_R)
+    alloc = split_quota(count_E, quota)
+    slot_expert, group_ER = assign_slots(alloc, num_slots)
+    group_rows, offs = group_offsets(alloc, group_ER, num_slots, token_padding)
+    return quota, alloc.to(torch.int32), slot_expert, group_ER, group_rows, offs
+
+
+SharedPlanner = Callable[[torch.Tensor, torch.Tensor, int, int], tuple[torch.Tensor, ...]]
+
+
 def make_plan(layout: Layout, rank: int, topk_sK: torch.Tensor, counts_RE: torch.Tensor, *,
-              total_num_tokens: int | None = None) -> Plan:
+              total_num_tokens: int | None = None, shared: SharedPlanner = plan_shared) -> Plan:
     """Plan one dispatch from this rank's routing and every rank's histogram (SPEC 5)."""
     R, B, K = layout.num_ranks, layout.num_slots, layout.config.topk
     pad = layout.config.token_padding
     s = topk_sK.shape[0]
     device = topk_sK.device
     cap_R = receive_caps(R, K, num_tokens=s, total_num_tokens=total_num_tokens, device=device)
-    count_E = counts_RE.to(_I64).sum(0)
-    group_R = count_E.view(R, -1).sum(1)
-    quota = fill_receivers(group_R, cap_R)
-    alloc = split_quota(count_E, quota)
-    slot_expert, group_ER = assign_slots(alloc, B)
-    group_rows, offs = group_offsets(alloc, group_ER, B, pad)
+    quota, alloc, slot_expert, group_ER, group_rows, offs = shared(counts_RE, cap_R, B, pad)
     dst_rank, dst_row, copy_row, sent = token_destinations(topk_sK, counts_RE, rank, alloc, group_ER,
                                                            group_rows, offs, pad)
     max_cap = s * K if total_num_tokens is None else -(-total_num_tokens * K // R)
     return Plan(
         rank=rank, num_ranks=R, num_experts=layout.config.num_experts, num_slots=B, topk=K, num_tokens=s,
         nvs_s=layout.nvs_rows(max_cap), counts_RE=counts_RE.to(torch.int32), cap_R=cap_R, quota_RR=quota,
-        alloc_ER=alloc.to(torch.int32), slot_expert_RB=slot_expert, group_rows_RG=group_rows, offs_RG=offs,
+        alloc_ER=alloc, slot_expert_RB=slot_expert, group_rows_RG=group_rows, offs_RG=offs,
         dst_rank_sK=dst_rank, dst_row_sK=dst_row, copy_row_sK=copy_row, sent_sK=sent,
     )
