@@ -65,7 +65,7 @@ def read_hf(model_dir: str | Path) -> tuple[ModelConfig, TensorSource]:
     index = {}
     for name in handle.keys():
         shape = tuple(handle.get_slice(name).get_shape())
-        index[f"model.{name}"] = (shape, [Piece(WEIGHTS, 0, shape[0] if shape else 0)])
+        index[name] = (shape, [Piece(WEIGHTS, 0, shape[0] if shape else 0)])
     return cfg, TensorSource(model_dir, index)
 
 
@@ -74,4 +74,4 @@ def import_hf(trainer: Trainer, model_dir: str | Path) -> None:
     cfg, source = read_hf(model_dir)
     if cfg != trainer.cfg.model:
         raise CheckpointError(f"{Path(model_dir) / CONFIG} describes another model than the recipe's model: section")
-    load_model_tensors(trainer, source, prefix="model.")
+    load_model_tensors(trainer, source, prefix="")
