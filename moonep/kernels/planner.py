@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-_BIG = 2**30
+_BIG = tl.constexpr(2**30)
 
 
 @triton.jit
