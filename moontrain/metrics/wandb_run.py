@@ -24,7 +24,7 @@ class WandbRun:
         run_dir.mkdir(parents=True, exist_ok=True)
         mode = os.environ.get("WANDB_MODE") or cfg.wandb_mode
         self.run = wandb.init(
-            project=cfg.project, name=cfg.run_name or run_dir.resolve().name, id=run_id or wandb.util.generate_id(),
+            project=cfg.project, name=cfg.run_name or run_dir.resolve().name, id=run_id,
             resume="allow", mode=mode, dir=str(run_dir), config=config,
             settings=wandb.Settings(x_disable_stats=True, console="off", silent=True),
         )
