@@ -12,11 +12,12 @@ Packing: a rank appends each of its documents' tokens and an EOS to a running st
 windows of T + 1 tokens with stride T (row i = stream[iT, iT + T + 1)): inputs are the first T, targets
 the last T, so no token is dropped and every document boundary is visible through EOS.
 
-Position (state_dict): the epoch, the next global document index of this rank, and the tokens carried
-over (read but not yet trained on). Restoring it at the same world size continues with exactly the
-batch that would have come. At another world size the shares change: every rank restarts at the
-earliest document boundary any saved rank had not passed, so no document is skipped (a few are read
-again) and carried tokens are dropped.
+Position (state_dict): the epoch, the next global document index of this rank, the tokens carried
+over (read but not yet trained on) and the documents they belong to. Restoring it at the same world
+size continues with exactly the batch that would have come. At another world size the shares change:
+every rank restarts at the round (W consecutive documents of the order) of the earliest document any
+saved rank had not finished, so no document is skipped (a few are read again); carried tokens are
+dropped. The epoch's order is the same at any world size (it depends on the seed and epoch only).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class PackedDocuments:
         self.rows, self.rank, self.world = global_batch // world_size, rank, world_size
         self.docs = Documents(cfg)
         self.epoch, self.next_doc, self.carry = 0, rank, []
+        self.pending: list[list[int]] = []  # [epoch, global index, end in carry] of documents not yet done
         self._order: np.ndarray | None = None
         self._stream: Iterator[tuple[int, str]] | None = None
 
@@ -53,15 +55,21 @@ class PackedDocuments:
         T, b = self.seq_len, self.rows
         need = b * T + 1
         while len(self.carry) < need:
-            self.carry.extend(self.tokenizer.encode(self._next_text()))
+            epoch, g, text = self._next_document()
+            self.carry.extend(self.tokenizer.encode(text))
             self.carry.append(self.tokenizer.eos_id)
+            self.pending.append([epoch, g, len(self.carry)])
         stream = torch.tensor(self.carry[:need], dtype=torch.long)
-        self.carry = self.carry[b * T:]  # the last target is the next batch's first input
+        cut = b * T
+        self.carry = self.carry[cut:]  # the last target is the next batch's first input
+        # a document is done when its last token (EOS) has been a target, i.e. it ends at or before cut + 1
+        self.pending = [[e, g, end - cut] for e, g, end in self.pending if end - cut > 1]
         rows_bT1 = stream.unfold(0, T + 1, T)
         rows_bT1 = rows_bT1.to(self.device)
         return rows_bT1[:, :-1].contiguous(), rows_bT1[:, 1:].contiguous()
 
-    def _next_text(self) -> str:
+    def _next_document(self) -> tuple[int, int, str]:
+        """(epoch, global index, text) of this rank's next document."""
         if self.docs.streaming:
             return self._next_streamed()
         n = len(self.docs)
@@ -73,21 +81,21 @@ class PackedDocuments:
             self._order = self._epoch_order(n)
         g = self.next_doc
         self.next_doc += self.world
-        return self.docs.get(int(self._order[g]))
+        return self.epoch, g, self.docs.get(int(self._order[g]))
 
     def _epoch_order(self, n: int) -> np.ndarray:
         if not self.cfg.shuffle:
             return np.arange(n)
         return np.random.default_rng([self.cfg.seed, self.epoch]).permutation(n)
 
-    def _next_streamed(self) -> str:
+    def _next_streamed(self) -> tuple[int, int, str]:
         for _ in range(2):
             if self._stream is None:
                 self._stream = self.docs.iter_from(self.next_doc)
             for g, text in self._stream:
                 if g == self.next_doc:
                     self.next_doc += self.world
-                    return text
+                    return self.epoch, g, text
             self._stream = None  # the epoch's end
             if self.next_doc == self.rank:
                 break
@@ -97,7 +105,7 @@ class PackedDocuments:
     # ------------------------------------------------------------------ position
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "next_doc": self.next_doc, "carry": list(self.carry),
-                "rank": self.rank, "world_size": self.world}
+                "pending": [list(p) for p in self.pending], "rank": self.rank, "world_size": self.world}
 
     def load_state_dict(self, rank_states: list[dict[str, Any]]) -> None:
         """rank_states: the saved state of every rank of the saving job, in rank order."""
@@ -106,9 +114,12 @@ class PackedDocuments:
             mine = rank_states[self.rank]
             assert mine["rank"] == self.rank and mine["world_size"] == self.world
             self.epoch, self.next_doc, self.carry = mine["epoch"], mine["next_doc"], list(mine["carry"])
+            self.pending = [list(p) for p in mine["pending"]]
             return
-        # another world size: restart every rank at the earliest position not yet passed by all
-        saved_world = len(rank_states)
-        epoch, first = min((s["epoch"], s["next_doc"] - s["rank"]) for s in rank_states)
-        first -= first % saved_world
-        self.epoch, self.next_doc, self.carry = epoch, first + self.rank, []
+        # another world size: every rank restarts at the round of the earliest unfinished document
+        def first_unfinished(s: dict[str, Any]) -> tuple[int, int]:
+            epoch, g = (s["pending"][0][0], s["pending"][0][1]) if s["pending"] else (s["epoch"], s["next_doc"])
+            return epoch, g - s["rank"]  # g - rank: the start of that round of the saving job
+
+        epoch, first = min(first_unfinished(s) for s in rank_states)
+        self.epoch, self.next_doc, self.carry, self.pending = epoch, first + self.rank, [], []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -166,27 +167,27 @@ def test_missing_and_corrupt_files_are_named(tmp_path: Path) -> None:
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=f"checkpoint file {shard} is corrupt"):
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint file {shard} is corrupt")):
         fresh.load_checkpoint(ckpt)
     shard.write_bytes(bytes(data[:100]))
-    with pytest.raises(CheckpointError, match=f"checkpoint file {shard} is corrupt: 100 bytes"):
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint file {shard} is corrupt: 100 bytes")):
         fresh.load_checkpoint(ckpt)
     shard.unlink()
-    with pytest.raises(CheckpointError, match=f"checkpoint file {shard} is missing"):
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint file {shard} is missing")):
         fresh.load_checkpoint(ckpt)
     assert find_latest(tmp_path / "checkpoints") is None  # an incomplete checkpoint is not a resume candidate
 
     state.write_text(state.read_text().replace('"step": 1', '"step": 7'))
-    with pytest.raises(CheckpointError, match=f"checkpoint file {state} is corrupt"):
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint file {state} is corrupt")):
         fresh.load_checkpoint(ckpt)
     state.unlink()
-    with pytest.raises(CheckpointError, match=f"checkpoint file {state} is missing"):
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint file {state} is missing")):
         fresh.load_checkpoint(ckpt)
     manifest.write_text(manifest.read_text()[:50])
-    with pytest.raises(CheckpointError, match=f"checkpoint file {manifest} is corrupt"):
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint file {manifest} is corrupt")):
         fresh.load_checkpoint(ckpt)
     manifest.unlink()
-    with pytest.raises(CheckpointError, match=f"{manifest} is missing"):
+    with pytest.raises(CheckpointError, match=re.escape(f"{manifest} is missing")):
         fresh.load_checkpoint(ckpt)
 
 
