@@ -1,4 +1,4 @@
-"""Checkpoints: exact resume at EP=2 across processes, resharding 2 -> 1 -> 2 (model and Adam state bitwise),
+"""Checkpoints: exact resume at EP=2 across processes (the packed-documents data position included), resharding 2 -> 1 -> 2 (model and Adam state bitwise),
 a save killed part-way, missing and corrupt files named in the error, keep_last, and the HF export round trip.
 
 References: a run without interruption (exact resume must be bitwise identical: same ops, same inputs);
@@ -27,6 +27,7 @@ from tests.dist_utils import run_ranks
 from tests.moontrain.ckpt_utils import assert_bitwise, full_state, small_config, train
 
 CPU = torch.device("cpu")
+CORPUS = {"source": "dataset", "path": str(Path(__file__).resolve().parents[2] / "recipes/data/tiny_corpus.jsonl")}
 
 
 def _single(run_dir: Path, **kw) -> Trainer:
@@ -36,7 +37,7 @@ def _single(run_dir: Path, **kw) -> Trainer:
 
 # ------------------------------------------------------------------------------------------ exact resume
 def _straight_then_save(rank: int, world: int, run_dir: str) -> tuple[list[float], dict, list[float]]:
-    cfg = small_config("moonep", 2, run_dir=run_dir)
+    cfg = small_config("moonep", 2, run_dir=run_dir, data=CORPUS)
     straight = Trainer(cfg, build_layout(2, CPU))
     losses = train(straight, 6)
     state = full_state(straight)
@@ -50,7 +51,7 @@ def _straight_then_save(rank: int, world: int, run_dir: str) -> tuple[list[float
 
 
 def _resume_and_finish(rank: int, world: int, run_dir: str) -> tuple[list[float], dict, str | None]:
-    cfg = small_config("moonep", 2, run_dir=run_dir, checkpoint={"resume": "auto"})
+    cfg = small_config("moonep", 2, run_dir=run_dir, data=CORPUS, checkpoint={"resume": "auto"})
     trainer = Trainer(cfg, build_layout(2, CPU))
     trainer.load_checkpoint(resolve_resume(cfg, trainer.checkpoint_dir))
     assert trainer.step == 3 and trainer.tokens_seen == 3 * 4 * 16
