@@ -8,6 +8,10 @@
 
 Values are copied bit for bit (fp32 masters, no casting), so export then import is the identity.
 Optimizer state, RNG and data position are not part of it: an imported model starts a new run.
+
+    python -m moontrain.checkpoint export runs/k3_tiny/checkpoints/step_00000060 exported/k3_tiny
+
+    python -m moontrain.checkpoint.hf runs/k3_tiny/checkpoints/step_00000060 exported/k3_tiny
 """
 
 from __future__ import annotations
