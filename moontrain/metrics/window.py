@@ -32,6 +32,10 @@ class MetricsWindow:
         self.steps = 0
         self.t0 = time.perf_counter()
 
+    def restart_clock(self) -> None:
+        """Start timing now (a job's first window should not include building, loading or wandb startup)."""
+        self.t0 = time.perf_counter()
+
     def add(self, ce: torch.Tensor, grad_norm: torch.Tensor, moe_FL: torch.Tensor) -> None:
         self.ce_sum += ce.detach().double()
         self.grad_norm_sum += grad_norm.double()

@@ -100,6 +100,7 @@ class Trainer:
         """Train to train.steps, saving checkpoints as configured; returns the logged stats."""
         ckpt = self.cfg.checkpoint
         logged = []
+        self.window.restart_clock()
         while self.step < self.cfg.train.steps:
             stats = self.train_step()
             if stats is not None:

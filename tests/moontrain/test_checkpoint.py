@@ -123,6 +123,26 @@ def test_reshard_ep2_to_1_to_ep2(tmp_path: Path) -> None:
     assert cfg == fresh.cfg.model
 
 
+def _train_dp2xep2_and_save(rank: int, world: int, run_dir: str) -> dict:
+    trainer = Trainer(small_config("alltoall", 2, run_dir=run_dir), build_layout(2, CPU))
+    train(trainer, 2)
+    trainer.save_checkpoint()
+    return full_state(trainer)
+
+
+def test_reshard_dp2xep2_to_1(tmp_path: Path) -> None:
+    """World 4 = 2 replicas x EP 2: experts are written once (by the first replica), dense shards by all 4."""
+    saved = run_ranks(_train_dp2xep2_and_save, 4, str(tmp_path))[0]
+    ckpt = find_latest(tmp_path / "checkpoints")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["tensors"]["model.layers.1.ffn.experts.master.up"]["pieces"] == [
+        ["rank_00000.safetensors", 0, 4], ["rank_00001.safetensors", 4, 4]]
+    assert len(manifest["tensors"]["model.embed.weight"]["pieces"]) == 4
+    single = _single(tmp_path / "b")
+    single.load_checkpoint(ckpt)
+    assert_bitwise(full_state(single), saved, "dp2 x EP2 -> 1 process")
+
+
 # ------------------------------------------------------------------------------------------ failures
 def _save_then_die_mid_save(rank: int, world: int, run_dir: str) -> None:
     import moontrain.checkpoint.store as store
