@@ -35,7 +35,7 @@ def test_launch_k3_tiny_loss_falls(tmp_path: Path, backend: str) -> None:
     steps = from_dict(RunConfig, yaml.safe_load((run_dir / "config.yaml").read_text())).train.steps
     assert records[-1]["step"] == steps
     first, last = records[0]["loss"], records[-1]["loss"]
-    # the Markov source has entropy log(2) per token; from ~log(256) the loss must at least halve
+    # the generated corpus is highly regular text; from ~log(257) the loss must at least halve
     assert last < 0.5 * first, f"loss did not fall: {first:.3f} -> {last:.3f}"
     assert f"step {steps}/{steps} | loss {last:.4f}" in proc.stdout
     assert "tok/s" in proc.stdout and "max maxvio" in proc.stdout
