@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save as safetensors_bytes
+from safetensors.torch import save_file
 
-from moontrain.checkpoint.tensors import CheckpointError, Piece, TensorSource, local_tensor, ownership
+from moontrain.checkpoint.tensors import CheckpointError, Piece, TensorSource, file_sha256, local_tensor, ownership
 from moontrain.config.loader import to_dict
 
 if TYPE_CHECKING:
@@ -66,9 +66,10 @@ def save_checkpoint(trainer: Trainer, root: str | Path, *, keep_last: int) -> Pa
     _barrier(trainer)
     tensors, pieces = _collect_tensors(trainer)
     file = f"rank_{layout.rank:05d}.safetensors"
-    payload = safetensors_bytes(tensors, metadata={"format": "pt", "moontrain": FORMAT})
-    _write_durable(tmp / file, payload)
-    entry = {"file": file, "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
+    save_file(tensors, str(tmp / file), metadata={"format": "pt", "moontrain": FORMAT})
+    del tensors
+    _fsync_file(tmp / file)
+    entry = {"file": file, "bytes": (tmp / file).stat().st_size, "sha256": file_sha256(tmp / file),
              "pieces": pieces, "rank_state": {"data": trainer.data.state_dict()}}
     entries = _gather(trainer, entry)
     if layout.rank == 0:
@@ -286,6 +287,11 @@ def _write_durable(path: Path, data: bytes) -> None:
     with path.open("wb") as fh:
         fh.write(data)
         fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_file(path: Path) -> None:
+    with path.open("rb+") as fh:
         os.fsync(fh.fileno())
 
 
