@@ -18,8 +18,11 @@ from moontrain.metrics.config import MetricsConfig
 class WandbRun:
     def __init__(self, cfg: MetricsConfig, *, run_dir: str | Path, config: dict[str, Any],
                  run_id: str | None = None) -> None:
-        import wandb
-
+        try:
+            import wandb
+        except ImportError as err:
+            raise ValueError("metrics.wandb=true needs the wandb package (pip install wandb); or set "
+                             "metrics.wandb=false (console and metrics.jsonl only)") from err
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         mode = os.environ.get("WANDB_MODE") or cfg.wandb_mode
