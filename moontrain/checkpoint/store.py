@@ -150,6 +150,7 @@ def _train_state(trainer: Trainer, rank_states: list[dict]) -> dict[str, Any]:
         "ep": layout.ep,
         "dp_replicate": layout.dp_replicate,
         "experts_backend": trainer.cfg.experts.backend,
+        "data_source": trainer.cfg.data.source,
         "wandb_run_id": trainer.wandb_run_id,
         "scheduler": trainer.scheduler.state_dict(),
         "param_groups": groups,
@@ -196,6 +197,9 @@ def load_checkpoint(trainer: Trainer, path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} was saved with a different model config; differing keys: "
                               + ", ".join(f"model.{k} (saved {saved_model.get(k)!r}, now {model.get(k)!r})"
                                           for k in diff))
+    if state["data_source"] != trainer.cfg.data.source:
+        raise CheckpointError(f"checkpoint {path} was saved with data.source={state['data_source']}, the run has "
+                              f"data.source={trainer.cfg.data.source}; its data position cannot be restored")
     load_model_tensors(trainer, source, prefix="model.")
     _load_optimizer(trainer, source, state)
     layout = trainer.layout

@@ -227,3 +227,6 @@ def test_keep_last_and_model_mismatch(tmp_path: Path) -> None:
     other = Trainer(cfg, single_process_layout(CPU))
     with pytest.raises(CheckpointError, match=r"model.num_experts \(saved 8, now 16\)"):
         other.load_checkpoint(root / "step_00000006")
+    documents = _single(tmp_path, data=CORPUS)
+    with pytest.raises(CheckpointError, match=re.escape("saved with data.source=markov, the run has data.source=dataset")):
+        documents.load_checkpoint(root / "step_00000006")
