@@ -5,10 +5,15 @@ the per-rank losses. FSDP's reduce-scatter averages dense grads over the world. 
 its owner already sums the contributions of every rank of its EP group (the backend's backward sums
 them: the reversed all-to-all, or moonep's combine-backward plus reduce_grad); summing over the expert-data-parallel replicas and dividing by the world size gives the
 same mean.
+
+Metrics are accumulated on device (MetricsWindow) and read once per logging step. Checkpoints
+(moontrain.checkpoint) hold the whole train state: model, optimizer, schedule, step, tokens seen, RNG,
+data position and the wandb run id; fit() saves them as checkpoint.every / save_final say.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -117,9 +122,11 @@ class Trainer:
 
     def save_checkpoint(self, root: str | Path | None = None) -> Path:
         """Collective: the whole train state as <checkpoint dir>/step_<step> (see moontrain.checkpoint)."""
+        t0 = time.perf_counter()
         path = save_checkpoint(self, root if root is not None else self.checkpoint_dir,
                                keep_last=self.cfg.checkpoint.keep_last)
         self.last_saved_step = self.step
+        self.window.t0 += time.perf_counter() - t0  # tokens/s counts training time only
         return path
 
     def load_checkpoint(self, path: str | Path) -> None:
