@@ -115,6 +115,11 @@ class Buffer:
         return self.layout.epn
 
     @property
+    def kernel_path(self) -> str:
+        """'triton' when the GPU kernels run the data path, 'torch' for the PyTorch specification."""
+        return "torch" if self._kernels is None else "triton"
+
+    @property
     def num_slots(self) -> int:
         return self.layout.num_slots
 

@@ -58,6 +58,11 @@ class ExpertPools:
         self.dtype = dtype or buffer.config.dtype
         self.layers: list[LayerExperts] = []
         self._owner: tuple[int, Plan] | None = None  # (layer index, plan) whose copies the slots hold
+        self._kx = None  # moonep.kernels.experts on the triton path (imports triton: CUDA only)
+        if buffer.kernel_path == "triton":
+            from moonep.kernels import experts
+
+            self._kx = experts
         layout, heap, R, rank = buffer.layout, buffer.heap, buffer.num_ranks, buffer.rank
         B = layout.num_slots
         self.w_slots_all: dict[str, torch.Tensor] = {}
@@ -117,6 +122,11 @@ class ExpertPools:
         """Pull each planned remote expert's rows from its owner into this rank's slots (local
         stream order; the owners' rows were published by the barriers of the dispatch before)."""
         E, B = plan.num_experts, plan.num_slots
+        if self._kx is not None:
+            for name in self.projections:
+                self._kx.prefetch(layer.w_full[name], plan.slot_expert_RB, plan.rank, E)
+            self._owner = (layer.index, plan)
+            return
         slot_e = plan.slot_expert_RB[plan.rank].long()
         src = torch.where(slot_e >= 0, slot_e, E + torch.arange(B, device=slot_e.device))
         for name in self.projections:
@@ -147,20 +157,29 @@ class ExpertPools:
         barrier "reduce_grad:ready" -> owners read peers' reduce pools -> barrier
         "reduce_grad:read" -> each rank zeroes its own reduce pool."""
         buf = self.buffer
-        rank, R, epn = buf.rank, buf.num_ranks, buf.epn
+        rank = buf.rank
+        buf.barrier("reduce_grad:ready")
+        for name in self.projections:
+            if self._kx is not None:
+                self._kx.reduce_into_owner(layer.g_local[name], self.g_slots_all[name], plan.slot_expert_RB, rank)
+            else:
+                self._reduce_torch(plan, layer.g_local[name], self.g_slots_all[name], name)
+        buf.barrier("reduce_grad:read")
+        for name in self.projections:
+            if self._kx is not None:
+                self._kx.zero_slots(self.g_slots_all[name], plan.slot_expert_RB, rank)
+            else:
+                self.g_slots_all[name][rank].zero_()
+
+    def _reduce_torch(self, plan: Plan, g_local: torch.Tensor, g_all: torch.Tensor, name: str) -> None:
+        """Sync-free, so every slot of every peer is read; non-owned slots add 0."""
+        rank, R, epn = self.buffer.rank, self.buffer.num_ranks, self.buffer.epn
         slot_e = plan.slot_expert_RB.long()  # [R, B]
         owned = (slot_e >= 0) & (slot_e // epn == rank)
         local_idx = torch.where(owned, slot_e - rank * epn, 0)
-        buf.barrier("reduce_grad:ready")
-        for name in self.projections:
-            g_local = layer.g_local[name]
-            g_all = self.g_slots_all[name]
-            for d in range(R):
-                if d == rank:
-                    continue  # a rank never holds copies of its own experts
-                for j0, j1 in self._chunks(name, torch.float32):
-                    contrib = torch.where(owned[d, j0:j1, None, None], g_all[d, j0:j1], 0.0)
-                    g_local.index_add_(0, local_idx[d, j0:j1], contrib)
-        buf.barrier("reduce_grad:read")
-        for name in self.projections:
-            self.g_slots_all[name][rank].zero_()
+        for d in range(R):
+            if d == rank:
+                continue  # a rank never holds copies of its own experts
+            for j0, j1 in self._chunks(name, torch.float32):
+                contrib = torch.where(owned[d, j0:j1, None, None], g_all[d, j0:j1], 0.0)
+                g_local.index_add_(0, local_idx[d, j0:j1], contrib)
