@@ -26,6 +26,10 @@ class BufferConfig:
     kernels: data-path implementation: "torch" (the pure-PyTorch specification, any device),
         "triton" (moonep.kernels, CUDA only), "auto" (triton on CUDA, torch on the CPU).
     num_sms: programs of the persistent dispatch/combine kernels; None means every SM.
+    expert_kernels: on the triton path, also run prefetch_weight / reduce_grad as the kernels of
+        moonep.kernels.experts (they touch occupied slots only). Off by default until their GPU
+        test (tests/moonep/gpu/test_expert_kernels.py) has run on the device; checked bitwise in
+        Triton's interpreter.
     """
 
     max_tokens: int
@@ -39,6 +43,7 @@ class BufferConfig:
     check_values: bool = True
     kernels: str = "auto"
     num_sms: int | None = None
+    expert_kernels: bool = False
 
     plan_graph: bool = True
 

@@ -59,7 +59,7 @@ class ExpertPools:
         self.layers: list[LayerExperts] = []
         self._owner: tuple[int, Plan] | None = None  # (layer index, plan) whose copies the slots hold
         self._kx = None  # moonep.kernels.experts on the triton path (imports triton: CUDA only)
-        if buffer.kernel_path == "triton":
+        if buffer.kernel_path == "triton" and buffer.config.expert_kernels:
             from moonep.kernels import experts
 
             self._kx = experts

@@ -17,8 +17,8 @@ reduce_grad: grid (row chunks, epn); program (c, i) accumulates, for d = 0..R-1 
     "reduce_grad:read" barrier, `zero_slots` clears this rank's occupied slots (the others were
     never written: grads of empty groups are zero).
 
-Not yet run on a GPU (the session's device time ran out); checked bitwise against the PyTorch path
-in Triton's interpreter on the CPU heap.
+Not yet run on a GPU (the session's device time ran out), hence opt-in: BufferConfig(expert_kernels=
+True). Checked bitwise against the PyTorch path in Triton's interpreter on the CPU heap (R = 2, 4).
 """
 
 from __future__ import annotations
