@@ -90,16 +90,13 @@ class Buffer:
                      for name, reg in self.layout.comm.items()}
         self._mine = {name: t[self.rank] for name, t in self._all.items()}
         self._kernels = None  # moonep.kernels.dispatch_combine when the triton path is on
+        self._shared_planner = plan_shared  # SPEC 5.2-5.4; one Triton kernel on the triton path
         if resolve_kernels(config.kernels, self.device) == "triton":
-            from moonep.kernels import dispatch_combine  # imports triton: CUDA machines only
+            from moonep.kernels import dispatch_combine, planner  # import triton: CUDA machines only
 
             self._kernels = dispatch_combine
             self._grid = dispatch_combine.num_sms(self.device, config.num_sms)
-        self._shared_planner = plan_shared  # SPEC 5.2-5.4; one Triton kernel on the triton path
-        if self._kernels is not None:
-            from moonep.kernels.planner import plan_shared as plan_shared_kernel
-
-            self._shared_planner = plan_shared_kernel
+            self._shared_planner = planner.plan_shared
         self._planner = GraphPlanner(self.layout, self.rank, self._shared_planner) \
             if self.device.type == "cuda" and config.plan_graph else None
         self._rows_plan: Plan | None = None  # plan of the last dispatch: its rows are in row_src
