@@ -34,6 +34,9 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     router_bias_update_rate: float = 1e-3  # aux-loss-free balancing step on the score-correction bias
     seq_aux_loss_coef: float = 0.0  # sequence-wise balance loss (DeepSeek-V3); 0 disables it
+    # benchmarks: sigma of a fixed log-normal expert popularity whose log is added to the selection scores
+    # (same on every rank and layer), to force a routing skew; 0 leaves routing untouched
+    router_skew: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_lora_rank", "v_head_dim",
@@ -45,6 +48,8 @@ class ModelConfig:
             raise ValueError(
                 f"model.num_dense_layers={self.num_dense_layers} must be in [0, num_layers={self.num_layers}]"
             )
+        if self.router_skew < 0:
+            raise ValueError(f"model.router_skew must be >= 0 (0: no skew), got {self.router_skew}")
         if self.qk_rope_head_dim < 0 or self.qk_rope_head_dim % 2:
             raise ValueError(f"model.qk_rope_head_dim must be even and >= 0, got {self.qk_rope_head_dim}")
         if self.num_experts_per_tok > self.num_experts:

@@ -7,6 +7,12 @@ the chosen K and multiplied by routed_scaling_factor (DeepSeek-V3 / Kimi K2). Th
 by gradients: after every optimizer step it moves by `update_rate * sign(mean_count - count_e)`
 using token counts reduced over the whole world, so every rank keeps the same bias.
 Routing math runs in fp32 whatever the compute dtype: near-ties in bf16 would flip top-k choices.
+
+Forced skew (benchmarks, model.router_skew = sigma > 0): a fixed expert popularity p_e = exp(sigma * z_e),
+z ~ N(0, 1) from SKEW_SEED on the CPU (so every rank and every layer gets the same z), enters the
+selection as log p_e = sigma * z_e added to the biased scores; the combine weights stay unbiased. The
+realised expert maxvio rises with sigma (benchmarks/bench_train.py bisects sigma to a target maxvio).
+sigma = 0 skips the addition, so routing is bitwise what it is without the knob.
 """
 
 from __future__ import annotations
@@ -16,6 +22,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from moontrain.model.config import ModelConfig
+
+SKEW_SEED = 9
+
+
+def skew_bias_E(num_experts: int, sigma: float) -> torch.Tensor:
+    """log p_e = sigma * z_e (fp32, CPU): the selection bias of a log-normal popularity with spread sigma."""
+    z_E = torch.randn(num_experts, generator=torch.Generator().manual_seed(SKEW_SEED),
+                      dtype=torch.float64, device="cpu")
+    return (sigma * z_E).float()
 
 
 class Router(nn.Module):
@@ -29,6 +44,9 @@ class Router(nn.Module):
         self.count_tokens = True  # off while activation checkpointing recomputes this layer
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, device=device))
         self.register_buffer("score_bias_E", torch.zeros(cfg.num_experts, device=device))
+        # derived from model.router_skew, never trained or checkpointed
+        self.skew = cfg.router_skew
+        self.register_buffer("skew_bias_E", skew_bias_E(cfg.num_experts, self.skew).to(device), persistent=False)
         # tokens routed to each expert since the last bias update (this rank only; reduced by the trainer).
         # int64: a world-reduced count passes 2^24 (fp32's exact range) at K3 scale
         self.register_buffer("tokens_per_expert_E", torch.zeros(cfg.num_experts, dtype=torch.long, device=device),
@@ -38,7 +56,10 @@ class Router(nn.Module):
         """Returns (weights_sK fp32, topk_sK int64, sequence aux loss or None)."""
         logits_sE = F.linear(x_sD.float(), self.weight.float())
         scores_sE = torch.sigmoid(logits_sE)
-        topk_sK = torch.topk(scores_sE.detach() + self.score_bias_E, self.topk, dim=-1).indices
+        select_sE = scores_sE.detach() + self.score_bias_E
+        if self.skew:
+            select_sE = select_sE + self.skew_bias_E
+        topk_sK = torch.topk(select_sE, self.topk, dim=-1).indices
         weights_sK = scores_sE.gather(1, topk_sK)
         weights_sK = weights_sK / weights_sK.sum(-1, keepdim=True) * self.scaling
         if self.count_tokens:
@@ -57,6 +78,14 @@ class Router(nn.Module):
         f_BE = chosen_BTE.sum(1) * (E / (K * T))
         p_BE = probs_BTE.mean(1)
         return self.seq_aux_loss_coef * (f_BE * p_BE).sum(-1).mean()
+
+    @torch.no_grad()
+    def set_skew(self, sigma: float) -> None:
+        """Change the forced skew in place (benchmark calibration); same as building with router_skew=sigma."""
+        if sigma < 0:
+            raise ValueError(f"router skew must be >= 0 (0: no skew), got {sigma}")
+        self.skew = sigma
+        self.skew_bias_E.copy_(skew_bias_E(self.num_experts, sigma))
 
     @torch.no_grad()
     def update_bias(self, global_tokens_per_expert_E: torch.Tensor) -> None:
