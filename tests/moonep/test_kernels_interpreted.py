@@ -1,0 +1,115 @@
+"""The Triton kernels run on the CPU in Triton's interpreter, bitwise against the PyTorch path.
+
+Skipped where triton is not installed (CI installs it through the `interpret` extra). Covers the
+kernels whose arithmetic is exact in the interpreter: the planner (integers) and the expert-side
+prefetch / reduce_grad / slot zeroing (copies and fp32 adds in a fixed order). The dispatch/combine
+kernels cast through bf16, which the interpreter does not round like the GPU; they are tested on
+the GPU (tests/moonep/gpu/test_kernels.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates any kernel; inherited by spawned ranks
+pytest.importorskip("triton")
+
+from moonep.planner import plan_shared, receive_caps  # noqa: E402
+from tests.dist_utils import run_ranks  # noqa: E402
+
+NAMES = ("quota_RR", "alloc_ER", "slot_expert_RB", "group_ER", "group_rows_RG", "offs_RG")
+
+
+def _counts(R: int, E: int, K: int, s: int, sigma: float, g: torch.Generator) -> torch.Tensor:
+    p = torch.exp(torch.randn(E, generator=g) * sigma)
+    counts = torch.zeros(R, E, dtype=torch.int32)
+    for r in range(R):
+        gumbel = -torch.log(-torch.log(torch.rand(s, E, generator=g)))
+        topk = torch.topk(torch.log(p) + gumbel, K, dim=1).indices
+        counts[r] = torch.bincount(topk.view(-1), minlength=E).int()
+    return counts
+
+
+def test_planner_kernel_matches_pytorch_planner() -> None:
+    from moonep.kernels.planner import plan_shared as plan_shared_kernel
+
+    g = torch.Generator().manual_seed(0)
+    cases = []
+    for i in range(40):
+        R = (1, 2, 4, 8)[i % 4]
+        epn = int(torch.randint(1, 7, (1,), generator=g))
+        E = R * epn
+        K = int(torch.randint(1, E + 1, (1,), generator=g))
+        cases.append((R, E, K, int(torch.randint(1, 40, (1,), generator=g)), epn if i % 3 else max(1, epn // 2),
+                      (1, 2, 4, 8)[i % 4], float(torch.rand(1, generator=g)) * 3))
+    cases += [(R, E, 8, 512, E // R, 16, sigma) for R, E in ((2, 96), (8, 384)) for sigma in (0.0, 1.0, 3.0)]
+    slots_used = 0
+    for R, E, K, s, B, pad, sigma in cases:
+        counts = _counts(R, E, K, s, sigma, g)
+        cap = receive_caps(R, K, num_tokens=s, total_num_tokens=None, device=torch.device("cpu"))
+        want = plan_shared(counts, cap, B, pad)
+        got = plan_shared_kernel(counts, cap, B, pad)
+        for name, a, b in zip(NAMES, got, want, strict=True):
+            assert torch.equal(a.long(), b.long()), f"{name} differs for R={R} E={E} K={K} s={s} B={B} pad={pad}"
+        slots_used += int((want[2] >= 0).sum())
+    assert slots_used > 0
+
+
+def _expert_kernels_rank(rank: int, world: int) -> list[int]:
+    from moonep import Buffer, BufferConfig, ExpertPools
+    from moonep.kernels import experts as kx
+    from moonep.routing import generate_routing
+
+    E, H, F, K, S = 8 * world, 32, 64, 4, 48
+    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=4))
+    try:
+        pools = ExpertPools(buf, {"gate": (H, F), "down": (F, H)})
+        layer = pools.add_layer()
+        g = torch.Generator().manual_seed(rank)
+        for p, w in layer.w_local.items():
+            w.copy_(torch.randn(w.shape, generator=g).to(w.dtype))
+            layer.g_local[p].copy_(torch.randn(layer.g_local[p].shape, generator=g))
+        buf.barrier("test:init")
+        used = []
+        for maxvio in (0.5, 3.0):
+            routing = generate_routing(num_ranks=world, tokens_per_rank=S, num_experts=E, topk=K,
+                                       target_maxvio=maxvio, seed=3)
+            plan = buf.plan(*routing.for_rank(rank))
+            occupied = plan.slot_expert_RB[rank] >= 0
+            pools.prefetch(plan, layer)  # the PyTorch path
+            want_w = {p: layer.w_full[p][E:].clone() for p in layer.w_full}
+            for p in layer.w_full:
+                layer.w_full[p][E:].zero_()
+                kx.prefetch(layer.w_full[p], plan.slot_expert_RB, rank, E)
+                assert torch.equal(layer.w_full[p][E:][occupied], want_w[p][occupied]), f"prefetch {p}"
+            for p in pools.g_slots_all:
+                pools.g_slots_all[p][rank].copy_(torch.randn(pools.g_slots_all[p][rank].shape, generator=g))
+            saved = {p: (layer.g_local[p].clone(), pools.g_slots_all[p][rank].clone()) for p in layer.g_local}
+            pools.reduce_grad(plan, layer)  # the PyTorch path
+            want_g = {p: layer.g_local[p].clone() for p in layer.g_local}
+            buf.barrier("test:reference-done")
+            for p, (g_local, slots) in saved.items():
+                layer.g_local[p].copy_(g_local)
+                pools.g_slots_all[p][rank].copy_(slots)
+            buf.barrier("test:restored")
+            for p in layer.g_local:
+                kx.reduce_into_owner(layer.g_local[p], pools.g_slots_all[p], plan.slot_expert_RB, rank)
+            buf.barrier("test:read")
+            for p in layer.g_local:
+                kx.zero_slots(pools.g_slots_all[p], plan.slot_expert_RB, rank)
+                assert torch.equal(layer.g_local[p], want_g[p]), f"reduce_grad {p}"
+                assert bool((pools.g_slots_all[p][rank][occupied] == 0).all()), f"zeroed slots {p}"
+                pools.g_slots_all[p][rank].zero_()
+            used.append(int((plan.slot_expert_RB >= 0).sum()))
+            buf.barrier("test:next")
+        return used
+    finally:
+        buf.destroy()
+
+
+def test_expert_kernels_match_pytorch_path() -> None:
+    used = run_ranks(_expert_kernels_rank, 2, timeout_s=300)
+    assert all(n > 0 for n in used[0]), f"routings should occupy slots: {used}"
