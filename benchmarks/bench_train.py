@@ -1,0 +1,462 @@
+"""End-to-end training over routing skew, moonep vs all-to-all (issue 7).
+
+    torchrun --nproc_per_node=2 benchmarks/bench_train.py --recipe recipes/k3_small.yaml
+    torchrun --nproc_per_node=2 benchmarks/bench_train.py --recipe recipes/k3_tiny.yaml --steps 3 --warmup 1 \\
+        --targets 0.2 1                                         # CPU smoke check (gloo)
+    python benchmarks/bench_train.py --show benchmarks/results/bench_train_R2_<tag>.json   # table, no GPU
+
+Trailing `key=value` arguments are recipe overrides (a smaller variant: model.num_layers=8 ...).
+k3_small has E=64, K=8, so its largest maxvio is E/K - 1 = 7: targets 10 and 20 both run at 6.79. A
+variant that reaches 20 with the same expert parameter count (less expert compute per token):
+model.num_experts=192 model.moe_intermediate_size=320 (reachable 23; 96*1024*320*2 bytes per projection
+and rank is a multiple of 2 MiB, as the GPU heap needs).
+
+Skew: the router's forced skew (model.router_skew, moontrain/model/router.py: a fixed log-normal expert
+popularity with spread sigma, seeded identically on every rank). Per target maxvio, sigma is bisected on a
+log scale against the realised expert-level maxvio of the routed counts of --calib-batches forward
+passes at the initial weights (counts reduced over the world, max over MoE layers: the statistic the
+trainer logs as "max maxvio"). The largest reachable maxvio is E/K - 1 (the K most popular experts
+take every token); a target beyond 0.97 of it runs at 0.97 of it (as bench_comm does), and a target
+below the unskewed router's own imbalance runs at sigma = 0. The realised maxvio is always reported,
+at calibration and as the median over the timed steps. An untrained router is itself far from
+balanced (maxvio ~1 at init on k3_tiny), so before calibrating, the routers' score-correction biases are
+pre-balanced at the initial weights (what a trained model's aux-loss-free bias does; --no-prebalance
+skips it) and copied into every point's trainer; the bias update itself is off
+(model.router_bias_update_rate=0) so the skew stays put (--keep-balancing leaves it on).
+
+Placement: what slows the all-to-all backend is the load of the hottest *rank*, and with the skew's
+own numbering (--placement random, SPEC 9's convention) the popular experts of k3_small (E=64) spread
+over both ranks: at an expert maxvio of 4.7 the rank load is only 1.05 x the mean. --placement
+concentrated (default) renumbers the popularity so that expert 0 is the most popular, expert 1 the next,
+...: the popular experts share home rank 0, the case expert parallelism has to survive (rank load up to
+R x the mean). The table's "rank" column is the rank-level maxvio (rows per rank; 0 with moonep after
+planning), so either choice is visible in the result.
+
+Learning rate: the benchmark measures cost, not learning. At the recipe's learning rate the routing
+of a fresh model drifts within a few steps (k3_tiny, target 0.2: 0.22 at step 0, 1.3 at step 3), so the
+target would not hold. --lr (default 1e-10) sets optim.lr so small that the fp32 weights do not move
+while every op of a training step still runs (forward, backward, gradient reductions, clipping, AdamW,
+master push); --lr recipe keeps the recipe's schedule.
+
+Per (backend, target) point a fresh Trainer (the same seed, so the same initial weights) trains
+--warmup + --steps optimizer steps through Trainer.train_step, ranks aligned before each step (a step's
+time includes the trainer's per-step metric flush: log_every=1, one small all_reduce and host read).
+Reported: median step time over the timed steps (each step's time is the max over ranks), tokens/s per
+GPU, MFU from the trainer's own FLOPs per token (moontrain.metrics.flops) against 989 TFLOP/s dense
+bf16 and against a torch.mm rate measured in this run (compute dtype: bf16 on GPU, fp32 on CPU), peak
+allocated / reserved memory (max over ranks; also the spread of the per-step peak over the timed
+steps), allocator retries during the point, moonep's symmetric heap (outside torch's allocator), and
+whether the point ran out of memory. On CPU the GPU-only columns are left empty.
+
+Out of memory: torch.OutOfMemoryError is caught per point, recorded, and the run continues with the
+next point once every rank has reported (over a gloo side group). An OOM that hits one rank only, while
+its peer waits inside a collective, cannot be recovered in-process: the peer stays blocked until the
+process-group timeout (--timeout-s) ends the job. The JSON is rewritten after every point, so the
+points measured so far survive; backends run in --backends order, targets in --targets order.
+Writes benchmarks/results/bench_train_R<R>_<tag>.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from moontrain.config import RunConfig, from_dict, load_recipe
+from moontrain.config.loader import to_dict
+from moontrain.metrics.balance import maxvio_L
+from moontrain.metrics.flops import PEAK_BF16_FLOPS
+from moontrain.metrics.window import memory_stats
+from moontrain.parallel.layout import ParallelLayout, build_layout
+from moontrain.trainer.trainer import Trainer, resolve_compute_dtype
+
+PEAK_DENSE_BF16 = PEAK_BF16_FLOPS["H200"]  # 989 TFLOP/s, the H100/H200 SXM datasheet number
+GIB = 2**30
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of one large square torch.mm in `dtype` (median of timed runs after warm-up)."""
+    n, iters = (8192, 20) if device.type == "cuda" else (1024, 5)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    times = []
+    for i in range(3 + iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reduce(x: float, op: dist.ReduceOp, layout: ParallelLayout) -> float:
+    t = torch.tensor(float(x), dtype=torch.float64, device=layout.device)
+    dist.all_reduce(t, op=op, group=layout.world_group)
+    return float(t)
+
+
+# ---------------------------------------------------------------- calibration
+
+
+@torch.no_grad()
+def apply_skew(trainer: Trainer, sigma: float, placement: str) -> None:
+    """Set every router's forced skew; placement "concentrated" renumbers the popularity so that expert 0
+    is the most popular, expert 1 the next, ... (the popular experts share home rank 0)."""
+    for moe in trainer.model.moe_layers():
+        moe.router.set_skew(sigma)
+        if placement == "concentrated":
+            moe.router.skew_bias_E.copy_(moe.router.skew_bias_E.sort(descending=True).values)
+
+
+@torch.no_grad()
+def routed_counts(trainer: Trainer, sigma: float, batches: list, placement: str) -> torch.Tensor:
+    """Collective: [L, E] tokens routed to each expert of each MoE layer by forward passes over `batches`
+    (the first batches the points train on) at skew sigma, reduced over the world."""
+    routers = [moe.router for moe in trainer.model.moe_layers()]
+    apply_skew(trainer, sigma, placement)
+    for r in routers:
+        r.tokens_per_expert_E.zero_()
+    for tokens_BT, targets_BT in batches:
+        trainer.model(tokens_BT, targets_BT)
+    counts_LE = torch.stack([r.tokens_per_expert_E for r in routers])
+    dist.all_reduce(counts_LE, group=trainer.layout.world_group)
+    for r in routers:
+        r.tokens_per_expert_E.zero_()
+    return counts_LE
+
+
+def realised_maxvio(trainer: Trainer, sigma: float, batches: list, placement: str) -> float:
+    """Collective: expert-level maxvio at skew sigma, max over MoE layers (the trainer's "max maxvio")."""
+    return float(maxvio_L(routed_counts(trainer, sigma, batches, placement)).max())
+
+
+@torch.no_grad()
+def prebalance(trainer: Trainer, batches: list, args: argparse.Namespace) -> tuple[torch.Tensor, float, float]:
+    """Score-correction biases [L, E] that balance the unskewed router at the initial weights.
+
+    An untrained router is far from balanced (maxvio ~1 at init), and a trained one is balanced by its
+    aux-loss-free bias; this emulates the latter so that low targets (0.2) are reachable. Per layer:
+    bias += rate * (mean - count) / mean, kept when that layer's maxvio improves (rate * 1.5), undone
+    otherwise (rate / 2). Returns (biases, maxvio before, maxvio after)."""
+    routers = [moe.router for moe in trainer.model.moe_layers()]
+    bias_LE = torch.stack([r.score_bias_E for r in routers]).clone()
+    counts_LE = routed_counts(trainer, 0.0, batches, args.placement)
+    best_L = maxvio_L(counts_LE)
+    before = float(best_L.max())
+    best_bias_LE = bias_LE.clone()
+    rate_L = torch.full_like(best_L, args.prebalance_rate)
+    for _ in range(args.prebalance_iters):
+        c = counts_LE.double()
+        mean = c.mean(1, keepdim=True)
+        bias_LE = best_bias_LE + (rate_L[:, None] * (mean - c) / mean).to(bias_LE.dtype)
+        for r, b in zip(routers, bias_LE, strict=True):
+            r.score_bias_E.copy_(b)
+        counts_LE = routed_counts(trainer, 0.0, batches, args.placement)
+        v_L = maxvio_L(counts_LE)
+        better = v_L < best_L
+        best_L = torch.where(better, v_L, best_L)
+        best_bias_LE[better] = bias_LE[better]
+        rate_L = torch.where(better, rate_L * 1.5, rate_L * 0.5)
+    for r, b in zip(routers, best_bias_LE, strict=True):
+        r.score_bias_E.copy_(b)
+    return best_bias_LE, before, float(best_L.max())
+
+
+def set_router_biases(trainer: Trainer, bias_LE: torch.Tensor | None) -> None:
+    if bias_LE is None:
+        return
+    with torch.no_grad():
+        for moe, b in zip(trainer.model.moe_layers(), bias_LE, strict=True):
+            moe.router.score_bias_E.copy_(b)
+
+
+def calibrate(trainer: Trainer, batches: list, target: float, args: argparse.Namespace) -> dict:
+    """Bisect log(sigma) until the realised maxvio is within args.calib_tol (relative) of the target."""
+    cfg = trainer.cfg.model
+    reach = cfg.num_experts / cfg.num_experts_per_tok - 1
+    goal = min(target, 0.97 * reach)
+    floor = realised_maxvio(trainer, 0.0, batches, args.placement)
+    out = {"target_maxvio": target, "goal_maxvio": goal, "reachable_maxvio": reach, "unskewed_maxvio": floor}
+    if goal <= floor:
+        return {**out, "sigma": 0.0, "calib_maxvio": floor, "calib_evals": 1}
+    lo, hi = math.log(1e-5), math.log(100.0)
+    best = (math.inf, 0.0, floor)
+    evals = 1
+    for _ in range(args.calib_iters):
+        mid = (lo + hi) / 2
+        got = realised_maxvio(trainer, math.exp(mid), batches, args.placement)
+        evals += 1
+        best = min(best, (abs(got - goal), math.exp(mid), got))
+        if abs(got - goal) <= args.calib_tol * goal:
+            break
+        lo, hi = (mid, hi) if got < goal else (lo, mid)
+    return {**out, "sigma": best[1], "calib_maxvio": best[2], "calib_evals": evals}
+
+
+# ---------------------------------------------------------------- one point
+
+
+def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, side: dist.ProcessGroup,
+              mm_flops: float, bias_LE: torch.Tensor | None) -> dict:
+    device = layout.device
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    retries0 = memory_stats(device).get("mem/alloc_retries", 0.0)
+    step_s, step_peak, maxvio, rank_maxvio, losses = [], [], [], [], []
+    oom_where, heap_bytes, flops_per_token = None, 0, None
+    trainer = None
+    try:
+        trainer = Trainer(cfg, layout)
+        set_router_biases(trainer, bias_LE)
+        apply_skew(trainer, cfg.model.router_skew, args.placement)
+        flops_per_token = trainer.flops_per_token
+        buf = trainer.experts_ctx.shared.get("moonep_buffer")
+        heap_bytes = buf.heap.local_bytes if buf is not None else 0
+        for _ in range(args.warmup + args.steps):
+            _sync(device)
+            dist.barrier(group=layout.world_group)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            stats = trainer.train_step()  # log_every=1: every step returns its stats (one host read)
+            _sync(device)
+            step_s.append(time.perf_counter() - t0)
+            step_peak.append(torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0)
+            maxvio.append(stats.max_maxvio)
+            rank_maxvio.append(stats.scalars.get("moe/rank_maxvio/max", float("nan")))
+            losses.append(stats.loss)
+    except torch.OutOfMemoryError as err:
+        oom_where = f"step {len(step_s)}" if trainer is not None else "building the trainer"
+        print(f"rank {layout.rank}: out of memory at {oom_where}: {str(err).splitlines()[0]}", flush=True)
+    # every rank learns whether any rank ran out of memory (gloo: works while the device is in trouble)
+    flag = torch.tensor([0.0 if oom_where is None else 1.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=side)
+    oom = bool(flag.item())
+    mem = memory_stats(device)
+    peak_reserved = torch.cuda.max_memory_reserved(device) / GIB if device.type == "cuda" else None
+    if trainer is not None:
+        trainer.close()
+    del trainer
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    timed = args.warmup + args.steps
+    n_done = torch.tensor([len(step_s)], dtype=torch.float64)
+    dist.all_reduce(n_done, op=dist.ReduceOp.MIN, group=side)
+    point: dict = {"oom": oom, "oom_rank_where": oom_where, "steps_done": int(n_done.item())}
+    if oom or int(n_done.item()) < timed:
+        return point
+    # per-step time: max over ranks; per-step peak: max over ranks
+    both = torch.tensor([step_s, step_peak], dtype=torch.float64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=layout.world_group)
+    step_max, peak_max = both[0].tolist(), both[1].tolist()
+    med = statistics.median(step_max[args.warmup:])
+    tok_per_gpu = cfg.train.global_batch_size * cfg.train.seq_len / layout.world_size / med
+    cuda = device.type == "cuda"
+    point.update(
+        step_time_s=med,
+        step_times_s=step_max,
+        tokens_per_s_per_gpu=tok_per_gpu,
+        model_flops_per_token=flops_per_token,
+        mfu_989=tok_per_gpu * flops_per_token / PEAK_DENSE_BF16 if cuda else None,
+        mfu_mm=tok_per_gpu * flops_per_token / mm_flops,
+        maxvio_median=statistics.median(maxvio[args.warmup:]),
+        maxvio_steps=maxvio,
+        rank_maxvio_median=statistics.median(rank_maxvio[args.warmup:]),
+        loss_first_last=[losses[0], losses[-1]],
+        peak_allocated_gib=_reduce(max(step_peak), dist.ReduceOp.MAX, layout) if cuda else None,
+        peak_reserved_gib=_reduce(peak_reserved, dist.ReduceOp.MAX, layout) if cuda else None,
+        step_peak_allocated_gib=[min(peak_max[args.warmup:]), max(peak_max[args.warmup:])] if cuda else None,
+        alloc_retries=int(_reduce(mem["mem/alloc_retries"] - retries0, dist.ReduceOp.MAX, layout)) if cuda else None,
+        symmetric_heap_gib=_reduce(heap_bytes / GIB, dist.ReduceOp.MAX, layout),
+    )
+    return point
+
+
+# ---------------------------------------------------------------- driver
+
+
+def build_config(args: argparse.Namespace, run_dir: str, **extra: object) -> RunConfig:
+    overrides = [*args.overrides, f"train.steps={args.warmup + args.steps}", "train.log_every=1",
+                 f"train.run_dir={run_dir}", "checkpoint.save_final=false", "checkpoint.every=0",
+                 "checkpoint.resume=none", "metrics.wandb=false"]
+    if not args.keep_balancing:
+        overrides.append("model.router_bias_update_rate=0.0")
+    if args.lr != "recipe":
+        overrides.append(f"optim.lr={float(args.lr)!r}")
+    overrides += [f"{k}={v}" for k, v in extra.items()]
+    return from_dict(RunConfig, load_recipe(args.recipe, overrides))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", default="recipes/k3_small.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. model.num_layers=8")
+    p.add_argument("--backends", nargs="+", default=["moonep", "alltoall"], choices=["moonep", "alltoall"])
+    p.add_argument("--targets", type=float, nargs="+", default=[0.2, 1.0, 10.0, 20.0], help="target maxvio")
+    p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per point")
+    p.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps per point, before the timed ones")
+    p.add_argument("--calib-batches", type=int, default=2, help="forward passes per calibration evaluation")
+    p.add_argument("--calib-iters", type=int, default=16, help="bisection steps per target at most")
+    p.add_argument("--calib-tol", type=float, default=0.03, help="relative tolerance on the realised maxvio")
+    p.add_argument("--no-prebalance", action="store_true",
+                   help="keep the untrained router's own imbalance (no score-bias pre-balancing)")
+    p.add_argument("--prebalance-iters", type=int, default=24, help="pre-balancing steps")
+    p.add_argument("--prebalance-rate", type=float, default=0.01, help="first pre-balancing step size")
+    p.add_argument("--placement", default="concentrated", choices=["concentrated", "random"],
+                   help="where the popular experts live (see the module docstring)")
+    p.add_argument("--lr", default="1e-10", help="optim.lr for the points (default: weights stay put), or 'recipe'")
+    p.add_argument("--keep-balancing", action="store_true", help="keep the router's aux-loss-free bias update on")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="process-group timeout (a stuck peer fails then)")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default=None, help="file tag (default: the recipe name, the device type and the date)")
+    p.add_argument("--show", metavar="JSON", help="print the table of a saved result and exit (no GPU needed)")
+    args = p.parse_args()
+    if args.show:
+        print_table(json.loads(Path(args.show).read_text()))
+        return
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    timeout = timedelta(seconds=args.timeout_s)
+    dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    side = dist.new_group(backend="gloo", timeout=timeout)
+    try:
+        run(args, device, side)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace, device: torch.device, side: dist.ProcessGroup) -> None:
+    run_dir = tempfile.mkdtemp(prefix="bench_train_") if dist.get_rank() == 0 else ""
+    names = [run_dir]
+    dist.broadcast_object_list(names, src=0, group=side)
+    run_dir = names[0]
+    cfg0 = build_config(args, run_dir, **{"experts.backend": args.backends[0]})
+    layout = build_layout(cfg0.parallel.ep, device)
+    cfg0.check_world(layout.world_size)
+    is_main = layout.rank == 0
+    R = layout.world_size
+    dtype = resolve_compute_dtype(cfg0.parallel.compute_dtype, device)
+    mm_flops = _reduce(measure_matmul_flops(device, dtype), dist.ReduceOp.MIN, layout)
+    tag = args.tag or f"{Path(args.recipe).stem}_{device.type}_{time.strftime('%Y%m%d')}"
+    path = Path(args.out) / f"bench_train_R{R}_{tag}.json"
+    meta = {"recipe": args.recipe, "overrides": args.overrides, "world_size": R, "ep": cfg0.parallel.ep,
+            "steps": args.steps, "warmup": args.warmup, "keep_balancing": args.keep_balancing,
+            "prebalance": not args.no_prebalance, "lr": args.lr, "placement": args.placement,
+            "tokens_per_step": cfg0.train.global_batch_size * cfg0.train.seq_len,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "compute_dtype": str(dtype), "matmul_flops": mm_flops,
+            "peak_dense_bf16_flops": PEAK_DENSE_BF16, "model": to_dict(cfg0.model)}
+    if is_main:
+        print(f"bench_train: {layout.describe()}; device {meta['device']}; torch.mm {dtype} "
+              f"{mm_flops / 1e12:.2f} TFLOP/s", flush=True)
+
+    # calibration: sigma per target at the initial weights (routing does not depend on the backend)
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg0, layout)
+    batches = [trainer.data.batch(i) for i in range(args.calib_batches)]  # the data source is a stream
+    bias_LE = None
+    if not args.no_prebalance:
+        bias_LE, before, after = prebalance(trainer, batches, args)
+        meta["prebalance_maxvio"] = [before, after]
+        if is_main:
+            print(f"pre-balanced the routers' score-correction biases: unskewed maxvio {before:.3f} -> {after:.3f}",
+                  flush=True)
+    calib = []
+    for target in args.targets:
+        c = calibrate(trainer, batches, target, args)
+        calib.append(c)
+        if is_main:
+            print(f"calibrated target maxvio {target:g}: sigma {c['sigma']:.4g} -> realised {c['calib_maxvio']:.3f} "
+                  f"(unskewed {c['unskewed_maxvio']:.3f}, reachable {c['reachable_maxvio']:.2f}, "
+                  f"{c['calib_evals']} evals)", flush=True)
+    trainer.close()
+    del trainer
+    meta["calibration_s"] = time.perf_counter() - t0
+
+    points = []
+    for backend in args.backends:
+        for c in calib:
+            t0 = time.perf_counter()
+            cfg = build_config(args, run_dir, **{"experts.backend": backend, "model.router_skew": c["sigma"]})
+            point = {"backend": backend, **c, **run_point(cfg, layout, args, side, mm_flops, bias_LE)}
+            point["wall_s"] = time.perf_counter() - t0
+            points.append(point)
+            if is_main:
+                print(_row(point), f"[{point['wall_s']:.0f} s]", flush=True)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps({"config": meta, "points": points}, indent=1))
+    if is_main:
+        print_table({"config": meta, "points": points})
+        print(f"wrote {path}")
+
+
+def _f(v: float | None, fmt: str, width: int) -> str:
+    return f"{'-':>{width}}" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:>{width}{fmt}}"
+
+
+HEADER = (f"{'backend':>8} {'target':>6} {'sigma':>8} {'calib':>6} {'train':>6} {'rank':>6} | {'step ms':>8} "
+          f"{'tok/s/gpu':>9} {'mfu989':>6} {'mfu mm':>6} | {'peak GiB':>8} {'resv GiB':>8} {'step pk':>13} "
+          f"{'retry':>5} {'heap':>5} {'oom':>4}")
+
+
+def _row(r: dict) -> str:
+    if r.get("step_time_s") is None:
+        return (f"{r['backend']:>8} {r['target_maxvio']:>6g} {r['sigma']:>8.4g} {r['calib_maxvio']:>6.2f} "
+                f"{'-':>6} {'-':>6} | {'OOM' if r['oom'] else 'failed'} ({r.get('oom_rank_where')}, "
+                f"{r['steps_done']} steps done)")
+    pk = r["step_peak_allocated_gib"]
+    step_pk = f"{pk[0]:.2f}-{pk[1]:.2f}" if pk else "-"
+    pct = (lambda v: None if v is None else 100 * v)
+    return (f"{r['backend']:>8} {r['target_maxvio']:>6g} {r['sigma']:>8.4g} {r['calib_maxvio']:>6.2f} "
+            f"{r['maxvio_median']:>6.2f} {_f(r['rank_maxvio_median'], '.2f', 6)} | {r['step_time_s'] * 1e3:>8.1f} "
+            f"{r['tokens_per_s_per_gpu']:>9.0f} {_f(pct(r['mfu_989']), '.1f', 6)} {_f(pct(r['mfu_mm']), '.1f', 6)} | "
+            f"{_f(r['peak_allocated_gib'], '.2f', 8)} {_f(r['peak_reserved_gib'], '.2f', 8)} {step_pk:>13} "
+            f"{_f(r['alloc_retries'], 'd', 5)} {r['symmetric_heap_gib']:>5.2f} {'yes' if r['oom'] else 'no':>4}")
+
+
+def print_table(result: dict) -> None:
+    meta, points = result["config"], result["points"]
+    print(f"{meta['recipe']} {' '.join(meta['overrides'])} | R={meta['world_size']} EP={meta['ep']} | "
+          f"{meta['device']}, torch {meta['torch']} | {meta['tokens_per_step']} tokens/step | "
+          f"popular experts {meta.get('placement', 'random')} | "
+          f"median of {meta['steps']} steps after {meta['warmup']} warm-up | torch.mm {meta['compute_dtype']} "
+          f"{meta['matmul_flops'] / 1e12:.2f} TFLOP/s")
+    print("maxvio: calib = realised at calibration (initial weights), train = median over timed steps (max over "
+          "MoE layers), rank = after planning (rows per rank); mfu989 vs 989 TFLOP/s bf16, mfu mm vs the torch.mm "
+          "rate (%); peak/resv = torch allocator, max over ranks; step pk = per-step peak allocated range over "
+          "timed steps; heap = moonep symmetric heap GiB (outside the allocator)")
+    print(HEADER)
+    for r in points:
+        print(_row(r))
+
+
+if __name__ == "__main__":
+    main()
