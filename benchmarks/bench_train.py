@@ -223,7 +223,7 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     retries0 = memory_stats(device).get("mem/alloc_retries", 0.0)
-    step_s, step_peak, maxvio, rank_maxvio, losses = [], [], [], [], []
+    step_s, step_peak, step_resv, maxvio, rank_maxvio, losses = [], [], [], [], [], []
     oom_where, heap_bytes, flops_per_token = None, 0, None
     trainer = None
     try:
@@ -242,7 +242,9 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
             stats = trainer.train_step()  # log_every=1: every step returns its stats (one host read)
             _sync(device)
             step_s.append(time.perf_counter() - t0)
-            step_peak.append(torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0)
+            if device.type == "cuda":  # the peaks were reset before this step
+                step_peak.append(torch.cuda.max_memory_allocated(device) / GIB)
+                step_resv.append(torch.cuda.max_memory_reserved(device) / GIB)
             maxvio.append(stats.max_maxvio)
             rank_maxvio.append(stats.scalars.get("moe/rank_maxvio/max", float("nan")))
             losses.append(stats.loss)
@@ -254,7 +256,6 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=side)
     oom = bool(flag.item())
     mem = memory_stats(device)
-    peak_reserved = torch.cuda.max_memory_reserved(device) / GIB if device.type == "cuda" else None
     if trainer is not None:
         trainer.close()
     del trainer
@@ -269,12 +270,13 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
     if oom or int(n_done.item()) < timed:
         return point
     # per-step time: max over ranks; per-step peak: max over ranks
-    both = torch.tensor([step_s, step_peak], dtype=torch.float64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=layout.world_group)
-    step_max, peak_max = both[0].tolist(), both[1].tolist()
+    cuda = device.type == "cuda"
+    per_step = torch.tensor([step_s, step_peak, step_resv] if cuda else [step_s], dtype=torch.float64, device=device)
+    dist.all_reduce(per_step, op=dist.ReduceOp.MAX, group=layout.world_group)
+    step_max = per_step[0].tolist()
+    peak_max, resv_max = (per_step[1].tolist(), per_step[2].tolist()) if cuda else ([], [])
     med = statistics.median(step_max[args.warmup:])
     tok_per_gpu = cfg.train.global_batch_size * cfg.train.seq_len / layout.world_size / med
-    cuda = device.type == "cuda"
     point.update(
         step_time_s=med,
         step_times_s=step_max,
@@ -286,8 +288,8 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
         maxvio_steps=maxvio,
         rank_maxvio_median=statistics.median(rank_maxvio[args.warmup:]),
         loss_first_last=[losses[0], losses[-1]],
-        peak_allocated_gib=_reduce(max(step_peak), dist.ReduceOp.MAX, layout) if cuda else None,
-        peak_reserved_gib=_reduce(peak_reserved, dist.ReduceOp.MAX, layout) if cuda else None,
+        peak_allocated_gib=max(peak_max) if cuda else None,
+        peak_reserved_gib=max(resv_max) if cuda else None,
         step_peak_allocated_gib=[min(peak_max[args.warmup:]), max(peak_max[args.warmup:])] if cuda else None,
         alloc_retries=int(_reduce(mem["mem/alloc_retries"] - retries0, dist.ReduceOp.MAX, layout)) if cuda else None,
         symmetric_heap_gib=_reduce(heap_bytes / GIB, dist.ReduceOp.MAX, layout),
