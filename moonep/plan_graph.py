@@ -49,6 +49,7 @@ class GraphPlanner:
             make_plan(self.layout, self.rank, topk_in, counts_in, total_num_tokens=total, shared=self.shared)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: other threads/streams of a training step (FSDP, NCCL) may keep working
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out = make_plan(self.layout, self.rank, topk_in, counts_in, total_num_tokens=total, shared=self.shared)
         return graph, topk_in, counts_in, out
