@@ -62,7 +62,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -82,6 +81,7 @@ from moontrain.metrics.flops import PEAK_BF16_FLOPS
 from moontrain.metrics.window import memory_stats
 from moontrain.parallel.layout import ParallelLayout, build_layout
 from moontrain.trainer.trainer import Trainer, resolve_compute_dtype
+from moontrain.trainer.worker import select_device
 
 PEAK_DENSE_BF16 = PEAK_BF16_FLOPS["H200"]  # 989 TFLOP/s, the H100/H200 SXM datasheet number
 GIB = 2**30
@@ -339,13 +339,7 @@ def main() -> None:
     if args.show:
         print_table(json.loads(Path(args.show).read_text()))
         return
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    device, backend = select_device()
     timeout = timedelta(seconds=args.timeout_s)
     dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     side = dist.new_group(backend="gloo", timeout=timeout)

@@ -23,18 +23,23 @@ from moontrain.parallel.layout import build_layout
 from moontrain.trainer.trainer import Trainer
 
 
+def select_device() -> tuple[torch.device, str]:
+    """This torchrun rank's device and process-group backend: its GPU and nccl, else the CPU and gloo
+    (with the cores split between the local ranks)."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    return torch.device("cpu"), "gloo"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         raise SystemExit("usage: python -m moontrain.trainer.worker RECIPE [key=value ...] (started by torchrun)")
     cfg = from_dict(RunConfig, load_recipe(argv[0], argv[1:]))
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    device, backend = select_device()
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     try:
         layout = build_layout(cfg.parallel.ep, device)

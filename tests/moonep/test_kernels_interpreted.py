@@ -17,38 +17,21 @@ import torch
 os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates any kernel; inherited by spawned ranks
 pytest.importorskip("triton")
 
-from moonep.planner import plan_shared, receive_caps  # noqa: E402
-from tests.dist_utils import run_ranks  # noqa: E402
+from moonep.planner import plan_shared, receive_caps
+from tests.dist_utils import run_ranks
+from tests.moonep.planner_cases import planner_cases, random_counts
 
 NAMES = ("quota_RR", "alloc_ER", "slot_expert_RB", "group_ER", "group_rows_RG", "offs_RG")
-
-
-def _counts(R: int, E: int, K: int, s: int, sigma: float, g: torch.Generator) -> torch.Tensor:
-    p = torch.exp(torch.randn(E, generator=g) * sigma)
-    counts = torch.zeros(R, E, dtype=torch.int32)
-    for r in range(R):
-        gumbel = -torch.log(-torch.log(torch.rand(s, E, generator=g)))
-        topk = torch.topk(torch.log(p) + gumbel, K, dim=1).indices
-        counts[r] = torch.bincount(topk.view(-1), minlength=E).int()
-    return counts
 
 
 def test_planner_kernel_matches_pytorch_planner() -> None:
     from moonep.kernels.planner import plan_shared as plan_shared_kernel
 
     g = torch.Generator().manual_seed(0)
-    cases = []
-    for i in range(40):
-        R = (1, 2, 4, 8)[i % 4]
-        epn = int(torch.randint(1, 7, (1,), generator=g))
-        E = R * epn
-        K = int(torch.randint(1, E + 1, (1,), generator=g))
-        cases.append((R, E, K, int(torch.randint(1, 40, (1,), generator=g)), epn if i % 3 else max(1, epn // 2),
-                      (1, 2, 4, 8)[i % 4], float(torch.rand(1, generator=g)) * 3))
-    cases += [(R, E, 8, 512, E // R, 16, sigma) for R, E in ((2, 96), (8, 384)) for sigma in (0.0, 1.0, 3.0)]
+    cases = planner_cases(40, (1, 2, 4, 8), 6, ((2, 96), (8, 384)))
     slots_used = 0
     for R, E, K, s, B, pad, sigma in cases:
-        counts = _counts(R, E, K, s, sigma, g)
+        counts = random_counts(R, E, K, s, sigma, g)
         cap = receive_caps(R, K, num_tokens=s, total_num_tokens=None, device=torch.device("cpu"))
         want = plan_shared(counts, cap, B, pad)
         got = plan_shared_kernel(counts, cap, B, pad)
