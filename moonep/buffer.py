@@ -56,7 +56,8 @@ from moonep.validate import (
 
 class DispatchResult(NamedTuple):
     x_rows: torch.Tensor  # [nvs_s, H] rows grouped by W_full row, padding rows zero
-    weights_rows: torch.Tensor  # [nvs_s] fp32 route weight of each row (0 on padding)
+    weights_rows: torch.Tensor  # [nvs_s] fp32 route weight of each row (0 on padding); a dispatch
+    #                             without weights_sK leaves the previous call's weights on valid rows
     cu_seqlens: torch.Tensor  # [epn + B] int32 offs over W_compact
     plan: Plan
 
