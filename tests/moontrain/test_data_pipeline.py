@@ -12,13 +12,14 @@ import json
 import re
 from pathlib import Path
 
-import datasets
 import pytest
 import torch
 
-from moontrain.data.config import DataConfig
-from moontrain.data.packed import PackedDocuments
-from moontrain.data.tiny_corpus import documents, write_corpus
+datasets = pytest.importorskip("datasets")  # absent on the GPU machines
+
+from moontrain.data.config import DataConfig  # noqa: E402
+from moontrain.data.packed import PackedDocuments  # noqa: E402
+from moontrain.data.tiny_corpus import documents, write_corpus  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_DOCS = 23
