@@ -1,10 +1,10 @@
 """The Triton kernels run on the CPU in Triton's interpreter, bitwise against the PyTorch path.
 
-Skipped where triton is not installed (CI installs it through the `interpret` extra). Covers the
-kernels whose arithmetic is exact in the interpreter: the planner (integers) and the expert-side
-prefetch / reduce_grad / slot zeroing (copies and fp32 adds in a fixed order). The dispatch/combine
-kernels cast through bf16, which the interpreter does not round like the GPU; they are tested on
-the GPU (tests/moonep/gpu/test_kernels.py).
+Skipped where triton is not installed (CI installs it through the `interpret` extra). Bitwise: the
+planner (integers), the expert-side prefetch / reduce_grad / slot zeroing (copies and fp32 adds in a
+fixed order), dispatch rows and weights, saved-plan dispatch, combine's scalar gather. Combine's
+output is within one bf16 ulp: the interpreter truncates fp32 -> bf16 where the GPU rounds (on the
+GPU tests/moonep/gpu/test_kernels.py checks it bitwise).
 """
 
 from __future__ import annotations
@@ -96,3 +96,57 @@ def _expert_kernels_rank(rank: int, world: int) -> list[int]:
 def test_expert_kernels_match_pytorch_path() -> None:
     used = run_ranks(_expert_kernels_rank, 2, timeout_s=300)
     assert all(n > 0 for n in used[0]), f"routings should occupy slots: {used}"
+
+
+BF16_ULP = 2.0**-7  # relative spacing of bf16
+
+
+def _dispatch_kernels_rank(rank: int, world: int) -> list[int]:
+    import moonep.buffer as buffer_module
+    from moonep import Buffer, BufferConfig
+    from moonep.kernels import dispatch_combine
+    from moonep.routing import generate_routing
+
+    S, H, K, E = 40, 80, 4, 8 * world
+    cfg = BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=4)
+    ref = Buffer(cfg)
+    # the triton path is CUDA-only by design; force it onto the CPU heap for the interpreter
+    buffer_module.resolve_kernels = lambda kernels, device: "triton"
+    dispatch_combine.num_sms = lambda device, cap: 3
+    fast = Buffer(cfg)
+    try:
+        assert fast.kernel_path == "triton" and ref.kernel_path == "torch"
+        g = torch.Generator().manual_seed(100 + rank)
+        used = []
+        for maxvio, s in ((0.0, S), (1.0, 37), (2.9, S)):
+            routing = generate_routing(num_ranks=world, tokens_per_rank=s, num_experts=E, topk=K,
+                                       target_maxvio=maxvio, seed=5)
+            topk, hist = routing.for_rank(rank)
+            x = torch.randn(s, H, generator=g).to(torch.bfloat16)
+            w = torch.rand(s, K, generator=g)
+            grad = torch.randn(s, H, generator=g).to(torch.bfloat16)
+            outs = []
+            for buf in (ref, fast):
+                res = buf.dispatch(x, w, topk, hist)
+                out = {"rows": res.x_rows.clone(), "weights": res.weights_rows.clone()}
+                out["saved_rows"] = buf.dispatch(grad, plan=res.plan).x_rows.clone()
+                y_rows = torch.randn(res.plan.nvs_s, H, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+                scal = torch.randn(res.plan.nvs_s, generator=torch.Generator().manual_seed(8))
+                out["y"], out["scalars"] = buf.combine(res.plan, y_rows, row_scalars=scal)
+                outs.append(out)
+                used.append(int((res.plan.slot_expert_RB >= 0).sum()))
+            want, got = outs
+            for key in ("rows", "weights", "saved_rows", "scalars"):
+                assert torch.equal(got[key], want[key]), f"{key} differs at maxvio {maxvio}"
+            # the interpreter casts fp32 -> bf16 by truncation, the GPU (and torch) by rounding
+            err = (got["y"].float() - want["y"].float()).abs()
+            assert bool((err <= BF16_ULP * want["y"].float().abs()).all()), f"combine off by > 1 ulp ({err.max()})"
+        return used
+    finally:
+        fast.destroy()
+        ref.destroy()
+
+
+def test_dispatch_combine_kernels_match_pytorch_path() -> None:
+    used = run_ranks(_dispatch_kernels_rank, 2, timeout_s=300)
+    assert any(n > 0 for n in used[0]), f"some routing should occupy slots: {used}"
