@@ -11,15 +11,28 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates any kernel; inherited by spawned ranks
-pytest.importorskip("triton")
 
 from moonep.planner import plan_shared, receive_caps
 from tests.dist_utils import run_ranks
 from tests.moonep.planner_cases import planner_cases, random_counts
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates any kernel; inherited by spawned ranks
+_interpreter = pytest.importorskip("triton.runtime.interpreter")
+_patch_lang_tensor = _interpreter._patch_lang_tensor
+
+
+def _patch_lang_tensor_numpy2(tensor):
+    """triton 3.5's interpreter turns a runtime scalar into an index with int() of a 1-element array,
+    which numpy 2.4 rejects (a kernel loop `range(0, n)` with n a kernel argument fails); index
+    through the array's single element instead. Test-only shim: the GPU never runs the interpreter."""
+    _patch_lang_tensor(tensor)
+    tensor.__index__ = lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])
+
+
+_interpreter._patch_lang_tensor = _patch_lang_tensor_numpy2
 
 NAMES = ("quota_RR", "alloc_ER", "slot_expert_RB", "group_ER", "group_rows_RG", "offs_RG")
 
