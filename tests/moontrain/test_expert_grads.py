@@ -11,6 +11,9 @@ given to all_reduce must be exactly a local-row view.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,6 +22,23 @@ from moontrain.model.experts import ExpertWeights
 from tests.dist_utils import run_ranks
 
 E, H, FF, EP = 4, 16, 32, 1  # one EP rank per replica, two replicas: the EDP group is the whole world
+
+
+@contextlib.contextmanager
+def recorded_all_reduce() -> Iterator[list[tuple[int, tuple[int, ...]]]]:
+    """Record (data_ptr, shape) of every tensor given to dist.all_reduce inside the block."""
+    given: list[tuple[int, tuple[int, ...]]] = []
+    real_all_reduce = dist.all_reduce
+
+    def recording_all_reduce(tensor, *args, **kwargs):
+        given.append((tensor.data_ptr(), tuple(tensor.shape)))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording_all_reduce
+    try:
+        yield given
+    finally:
+        dist.all_reduce = real_all_reduce
 
 
 def _local_grad(rank: int, e: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -38,18 +58,8 @@ def _rank_fn(rank: int, world: int) -> dict:
         mirrors[name] = mirror
         compute[name] = torch.empty(epn, *shape, dtype=torch.bfloat16)
     w.bind_external(compute, {n: m[:epn] for n, m in mirrors.items()})
-    given = []
-    real_all_reduce = dist.all_reduce
-
-    def recording_all_reduce(tensor, *args, **kwargs):
-        given.append((tensor.data_ptr(), tuple(tensor.shape)))
-        return real_all_reduce(tensor, *args, **kwargs)
-
-    dist.all_reduce = recording_all_reduce
-    try:
+    with recorded_all_reduce() as given:
         w.reduce_grads(dist.group.WORLD, scale=1.0 / world)
-    finally:
-        dist.all_reduce = real_all_reduce
     w.attach_grads()
     local_ptrs = {(m[:epn].data_ptr(), tuple(m[:epn].shape)) for m in mirrors.values()}
     return {"mirrors": mirrors, "given": given, "local": local_ptrs,
@@ -100,18 +110,8 @@ def _moonep_rank_fn(rank: int, world: int) -> dict:
         for name in layer.g_local:
             before[(i, name)] = layer.g_local[name].clone()
             layer.g_full[name][num_experts:] = float("nan")  # the reduce pool: rows [E, E+B)
-    given = []
-    real_all_reduce = dist.all_reduce
-
-    def recording_all_reduce(tensor, *args, **kwargs):
-        given.append((tensor.data_ptr(), tuple(tensor.shape)))
-        return real_all_reduce(tensor, *args, **kwargs)
-
-    dist.all_reduce = recording_all_reduce
-    try:
+    with recorded_all_reduce() as given:
         trainer._reduce_grads()
-    finally:
-        dist.all_reduce = real_all_reduce
     edp = trainer.layout.edp_group
     expected, reduced, poison_kept = {}, {}, True
     for (i, name), g in before.items():
