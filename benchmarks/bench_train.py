@@ -248,6 +248,8 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
             maxvio.append(stats.max_maxvio)
             rank_maxvio.append(stats.scalars.get("moe/rank_maxvio/max", float("nan")))
             losses.append(stats.loss)
+        if args.profile and device.type == "cuda":  # one extra, untimed step under the profiler
+            profile_step(trainer, layout, args, cfg)
     except torch.OutOfMemoryError as err:
         oom_where = f"step {len(step_s)}" if trainer is not None else "building the trainer"
         print(f"rank {layout.rank}: out of memory at {oom_where}: {str(err).splitlines()[0]}", flush=True)
@@ -297,6 +299,22 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
     return point
 
 
+def profile_step(trainer: Trainer, layout: ParallelLayout, args: argparse.Namespace, cfg: RunConfig) -> None:
+    """Profile one more step; rank 0 writes the kernel table (top 40 by CUDA time) to --out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(layout.device)
+    dist.barrier(group=layout.world_group)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        trainer.train_step()
+        _sync(layout.device)
+    if layout.rank == 0:
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+        name = f"profile_{cfg.experts.backend}_skew{cfg.model.router_skew:.3g}.txt"
+        (Path(args.out) / name).write_text(table)
+        print(f"profile of one step written to {Path(args.out) / name}", flush=True)
+
+
 # ---------------------------------------------------------------- driver
 
 
@@ -334,6 +352,7 @@ def main() -> None:
     p.add_argument("--timeout-s", type=float, default=300.0, help="process-group timeout (a stuck peer fails then)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="file tag (default: the recipe name, the device type and the date)")
+    p.add_argument("--profile", action="store_true", help="profile one extra step per point (GPU; kernel table to --out)")
     p.add_argument("--show", metavar="JSON", help="print the table of a saved result and exit (no GPU needed)")
     args = p.parse_args()
     if args.show:
@@ -363,6 +382,7 @@ def run(args: argparse.Namespace, device: torch.device, side: dist.ProcessGroup)
     mm_flops = _reduce(measure_matmul_flops(device, dtype), dist.ReduceOp.MIN, layout)
     tag = args.tag or f"{Path(args.recipe).stem}_{device.type}_{time.strftime('%Y%m%d')}"
     path = Path(args.out) / f"bench_train_R{R}_{tag}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"recipe": args.recipe, "overrides": args.overrides, "world_size": R, "ep": cfg0.parallel.ep,
             "steps": args.steps, "warmup": args.warmup, "keep_balancing": args.keep_balancing,
             "prebalance": not args.no_prebalance, "lr": args.lr, "placement": args.placement,

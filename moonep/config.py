@@ -27,9 +27,8 @@ class BufferConfig:
         "triton" (moonep.kernels, CUDA only), "auto" (triton on CUDA, torch on the CPU).
     num_sms: programs of the persistent dispatch/combine kernels; None means every SM.
     expert_kernels: on the triton path, also run prefetch_weight / reduce_grad as the kernels of
-        moonep.kernels.experts (they touch occupied slots only). Off by default until their GPU
-        test (tests/moonep/gpu/test_expert_kernels.py) has run on the device; checked bitwise in
-        Triton's interpreter.
+        moonep.kernels.experts (they touch occupied slots only); bitwise equal to the PyTorch
+        path (Triton's interpreter in CI, tests/moonep/gpu/test_expert_kernels.py on 2xH200).
     """
 
     max_tokens: int
@@ -43,7 +42,7 @@ class BufferConfig:
     check_values: bool = True
     kernels: str = "auto"
     num_sms: int | None = None
-    expert_kernels: bool = False
+    expert_kernels: bool = True
 
     plan_graph: bool = True
 

@@ -22,3 +22,12 @@ def grouped_mm_wgrad(x_rows: torch.Tensor, grad_rows: torch.Tensor, offs: torch.
     # the CPU kernel only writes x's dtype; bf16 products are exact in fp32, so upcasting first
     # gives the fp32-accumulated result the GPU kernel produces
     return torch._grouped_mm(x_rows.t().float(), grad_rows.float(), offs=offs)
+
+
+def accumulate_wgrad(g_GIO: torch.Tensor, x_rows: torch.Tensor, grad_rows: torch.Tensor, offs: torch.Tensor) -> None:
+    """g (fp32) += x^T grad per group, without an fp32 temporary of g's size on CUDA (the bf16
+    result is added in place with type promotion: the same values as adding grouped_mm_wgrad's)."""
+    if x_rows.is_cuda:
+        g_GIO.add_(torch._grouped_mm(x_rows.t(), grad_rows, offs=offs))
+    else:
+        g_GIO.add_(grouped_mm_wgrad(x_rows, grad_rows, offs))

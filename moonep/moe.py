@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from moonep.buffer import Buffer
-from moonep.grouped_gemm import grouped_mm, grouped_mm_wgrad
+from moonep.grouped_gemm import grouped_mm
 from moonep.pools import ExpertPools, LayerExperts
 
 PROJECTIONS = ("gate", "up", "down")
@@ -25,6 +25,18 @@ PROJECTIONS = ("gate", "up", "down")
 def swiglu_projections(hidden: int, ffn: int) -> dict[str, tuple[int, int]]:
     """The projection shapes `expert_swiglu` expects in ExpertPools."""
     return {"gate": (hidden, ffn), "up": (hidden, ffn), "down": (ffn, hidden)}
+
+
+def swiglu_backward_torch(grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For a = silu(h) * u: (grad_h, grad_u, a) from grad_a, in fp32 with one rounding to h's dtype
+    (the specification of moonep.kernels.swiglu)."""
+    hf = h.float()
+    sig = torch.sigmoid(hf)
+    ga = grad_a.float()
+    grad_h = (ga * u.float() * sig * (1 + hf * (1 - sig))).to(h.dtype)
+    grad_u = (ga * (hf * sig)).to(h.dtype)
+    return grad_h, grad_u, F.silu(h) * u
 
 
 class _ExpertSwiGLU(torch.autograd.Function):
@@ -40,7 +52,7 @@ class _ExpertSwiGLU(torch.autograd.Function):
         u = grouped_mm(x_rows, w["up"], offs)
         o = grouped_mm(F.silu(h) * u, w["down"], offs)
         y_in = buffer.combine_input(plan)
-        y_in.copy_(o.float() * w_rows[:, None])
+        torch.mul(o, w_rows[:, None], out=y_in)  # fp32 product, rounded once into the symmetric rows
         y_sH, _ = buffer.combine(plan, y_in)
         ctx.save_for_backward(x_rows, w_rows, h, u, o)
         ctx.plan, ctx.buffer, ctx.layer = plan, buffer, layer
@@ -53,22 +65,23 @@ class _ExpertSwiGLU(torch.autograd.Function):
         plan, buffer, layer = ctx.plan, ctx.buffer, ctx.layer
         offs = plan.cu_seqlens
         gy = buffer.dispatch(grad_y_sH.contiguous(), plan=plan).x_rows
-        grad_w_rows = (gy.float() * o.float()).sum(-1)
-        grad_o = (gy.float() * w_rows[:, None]).to(gy.dtype)
+        grad_w_rows = (gy.float() * o).sum(-1)
+        grad_o = torch.mul(gy, w_rows[:, None], out=torch.empty_like(gy))  # fp32 product, one rounding
         layer.pools.ensure(plan, layer)
         w, g = layer.w_compact, layer.g_compact
-        hf = h.float()
-        sig = torch.sigmoid(hf)
-        silu_h = hf * sig
-        a = F.silu(h) * u
-        grad_a = grouped_mm(grad_o, w["down"].transpose(1, 2), offs).float()
-        grad_h = (grad_a * u.float() * sig * (1 + hf * (1 - sig))).to(h.dtype)
-        grad_u = (grad_a * silu_h).to(h.dtype)
-        grad_x_rows = (grouped_mm(grad_h, w["gate"].transpose(1, 2), offs).float()
-                       + grouped_mm(grad_u, w["up"].transpose(1, 2), offs).float()).to(x_rows.dtype)
-        g["down"] += grouped_mm_wgrad(a, grad_o, offs)
-        g["gate"] += grouped_mm_wgrad(x_rows, grad_h, offs)
-        g["up"] += grouped_mm_wgrad(x_rows, grad_u, offs)
+        grad_a = grouped_mm(grad_o, w["down"].transpose(1, 2), offs)
+        if buffer.kernel_path == "triton":
+            from moonep.kernels.swiglu import swiglu_backward  # triton: CUDA machines only
+
+            grad_h, grad_u, a = swiglu_backward(grad_a, h, u)
+        else:
+            grad_h, grad_u, a = swiglu_backward_torch(grad_a, h, u)
+        grad_x_rows = grouped_mm(grad_h, w["gate"].transpose(1, 2), offs).float()
+        grad_x_rows = grad_x_rows.add_(grouped_mm(grad_u, w["up"].transpose(1, 2), offs)).to(x_rows.dtype)
+        pools = layer.pools
+        pools.accumulate_wgrad(g["down"], a, grad_o, offs)
+        pools.accumulate_wgrad(g["gate"], x_rows, grad_h, offs)
+        pools.accumulate_wgrad(g["up"], x_rows, grad_u, offs)
         buffer.reduce_grad(plan, layer)
         grad_x_sH, grad_weights_sK = buffer.combine(plan, grad_x_rows, row_scalars=grad_w_rows)
         return grad_x_sH, grad_weights_sK.to(ctx.weights_dtype), None, None, None, None

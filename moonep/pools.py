@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from moonep.buffer import Buffer
+from moonep.grouped_gemm import accumulate_wgrad
 from moonep.heap import Piece, view
 from moonep.planner import Plan
 
@@ -148,6 +149,15 @@ class ExpertPools:
         step = max(1, _TEMP_BYTES // per_slot)
         B = self.buffer.num_slots
         return [(j, min(j + step, B)) for j in range(0, B, step)]
+
+    def accumulate_wgrad(self, g_compact: torch.Tensor, x_rows: torch.Tensor, grad_rows: torch.Tensor,
+                         offs: torch.Tensor) -> None:
+        """g_compact (fp32, [epn + B, I, O]) += x^T grad per W_compact group; on the kernel path
+        groups without rows (unused slots) are skipped."""
+        if self._kx is not None:
+            self._kx.accumulate_groups(g_compact, torch._grouped_mm(x_rows.t(), grad_rows, offs=offs), offs)
+        else:
+            accumulate_wgrad(g_compact, x_rows, grad_rows, offs)
 
     # ------------------------------------------------------------------ reduce_grad
     def reduce_grad(self, plan: Plan, layer: LayerExperts) -> None:

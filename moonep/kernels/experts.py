@@ -9,16 +9,21 @@ traffic is the expert copies themselves.
 prefetch: grid (row chunks, B); program (c, j) reads e = slot_expert[rank, j]; if e >= 0 it copies
     chunk c of W_full[e] (the owner's row, read over NVLink) into W_full[E + j]. Only this rank's
     slots are written; stream order after dispatch's barriers makes the owners' rows current.
+accumulate_groups: the expert_swiglu backward's weight gradient (bf16 from the grouped GEMM) added
+    into the fp32 grad mirror (W_compact rows) for groups with rows only; on k3_small_moe at low
+    skew half of the groups are empty slots.
 reduce_grad: grid (row chunks, epn); program (c, i) accumulates, for d = 0..R-1 ascending (d !=
     rank) and j = 0..B-1 ascending, every slot (d, j) holding expert rank*epn + i into g_local[i]
     in fp32, one add per contribution: the PyTorch path's order (a rank holds at most one copy of
     an expert, so at most one contribution per d), hence the same values (the PyTorch path also
-    adds +0.0 for empty slots, which can only turn a -0.0 into +0.0). Then, after the
+    adds +0.0 for empty slots, which can only turn a -0.0 into +0.0). Experts without copies are
+    not touched (a scan of the slot table first): reading and rewriting all of g_local cost 8 ms
+    per step of k3_small_moe (2xH200, 2026-11-29). Then, after the
     "reduce_grad:read" barrier, `zero_slots` clears this rank's occupied slots (the others were
     never written: grads of empty groups are zero).
 
-Not yet run on a GPU (the session's device time ran out), hence opt-in: BufferConfig(expert_kernels=
-True). Checked bitwise against the PyTorch path in Triton's interpreter on the CPU heap (R = 2, 4).
+Checked bitwise against the PyTorch path in Triton's interpreter on the CPU heap (R = 2, 4) and on
+2xH200 (tests/moonep/gpu/test_expert_kernels.py, 2026-11-29).
 """
 
 from __future__ import annotations
@@ -48,18 +53,26 @@ def _reduce_kernel(g_local_ptr, g_slots_ptr, slot_ptr, rank, ROW: tl.constexpr, 
                    EPN: tl.constexpr, BLOCK: tl.constexpr):
     c = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1).to(tl.int64)
-    offs = c * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < ROW
     expert = rank * EPN + i
-    acc = tl.load(g_local_ptr + i * ROW + offs, mask=mask)
+    # copies of this expert anywhere? (scalar scan of the small slot table; most experts have none,
+    # and touching their grad rows would cost a full read + write of g_local)
+    copies = tl.full([], 0, tl.int32)
     for d in tl.static_range(R):
         if d != rank:
-            row_ptr = g_slots_ptr + d * B * ROW + offs  # constexpr product: no 32-bit overflow
             for j in range(B):
-                if tl.load(slot_ptr + d * B + j) == expert:
-                    acc += tl.load(row_ptr, mask=mask)
-                row_ptr += ROW
-    tl.store(g_local_ptr + i * ROW + offs, acc, mask=mask)
+                copies += (tl.load(slot_ptr + d * B + j) == expert).to(tl.int32)
+    if copies > 0:
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < ROW
+        acc = tl.load(g_local_ptr + i * ROW + offs, mask=mask)
+        for d in tl.static_range(R):
+            if d != rank:
+                row_ptr = g_slots_ptr + d * B * ROW + offs  # constexpr product: no 32-bit overflow
+                for j in range(B):
+                    if tl.load(slot_ptr + d * B + j) == expert:
+                        acc += tl.load(row_ptr, mask=mask)
+                    row_ptr += ROW
+        tl.store(g_local_ptr + i * ROW + offs, acc, mask=mask)
 
 
 @triton.jit
@@ -69,6 +82,29 @@ def _zero_kernel(g_slots_ptr, slot_ptr, rank, ROW: tl.constexpr, B: tl.constexpr
     if tl.load(slot_ptr + rank * B + j) >= 0:
         offs = c * BLOCK + tl.arange(0, BLOCK)
         tl.store(g_slots_ptr + (rank * B + j) * ROW + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=offs < ROW)
+
+
+@triton.jit
+def _accumulate_kernel(g_ptr, w_ptr, offs_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    c = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1)
+    end = tl.load(offs_ptr + grp)
+    start = tl.where(grp > 0, tl.load(offs_ptr + tl.maximum(grp - 1, 0)), 0)
+    if end > start:
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < ROW
+        base = grp.to(tl.int64) * ROW
+        acc = tl.load(g_ptr + base + offs, mask=mask) + tl.load(w_ptr + base + offs, mask=mask).to(tl.float32)
+        tl.store(g_ptr + base + offs, acc, mask=mask)
+
+
+def accumulate_groups(g_GIO: torch.Tensor, w_GIO: torch.Tensor, offs_G: torch.Tensor) -> None:
+    """g[grp] += w[grp] (fp32) for the groups that have rows (offs_G cumulative ends); empty groups
+    (unused slots) are not touched: their weight gradient is zero."""
+    G = g_GIO.shape[0]
+    assert g_GIO.is_contiguous() and w_GIO.is_contiguous() and w_GIO.shape == g_GIO.shape and offs_G.numel() == G
+    row = g_GIO[0].numel()
+    _accumulate_kernel[(triton.cdiv(row, _BLOCK), G)](g_GIO, w_GIO, offs_G, ROW=row, BLOCK=_BLOCK)
 
 
 def prefetch(w_full: torch.Tensor, slot_expert_RB: torch.Tensor, rank: int, num_experts: int) -> None:

@@ -87,7 +87,11 @@ class ExpertsConfig:
 
     backend: ExpertsBackendName = "alltoall"
     token_padding: int = 16  # each expert's row group is padded to this many rows (grouped-GEMM alignment)
+    moonep_kernels: Literal["auto", "torch", "triton"] = "auto"  # moonep data path (BufferConfig.kernels)
+    moonep_expert_kernels: bool = True  # moonep prefetch/reduce_grad kernels (BufferConfig.expert_kernels)
 
     def __post_init__(self) -> None:
+        if self.moonep_kernels not in ("auto", "torch", "triton"):
+            raise ValueError(f"experts.moonep_kernels must be 'auto', 'torch' or 'triton', got {self.moonep_kernels!r}")
         if self.token_padding < 1:
             raise ValueError(f"experts.token_padding must be >= 1, got {self.token_padding}")

@@ -37,6 +37,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int
         {"params": groups["experts"], "weight_decay": cfg.weight_decay, "name": "experts"},
     ]
     param_groups = [g for g in param_groups if g["params"]]
-    opt = torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    fused = cfg.fused
+    if fused is None:  # one multi-tensor kernel per group instead of foreach's chain of ops (GPU only)
+        fused = all(p.device.type == "cuda" for g in param_groups for p in g["params"])
+    opt = torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                            fused=fused or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_multiplier(step, cfg, total_steps))
     return opt, sched

@@ -18,6 +18,7 @@ class OptimConfig:
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly to min_lr
     grad_clip: float = 1.0  # global-norm clip; 0 disables
+    fused: bool | None = None  # torch's fused AdamW kernels; None: on when the parameters are on a GPU
 
     def __post_init__(self) -> None:
         if self.lr <= 0:

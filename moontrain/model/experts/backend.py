@@ -35,6 +35,8 @@ class ExpertsContext:
     token_padding: int
     max_tokens: int  # tokens per rank per call (S)
     device: torch.device
+    moonep_kernels: str = "auto"  # BufferConfig.kernels of the moonep backend
+    moonep_expert_kernels: bool = True  # BufferConfig.expert_kernels of the moonep backend
     shared: dict[str, Any] = field(default_factory=dict)  # e.g. moonep's Buffer and ExpertPools
     closers: list[Callable[[], None]] = field(default_factory=list)  # release backend-owned memory
 

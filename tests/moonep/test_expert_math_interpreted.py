@@ -1,0 +1,49 @@
+"""Expert-side math kernels (moonep.kernels.swiglu, moonep.kernels.experts.accumulate_groups) in
+Triton's interpreter on the CPU, against the PyTorch specification in moonep.moe / moonep.grouped_gemm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# sets TRITON_INTERPRET=1 and the interpreter's numpy-2 shim before any kernel is decorated
+pytest.importorskip("triton.runtime.interpreter")
+import tests.moonep.test_kernels_interpreted  # noqa: E402, F401
+
+from moonep.moe import swiglu_backward_torch  # noqa: E402
+
+
+def test_swiglu_backward_kernel_matches_pytorch() -> None:
+    from moonep.kernels.swiglu import swiglu_backward
+
+    g = torch.Generator().manual_seed(0)
+    N, F = 67, 300  # not multiples of the block: masked tail
+    h = (3 * torch.randn(N, F, generator=g)).to(torch.bfloat16)
+    u = torch.randn(N, F, generator=g).to(torch.bfloat16)
+    grad_a = torch.randn(N, F, generator=g).to(torch.bfloat16)
+    got = swiglu_backward(grad_a, h, u)
+    want = swiglu_backward_torch(grad_a, h, u)
+    # grad_h, grad_u: one fp32 value rounded once to bf16; the interpreter truncates where torch rounds
+    # to nearest, and exp may differ in the last fp32 bits: at most 1 bf16 ulp (2**-7 relative) apart.
+    # a: two roundings (silu, then the product): at most 2 ulps.
+    for name, a, b, ulps in zip(("grad_h", "grad_u", "a"), got, want, (1, 1, 2), strict=True):
+        assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
+        diff = (a.float() - b.float()).abs()
+        bound = torch.maximum(a.float().abs(), b.float().abs()) * ulps * 2.0**-7
+        assert bool((diff <= bound).all()), f"{name}: max diff {float(diff.max())}"
+
+
+def test_accumulate_groups_skips_empty_groups_bitwise() -> None:
+    from moonep.kernels.experts import accumulate_groups
+
+    gen = torch.Generator().manual_seed(1)
+    G, I, O = 6, 5, 700
+    rows = torch.tensor([3, 0, 16, 0, 0, 1])  # groups 1, 3 and 4 have no rows (unused slots)
+    offs = torch.cumsum(rows, 0).to(torch.int32)
+    g = torch.randn(G, I, O, generator=gen)
+    w = torch.randn(G, I, O, generator=gen).to(torch.bfloat16)
+    w[rows == 0] = float("nan")  # an empty group's values must never be read
+    want = g + w.float()
+    want[rows == 0] = g[rows == 0]
+    accumulate_groups(g, w, offs)
+    assert torch.equal(g, want)
