@@ -11,7 +11,8 @@ reduce_grad. Baseline: torchtitan-style all-to-all (count exchange, host split s
 all_to_all_single, permute), forward and backward. Also reported: realised expert maxvio,
 rank-level max/mean received rows, logical GB/s = s*K*H*2/t, bytes that crossed NVLink, peak
 memory, and the shapes moonep returned (identical across points for a fixed s).
---kernels picks the moonep data path (BufferConfig.kernels: torch, triton or auto), --num-sms the
+--placement concentrated renumbers the experts by popularity so the hot ones share home rank 0 (the
+case bench_train uses). --kernels picks the moonep data path (BufferConfig.kernels: torch, triton or auto), --num-sms the
 grid of its persistent kernels.
 Writes benchmarks/results/bench_comm_R<R>_<tag>.json and prints a table.
 """
@@ -55,6 +56,21 @@ def timed(fn: Callable[[], object], iters: int, warmup: int, group: dist.Process
     return float(med)
 
 
+def peer_copy_GBps(buf: Buffer, x: torch.Tensor, iters: int, warmup: int, group: dist.ProcessGroup) -> float:
+    """Peer-copy bandwidth of this machine in this run: x (this rank's S x H tokens) copied into the
+    next rank's receive rows through the symmetric mapping by the copy engine (every rank at once),
+    median GB/s, min over ranks. The reference for dispatch's NVLink throughput."""
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    if R == 1:
+        return float("nan")
+    peer_rows = buf._all["recv"][(rank + 1) % R][: x.shape[0]]
+    us = timed(lambda: peer_rows.copy_(x), iters, warmup, group)
+    buf.barrier("bench:peer_copy")
+    gbps = torch.tensor(x.numel() * x.element_size() / (us * 1e-6) / 1e9, device="cuda")
+    dist.all_reduce(gbps, op=dist.ReduceOp.MIN, group=group)
+    return float(gbps)
+
+
 def max_over_ranks(x: float, group: dist.ProcessGroup) -> float:
     t = torch.tensor(float(x), device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -69,8 +85,14 @@ def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, po
     eff_target = min(target, 0.97 * reach)
     routing = generate_routing(num_ranks=R, tokens_per_rank=S, num_experts=E, topk=K, target_maxvio=eff_target,
                                seed=args.seed)
-    topk = routing.topk_RsK[rank].cuda()
-    hist = routing.tokens_per_expert_RE[rank].cuda()
+    topk_RsK, hist_RE = routing.topk_RsK, routing.tokens_per_expert_RE
+    if args.placement == "concentrated":  # renumber by popularity: the hot experts share home rank 0
+        new_id = torch.empty(E, dtype=torch.long)
+        new_id[torch.argsort(hist_RE.sum(0), descending=True, stable=True)] = torch.arange(E)
+        topk_RsK = new_id[topk_RsK.long()].to(topk_RsK.dtype)
+        hist_RE = torch.zeros_like(hist_RE).index_copy_(1, new_id, hist_RE)
+    topk = topk_RsK[rank].cuda()
+    hist = hist_RE[rank].cuda()
     gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
     x = torch.randn(S, H, device="cuda", generator=gen).to(torch.bfloat16)
     w = torch.rand(S, K, device="cuda", generator=gen)
@@ -103,6 +125,7 @@ def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, po
     shapes["y_sH"] = list(y_sH.shape)
     remote = (plan.dst_rank_sK != rank) & plan.sent_sK
     sent_bytes = int(remote.sum()) * H * 2
+    peer_bw = peer_copy_GBps(buf, x, it, wu, group)
     rows_R = plan.alloc_ER.sum(0).float()
     slot_copies = int((plan.slot_expert_RB >= 0).sum())
     moonep_out = {f"{k}_us": v for k, v in m.items()}
@@ -113,6 +136,7 @@ def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, po
         combine_logical_GBps=S * K * H * 2 / (m["combine_fwd"] * 1e-6) / 1e9,
         dispatch_nvlink_GBps=max_over_ranks(sent_bytes, group) / (m["dispatch_only"] * 1e-6) / 1e9,
         dispatch_saved_nvlink_GBps=max_over_ranks(sent_bytes, group) / (m["dispatch_saved"] * 1e-6) / 1e9,
+        peer_copy_GBps=peer_bw,
         expert_copies=slot_copies,
         prefetch_bytes_per_rank=max_over_ranks(int(pools.prefetch_bytes(plan)), group),
         peak_allocated_bytes=max_over_ranks(torch.cuda.max_memory_allocated(), group),
@@ -159,6 +183,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--placement", default="random", choices=["random", "concentrated"],
+                   help="expert numbering: the generator's (random) or by popularity (hot experts on rank 0)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="file tag (default: the --kernels value and the date)")
     p.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
@@ -202,7 +228,7 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         tag = args.tag or f"{args.kernels}_{time.strftime('%Y%m%d')}"
         path = out / f"bench_comm_R{R}_{tag}.json"
-        meta = {"R": R, "S": args.tokens, "H": args.hidden, "K": args.topk, "ffn": args.ffn, "iters": args.iters,
+        meta = {"R": R, "S": args.tokens, "placement": args.placement, "H": args.hidden, "K": args.topk, "ffn": args.ffn, "iters": args.iters,
                 "kernels": args.kernels, "num_sms": args.num_sms,
                 "device": torch.cuda.get_device_name(), "torch": torch.__version__}
         path.write_text(json.dumps({"config": meta, "points": results}, indent=1))
@@ -211,21 +237,24 @@ def main() -> None:
 
 
 def print_table(results: list[dict]) -> None:
-    hdr = (f"{'E':>4} {'target':>6} {'real':>6} | {'plan':>6} {'disp+pf':>8} {'disp':>7} {'d.saved':>7} {'pf':>6} {'comb':>7} "
-           f"{'d.bwd':>7} {'c.bwd':>7} {'rgrad':>7} {'load':>5} | {'a2a d':>7} {'a2a c':>7} {'a2a db':>7} "
-           f"{'a2a cb':>7} {'load':>5}")
-    print("times in us (median, max over ranks); d.saved = dispatch with the saved plan (no planning); "
-          "load = max/mean rows received per rank")
+    hdr = (f"{'E':>4} {'target':>6} {'real':>6} | {'plan':>6} {'disp+pf':>8} {'disp':>7} {'d.saved':>7} {'pf':>6} {'cp':>3} "
+           f"{'comb':>7} {'d.bwd':>7} {'c.bwd':>7} {'rgrad':>7} {'load':>5} {'nvl GB/s':>8} {'peer':>5} | {'a2a d':>7} "
+           f"{'a2a c':>7} {'a2a db':>7} {'a2a cb':>7} {'load':>5}")
+    print("times in us (median, max over ranks); d.saved = dispatch with the saved plan (no planning); cp = expert "
+          "copies (slots used, all ranks); load = max/mean rows received per rank; nvl GB/s = bytes that crossed "
+          "NVLink in dispatch / d.saved; peer = peer-copy GB/s (copy engine) measured in the same run")
     print(hdr)
+    nan = float("nan")
     for r in results:
         m, b = r["moonep"], r["alltoall"]
         print(f"{r['E']:>4} {r['target_maxvio']:>6.1f} {r['realised_maxvio']:>6.2f} | {m['plan_us']:>6.0f} "
-              f"{m['dispatch_fwd_us']:>8.0f} {m['dispatch_only_us']:>7.0f} {m.get('dispatch_saved_us', float('nan')):>7.0f} "
-              f"{m['prefetch_us']:>6.0f} "
+              f"{m['dispatch_fwd_us']:>8.0f} {m['dispatch_only_us']:>7.0f} {m.get('dispatch_saved_us', nan):>7.0f} "
+              f"{m['prefetch_us']:>6.0f} {m.get('expert_copies', -1):>3} "
               f"{m['combine_fwd_us']:>7.0f} {m['dispatch_bwd_us']:>7.0f} {m['combine_bwd_us']:>7.0f} "
-              f"{m['reduce_grad_us']:>7.0f} {m['rank_load_max_over_mean']:>5.2f} | {b['dispatch_fwd_us']:>7.0f} "
-              f"{b['combine_fwd_us']:>7.0f} {b['dispatch_bwd_us']:>7.0f} {b['combine_bwd_us']:>7.0f} "
-              f"{b['rank_load_max_over_mean']:>5.2f}")
+              f"{m['reduce_grad_us']:>7.0f} {m['rank_load_max_over_mean']:>5.2f} "
+              f"{m.get('dispatch_saved_nvlink_GBps', nan):>8.0f} {m.get('peer_copy_GBps', nan):>5.0f} | "
+              f"{b['dispatch_fwd_us']:>7.0f} {b['combine_fwd_us']:>7.0f} {b['dispatch_bwd_us']:>7.0f} "
+              f"{b['combine_bwd_us']:>7.0f} {b['rank_load_max_over_mean']:>5.2f}")
     for E in sorted({r["E"] for r in results}):
         pts = [r for r in results if r["E"] == E]
         shapes = {json.dumps(r["moonep"]["shapes"]) for r in pts}
@@ -234,6 +263,7 @@ def print_table(results: list[dict]) -> None:
         print(f"E={E}: moonep shapes identical across {len(pts)} points: {len(shapes) == 1} {shapes.pop()}; "
               f"peak allocated GiB {peaks} + symmetric heap {heap:.2f} GiB; a2a peak GiB "
               f"{sorted({round(r['alltoall']['peak_allocated_bytes'] / 2**30, 3) for r in pts})}")
+
 
 if __name__ == "__main__":
     main()
