@@ -1,8 +1,10 @@
 """expert_swiglu: the routed-expert half of an MoE layer on moonep, as one autograd op.
 
-forward:  dispatch -> prefetch -> h = x W_gate, u = x W_up (grouped over W_compact) ->
+forward:  plan -> prefetch (side stream, overlapping the dispatch of token rows) -> dispatch ->
+          h = x W_gate, u = x W_up (grouped over W_compact) ->
           o = (silu(h) * u) W_down -> y_rows = o * route weight -> combine
-backward: dispatch(grad_y) with the saved plan -> re-prefetch if another layer used the slots ->
+backward: re-prefetch if another layer used the slots (side stream) -> dispatch(grad_y) with the
+          saved plan ->
           grads of rows and weights (fp32 into the grad mirror: local rows accumulate into
           g_local, slot rows into the reduce pool) -> reduce_grad -> combine(grad_x_rows) with
           the route-weight grads gathered per (token, k)
@@ -42,11 +44,13 @@ def swiglu_backward_torch(grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
 class _ExpertSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_sH, weights_sK, topk_sK, tokens_per_expert_E, buffer: Buffer, layer: LayerExperts):
-        res = buffer.dispatch(x_sH, weights_sK, topk_sK, tokens_per_expert_E)
-        plan, offs = res.plan, res.cu_seqlens
-        buffer.prefetch_weight(plan, layer)
+        plan = buffer.plan(topk_sK, tokens_per_expert_E)
+        layer.pools.prefetch_async(plan, layer)  # expert copies overlap the token rows' dispatch
+        res = buffer.dispatch(x_sH, weights_sK, plan=plan)
+        offs = res.cu_seqlens
         x_rows = res.x_rows.clone()  # the receive buffer is reused by the next dispatch
         w_rows = res.weights_rows.clone()
+        layer.pools.wait_prefetch()
         w = layer.w_compact
         h = grouped_mm(x_rows, w["gate"], offs)
         u = grouped_mm(x_rows, w["up"], offs)
@@ -64,10 +68,11 @@ class _ExpertSwiGLU(torch.autograd.Function):
         x_rows, w_rows, h, u, o = ctx.saved_tensors
         plan, buffer, layer = ctx.plan, ctx.buffer, ctx.layer
         offs = plan.cu_seqlens
+        layer.pools.ensure_async(plan, layer)  # re-prefetch (another layer used the slots) overlaps dispatch
         gy = buffer.dispatch(grad_y_sH.contiguous(), plan=plan).x_rows
         grad_w_rows = (gy.float() * o).sum(-1)
         grad_o = torch.mul(gy, w_rows[:, None], out=torch.empty_like(gy))  # fp32 product, one rounding
-        layer.pools.ensure(plan, layer)
+        layer.pools.wait_prefetch()
         w, g = layer.w_compact, layer.g_compact
         grad_a = grouped_mm(grad_o, w["down"].transpose(1, 2), offs)
         if buffer.kernel_path == "triton":

@@ -59,6 +59,8 @@ class ExpertPools:
         self.dtype = dtype or buffer.config.dtype
         self.layers: list[LayerExperts] = []
         self._owner: tuple[int, Plan] | None = None  # (layer index, plan) whose copies the slots hold
+        self._side: torch.cuda.Stream | None = None  # prefetch_async's stream (kernel path)
+        self._prefetched: torch.cuda.Event | None = None  # completion of the last prefetch_async
         self._kx = None  # moonep.kernels.experts on the triton path (imports triton: CUDA only)
         if buffer.kernel_path == "triton" and buffer.config.expert_kernels:
             from moonep.kernels import experts
@@ -135,6 +137,35 @@ class ExpertPools:
             for j0, j1 in self._chunks(name, w_full.dtype):
                 w_full[E + j0 : E + j1].copy_(w_full.index_select(0, src[j0:j1]))
         self._owner = (layer.index, plan)
+
+    def prefetch_async(self, plan: Plan, layer: LayerExperts) -> None:
+        """prefetch on a side stream, so the copies overlap whatever the caller queues next (the
+        token dispatch); `wait_prefetch()` orders them before the slots are read. The side stream
+        first waits for the current stream: earlier readers of the slots (the previous layer's
+        GEMMs) are done and the owners' rows are the ones published by the last barrier. Without the
+        kernel path on a GPU this is prefetch()."""
+        if self._kx is None or self.buffer.device.type != "cuda":
+            self.prefetch(plan, layer)
+            return
+        device = self.buffer.device
+        if self._side is None:
+            self._side = torch.cuda.Stream(device)
+        self._side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._side):
+            self.prefetch(plan, layer)
+        self._prefetched = torch.cuda.Event()
+        self._prefetched.record(self._side)
+
+    def ensure_async(self, plan: Plan, layer: LayerExperts) -> None:
+        """ensure() through prefetch_async; pair with wait_prefetch()."""
+        if self._owner is None or self._owner[0] != layer.index or self._owner[1] is not plan:
+            self.prefetch_async(plan, layer)
+
+    def wait_prefetch(self) -> None:
+        """Order the last prefetch_async before the current stream's next work (no host sync)."""
+        if self._prefetched is not None:
+            torch.cuda.current_stream(self.buffer.device).wait_event(self._prefetched)
+            self._prefetched = None
 
     def ensure(self, plan: Plan, layer: LayerExperts) -> None:
         """Prefetch again only if the slots hold another layer's or plan's copies."""

@@ -19,3 +19,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if item.get_closest_marker("multigpu") is not None and num_gpus < 2:
             item.add_marker(skip_multigpu)
+
+# On a GPU machine the Triton kernels run natively (tests/moonep/gpu); the *_interpreted modules set
+# TRITON_INTERPRET=1 at import, which would push every kernel of the session through the interpreter.
+collect_ignore_glob = ["moonep/*_interpreted.py"] if torch.cuda.is_available() else []

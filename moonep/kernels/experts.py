@@ -17,8 +17,9 @@ reduce_grad: grid (row chunks, epn); program (c, i) accumulates, for d = 0..R-1 
     in fp32, one add per contribution: the PyTorch path's order (a rank holds at most one copy of
     an expert, so at most one contribution per d), hence the same values (the PyTorch path also
     adds +0.0 for empty slots, which can only turn a -0.0 into +0.0). Experts without copies are
-    not touched (a scan of the slot table first): reading and rewriting all of g_local cost 8 ms
-    per step of k3_small_moe (2xH200, 2026-11-29). Then, after the
+    not touched (a vector scan of the slot table first): reading and rewriting all of g_local cost
+    8 ms per step of k3_small_moe (2xH200, 2026-11-29), and a scalar scan (B serial loads in each
+    program) made reduce_grad ~1 ms per layer at 5 copies. Then, after the
     "reduce_grad:read" barrier, `zero_slots` clears this rank's occupied slots (the others were
     never written: grads of empty groups are zero).
 
@@ -50,28 +51,29 @@ def _prefetch_kernel(w_ptr, slot_ptr, rank, ROW: tl.constexpr, E: tl.constexpr, 
 
 @triton.jit
 def _reduce_kernel(g_local_ptr, g_slots_ptr, slot_ptr, rank, ROW: tl.constexpr, R: tl.constexpr, B: tl.constexpr,
-                   EPN: tl.constexpr, BLOCK: tl.constexpr):
+                   B_P: tl.constexpr, EPN: tl.constexpr, BLOCK: tl.constexpr):
     c = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1).to(tl.int64)
     expert = rank * EPN + i
-    # copies of this expert anywhere? (scalar scan of the small slot table; most experts have none,
-    # and touching their grad rows would cost a full read + write of g_local)
+    j_B = tl.arange(0, B_P)
+    # copies of this expert anywhere? one vector load of each peer's slot row (most experts have
+    # none, and touching their grad rows would cost a full read + write of g_local)
     copies = tl.full([], 0, tl.int32)
     for d in tl.static_range(R):
         if d != rank:
-            for j in range(B):
-                copies += (tl.load(slot_ptr + d * B + j) == expert).to(tl.int32)
+            slots = tl.load(slot_ptr + d * B + j_B, mask=j_B < B, other=-1)
+            copies += tl.sum((slots == expert).to(tl.int32), axis=0)
     if copies > 0:
         offs = c * BLOCK + tl.arange(0, BLOCK)
         mask = offs < ROW
         acc = tl.load(g_local_ptr + i * ROW + offs, mask=mask)
-        for d in tl.static_range(R):
+        for d in tl.static_range(R):  # ascending d; a rank holds at most one copy of an expert
             if d != rank:
-                row_ptr = g_slots_ptr + d * B * ROW + offs  # constexpr product: no 32-bit overflow
-                for j in range(B):
-                    if tl.load(slot_ptr + d * B + j) == expert:
-                        acc += tl.load(row_ptr, mask=mask)
-                    row_ptr += ROW
+                slots = tl.load(slot_ptr + d * B + j_B, mask=j_B < B, other=-1)
+                hit = slots == expert
+                if tl.sum(hit.to(tl.int32), axis=0) > 0:
+                    j = tl.argmax(hit.to(tl.int32), axis=0).to(tl.int64)
+                    acc += tl.load(g_slots_ptr + (d * B + j) * ROW + offs, mask=mask)
         tl.store(g_local_ptr + i * ROW + offs, acc, mask=mask)
 
 
@@ -122,7 +124,7 @@ def reduce_into_owner(g_local: torch.Tensor, g_slots_all: torch.Tensor, slot_exp
     epn = g_local.shape[0]
     row = g_local[0].numel()
     _reduce_kernel[(triton.cdiv(row, _BLOCK), epn)](g_local, g_slots_all, slot_expert_RB, rank, ROW=row, R=R, B=B,
-                                                    EPN=epn, BLOCK=_BLOCK)
+                                                    B_P=triton.next_power_of_2(B), EPN=epn, BLOCK=_BLOCK)
 
 
 def zero_slots(g_slots_all: torch.Tensor, slot_expert_RB: torch.Tensor, rank: int) -> None:
