@@ -21,9 +21,11 @@ combine
        ascending k order (deterministic); optional per-row scalars (route-weight grads) likewise
     4. barrier "combine:done" so the comb region may be rewritten
 
-With BufferConfig.kernels resolving to "triton" (CUDA), steps 4-6 of dispatch and the whole
-combine run as the kernels of moonep.kernels.dispatch_combine (its docstring holds their protocol:
-a push combine through a landing region, bitwise equal to the path above).
+With BufferConfig.kernels resolving to "triton" (CUDA), steps 1-3 of dispatch (plan()) run as the
+kernels of moonep.kernels.plan_fused around the same barrier (the histogram counted from topk_sK on
+the device, one CUDA graph replay per call), and steps 4-6 of dispatch and the whole combine as the
+kernels of moonep.kernels.dispatch_combine (its docstring holds their protocol: a push combine
+through a landing region). Both are bitwise equal to the path above.
 
 Returned rows are zero-copy views into symmetric memory, valid until the next call on this buffer;
 clone what must outlive it (autograd saves). No call synchronises with the host unless
@@ -34,6 +36,7 @@ Legend: s tokens of this rank, K top-k, H hidden, E experts, R ranks, nvs_s rows
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -91,15 +94,18 @@ class Buffer:
                      for name, reg in self.layout.comm.items()}
         self._mine = {name: t[self.rank] for name, t in self._all.items()}
         self._kernels = None  # moonep.kernels.dispatch_combine when the triton path is on
-        self._shared_planner = plan_shared  # SPEC 5.2-5.4; one Triton kernel on the triton path
+        self._fused_planner = None  # moonep.kernels.plan_fused: the whole plan() on the triton path
+        self._planner = None  # the PyTorch planner replayed from a CUDA graph (torch path on CUDA)
         if resolve_kernels(config.kernels, self.device) == "triton":
-            from moonep.kernels import dispatch_combine, planner  # import triton: CUDA machines only
+            from moonep.kernels import dispatch_combine, plan_fused  # import triton: CUDA machines only
 
             self._kernels = dispatch_combine
             self._grid = dispatch_combine.num_sms(self.device, config.num_sms)
-            self._shared_planner = planner.plan_shared
-        self._planner = GraphPlanner(self.layout, self.rank, self._shared_planner) \
-            if self.device.type == "cuda" and config.plan_graph else None
+            self._fused_planner = plan_fused.FusedPlanner(
+                self.layout, self.rank, self._all["hist"], functools.partial(self.barrier, "dispatch:histograms"),
+                graph=self.device.type == "cuda" and config.plan_graph)
+        elif self.device.type == "cuda" and config.plan_graph:
+            self._planner = GraphPlanner(self.layout, self.rank, plan_shared)
         self._rows_plan: Plan | None = None  # plan of the last dispatch: its rows are in row_src
         self.barrier("buffer:init")  # every rank is ready; the GPU barrier sets up its signals here
 
@@ -172,14 +178,23 @@ class Buffer:
         if tokens_per_expert_E is None:
             if cfg.check_values:  # an id outside [0, E) is a ValueError, not an out-of-bounds scatter
                 check_expert_ids(self.layout, topk_sK)
-            tokens_per_expert_E = self._histogram(topk_sK)
-        check_tensor("tokens_per_expert_E", tokens_per_expert_E, shape=(cfg.num_experts,),
-                     dtype=(torch.int32, torch.int64), device=self.device)
+            if self._fused_planner is None or cfg.check_values:  # the fused planner counts topk itself
+                tokens_per_expert_E = self._histogram(topk_sK)
+        if tokens_per_expert_E is not None:
+            check_tensor("tokens_per_expert_E", tokens_per_expert_E, shape=(cfg.num_experts,),
+                         dtype=(torch.int32, torch.int64), device=self.device)
         if total_num_tokens is not None and not s <= total_num_tokens <= self.num_ranks * cfg.max_tokens:
             raise ValueError(f"total_num_tokens={total_num_tokens} must lie in [{s}, R*S="
                              f"{self.num_ranks * cfg.max_tokens}]")
         if cfg.check_values:
             check_routing_values(self.layout, topk_sK, tokens_per_expert_E)
+        if self._fused_planner is not None:
+            # histogram exchange and planning on the device (moonep.kernels.plan_fused); the
+            # histogram is counted from topk_sK, which SPEC 8 requires tokens_per_expert_E to equal
+            plan = self._fused_planner(topk_sK, total_num_tokens)
+            if cfg.check_values:
+                check_gathered_counts(self.layout, plan.counts_RE, s, total_num_tokens)
+            return plan
         return self._plan(topk_sK, tokens_per_expert_E, total_num_tokens)
 
     def _histogram(self, topk_sK: torch.Tensor) -> torch.Tensor:
@@ -195,8 +210,7 @@ class Buffer:
             check_gathered_counts(self.layout, counts_RE, topk_sK.shape[0], total)
         if self._planner is not None:
             return self._planner(topk_sK, counts_RE, total)
-        return make_plan(self.layout, self.rank, topk_sK, counts_RE, total_num_tokens=total,
-                         shared=self._shared_planner)
+        return make_plan(self.layout, self.rank, topk_sK, counts_RE, total_num_tokens=total)
 
     def _scatter(self, plan: Plan, x_sH: torch.Tensor, weights_sK: torch.Tensor | None, *, rows: bool = True) -> None:
         layout, mine, every = self.layout, self._mine, self._all

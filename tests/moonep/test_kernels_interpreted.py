@@ -1,7 +1,8 @@
 """The Triton kernels run on the CPU in Triton's interpreter, bitwise against the PyTorch path.
 
 Skipped where triton is not installed (CI installs it through the `interpret` extra). Bitwise: the
-planner (integers), the expert-side prefetch / reduce_grad / slot zeroing (copies and fp32 adds in a
+planner (integers: the shared-part kernel, and the fused planner of Buffer.plan, simulated for
+R = 1..8 in one process and run by a 2-rank Buffer), the expert-side prefetch / reduce_grad / slot zeroing (copies and fp32 adds in a
 fixed order), dispatch rows and weights, saved-plan dispatch, combine's scalar gather. Combine's
 output is within one bf16 ulp: the interpreter truncates fp32 -> bf16 where the GPU rounds (on the
 GPU tests/moonep/gpu/test_kernels.py checks it bitwise).
@@ -15,9 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from moonep.planner import plan_shared, receive_caps
+from moonep import BufferConfig
+from moonep.layout import Layout
+from moonep.planner import make_plan, plan_shared, receive_caps
 from tests.dist_utils import run_ranks
-from tests.moonep.planner_cases import planner_cases, random_counts
+from tests.moonep.planner_cases import assert_same_plan, planner_cases, random_counts, random_topk, simulate_fused
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates any kernel; inherited by spawned ranks
 _interpreter = pytest.importorskip("triton.runtime.interpreter")
@@ -33,6 +36,17 @@ def _patch_lang_tensor_numpy2(tensor):
 
 
 _interpreter._patch_lang_tensor = _patch_lang_tensor_numpy2
+_create_histogram = _interpreter.InterpreterBuilder.create_histogram
+
+
+def _create_histogram_int32(self, data, bins, mask):
+    """triton 3.5's interpreter labels np.histogram's int64 counts int32, so arithmetic on them
+    stores 8-byte elements into int32 memory; give them the int32 data the label promises."""
+    out = _create_histogram(self, data, bins, mask)
+    return _interpreter.TensorHandle(out.data.astype(np.int32), out.dtype)
+
+
+_interpreter.InterpreterBuilder.create_histogram = _create_histogram_int32
 
 NAMES = ("quota_RR", "alloc_ER", "slot_expert_RB", "group_ER", "group_rows_RG", "offs_RG")
 
@@ -52,6 +66,27 @@ def test_planner_kernel_matches_pytorch_planner() -> None:
             assert torch.equal(a.long(), b.long()), f"{name} differs for R={R} E={E} K={K} s={s} B={B} pad={pad}"
         slots_used += int((want[2] >= 0).sum())
     assert slots_used > 0
+
+
+def test_fused_planner_matches_make_plan() -> None:
+    g = torch.Generator().manual_seed(2)
+    cases = [(R, E, K, [s] * R, B, pad, sigma, False)
+             for R, E, K, s, B, pad, sigma in planner_cases(32, (1, 2, 4, 8), 6, ())]
+    cases += [(R, E, K, [int(torch.randint(1, 2 * s + 1, (1,), generator=g)) for _ in range(R)], B, pad, sigma, True)
+              for R, E, K, s, B, pad, sigma in planner_cases(16, (2, 4, 8), 6, (), seed=1)]
+    # several chunks of 1024 entries, K not a power of two, the benchmark's E
+    cases += [(2, 384, 8, [512, 512], 192, 16, 3.0, False), (2, 384, 8, [700, 333], 96, 16, 1.0, True),
+              (4, 64, 6, [400] * 4, 16, 4, 0.0, False), (2, 8, 1, [2100, 2100], 2, 2, 2.0, False),
+              (8, 384, 8, [130] * 8, 48, 16, 3.0, False)]
+    for R, E, K, s_R, B, pad, sigma, per_rank in cases:
+        layout = Layout(BufferConfig(max_tokens=max(s_R), hidden=8, topk=K, num_experts=E, token_padding=pad,
+                                     num_slots=B), R, 4096)
+        topk_R = [random_topk(s, E, K, sigma, g) for s in s_R]
+        total = sum(s_R) if per_rank else None
+        counts = torch.stack([torch.bincount(t.reshape(-1).long(), minlength=E) for t in topk_R]).to(torch.int32)
+        for r, got in enumerate(simulate_fused(layout, topk_R, total)):
+            want = make_plan(layout, r, topk_R[r], counts, total_num_tokens=total)
+            assert_same_plan(got, want, f"rank {r} of R={R} E={E} K={K} s={s_R} B={B} pad={pad} total={total}")
 
 
 def _expert_kernels_rank(rank: int, world: int) -> list[int]:
@@ -162,4 +197,42 @@ def _dispatch_kernels_rank(rank: int, world: int) -> list[int]:
 
 def test_dispatch_combine_kernels_match_pytorch_path() -> None:
     used = run_ranks(_dispatch_kernels_rank, 2, timeout_s=300)
+    assert any(n > 0 for n in used[0]), f"some routing should occupy slots: {used}"
+
+
+def _fused_plan_rank(rank: int, world: int) -> list[int]:
+    import moonep.buffer as buffer_module
+    from moonep import Buffer
+    from moonep.kernels import dispatch_combine
+    from moonep.routing import generate_routing
+
+    S, K, E = 300, 6, 12 * world
+    cfg = BufferConfig(max_tokens=S, hidden=16, topk=K, num_experts=E, token_padding=4, num_slots=5)
+    # the triton path is CUDA-only by design; force it onto the CPU heap for the interpreter
+    buffer_module.resolve_kernels = lambda kernels, device: "triton"
+    dispatch_combine.num_sms = lambda device, cap: 3
+    buf = Buffer(cfg)
+    try:
+        assert buf.kernel_path == "triton"
+        used = []
+        for maxvio, s_R, pass_hist in ((0.3, (S, S), True), (3.0, (S, S), False), (2.0, (S, 171), True)):
+            routing = generate_routing(num_ranks=world, tokens_per_rank=S, num_experts=E, topk=K,
+                                       target_maxvio=maxvio, seed=11)
+            topk_R = [routing.topk_RsK[r][: s_R[r]].contiguous() for r in range(world)]
+            counts = torch.stack([torch.bincount(t.reshape(-1).long(), minlength=E) for t in topk_R]).to(torch.int32)
+            total = sum(s_R) if s_R[0] != s_R[1] else None
+            hist = counts[rank] if pass_hist else None
+            for _ in range(2):  # a second call reuses the workspace (the ticket is back at 0)
+                plan = buf.plan(topk_R[rank], hist, total_num_tokens=total)
+                buf.barrier("test:planned")  # plan() twice in a row needs a barrier between (hist region)
+                want = make_plan(buf.layout, rank, topk_R[rank], counts, total_num_tokens=total)
+                assert_same_plan(plan, want, f"rank {rank} maxvio {maxvio} s={s_R}")
+            used.append(int((plan.slot_expert_RB >= 0).sum()))
+        return used
+    finally:
+        buf.destroy()
+
+
+def test_fused_planner_in_buffer_matches_make_plan() -> None:
+    used = run_ranks(_fused_plan_rank, 2, timeout_s=300)
     assert any(n > 0 for n in used[0]), f"some routing should occupy slots: {used}"

@@ -1,12 +1,26 @@
-"""The Triton planner kernel (shared part, SPEC 5.2-5.4) equals the PyTorch planner bitwise on GPU."""
+"""The Triton planner kernels equal the PyTorch planner bitwise on GPU: the shared part (SPEC
+5.2-5.4, moonep.kernels.planner) and the fused planner of Buffer.plan (moonep.kernels.plan_fused)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import torch.distributed as dist
 
-from moonep.planner import plan_shared, receive_caps
-from tests.moonep.planner_cases import planner_cases, random_counts
+from moonep import Buffer, BufferConfig
+from moonep.layout import Layout
+from moonep.planner import Plan, make_plan, plan_shared, receive_caps
+from moonep.routing import generate_routing
+from tests.moonep.planner_cases import (
+    PLAN_FIELDS,
+    assert_same_plan,
+    planner_cases,
+    random_counts,
+    random_topk,
+    simulate_fused,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -27,3 +41,70 @@ def test_planner_kernel_bitwise_equals_pytorch_planner() -> None:
                 bad = (a.long() != b.long()).nonzero()[0].tolist()
                 raise AssertionError(f"{name} differs at {bad} for R={R} E={E} K={K} s={s} B={B} pad={pad} "
                                      f"sigma={sigma:.2f}: kernel {a[tuple(bad)].item()} vs {b[tuple(bad)].item()}")
+
+
+def test_fused_planner_bitwise_equals_make_plan() -> None:
+    """moonep.kernels.plan_fused for every rank of R = 1..16 simulated on one GPU, vs make_plan on the CPU."""
+    g = torch.Generator().manual_seed(3)
+    cases = [(R, E, K, [s] * R, B, pad, sigma, False)
+             for R, E, K, s, B, pad, sigma in planner_cases(120, (1, 2, 4, 8, 16), 8, ((2, 96), (8, 384), (16, 384)))]
+    cases += [(R, E, K, [int(torch.randint(1, 2 * s + 1, (1,), generator=g)) for _ in range(R)], B, pad, sigma, True)
+              for R, E, K, s, B, pad, sigma in planner_cases(60, (2, 4, 8), 8, (), seed=1)]
+    cases += [(2, 384, 8, [8192, 8192], 192, 16, sigma, False) for sigma in (0.0, 1.0, 3.0)]
+    cases += [(2, 384, 8, [8192, 5000], 192, 16, 2.0, True), (8, 384, 8, [4096] * 8, 48, 16, 3.0, False)]
+    for R, E, K, s_R, B, pad, sigma, per_rank in cases:
+        layout = Layout(BufferConfig(max_tokens=max(s_R), hidden=8, topk=K, num_experts=E, token_padding=pad,
+                                     num_slots=B), R, 4096)
+        topk_R = [random_topk(s, E, K, sigma, g) for s in s_R]
+        total = sum(s_R) if per_rank else None
+        counts = torch.stack([torch.bincount(t.reshape(-1).long(), minlength=E) for t in topk_R]).to(torch.int32)
+        got_R = simulate_fused(layout, [t.cuda() for t in topk_R], total)
+        for r, got in enumerate(got_R):
+            want = make_plan(layout, r, topk_R[r], counts, total_num_tokens=total)
+            cpu = dataclasses.replace(got, **{n: getattr(got, n).cpu() for n in PLAN_FIELDS})
+            assert_same_plan(cpu, want, f"rank {r} of R={R} E={E} K={K} s={s_R} B={B} pad={pad} sigma={sigma:.2f} "
+                                        f"total={total}")
+
+
+@pytest.mark.multigpu
+def test_buffer_plan_fused_no_sync_and_in_graph(group: dist.ProcessGroup) -> None:
+    """Buffer.plan on the triton path (graph replays, then inside a caller's CUDA graph capture) is
+    bitwise make_plan of the gathered histograms and never synchronises with the host."""
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    S, K, E = 2048, 8, 384
+    buf = Buffer(BufferConfig(max_tokens=S, hidden=128, topk=K, num_experts=E, check_values=False), group)
+    try:
+        assert buf.kernel_path == "triton"
+        routings = [generate_routing(num_ranks=R, tokens_per_rank=S, num_experts=E, topk=K, target_maxvio=v, seed=i)
+                    for i, v in enumerate((0.2, 20.0, 0.0, 3.0, 1.0))]
+
+        def want(i: int) -> Plan:
+            return make_plan(buf.layout, rank, routings[i].topk_RsK[rank], routings[i].tokens_per_expert_RE)
+
+        topk = [r.topk_RsK[rank].cuda() for r in routings]
+        hist = [r.tokens_per_expert_RE[rank].cuda() for r in routings]
+        got = [buf.plan(topk[0], hist[0])]  # first call of the shape: compiles and captures (host syncs)
+        buf.barrier("test:plan")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for i in (1, 2, 3):
+                got.append(buf.plan(topk[i], hist[i] if i % 2 else None))
+                buf.barrier("test:plan")  # back-to-back plans share the hist region (see plan_fused)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        # inside a caller's capture: the kernels launch directly into graph-pool outputs
+        topk_in = topk[2].clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            captured = buf.plan(topk_in, None)
+        topk_in.copy_(topk[4])
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, plan in enumerate(got):  # compared after every call: plans must not alias later outputs
+            cpu = dataclasses.replace(plan, **{n: getattr(plan, n).cpu() for n in PLAN_FIELDS})
+            assert_same_plan(cpu, want(i), f"rank {rank}, call {i}")
+        cpu = dataclasses.replace(captured, **{n: getattr(captured, n).cpu() for n in PLAN_FIELDS})
+        assert_same_plan(cpu, want(4), f"rank {rank}, replayed capture")
+    finally:
+        buf.destroy()
