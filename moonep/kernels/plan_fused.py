@@ -98,8 +98,8 @@ def _sort(x, LOG_N: tl.constexpr):
 
 @triton.jit(do_not_specialize=["rank", "hist_rank_stride", "hist_row_stride"])
 def _chunk_kernel(topk_ptr, rank_ptr, chunk_hist_ptr, ticket_ptr, hist_ptr,
-                  num_entries, num_chunks, rank, hist_rank_stride, hist_row_stride,
-                  E: tl.constexpr, R: tl.constexpr, CHUNK: tl.constexpr, LOG_CHUNK: tl.constexpr,
+                  num_entries, num_chunks, rank, hist_rank_stride, hist_row_stride, E,
+                  R: tl.constexpr, CHUNK: tl.constexpr, LOG_CHUNK: tl.constexpr,
                   E_BINS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
     c = tl.program_id(0)
     i = tl.arange(0, CHUNK)
@@ -240,8 +240,8 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
 
 @triton.jit
 def _dest_kernel(topk_ptr, rank_ptr, prefix_ptr, base_ptr, end_ptr, rowbase_ptr,
-                 dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_ptr, num_tokens,
-                 E: tl.constexpr, R: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr,
+                 dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_ptr, num_tokens, E, K,
+                 R: tl.constexpr, K_P: tl.constexpr,
                  BLOCK_T: tl.constexpr, CHUNK: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
     k = tl.arange(0, K_P)[None, :]
@@ -329,8 +329,7 @@ def chunk_pass(topk_sK: torch.Tensor, rank: int, hist_all: torch.Tensor, work: _
     assert hist_all.stride(2) == 1
     _chunk_kernel[(C,)](
         topk_sK, work.rank_in_chunk, work.chunk_hist, work.ticket, hist_all,
-        topk_sK.numel(), C, rank, hist_all.stride(0), hist_all.stride(1),
-        E=E, R=R, CHUNK=CHUNK, LOG_CHUNK=_LOG_CHUNK, E_BINS=triton.next_power_of_2(E + 1),
+        topk_sK.numel(), C, rank, hist_all.stride(0), hist_all.stride(1), E, R=R, CHUNK=CHUNK, LOG_CHUNK=_LOG_CHUNK, E_BINS=triton.next_power_of_2(E + 1),
         BLOCK_C=block_c, BLOCK_E=max(16, min(triton.next_power_of_2(E), 8192 // block_c)), num_warps=4)
 
 
@@ -350,8 +349,8 @@ def plan_pass(topk_sK: torch.Tensor, rank: int, hist_RE: torch.Tensor, work: _Wo
     block_t = max(1, _DEST_ENTRIES // k_p)
     _dest_kernel[(triton.cdiv(s, block_t),)](
         topk_sK, work.rank_in_chunk, work.chunk_hist, work.base_E, work.end_ER, work.rowbase_ER,
-        out["dst_rank_sK"], out["dst_row_sK"], out["copy_row_sK"], out["sent_sK"].view(torch.uint8), s,
-        E=E, R=R, K=K, K_P=k_p, BLOCK_T=block_t, CHUNK=CHUNK, num_warps=4)
+        out["dst_rank_sK"], out["dst_row_sK"], out["copy_row_sK"], out["sent_sK"].view(torch.uint8), s, E, K,
+        R=R, K_P=k_p, BLOCK_T=block_t, CHUNK=CHUNK, num_warps=4)
 
 
 def receive_cap_args(num_ranks: int, topk: int, s: int, total_num_tokens: int | None) -> tuple[int, int]:
