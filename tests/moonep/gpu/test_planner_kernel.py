@@ -72,7 +72,8 @@ def test_buffer_plan_fused_no_sync_and_in_graph(group: dist.ProcessGroup) -> Non
     bitwise make_plan of the gathered histograms and never synchronises with the host."""
     rank, R = dist.get_rank(group), dist.get_world_size(group)
     S, K, E = 2048, 8, 384
-    buf = Buffer(BufferConfig(max_tokens=S, hidden=128, topk=K, num_experts=E, check_values=False), group)
+    buf = Buffer(BufferConfig(max_tokens=S, hidden=128, topk=K, num_experts=E, check_values=False, timeout_s=30.0),
+                 group)
     try:
         assert buf.kernel_path == "triton"
         routings = [generate_routing(num_ranks=R, tokens_per_rank=S, num_experts=E, topk=K, target_maxvio=v, seed=i)
