@@ -44,6 +44,17 @@ histogram only after a barrier that follows this rank's step 3 (dispatch's "disp
 saved-plan dispatch's "dispatch:enter"); two plan() calls back to back with nothing collective in
 between must be separated by the caller (bench_comm aligns ranks before each call).
 
+Measured (2xH200 NV18, torch 2.11, 2026-11-29, benchmarks/bench_comm.py --experts 384 --maxvio 0.2 20
+--iters 7; R=2, S=8192, K=8, E=384; benchmarks/results/bench_comm_R2_planfused.json): `plan`
+72 / 68 us median at maxvio 0.2 / 20 (the graph-replayed PyTorch planner with the shared-part
+kernel took 509-642 us, bench_comm_R2_triton_plankernel.json). Not yet the 40 us goal, and bound
+by the host: per call on that machine copy 6-8 us, replay 2-5 us, clone 7-17 us, cutting the
+clone into the Plan's 11 tensors + Plan() 31-45 us (3 dtype views and 11 as_strided; 14 us on a
+desktop CPU), Buffer.plan's checks ~5 us. On the GPU one replay takes 34-40 us back to back:
+_chunk_kernel 17.4 us (the 1024-key bitonic sort, 4 warps), _dest_kernel 7.2 us, _shared_kernel
+3.6 us (early exit), the rest the barrier. Next: fewer host tensor constructions per call, then a
+cheaper sort (fewer warps or 256-entry chunks).
+
 Rejected: counting ranks with a [CHUNK, E] one-hot cumsum (E times more work and registers than
 the sort); a single persistent kernel with an in-kernel grid barrier and ready flag (saves two
 in-graph launch gaps of ~1-2 us but needs all programs co-resident and spins inside the

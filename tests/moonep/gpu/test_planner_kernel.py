@@ -47,9 +47,9 @@ def test_fused_planner_bitwise_equals_make_plan() -> None:
     """moonep.kernels.plan_fused for every rank of R = 1..16 simulated on one GPU, vs make_plan on the CPU."""
     g = torch.Generator().manual_seed(3)
     cases = [(R, E, K, [s] * R, B, pad, sigma, False)
-             for R, E, K, s, B, pad, sigma in planner_cases(40, (1, 2, 4, 8, 16), 8, ((2, 96), (8, 384), (16, 384)))]
+             for R, E, K, s, B, pad, sigma in planner_cases(12, (1, 2, 4, 8, 16), 8, ((2, 96), (8, 384), (16, 384)))]
     cases += [(R, E, K, [int(torch.randint(1, 2 * s + 1, (1,), generator=g)) for _ in range(R)], B, pad, sigma, True)
-              for R, E, K, s, B, pad, sigma in planner_cases(20, (2, 4, 8), 8, (), seed=1)]
+              for R, E, K, s, B, pad, sigma in planner_cases(6, (2, 4, 8), 8, (), seed=1)]
     cases += [(2, 384, 8, [8192, 8192], 192, 16, sigma, False) for sigma in (0.0, 1.0, 3.0)]
     cases += [(2, 384, 8, [8192, 5000], 192, 16, 2.0, True), (8, 384, 8, [4096] * 8, 48, 16, 3.0, False)]
     for R, E, K, s_R, B, pad, sigma, per_rank in cases:
