@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU tiers and benchmarks in one go, for a 2-GPU machine (run from the repository root):
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train ...]     (default: all four, in that order)
+# Each rank's pytest output goes to its own log (OUT_DIR/tests_r<rank>.log), so a failure on one rank
+# is readable; every step has its own time limit so one hang cannot eat the rest.
+set -uo pipefail
+out="${1:-gpu_out}"; shift || true
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests cute comm train)
+mkdir -p "$out"
+[ -f .device/setup.sh ] && source .device/setup.sh  # CuTe DSL; extends PYTHONPATH (never overwrite it)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" OUT_DIR="$out"
+for step in "${steps[@]}"; do
+  case "$step" in
+    tests) timeout 420 torchrun --nproc_per_node=2 --no-python bash -c \
+             'python -m pytest -v -x --tb=short -m "gpu or multigpu" tests/ > "$OUT_DIR/tests_r$LOCAL_RANK.log" 2>&1'
+           echo "tests rc=$?"; grep -hE "passed|failed|^FAILED" "$out"/tests_r*.log | tail -4 ;;
+    cute)  timeout 120 python -m pytest -q -m gpu tests/moonep/gpu/test_cute_planner.py -s > "$out/cute.log" 2>&1
+           echo "cute rc=$?"; tail -3 "$out/cute.log" ;;
+    comm)  timeout 400 torchrun --nproc_per_node=2 benchmarks/bench_comm.py --experts 96 384 --iters 7 \
+             --out "$out" > "$out/comm.log" 2>&1
+           echo "comm rc=$?"; grep -v "^\[rank" "$out/comm.log" | tail -14 ;;
+    train) timeout 400 torchrun --nproc_per_node=2 benchmarks/bench_train.py --recipe recipes/k3_small_moe.yaml \
+             --steps 5 --warmup 2 --out "$out" > "$out/train.log" 2>&1
+           echo "train rc=$?"; grep -v "^\[rank" "$out/train.log" | tail -10 ;;
+    *) echo "unknown step $step (tests, cute, comm, train)"; exit 2 ;;
+  esac
+done
