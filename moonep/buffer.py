@@ -13,6 +13,8 @@ dispatch (fresh plan)
     6. the receiver expands duplicates and zeroes padding: row <- row[copy_row]
 dispatch (saved plan): barrier "dispatch:enter" replaces 1-3, so no peer writes rows this rank
     may still be reading.
+plan() alone is steps 1-3; a second plan() with no other call in between first passes barrier
+    "plan:enter", so no peer overwrites histograms this rank has not read yet.
 combine
     1. y rows (route weights already applied by the caller) land in the comb region (no copy when
        the caller wrote into `combine_input(plan)`)
@@ -107,6 +109,9 @@ class Buffer:
         elif self.device.type == "cuda" and config.plan_graph:
             self._planner = GraphPlanner(self.layout, self.rank, plan_shared)
         self._rows_plan: Plan | None = None  # plan of the last dispatch: its rows are in row_src
+        # True from the end of plan() until the next barrier: a peer may still have to read its
+        # histograms of that plan, so a second plan() in a row must not write new ones yet
+        self._hist_unsettled = False
         self.barrier("buffer:init")  # every rank is ready; the GPU barrier sets up its signals here
 
     # ------------------------------------------------------------------ properties
@@ -129,6 +134,8 @@ class Buffer:
 
     def barrier(self, call: str) -> None:
         self.heap.barrier(call)
+        self._hist_unsettled = False  # every rank got past its last read of the hist region
+
 
     def _check_alive(self, call: str) -> None:
         if not self._mine:  # destroy() dropped the views over unmapped memory
@@ -188,6 +195,16 @@ class Buffer:
                              f"{self.num_ranks * cfg.max_tokens}]")
         if cfg.check_values:
             check_routing_values(self.layout, topk_sK, tokens_per_expert_E)
+        if self._hist_unsettled:  # plan() right after plan(): let every peer read the last histograms
+            self.barrier("plan:enter")
+        try:
+            return self._plan_any(topk_sK, tokens_per_expert_E, total_num_tokens)
+        finally:
+            self._hist_unsettled = True
+
+    def _plan_any(self, topk_sK: torch.Tensor, tokens_per_expert_E: torch.Tensor | None, total_num_tokens: int | None
+                  ) -> Plan:
+        cfg, s = self.config, topk_sK.shape[0]
         if self._fused_planner is not None:
             # histogram exchange and planning on the device (moonep.kernels.plan_fused); the
             # histogram is counted from topk_sK, which SPEC 8 requires tokens_per_expert_E to equal

@@ -186,7 +186,6 @@ def token_destinations(topk_sK: torch.Tensor, counts_RE: torch.Tensor, rank: int
     s, K = topk_sK.shape
     device = topk_sK.device
     expert = topk_sK.reshape(-1).to(_I64)  # [sK]
-    E, R = alloc_ER.shape
     order = torch.sort(expert, stable=True).indices
     local_counts = counts_RE[rank].to(_I64)
     local_start = torch.cumsum(local_counts, 0) - local_counts

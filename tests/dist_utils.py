@@ -69,7 +69,7 @@ def _rank_main(
         finally:
             dist.destroy_process_group()
         result_queue.put(("ok", rank, payload))
-    except BaseException:  # noqa: BLE001 -- every failure, SystemExit included, goes to the parent
+    except BaseException:
         result_queue.put(("error", rank, traceback.format_exc()))
 
 

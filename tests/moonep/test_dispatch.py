@@ -426,3 +426,39 @@ def test_data_path_exercises_slots_and_maxvio_20(data_path: tuple[int, list[dict
     assert lo == 0.0 and abs(hi - SHAPE_MAXVIO) <= 1.0, f"realised maxvio {lo}, {hi}"
     assert any(o["overflow_rows"] > 0 for o in out), "no rank read a remote expert from its home row at B=1"
     assert out[0]["shape_slots"][1] > 0, f"maxvio 20 used no slot: {out[0]['shape_slots']}"
+
+
+def _plan_twice_rank(rank: int, world: int) -> list[str]:
+    """Two plan() calls in a row while rank 1 is slow to read its gathered histograms after the
+    first exchange: each plan must see exactly the histograms of its own call."""
+    import time
+
+    E, K, S = 8, 2, 16
+    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=4))
+    failures = []
+    try:
+        routings = [generate_routing(num_ranks=world, tokens_per_rank=S, num_experts=E, topk=K, target_maxvio=v,
+                                     seed=seed) for v, seed in ((0.0, 1), (2.0, 2))]
+        if rank == 1:
+            barrier, delayed = buf.heap.barrier, []
+
+            def slow_after_first_exchange(call: str) -> None:
+                barrier(call)
+                if call == "dispatch:histograms" and not delayed:
+                    delayed.append(call)
+                    time.sleep(1.0)  # the peer meanwhile starts its second plan()
+
+            buf.heap.barrier = slow_after_first_exchange
+        plans = [buf.plan(r.topk_RsK[rank]) for r in routings]
+        for i, (plan, r) in enumerate(zip(plans, routings, strict=True)):
+            if not torch.equal(plan.counts_RE, r.tokens_per_expert_RE.to(torch.int32)):
+                failures.append(f"rank {rank} plan {i}: gathered histograms {plan.counts_RE.tolist()} "
+                                f"!= {r.tokens_per_expert_RE.tolist()}")
+    finally:
+        buf.destroy()
+    return failures
+
+
+def test_back_to_back_plans_read_their_own_histograms() -> None:
+    failures = [f for fs in run_ranks(_plan_twice_rank, 2) for f in fs]
+    assert not failures, "\n".join(failures)

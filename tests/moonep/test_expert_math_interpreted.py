@@ -3,14 +3,12 @@ Triton's interpreter on the CPU, against the PyTorch specification in moonep.moe
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 # first: sets TRITON_INTERPRET=1 before triton is imported (triton reads it then), installs the
 # interpreter's numpy-2 shim, and skips this module too where triton is absent
 import tests.moonep.test_kernels_interpreted  # noqa: F401
-
-from moonep.moe import swiglu_backward_torch  # noqa: E402
+from moonep.moe import swiglu_backward_torch
 
 
 def test_swiglu_backward_kernel_matches_pytorch() -> None:
@@ -37,11 +35,11 @@ def test_accumulate_groups_skips_empty_groups_bitwise() -> None:
     from moonep.kernels.experts import accumulate_groups
 
     gen = torch.Generator().manual_seed(1)
-    G, I, O = 6, 5, 700
+    G, n_in, n_out = 6, 5, 700
     rows = torch.tensor([3, 0, 16, 0, 0, 1])  # groups 1, 3 and 4 have no rows (unused slots)
     offs = torch.cumsum(rows, 0).to(torch.int32)
-    g = torch.randn(G, I, O, generator=gen)
-    w = torch.randn(G, I, O, generator=gen).to(torch.bfloat16)
+    g = torch.randn(G, n_in, n_out, generator=gen)
+    w = torch.randn(G, n_in, n_out, generator=gen).to(torch.bfloat16)
     w[rows == 0] = float("nan")  # an empty group's values must never be read
     want = g + w.float()
     want[rows == 0] = g[rows == 0]

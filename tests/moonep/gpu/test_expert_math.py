@@ -34,11 +34,11 @@ def test_accumulate_groups_gpu() -> None:
     from moonep.kernels.experts import accumulate_groups
 
     gen = torch.Generator(device="cuda").manual_seed(1)
-    G, I, O = 8, 256, 1024
+    G, n_in, n_out = 8, 256, 1024
     rows = torch.tensor([3, 0, 16, 0, 0, 1, 64, 0], device="cuda")
     offs = torch.cumsum(rows, 0).to(torch.int32)
-    g = torch.randn(G, I, O, device="cuda", generator=gen)
-    w = torch.randn(G, I, O, device="cuda", generator=gen).to(torch.bfloat16)
+    g = torch.randn(G, n_in, n_out, device="cuda", generator=gen)
+    w = torch.randn(G, n_in, n_out, device="cuda", generator=gen).to(torch.bfloat16)
     w[rows == 0] = float("nan")
     want = g + w.float()
     want[rows == 0] = g[rows == 0]
