@@ -97,17 +97,25 @@ class Buffer:
         self._mine = {name: t[self.rank] for name, t in self._all.items()}
         self._kernels = None  # moonep.kernels.dispatch_combine when the triton path is on
         self._fused_planner = None  # moonep.kernels.plan_fused: the whole plan() on the triton path
-        self._planner = None  # the PyTorch planner replayed from a CUDA graph (torch path on CUDA)
+        self._planner = None  # the PyTorch planner replayed from a CUDA graph (CUDA, no fused planner)
+        self._shared_planner = plan_shared  # SPEC 5.2-5.4 inside make_plan
         if resolve_kernels(config.kernels, self.device) == "triton":
-            from moonep.kernels import dispatch_combine, plan_fused  # import triton: CUDA machines only
+            from moonep.kernels import dispatch_combine  # import triton: CUDA machines only
 
             self._kernels = dispatch_combine
             self._grid = dispatch_combine.num_sms(self.device, config.num_sms)
-            self._fused_planner = plan_fused.FusedPlanner(
-                self.layout, self.rank, self._all["hist"], functools.partial(self.barrier, "dispatch:histograms"),
-                graph=self.device.type == "cuda" and config.plan_graph)
-        elif self.device.type == "cuda" and config.plan_graph:
-            self._planner = GraphPlanner(self.layout, self.rank, plan_shared)
+            if config.fused_planner:
+                from moonep.kernels import plan_fused
+
+                self._fused_planner = plan_fused.FusedPlanner(
+                    self.layout, self.rank, self._all["hist"], functools.partial(self.barrier, "dispatch:histograms"),
+                    graph=self.device.type == "cuda" and config.plan_graph)
+            else:
+                from moonep.kernels import planner as planner_kernel
+
+                self._shared_planner = planner_kernel.plan_shared
+        if self._fused_planner is None and self.device.type == "cuda" and config.plan_graph:
+            self._planner = GraphPlanner(self.layout, self.rank, self._shared_planner)
         self._rows_plan: Plan | None = None  # plan of the last dispatch: its rows are in row_src
         # True from the end of plan() until the next barrier: a peer may still have to read its
         # histograms of that plan, so a second plan() in a row must not write new ones yet
@@ -227,7 +235,7 @@ class Buffer:
             check_gathered_counts(self.layout, counts_RE, topk_sK.shape[0], total)
         if self._planner is not None:
             return self._planner(topk_sK, counts_RE, total)
-        return make_plan(self.layout, self.rank, topk_sK, counts_RE, total_num_tokens=total)
+        return make_plan(self.layout, self.rank, topk_sK, counts_RE, total_num_tokens=total, shared=self._shared_planner)
 
     def _scatter(self, plan: Plan, x_sH: torch.Tensor, weights_sK: torch.Tensor | None, *, rows: bool = True) -> None:
         layout, mine, every = self.layout, self._mine, self._all

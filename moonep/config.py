@@ -21,6 +21,9 @@ class BufferConfig:
     timeout_s: a collective call that waits longer than this raises MoonEPTimeoutError.
     plan_graph: on CUDA, replay the planner from a CUDA graph captured once per shape (bitwise the
         same plan, one host launch instead of ~400; the first call per shape captures, a host sync).
+    fused_planner: on the triton path, plan() is moonep.kernels.plan_fused (histogram exchange and
+        the whole planner in three kernels); False falls back to the PyTorch planner with the shared
+        part as one Triton kernel (moonep.kernels.planner), graph-replayed when plan_graph is on.
     check_values: data-dependent input checks (expert ids in range, histogram == bincount(topk),
         equal s on every rank). Each costs a device-to-host sync, so the GPU hot path turns it off.
     kernels: data-path implementation: "torch" (the pure-PyTorch specification, any device),
@@ -45,6 +48,7 @@ class BufferConfig:
     expert_kernels: bool = True
 
     plan_graph: bool = True
+    fused_planner: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "hidden", "topk", "num_experts", "token_padding"):

@@ -89,6 +89,7 @@ class ExpertsConfig:
     token_padding: int = 16  # each expert's row group is padded to this many rows (grouped-GEMM alignment)
     moonep_kernels: Literal["auto", "torch", "triton"] = "auto"  # moonep data path (BufferConfig.kernels)
     moonep_expert_kernels: bool = True  # moonep prefetch/reduce_grad kernels (BufferConfig.expert_kernels)
+    moonep_fused_planner: bool = True  # moonep's fused Triton planner (BufferConfig.fused_planner)
 
     def __post_init__(self) -> None:
         if self.moonep_kernels not in ("auto", "torch", "triton"):

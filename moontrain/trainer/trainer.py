@@ -59,6 +59,7 @@ class Trainer:
             ep_size=layout.ep, compute_dtype=self.compute_dtype, token_padding=cfg.experts.token_padding,
             max_tokens=micro_batch * cfg.train.seq_len, device=device,
             moonep_kernels=cfg.experts.moonep_kernels, moonep_expert_kernels=cfg.experts.moonep_expert_kernels,
+            moonep_fused_planner=cfg.experts.moonep_fused_planner,
         )
         self.model.attach_experts_backends(cfg.experts.backend, self.experts_ctx)
         self.experts = [moe.experts for moe in self.model.moe_layers()]

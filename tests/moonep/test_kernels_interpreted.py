@@ -200,20 +200,22 @@ def test_dispatch_combine_kernels_match_pytorch_path() -> None:
     assert any(n > 0 for n in used[0]), f"some routing should occupy slots: {used}"
 
 
-def _fused_plan_rank(rank: int, world: int) -> list[int]:
+def _fused_plan_rank(rank: int, world: int, fused: bool) -> list[int]:
     import moonep.buffer as buffer_module
     from moonep import Buffer
     from moonep.kernels import dispatch_combine
     from moonep.routing import generate_routing
 
     S, K, E = 300, 6, 12 * world
-    cfg = BufferConfig(max_tokens=S, hidden=16, topk=K, num_experts=E, token_padding=4, num_slots=5)
+    cfg = BufferConfig(max_tokens=S, hidden=16, topk=K, num_experts=E, token_padding=4, num_slots=5,
+                       fused_planner=fused)
     # the triton path is CUDA-only by design; force it onto the CPU heap for the interpreter
     buffer_module.resolve_kernels = lambda kernels, device: "triton"
     dispatch_combine.num_sms = lambda device, cap: 3
     buf = Buffer(cfg)
     try:
         assert buf.kernel_path == "triton"
+        assert (buf._fused_planner is not None) == fused
         used = []
         for maxvio, s_R, pass_hist in ((0.3, (S, S), True), (3.0, (S, S), False), (2.0, (S, 171), True)):
             routing = generate_routing(num_ranks=world, tokens_per_rank=S, num_experts=E, topk=K,
@@ -233,6 +235,7 @@ def _fused_plan_rank(rank: int, world: int) -> list[int]:
         buf.destroy()
 
 
-def test_fused_planner_in_buffer_matches_make_plan() -> None:
-    used = run_ranks(_fused_plan_rank, 2, timeout_s=300)
+@pytest.mark.parametrize("fused", [True, False], ids=["plan_fused", "shared_kernel_fallback"])
+def test_fused_planner_in_buffer_matches_make_plan(fused: bool) -> None:
+    used = run_ranks(_fused_plan_rank, 2, fused, timeout_s=300)
     assert any(n > 0 for n in used[0]), f"some routing should occupy slots: {used}"

@@ -37,6 +37,7 @@ class ExpertsContext:
     device: torch.device
     moonep_kernels: str = "auto"  # BufferConfig.kernels of the moonep backend
     moonep_expert_kernels: bool = True  # BufferConfig.expert_kernels of the moonep backend
+    moonep_fused_planner: bool = True  # BufferConfig.fused_planner of the moonep backend
     shared: dict[str, Any] = field(default_factory=dict)  # e.g. moonep's Buffer and ExpertPools
     closers: list[Callable[[], None]] = field(default_factory=list)  # release backend-owned memory
 

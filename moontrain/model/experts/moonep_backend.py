@@ -31,7 +31,8 @@ class MoonEPExperts:
                                     num_experts=ctx.num_experts, num_slots=None,
                                     token_padding=ctx.token_padding, dtype=ctx.compute_dtype, timeout_s=60.0,
                                     check_values=ctx.device.type == "cpu", kernels=ctx.moonep_kernels,
-                                    expert_kernels=ctx.moonep_expert_kernels),
+                                    expert_kernels=ctx.moonep_expert_kernels,
+                                    fused_planner=ctx.moonep_fused_planner),
                 ctx.ep_group, device=ctx.device,
             )
             ctx.shared["moonep_buffer"] = buf
