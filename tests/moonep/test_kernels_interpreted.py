@@ -141,8 +141,9 @@ def _expert_kernels_rank(rank: int, world: int) -> list[int]:
         buf.destroy()
 
 
-def test_expert_kernels_match_pytorch_path() -> None:
-    used = run_ranks(_expert_kernels_rank, 2, timeout_s=300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_kernels_match_pytorch_path(world: int) -> None:
+    used = run_ranks(_expert_kernels_rank, world, timeout_s=300)
     assert all(n > 0 for n in used[0]), f"routings should occupy slots: {used}"
 
 
