@@ -3,10 +3,13 @@ popularity), and the fused planner simulated for every rank in one process."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from moonep.config import BufferConfig
 from moonep.layout import Layout
-from moonep.planner import Plan
+from moonep.planner import Plan, make_plan
 
 
 def random_counts(R: int, E: int, K: int, s: int, sigma: float, g: torch.Generator) -> torch.Tensor:
@@ -83,3 +86,22 @@ def simulate_fused(layout: Layout, topk_R: list[torch.Tensor], total: int | None
         pf.plan_pass(topk, r, hist_all[r], work[r], plan_layout.views(flat), layout, cap_base, cap_rem)
         plans.append(plan_layout.plan(flat))
     return plans
+
+
+FusedCase = tuple[int, int, int, list[int], int, int, float, bool]  # R, E, K, s per rank, B, pad, sigma, per_rank
+
+
+def check_fused_cases(cases: list[FusedCase], g: torch.Generator, device: str = "cpu") -> None:
+    """simulate_fused on `device` for every rank of every case, bitwise against make_plan on the CPU
+    (per_rank: ranks have different s and pass total_num_tokens)."""
+    for R, E, K, s_R, B, pad, sigma, per_rank in cases:
+        layout = Layout(BufferConfig(max_tokens=max(s_R), hidden=8, topk=K, num_experts=E, token_padding=pad,
+                                     num_slots=B), R, 4096)
+        topk_R = [random_topk(s, E, K, sigma, g) for s in s_R]
+        total = sum(s_R) if per_rank else None
+        counts = torch.stack([torch.bincount(t.reshape(-1).long(), minlength=E) for t in topk_R]).to(torch.int32)
+        for r, got in enumerate(simulate_fused(layout, [t.to(device) for t in topk_R], total)):
+            want = make_plan(layout, r, topk_R[r], counts, total_num_tokens=total)
+            got = dataclasses.replace(got, **{n: getattr(got, n).cpu() for n in PLAN_FIELDS})
+            assert_same_plan(got, want, f"rank {r} of R={R} E={E} K={K} s={s_R} B={B} pad={pad} sigma={sigma:.2f} "
+                                        f"total={total}")

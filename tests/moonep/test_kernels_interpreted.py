@@ -17,10 +17,9 @@ import pytest
 import torch
 
 from moonep import BufferConfig
-from moonep.layout import Layout
 from moonep.planner import make_plan, plan_shared, receive_caps
 from tests.dist_utils import run_ranks
-from tests.moonep.planner_cases import assert_same_plan, planner_cases, random_counts, random_topk, simulate_fused
+from tests.moonep.planner_cases import assert_same_plan, check_fused_cases, planner_cases, random_counts
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates any kernel; inherited by spawned ranks
 _interpreter = pytest.importorskip("triton.runtime.interpreter")
@@ -78,15 +77,7 @@ def test_fused_planner_matches_make_plan() -> None:
     cases += [(2, 384, 8, [512, 512], 192, 16, 3.0, False), (2, 384, 8, [700, 333], 96, 16, 1.0, True),
               (4, 64, 6, [400] * 4, 16, 4, 0.0, False), (2, 8, 1, [2100, 2100], 2, 2, 2.0, False),
               (8, 384, 8, [130] * 8, 48, 16, 3.0, False)]
-    for R, E, K, s_R, B, pad, sigma, per_rank in cases:
-        layout = Layout(BufferConfig(max_tokens=max(s_R), hidden=8, topk=K, num_experts=E, token_padding=pad,
-                                     num_slots=B), R, 4096)
-        topk_R = [random_topk(s, E, K, sigma, g) for s in s_R]
-        total = sum(s_R) if per_rank else None
-        counts = torch.stack([torch.bincount(t.reshape(-1).long(), minlength=E) for t in topk_R]).to(torch.int32)
-        for r, got in enumerate(simulate_fused(layout, topk_R, total)):
-            want = make_plan(layout, r, topk_R[r], counts, total_num_tokens=total)
-            assert_same_plan(got, want, f"rank {r} of R={R} E={E} K={K} s={s_R} B={B} pad={pad} total={total}")
+    check_fused_cases(cases, g)
 
 
 def _expert_kernels_rank(rank: int, world: int) -> list[int]:

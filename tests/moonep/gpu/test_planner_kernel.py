@@ -10,16 +10,14 @@ import torch
 import torch.distributed as dist
 
 from moonep import Buffer, BufferConfig
-from moonep.layout import Layout
 from moonep.planner import Plan, make_plan, plan_shared, receive_caps
 from moonep.routing import generate_routing
 from tests.moonep.planner_cases import (
     PLAN_FIELDS,
     assert_same_plan,
+    check_fused_cases,
     planner_cases,
     random_counts,
-    random_topk,
-    simulate_fused,
 )
 
 pytestmark = pytest.mark.gpu
@@ -52,18 +50,7 @@ def test_fused_planner_bitwise_equals_make_plan() -> None:
               for R, E, K, s, B, pad, sigma in planner_cases(6, (2, 4, 8), 8, (), seed=1)]
     cases += [(2, 384, 8, [8192, 8192], 192, 16, sigma, False) for sigma in (0.0, 1.0, 3.0)]
     cases += [(2, 384, 8, [8192, 5000], 192, 16, 2.0, True), (8, 384, 8, [4096] * 8, 48, 16, 3.0, False)]
-    for R, E, K, s_R, B, pad, sigma, per_rank in cases:
-        layout = Layout(BufferConfig(max_tokens=max(s_R), hidden=8, topk=K, num_experts=E, token_padding=pad,
-                                     num_slots=B), R, 4096)
-        topk_R = [random_topk(s, E, K, sigma, g) for s in s_R]
-        total = sum(s_R) if per_rank else None
-        counts = torch.stack([torch.bincount(t.reshape(-1).long(), minlength=E) for t in topk_R]).to(torch.int32)
-        got_R = simulate_fused(layout, [t.cuda() for t in topk_R], total)
-        for r, got in enumerate(got_R):
-            want = make_plan(layout, r, topk_R[r], counts, total_num_tokens=total)
-            cpu = dataclasses.replace(got, **{n: getattr(got, n).cpu() for n in PLAN_FIELDS})
-            assert_same_plan(cpu, want, f"rank {r} of R={R} E={E} K={K} s={s_R} B={B} pad={pad} sigma={sigma:.2f} "
-                                        f"total={total}")
+    check_fused_cases(cases, g, device="cuda")
 
 
 @pytest.mark.multigpu
