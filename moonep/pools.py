@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from moonep.buffer import Buffer
-from moonep.grouped_gemm import accumulate_wgrad
+from moonep.grouped_gemm import accumulate_wgrad, grouped_mm_wgrad
 from moonep.heap import Piece, view
 from moonep.planner import Plan
 
@@ -186,7 +186,7 @@ class ExpertPools:
         """g_compact (fp32, [epn + B, I, O]) += x^T grad per W_compact group; on the kernel path
         groups without rows (unused slots) are skipped."""
         if self._kx is not None:
-            self._kx.accumulate_groups(g_compact, torch._grouped_mm(x_rows.t(), grad_rows, offs=offs), offs)
+            self._kx.accumulate_groups(g_compact, grouped_mm_wgrad(x_rows, grad_rows, offs), offs)
         else:
             accumulate_wgrad(g_compact, x_rows, grad_rows, offs)
 
