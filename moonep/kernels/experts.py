@@ -6,25 +6,27 @@ masked. Measured on 2xH200 (2026-11-29, E=96, R=2, one expert copy of 88 MB): pr
 reduce_grad 17.7 ms. These kernels read the slot table on the device and skip empty slots, so the
 traffic is the expert copies themselves.
 
-prefetch: grid (row chunks, B); program (c, j) reads e = slot_expert[rank, j]; if e >= 0 it copies
-    chunk c of W_full[e] (the owner's row, read over NVLink) into W_full[E + j]. Only this rank's
-    slots are written; stream order after dispatch's barriers makes the owners' rows current.
+Grids: one program per chunk of BLOCK elements of an expert row, looping over the slots (groups)
+in use in ascending order: one vector load of the slot table (offs), a running count, and per step
+a vector select of the k-th used entry. A (chunks x B) grid of mostly-empty programs cost ~1 ms
+at K3 shapes (prefetch 1.47 ms for one 88 MB copy at E=384, 2xH200, 2026-11-29).
+prefetch: program c copies chunk c of W_full[e] (the owner's row, read over NVLink) into
+    W_full[E + j] for every used slot j of this rank. Stream order after dispatch's barriers makes
+    the owners' rows current.
 accumulate_groups: the expert_swiglu backward's weight gradient (bf16 from the grouped GEMM) added
     into the fp32 grad mirror (W_compact rows) for groups with rows only; on k3_small_moe at low
     skew half of the groups are empty slots.
-reduce_grad: grid (row chunks, epn); program (c, i) accumulates, for d = 0..R-1 ascending (d !=
-    rank) and j = 0..B-1 ascending, every slot (d, j) holding expert rank*epn + i into g_local[i]
+reduce_grad: program c adds, for d = 0..R-1 ascending (d != rank) and each used slot j of d
+    ascending, chunk c of slot (d, j) into g_local[i] when it holds this rank's expert rank*epn + i,
     in fp32, one add per contribution: the PyTorch path's order (a rank holds at most one copy of
-    an expert, so at most one contribution per d), hence the same values (the PyTorch path also
-    adds +0.0 for empty slots, which can only turn a -0.0 into +0.0). Experts without copies are
-    not touched (a vector scan of the slot table first): reading and rewriting all of g_local cost
-    8 ms per step of k3_small_moe (2xH200, 2026-11-29), and a scalar scan (B serial loads in each
-    program) made reduce_grad ~1 ms per layer at 5 copies. Then, after the
-    "reduce_grad:read" barrier, `zero_slots` clears this rank's occupied slots (the others were
-    never written: grads of empty groups are zero).
+    an expert), hence the same values (the PyTorch path also adds +0.0 for empty slots, which can
+    only turn a -0.0 into +0.0). Experts without copies are never touched. Then, after the
+    "reduce_grad:read" barrier, `zero_slots` clears this rank's used slots (the others were never
+    written: grads of empty groups are zero).
 
-Checked bitwise against the PyTorch path in Triton's interpreter on the CPU heap (R = 2, 4) and on
-2xH200 (tests/moonep/gpu/test_expert_kernels.py, 2026-11-29).
+Checked bitwise against the PyTorch path in Triton's interpreter on the CPU heap (R = 2, 4). The
+per-chunk loop grids above are NOT yet run on a GPU (branch next/expert-prefix-kernels); main's
+(chunks x slots) grids passed tests/moonep/gpu/test_expert_kernels.py on 2xH200 (2026-11-29).
 """
 
 from __future__ import annotations
@@ -37,67 +39,73 @@ _BLOCK = 4096
 
 
 @triton.jit
+def _kth(pick_B, order_B, j_B, vals_B, k):
+    """(index, value) of the k-th True of pick_B (order_B: its running count minus one)."""
+    hit = pick_B & (order_B == k)
+    return tl.sum(tl.where(hit, j_B, 0), axis=0).to(tl.int64), tl.sum(tl.where(hit, vals_B, 0), axis=0).to(tl.int64)
+
+
+@triton.jit
 def _prefetch_kernel(w_ptr, slot_ptr, rank, ROW: tl.constexpr, E: tl.constexpr, B: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    c = tl.program_id(0).to(tl.int64)  # element offsets pass 2**31 at K3 sizes
-    j = tl.program_id(1).to(tl.int64)
-    e = tl.load(slot_ptr + rank * B + j).to(tl.int64)
-    if e >= 0:
-        offs = c * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < ROW
-        vals = tl.load(w_ptr + e * ROW + offs, mask=mask)
-        tl.store(w_ptr + (E + j) * ROW + offs, vals, mask=mask)
+                     B_P: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # offsets pass 2**31 at K3 sizes
+    mask = offs < ROW
+    j_B = tl.arange(0, B_P)
+    slots = tl.load(slot_ptr + rank * B + j_B, mask=j_B < B, other=-1)
+    used = slots >= 0
+    order = tl.cumsum(used.to(tl.int32), axis=0) - 1
+    for k in range(0, tl.sum(used.to(tl.int32), axis=0)):
+        j, e = _kth(used, order, j_B, slots, k)
+        tl.store(w_ptr + (E + j) * ROW + offs, tl.load(w_ptr + e * ROW + offs, mask=mask), mask=mask)
 
 
 @triton.jit
 def _reduce_kernel(g_local_ptr, g_slots_ptr, slot_ptr, rank, ROW: tl.constexpr, R: tl.constexpr, B: tl.constexpr,
                    B_P: tl.constexpr, EPN: tl.constexpr, BLOCK: tl.constexpr):
-    c = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1).to(tl.int64)
-    expert = rank * EPN + i
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < ROW
     j_B = tl.arange(0, B_P)
-    # copies of this expert anywhere? one vector load of each peer's slot row (most experts have
-    # none, and touching their grad rows would cost a full read + write of g_local)
-    copies = tl.full([], 0, tl.int32)
-    for d in tl.static_range(R):
+    for d in tl.static_range(R):  # ascending d, then ascending slot: the PyTorch path's order
         if d != rank:
             slots = tl.load(slot_ptr + d * B + j_B, mask=j_B < B, other=-1)
-            copies += tl.sum((slots == expert).to(tl.int32), axis=0)
-    if copies > 0:
-        offs = c * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < ROW
-        acc = tl.load(g_local_ptr + i * ROW + offs, mask=mask)
-        for d in tl.static_range(R):  # ascending d; a rank holds at most one copy of an expert
-            if d != rank:
-                slots = tl.load(slot_ptr + d * B + j_B, mask=j_B < B, other=-1)
-                hit = slots == expert
-                if tl.sum(hit.to(tl.int32), axis=0) > 0:
-                    j = tl.argmax(hit.to(tl.int32), axis=0).to(tl.int64)
-                    acc += tl.load(g_slots_ptr + (d * B + j) * ROW + offs, mask=mask)
-        tl.store(g_local_ptr + i * ROW + offs, acc, mask=mask)
+            mine = (slots >= rank * EPN) & (slots < (rank + 1) * EPN)
+            order = tl.cumsum(mine.to(tl.int32), axis=0) - 1
+            for k in range(0, tl.sum(mine.to(tl.int32), axis=0)):
+                j, e = _kth(mine, order, j_B, slots, k)
+                g_row = g_local_ptr + (e - rank * EPN) * ROW + offs
+                slot_row = g_slots_ptr + (d * B + j) * ROW + offs
+                tl.store(g_row, tl.load(g_row, mask=mask) + tl.load(slot_row, mask=mask), mask=mask)
 
 
 @triton.jit
-def _zero_kernel(g_slots_ptr, slot_ptr, rank, ROW: tl.constexpr, B: tl.constexpr, BLOCK: tl.constexpr):
-    c = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1).to(tl.int64)
-    if tl.load(slot_ptr + rank * B + j) >= 0:
-        offs = c * BLOCK + tl.arange(0, BLOCK)
-        tl.store(g_slots_ptr + (rank * B + j) * ROW + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=offs < ROW)
+def _zero_kernel(g_slots_ptr, slot_ptr, rank, ROW: tl.constexpr, B: tl.constexpr, B_P: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < ROW
+    j_B = tl.arange(0, B_P)
+    slots = tl.load(slot_ptr + rank * B + j_B, mask=j_B < B, other=-1)
+    used = slots >= 0
+    order = tl.cumsum(used.to(tl.int32), axis=0) - 1
+    for k in range(0, tl.sum(used.to(tl.int32), axis=0)):
+        j, _ = _kth(used, order, j_B, slots, k)
+        tl.store(g_slots_ptr + (rank * B + j) * ROW + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=mask)
 
 
 @triton.jit
-def _accumulate_kernel(g_ptr, w_ptr, offs_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr):
-    c = tl.program_id(0).to(tl.int64)
-    grp = tl.program_id(1)
-    end = tl.load(offs_ptr + grp)
-    start = tl.where(grp > 0, tl.load(offs_ptr + tl.maximum(grp - 1, 0)), 0)
-    if end > start:
-        offs = c * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < ROW
-        base = grp.to(tl.int64) * ROW
-        acc = tl.load(g_ptr + base + offs, mask=mask) + tl.load(w_ptr + base + offs, mask=mask).to(tl.float32)
-        tl.store(g_ptr + base + offs, acc, mask=mask)
+def _accumulate_kernel(g_ptr, w_ptr, offs_ptr, G: tl.constexpr, G_P: tl.constexpr, ROW: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < ROW
+    g_G = tl.arange(0, G_P)
+    ends = tl.load(offs_ptr + g_G, mask=g_G < G, other=0)
+    starts = tl.load(offs_ptr + g_G - 1, mask=(g_G > 0) & (g_G < G), other=0)
+    busy = ends > starts
+    order = tl.cumsum(busy.to(tl.int32), axis=0) - 1
+    for k in range(0, tl.sum(busy.to(tl.int32), axis=0)):
+        grp, _ = _kth(busy, order, g_G, g_G, k)
+        row = grp * ROW + offs
+        tl.store(g_ptr + row, tl.load(g_ptr + row, mask=mask) + tl.load(w_ptr + row, mask=mask).to(tl.float32),
+                 mask=mask)
 
 
 def accumulate_groups(g_GIO: torch.Tensor, w_GIO: torch.Tensor, offs_G: torch.Tensor) -> None:
@@ -106,15 +114,16 @@ def accumulate_groups(g_GIO: torch.Tensor, w_GIO: torch.Tensor, offs_G: torch.Te
     G = g_GIO.shape[0]
     assert g_GIO.is_contiguous() and w_GIO.is_contiguous() and w_GIO.shape == g_GIO.shape and offs_G.numel() == G
     row = g_GIO[0].numel()
-    _accumulate_kernel[(triton.cdiv(row, _BLOCK), G)](g_GIO, w_GIO, offs_G, ROW=row, BLOCK=_BLOCK)
+    _accumulate_kernel[(triton.cdiv(row, _BLOCK),)](g_GIO, w_GIO, offs_G, G=G, G_P=triton.next_power_of_2(G),
+                                                    ROW=row, BLOCK=_BLOCK)
 
 
 def prefetch(w_full: torch.Tensor, slot_expert_RB: torch.Tensor, rank: int, num_experts: int) -> None:
     """Copy the owners' rows of the experts in this rank's slots into W_full[E:] (empty slots skipped)."""
     B = slot_expert_RB.shape[1]
     row = w_full[0].numel()
-    _prefetch_kernel[(triton.cdiv(row, _BLOCK), B)](w_full, slot_expert_RB, rank, ROW=row, E=num_experts, B=B,
-                                                    BLOCK=_BLOCK)
+    _prefetch_kernel[(triton.cdiv(row, _BLOCK),)](w_full, slot_expert_RB, rank, ROW=row, E=num_experts, B=B,
+                                                  B_P=triton.next_power_of_2(B), BLOCK=_BLOCK)
 
 
 def reduce_into_owner(g_local: torch.Tensor, g_slots_all: torch.Tensor, slot_expert_RB: torch.Tensor,
@@ -123,12 +132,13 @@ def reduce_into_owner(g_local: torch.Tensor, g_slots_all: torch.Tensor, slot_exp
     R, B = slot_expert_RB.shape
     epn = g_local.shape[0]
     row = g_local[0].numel()
-    _reduce_kernel[(triton.cdiv(row, _BLOCK), epn)](g_local, g_slots_all, slot_expert_RB, rank, ROW=row, R=R, B=B,
-                                                    B_P=triton.next_power_of_2(B), EPN=epn, BLOCK=_BLOCK)
+    _reduce_kernel[(triton.cdiv(row, _BLOCK),)](g_local, g_slots_all, slot_expert_RB, rank, ROW=row, R=R, B=B,
+                                                B_P=triton.next_power_of_2(B), EPN=epn, BLOCK=_BLOCK)
 
 
 def zero_slots(g_slots_all: torch.Tensor, slot_expert_RB: torch.Tensor, rank: int) -> None:
     """Zero this rank's occupied reduce slots."""
     B = slot_expert_RB.shape[1]
     row = g_slots_all[0, 0].numel()
-    _zero_kernel[(triton.cdiv(row, _BLOCK), B)](g_slots_all, slot_expert_RB, rank, ROW=row, B=B, BLOCK=_BLOCK)
+    _zero_kernel[(triton.cdiv(row, _BLOCK),)](g_slots_all, slot_expert_RB, rank, ROW=row, B=B,
+                                              B_P=triton.next_power_of_2(B), BLOCK=_BLOCK)
