@@ -38,10 +38,16 @@ from moonep import Buffer, BufferConfig, ExpertPools
 from moonep.routing import generate_routing, max_maxvio
 
 
+# ~1 ms of GPU sleep queued before the start event when `hide_host` is on: the host enqueues fn
+# meanwhile, so the events time the GPU work alone (as inside a training step, where the host runs ahead)
+_HOST_HIDING_CYCLES = 2_000_000
+
+
 def timed(fn: Callable[[], object], iters: int, warmup: int, group: dist.ProcessGroup,
-          setup: Callable[[], object] | None = None) -> float:
+          setup: Callable[[], object] | None = None, hide_host: bool = False) -> float:
     """Median microseconds of fn over iters (ranks aligned before each; `setup` runs untimed before
-    each), max over ranks."""
+    each), max over ranks. By default the time includes the host's launch overhead (the GPU idles
+    until fn's work arrives); hide_host times the GPU work alone."""
     times = []
     for i in range(warmup + iters):
         if setup is not None:
@@ -49,6 +55,8 @@ def timed(fn: Callable[[], object], iters: int, warmup: int, group: dist.Process
         torch.cuda.synchronize()
         dist.barrier(group=group)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if hide_host:
+            torch.cuda._sleep(_HOST_HIDING_CYCLES)
         start.record()
         fn()
         end.record()
@@ -119,9 +127,15 @@ def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, po
     # plan() after plan() adds a "plan:enter" barrier (histogram safety); in a step a plan always
     # follows other calls, so each timed plan() comes after an untimed buffer barrier
     m["plan"] = timed(lambda: buf.plan(topk, hist), it, wu, group, setup=lambda: buf.barrier("bench:plan"))
+    m["plan_gpu"] = timed(lambda: buf.plan(topk, hist), it, wu, group, setup=lambda: buf.barrier("bench:plan"),
+                          hide_host=True)
     m["dispatch_fwd"] = timed(lambda: pools.prefetch(buf.dispatch(x, w, topk, hist).plan, layer), it, wu, group)
     m["dispatch_only"] = timed(lambda: buf.dispatch(x, w, topk, hist), it, wu, group)
     m["dispatch_saved"] = timed(lambda: buf.dispatch(x, w, plan=plan), it, wu, group)
+    # the phase in which dispatch's bytes cross NVLink: the sender's scatter between its two barriers
+    # (the receiver's local duplicate expansion follows it); GPU time, for the NVLink rate
+    m["dispatch_scatter"] = timed(lambda: (buf.barrier("dispatch:enter"), buf._scatter(plan, x, w),
+                                           buf.barrier("dispatch:rows")), it, wu, group, hide_host=True)
     m["prefetch"] = timed(lambda: pools.prefetch(plan, layer), it, wu, group)
     m["combine_fwd"] = timed(lambda: buf.combine(plan, y_rows), it, wu, group)
     m["dispatch_bwd"] = timed(lambda: buf.combine(plan, grad_rows, row_scalars=grad_scal), it, wu, group)
@@ -142,6 +156,7 @@ def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, po
         combine_logical_GBps=S * K * H * 2 / (m["combine_fwd"] * 1e-6) / 1e9,
         dispatch_nvlink_GBps=max_over_ranks(sent_bytes, group) / (m["dispatch_only"] * 1e-6) / 1e9,
         dispatch_saved_nvlink_GBps=max_over_ranks(sent_bytes, group) / (m["dispatch_saved"] * 1e-6) / 1e9,
+        scatter_nvlink_GBps=max_over_ranks(sent_bytes, group) / (m["dispatch_scatter"] * 1e-6) / 1e9,
         peer_copy_GBps=peer_bw,
         expert_copies=slot_copies,
         prefetch_bytes_per_rank=max_over_ranks(int(pools.prefetch_bytes(plan)), group),
@@ -243,22 +258,26 @@ def main() -> None:
 
 
 def print_table(results: list[dict]) -> None:
-    hdr = (f"{'E':>4} {'target':>6} {'real':>6} | {'plan':>6} {'disp+pf':>8} {'disp':>7} {'d.saved':>7} {'pf':>6} {'cp':>3} "
-           f"{'comb':>7} {'d.bwd':>7} {'c.bwd':>7} {'rgrad':>7} {'load':>5} {'nvl GB/s':>8} {'peer':>5} | {'a2a d':>7} "
+    hdr = (f"{'E':>4} {'target':>6} {'real':>6} | {'plan':>6} {'p.gpu':>5} {'disp+pf':>8} {'disp':>7} {'d.saved':>7} {'pf':>6} {'cp':>3} "
+           f"{'comb':>7} {'d.bwd':>7} {'c.bwd':>7} {'rgrad':>7} {'load':>5} {'nvl GB/s':>8} {'scat':>5} {'nvl.sc':>6} {'peer':>5} | {'a2a d':>7} "
            f"{'a2a c':>7} {'a2a db':>7} {'a2a cb':>7} {'load':>5}")
     print("times in us (median, max over ranks); d.saved = dispatch with the saved plan (no planning); cp = expert "
           "copies (slots used, all ranks); load = max/mean rows received per rank; nvl GB/s = bytes that crossed "
-          "NVLink in dispatch / d.saved; peer = peer-copy GB/s (copy engine) measured in the same run")
+          "NVLink in dispatch / d.saved; p.gpu = plan's GPU time (host launch hidden); scat = the scatter phase of "
+          "dispatch (GPU time; its bytes cross NVLink, duplicate expansion follows); nvl.sc = NVLink bytes / scat; "
+          "peer = peer-copy GB/s (copy engine) measured in the same run")
     print(hdr)
     nan = float("nan")
     for r in results:
         m, b = r["moonep"], r["alltoall"]
         print(f"{r['E']:>4} {r['target_maxvio']:>6.1f} {r['realised_maxvio']:>6.2f} | {m['plan_us']:>6.0f} "
+              f"{m.get('plan_gpu_us', nan):>5.0f} "
               f"{m['dispatch_fwd_us']:>8.0f} {m['dispatch_only_us']:>7.0f} {m.get('dispatch_saved_us', nan):>7.0f} "
               f"{m['prefetch_us']:>6.0f} {m.get('expert_copies', -1):>3} "
               f"{m['combine_fwd_us']:>7.0f} {m['dispatch_bwd_us']:>7.0f} {m['combine_bwd_us']:>7.0f} "
               f"{m['reduce_grad_us']:>7.0f} {m['rank_load_max_over_mean']:>5.2f} "
-              f"{m.get('dispatch_saved_nvlink_GBps', nan):>8.0f} {m.get('peer_copy_GBps', nan):>5.0f} | "
+              f"{m.get('dispatch_saved_nvlink_GBps', nan):>8.0f} {m.get('dispatch_scatter_us', nan):>5.0f} "
+              f"{m.get('scatter_nvlink_GBps', nan):>6.0f} {m.get('peer_copy_GBps', nan):>5.0f} | "
               f"{b['dispatch_fwd_us']:>7.0f} {b['combine_fwd_us']:>7.0f} {b['dispatch_bwd_us']:>7.0f} "
               f"{b['combine_bwd_us']:>7.0f} {b['rank_load_max_over_mean']:>5.2f}")
     for E in sorted({r["E"] for r in results}):

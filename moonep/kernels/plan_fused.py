@@ -25,9 +25,15 @@ Protocol of one plan (every rank; s tokens, K top-k, flat entry index i = t*K + 
 All outputs of a plan live in one flat byte buffer (int64 fields, then int32, then bool) that
 `_PlanLayout` cuts into the Plan's tensors.
 
-On CUDA (BufferConfig.plan_graph) the four launches of one shape are captured once in a CUDA
-graph; a call copies topk into the graph's input, replays, and clones the flat output (a plan
-outlives the next call: it is saved for backward), about 10 host operations in all. While the
+On CUDA (BufferConfig.plan_graph) the four launches of one shape are captured in CUDA graphs,
+each writing into its own pooled Plan (`_PlanPool`); a call copies topk into the graphs' input and
+replays a graph whose Plan nothing outside the pool holds any more (no Python reference to the Plan
+or its tensors, no autograd save, no view), capturing a new one when every pooled Plan is held. A
+plan thus outlives later calls (it is saved for backward) at the cost of one copy and one replay.
+The pool's contract is the caching allocator's without record_stream: work on another stream that
+reads a Plan must be joined to the calling stream before the Plan is dropped (moonep's side-stream
+prefetch is). The pool keeps as many Plans per shape as were ever held at once (1.1 MB each at
+s = 8192, K = 8). While the
 caller's stream is being captured (a training step inside a CUDA graph) and on the CPU heap (the
 interpreter), the kernels launch directly into a fresh output buffer. No path synchronises with
 the host; the first call of a shape compiles and captures (host syncs, like any compile step).
@@ -64,6 +70,7 @@ cost the host ~100 us; the bench counts host time).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -386,18 +393,20 @@ class FusedPlanner:
         self.graph = graph and hist_all.device.type == "cuda"
         self._work: dict[int, _Workspace] = {}
         self._layouts: dict[tuple[int, int | None], _PlanLayout] = {}
-        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, _PlanLayout]] = {}
+        self._graphs: dict[tuple, _PlanPool] = {}
 
     def __call__(self, topk_sK: torch.Tensor, total_num_tokens: int | None) -> Plan:
         if self.graph and not torch.cuda.is_current_stream_capturing():
             key = (topk_sK.shape[0], topk_sK.dtype, total_num_tokens)
-            entry = self._graphs.get(key)
+            pool = self._graphs.get(key)
+            if pool is None:
+                return self._capture_first(key, topk_sK, total_num_tokens)
+            entry = pool.take()
             if entry is None:
-                return self._capture(key, topk_sK, total_num_tokens)
-            graph, topk_in, flat, plan_layout = entry
-            topk_in.copy_(topk_sK)
-            graph.replay()
-            return plan_layout.plan(flat.clone())
+                entry = self._capture(pool, total_num_tokens)
+            pool.topk_in.copy_(topk_sK)
+            entry.graph.replay()
+            return entry.plan
         plan_layout = self._plan_layout(topk_sK.shape[0], total_num_tokens)
         flat = plan_layout.empty(topk_sK.device)
         self._launch(topk_sK, plan_layout.views(flat), total_num_tokens)
@@ -419,18 +428,73 @@ class FusedPlanner:
         cap_base, cap_rem = receive_cap_args(self.layout.num_ranks, self.layout.config.topk, s, total)
         plan_pass(topk_sK, self.rank, self.hist_all[self.rank], work, out, self.layout, cap_base, cap_rem)
 
-    def _capture(self, key: tuple, topk_sK: torch.Tensor, total: int | None) -> Plan:
+    def _capture_first(self, key: tuple, topk_sK: torch.Tensor, total: int | None) -> Plan:
         """First call of a shape: run eagerly (compiles; a real collective plan, returned), then
-        capture the same launches (nothing runs; the barrier's epoch lives on the device)."""
+        capture the first graph of the shape's pool (nothing runs; the barrier's epoch lives on
+        the device)."""
         plan_layout = self._plan_layout(topk_sK.shape[0], total)
-        topk_in = topk_sK.clone()
         flat = plan_layout.empty(topk_sK.device)
-        out = plan_layout.views(flat)
-        self._launch(topk_in, out, total)
-        plan = plan_layout.plan(flat.clone())
+        self._launch(topk_sK, plan_layout.views(flat), total)
+        pool = self._graphs[key] = _PlanPool(topk_sK.clone(), plan_layout)
+        pool.release(self._capture(pool, total))
+        return plan_layout.plan(flat)
+
+    def _capture(self, pool: _PlanPool, total: int | None) -> _PooledPlan:
+        """A new pool entry: a graph of the plan's launches that writes into the entry's own Plan."""
+        flat = pool.layout.empty(pool.topk_in.device)
+        out = pool.layout.views(flat)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads/streams of a training step (FSDP, NCCL) may keep working
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._launch(topk_in, out, total)
-        self._graphs[key] = (graph, topk_in, flat, plan_layout)
-        return plan
+            self._launch(pool.topk_in, out, total)
+        del out  # the graph writes into flat's memory; the entry's Plan gets views of its own
+        entry = _PooledPlan(graph, flat, pool.layout.plan(flat))
+        pool.entries.append(entry)
+        return entry
+
+
+class _PooledPlan:
+    """One graph of a pool and the Plan its replay writes (views of `flat`)."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, flat: torch.Tensor, plan: Plan) -> None:
+        self.graph, self.flat, self.plan = graph, flat, plan
+        self.tensors = tuple(v for v in vars(plan).values() if isinstance(v, torch.Tensor))
+        self.free_holds = self._holds()  # the pool's own references (nothing else exists yet)
+
+    def _holds(self) -> int:
+        """References to the plan's tensors: Python references, C++ references (autograd saves),
+        and other tensors on the same storage (views)."""
+        return _storage_uses(self.flat) + sum(sys.getrefcount(t) + t._use_count() for t in self.tensors)
+
+    def is_free(self) -> bool:
+        """Nothing outside the pool holds the Plan (getrefcount: the attribute and its own
+        argument), one of its tensors, or a view of them."""
+        return sys.getrefcount(self.plan) <= 2 and self._holds() <= self.free_holds
+
+
+class _PlanPool:
+    """Graphs of one shape whose replays write into pooled Plans, reused once the caller has
+    dropped every reference to a Plan and its tensors (so a held plan, e.g. saved for backward, is
+    never overwritten). A call then costs one input copy and one replay: no clone, no views."""
+
+    def __init__(self, topk_in: torch.Tensor, layout: _PlanLayout) -> None:
+        self.topk_in, self.layout = topk_in, layout
+        self.entries: list[_PooledPlan] = []
+
+    def take(self) -> _PooledPlan | None:
+        for i, entry in enumerate(self.entries):  # least recently used first: the likeliest free
+            if entry.is_free():
+                self.entries.append(self.entries.pop(i))
+                return entry
+        return None
+
+    def release(self, entry: _PooledPlan) -> None:
+        """An entry that was captured but not handed out (it stays first in line)."""
+        self.entries.remove(entry)
+        self.entries.insert(0, entry)
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    """How many tensors share t's storage (views included; the temporary storage object of this
+    call is not counted)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1

@@ -94,5 +94,14 @@ def test_buffer_plan_fused_no_sync_and_in_graph(group: dist.ProcessGroup) -> Non
             assert_same_plan(cpu, want(i), f"rank {rank}, call {i}")
         cpu = dataclasses.replace(captured, **{n: getattr(captured, n).cpu() for n in PLAN_FIELDS})
         assert_same_plan(cpu, want(4), f"rank {rank}, replayed capture")
+        # released plans are reused from the pool: it stops growing, and reused plans are right
+        (pool,) = buf._fused_planner._graphs.values()
+        del got, plan, captured
+        for i in range(6):
+            cpu = buf.plan(topk[i % 5], None)
+            buf.barrier("test:plan")
+            cpu = dataclasses.replace(cpu, **{n: getattr(cpu, n).cpu() for n in PLAN_FIELDS})
+            assert_same_plan(cpu, want(i % 5), f"rank {rank}, pooled call {i}")
+        assert len(pool.entries) <= 4, f"{len(pool.entries)} pooled plans for 1 plan held at a time"
     finally:
         buf.destroy()
