@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from moonep.comm_stream import CommEvent, CommStream
 from moonep.config import BufferConfig
 from moonep.heap import Piece, SymmetricHeap, create_heap, strided_view
 from moonep.kernels import resolve_kernels
@@ -120,6 +121,7 @@ class Buffer:
         # True from the end of plan() until the next barrier: a peer may still have to read its
         # histograms of that plan, so a second plan() in a row must not write new ones yet
         self._hist_unsettled = False
+        self._comm_stream = CommStream(self.device)  # dispatch_async / combine_async
         self.barrier("buffer:init")  # every rank is ready; the GPU barrier sets up its signals here
 
     # ------------------------------------------------------------------ properties
@@ -140,10 +142,15 @@ class Buffer:
     def num_slots(self) -> int:
         return self.layout.num_slots
 
+    @property
+    def comm_stream(self) -> torch.cuda.Stream | None:
+        """The stream of dispatch_async / combine_async (None on the CPU)."""
+        return self._comm_stream.stream
+
     def barrier(self, call: str) -> None:
+        self._comm_stream.join()  # device barriers run in issue order, also across streams
         self.heap.barrier(call)
         self._hist_unsettled = False  # every rank got past its last read of the hist region
-
 
     def _check_alive(self, call: str) -> None:
         if not self._mine:  # destroy() dropped the views over unmapped memory
@@ -180,6 +187,17 @@ class Buffer:
         self.barrier("dispatch:rows")
         self._rows_plan = plan
         return self._expand(plan)
+
+    def dispatch_async(self, x_sH: torch.Tensor, weights_sK: torch.Tensor | None = None,
+                       topk_sK: torch.Tensor | None = None, tokens_per_expert_E: torch.Tensor | None = None, *,
+                       plan: Plan | None = None, total_num_tokens: int | None = None
+                       ) -> tuple[DispatchResult, CommEvent]:
+        """dispatch() queued on `comm_stream` -> (result, event): read the result only after
+        `event.wait()` (moonep.comm_stream has the ordering rules)."""
+        return self._comm_stream.run(
+            lambda: self.dispatch(x_sH, weights_sK, topk_sK, tokens_per_expert_E, plan=plan,
+                                  total_num_tokens=total_num_tokens),
+            (x_sH, weights_sK, topk_sK, tokens_per_expert_E))
 
     def plan(self, topk_sK: torch.Tensor, tokens_per_expert_E: torch.Tensor | None = None, *,
              total_num_tokens: int | None = None) -> Plan:
@@ -319,6 +337,11 @@ class Buffer:
         scalars_sK = self._all["row_scalar"][idx].clone() if row_scalars is not None else None
         self.barrier("combine:done")
         return y_sH.to(self.config.dtype), scalars_sK
+
+    def combine_async(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None = None
+                      ) -> tuple[tuple[torch.Tensor, torch.Tensor | None], CommEvent]:
+        """combine() queued on `comm_stream` -> ((y_sH, scalars_sK), event); see dispatch_async."""
+        return self._comm_stream.run(lambda: self.combine(plan, y_rows, row_scalars), (y_rows, row_scalars))
 
     def _push_combine(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
