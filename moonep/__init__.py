@@ -6,6 +6,7 @@ redundant experts online. See SPEC.md for the contract; `Buffer` is the communic
 """
 
 from moonep.buffer import Buffer, DispatchResult
+from moonep.comm_stream import CommEvent
 from moonep.config import BufferConfig
 from moonep.errors import MoonEPTimeoutError
 from moonep.moe import expert_swiglu, swiglu_projections
@@ -15,6 +16,7 @@ from moonep.pools import ExpertPools, LayerExperts
 __all__ = [
     "Buffer",
     "BufferConfig",
+    "CommEvent",
     "DispatchResult",
     "ExpertPools",
     "LayerExperts",

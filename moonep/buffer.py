@@ -29,6 +29,9 @@ the device, one CUDA graph replay per call), and steps 4-6 of dispatch and the w
 kernels of moonep.kernels.dispatch_combine (its docstring holds their protocol: a push combine
 through a landing region). Both are bitwise equal to the path above.
 
+dispatch_async / combine_async queue the same calls on the buffer's communication stream and return
+a CommEvent to wait on (moonep.comm_stream: ordering and memory rules).
+
 Returned rows are zero-copy views into symmetric memory, valid until the next call on this buffer;
 clone what must outlive it (autograd saves). No call synchronises with the host unless
 `BufferConfig.check_values` is on.
