@@ -4,6 +4,13 @@ Dense params under FSDP are DTensor shards over the whole world: the squared nor
 shards are summed over the world. Expert masters hold this rank's local rows, replicated over the
 dp_replicate axis: their squared norms are summed over the EP group only (the replicas hold the same
 rows). Unsharded dense params (no FSDP) are identical on every rank and are counted locally.
+
+Cost: the norms are multi-tensor kernels (torch._foreach_norm, one read of every grad, no
+temporaries). The scaling either multiplies every grad in place (torch._foreach_mul_, one read and
+one write), or, for a fused torch optimizer, is folded into its step: the optimizer's `grad_scale`
+(the AMP hook of the fused Adam/AdamW kernels) divides each grad by max(1, norm / max_norm) inside
+the kernel, so the grads are not touched twice. At 4.4B fp32 expert grads per rank that saves ~35 GB
+of memory traffic per step against pow/sum/mul_ over each tensor.
 """
 
 from __future__ import annotations
@@ -14,36 +21,58 @@ from torch.distributed.tensor import DTensor
 
 from moontrain.parallel.layout import ParallelLayout
 
+_EPS = 1e-6
+
+
+def _sq_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of every element of grads, in fp32."""
+    if not grads:
+        return torch.zeros((), device=device, dtype=torch.float32)
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    return torch.stack(norms).square().sum()
+
+
+def _local(g: torch.Tensor) -> torch.Tensor:
+    return g.to_local() if isinstance(g, DTensor) else g
+
 
 @torch.no_grad()
-def clip_grad_norm_global(dense: list[torch.Tensor], experts: list[torch.Tensor], layout: ParallelLayout,
-                          max_norm: float) -> torch.Tensor:
-    """Returns the global norm before clipping; scales all grads in place when max_norm > 0."""
+def global_grad_norm(dense: list[torch.Tensor], experts: list[torch.Tensor], layout: ParallelLayout) -> torch.Tensor:
+    """The L2 norm of every gradient of the model, each parameter counted once (fp32 scalar)."""
     dev = layout.device
-    sharded_sq = torch.zeros((), device=dev, dtype=torch.float32)
-    replicated_sq = torch.zeros((), device=dev, dtype=torch.float32)
-    for p in dense:
-        if p.grad is None:
-            continue
-        if isinstance(p.grad, DTensor):
-            sharded_sq += p.grad.to_local().float().pow(2).sum()
-        else:
-            replicated_sq += p.grad.float().pow(2).sum()
-    expert_sq = torch.zeros((), device=dev, dtype=torch.float32)
-    for p in experts:
-        if p.grad is not None:
-            expert_sq += p.grad.float().pow(2).sum()
+    sharded = [p.grad.to_local() for p in dense if isinstance(p.grad, DTensor)]
+    replicated = [p.grad for p in dense if p.grad is not None and not isinstance(p.grad, DTensor)]
+    sharded_sq = _sq_norm(sharded, dev)
+    replicated_sq = _sq_norm(replicated, dev)
+    expert_sq = _sq_norm([p.grad for p in experts if p.grad is not None], dev)
     if layout.distributed:
         dist.all_reduce(sharded_sq, group=layout.world_group)
         if layout.ep > 1:
             dist.all_reduce(expert_sq, group=layout.ep_group)
-    total = (sharded_sq + replicated_sq + expert_sq).sqrt()
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in dense + experts:
-            if p.grad is not None:
-                if isinstance(p.grad, DTensor):
-                    p.grad.to_local().mul_(coef)
-                else:
-                    p.grad.mul_(coef)
+    return (sharded_sq + replicated_sq + expert_sq).sqrt()
+
+
+def _fused(optimizer: torch.optim.Optimizer | None) -> bool:
+    return optimizer is not None and bool(optimizer.defaults.get("fused"))
+
+
+@torch.no_grad()
+def clip_grad_norm_global(dense: list[torch.Tensor], experts: list[torch.Tensor], layout: ParallelLayout,
+                          max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+    """Returns the global norm before clipping and clips to max_norm (when > 0): grads scaled in
+    place by min(1, max_norm / (norm + 1e-6)), or, with a fused torch optimizer passed, the same
+    factor applied inside its next step() (its `grad_scale`; the grads themselves stay unscaled).
+    Call it once before every step() of such an optimizer: it also clears a stale grad_scale."""
+    total = global_grad_norm(dense, experts, layout)
+    if _fused(optimizer) and hasattr(optimizer, "grad_scale"):
+        del optimizer.grad_scale
+    if max_norm <= 0:
+        return total
+    if _fused(optimizer):
+        optimizer.grad_scale = torch.clamp((total + _EPS) / max_norm, min=1.0)  # step divides grads by it
+        return total
+    coef = torch.clamp(max_norm / (total + _EPS), max=1.0)
+    grads = [_local(p.grad) for p in dense + experts if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, coef)
     return total
