@@ -87,7 +87,7 @@ class Trainer:
         loss.backward()
         self._reduce_grads()
         grad_norm = clip_grad_norm_global(self.dense_params, self.expert_params, self.layout,
-                                          self.cfg.optim.grad_clip)
+                                          self.cfg.optim.grad_clip, optimizer=self.optimizer)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
