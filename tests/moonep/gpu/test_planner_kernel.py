@@ -42,12 +42,15 @@ def test_planner_kernel_bitwise_equals_pytorch_planner() -> None:
 
 
 def test_fused_planner_bitwise_equals_make_plan() -> None:
-    """moonep.kernels.plan_fused for every rank of R = 1..16 simulated on one GPU, vs make_plan on the CPU."""
+    """moonep.kernels.plan_fused for every rank of R = 1..16 simulated on one GPU, vs make_plan on the CPU.
+
+    Few distinct shapes: each compiles the three kernels anew (~10-20 s per shape from a cold Triton
+    cache; the full random sweep, 30+ shapes, runs in Triton's interpreter in CI)."""
     g = torch.Generator().manual_seed(3)
     cases = [(R, E, K, [s] * R, B, pad, sigma, False)
-             for R, E, K, s, B, pad, sigma in planner_cases(12, (1, 2, 4, 8, 16), 8, ((2, 96), (8, 384), (16, 384)))]
+             for R, E, K, s, B, pad, sigma in planner_cases(3, (1, 4, 16), 8, ((2, 96), (16, 384)))]
     cases += [(R, E, K, [int(torch.randint(1, 2 * s + 1, (1,), generator=g)) for _ in range(R)], B, pad, sigma, True)
-              for R, E, K, s, B, pad, sigma in planner_cases(6, (2, 4, 8), 8, (), seed=1)]
+              for R, E, K, s, B, pad, sigma in planner_cases(1, (4,), 8, (), seed=1)]
     cases += [(2, 384, 8, [8192, 8192], 192, 16, sigma, False) for sigma in (0.0, 1.0, 3.0)]
     cases += [(2, 384, 8, [8192, 5000], 192, 16, 2.0, True), (8, 384, 8, [4096] * 8, 48, 16, 3.0, False)]
     check_fused_cases(cases, g, device="cuda")
