@@ -37,6 +37,9 @@ class ModelConfig:
     # benchmarks: sigma of a fixed log-normal expert popularity whose log is added to the selection scores
     # (same on every rank and layer), to force a routing skew; 0 leaves routing untouched
     router_skew: float = 0.0
+    # execution (no effect on the math): on CUDA, run the shared experts on a side stream so they
+    # overlap the routed experts' communication (forward and, through autograd, backward)
+    overlap_shared_experts: bool = True
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_lora_rank", "v_head_dim",
