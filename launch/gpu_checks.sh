@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go, for a 2-GPU machine (run from the repository root):
 #   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train ...]     (default: all four, in that order)
+# Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT (s),
+# TRAIN_ARGS (extra bench_train.py arguments).
 # Each rank's pytest output goes to its own log (OUT_DIR/tests_r<rank>.log), so a failure on one rank
 # is readable; every step has its own time limit so one hang cannot eat the rest.
 set -uo pipefail
@@ -15,21 +17,24 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}" OUT_DIR="$out"
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/moonep_triton_cache}"
 mkdir -p "$TRITON_CACHE_DIR"
 [ -f .tcache.tgz ] && tar -xzf .tcache.tgz -C "$TRITON_CACHE_DIR"
-save_cache() { tar -czf "$out/tcache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null; }
+save_cache() {  # only what fits the 16 MiB a returned file may have
+  tar -czf /tmp/tcache.tgz -C "$TRITON_CACHE_DIR" . 2>/dev/null
+  [ "$(stat -c %s /tmp/tcache.tgz)" -lt 16000000 ] && cp /tmp/tcache.tgz "$out/tcache.tgz"
+}
 trap save_cache EXIT
 for step in "${steps[@]}"; do
   case "$step" in
     tests) timeout "${TESTS_TIMEOUT:-480}" torchrun --nproc_per_node=2 --no-python bash -c \
-             'python -m pytest -v --tb=short --durations=15 -o faulthandler_timeout=240 -m "gpu or multigpu" tests/ \
+             'python -m pytest -v --tb=short --durations=15 -o faulthandler_timeout=240 -m "gpu or multigpu" ${TESTS:-tests/} \
                 > "$OUT_DIR/tests_r$LOCAL_RANK.log" 2>&1'
            echo "tests rc=$?"; grep -hE "passed|failed|^FAILED" "$out"/tests_r*.log | tail -4 ;;
     cute)  timeout 120 python -m pytest -q -m gpu tests/moonep/gpu/test_cute_planner.py -s > "$out/cute.log" 2>&1
            echo "cute rc=$?"; tail -3 "$out/cute.log" ;;
-    comm)  timeout 400 torchrun --nproc_per_node=2 benchmarks/bench_comm.py --experts 96 384 --iters 7 \
+    comm)  timeout "${COMM_TIMEOUT:-400}" torchrun --nproc_per_node=2 benchmarks/bench_comm.py --experts 96 384 --iters 7 \
              --out "$out" > "$out/comm.log" 2>&1
            echo "comm rc=$?"; grep -v "^\[rank" "$out/comm.log" | tail -14 ;;
-    train) timeout 400 torchrun --nproc_per_node=2 benchmarks/bench_train.py --recipe recipes/k3_small_moe.yaml \
-             --steps 5 --warmup 2 --out "$out" > "$out/train.log" 2>&1
+    train) timeout "${TRAIN_TIMEOUT:-400}" torchrun --nproc_per_node=2 benchmarks/bench_train.py --recipe recipes/k3_small_moe.yaml \
+             --steps 5 --warmup 2 --out "$out" ${TRAIN_ARGS:-} > "$out/train.log" 2>&1
            echo "train rc=$?"; grep -v "^\[rank" "$out/train.log" | tail -10 ;;
     *) echo "unknown step $step (tests, cute, comm, train)"; exit 2 ;;
   esac
