@@ -80,8 +80,7 @@ import triton.language as tl
 from moonep.layout import Layout
 from moonep.planner import Plan
 
-CHUNK = 1024  # flat entries per histogram program (a power of two for tl.sort)
-_LOG_CHUNK = 10
+CHUNK = 1024  # flat entries per histogram program (a power of two for tl.sort); benchmarks/bench_planner.py sweeps it
 _DEST_ENTRIES = 1024  # entries per destination program (whole tokens, K padded to a power of two)
 
 
@@ -326,9 +325,13 @@ class _PlanLayout:
 class _Workspace:
     """Intermediate buffers of one shape, reused by every call (one plan at a time per buffer)."""
 
-    def __init__(self, layout: Layout, s: int, device: torch.device) -> None:
+    def __init__(self, layout: Layout, s: int, device: torch.device, chunk: int = CHUNK, chunk_warps: int = 4
+                 ) -> None:
         R, E, K = layout.num_ranks, layout.config.num_experts, layout.config.topk
-        self.num_chunks = triton.cdiv(s * K, CHUNK)
+        if chunk < 16 or chunk & (chunk - 1):
+            raise ValueError(f"chunk={chunk} must be a power of two >= 16 (tl.sort's block)")
+        self.chunk, self.chunk_warps = chunk, chunk_warps
+        self.num_chunks = triton.cdiv(s * K, chunk)
         i32 = {"dtype": torch.int32, "device": device}
         self.rank_in_chunk = torch.empty(s * K, **i32)
         self.chunk_hist = torch.empty(self.num_chunks, E, **i32)  # histograms, then prefixes
@@ -347,8 +350,9 @@ def chunk_pass(topk_sK: torch.Tensor, rank: int, hist_all: torch.Tensor, work: _
     assert hist_all.stride(2) == 1
     _chunk_kernel[(C,)](
         topk_sK, work.rank_in_chunk, work.chunk_hist, work.ticket, hist_all,
-        topk_sK.numel(), C, rank, hist_all.stride(0), hist_all.stride(1), E, R=R, CHUNK=CHUNK, LOG_CHUNK=_LOG_CHUNK, E_BINS=triton.next_power_of_2(E + 1),
-        BLOCK_C=block_c, BLOCK_E=max(16, min(triton.next_power_of_2(E), 8192 // block_c)), num_warps=4)
+        topk_sK.numel(), C, rank, hist_all.stride(0), hist_all.stride(1), E, R=R, CHUNK=work.chunk,
+        LOG_CHUNK=work.chunk.bit_length() - 1, E_BINS=triton.next_power_of_2(E + 1),
+        BLOCK_C=block_c, BLOCK_E=max(16, min(triton.next_power_of_2(E), 8192 // block_c)), num_warps=work.chunk_warps)
 
 
 def plan_pass(topk_sK: torch.Tensor, rank: int, hist_RE: torch.Tensor, work: _Workspace, out: dict[str, torch.Tensor],
@@ -368,7 +372,7 @@ def plan_pass(topk_sK: torch.Tensor, rank: int, hist_RE: torch.Tensor, work: _Wo
     _dest_kernel[(triton.cdiv(s, block_t),)](
         topk_sK, work.rank_in_chunk, work.chunk_hist, work.base_E, work.end_ER, work.rowbase_ER,
         out["dst_rank_sK"], out["dst_row_sK"], out["copy_row_sK"], out["sent_sK"].view(torch.uint8), s, E, K,
-        R=R, K_P=k_p, BLOCK_T=block_t, CHUNK=CHUNK, num_warps=4)
+        R=R, K_P=k_p, BLOCK_T=block_t, CHUNK=work.chunk, num_warps=4)
 
 
 def receive_cap_args(num_ranks: int, topk: int, s: int, total_num_tokens: int | None) -> tuple[int, int]:
@@ -382,11 +386,13 @@ class FusedPlanner:
     """Buffer's planner on the triton path: plan(topk_sK) -> Plan, collective (see the module docstring).
 
     hist_all: Buffer._all["hist"], the [R, R, E] all-ranks view; barrier: the heap barrier of the
-    histogram exchange; graph: replay captured CUDA graphs (CUDA only)."""
+    histogram exchange; graph: replay captured CUDA graphs (CUDA only); chunk / chunk_warps: entries
+    and warps per program of the chunk pass."""
 
     def __init__(self, layout: Layout, rank: int, hist_all: torch.Tensor, barrier: Callable[[], None],
-                 graph: bool) -> None:
+                 graph: bool, chunk: int = CHUNK, chunk_warps: int = 4) -> None:
         self.layout = layout
+        self.chunk, self.chunk_warps = chunk, chunk_warps
         self.rank = rank
         self.hist_all = hist_all
         self.barrier = barrier
@@ -422,7 +428,7 @@ class FusedPlanner:
         s = topk_sK.shape[0]
         work = self._work.get(s)
         if work is None:
-            work = self._work[s] = _Workspace(self.layout, s, topk_sK.device)
+            work = self._work[s] = _Workspace(self.layout, s, topk_sK.device, self.chunk, self.chunk_warps)
         chunk_pass(topk_sK, self.rank, self.hist_all, work)
         self.barrier()
         cap_base, cap_rem = receive_cap_args(self.layout.num_ranks, self.layout.config.topk, s, total)
