@@ -248,7 +248,7 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
             maxvio.append(stats.max_maxvio)
             rank_maxvio.append(stats.scalars.get("moe/rank_maxvio/max", float("nan")))
             losses.append(stats.loss)
-        if args.profile and device.type == "cuda":  # one extra, untimed step under the profiler
+        if wants_profile(args, cfg) and device.type == "cuda":  # one extra, untimed step under the profiler
             profile_step(trainer, layout, args, cfg)
     except torch.OutOfMemoryError as err:
         oom_where = f"step {len(step_s)}" if trainer is not None else "building the trainer"
@@ -299,19 +299,29 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
     return point
 
 
+def wants_profile(args: argparse.Namespace, cfg: RunConfig) -> bool:
+    """--profile [BACKEND ...]: the first target's point of each named backend (all when none named)."""
+    if args.profile is None or cfg.model.router_skew != args.profile_skew:
+        return False
+    return not args.profile or cfg.experts.backend in args.profile
+
+
 def profile_step(trainer: Trainer, layout: ParallelLayout, args: argparse.Namespace, cfg: RunConfig) -> None:
-    """Profile one more step; rank 0 writes the kernel table (top 40 by CUDA time) to --out."""
+    """Profile one more step; rank 0 writes to --out the ops by CUDA time (top 40), then the ops
+    by self CUDA time split by input shapes (top 60), which tells apart the call sites of one op."""
     from torch.profiler import ProfilerActivity, profile
 
     _sync(layout.device)
     dist.barrier(group=layout.world_group)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         trainer.train_step()
         _sync(layout.device)
     if layout.rank == 0:
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+        shapes = prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=50, max_shapes_column_width=90)
         name = f"profile_{cfg.experts.backend}_skew{cfg.model.router_skew:.3g}.txt"
-        (Path(args.out) / name).write_text(table)
+        (Path(args.out) / name).write_text(f"{table}\n\nby input shapes (self CUDA time):\n{shapes}\n")
         print(f"profile of one step written to {Path(args.out) / name}", flush=True)
 
 
@@ -352,7 +362,9 @@ def main() -> None:
     p.add_argument("--timeout-s", type=float, default=300.0, help="process-group timeout (a stuck peer fails then)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="file tag (default: the recipe name, the device type and the date)")
-    p.add_argument("--profile", action="store_true", help="profile one extra step per point (GPU; kernel table to --out)")
+    p.add_argument("--profile", nargs="*", choices=["moonep", "alltoall"], default=None, metavar="BACKEND",
+                   help="profile one extra step at the first target of these backends (none named: all; GPU; "
+                        "kernel tables to --out)")
     p.add_argument("--show", metavar="JSON", help="print the table of a saved result and exit (no GPU needed)")
     args = p.parse_args()
     if args.show:
@@ -416,6 +428,7 @@ def run(args: argparse.Namespace, device: torch.device, side: dist.ProcessGroup)
     trainer.close()
     del trainer
     meta["calibration_s"] = time.perf_counter() - t0
+    args.profile_skew = calib[0]["sigma"]  # --profile: the first target's point
 
     points = []
     for backend in args.backends:
