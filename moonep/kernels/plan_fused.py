@@ -82,6 +82,7 @@ from moonep.planner import Plan
 
 CHUNK = 1024  # flat entries per histogram program (a power of two for tl.sort); benchmarks/bench_planner.py sweeps it
 _DEST_ENTRIES = 1024  # entries per destination program (whole tokens, K padded to a power of two)
+_DEDUP_TILE = 8192  # elements of the destination program's [tokens, K_P, K_P] dedup tile (registers)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -368,7 +369,7 @@ def plan_pass(topk_sK: torch.Tensor, rank: int, hist_RE: torch.Tensor, work: _Wo
         G_P=triton.next_power_of_2(E + B), B_P=triton.next_power_of_2(B), num_warps=8)
     s, K = topk_sK.shape
     k_p = triton.next_power_of_2(K)
-    block_t = max(1, _DEST_ENTRIES // k_p)
+    block_t = max(1, min(_DEST_ENTRIES // k_p, _DEDUP_TILE // (k_p * k_p)))  # large K: fewer tokens
     _dest_kernel[(triton.cdiv(s, block_t),)](
         topk_sK, work.rank_in_chunk, work.chunk_hist, work.base_E, work.end_ER, work.rowbase_ER,
         out["dst_rank_sK"], out["dst_row_sK"], out["copy_row_sK"], out["sent_sK"].view(torch.uint8), s, E, K,

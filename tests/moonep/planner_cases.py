@@ -96,7 +96,9 @@ def check_fused_cases(cases: list[FusedCase], g: torch.Generator, device: str = 
                       ) -> None:
     """simulate_fused on `device` for every rank of every case, bitwise against make_plan on the CPU
     (per_rank: ranks have different s and pass total_num_tokens)."""
-    for R, E, K, s_R, B, pad, sigma, per_rank in cases:
+    for i, (R, E, K, s_R, B, pad, sigma, per_rank) in enumerate(cases):
+        if device != "cpu":  # on a GPU each new shape compiles: say which case runs (pytest -s)
+            print(f"fused case {i + 1}/{len(cases)}: R={R} E={E} K={K} s={s_R[:2]} B={B} pad={pad}", flush=True)
         layout = Layout(BufferConfig(max_tokens=max(s_R), hidden=8, topk=K, num_experts=E, token_padding=pad,
                                      num_slots=B), R, 4096)
         topk_R = [random_topk(s, E, K, sigma, g) for s in s_R]
