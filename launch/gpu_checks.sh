@@ -12,6 +12,7 @@ mkdir -p "$out"
 [ -f .device/setup.sh ] && source .device/setup.sh  # CuTe DSL; extends PYTHONPATH (never overwrite it)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" OUT_DIR="$out"
+export FAULT_S=$(( ${TESTS_TIMEOUT:-480} * 3 / 4 ))  # a hung test dumps its stack before the step's time limit
 # Triton's compile cache travels as one archive (.tcache.tgz in, OUT/tcache.tgz out): a cold cache
 # costs minutes of compiles per fresh machine
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/moonep_triton_cache}"
@@ -25,7 +26,7 @@ trap save_cache EXIT
 for step in "${steps[@]}"; do
   case "$step" in
     tests) timeout "${TESTS_TIMEOUT:-480}" torchrun --nproc_per_node=2 --no-python bash -c \
-             'python -m pytest -v --tb=short --durations=15 -o faulthandler_timeout=240 -m "gpu or multigpu" ${TESTS:-tests/} \
+             'python -m pytest -v -s --tb=short --durations=15 -o faulthandler_timeout=$FAULT_S -m "gpu or multigpu" ${TESTS:-tests/} \
                 > "$OUT_DIR/tests_r$LOCAL_RANK.log" 2>&1'
            echo "tests rc=$?"; grep -hE "passed|failed|^FAILED" "$out"/tests_r*.log | tail -4 ;;
     cute)  timeout 120 python -m pytest -q -m gpu tests/moonep/gpu/test_cute_planner.py -s > "$out/cute.log" 2>&1
