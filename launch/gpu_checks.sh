@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go, for a 2-GPU machine (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train ...]     (default: all four, in that order)
-# Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT (s),
-# TRAIN_ARGS (extra bench_train.py arguments).
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner ...]   (default: the first four, in order)
+# Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
+# PLANNER_TIMEOUT (s), COMM_ARGS (bench_comm.py arguments instead of --experts 96 384), TRAIN_ARGS
+# (extra bench_train.py arguments).
 # Each rank's pytest output goes to its own log (OUT_DIR/tests_r<rank>.log), so a failure on one rank
 # is readable; every step has its own time limit so one hang cannot eat the rest.
 set -uo pipefail
@@ -31,12 +32,14 @@ for step in "${steps[@]}"; do
            echo "tests rc=$?"; grep -hE "passed|failed|^FAILED" "$out"/tests_r*.log | tail -4 ;;
     cute)  timeout 120 python -m pytest -q -m gpu tests/moonep/gpu/test_cute_planner.py -s > "$out/cute.log" 2>&1
            echo "cute rc=$?"; tail -3 "$out/cute.log" ;;
-    comm)  timeout "${COMM_TIMEOUT:-400}" torchrun --nproc_per_node=2 benchmarks/bench_comm.py --experts 96 384 --iters 7 \
-             --out "$out" > "$out/comm.log" 2>&1
+    comm)  timeout "${COMM_TIMEOUT:-400}" torchrun --nproc_per_node=2 benchmarks/bench_comm.py ${COMM_ARGS:---experts 96 384} \
+             --iters 7 --out "$out" > "$out/comm.log" 2>&1
            echo "comm rc=$?"; grep -v "^\[rank" "$out/comm.log" | tail -14 ;;
     train) timeout "${TRAIN_TIMEOUT:-400}" torchrun --nproc_per_node=2 benchmarks/bench_train.py --recipe recipes/k3_small_moe.yaml \
              --steps 5 --warmup 2 --out "$out" ${TRAIN_ARGS:-} > "$out/train.log" 2>&1
            echo "train rc=$?"; grep -v "^\[rank" "$out/train.log" | tail -10 ;;
-    *) echo "unknown step $step (tests, cute, comm, train)"; exit 2 ;;
+    planner) timeout "${PLANNER_TIMEOUT:-120}" python benchmarks/bench_planner.py --out "$out" > "$out/planner.log" 2>&1
+           echo "planner rc=$?"; tail -12 "$out/planner.log" ;;
+    *) echo "unknown step $step (tests, cute, comm, train, planner)"; exit 2 ;;
   esac
 done
