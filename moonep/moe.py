@@ -81,8 +81,9 @@ class _ExpertSwiGLU(torch.autograd.Function):
             grad_h, grad_u, a = swiglu_backward(grad_a, h, u)
         else:
             grad_h, grad_u, a = swiglu_backward_torch(grad_a, h, u)
-        grad_x_rows = grouped_mm(grad_h, w["gate"].transpose(1, 2), offs).float()
-        grad_x_rows = grad_x_rows.add_(grouped_mm(grad_u, w["up"].transpose(1, 2), offs)).to(x_rows.dtype)
+        # bf16 + bf16 adds in fp32 and rounds once (torch's opmath): the fp32 sum's bits, no fp32 temporary
+        grad_x_rows = grouped_mm(grad_h, w["gate"].transpose(1, 2), offs)
+        grad_x_rows.add_(grouped_mm(grad_u, w["up"].transpose(1, 2), offs))
         pools = layer.pools
         pools.accumulate_wgrad(g["down"], a, grad_o, offs)
         pools.accumulate_wgrad(g["gate"], x_rows, grad_h, offs)
