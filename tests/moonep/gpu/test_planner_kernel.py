@@ -29,7 +29,9 @@ def test_planner_kernel_bitwise_equals_pytorch_planner() -> None:
     from moonep.kernels.planner import plan_shared as plan_shared_kernel
 
     g = torch.Generator().manual_seed(1)
-    for R, E, K, s, B, pad, sigma in planner_cases(200, (1, 2, 4, 8, 16), 8, ((2, 96), (2, 384), (8, 384), (16, 384))):
+    # R <= 8: a kernel of R = 16 takes minutes to compile on the GPU host (Triton unrolls R); the
+    # interpreter covers R = 16 in CI
+    for R, E, K, s, B, pad, sigma in planner_cases(200, (1, 2, 4, 8), 8, ((2, 96), (2, 384), (8, 384))):
         counts = random_counts(R, E, K, s, sigma, g).cuda()
         cap = receive_caps(R, K, num_tokens=s, total_num_tokens=None, device=counts.device)
         want = plan_shared(counts, cap, B, pad)
@@ -42,13 +44,15 @@ def test_planner_kernel_bitwise_equals_pytorch_planner() -> None:
 
 
 def test_fused_planner_bitwise_equals_make_plan() -> None:
-    """moonep.kernels.plan_fused for every rank of R = 1..16 simulated on one GPU, vs make_plan on the CPU.
+    """moonep.kernels.plan_fused for every rank of R = 1..8 simulated on one GPU, vs make_plan on the CPU.
 
     Few distinct shapes: each compiles the three kernels anew (~10-20 s per shape from a cold Triton
-    cache; the full random sweep, 30+ shapes, runs in Triton's interpreter in CI)."""
+    cache, minutes at R = 16; the full random sweep with R up to 16 runs in Triton's interpreter in
+    CI). On 2xH200 (2026-11-29) the first 6 cases of the earlier list (R = 1, 4, 16 small shapes,
+    R = 2 at E = 96) passed before the step's time limit, in the R = 16, E = 384 compile."""
     g = torch.Generator().manual_seed(3)
     cases = [(R, E, K, [s] * R, B, pad, sigma, False)
-             for R, E, K, s, B, pad, sigma in planner_cases(3, (1, 4, 16), 8, ((2, 96), (16, 384)))]
+             for R, E, K, s, B, pad, sigma in planner_cases(3, (1, 4, 8), 8, ((2, 96), (8, 384)))]
     cases += [(R, E, K, [int(torch.randint(1, 2 * s + 1, (1,), generator=g)) for _ in range(R)], B, pad, sigma, True)
               for R, E, K, s, B, pad, sigma in planner_cases(1, (4,), 8, (), seed=1)]
     cases += [(2, 384, 8, [8192, 8192], 192, 16, sigma, False) for sigma in (0.0, 1.0, 3.0)]
