@@ -71,8 +71,14 @@ A second run of the same combine gave 1815 / 1678 / 1671 / 1630 / 1621 (spread ~
 dispatch moves 117 MB per rank over NVLink (59 MB at maxvio 0), 120-140 GB/s averaged over the
 whole call against ~370-390 GB/s peer bandwidth: the expansion (about 6 of every 8 rows are local
 duplicates, ~0.7 GB read + written per rank, ~0.35 ms of HBM time) runs after the barrier and
-does not overlap the NVLink stores; the scatter alone should be near its 0.32 ms NVLink floor (not
-profiled separately for lack of device time).
+does not overlap the NVLink stores.
+
+The scatter phase alone (scatter kernel + the "dispatch:rows" barrier that completes it, GPU time;
+bench_comm's `scat` column, bench_comm_R2_session3_20261129.json, E = 96 and 384): 117 MB per
+rank at 304-331 GB/s for maxvio >= 0.2, 81-87 % of the copy engine's 364-380 GB/s measured in the
+same run; at maxvio 0 only 59 MB cross (each token's experts split evenly), at 251-268 GB/s
+(66-72 %): the fixed cost of the phase (launch, the local half of the rows, the barrier) weighs
+more on half the bytes.
 """
 
 from __future__ import annotations

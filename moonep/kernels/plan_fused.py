@@ -50,16 +50,18 @@ histogram only after a barrier that follows this rank's step 3 (dispatch's "disp
 saved-plan dispatch's "dispatch:enter"); two plan() calls back to back with nothing collective in
 between must be separated by the caller (bench_comm aligns ranks before each call).
 
-Measured (2xH200 NV18, torch 2.11, 2026-11-29, benchmarks/bench_comm.py --experts 384 --maxvio 0.2 20
---iters 7; R=2, S=8192, K=8, E=384; benchmarks/results/bench_comm_R2_planfused.json): `plan`
-72 / 68 us median at maxvio 0.2 / 20 (the graph-replayed PyTorch planner with the shared-part
-kernel took 509-642 us, bench_comm_R2_triton_plankernel.json). Not yet the 40 us goal, and bound
-by the host: per call on that machine copy 6-8 us, replay 2-5 us, clone 7-17 us, cutting the
-clone into the Plan's 11 tensors + Plan() 31-45 us (3 dtype views and 11 as_strided; 14 us on a
-desktop CPU), Buffer.plan's checks ~5 us. On the GPU one replay takes 34-40 us back to back:
-_chunk_kernel 17.4 us (the 1024-key bitonic sort, 4 warps), _dest_kernel 7.2 us, _shared_kernel
-3.6 us (early exit), the rest the barrier. Next: fewer host tensor constructions per call, then a
-cheaper sort (fewer warps or 256-entry chunks).
+Measured (2xH200 NV18, torch 2.11, 2026-11-29; R=2, S=8192, K=8):
+- kernels alone (benchmarks/bench_planner.py, E=384, every rank simulated on one GPU, one CUDA graph
+  replay, median of 50; bench_planner_R2_E384_20261129.json): 34.6 us, of which the chunk pass
+  23.0 us and the shared + destination pass 17.0 us (without the barrier). Chunk size x warps:
+  1024 x 4 34.6 us (the default), 1024 x 8 41.7, 512 x 4 38.4, 512 x 8 53.9, 256 x 4 51.8,
+  128 x 4 82.8 (smaller chunks: more programs but a longer serial prefix over chunks).
+- Buffer.plan on 2 GPUs (benchmarks/bench_comm.py, bench_comm_R2_session3b_20261129.json), with
+  the barrier: 37-45 us of GPU time per plan in a run of 8 (E=96: 37-39, E=384: 41-45); one call
+  alone, host launch and the ranks' host skew included, 67-116 us (was 68-72 us at the last
+  measurement with a clone and 11 views per call; the pool removed those host costs, the rest
+  is the caller's check, the input copy, the replay and the barrier's wait for the slower host).
+  The goal of 40 us at E=384 is not reached: next, a cheaper chunk pass (the 1024-key bitonic sort).
 
 Rejected: counting ranks with a [CHUNK, E] one-hot cumsum (E times more work and registers than
 the sort); a single persistent kernel with an in-kernel grid barrier and ready flag (saves two
