@@ -38,8 +38,11 @@ class ModelConfig:
     # (same on every rank and layer), to force a routing skew; 0 leaves routing untouched
     router_skew: float = 0.0
     # execution (no effect on the math): on CUDA, run the shared experts on a side stream so they
-    # overlap the routed experts' communication (forward and, through autograd, backward)
-    overlap_shared_experts: bool = True
+    # overlap the routed experts' communication (forward and, through autograd, backward). Off by
+    # default: on 2xH200 (k3_small_moe, 2026-11-29) the side stream's GEMMs held up moonep's device
+    # barriers (30 ms of barrier waits per step) and FSDP's all-gathers, the step got no faster and
+    # the peak memory came to depend on the routing (frees delayed by the cross-stream use)
+    overlap_shared_experts: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_lora_rank", "v_head_dim",

@@ -4,9 +4,9 @@ Legend: B batch, T sequence, s = B*T tokens, D hidden, L latent width (expert wi
 
 Latent MoE (K3): routed experts run at width L: x_sL = RMSNorm(x_sD W_down); y_sD = experts(x_sL) W_up.
 Shared experts see the full width D and are one SwiGLU of width num_shared * F (identical to the sum
-of num_shared separate experts). On CUDA they run on a side stream (model.overlap_shared_experts),
-concurrently with the routed experts, whose time is largely communication and barrier waits; autograd
-runs their backward on the same side stream, so it overlaps the routed backward too.
+of num_shared separate experts). With model.overlap_shared_experts on CUDA they run on a side stream,
+concurrently with the routed experts; autograd runs their backward on the same side stream. Off by
+default (see ModelConfig: it slowed moonep's barriers more than it hid).
 """
 
 from __future__ import annotations
