@@ -25,6 +25,7 @@ def grouped_mm_wgrad(x_rows: torch.Tensor, grad_rows: torch.Tensor, offs: torch.
     return torch._grouped_mm(x_rows.t().float(), grad_rows.float(), offs=offs)
 
 
-def accumulate_wgrad(g_GIO: torch.Tensor, x_rows: torch.Tensor, grad_rows: torch.Tensor, offs: torch.Tensor) -> None:
-    """g (fp32) += x^T grad per group (in place, with type promotion)."""
-    g_GIO.add_(grouped_mm_wgrad(x_rows, grad_rows, offs))
+def accumulate_wgrad(g_GIO: torch.Tensor, x_rows: torch.Tensor, grad_rows: torch.Tensor, offs: torch.Tensor,
+                     scale: float = 1.0) -> None:
+    """g (fp32) += scale * x^T grad per group (in place, with type promotion)."""
+    g_GIO.add_(grouped_mm_wgrad(x_rows, grad_rows, offs), alpha=scale)

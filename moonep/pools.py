@@ -58,6 +58,9 @@ class ExpertPools:
         self.projections = dict(projections)
         self.dtype = dtype or buffer.config.dtype
         self.layers: list[LayerExperts] = []
+        # weight grads accumulate as wgrad_scale * x^T grad: a trainer folds its loss-mean factor
+        # (e.g. 1 / world size) in here instead of scaling the fp32 grads in a pass of their own
+        self.wgrad_scale = 1.0
         self._owner: tuple[int, Plan] | None = None  # (layer index, plan) whose copies the slots hold
         self._side: torch.cuda.Stream | None = None  # prefetch_async's stream (kernel path)
         self._prefetched: torch.cuda.Event | None = None  # completion of the last prefetch_async
@@ -183,12 +186,12 @@ class ExpertPools:
 
     def accumulate_wgrad(self, g_compact: torch.Tensor, x_rows: torch.Tensor, grad_rows: torch.Tensor,
                          offs: torch.Tensor) -> None:
-        """g_compact (fp32, [epn + B, I, O]) += x^T grad per W_compact group; on the kernel path
-        groups without rows (unused slots) are skipped."""
+        """g_compact (fp32, [epn + B, I, O]) += wgrad_scale * x^T grad per W_compact group; on the
+        kernel path groups without rows (unused slots) are skipped."""
         if self._kx is not None:
-            self._kx.accumulate_groups(g_compact, grouped_mm_wgrad(x_rows, grad_rows, offs), offs)
+            self._kx.accumulate_groups(g_compact, grouped_mm_wgrad(x_rows, grad_rows, offs), offs, self.wgrad_scale)
         else:
-            accumulate_wgrad(g_compact, x_rows, grad_rows, offs)
+            accumulate_wgrad(g_compact, x_rows, grad_rows, offs, self.wgrad_scale)
 
     # ------------------------------------------------------------------ reduce_grad
     def reduce_grad(self, plan: Plan, layer: LayerExperts) -> None:

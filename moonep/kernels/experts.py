@@ -94,7 +94,7 @@ def _zero_kernel(g_slots_ptr, slot_ptr, rank, ROW: tl.constexpr, B: tl.constexpr
 
 
 @triton.jit
-def _accumulate_kernel(g_ptr, w_ptr, offs_ptr, G: tl.constexpr, G_P: tl.constexpr, ROW: tl.constexpr,
+def _accumulate_kernel(g_ptr, w_ptr, offs_ptr, scale, G: tl.constexpr, G_P: tl.constexpr, ROW: tl.constexpr,
                        BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < ROW
@@ -106,18 +106,18 @@ def _accumulate_kernel(g_ptr, w_ptr, offs_ptr, G: tl.constexpr, G_P: tl.constexp
     for k in range(0, tl.sum(busy.to(tl.int32), axis=0)):
         grp, _ = _kth(busy, order, g_G, g_G, k)
         row = grp * ROW + offs
-        tl.store(g_ptr + row, tl.load(g_ptr + row, mask=mask) + tl.load(w_ptr + row, mask=mask).to(tl.float32),
-                 mask=mask)
+        w = tl.load(w_ptr + row, mask=mask).to(tl.float32) * scale
+        tl.store(g_ptr + row, tl.load(g_ptr + row, mask=mask) + w, mask=mask)
 
 
-def accumulate_groups(g_GIO: torch.Tensor, w_GIO: torch.Tensor, offs_G: torch.Tensor) -> None:
-    """g[grp] += w[grp] (fp32) for the groups that have rows (offs_G cumulative ends); empty groups
-    (unused slots) are not touched: their weight gradient is zero."""
+def accumulate_groups(g_GIO: torch.Tensor, w_GIO: torch.Tensor, offs_G: torch.Tensor, scale: float = 1.0) -> None:
+    """g[grp] += scale * w[grp] (fp32) for the groups that have rows (offs_G cumulative ends); empty
+    groups (unused slots) are not touched: their weight gradient is zero."""
     G = g_GIO.shape[0]
     assert g_GIO.is_contiguous() and w_GIO.is_contiguous() and w_GIO.shape == g_GIO.shape and offs_G.numel() == G
     row = g_GIO[0].numel()
-    _accumulate_kernel[(triton.cdiv(row, _BLOCK),)](g_GIO, w_GIO, offs_G, G=G, G_P=triton.next_power_of_2(G),
-                                                    ROW=row, BLOCK=_BLOCK)
+    _accumulate_kernel[(triton.cdiv(row, _BLOCK),)](g_GIO, w_GIO, offs_G, float(scale), G=G,
+                                                    G_P=triton.next_power_of_2(G), ROW=row, BLOCK=_BLOCK)
 
 
 def prefetch(w_full: torch.Tensor, slot_expert_RB: torch.Tensor, rank: int, num_experts: int) -> None:

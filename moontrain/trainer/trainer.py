@@ -63,6 +63,8 @@ class Trainer:
         )
         self.model.attach_experts_backends(cfg.experts.backend, self.experts_ctx)
         self.experts = [moe.experts for moe in self.model.moe_layers()]
+        for w in self.experts:  # the loss-mean factor of _reduce_grads, applied as the grads accumulate
+            w.accumulate_scale = 1.0 / layout.world_size
         self.expert_params = [p for w in self.experts for p in w.master.values()]
         expert_ids = {id(p) for p in self.expert_params}
         self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]

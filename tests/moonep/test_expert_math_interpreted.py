@@ -3,6 +3,7 @@ Triton's interpreter on the CPU, against the PyTorch specification in moonep.moe
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 # first: sets TRITON_INTERPRET=1 before triton is imported (triton reads it then), installs the
@@ -31,7 +32,8 @@ def test_swiglu_backward_kernel_matches_pytorch() -> None:
         assert bool((diff <= bound).all()), f"{name}: max diff {float(diff.max())}"
 
 
-def test_accumulate_groups_skips_empty_groups_bitwise() -> None:
+@pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
+def test_accumulate_groups_skips_empty_groups_bitwise(scale: float) -> None:
     from moonep.kernels.experts import accumulate_groups
 
     gen = torch.Generator().manual_seed(1)
@@ -41,7 +43,7 @@ def test_accumulate_groups_skips_empty_groups_bitwise() -> None:
     g = torch.randn(G, n_in, n_out, generator=gen)
     w = torch.randn(G, n_in, n_out, generator=gen).to(torch.bfloat16)
     w[rows == 0] = float("nan")  # an empty group's values must never be read
-    want = g + w.float()
+    want = g + w.float() * scale  # fp32 product, then the fp32 add
     want[rows == 0] = g[rows == 0]
-    accumulate_groups(g, w, offs)
+    accumulate_groups(g, w, offs, scale)
     assert torch.equal(g, want)

@@ -117,11 +117,14 @@ def _moonep_rank_fn(rank: int, world: int) -> dict:
     for (i, name), g in before.items():
         parts = [torch.empty_like(g) for _ in range(dist.get_world_size(edp))]
         dist.all_gather(parts, g, group=edp)
-        expected[(i, name)] = (parts[0] + parts[1]) * (1.0 / dist.get_world_size())
+        # the backward accumulated the grads pre-scaled by the loss-mean factor 1 / world (ExpertWeights.
+        # accumulate_scale), so the reduction only sums the replicas
+        expected[(i, name)] = parts[0] + parts[1]
         reduced[(i, name)] = layers[i].g_local[name].clone()
         poison_kept &= bool(torch.isnan(layers[i].g_full[name][num_experts:]).all())
     local_views = {(layer.g_local[n].data_ptr(), tuple(layer.g_local[n].shape)) for layer in layers for n in layer.g_local}
     masters_plain = all(not isinstance(p, DTensor) for p in trainer.expert_params)
+    assert all(w.accumulate_scale == 1.0 / dist.get_world_size() for w in trainer.experts)
     master_grads_are_views = all(
         moe.experts.master[n].grad.data_ptr() == layer.g_local[n].data_ptr()
         for moe, layer in zip(trainer.model.moe_layers(), layers, strict=True) for n in layer.g_local)

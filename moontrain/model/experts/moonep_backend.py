@@ -43,10 +43,12 @@ class MoonEPExperts:
         self.pools = ctx.shared["moonep_pools"]
         self.layer = self.pools.add_layer()
         weights.bind_external(self.layer.w_local, self.layer.g_local)
+        self.weights = weights
         self._expert_swiglu = moonep.expert_swiglu
 
     def forward(self, x_sH: torch.Tensor, weights_sK: torch.Tensor, topk_sK: torch.Tensor) -> torch.Tensor:
         dtype = self.pools.dtype
+        self.pools.wgrad_scale = self.weights.accumulate_scale  # read in this layer's backward
         y_sH = self._expert_swiglu(self.buf, self.pools, self.layer, x_sH.to(dtype).contiguous(),
                                    weights_sK.contiguous(), topk_sK.to(torch.int32).contiguous())
         return y_sH.to(x_sH.dtype)

@@ -13,7 +13,7 @@ Per projection (gate [H,F], up [H,F], down [F,H]) a MoE layer holds three tensor
 - grad (fp32): where weight gradients land. For `moonep` it is `layer.g_local[name]` (the fp32 grad
   mirror's local rows; moonep's reduce_grad folds slot-row grads in before we read it). For the
   other backends a post-accumulate hook on the compute leaf adds its .grad (upcast) here and frees it,
-  so both paths present the same fp32 tensor to the trainer.
+  so both paths present the same fp32 tensor to the trainer. Both accumulate accumulate_scale * grad.
 
 Step protocol (trainer): backward -> reduce_grads over the expert-data-parallel group (local rows only)
 -> attach_grads (master.grad = grad) -> clip, optimizer.step -> push_master (compute <- master)
@@ -48,6 +48,9 @@ class ExpertWeights(nn.Module):
         })
         self.compute: dict[str, torch.Tensor] = {}
         self.grad: dict[str, torch.Tensor] = {}
+        # backends accumulate weight grads into `grad` pre-multiplied by this factor (the trainer sets
+        # it to its loss-mean factor, so reduce_grads need not scale 4 bytes per parameter again)
+        self.accumulate_scale = 1.0
 
     @torch.no_grad()
     def init_master(self, *, seed: int, layer_idx: int, std: float) -> None:
@@ -65,7 +68,7 @@ class ExpertWeights(nn.Module):
         for name, master in self.master.items():
             compute = torch.empty(master.shape, dtype=dtype, device=master.device, requires_grad=True)
             grad = torch.zeros(master.shape, dtype=torch.float32, device=master.device)
-            compute.register_post_accumulate_grad_hook(_make_fold_hook(grad))
+            compute.register_post_accumulate_grad_hook(_make_fold_hook(grad, self))
             self.compute[name], self.grad[name] = compute, grad
         self.push_master()
 
@@ -89,13 +92,15 @@ class ExpertWeights(nn.Module):
 
     @torch.no_grad()
     def reduce_grads(self, group: dist.ProcessGroup | None, scale: float) -> None:
-        """Sum this rank's local-row grads over the expert-data-parallel group, then scale."""
+        """Sum this rank's local-row grads over the expert-data-parallel group, then scale (the part
+        of `scale` that accumulate_scale has not applied yet)."""
+        rest = scale / self.accumulate_scale
         for name in PROJECTIONS:
             g = self.grad[name]
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
-            if scale != 1.0:
-                g.mul_(scale)
+            if rest != 1.0:
+                g.mul_(rest)
 
     def attach_grads(self) -> None:
         for name, master in self.master.items():
@@ -108,9 +113,9 @@ class ExpertWeights(nn.Module):
             master.grad = None
 
 
-def _make_fold_hook(grad_fp32: torch.Tensor):
+def _make_fold_hook(grad_fp32: torch.Tensor, owner: ExpertWeights):
     def fold(leaf: torch.Tensor) -> None:
-        grad_fp32.add_(leaf.grad)
+        grad_fp32.add_(leaf.grad, alpha=owner.accumulate_scale)
         leaf.grad = None
 
     return fold

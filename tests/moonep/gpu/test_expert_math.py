@@ -30,7 +30,8 @@ def test_swiglu_backward_kernel_gpu() -> None:
         assert float((a != b).float().mean()) < 0.02, f"{name}: {float((a != b).float().mean()):.3f} of elements differ"
 
 
-def test_accumulate_groups_gpu() -> None:
+@pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
+def test_accumulate_groups_gpu(scale: float) -> None:
     from moonep.kernels.experts import accumulate_groups
 
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -40,7 +41,7 @@ def test_accumulate_groups_gpu() -> None:
     g = torch.randn(G, n_in, n_out, device="cuda", generator=gen)
     w = torch.randn(G, n_in, n_out, device="cuda", generator=gen).to(torch.bfloat16)
     w[rows == 0] = float("nan")
-    want = g + w.float()
+    want = g + w.float() * scale  # fp32 product, then the fp32 add
     want[rows == 0] = g[rows == 0]
-    accumulate_groups(g, w, offs)
+    accumulate_groups(g, w, offs, scale)
     assert torch.equal(g, want)
