@@ -42,5 +42,13 @@ class RunConfig:
                 f"train.global_batch_size={self.train.global_batch_size} is not divisible by the world size "
                 f"{world_size}; use a multiple of {world_size}"
             )
+        per_rank = self.train.global_batch_size // world_size
+        micro = self.train.micro_batch_size
+        if micro is not None and per_rank % micro:
+            raise ValueError(
+                f"train.micro_batch_size={micro} does not divide the {per_rank} sequences per rank "
+                f"(global_batch_size={self.train.global_batch_size} over {world_size} ranks); use a divisor of "
+                f"{per_rank}"
+            )
         if self.experts.backend == "local" and ep != 1:
             raise ValueError(f"experts.backend=local holds all experts on each rank and needs parallel.ep=1, got {ep}")

@@ -47,7 +47,7 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
     m, R = cfg.model, cfg.parallel.ep
     epn = m.num_experts // R
     H, F, K = m.expert_width, m.moe_intermediate_size, m.num_experts_per_tok
-    S = cfg.train.global_batch_size // world_size * cfg.train.seq_len
+    S = cfg.train.micro_batch(world_size) * cfg.train.seq_len  # tokens per rank per forward/backward
     local = m.num_moe_layers * epn * 3 * H * F
     P = counts.dense
     gathered = counts.embedding + 2 * counts.max_block_dense(m)

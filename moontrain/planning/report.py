@@ -26,7 +26,8 @@ def dry_run_report(cfg: RunConfig, world_size: int, device: str) -> str:
         + f", top-{m.num_experts_per_tok}, expert shape {m.expert_width}x{m.moe_intermediate_size}",
         (f"dense params: FSDP2 over {world_size} ranks; expert grads: reduced over {world_size // R} replicas "
          f"(local rows only)"),
-        f"tokens per rank per step: {tokens_per_rank} ({cfg.train.global_batch_size // world_size} x {cfg.train.seq_len})",
+        f"tokens per rank per step: {tokens_per_rank} ({cfg.train.global_batch_size // world_size} x {cfg.train.seq_len}"
+        f"{_accumulation(cfg, world_size)})",
         "== parameters ==",
         f"total {_num(counts.total)}   active per token {_num(counts.active)}",
     ]
@@ -59,3 +60,8 @@ def _bytes(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f} B"
+
+
+def _accumulation(cfg: RunConfig, world_size: int) -> str:
+    n = cfg.train.accumulation_steps(world_size)
+    return f", {n} passes of {cfg.train.micro_batch(world_size)} sequences" if n > 1 else ""

@@ -10,6 +10,9 @@ class TrainConfig:
     steps: int
     global_batch_size: int  # sequences per optimizer step over all ranks
     seq_len: int
+    # sequences per rank per forward/backward; None: global_batch_size / world size (one pass per step).
+    # Smaller values accumulate gradients over global / (world * micro) passes per optimizer step
+    micro_batch_size: int | None = None
     seed: int = 0
     log_every: int = 1
     run_dir: str = "runs/default"
@@ -19,3 +22,13 @@ class TrainConfig:
         for name in ("steps", "global_batch_size", "seq_len", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"train.micro_batch_size must be >= 1 or null (no accumulation), got {self.micro_batch_size}")
+
+    def micro_batch(self, world_size: int) -> int:
+        """Sequences per rank per forward/backward pass."""
+        return self.micro_batch_size or self.global_batch_size // world_size
+
+    def accumulation_steps(self, world_size: int) -> int:
+        """Forward/backward passes per optimizer step."""
+        return self.global_batch_size // world_size // self.micro_batch(world_size)

@@ -53,7 +53,8 @@ class Trainer:
         self.fsdp = layout.distributed and cfg.parallel.fsdp
         if self.fsdp:
             apply_fsdp(self.model, layout, param_dtype=self.compute_dtype)
-        micro_batch = cfg.train.global_batch_size // layout.world_size
+        micro_batch = cfg.train.micro_batch(layout.world_size)
+        self.accumulation_steps = cfg.train.accumulation_steps(layout.world_size)
         self.experts_ctx = ExpertsContext(
             num_experts=cfg.model.num_experts, topk=cfg.model.num_experts_per_tok, ep_group=layout.ep_group,
             ep_size=layout.ep, compute_dtype=self.compute_dtype, token_padding=cfg.experts.token_padding,
@@ -85,8 +86,16 @@ class Trainer:
     def train_step(self) -> StepStats | None:
         """One optimizer step; returns the logged stats on a logging step (the only host read), else None."""
         tokens_BT, targets_BT = self.data.batch(self.step)
-        loss, ce = self.model(tokens_BT, targets_BT)
-        loss.backward()
+        n = self.accumulation_steps
+        if n == 1:
+            loss, ce = self.model(tokens_BT, targets_BT)
+            loss.backward()
+        else:  # gradient accumulation: equal micro-batches, each loss weighted 1/n (the step's mean)
+            ce = torch.zeros((), device=self.layout.device)
+            for tok_bT, tgt_bT in zip(tokens_BT.chunk(n), targets_BT.chunk(n), strict=True):
+                loss, ce_i = self.model(tok_bT, tgt_bT)
+                (loss / n).backward()
+                ce += ce_i.detach() / n
         self._reduce_grads()
         grad_norm = clip_grad_norm_global(self.dense_params, self.expert_params, self.layout,
                                           self.cfg.optim.grad_clip, optimizer=self.optimizer)

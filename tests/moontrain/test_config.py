@@ -138,6 +138,9 @@ def test_dump_round_trips(tmp_path: Path) -> None:
     (4, ["parallel.ep=4", "model.num_experts=6"], r"model\.num_experts=6 is not divisible by parallel\.ep=4"),
     (2, ["train.global_batch_size=3"], r"train\.global_batch_size=3 is not divisible by the world size 2"),
     (2, ["experts.backend=local"], r"experts\.backend=local .* needs parallel\.ep=1, got 2"),
+    (2, ["train.global_batch_size=12", "train.micro_batch_size=4"],
+     r"train\.micro_batch_size=4 does not divide the 6 sequences per rank .* use a divisor of 6"),
+    (2, ["train.global_batch_size=12", "train.micro_batch_size=3"], None),
 ])
 def test_world_checks(world: int, overrides: list[str], match: str | None) -> None:
     cfg = from_dict(RunConfig, apply_overrides(_raw(), overrides))

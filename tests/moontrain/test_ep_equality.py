@@ -27,7 +27,8 @@ STEPS = 3
 SKEW = 0.5  # initial score bias of experts 0 and 1
 
 
-def tiny_config(backend: str, ep: int, activation_checkpointing: bool = False) -> RunConfig:
+def tiny_config(backend: str, ep: int, activation_checkpointing: bool = False,
+                micro_batch_size: int | None = None) -> RunConfig:
     return from_dict(RunConfig, {
         "model": dict(vocab_size=128, hidden_size=64, num_layers=2, num_dense_layers=0, dense_intermediate_size=128,
                       num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -38,7 +39,7 @@ def tiny_config(backend: str, ep: int, activation_checkpointing: bool = False) -
         "parallel": {"ep": ep},
         "optim": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant", "grad_clip": 1.0},
         "train": {"steps": STEPS, "global_batch_size": 8, "seq_len": 16, "seed": 3,
-                  "activation_checkpointing": activation_checkpointing},
+                  "activation_checkpointing": activation_checkpointing, "micro_batch_size": micro_batch_size},
     })
 
 
@@ -105,8 +106,11 @@ def train_reference(reverse: bool) -> tuple[list[float], list[float], dict[str, 
     return _train(trainer)
 
 
-def train_sharded(rank: int, world: int, backend: str, ep: int, activation_checkpointing: bool = False) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    trainer = Trainer(tiny_config(backend, ep, activation_checkpointing), build_layout(ep, torch.device("cpu")))
+def train_sharded(rank: int, world: int, backend: str, ep: int, activation_checkpointing: bool = False,
+                  micro_batch_size: int | None = None) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    trainer = Trainer(tiny_config(backend, ep, activation_checkpointing, micro_batch_size),
+                      build_layout(ep, torch.device("cpu")))
+    assert trainer.accumulation_steps == 8 // world // (micro_batch_size or 8 // world)
     slots_used = []
     if backend == "moonep":  # record how many remote experts each prefetch copies into this rank's slots
         pools = trainer.model.moe_layers()[0].backend.pools
@@ -172,3 +176,11 @@ def test_activation_checkpointing_matches_single_process(reference, backend: str
     """Recomputing every block in backward (collectives included) changes nothing, and the router
     does not count the recomputed tokens twice (maxvio and the bias updates match)."""
     _check(run_ranks(train_sharded, 2, backend, 2, True, timeout_s=300)[0], reference)
+
+
+@pytest.mark.parametrize(("backend", "micro"), [("alltoall", 2), ("moonep", 2), ("moonep", 1)])
+def test_gradient_accumulation_matches_single_process(reference, backend: str, micro: int) -> None:
+    """4 sequences per rank as 2 or 4 forward/backward passes per optimizer step (each loss weighted
+    1/n, the routers' counts summed over the passes) give the one-pass reference's losses, grad norms,
+    step-1 gradients, parameters and router biases."""
+    _check(run_ranks(train_sharded, 2, backend, 2, False, micro, timeout_s=300)[0], reference)
