@@ -46,4 +46,8 @@ def test_accumulate_groups_skips_empty_groups_bitwise(scale: float) -> None:
     want = g + w.float() * scale  # fp32 product, then the fp32 add
     want[rows == 0] = g[rows == 0]
     accumulate_groups(g, w, offs, scale)
-    assert torch.equal(g, want)
+    if scale in (1.0, 0.5):  # exact products: bitwise
+        assert torch.equal(g, want)
+    else:  # the GPU may fuse the multiply-add (one rounding instead of two): within 1 fp32 ulp
+        ulp = torch.finfo(torch.float32).eps * want.abs().clamp(min=torch.finfo(torch.float32).tiny)
+        assert bool(((g - want).abs() <= ulp).all()) and torch.equal(g[rows == 0], want[rows == 0])

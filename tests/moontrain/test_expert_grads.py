@@ -142,3 +142,22 @@ def test_moonep_reduce_pool_never_reaches_dp_reduction() -> None:
         for key, want in res["expected"].items():
             got = res["reduced"][key]
             assert torch.isfinite(got).all() and torch.equal(got, want), f"rank {rank} layer/proj {key}"
+
+
+def test_owned_weights_are_freed_when_dropped() -> None:
+    """The fold hook sits on the compute leaf (held in C++); a strong reference from it back to its
+    ExpertWeights would be a cycle the garbage collector cannot see, and every Trainer built in one
+    process (a benchmark's points) would stay in memory."""
+    import gc
+    import weakref
+
+    w = ExpertWeights(num_experts=E, ep_rank=0, ep_size=1, hidden=H, intermediate=FF)
+    w.bind_owned(torch.float32)
+    w.accumulate_scale = 0.5
+    loss = sum((c * 1.0).sum() for c in w.compute.values())
+    loss.backward()  # the hook runs: grad = 0.5 * ones
+    assert all(torch.equal(g, torch.full_like(g, 0.5)) for g in w.grad.values())
+    module, leaf = weakref.ref(w), weakref.ref(w.compute["gate"])
+    del w, loss
+    gc.collect()
+    assert module() is None and leaf() is None, "ExpertWeights kept alive by its own fold hook"

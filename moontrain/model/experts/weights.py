@@ -22,6 +22,8 @@ Step protocol (trainer): backward -> reduce_grads over the expert-data-parallel 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -114,8 +116,12 @@ class ExpertWeights(nn.Module):
 
 
 def _make_fold_hook(grad_fp32: torch.Tensor, owner: ExpertWeights):
+    # a weak reference: the hook lives on the compute tensor (C++), which the owner holds; a strong
+    # one would make a cycle Python's collector cannot see, and no trainer would ever be freed
+    owner_ref = weakref.ref(owner)
+
     def fold(leaf: torch.Tensor) -> None:
-        grad_fp32.add_(leaf.grad, alpha=owner.accumulate_scale)
+        grad_fp32.add_(leaf.grad, alpha=owner_ref().accumulate_scale)
         leaf.grad = None
 
     return fold
