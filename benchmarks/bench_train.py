@@ -359,7 +359,9 @@ def main() -> None:
                    help="where the popular experts live (see the module docstring)")
     p.add_argument("--lr", default="1e-10", help="optim.lr for the points (default: weights stay put), or 'recipe'")
     p.add_argument("--keep-balancing", action="store_true", help="keep the router's aux-loss-free bias update on")
-    p.add_argument("--timeout-s", type=float, default=300.0, help="process-group timeout (a stuck peer fails then)")
+    p.add_argument("--timeout-s", type=float, default=120.0,
+                   help="process-group timeout: a peer stuck in a collective (e.g. after the other rank ran out of "
+                        "memory) fails then; a step takes well under a second")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="file tag (default: the recipe name, the device type and the date)")
     p.add_argument("--profile", nargs="*", choices=["moonep", "alltoall"], default=None, metavar="BACKEND",
