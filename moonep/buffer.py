@@ -156,8 +156,11 @@ class Buffer:
         self._hist_unsettled = False  # every rank got past its last read of the hist region
 
     def _check_alive(self, call: str) -> None:
+        """Entry of every public call: the buffer is alive, and the call's work queues after the
+        last async call (moonep.comm_stream)."""
         if not self._mine:  # destroy() dropped the views over unmapped memory
             raise RuntimeError(f"moonep Buffer used after destroy() (in {call})")
+        self._comm_stream.join()
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x_sH: torch.Tensor, weights_sK: torch.Tensor | None = None, topk_sK: torch.Tensor | None = None,
@@ -371,10 +374,12 @@ class Buffer:
     # ------------------------------------------------------------------ experts (see moonep.pools)
     def prefetch_weight(self, plan: Plan, layer) -> None:
         """Copy every planned remote expert of `layer` into this rank's slots."""
+        self._check_alive("prefetch_weight")
         layer.pools.prefetch(plan, layer)
 
     def reduce_grad(self, plan: Plan, layer) -> None:
         """Fold every slot's fp32 weight gradient into its owner's grad rows; zero the slots."""
+        self._check_alive("reduce_grad")
         layer.pools.reduce_grad(plan, layer)
 
     def destroy(self) -> None:

@@ -10,9 +10,10 @@ buffer's communication stream instead of the caller's, and returns a `CommEvent`
 Ordering rules (no host synchronisation anywhere):
 - the communication stream first waits for everything the calling stream has queued, so inputs
   are ready and earlier calls on the buffer are finished;
-- every later barrier of the buffer (any call, synchronous or not, and ExpertPools.reduce_grad)
-  first makes its stream wait for the last async call, so the device barriers of one buffer
-  always run in the order the host issued them (the barrier protocol counts epochs);
+- every later call on the buffer (synchronous: at its start, before it queues anything; and every
+  barrier, ExpertPools.reduce_grad's too) first makes its stream wait for the last async call, so
+  the kernels and device barriers of one buffer always run in the order the host issued them
+  (the barrier protocol counts epochs; the planner's graph shares its input and workspace);
 - memory: inputs are marked as used by the communication stream (record_stream), and outputs
   allocated there are marked as used by the waiting stream in `CommEvent.wait`, so the caching
   allocator reuses neither too early. Zero-copy rows in symmetric memory are not allocator
@@ -72,8 +73,10 @@ class CommStream:
         return self._stream
 
     def join(self) -> None:
-        """Make the current stream wait for the last async call (before a barrier on it)."""
-        if self._pending is not None:
+        """Make the current stream wait for the last async call (at the start of every Buffer call
+        and before every barrier). Not while a graph is captured: the capture happens inside a call
+        that joined at its start, and an event recorded outside a capture cannot be waited on in it."""
+        if self._pending is not None and not torch.cuda.is_current_stream_capturing():
             current = torch.cuda.current_stream(self.device)
             if current != self._stream:
                 current.wait_event(self._pending)
@@ -86,7 +89,7 @@ class CommStream:
         if stream is None:
             return fn(), CommEvent()
         caller = torch.cuda.current_stream(self.device)
-        self.join()
+        # the last async call is earlier on this same stream: the caller need not wait for it
         stream.wait_stream(caller)
         with torch.cuda.stream(stream):
             result = fn()

@@ -60,6 +60,7 @@ class _ExpertSwiGLU(torch.autograd.Function):
         y_sH, _ = buffer.combine(plan, y_in)
         ctx.save_for_backward(x_rows, w_rows, h, u, o)
         ctx.plan, ctx.buffer, ctx.layer = plan, buffer, layer
+        ctx.wgrad_scale = layer.pools.wgrad_scale  # as configured for this forward
         ctx.weights_dtype = weights_sK.dtype
         return y_sH
 
@@ -85,9 +86,9 @@ class _ExpertSwiGLU(torch.autograd.Function):
         grad_x_rows = grouped_mm(grad_h, w["gate"].transpose(1, 2), offs)
         grad_x_rows.add_(grouped_mm(grad_u, w["up"].transpose(1, 2), offs))
         pools = layer.pools
-        pools.accumulate_wgrad(g["down"], a, grad_o, offs)
-        pools.accumulate_wgrad(g["gate"], x_rows, grad_h, offs)
-        pools.accumulate_wgrad(g["up"], x_rows, grad_u, offs)
+        pools.accumulate_wgrad(g["down"], a, grad_o, offs, ctx.wgrad_scale)
+        pools.accumulate_wgrad(g["gate"], x_rows, grad_h, offs, ctx.wgrad_scale)
+        pools.accumulate_wgrad(g["up"], x_rows, grad_u, offs, ctx.wgrad_scale)
         buffer.reduce_grad(plan, layer)
         grad_x_sH, grad_weights_sK = buffer.combine(plan, grad_x_rows, row_scalars=grad_w_rows)
         return grad_x_sH, grad_weights_sK.to(ctx.weights_dtype), None, None, None, None

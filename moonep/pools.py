@@ -185,13 +185,14 @@ class ExpertPools:
         return [(j, min(j + step, B)) for j in range(0, B, step)]
 
     def accumulate_wgrad(self, g_compact: torch.Tensor, x_rows: torch.Tensor, grad_rows: torch.Tensor,
-                         offs: torch.Tensor) -> None:
-        """g_compact (fp32, [epn + B, I, O]) += wgrad_scale * x^T grad per W_compact group; on the
-        kernel path groups without rows (unused slots) are skipped."""
+                         offs: torch.Tensor, scale: float = 1.0) -> None:
+        """g_compact (fp32, [epn + B, I, O]) += scale * x^T grad per W_compact group (expert_swiglu
+        passes the wgrad_scale its forward saw); on the kernel path groups without rows (unused
+        slots) are skipped."""
         if self._kx is not None:
-            self._kx.accumulate_groups(g_compact, grouped_mm_wgrad(x_rows, grad_rows, offs), offs, self.wgrad_scale)
+            self._kx.accumulate_groups(g_compact, grouped_mm_wgrad(x_rows, grad_rows, offs), offs, scale)
         else:
-            accumulate_wgrad(g_compact, x_rows, grad_rows, offs, self.wgrad_scale)
+            accumulate_wgrad(g_compact, x_rows, grad_rows, offs, scale)
 
     # ------------------------------------------------------------------ reduce_grad
     def reduce_grad(self, plan: Plan, layer: LayerExperts) -> None:

@@ -36,6 +36,7 @@ class MoEStats:
                 moe.register_forward_hook(self._keeper(i, pools))
 
     def _keeper(self, i: int, pools):
+        """The plan of layer i's last forward (with gradient accumulation: of the step's last pass)."""
         def keep(module: nn.Module, args, output) -> None:
             self.plans[i] = pools.slot_plan
 

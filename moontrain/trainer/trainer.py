@@ -92,7 +92,9 @@ class Trainer:
             loss.backward()
         else:  # gradient accumulation: equal micro-batches, each loss weighted 1/n (the step's mean)
             ce = torch.zeros((), device=self.layout.device)
-            for tok_bT, tgt_bT in zip(tokens_BT.chunk(n), targets_BT.chunk(n), strict=True):
+            for i, (tok_bT, tgt_bT) in enumerate(zip(tokens_BT.chunk(n), targets_BT.chunk(n), strict=True)):
+                if self.fsdp:  # FSDP reduce-scatters the dense grads once, after the last pass
+                    self.model.set_requires_gradient_sync(i == n - 1)
                 loss, ce_i = self.model(tok_bT, tgt_bT)
                 (loss / n).backward()
                 ce += ce_i.detach() / n
@@ -101,6 +103,8 @@ class Trainer:
                                           self.cfg.optim.grad_clip, optimizer=self.optimizer)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
+        if hasattr(self.optimizer, "grad_scale"):  # the clip's factor is for this step only
+            del self.optimizer.grad_scale
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         for w in self.experts:

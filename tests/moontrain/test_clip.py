@@ -98,3 +98,17 @@ def test_clip_folded_into_fused_optimizer_step(world: int, ep: int) -> None:
         # AdamW's update divides by sqrt(v): the two ways round the scaled grad differently (1 ulp),
         # and the update is lr-sized, so the params agree to a few fp32 ulps of their magnitude
         assert vals["max relative difference"] < 1e-6, f"rank {rank}: {vals}"
+
+
+def test_trainer_step_clears_the_folded_clip() -> None:
+    """The clip factor folded into the fused optimizer applies to its own step only."""
+    import dataclasses
+
+    cfg = tiny_config("local", 1)
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, fused=True, grad_clip=1e-3))
+    trainer = Trainer(cfg, single_process_layout(torch.device("cpu")))
+    seen = []
+    trainer.optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(float(opt.grad_scale)))
+    trainer.train_step()
+    assert seen and seen[0] > 1.0, f"grad_scale during the step: {seen} (the tiny clip must act)"
+    assert not hasattr(trainer.optimizer, "grad_scale"), "a stale clip factor would scale the next step"

@@ -22,8 +22,6 @@ Step protocol (trainer): backward -> reduce_grads over the expert-data-parallel 
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -50,9 +48,18 @@ class ExpertWeights(nn.Module):
         })
         self.compute: dict[str, torch.Tensor] = {}
         self.grad: dict[str, torch.Tensor] = {}
-        # backends accumulate weight grads into `grad` pre-multiplied by this factor (the trainer sets
-        # it to its loss-mean factor, so reduce_grads need not scale 4 bytes per parameter again)
-        self.accumulate_scale = 1.0
+        # backends accumulate weight grads into `grad` pre-multiplied by accumulate_scale (the trainer
+        # sets it to its loss-mean factor, so reduce_grads need not scale 4 bytes per parameter again);
+        # kept in a box that the fold hooks share without referencing this module
+        self._scale_box = [1.0]
+
+    @property
+    def accumulate_scale(self) -> float:
+        return self._scale_box[0]
+
+    @accumulate_scale.setter
+    def accumulate_scale(self, value: float) -> None:
+        self._scale_box[0] = float(value)
 
     @torch.no_grad()
     def init_master(self, *, seed: int, layer_idx: int, std: float) -> None:
@@ -70,7 +77,7 @@ class ExpertWeights(nn.Module):
         for name, master in self.master.items():
             compute = torch.empty(master.shape, dtype=dtype, device=master.device, requires_grad=True)
             grad = torch.zeros(master.shape, dtype=torch.float32, device=master.device)
-            compute.register_post_accumulate_grad_hook(_make_fold_hook(grad, self))
+            compute.register_post_accumulate_grad_hook(_make_fold_hook(grad, self._scale_box))
             self.compute[name], self.grad[name] = compute, grad
         self.push_master()
 
@@ -115,13 +122,12 @@ class ExpertWeights(nn.Module):
             master.grad = None
 
 
-def _make_fold_hook(grad_fp32: torch.Tensor, owner: ExpertWeights):
-    # a weak reference: the hook lives on the compute tensor (C++), which the owner holds; a strong
-    # one would make a cycle Python's collector cannot see, and no trainer would ever be freed
-    owner_ref = weakref.ref(owner)
-
+def _make_fold_hook(grad_fp32: torch.Tensor, scale_box: list[float]):
+    # the box, never the module: the hook lives on the compute tensor (C++), which the module holds,
+    # and a reference back to the module would be a cycle Python's collector cannot see (no trainer
+    # would ever be freed)
     def fold(leaf: torch.Tensor) -> None:
-        grad_fp32.add_(leaf.grad, alpha=owner_ref().accumulate_scale)
+        grad_fp32.add_(leaf.grad, alpha=scale_box[0])
         leaf.grad = None
 
     return fold
