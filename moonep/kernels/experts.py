@@ -48,14 +48,20 @@ def _kth(pick_B, order_B, j_B, vals_B, k):
 
 
 @triton.jit
+def _used_slots(slot_ptr, rank, B: tl.constexpr, B_P: tl.constexpr):
+    """Rank `rank`'s slot table: (slot index, expert or -1, used, running count of used - 1)."""
+    j_B = tl.arange(0, B_P)
+    slots = tl.load(slot_ptr + rank * B + j_B, mask=j_B < B, other=-1)
+    used = slots >= 0
+    return j_B, slots, used, tl.cumsum(used.to(tl.int32), axis=0) - 1
+
+
+@triton.jit
 def _prefetch_kernel(w_ptr, slot_ptr, rank, ROW: tl.constexpr, E: tl.constexpr, B: tl.constexpr,
                      B_P: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # offsets pass 2**31 at K3 sizes
     mask = offs < ROW
-    j_B = tl.arange(0, B_P)
-    slots = tl.load(slot_ptr + rank * B + j_B, mask=j_B < B, other=-1)
-    used = slots >= 0
-    order = tl.cumsum(used.to(tl.int32), axis=0) - 1
+    j_B, slots, used, order = _used_slots(slot_ptr, rank, B, B_P)
     for k in range(0, tl.sum(used.to(tl.int32), axis=0)):
         j, e = _kth(used, order, j_B, slots, k)
         tl.store(w_ptr + (E + j) * ROW + offs, tl.load(w_ptr + e * ROW + offs, mask=mask), mask=mask)
@@ -84,10 +90,7 @@ def _zero_kernel(g_slots_ptr, slot_ptr, rank, ROW: tl.constexpr, B: tl.constexpr
                  BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < ROW
-    j_B = tl.arange(0, B_P)
-    slots = tl.load(slot_ptr + rank * B + j_B, mask=j_B < B, other=-1)
-    used = slots >= 0
-    order = tl.cumsum(used.to(tl.int32), axis=0) - 1
+    j_B, slots, used, order = _used_slots(slot_ptr, rank, B, B_P)
     for k in range(0, tl.sum(used.to(tl.int32), axis=0)):
         j, _ = _kth(used, order, j_B, slots, k)
         tl.store(g_slots_ptr + (rank * B + j) * ROW + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=mask)

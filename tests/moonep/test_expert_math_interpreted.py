@@ -10,6 +10,7 @@ import torch
 # interpreter's numpy-2 shim, and skips this module too where triton is absent
 import tests.moonep.test_kernels_interpreted  # noqa: F401
 from moonep.moe import swiglu_backward_torch
+from tests.moonep.accumulate_cases import check_accumulate_groups
 
 
 def test_swiglu_backward_kernel_matches_pytorch() -> None:
@@ -34,20 +35,4 @@ def test_swiglu_backward_kernel_matches_pytorch() -> None:
 
 @pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
 def test_accumulate_groups_skips_empty_groups_bitwise(scale: float) -> None:
-    from moonep.kernels.experts import accumulate_groups
-
-    gen = torch.Generator().manual_seed(1)
-    G, n_in, n_out = 6, 5, 700
-    rows = torch.tensor([3, 0, 16, 0, 0, 1])  # groups 1, 3 and 4 have no rows (unused slots)
-    offs = torch.cumsum(rows, 0).to(torch.int32)
-    g = torch.randn(G, n_in, n_out, generator=gen)
-    w = torch.randn(G, n_in, n_out, generator=gen).to(torch.bfloat16)
-    w[rows == 0] = float("nan")  # an empty group's values must never be read
-    want = g + w.float() * scale  # fp32 product, then the fp32 add
-    want[rows == 0] = g[rows == 0]
-    accumulate_groups(g, w, offs, scale)
-    if scale in (1.0, 0.5):  # exact products: bitwise
-        assert torch.equal(g, want)
-    else:  # the GPU may fuse the multiply-add (one rounding instead of two): within 1 fp32 ulp
-        ulp = torch.finfo(torch.float32).eps * want.abs().clamp(min=torch.finfo(torch.float32).tiny)
-        assert bool(((g - want).abs() <= ulp).all()) and torch.equal(g[rows == 0], want[rows == 0])
+    check_accumulate_groups([3, 0, 16, 0, 0, 1], 5, 700, scale, "cpu")  # groups 1, 3, 4 empty

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moonep.moe import swiglu_backward_torch
+from tests.moonep.accumulate_cases import check_accumulate_groups
 
 pytestmark = pytest.mark.gpu
 
@@ -32,20 +33,4 @@ def test_swiglu_backward_kernel_gpu() -> None:
 
 @pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
 def test_accumulate_groups_gpu(scale: float) -> None:
-    from moonep.kernels.experts import accumulate_groups
-
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    G, n_in, n_out = 8, 256, 1024
-    rows = torch.tensor([3, 0, 16, 0, 0, 1, 64, 0], device="cuda")
-    offs = torch.cumsum(rows, 0).to(torch.int32)
-    g = torch.randn(G, n_in, n_out, device="cuda", generator=gen)
-    w = torch.randn(G, n_in, n_out, device="cuda", generator=gen).to(torch.bfloat16)
-    w[rows == 0] = float("nan")
-    want = g + w.float() * scale  # fp32 product, then the fp32 add
-    want[rows == 0] = g[rows == 0]
-    accumulate_groups(g, w, offs, scale)
-    if scale in (1.0, 0.5):  # exact products: bitwise
-        assert torch.equal(g, want)
-    else:  # the GPU may fuse the multiply-add (one rounding instead of two): within 1 fp32 ulp
-        ulp = torch.finfo(torch.float32).eps * want.abs().clamp(min=torch.finfo(torch.float32).tiny)
-        assert bool(((g - want).abs() <= ulp).all()) and torch.equal(g[rows == 0], want[rows == 0])
+    check_accumulate_groups([3, 0, 16, 0, 0, 1, 64, 0], 256, 1024, scale, "cuda")
