@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from moonep import BufferConfig  # noqa: E402
-from moonep.kernels import plan_fused  # noqa: E402
-from moonep.layout import Layout  # noqa: E402
+from moonep import BufferConfig
+from moonep.kernels import plan_fused
+from moonep.layout import Layout
 
 
 class _SaveIndex(torch.autograd.Function):

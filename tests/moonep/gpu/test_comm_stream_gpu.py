@@ -62,7 +62,7 @@ def test_async_calls_order_and_equal_sync(group: dist.ProcessGroup) -> None:
                 (y, s), done = buf.combine_async(res.plan, y_late, row_scalars=scal)
                 done.wait()
                 # an async dispatch with the saved plan, then a synchronous combine right after it
-                res2, _ = buf.dispatch_async(x, w, plan=res.plan)
+                buf.dispatch_async(x, w, plan=res.plan)
                 y2, _ = buf.combine(res.plan, y_rows)
                 torch.cuda.set_sync_debug_mode("default")
                 for what, got, want in (("rows", rows, want_rows), ("weights", wts, want_w), ("combine y", y, want_y),
