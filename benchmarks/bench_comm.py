@@ -37,7 +37,6 @@ from benchmarks.alltoall_baseline import AllToAllDispatcher
 from moonep import Buffer, BufferConfig, ExpertPools
 from moonep.routing import generate_routing, max_maxvio
 
-
 # ~1 ms of GPU sleep queued before the start event when `hide_host` is on: the host enqueues fn
 # meanwhile, so the events time the GPU work alone (as inside a training step, where the host runs ahead)
 _HOST_HIDING_CYCLES = 2_000_000

@@ -24,12 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from moonep import BufferConfig  # noqa: E402
-from moonep.kernels import plan_fused as pf  # noqa: E402
-from moonep.layout import Layout  # noqa: E402
-from moonep.planner import make_plan  # noqa: E402
-from moonep.routing import generate_routing  # noqa: E402
-from tests.moonep.planner_cases import PLAN_FIELDS, assert_same_plan  # noqa: E402
+from moonep import BufferConfig
+from moonep.kernels import plan_fused as pf
+from moonep.layout import Layout
+from moonep.planner import make_plan
+from moonep.routing import generate_routing
+from tests.moonep.planner_cases import PLAN_FIELDS, assert_same_plan
 
 VARIANTS = ((1024, 4), (1024, 8), (512, 4), (512, 8), (256, 4), (256, 2), (128, 4))
 

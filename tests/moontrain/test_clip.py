@@ -79,7 +79,7 @@ def _fold_rank(rank: int, world: int, ep: int) -> list[tuple[str, float]]:
     worst = max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
                 for a, b in zip(params[True], params[False], strict=True))
     moved = max(float((a - b).abs().max()) for a, b in zip(params[True], params[False], strict=True))
-    return results + [("max relative difference", worst), ("max abs difference", moved)]
+    return [*results, ("max relative difference", worst), ("max abs difference", moved)]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
