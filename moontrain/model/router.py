@@ -63,7 +63,9 @@ class Router(nn.Module):
         weights_sK = scores_sE.gather(1, topk_sK)
         weights_sK = weights_sK / weights_sK.sum(-1, keepdim=True) * self.scaling
         if self.count_tokens:
-            self.tokens_per_expert_E += torch.bincount(topk_sK.flatten(), minlength=self.num_experts)
+            # index_add_, not bincount: CUDA bincount reads the max id on the host (a sync per layer)
+            flat = topk_sK.flatten()
+            self.tokens_per_expert_E.index_add_(0, flat, torch.ones_like(flat))
         aux = None
         if self.seq_aux_loss_coef > 0:
             aux = self._sequence_aux_loss(scores_sE, topk_sK, batch)
