@@ -84,6 +84,7 @@ from moonep.planner import Plan
 
 CHUNK = 1024  # flat entries per histogram program (a power of two for tl.sort); benchmarks/bench_planner.py sweeps it
 _DEST_ENTRIES = 1024  # entries per destination program (whole tokens, K padded to a power of two)
+_PREFIX_EXPERTS = 16  # experts per program of the separate prefix kernel (FusedPlanner(prefix_kernel=True))
 _DEDUP_TILE = 8192  # elements of the destination program's [tokens, K_P, K_P] dedup tile (registers)
 
 
@@ -116,11 +117,32 @@ def _sort(x, LOG_N: tl.constexpr):
     return tl.reshape(h, x.shape)
 
 
+@triton.jit
+def _prefix_tile(chunk_hist_ptr, hist_ptr, e0, num_chunks, rank, hist_rank_stride, hist_row_stride, E,
+                 R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Experts [e0, e0 + BLOCK_E): per-chunk histograms -> exclusive prefixes over chunks (in
+    place), and their totals (the local histogram) into row `rank` of every rank's hist region."""
+    cc = tl.arange(0, BLOCK_C)[:, None]
+    ee = e0 + tl.arange(0, BLOCK_E)
+    e_ok = ee < E
+    carry = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        m = ((c0 + cc) < num_chunks) & e_ok[None, :]
+        ptrs = chunk_hist_ptr + (c0 + cc) * E + ee[None, :]
+        tile = tl.load(ptrs, mask=m, other=0, cache_modifier=".cg")  # written by other SMs
+        tl.store(ptrs, tl.cumsum(tile, axis=0) - tile + carry[None, :], mask=m)
+        carry += tl.sum(tile, axis=0)
+    for r in tl.static_range(R):  # int64: the rank stride spans the whole comm segment
+        row = hist_ptr + r * hist_rank_stride.to(tl.int64) + rank * hist_row_stride
+        tl.store(row + ee, carry, mask=e_ok)
+
+
 @triton.jit(do_not_specialize=["rank", "hist_rank_stride", "hist_row_stride"])
 def _chunk_kernel(topk_ptr, rank_ptr, chunk_hist_ptr, ticket_ptr, hist_ptr,
                   num_entries, num_chunks, rank, hist_rank_stride, hist_row_stride, E,
                   R: tl.constexpr, CHUNK: tl.constexpr, LOG_CHUNK: tl.constexpr,
-                  E_BINS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+                  E_BINS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
+                  PREFIX_HERE: tl.constexpr):
     c = tl.program_id(0)
     i = tl.arange(0, CHUNK)
     entry = c * CHUNK + i
@@ -135,26 +157,24 @@ def _chunk_kernel(topk_ptr, rank_ptr, chunk_hist_ptr, ticket_ptr, hist_ptr,
     run_start = tl.gather(tl.cumsum(counts, axis=0) - counts, key >> LOG_CHUNK, 0)
     idx = c * CHUNK + (key & (CHUNK - 1))
     tl.store(rank_ptr + idx, i - run_start, mask=idx < num_entries)
-    # ticket: every program's stores happen before its release; the last one acquires them all
-    tl.debug_barrier()
-    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
-    tl.debug_barrier()
-    if ticket == num_chunks - 1:
-        tl.atomic_xchg(ticket_ptr, 0)
-        cc = tl.arange(0, BLOCK_C)[:, None]
-        for e0 in range(0, E, BLOCK_E):
-            ee = e0 + tl.arange(0, BLOCK_E)
-            e_ok = ee < E
-            carry = tl.zeros([BLOCK_E], dtype=tl.int32)
-            for c0 in range(0, num_chunks, BLOCK_C):
-                m = ((c0 + cc) < num_chunks) & e_ok[None, :]
-                ptrs = chunk_hist_ptr + (c0 + cc) * E + ee[None, :]
-                tile = tl.load(ptrs, mask=m, other=0, cache_modifier=".cg")  # written by other SMs
-                tl.store(ptrs, tl.cumsum(tile, axis=0) - tile + carry[None, :], mask=m)
-                carry += tl.sum(tile, axis=0)
-            for r in tl.static_range(R):  # int64: the rank stride spans the whole comm segment
-                row = hist_ptr + r * hist_rank_stride.to(tl.int64) + rank * hist_row_stride
-                tl.store(row + ee, carry, mask=e_ok)
+    if PREFIX_HERE:
+        # ticket: every program's stores happen before its release; the last one acquires them all
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+        tl.debug_barrier()
+        if ticket == num_chunks - 1:
+            tl.atomic_xchg(ticket_ptr, 0)
+            for e0 in range(0, E, BLOCK_E):
+                _prefix_tile(chunk_hist_ptr, hist_ptr, e0, num_chunks, rank, hist_rank_stride, hist_row_stride, E,
+                             R, BLOCK_C, BLOCK_E)
+
+
+@triton.jit(do_not_specialize=["rank", "hist_rank_stride", "hist_row_stride"])
+def _prefix_kernel(chunk_hist_ptr, hist_ptr, num_chunks, rank, hist_rank_stride, hist_row_stride, E,
+                   R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The prefix step of the chunk pass as its own launch: one program per BLOCK_E experts."""
+    _prefix_tile(chunk_hist_ptr, hist_ptr, tl.program_id(0) * BLOCK_E, num_chunks, rank, hist_rank_stride,
+                 hist_row_stride, E, R, BLOCK_C, BLOCK_E)
 
 
 @triton.jit(do_not_specialize=["rank", "cap_base", "cap_rem"])
@@ -328,12 +348,12 @@ class _PlanLayout:
 class _Workspace:
     """Intermediate buffers of one shape, reused by every call (one plan at a time per buffer)."""
 
-    def __init__(self, layout: Layout, s: int, device: torch.device, chunk: int = CHUNK, chunk_warps: int = 4
-                 ) -> None:
+    def __init__(self, layout: Layout, s: int, device: torch.device, chunk: int = CHUNK, chunk_warps: int = 4,
+                 prefix_kernel: bool = False) -> None:
         R, E, K = layout.num_ranks, layout.config.num_experts, layout.config.topk
         if chunk < 16 or chunk & (chunk - 1):
             raise ValueError(f"chunk={chunk} must be a power of two >= 16 (tl.sort's block)")
-        self.chunk, self.chunk_warps = chunk, chunk_warps
+        self.chunk, self.chunk_warps, self.prefix_kernel = chunk, chunk_warps, prefix_kernel
         self.num_chunks = triton.cdiv(s * K, chunk)
         i32 = {"dtype": torch.int32, "device": device}
         self.rank_in_chunk = torch.empty(s * K, **i32)
@@ -355,7 +375,13 @@ def chunk_pass(topk_sK: torch.Tensor, rank: int, hist_all: torch.Tensor, work: _
         topk_sK, work.rank_in_chunk, work.chunk_hist, work.ticket, hist_all,
         topk_sK.numel(), C, rank, hist_all.stride(0), hist_all.stride(1), E, R=R, CHUNK=work.chunk,
         LOG_CHUNK=work.chunk.bit_length() - 1, E_BINS=triton.next_power_of_2(E + 1),
-        BLOCK_C=block_c, BLOCK_E=max(16, min(triton.next_power_of_2(E), 8192 // block_c)), num_warps=work.chunk_warps)
+        BLOCK_C=block_c, BLOCK_E=max(16, min(triton.next_power_of_2(E), 8192 // block_c)), num_warps=work.chunk_warps,
+        PREFIX_HERE=not work.prefix_kernel)
+    if work.prefix_kernel:  # many programs of few experts each, instead of the last chunk program alone
+        block_e = _PREFIX_EXPERTS
+        _prefix_kernel[(triton.cdiv(E, block_e),)](
+            work.chunk_hist, hist_all, C, rank, hist_all.stride(0), hist_all.stride(1), E, R=R,
+            BLOCK_C=min(64, triton.next_power_of_2(C)), BLOCK_E=block_e, num_warps=4)
 
 
 def plan_pass(topk_sK: torch.Tensor, rank: int, hist_RE: torch.Tensor, work: _Workspace, out: dict[str, torch.Tensor],
@@ -390,12 +416,14 @@ class FusedPlanner:
 
     hist_all: Buffer._all["hist"], the [R, R, E] all-ranks view; barrier: the heap barrier of the
     histogram exchange; graph: replay captured CUDA graphs (CUDA only); chunk / chunk_warps: entries
-    and warps per program of the chunk pass."""
+    and warps per program of the chunk pass; prefix_kernel: the prefixes over chunks as a launch of
+    their own, parallel over experts, instead of in the last chunk program (NOT yet timed on a GPU:
+    benchmarks/bench_planner.py compares both)."""
 
     def __init__(self, layout: Layout, rank: int, hist_all: torch.Tensor, barrier: Callable[[], None],
-                 graph: bool, chunk: int = CHUNK, chunk_warps: int = 4) -> None:
+                 graph: bool, chunk: int = CHUNK, chunk_warps: int = 4, prefix_kernel: bool = False) -> None:
         self.layout = layout
-        self.chunk, self.chunk_warps = chunk, chunk_warps
+        self.chunk, self.chunk_warps, self.prefix_kernel = chunk, chunk_warps, prefix_kernel
         self.rank = rank
         self.hist_all = hist_all
         self.barrier = barrier
@@ -431,7 +459,8 @@ class FusedPlanner:
         s = topk_sK.shape[0]
         work = self._work.get(s)
         if work is None:
-            work = self._work[s] = _Workspace(self.layout, s, topk_sK.device, self.chunk, self.chunk_warps)
+            work = self._work[s] = _Workspace(self.layout, s, topk_sK.device, self.chunk, self.chunk_warps,
+                                              self.prefix_kernel)
         chunk_pass(topk_sK, self.rank, self.hist_all, work)
         self.barrier()
         cap_base, cap_rem = receive_cap_args(self.layout.num_ranks, self.layout.config.topk, s, total)

@@ -80,14 +80,15 @@ def test_fused_planner_matches_make_plan() -> None:
     check_fused_cases(cases, g)
 
 
-@pytest.mark.parametrize("chunk", [16, 256])
-def test_fused_planner_other_chunk_sizes(chunk: int) -> None:
-    """The chunk size is a tuning knob (benchmarks/bench_planner.py): many chunks per expert run,
-    runs crossing chunk ends, a last partial chunk."""
+@pytest.mark.parametrize(("chunk", "prefix_kernel"), [(16, False), (256, False), (16, True), (1024, True)])
+def test_fused_planner_other_chunk_sizes(chunk: int, prefix_kernel: bool) -> None:
+    """The chunk size and where the prefixes over chunks run are tuning knobs
+    (benchmarks/bench_planner.py): many chunks per expert run, runs crossing chunk ends, a last
+    partial chunk."""
     g = torch.Generator().manual_seed(4)
     cases = [(2, 384, 8, [512, 512], 192, 16, 3.0, False), (2, 384, 8, [700, 333], 96, 16, 1.0, True),
              (4, 16, 3, [37] * 4, 4, 2, 2.0, False), (8, 64, 8, [64] * 8, 8, 4, 0.5, False)]
-    check_fused_cases(cases, g, chunk=chunk)
+    check_fused_cases(cases, g, chunk=chunk, prefix_kernel=prefix_kernel)
 
 
 def _expert_kernels_rank(rank: int, world: int) -> list[int]:
