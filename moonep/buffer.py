@@ -29,8 +29,8 @@ the device, one CUDA graph replay per call), and steps 4-6 of dispatch and the w
 kernels of moonep.kernels.dispatch_combine (its docstring holds their protocol: a push combine
 through a landing region). Both are bitwise equal to the path above.
 
-dispatch_async / combine_async queue the same calls on the buffer's communication stream and return
-a CommEvent to wait on (moonep.comm_stream: ordering and memory rules).
+dispatch_async / combine_async / reduce_grad_async queue the same calls on the buffer's communication
+stream and return a CommEvent to wait on (moonep.comm_stream: ordering and memory rules).
 
 Returned rows are zero-copy views into symmetric memory, valid until the next call on this buffer;
 clone what must outlive it (autograd saves). No call synchronises with the host unless
@@ -381,6 +381,19 @@ class Buffer:
         """Fold every slot's fp32 weight gradient into its owner's grad rows; zero the slots."""
         self._check_alive("reduce_grad")
         layer.pools.reduce_grad(plan, layer)
+
+    def reduce_grad_async(self, plan: Plan, layer) -> CommEvent:
+        """reduce_grad() queued on `comm_stream` -> event (the layer's backward goes on upstream
+        while the slot gradients travel). The next call on the buffer orders after it, so the next
+        layer's slot gradients never land in a reduce pool still being read or zeroed; wait on the
+        event, or call `wait_pending()`, before reading the grad rows (e.g. after backward)."""
+        _, event = self._comm_stream.run(lambda: self.reduce_grad(plan, layer), (), keep=(plan,))
+        return event
+
+    def wait_pending(self) -> None:
+        """Make the current stream wait for the last async call (no host sync); e.g. before the
+        optimizer reads grad rows that reduce_grad_async writes."""
+        self._comm_stream.join()
 
     def destroy(self) -> None:
         """Release all symmetric memory (idempotent). Tensors returned earlier become invalid."""

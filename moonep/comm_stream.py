@@ -1,4 +1,5 @@
-"""Asynchronous moonep calls on a communication stream (Buffer.dispatch_async / combine_async).
+"""Asynchronous moonep calls on a communication stream (Buffer.dispatch_async / combine_async /
+reduce_grad_async).
 
 An async call queues the same kernels and device barriers as the synchronous call, on the
 buffer's communication stream instead of the caller's, and returns a `CommEvent`:
@@ -14,6 +15,8 @@ Ordering rules (no host synchronisation anywhere):
   barrier, ExpertPools.reduce_grad's too) first makes its stream wait for the last async call, so
   the kernels and device barriers of one buffer always run in the order the host issued them
   (the barrier protocol counts epochs; the planner's graph shares its input and workspace);
+- the Plan an async call reads stays referenced until the call is joined, so a pooled Plan is not
+  handed out again (a later plan() joins before it replays into a pool entry);
 - memory: inputs are marked as used by the communication stream (record_stream), and outputs
   allocated there are marked as used by the waiting stream in `CommEvent.wait`, so the caching
   allocator reuses neither too early. Zero-copy rows in symmetric memory are not allocator
@@ -64,6 +67,7 @@ class CommStream:
         self.device = device
         self._stream: torch.cuda.Stream | None = None
         self._pending: torch.cuda.Event | None = None
+        self._keep: list[object] = []  # objects the pending calls read (e.g. their Plans), until joined
 
     @property
     def stream(self) -> torch.cuda.Stream | None:
@@ -74,17 +78,24 @@ class CommStream:
 
     def join(self) -> None:
         """Make the current stream wait for the last async call (at the start of every Buffer call
-        and before every barrier). Not while a graph is captured: the capture happens inside a call
-        that joined at its start, and an event recorded outside a capture cannot be waited on in it."""
-        if self._pending is not None and not torch.cuda.is_current_stream_capturing():
-            current = torch.cuda.current_stream(self.device)
-            if current != self._stream:
-                current.wait_event(self._pending)
-            self._pending = None
+        and before every barrier), then drop the references kept for it. Nothing inside an async
+        call (the communication stream is already ordered after the earlier ones) or while a graph
+        is captured (the capture happens inside a call that joined at its start, and an event
+        recorded outside a capture cannot be waited on in it)."""
+        if self._pending is None or torch.cuda.is_current_stream_capturing():
+            return
+        current = torch.cuda.current_stream(self.device)
+        if current == self._stream:
+            return
+        current.wait_event(self._pending)
+        self._pending = None
+        self._keep.clear()
 
-    def run(self, fn, inputs: Iterable[torch.Tensor | None]):
+    def run(self, fn, inputs: Iterable[torch.Tensor | None], keep: Iterable[object] = ()):
         """fn() queued on the communication stream after the caller's work -> (result, CommEvent);
-        the outputs to protect are the tensors of the result (see the module docstring)."""
+        the outputs to protect are the tensors of the result (see the module docstring). `keep`:
+        objects held until the call is joined, e.g. a Plan whose pooled tensors the call reads (a
+        later plan() joins before it rewrites a pool entry)."""
         stream = self.stream
         if stream is None:
             return fn(), CommEvent()
@@ -99,6 +110,7 @@ class CommStream:
         event = torch.cuda.Event()
         event.record(stream)
         self._pending = event
+        self._keep.extend(keep)
         return result, CommEvent(event, self.device, _tensors(result))
 
 
