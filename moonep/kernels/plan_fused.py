@@ -4,11 +4,12 @@
 Protocol of one plan (every rank; s tokens, K top-k, flat entry index i = t*K + k):
     1. `_chunk_kernel`, one program per chunk of CHUNK consecutive flat entries: the chunk's
        expert histogram, and each entry's rank among the chunk's entries of the same expert in flat
-       order (tl.sort on the key expert*CHUNK + i, then a scan over runs of equal experts). The last
-       program to finish (a ticket counter: atomic acq_rel after a CTA barrier, reset to 0 by that
-       program, so nothing is reset from the host) turns the per-chunk histograms into exclusive
+       order (tl.sort on the key expert*CHUNK + i, then a scan over runs of equal experts). Then
+       `_prefix_kernel`, one program per 16 experts, turns the per-chunk histograms into exclusive
        prefixes over chunks and writes the local histogram (their sum) into row `rank` of every
-       peer's hist region (plain peer stores).
+       peer's hist region (plain peer stores). (FusedPlanner(prefix_kernel=False) does this step in
+       the chunk kernel's last program to finish instead: a ticket counter, atomic acq_rel after a
+       CTA barrier, reset to 0 by that program, so nothing is reset from the host.)
     2. the heap barrier "dispatch:histograms" (moonep.heap.device_barrier on CUDA: its
        fence.sc.sys + st.release.sys / ld.acquire.sys and stream order make the peer stores of 1
        visible to 3 and 4 on every rank).
@@ -52,10 +53,13 @@ between must be separated by the caller (bench_comm aligns ranks before each cal
 
 Measured (2xH200 NV18, torch 2.11, 2026-11-29; R=2, S=8192, K=8):
 - kernels alone (benchmarks/bench_planner.py, E=384, every rank simulated on one GPU, one CUDA graph
-  replay, median of 50; bench_planner_R2_E384_20261129.json): 34.6 us, of which the chunk pass
-  23.0 us and the shared + destination pass 17.0 us (without the barrier). Chunk size x warps:
-  1024 x 4 34.6 us (the default), 1024 x 8 41.7, 512 x 4 38.4, 512 x 8 53.9, 256 x 4 51.8,
-  128 x 4 82.8 (smaller chunks: more programs but a longer serial prefix over chunks).
+  replay, median of 50; bench_planner_R2_E384_session4_20261129.json): chunk 512 x 4 warps with the
+  prefix kernel (the default) 25.6 us, of which the chunk pass (with the prefix launch) 17.2 us and
+  the shared + destination pass 17.5 us (the parts overlap a little in one graph). With the
+  prefixes in the last chunk program instead: 512 x 4 36.2 us, 1024 x 4 34.1 (the earlier
+  default); with the prefix kernel: 1024 x 4 29.6, 256 x 4 27.8, 2048 x 4 49.2, 2048 x 8 40.2. The
+  serial prefix over chunks in one program was what made small chunks slow (session 3: 512 x 4
+  38.4, 256 x 4 51.8, 128 x 4 82.8).
 - Buffer.plan on 2 GPUs (benchmarks/bench_comm.py, bench_comm_R2_session3b_20261129.json), with
   the barrier: 37-45 us of GPU time per plan in a run of 8 (E=96: 37-39, E=384: 41-45); one call
   alone, host launch and the ranks' host skew included, 67-116 us (was 68-72 us at the last
@@ -82,7 +86,7 @@ import triton.language as tl
 from moonep.layout import Layout
 from moonep.planner import Plan
 
-CHUNK = 1024  # flat entries per histogram program (a power of two for tl.sort); benchmarks/bench_planner.py sweeps it
+CHUNK = 512  # flat entries per histogram program (a power of two for tl.sort); benchmarks/bench_planner.py sweeps it
 _DEST_ENTRIES = 1024  # entries per destination program (whole tokens, K padded to a power of two)
 _PREFIX_EXPERTS = 16  # experts per program of the separate prefix kernel (FusedPlanner(prefix_kernel=True))
 _DEDUP_TILE = 8192  # elements of the destination program's [tokens, K_P, K_P] dedup tile (registers)
@@ -349,7 +353,7 @@ class _Workspace:
     """Intermediate buffers of one shape, reused by every call (one plan at a time per buffer)."""
 
     def __init__(self, layout: Layout, s: int, device: torch.device, chunk: int = CHUNK, chunk_warps: int = 4,
-                 prefix_kernel: bool = False) -> None:
+                 prefix_kernel: bool = True) -> None:
         R, E, K = layout.num_ranks, layout.config.num_experts, layout.config.topk
         if chunk < 16 or chunk & (chunk - 1):
             raise ValueError(f"chunk={chunk} must be a power of two >= 16 (tl.sort's block)")
@@ -417,11 +421,11 @@ class FusedPlanner:
     hist_all: Buffer._all["hist"], the [R, R, E] all-ranks view; barrier: the heap barrier of the
     histogram exchange; graph: replay captured CUDA graphs (CUDA only); chunk / chunk_warps: entries
     and warps per program of the chunk pass; prefix_kernel: the prefixes over chunks as a launch of
-    their own, parallel over experts, instead of in the last chunk program (NOT yet timed on a GPU:
-    benchmarks/bench_planner.py compares both)."""
+    their own, parallel over experts (the default: 25.6 us against 36.2 us in the last chunk program
+    at chunk 512, benchmarks/bench_planner.py)."""
 
     def __init__(self, layout: Layout, rank: int, hist_all: torch.Tensor, barrier: Callable[[], None],
-                 graph: bool, chunk: int = CHUNK, chunk_warps: int = 4, prefix_kernel: bool = False) -> None:
+                 graph: bool, chunk: int = CHUNK, chunk_warps: int = 4, prefix_kernel: bool = True) -> None:
         self.layout = layout
         self.chunk, self.chunk_warps, self.prefix_kernel = chunk, chunk_warps, prefix_kernel
         self.rank = rank
