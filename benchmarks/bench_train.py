@@ -59,6 +59,7 @@ Writes benchmarks/results/bench_train_R<R>_<tag>.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import math
@@ -66,6 +67,8 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -224,7 +227,8 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
         torch.cuda.reset_peak_memory_stats(device)
     retries0 = memory_stats(device).get("mem/alloc_retries", 0.0)
     step_s, step_peak, step_resv, maxvio, rank_maxvio, losses = [], [], [], [], [], []
-    oom_where, heap_bytes, flops_per_token = None, 0, None
+    redundant: list[float] = []
+    oom_where, heap_bytes, flops_per_token, pooled, syncs = None, 0, None, 0, None
     trainer = None
     try:
         trainer = Trainer(cfg, layout)
@@ -247,7 +251,11 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
                 step_resv.append(torch.cuda.max_memory_reserved(device) / GIB)
             maxvio.append(stats.max_maxvio)
             rank_maxvio.append(stats.scalars.get("moe/rank_maxvio/max", float("nan")))
+            redundant.append(stats.scalars.get("moe/redundant_experts/total", 0.0))
             losses.append(stats.loss)
+        pooled = buf.pooled_plans if buf is not None else 0
+        if args.sync_debug and cfg.model.router_skew == args.sync_skew and device.type == "cuda":
+            syncs = count_syncs(trainer, layout, args, cfg)  # one extra, untimed step
         if wants_profile(args, cfg) and device.type == "cuda":  # one extra, untimed step under the profiler
             profile_step(trainer, layout, args, cfg)
     except torch.OutOfMemoryError as err:
@@ -289,6 +297,9 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
         maxvio_median=statistics.median(maxvio[args.warmup:]),
         maxvio_steps=maxvio,
         rank_maxvio_median=statistics.median(rank_maxvio[args.warmup:]),
+        redundant_experts_median=statistics.median(redundant[args.warmup:]),  # over layers (and ranks' slots)
+        pooled_plans=int(_reduce(float(pooled), dist.ReduceOp.MAX, layout)),  # moonep's plan pool at the end
+        host_syncs=syncs,
         loss_first_last=[losses[0], losses[-1]],
         peak_allocated_gib=max(peak_max) if cuda else None,
         peak_reserved_gib=max(resv_max) if cuda else None,
@@ -300,10 +311,43 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
 
 
 def wants_profile(args: argparse.Namespace, cfg: RunConfig) -> bool:
-    """--profile [BACKEND ...]: the first target's point of each named backend (all when none named)."""
-    if args.profile is None or cfg.model.router_skew != args.profile_skew:
+    """--profile [BACKEND ...]: the --profile-at points (default: the first target) of each named
+    backend (all when none named)."""
+    if args.profile is None or cfg.model.router_skew not in args.profile_skews:
         return False
     return not args.profile or cfg.experts.backend in args.profile
+
+
+def count_syncs(trainer: Trainer, layout: ParallelLayout, args: argparse.Namespace, cfg: RunConfig) -> int:
+    """One more step under CUDA sync debug mode "warn": how many times it synchronised with the host
+    (the step's one stats read included) and from where; rank 0 writes the call sites to --out."""
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" not in str(message):
+            return
+        ours = [f for f in traceback.extract_stack()[:-1]
+                if any(k in f.filename for k in ("/moontrain/", "/moonep/", "bench_train"))]
+        sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in ours[::-1][:4])] += 1
+
+    _sync(layout.device)
+    dist.barrier(group=layout.world_group)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train_step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    total = sum(sites.values())
+    if layout.rank == 0:
+        lines = [f"{n:5d}  {site}" for site, n in sites.most_common()]
+        name = f"syncs_{cfg.experts.backend}_skew{cfg.model.router_skew:.3g}.txt"
+        (Path(args.out) / name).write_text(f"{total} host synchronisations in one step\n" + "\n".join(lines) + "\n")
+        print(f"{cfg.experts.backend}: {total} host synchronisations in one step (sites: {Path(args.out) / name})",
+              flush=True)
+    return total
 
 
 def profile_step(trainer: Trainer, layout: ParallelLayout, args: argparse.Namespace, cfg: RunConfig) -> None:
@@ -367,8 +411,15 @@ def main() -> None:
     p.add_argument("--profile", nargs="*", choices=["moonep", "alltoall"], default=None, metavar="BACKEND",
                    help="profile one extra step at the first target of these backends (none named: all; GPU; "
                         "kernel tables to --out)")
+    p.add_argument("--profile-at", type=float, nargs="+", default=None, metavar="MAXVIO",
+                   help="targets (of --targets) to profile at (default: the first)")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="count the host synchronisations of one extra step at the first target (GPU)")
     p.add_argument("--show", metavar="JSON", help="print the table of a saved result and exit (no GPU needed)")
     args = p.parse_args()
+    unknown = [t for t in (args.profile_at or []) if t not in args.targets]
+    if unknown:
+        p.error(f"--profile-at {unknown} are not among --targets {args.targets}")
     if args.show:
         print_table(json.loads(Path(args.show).read_text()))
         return
@@ -430,7 +481,9 @@ def run(args: argparse.Namespace, device: torch.device, side: dist.ProcessGroup)
     trainer.close()
     del trainer
     meta["calibration_s"] = time.perf_counter() - t0
-    args.profile_skew = calib[0]["sigma"]  # --profile: the first target's point
+    at = args.profile_at if args.profile_at is not None else args.targets[:1]
+    args.profile_skews = [c["sigma"] for t, c in zip(args.targets, calib, strict=True) if t in at]  # --profile
+    args.sync_skew = calib[0]["sigma"]  # --sync-debug: the first target
 
     points = []
     for backend in args.backends:
@@ -455,7 +508,7 @@ def _f(v: float | None, fmt: str, width: int) -> str:
 
 HEADER = (f"{'backend':>8} {'target':>6} {'sigma':>8} {'calib':>6} {'train':>6} {'rank':>6} | {'step ms':>8} "
           f"{'tok/s/gpu':>9} {'mfu989':>6} {'mfu mm':>6} | {'peak GiB':>8} {'resv GiB':>8} {'step pk':>13} "
-          f"{'retry':>5} {'heap':>5} {'oom':>4}")
+          f"{'retry':>5} {'heap':>5} {'oom':>4} {'copies':>6} {'plans':>5}")
 
 
 def _row(r: dict) -> str:
@@ -470,7 +523,8 @@ def _row(r: dict) -> str:
             f"{r['maxvio_median']:>6.2f} {_f(r['rank_maxvio_median'], '.2f', 6)} | {r['step_time_s'] * 1e3:>8.1f} "
             f"{r['tokens_per_s_per_gpu']:>9.0f} {_f(pct(r['mfu_989']), '.1f', 6)} {_f(pct(r['mfu_mm']), '.1f', 6)} | "
             f"{_f(r['peak_allocated_gib'], '.2f', 8)} {_f(r['peak_reserved_gib'], '.2f', 8)} {step_pk:>13} "
-            f"{_f(r['alloc_retries'], 'd', 5)} {r['symmetric_heap_gib']:>5.2f} {'yes' if r['oom'] else 'no':>4}")
+            f"{_f(r['alloc_retries'], 'd', 5)} {r['symmetric_heap_gib']:>5.2f} {'yes' if r['oom'] else 'no':>4} "
+            f"{_f(r.get('redundant_experts_median'), '.0f', 6)} {_f(r.get('pooled_plans'), 'd', 5)}")
 
 
 def print_table(result: dict) -> None:
@@ -483,7 +537,8 @@ def print_table(result: dict) -> None:
     print("maxvio: calib = realised at calibration (initial weights), train = median over timed steps (max over "
           "MoE layers), rank = after planning (rows per rank); mfu989 vs 989 TFLOP/s bf16, mfu mm vs the torch.mm "
           "rate (%); peak/resv = torch allocator, max over ranks; step pk = per-step peak allocated range over "
-          "timed steps; heap = moonep symmetric heap GiB (outside the allocator)")
+          "timed steps; heap = moonep symmetric heap GiB (outside the allocator); copies = redundant expert copies "
+          "per step over all MoE layers (median); plans = moonep's pooled plans at the end")
     print(HEADER)
     for r in points:
         print(_row(r))

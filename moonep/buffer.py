@@ -150,6 +150,13 @@ class Buffer:
         """The stream of dispatch_async / combine_async (None on the CPU)."""
         return self._comm_stream.stream
 
+    @property
+    def pooled_plans(self) -> int:
+        """How many Plans the fused planner keeps in its graph pools (each a few MB at large s;
+        the pool grows to the most plans ever held at once). 0 without the fused planner's graphs."""
+        planner = self._fused_planner
+        return 0 if planner is None else planner.pooled_plans()
+
     def barrier(self, call: str) -> None:
         self._comm_stream.join()  # device barriers run in issue order, also across streams
         self.heap.barrier(call)

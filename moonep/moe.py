@@ -4,10 +4,13 @@ forward:  plan -> prefetch (side stream, overlapping the dispatch of token rows)
           h = x W_gate, u = x W_up (grouped over W_compact) ->
           o = (silu(h) * u) W_down -> y_rows = o * route weight -> combine
 backward: re-prefetch if another layer used the slots (side stream) -> dispatch(grad_y) with the
-          saved plan ->
-          grads of rows and weights (fp32 into the grad mirror: local rows accumulate into
-          g_local, slot rows into the reduce pool) -> reduce_grad -> combine(grad_x_rows) with
-          the route-weight grads gathered per (token, k)
+          saved plan -> grads of rows (the last read of the slots; then the previous layer's
+          copies start on the side stream, ExpertPools.previous_forward) -> weight grads (fp32
+          into the grad mirror: local rows accumulate into g_local, slot rows into the reduce
+          pool) -> combine(grad_x_rows) with the route-weight grads gathered per (token, k) ->
+          reduce_grad on the communication stream (it overlaps the backward upstream, e.g.
+          attention, until the next moonep call joins it; Buffer.wait_pending before the grads
+          are read)
 
 Legend: s tokens, K top-k, H hidden (buffer width), F expert FFN width, G = epn + B groups.
 """
@@ -43,8 +46,10 @@ def swiglu_backward_torch(grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
 
 class _ExpertSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_sH, weights_sK, topk_sK, tokens_per_expert_E, buffer: Buffer, layer: LayerExperts):
+    def forward(ctx, x_sH, weights_sK, topk_sK, tokens_per_expert_E, buffer: Buffer, layer: LayerExperts,
+                track: bool):
         plan = buffer.plan(topk_sK, tokens_per_expert_E)
+        ctx.prev = layer.pools.previous_forward(layer, plan, track)
         layer.pools.prefetch_async(plan, layer)  # expert copies overlap the token rows' dispatch
         res = buffer.dispatch(x_sH, weights_sK, plan=plan)
         offs = res.cu_seqlens
@@ -86,12 +91,15 @@ class _ExpertSwiGLU(torch.autograd.Function):
         grad_x_rows = grouped_mm(grad_h, w["gate"].transpose(1, 2), offs)
         grad_x_rows.add_(grouped_mm(grad_u, w["up"].transpose(1, 2), offs))
         pools = layer.pools
+        if ctx.prev is not None:  # the slots' last reader is queued: the next layer's copies overlap the wgrads
+            prev_layer, prev_plan = ctx.prev
+            pools.prefetch_async(prev_plan, prev_layer)
         pools.accumulate_wgrad(g["down"], a, grad_o, offs, ctx.wgrad_scale)
         pools.accumulate_wgrad(g["gate"], x_rows, grad_h, offs, ctx.wgrad_scale)
         pools.accumulate_wgrad(g["up"], x_rows, grad_u, offs, ctx.wgrad_scale)
-        buffer.reduce_grad(plan, layer)
         grad_x_sH, grad_weights_sK = buffer.combine(plan, grad_x_rows, row_scalars=grad_w_rows)
-        return grad_x_sH, grad_weights_sK.to(ctx.weights_dtype), None, None, None, None
+        buffer.reduce_grad_async(plan, layer)
+        return grad_x_sH, grad_weights_sK.to(ctx.weights_dtype), None, None, None, None, None
 
 
 def expert_swiglu(buffer: Buffer, pools: ExpertPools, layer: LayerExperts, x_sH: torch.Tensor,
@@ -100,11 +108,14 @@ def expert_swiglu(buffer: Buffer, pools: ExpertPools, layer: LayerExperts, x_sH:
     """Routed SwiGLU experts of one MoE layer: y[t] = sum_k w[t,k] * expert_{topk[t,k]}(x[t]).
 
     Differentiable in x_sH and weights_sK; expert weight grads accumulate (fp32) into
-    `layer.g_local` after reduce_grad. Collective: every rank of the buffer's group calls it."""
+    `layer.g_local` after reduce_grad, which backward leaves queued on the buffer's communication
+    stream: call `buffer.wait_pending()` before reading them (any later call on the buffer also
+    orders after it). Collective: every rank of the buffer's group calls it."""
     if layer.pools is not pools or pools.buffer is not buffer:
         raise ValueError("layer does not belong to these pools/buffer; pass the objects it was created from")
     missing = [p for p in PROJECTIONS if p not in pools.projections]
     if missing:
         raise ValueError(f"expert_swiglu needs projections {PROJECTIONS}, pools lack {missing}; build them with "
                          "moonep.moe.swiglu_projections(H, F)")
-    return _ExpertSwiGLU.apply(x_sH, weights_sK, topk_sK, tokens_per_expert_E, buffer, layer)
+    track = torch.is_grad_enabled() and (x_sH.requires_grad or weights_sK.requires_grad)
+    return _ExpertSwiGLU.apply(x_sH, weights_sK, topk_sK, tokens_per_expert_E, buffer, layer, track)

@@ -13,7 +13,9 @@ Views per layer (same physical memory, SPEC section 4):
 Per pool: w_slots_all / g_slots_all [R, B, in, out], every rank's slots.
 
 The slots hold one layer's copies at a time. `ensure(plan, layer)` re-prefetches when another
-layer (or another plan) used them since; all ranks run the same call sequence, so they agree.
+layer (or another plan) used them since; all ranks run the same call sequence, so they agree. In
+backward a layer refills them for the layer before it (`previous_forward`) once its own last read
+of the slots is queued.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class ExpertPools:
         self._owner: tuple[int, Plan] | None = None  # (layer index, plan) whose copies the slots hold
         self._side: torch.cuda.Stream | None = None  # prefetch_async's stream (kernel path)
         self._prefetched: torch.cuda.Event | None = None  # completion of the last prefetch_async
+        self._last_forward: tuple[LayerExperts, Plan] | None = None  # see previous_forward
         self._kx = None  # moonep.kernels.experts on the triton path (imports triton: CUDA only)
         if buffer.kernel_path == "triton" and buffer.config.expert_kernels:
             from moonep.kernels import experts
@@ -163,6 +166,18 @@ class ExpertPools:
         """ensure() through prefetch_async; pair with wait_prefetch()."""
         if self._owner is None or self._owner[0] != layer.index or self._owner[1] is not plan:
             self.prefetch_async(plan, layer)
+
+    def previous_forward(self, layer: LayerExperts, plan: Plan, track: bool) -> tuple[LayerExperts, Plan] | None:
+        """The (layer, plan) of the expert forward that ran just before this one in the same pass
+        (an earlier layer: its backward runs right after this layer's), or None; then remembers
+        this one if `track` (autograd will run its backward). expert_swiglu's backward prefetches
+        that layer's copies as soon as its own last read of the slots is queued, so the copies
+        travel during its weight-gradient GEMMs; the next backward's `ensure_async` then finds
+        them in place. A wrong guess (e.g. recomputed forwards) only costs the early copy: ensure
+        still compares the layer and the plan."""
+        prev = self._last_forward
+        self._last_forward = (layer, plan) if track else None
+        return prev if prev is not None and prev[0].index < layer.index else None
 
     def wait_prefetch(self) -> None:
         """Order the last prefetch_async before the current stream's next work (no host sync)."""

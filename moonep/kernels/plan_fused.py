@@ -453,6 +453,10 @@ class FusedPlanner:
         self._launch(topk_sK, plan_layout.views(flat), total_num_tokens)
         return plan_layout.plan(flat)
 
+    def pooled_plans(self) -> int:
+        """Plans in the graph pools over all shapes (see _PlanPool)."""
+        return sum(len(pool.entries) for pool in self._graphs.values())
+
     def _plan_layout(self, s: int, total: int | None) -> _PlanLayout:
         key = (s, total)
         if key not in self._layouts:

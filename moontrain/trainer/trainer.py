@@ -174,6 +174,7 @@ class Trainer:
 
     def _reduce_grads(self) -> None:
         layout = self.layout
+        self.experts_ctx.finish_backward()  # moonep's last reduce_grad may still be queued
         if layout.distributed and not self.fsdp:
             allreduce_dense_grads(self.model, layout.world_group)
         for w in self.experts:

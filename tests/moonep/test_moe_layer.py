@@ -15,6 +15,7 @@ from moonep import Buffer, BufferConfig, ExpertPools, expert_swiglu, swiglu_proj
 from moonep.routing import generate_routing
 from tests.dist_utils import run_ranks
 from tests.moonep.moe_reference import reference_grads
+from tests.moonep.two_layer_case import check_two_layers, run_two_layers
 
 H, F, K, S = 32, 64, 4, 24
 BF16_EPS = 2.0**-8
@@ -45,6 +46,7 @@ def _rank_fn(rank: int, world: int, E: int, maxvio: float) -> dict:
         w_sK = weights[rank].clone().requires_grad_()
         y = expert_swiglu(buf, pools, layer, x_sH, w_sK, topk[rank])
         (y.double() * grad_y[rank].double()).sum().backward()
+        buf.wait_pending()  # reduce_grad is left queued (synchronous on the CPU)
         plan = pools.slot_plan
         return {
             "y": y.detach(), "gx": x_sH.grad, "gw": w_sK.grad,
@@ -83,3 +85,14 @@ def test_moe_layer_matches_dense_reference(R: int) -> None:
     if R > 1:
         assert out[0]["slots_used"] > 0, "the skewed routing should need redundant experts"
     assert all(o["reduce_pool_zero"] for o in out), "reduce_grad must leave the consumed slots zero"
+
+
+def _two_layers(rank: int, world: int) -> dict:
+    return run_two_layers(rank, world, None, E=8, H=H, F=F, K=K, S=S)
+
+
+def test_two_layers_early_prefetch_and_async_reduce_grad_change_no_bit() -> None:
+    """Layer 1's backward refills the slots for layer 0 and leaves reduce_grad queued; the results
+    equal the layers run one at a time, bitwise (tests/moonep/two_layer_case.py)."""
+    for out in run_ranks(_two_layers, 2, timeout_s=240):
+        check_two_layers(out)

@@ -40,6 +40,14 @@ class ExpertsContext:
     moonep_fused_planner: bool = True  # BufferConfig.fused_planner of the moonep backend
     shared: dict[str, Any] = field(default_factory=dict)  # e.g. moonep's Buffer and ExpertPools
     closers: list[Callable[[], None]] = field(default_factory=list)  # release backend-owned memory
+    # order work the backends left queued after backward (moonep's reduce_grad on its communication
+    # stream) before the caller's stream reads the expert grads
+    finishers: list[Callable[[], None]] = field(default_factory=list)
+
+    def finish_backward(self) -> None:
+        """Make the current stream wait for the backends' outstanding backward work (no host sync)."""
+        for finish in self.finishers:
+            finish()
 
     def close(self) -> None:
         """Release what the backends own (moonep's symmetric heap); expert tensors become invalid."""

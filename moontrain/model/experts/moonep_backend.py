@@ -37,6 +37,7 @@ class MoonEPExperts:
             )
             ctx.shared["moonep_buffer"] = buf
             ctx.closers.append(buf.destroy)
+            ctx.finishers.append(buf.wait_pending)  # expert_swiglu leaves reduce_grad queued
             ctx.shared["moonep_pools"] = moonep.ExpertPools(buf, projections=dict(weights.shapes),
                                                             dtype=ctx.compute_dtype)
         self.buf = ctx.shared["moonep_buffer"]

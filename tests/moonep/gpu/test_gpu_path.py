@@ -14,6 +14,7 @@ from moonep.layout import Layout
 from moonep.routing import generate_routing
 from tests.moonep import test_moe_layer as cpu_moe
 from tests.moonep.moe_reference import reference_grads
+from tests.moonep.two_layer_case import check_two_layers, run_two_layers
 
 pytestmark = pytest.mark.multigpu
 
@@ -78,6 +79,7 @@ def test_moe_layer_matches_dense_reference_on_gpu(group: dist.ProcessGroup) -> N
         w_sK = weights[rank].cuda().requires_grad_()
         y = expert_swiglu(buf, pools, layer, x_sH, w_sK, topk[rank].cuda())
         (y.double() * grad_y[rank].cuda().double()).sum().backward()
+        buf.wait_pending()  # backward leaves reduce_grad queued on the communication stream
         assert int((pools.slot_plan.slot_expert_RB >= 0).sum()) > 0, "skewed routing should use slots"
         got = {"y": y.detach(), "gx": x_sH.grad, "gw": w_sK.grad, **{p: layer.g_local[p] for p in w}}
         gathered = {}
@@ -149,3 +151,10 @@ def test_graph_planner_replays_equal_eager_plans(group: dist.ProcessGroup) -> No
                 _first_mismatch(getattr(got, name), value, f"graph plan.{name}")
             else:
                 assert getattr(got, name) == value, name
+
+
+def test_two_layers_early_prefetch_and_async_reduce_grad_change_no_bit(group: dist.ProcessGroup) -> None:
+    """On the kernel path, with the side-stream prefetch and reduce_grad on the communication
+    stream for real: the chained layers equal the layers run one at a time, bitwise."""
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    check_two_layers(run_two_layers(rank, R, group, E=16, H=512, F=1024, K=4, S=64))
