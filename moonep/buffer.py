@@ -199,7 +199,7 @@ class Buffer:
         self._scatter(plan, x_sH, weights_sK)
         self.barrier("dispatch:rows")
         self._rows_plan = plan
-        return self._expand(plan, x_sH)
+        return self._expand(plan)
 
     def dispatch_async(self, x_sH: torch.Tensor, weights_sK: torch.Tensor | None = None,
                        topk_sK: torch.Tensor | None = None, tokens_per_expert_E: torch.Tensor | None = None, *,
@@ -273,7 +273,7 @@ class Buffer:
         if self._kernels is not None:  # receiver padding marks move to _expand (after the barrier)
             self._kernels.scatter(x_sH, weights_sK, plan.dst_rank_sK, plan.dst_row_sK, plan.copy_row_sK, plan.sent_sK,
                                   every["recv"], every["row_weight"], every["row_copy"], every["row_src"],
-                                  self.rank * self.config.max_tokens * plan.topk, self.rank, self._grid, rows=rows)
+                                  self.rank * self.config.max_tokens * plan.topk, self._grid, rows=rows)
             return
         s, K = plan.num_tokens, plan.topk
         dst_rank = plan.dst_rank_sK.reshape(-1).long()
@@ -305,15 +305,14 @@ class Buffer:
         g = torch.searchsorted(offs, row, right=True).clamp(max=offs.numel() - 1)
         return (row < offs[-1]) & (row - (offs[g] - padded[g]) < sizes[g])
 
-    def _expand(self, plan: Plan, x_sH: torch.Tensor | None = None, *, copy: bool = True) -> DispatchResult:
+    def _expand(self, plan: Plan, *, copy: bool = True) -> DispatchResult:
         recv = self._mine["recv"]
         x_rows = recv[: plan.nvs_s]
         if self._kernels is not None:
             mine = self._mine
             self._kernels.expand(recv, mine["row_weight"], mine["row_copy"], mine["row_src"], plan.offs_RG[self.rank],
                                  plan.group_rows_RG[self.rank], plan.nvs_s, self.layout.zero_row,
-                                 self.config.token_padding, x_sH, self.rank, self.config.max_tokens * plan.topk,
-                                 plan.topk, copy=copy)
+                                 self.config.token_padding, copy=copy)
         else:
             x_rows.copy_(recv.index_select(0, self._mine["row_copy"][: plan.nvs_s].long()))
         return DispatchResult(x_rows, self._mine["row_weight"][: plan.nvs_s], plan.cu_seqlens, plan)

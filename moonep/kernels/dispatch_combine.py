@@ -12,17 +12,14 @@ captured in a CUDA graph):
 dispatch
     1. `_scatter_kernel` (this rank as sender), persistent grid over blocks of BLOCK_T tokens:
        the metadata of every entry (t, k) -> (row_copy, row_src, row_weight) of its destination
-       row; each token row x[t] is loaded once per H chunk and stored once per *other* destination
-       rank (the entries with sent_sK), straight into the destination's recv row: the scatter
-       moves only bytes that cross NVLink.
+       row; each token row x[t] is loaded once per H chunk and stored once per destination rank
+       (the entries with sent_sK), straight into the destination's recv row.
     2. barrier "dispatch:rows" (peer stores above are ordered before it by its fence.sc.sys).
     3. `_expand_kernel` (this rank as receiver), local: finds each row's group by a binary search
        over offs_RG[rank], marks padding rows (row_copy = zero row, weight 0, source -1) and zeroes
-       them, writes every row of this rank's own tokens (primary or duplicate; row_src names the
-       token) straight from x, and copies the peers' duplicate rows (row_copy != row) from their
-       primary row. The peers' primary rows are never touched, so the kernel has no dependency
-       between programs. The PyTorch path copies every row through index_select; this touches
-       only duplicates, own rows and padding.
+       them, and copies duplicate rows (row_copy != row) from their primary row. Primary rows are
+       never touched, so the kernel has no dependency between programs. The PyTorch path copies
+       every row through index_select; this touches only duplicates and padding.
 combine (push; y rows already carry the route weights)
     0. only when `plan` is not the plan of the last dispatch on this buffer (row_src then describes
        other rows): barrier "combine:enter", `_scatter_kernel` with ROWS=False rewrites row_src on
@@ -59,9 +56,6 @@ Also rejected, measured: writing a token's duplicates on the sender's own rank i
 dispatch of 818/913/893/935/927 us over the points below, no better than the kept version (the
 extra local stores share the CTAs and store queues with the NVLink stores). num_sms=32 instead of
 all 132 SMs: dispatch 1131 us, combine 1997 us at maxvio 1 (vs 893 / 1671), so the default is every SM.
-
-Branch next/scatter-remote-only (NOT yet run on a GPU; interpreter-checked bitwise against the
-PyTorch path): the numbers below are for main's scatter, which also stored this rank's own rows.
 
 Measured (2xH200 linked by NV18, torch 2.11, triton 3.6, 2026-11-29; benchmarks/bench_comm.py
 --experts 96 --iters 5 --warmup 2 --kernels triton: R=2, S=8192, H=7168, K=8, E=96; median of 5,
@@ -111,7 +105,7 @@ def _tile(H: int) -> tuple[int, int]:
 @triton.jit
 def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_ptr,
                     recv_ptr, row_weight_ptr, row_copy_ptr, row_src_ptr,
-                    s, H, x_stride, recv_rank_stride, recv_row_stride, meta_rank_stride, src_base, my_rank,
+                    s, H, x_stride, recv_rank_stride, recv_row_stride, meta_rank_stride, src_base,
                     num_iters, num_programs, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                     HAS_W: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)
@@ -133,8 +127,7 @@ def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_
             if HAS_W:
                 w = tl.load(w_ptr + entry, mask=e_ok, other=0.0).to(tl.float32)
                 tl.store(row_weight_ptr + meta, w, mask=e_ok)
-            # the token row: loaded once per H chunk, stored once per *other* destination rank (the
-            # receiver's expand writes this rank's own rows straight from x)
+            # the token row: loaded once per H chunk, stored once per destination rank
             for h0 in range(0, H, BLOCK_H):
                 hh = h0 + hh0
                 m = t_ok[:, None] & (hh < H)[None, :]
@@ -144,14 +137,13 @@ def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_
                     r = tl.load(dst_rank_ptr + t * K + k, mask=t_ok, other=0).to(tl.int64)
                     row = tl.load(dst_row_ptr + t * K + k, mask=t_ok, other=0).to(tl.int64)
                     dst = r * recv_rank_stride + row * recv_row_stride
-                    tl.store(recv_ptr + dst[:, None] + hh[None, :], tile, mask=m & (sent & (r != my_rank))[:, None])
+                    tl.store(recv_ptr + dst[:, None] + hh[None, :], tile, mask=m & sent[:, None])
 
 
 @triton.jit
-def _expand_kernel(recv_ptr, row_weight_ptr, row_copy_ptr, row_src_ptr, offs_ptr, sizes_ptr, x_ptr,
-                   nvs_s, H, recv_row_stride, x_stride, G, zero_row, pad, my_rank, entries_per_rank,
-                   K: tl.constexpr, LOG_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                   COPY: tl.constexpr):
+def _expand_kernel(recv_ptr, row_weight_ptr, row_copy_ptr, row_src_ptr, offs_ptr, sizes_ptr,
+                   nvs_s, H, recv_row_stride, G, zero_row, pad,
+                   LOG_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, COPY: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < nvs_s
     # g = searchsorted(offs, r, right=True): the first group whose padded end lies past r
@@ -176,23 +168,16 @@ def _expand_kernel(recv_ptr, row_weight_ptr, row_copy_ptr, row_src_ptr, offs_ptr
         tl.store(row_copy_ptr + r, tl.zeros([BLOCK_R], dtype=tl.int32) + zero_row, mask=is_pad)
         tl.store(row_weight_ptr + r, tl.zeros([BLOCK_R], dtype=tl.float32), mask=is_pad)
         src = tl.load(row_copy_ptr + r, mask=is_row, other=0)
-        # rows of this rank's own tokens (primary or duplicate) come straight from x; the others'
-        # duplicates from their primary row, which the peer's scatter wrote
-        entry = tl.load(row_src_ptr + r, mask=is_row, other=0).to(tl.int64)
-        local = is_row & (entry // entries_per_rank == my_rank)
-        t64 = (entry % entries_per_rank) // K
-        dup = is_row & (src != r) & ~local
-        write = dup | is_pad | local
+        dup = is_row & (src != r)
+        write = dup | is_pad
         src64 = src.to(tl.int64)
         r64 = r.to(tl.int64)
         hh0 = tl.arange(0, BLOCK_H)
         for h0 in range(0, H, BLOCK_H):
             hh = h0 + hh0
             h_ok = (hh < H)[None, :]
-            from_peer = tl.load(recv_ptr + src64[:, None] * recv_row_stride + hh[None, :], mask=dup[:, None] & h_ok,
-                                other=0.0)
-            from_x = tl.load(x_ptr + t64[:, None] * x_stride + hh[None, :], mask=local[:, None] & h_ok, other=0.0)
-            tile = tl.where(local[:, None], from_x, from_peer)
+            tile = tl.load(recv_ptr + src64[:, None] * recv_row_stride + hh[None, :], mask=dup[:, None] & h_ok,
+                           other=0.0)
             tl.store(recv_ptr + r64[:, None] * recv_row_stride + hh[None, :], tile, mask=write[:, None] & h_ok)
 
 
@@ -246,8 +231,8 @@ def num_sms(device: torch.device, cap: int | None) -> int:
 def scatter(x_sH: torch.Tensor, weights_sK: torch.Tensor | None, dst_rank_sK: torch.Tensor,
             dst_row_sK: torch.Tensor, copy_row_sK: torch.Tensor, sent_sK: torch.Tensor,
             recv_all: torch.Tensor, row_weight_all: torch.Tensor, row_copy_all: torch.Tensor,
-            row_src_all: torch.Tensor, src_base: int, my_rank: int, grid: int, *, rows: bool = True) -> None:
-    """Sender side of dispatch: entry metadata to every destination row, token rows once per other
+            row_src_all: torch.Tensor, src_base: int, grid: int, *, rows: bool = True) -> None:
+    """Sender side of dispatch: entry metadata to every destination row, token rows once per
     destination rank (rows=False: row_src only, for combine's refresh)."""
     s, K = dst_rank_sK.shape
     H = recv_all.shape[-1]
@@ -259,25 +244,23 @@ def scatter(x_sH: torch.Tensor, weights_sK: torch.Tensor | None, dst_rank_sK: to
     _scatter_kernel[(programs,)](
         x_sH, w, dst_rank_sK, dst_row_sK, copy_row_sK, sent_sK.view(torch.uint8),
         recv_all, row_weight_all, row_copy_all, row_src_all,
-        s, H, x_sH.stride(0), recv_all.stride(0), recv_all.stride(1), row_src_all.stride(0), src_base, my_rank,
+        s, H, x_sH.stride(0), recv_all.stride(0), recv_all.stride(1), row_src_all.stride(0), src_base,
         triton.cdiv(num_blocks, programs), programs, K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=block_t, BLOCK_H=block_h,
         HAS_W=weights_sK is not None, ROWS=rows, num_warps=_NUM_WARPS)
 
 
 def expand(recv: torch.Tensor, row_weight: torch.Tensor, row_copy: torch.Tensor, row_src: torch.Tensor,
-           offs_G: torch.Tensor, sizes_G: torch.Tensor, nvs_s: int, zero_row: int, token_padding: int,
-           x_sH: torch.Tensor | None, my_rank: int, entries_per_rank: int, topk: int, *, copy: bool = True) -> None:
-    """Receiver side of dispatch: mark and zero padding rows, write the rows of this rank's own
-    tokens from x_sH, copy the peers' duplicates from their primary row (copy=False: only
-    row_src = -1 on padding rows, for combine's refresh; x_sH unused)."""
+           offs_G: torch.Tensor, sizes_G: torch.Tensor, nvs_s: int, zero_row: int, token_padding: int, *,
+           copy: bool = True) -> None:
+    """Receiver side of dispatch: mark and zero padding rows, copy duplicates from their primary
+    row (copy=False: only row_src = -1 on padding rows, for combine's refresh)."""
     G = offs_G.numel()
     H = recv.shape[-1]
     block_r, block_h = _tile(H)
-    x = x_sH if x_sH is not None else recv  # never read when COPY is off
     _expand_kernel[(triton.cdiv(nvs_s, block_r),)](
-        recv, row_weight, row_copy, row_src, offs_G, sizes_G, x, nvs_s, H, recv.stride(0), x.stride(0), G, zero_row,
-        token_padding, my_rank, entries_per_rank, K=topk, LOG_G=G.bit_length(), BLOCK_R=block_r, BLOCK_H=block_h,
-        COPY=copy, num_warps=_NUM_WARPS)
+        recv, row_weight, row_copy, row_src, offs_G, sizes_G, nvs_s, H, recv.stride(0), G, zero_row,
+        token_padding, LOG_G=G.bit_length(), BLOCK_R=block_r, BLOCK_H=block_h, COPY=copy,
+        num_warps=_NUM_WARPS)
 
 
 def push(y_rows: torch.Tensor, row_scalars: torch.Tensor | None, row_src: torch.Tensor, nvs_s: int,
