@@ -127,16 +127,19 @@ def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_
             if HAS_W:
                 w = tl.load(w_ptr + entry, mask=e_ok, other=0.0).to(tl.float32)
                 tl.store(row_weight_ptr + meta, w, mask=e_ok)
+            # every entry's destination offset (-1: not sent), from the [BLOCK_T, BLOCK_K] tiles
+            # loaded above: no global load between the row stores below (a load after a store is
+            # not hoisted over it, so per-k loads serialised ~K load latencies per tile)
+            sent_k = tl.load(sent_ptr + entry, mask=e_ok, other=0) != 0
+            dst_k = tl.where(sent_k, d_rank * recv_rank_stride + d_row * recv_row_stride, -1)
             # the token row: loaded once per H chunk, stored once per destination rank
             for h0 in range(0, H, BLOCK_H):
                 hh = h0 + hh0
                 m = t_ok[:, None] & (hh < H)[None, :]
                 tile = tl.load(x_ptr + t[:, None] * x_stride + hh[None, :], mask=m)
                 for k in tl.static_range(K):
-                    sent = tl.load(sent_ptr + t * K + k, mask=t_ok, other=0) != 0
-                    r = tl.load(dst_rank_ptr + t * K + k, mask=t_ok, other=0).to(tl.int64)
-                    row = tl.load(dst_row_ptr + t * K + k, mask=t_ok, other=0).to(tl.int64)
-                    dst = r * recv_rank_stride + row * recv_row_stride
+                    dst = tl.sum(tl.where(kk[None, :] == k, dst_k, 0), axis=1)  # column k (exactly one term)
+                    sent = tl.sum(tl.where(kk[None, :] == k, sent_k.to(tl.int32), 0), axis=1) != 0
                     tl.store(recv_ptr + dst[:, None] + hh[None, :], tile, mask=m & sent[:, None])
 
 
