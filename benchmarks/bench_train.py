@@ -59,7 +59,6 @@ Writes benchmarks/results/bench_train_R<R>_<tag>.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import collections
 import gc
 import json
 import math
@@ -67,8 +66,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
-import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -77,6 +74,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from benchmarks.train_diagnostics import count_syncs, memory_trace, profile_step
 from moontrain.config import RunConfig, from_dict, load_recipe
 from moontrain.config.loader import to_dict
 from moontrain.metrics.balance import maxvio_L
@@ -138,8 +136,10 @@ def routed_counts(trainer: Trainer, sigma: float, batches: list, placement: str)
     apply_skew(trainer, sigma, placement)
     for r in routers:
         r.tokens_per_expert_E.zero_()
+    n = trainer.accumulation_steps  # the model takes micro-batches (moonep's buffer holds one)
     for tokens_BT, targets_BT in batches:
-        trainer.model(tokens_BT, targets_BT)
+        for tok_bT, tgt_bT in zip(tokens_BT.chunk(n), targets_BT.chunk(n), strict=True):
+            trainer.model(tok_bT, tgt_bT)
     counts_LE = torch.stack([r.tokens_per_expert_E for r in routers])
     dist.all_reduce(counts_LE, group=trainer.layout.world_group)
     for r in routers:
@@ -228,7 +228,7 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
     retries0 = memory_stats(device).get("mem/alloc_retries", 0.0)
     step_s, step_peak, step_resv, maxvio, rank_maxvio, losses = [], [], [], [], [], []
     redundant: list[float] = []
-    oom_where, heap_bytes, flops_per_token, pooled, syncs = None, 0, None, 0, None
+    oom_where, heap_bytes, flops_per_token, pooled, syncs, trace_peak = None, 0, None, 0, None, None
     trainer = None
     try:
         trainer = Trainer(cfg, layout)
@@ -254,10 +254,13 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
             redundant.append(stats.scalars.get("moe/redundant_experts/total", 0.0))
             losses.append(stats.loss)
         pooled = buf.pooled_plans if buf is not None else 0
-        if args.sync_debug and cfg.model.router_skew == args.sync_skew and device.type == "cuda":
-            syncs = count_syncs(trainer, layout, args, cfg)  # one extra, untimed step
+        if args.sync_debug and cfg.model.router_skew == args.sync_skew and args.current_round == 0 \
+                and device.type == "cuda":
+            syncs = count_syncs(trainer, layout, args, cfg, side)  # one extra, untimed step
         if wants_profile(args, cfg) and device.type == "cuda":  # one extra, untimed step under the profiler
-            profile_step(trainer, layout, args, cfg)
+            profile_step(trainer, layout, args, cfg, side)
+        if args.memory_trace and at_diagnosed_point(args, cfg) and device.type == "cuda":
+            trace_peak = memory_trace(trainer, layout, args, cfg, side)  # one extra, untimed step
     except torch.OutOfMemoryError as err:
         oom_where = f"step {len(step_s)}" if trainer is not None else "building the trainer"
         print(f"rank {layout.rank}: out of memory at {oom_where}: {str(err).splitlines()[0]}", flush=True)
@@ -300,8 +303,10 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
         redundant_experts_median=statistics.median(redundant[args.warmup:]),  # over layers (and ranks' slots)
         pooled_plans=int(_reduce(float(pooled), dist.ReduceOp.MAX, layout)),  # moonep's plan pool at the end
         host_syncs=syncs,
+        memory_trace_peak_bytes=int(_reduce(float(trace_peak), dist.ReduceOp.MAX, layout)) if trace_peak else None,
         loss_first_last=[losses[0], losses[-1]],
         peak_allocated_gib=max(peak_max) if cuda else None,
+        peak_allocated_bytes=int(max(peak_max) * GIB) if cuda else None,  # exact: GiB floats of whole bytes
         peak_reserved_gib=max(resv_max) if cuda else None,
         step_peak_allocated_gib=[min(peak_max[args.warmup:]), max(peak_max[args.warmup:])] if cuda else None,
         alloc_retries=int(_reduce(mem["mem/alloc_retries"] - retries0, dist.ReduceOp.MAX, layout)) if cuda else None,
@@ -310,63 +315,18 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
     return point
 
 
+def at_diagnosed_point(args: argparse.Namespace, cfg: RunConfig) -> bool:
+    """The --profile-at points (default: the first target), in the first round."""
+    return cfg.model.router_skew in args.profile_skews and args.current_round == 0
+
+
 def wants_profile(args: argparse.Namespace, cfg: RunConfig) -> bool:
-    """--profile [BACKEND ...]: the --profile-at points (default: the first target) of each named
-    backend (all when none named)."""
-    if args.profile is None or cfg.model.router_skew not in args.profile_skews:
+    """--profile [BACKEND ...]: the --profile-at points of each named backend (all when none named)."""
+    if args.profile is None or not at_diagnosed_point(args, cfg):
         return False
     return not args.profile or cfg.experts.backend in args.profile
 
 
-def count_syncs(trainer: Trainer, layout: ParallelLayout, args: argparse.Namespace, cfg: RunConfig) -> int:
-    """One more step under CUDA sync debug mode "warn": how many times it synchronised with the host
-    (the step's one stats read included) and from where; rank 0 writes the call sites to --out."""
-    sites: collections.Counter = collections.Counter()
-
-    def record(message, category, filename, lineno, file=None, line=None) -> None:
-        if "synchroniz" not in str(message):
-            return
-        ours = [f for f in traceback.extract_stack()[:-1]
-                if any(k in f.filename for k in ("/moontrain/", "/moonep/", "bench_train"))]
-        sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in ours[::-1][:4])] += 1
-
-    _sync(layout.device)
-    dist.barrier(group=layout.world_group)
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            trainer.train_step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    total = sum(sites.values())
-    if layout.rank == 0:
-        lines = [f"{n:5d}  {site}" for site, n in sites.most_common()]
-        name = f"syncs_{cfg.experts.backend}_skew{cfg.model.router_skew:.3g}.txt"
-        (Path(args.out) / name).write_text(f"{total} host synchronisations in one step\n" + "\n".join(lines) + "\n")
-        print(f"{cfg.experts.backend}: {total} host synchronisations in one step (sites: {Path(args.out) / name})",
-              flush=True)
-    return total
-
-
-def profile_step(trainer: Trainer, layout: ParallelLayout, args: argparse.Namespace, cfg: RunConfig) -> None:
-    """Profile one more step; rank 0 writes to --out the ops by CUDA time (top 40), then the ops
-    by self CUDA time split by input shapes (top 60), which tells apart the call sites of one op."""
-    from torch.profiler import ProfilerActivity, profile
-
-    _sync(layout.device)
-    dist.barrier(group=layout.world_group)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        trainer.train_step()
-        _sync(layout.device)
-    if layout.rank == 0:
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
-        shapes = prof.key_averages(group_by_input_shape=True).table(
-            sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=50, max_shapes_column_width=90)
-        name = f"profile_{cfg.experts.backend}_skew{cfg.model.router_skew:.3g}.txt"
-        (Path(args.out) / name).write_text(f"{table}\n\nby input shapes (self CUDA time):\n{shapes}\n")
-        print(f"profile of one step written to {Path(args.out) / name}", flush=True)
 
 
 # ---------------------------------------------------------------- driver
@@ -392,6 +352,9 @@ def main() -> None:
     p.add_argument("--targets", type=float, nargs="+", default=[0.2, 1.0, 10.0, 20.0], help="target maxvio")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per point")
     p.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps per point, before the timed ones")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every point this many times, interleaved (round 1: all points, round 2: all points, "
+                        "...); a point reports the median over all its rounds' timed steps")
     p.add_argument("--calib-batches", type=int, default=2, help="forward passes per calibration evaluation")
     p.add_argument("--calib-iters", type=int, default=16, help="bisection steps per target at most")
     p.add_argument("--calib-tol", type=float, default=0.03, help="relative tolerance on the realised maxvio")
@@ -412,7 +375,10 @@ def main() -> None:
                    help="profile one extra step at the first target of these backends (none named: all; GPU; "
                         "kernel tables to --out)")
     p.add_argument("--profile-at", type=float, nargs="+", default=None, metavar="MAXVIO",
-                   help="targets (of --targets) to profile at (default: the first)")
+                   help="targets (of --targets) for --profile and --memory-trace (default: the first)")
+    p.add_argument("--memory-trace", action="store_true",
+                   help="at the --profile-at points: the allocations live at one extra step's memory peak, per rank "
+                        "(benchmarks/train_diagnostics.py; GPU)")
     p.add_argument("--sync-debug", action="store_true",
                    help="count the host synchronisations of one extra step at the first target (GPU)")
     p.add_argument("--show", metavar="JSON", help="print the table of a saved result and exit (no GPU needed)")
@@ -449,7 +415,7 @@ def run(args: argparse.Namespace, device: torch.device, side: dist.ProcessGroup)
     path = Path(args.out) / f"bench_train_R{R}_{tag}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"recipe": args.recipe, "overrides": args.overrides, "world_size": R, "ep": cfg0.parallel.ep,
-            "steps": args.steps, "warmup": args.warmup, "keep_balancing": args.keep_balancing,
+            "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "keep_balancing": args.keep_balancing,
             "prebalance": not args.no_prebalance, "lr": args.lr, "placement": args.placement,
             "tokens_per_step": cfg0.train.global_batch_size * cfg0.train.seq_len,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -485,21 +451,73 @@ def run(args: argparse.Namespace, device: torch.device, side: dist.ProcessGroup)
     args.profile_skews = [c["sigma"] for t, c in zip(args.targets, calib, strict=True) if t in at]  # --profile
     args.sync_skew = calib[0]["sigma"]  # --sync-debug: the first target
 
-    points = []
-    for backend in args.backends:
-        for c in calib:
-            t0 = time.perf_counter()
-            cfg = build_config(args, run_dir, **{"experts.backend": backend, "model.router_skew": c["sigma"]})
-            point = {"backend": backend, **c, **run_point(cfg, layout, args, side, mm_flops, bias_LE)}
-            point["wall_s"] = time.perf_counter() - t0
-            points.append(point)
-            if is_main:
-                print(_row(point), f"[{point['wall_s']:.0f} s]", flush=True)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps({"config": meta, "points": points}, indent=1))
+    raw: list[dict] = []  # one point per (round, backend, target)
+    for rnd in range(args.rounds):
+        args.current_round = rnd  # --profile / --sync-debug: the first round only
+        for backend in args.backends:
+            for c in calib:
+                t0 = time.perf_counter()
+                cfg = build_config(args, run_dir, **{"experts.backend": backend, "model.router_skew": c["sigma"]})
+                point = {"backend": backend, **c, **run_point(cfg, layout, args, side, mm_flops, bias_LE)}
+                point["wall_s"] = time.perf_counter() - t0
+                point["round"] = rnd
+                raw.append(point)
+                if is_main:
+                    print(_row(point), f"[round {rnd + 1}/{args.rounds}, {point['wall_s']:.0f} s]", flush=True)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    result = {"config": meta, "points": merge_rounds(raw, args.warmup)}
+                    if args.rounds > 1:
+                        result["rounds"] = raw
+                    path.write_text(json.dumps(result, indent=1))
     if is_main:
-        print_table({"config": meta, "points": points})
+        print_table({"config": meta, "points": merge_rounds(raw, args.warmup)})
         print(f"wrote {path}")
+
+
+def merge_rounds(raw: list[dict], warmup: int) -> list[dict]:
+    """One point per (backend, target) from its rounds: the median over every round's timed steps
+    (rounds interleave the points in time, so a drift of the GPU's speed over the run is shared by
+    all points instead of favouring the first), peaks as the max, retries summed; a point that
+    failed in any round is reported as that failure."""
+    merged: dict[tuple, list[dict]] = {}
+    for p in raw:
+        merged.setdefault((p["backend"], p["target_maxvio"]), []).append(p)
+    out = []
+    for ps in merged.values():
+        bad = [p for p in ps if p.get("step_time_s") is None]
+        if len(ps) == 1 or bad:
+            out.append(bad[0] if bad else ps[0])
+            continue
+        timed = [t for p in ps for t in p["step_times_s"][warmup:]]
+        med = statistics.median(timed)
+        first = ps[0]
+        scale = first["step_time_s"] / med  # tokens/s and MFU go as 1 / step time
+        m = dict(first)
+        m.update(
+            step_time_s=med, round_step_time_s=[p["step_time_s"] for p in ps],
+            step_times_s=[t for p in ps for t in p["step_times_s"]],
+            tokens_per_s_per_gpu=first["tokens_per_s_per_gpu"] * scale,
+            mfu_989=first["mfu_989"] * scale if first["mfu_989"] is not None else None,
+            mfu_mm=first["mfu_mm"] * scale,
+            maxvio_median=statistics.median([v for p in ps for v in p["maxvio_steps"][warmup:]]),
+            maxvio_steps=[v for p in ps for v in p["maxvio_steps"]],
+            redundant_experts_median=statistics.median([p["redundant_experts_median"] for p in ps]),
+            peak_allocated_gib=_max_or_none([p["peak_allocated_gib"] for p in ps]),
+            peak_reserved_gib=_max_or_none([p["peak_reserved_gib"] for p in ps]),
+            peak_allocated_bytes=_max_or_none([p.get("peak_allocated_bytes") for p in ps]),
+            step_peak_allocated_gib=([min(p["step_peak_allocated_gib"][0] for p in ps),
+                                      max(p["step_peak_allocated_gib"][1] for p in ps)]
+                                     if first["step_peak_allocated_gib"] else None),
+            alloc_retries=sum(p["alloc_retries"] for p in ps) if first["alloc_retries"] is not None else None,
+            wall_s=sum(p["wall_s"] for p in ps), round=None, rounds=len(ps),
+        )
+        out.append(m)
+    return out
+
+
+def _max_or_none(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
 
 
 def _f(v: float | None, fmt: str, width: int) -> str:
@@ -532,7 +550,7 @@ def print_table(result: dict) -> None:
     print(f"{meta['recipe']} {' '.join(meta['overrides'])} | R={meta['world_size']} EP={meta['ep']} | "
           f"{meta['device']}, torch {meta['torch']} | {meta['tokens_per_step']} tokens/step | "
           f"popular experts {meta.get('placement', 'random')} | "
-          f"median of {meta['steps']} steps after {meta['warmup']} warm-up | torch.mm {meta['compute_dtype']} "
+          f"median of {meta['steps']} steps after {meta['warmup']} warm-up x {meta.get('rounds', 1)} rounds | torch.mm {meta['compute_dtype']} "
           f"{meta['matmul_flops'] / 1e12:.2f} TFLOP/s")
     print("maxvio: calib = realised at calibration (initial weights), train = median over timed steps (max over "
           "MoE layers), rank = after planning (rows per rank); mfu989 vs 989 TFLOP/s bf16, mfu mm vs the torch.mm "

@@ -1,0 +1,136 @@
+"""One-step diagnostics of benchmarks/bench_train.py (GPU): a profile, the host synchronisations, and
+the allocations live at the step's memory peak. Each runs one extra, untimed training step; every
+rank takes part, and rank 0 writes one text file to --out with every rank's part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moontrain.config import RunConfig
+from moontrain.parallel.layout import ParallelLayout
+from moontrain.trainer.trainer import Trainer
+
+OUR_CODE = ("/moontrain/", "/moonep/", "/benchmarks/")
+
+
+def _align(layout: ParallelLayout) -> None:
+    torch.cuda.synchronize(layout.device)
+    dist.barrier(group=layout.world_group)
+
+
+def _write_all_ranks(text: str, name: str, args: argparse.Namespace, side: dist.ProcessGroup,
+                     layout: ParallelLayout) -> None:
+    """Gather every rank's text (gloo side group) and write them, rank by rank, on rank 0."""
+    parts: list = [None] * layout.world_size
+    dist.all_gather_object(parts, text, group=side)
+    if layout.rank == 0:
+        path = Path(args.out) / name
+        path.write_text("".join(f"===== rank {r}\n{t}\n" for r, t in enumerate(parts)))
+        print(f"written: {path}", flush=True)
+
+
+def _point_name(kind: str, cfg: RunConfig) -> str:
+    return f"{kind}_{cfg.experts.backend}_skew{cfg.model.router_skew:.3g}.txt"
+
+
+def profile_step(trainer: Trainer, layout: ParallelLayout, args: argparse.Namespace, cfg: RunConfig,
+                 side: dist.ProcessGroup) -> None:
+    """Profile one more step: per rank the ops by CUDA time (top 40), then the ops by self CUDA time
+    split by input shapes (top 60), which tells apart the call sites of one op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _align(layout)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        trainer.train_step()
+        torch.cuda.synchronize(layout.device)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+    shapes = prof.key_averages(group_by_input_shape=True).table(
+        sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=50, max_shapes_column_width=90)
+    _write_all_ranks(f"{table}\n\nby input shapes (self CUDA time):\n{shapes}\n", _point_name("profile", cfg),
+                     args, side, layout)
+
+
+def count_syncs(trainer: Trainer, layout: ParallelLayout, args: argparse.Namespace, cfg: RunConfig,
+                side: dist.ProcessGroup) -> int:
+    """One more step under CUDA sync debug mode "warn": how many times this rank synchronised with
+    the host (the step's one stats read included) and from where."""
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" not in str(message):
+            return
+        ours = [f for f in traceback.extract_stack()[:-1] if any(k in f.filename for k in OUR_CODE)]
+        sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in ours[::-1][:4])] += 1
+
+    _align(layout)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train_step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    total = sum(sites.values())
+    lines = [f"{n:5d}  {site}" for site, n in sites.most_common()]
+    _write_all_ranks(f"{total} host synchronisations in one step\n" + "\n".join(lines) + "\n",
+                     _point_name("syncs", cfg), args, side, layout)
+    return total
+
+
+def memory_trace(trainer: Trainer, layout: ParallelLayout, args: argparse.Namespace, cfg: RunConfig,
+                 side: dist.ProcessGroup, top: int = 40) -> int:
+    """One more step with the allocator's history on: this rank's peak above the step's starting
+    allocation, and the allocations live at that peak grouped by (size, call site), largest first.
+    Comparing two points shows which allocation makes their peaks differ. Returns the peak (bytes)."""
+    mem = torch.cuda.memory
+    _align(layout)
+    start = torch.cuda.memory_allocated(layout.device)
+    mem._record_memory_history(enabled="all", context="alloc", stacks="python", clear_history=True)
+    try:
+        trainer.train_step()
+        torch.cuda.synchronize(layout.device)
+        snapshot = mem._snapshot(layout.device)
+    finally:
+        mem._record_memory_history(enabled=None)
+    try:  # a diagnostic: a surprise in the snapshot's format must not end the benchmark
+        text, peak = _peak_allocations(snapshot, start, top)
+    except Exception as err:
+        text, peak = f"could not analyse the snapshot: {err!r}\n", 0
+    _write_all_ranks(text, _point_name("memory", cfg), args, side, layout)
+    return start + peak
+
+
+def _peak_allocations(snapshot: dict, start: int, top: int) -> tuple[str, int]:
+    """(report, peak bytes above `start`) from an allocator snapshot with history."""
+    events = [e for trace in snapshot["device_traces"] for e in trace if e["action"] in ("alloc", "free_requested")]
+    live: dict[int, dict] = {}
+    cur = peak = peak_at = 0
+    for i, e in enumerate(events):  # allocated bytes change at alloc and at free request (as the stats do)
+        cur += e["size"] if e["action"] == "alloc" else -e["size"]
+        if cur > peak:
+            peak, peak_at = cur, i + 1
+    for e in events[:peak_at]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        else:
+            live.pop(e["addr"], None)
+    groups: dict[tuple, list[int]] = {}
+    for e in live.values():
+        frames = [f for f in e.get("frames", []) if any(k in f["filename"] for k in OUR_CODE)]
+        site = " <- ".join(f"{Path(f['filename']).name}:{f['line']}" for f in frames[:3]) or "(no python frame)"
+        groups.setdefault((e["size"], site), []).append(e["size"])
+    rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
+    lines = [f"{len(v):5d} x {k[0]:>13,d} B = {sum(v):>15,d} B  {k[1]}" for k, v in rows[:top]]
+    text = (f"allocated at the step's start {start:,d} B; peak {start + peak:,d} B (+{peak:,d} B within the step); "
+            f"{len(events)} alloc/free events; {len(live)} allocations of this step live at the peak "
+            f"({sum(e['size'] for e in live.values()):,d} B):\n" + "\n".join(lines) + "\n")
+    return text, peak

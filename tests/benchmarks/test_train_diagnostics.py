@@ -1,0 +1,28 @@
+"""bench_train's memory-peak analysis on a hand-made allocator history (the GPU run feeds it
+torch.cuda.memory._snapshot(); the arithmetic is checked here)."""
+
+from __future__ import annotations
+
+from benchmarks.train_diagnostics import _peak_allocations
+
+
+def _ev(action: str, addr: int, size: int, where: str) -> dict:
+    return {"action": action, "addr": addr, "size": size,
+            "frames": [{"filename": f"/x/moonep/{where}.py", "line": 7, "name": "f"},
+                       {"filename": "/usr/lib/python3/threading.py", "line": 1, "name": "run"}]}
+
+
+def test_peak_and_the_allocations_live_at_it() -> None:
+    events = [_ev("alloc", 1, 100, "a"), _ev("alloc", 2, 50, "b"), _ev("segment_alloc", 9, 4096, "a"),
+              _ev("free_requested", 1, 100, "a"), _ev("free_completed", 1, 100, "a"),
+              _ev("alloc", 3, 200, "c"), _ev("alloc", 4, 200, "c"),  # peak: b 50 + c 400 = 450
+              _ev("free_requested", 3, 200, "c"), _ev("free_requested", 77, 1000, "old"),  # a block from before
+              _ev("alloc", 5, 300, "d")]  # 550 - 1000: never above the peak again
+    text, peak = _peak_allocations({"device_traces": [events, []]}, start=1000, top=10)
+    assert peak == 450
+    assert "peak 1,450 B (+450 B within the step)" in text
+    assert "3 allocations of this step live at the peak (450 B)" in text
+    lines = text.splitlines()[1:]
+    assert lines[0].split() == ["2", "x", "200", "B", "=", "400", "B", "c.py:7"]  # largest group first, our frame only
+    assert lines[1].split() == ["1", "x", "50", "B", "=", "50", "B", "b.py:7"]
+    assert len(lines) == 2
