@@ -44,6 +44,14 @@ def swiglu_backward_torch(grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
     return grad_h, grad_u, F.silu(h) * u
 
 
+def route_backward_torch(gy: torch.Tensor, o: torch.Tensor, w_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For y_rows = o * w (per row): (grad_o, grad_w) from gy; fp32 products, grad_o rounded once to gy's
+    dtype (the specification of moonep.kernels.route_weights.route_backward)."""
+    grad_w = (gy.float() * o).sum(-1)
+    grad_o = torch.mul(gy, w_rows[:, None], out=torch.empty_like(gy))
+    return grad_o, grad_w
+
+
 class _ExpertSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_sH, weights_sK, topk_sK, tokens_per_expert_E, buffer: Buffer, layer: LayerExperts,
@@ -61,7 +69,12 @@ class _ExpertSwiGLU(torch.autograd.Function):
         u = grouped_mm(x_rows, w["up"], offs)
         o = grouped_mm(F.silu(h) * u, w["down"], offs)
         y_in = buffer.combine_input(plan)
-        torch.mul(o, w_rows[:, None], out=y_in)  # fp32 product, rounded once into the symmetric rows
+        if buffer.kernel_path == "triton":
+            from moonep.kernels.route_weights import scale_rows  # triton: CUDA machines only
+
+            scale_rows(o, w_rows, y_in)
+        else:
+            torch.mul(o, w_rows[:, None], out=y_in)  # fp32 product, rounded once into the symmetric rows
         y_sH, _ = buffer.combine(plan, y_in)
         ctx.save_for_backward(x_rows, w_rows, h, u, o)
         ctx.plan, ctx.buffer, ctx.layer = plan, buffer, layer
@@ -76,14 +89,18 @@ class _ExpertSwiGLU(torch.autograd.Function):
         offs = plan.cu_seqlens
         layer.pools.ensure_async(plan, layer)  # re-prefetch (another layer used the slots) overlaps dispatch
         gy = buffer.dispatch(grad_y_sH.contiguous(), plan=plan).x_rows
-        grad_w_rows = (gy.float() * o).sum(-1)
-        grad_o = torch.mul(gy, w_rows[:, None], out=torch.empty_like(gy))  # fp32 product, one rounding
+        triton_path = buffer.kernel_path == "triton"
+        if triton_path:  # triton: CUDA machines only
+            from moonep.kernels.route_weights import route_backward
+            from moonep.kernels.swiglu import swiglu_backward
+
+            grad_o, grad_w_rows = route_backward(gy, o, w_rows)
+        else:
+            grad_o, grad_w_rows = route_backward_torch(gy, o, w_rows)
         layer.pools.wait_prefetch()
         w, g = layer.w_compact, layer.g_compact
         grad_a = grouped_mm(grad_o, w["down"].transpose(1, 2), offs)
-        if buffer.kernel_path == "triton":
-            from moonep.kernels.swiglu import swiglu_backward  # triton: CUDA machines only
-
+        if triton_path:
             grad_h, grad_u, a = swiglu_backward(grad_a, h, u)
         else:
             grad_h, grad_u, a = swiglu_backward_torch(grad_a, h, u)

@@ -1,4 +1,4 @@
-"""Expert-side math kernels (moonep.kernels.swiglu, moonep.kernels.experts.accumulate_groups) in
+"""Expert-side math kernels (moonep.kernels.swiglu, .route_weights, .experts.accumulate_groups) in
 Triton's interpreter on the CPU, against the PyTorch specification in moonep.moe / moonep.grouped_gemm."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 import tests.moonep.test_kernels_interpreted  # noqa: F401
 from moonep.moe import swiglu_backward_torch
 from tests.moonep.accumulate_cases import check_accumulate_groups
+from tests.moonep.route_weight_cases import check_route_weights
 
 
 def test_swiglu_backward_kernel_matches_pytorch() -> None:
@@ -36,3 +37,7 @@ def test_swiglu_backward_kernel_matches_pytorch() -> None:
 @pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
 def test_accumulate_groups_skips_empty_groups_bitwise(scale: float) -> None:
     check_accumulate_groups([3, 0, 16, 0, 0, 1], 5, 700, scale, "cpu")  # groups 1, 3, 4 empty
+
+
+def test_route_weight_kernels_match_pytorch() -> None:
+    check_route_weights("cpu", exact_rounding=False)

@@ -1,5 +1,5 @@
-"""expert_swiglu's elementwise backward kernel and the masked weight-gradient accumulation on GPU,
-against the PyTorch specification (moonep.moe.swiglu_backward_torch, an fp32 add)."""
+"""expert_swiglu's elementwise backward and route-weight kernels and the masked weight-gradient
+accumulation on GPU, against the PyTorch specification (moonep.moe's *_torch functions, an fp32 add)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 
 from moonep.moe import swiglu_backward_torch
 from tests.moonep.accumulate_cases import check_accumulate_groups
+from tests.moonep.route_weight_cases import check_route_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -34,3 +35,8 @@ def test_swiglu_backward_kernel_gpu() -> None:
 @pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
 def test_accumulate_groups_gpu(scale: float) -> None:
     check_accumulate_groups([3, 0, 16, 0, 0, 1, 64, 0], 256, 1024, scale, "cuda")
+
+
+def test_route_weight_kernels_gpu() -> None:
+    """y_rows and grad_o bitwise equal torch.mul's; grad_w within the reordered-sum bound."""
+    check_route_weights("cuda", exact_rounding=True)
