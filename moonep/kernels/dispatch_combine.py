@@ -111,8 +111,10 @@ def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_
     pid = tl.program_id(0)
     kk = tl.arange(0, BLOCK_K)
     hh0 = tl.arange(0, BLOCK_H)
-    for i in range(0, num_iters):  # persistent: block pid + i * num_programs (past the end: masked)
-        tb = pid + i * num_programs
+    for i in range(0, num_iters):  # persistent: a contiguous run of blocks per program (past the end: masked)
+        # (not pid + i * num_programs: with SM counts like 132 a routing that repeats every few tokens,
+        # as round-robin does, gave some programs only remote rows and others only local ones)
+        tb = pid * num_iters + i
         t = (tb * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         t_ok = t < s
         # metadata of every entry (t, k) into its destination row
