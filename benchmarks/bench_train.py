@@ -74,7 +74,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.train_diagnostics import count_syncs, memory_trace, profile_step
+from benchmarks.train_diagnostics import count_syncs, memory_trace, profile_step, start_memory_history
 from moontrain.config import RunConfig, from_dict, load_recipe
 from moontrain.config.loader import to_dict
 from moontrain.metrics.balance import maxvio_L
@@ -230,6 +230,8 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
     redundant: list[float] = []
     oom_where, heap_bytes, flops_per_token, pooled, syncs, trace_peak = None, 0, None, 0, None, None
     trainer = None
+    if args.memory_trace and at_diagnosed_point(args, cfg) and device.type == "cuda":
+        start_memory_history()  # call sites of what the trainer keeps between steps (slows this point)
     try:
         trainer = Trainer(cfg, layout)
         set_router_biases(trainer, bias_LE)
@@ -377,8 +379,9 @@ def main() -> None:
     p.add_argument("--profile-at", type=float, nargs="+", default=None, metavar="MAXVIO",
                    help="targets (of --targets) for --profile and --memory-trace (default: the first)")
     p.add_argument("--memory-trace", action="store_true",
-                   help="at the --profile-at points: the allocations live at one extra step's memory peak, per rank "
-                        "(benchmarks/train_diagnostics.py; GPU)")
+                   help="at the --profile-at points: the allocations live at the start and at the peak of one extra "
+                        "step, per rank (benchmarks/train_diagnostics.py; GPU). Records allocation call sites from "
+                        "the trainer's construction on, which slows those points: use it in a run of its own")
     p.add_argument("--sync-debug", action="store_true",
                    help="count the host synchronisations of one extra step at the first target (GPU)")
     p.add_argument("--show", metavar="JSON", help="print the table of a saved result and exit (no GPU needed)")

@@ -86,16 +86,26 @@ def count_syncs(trainer: Trainer, layout: ParallelLayout, args: argparse.Namespa
     return total
 
 
+def start_memory_history() -> None:
+    """Record allocations with their Python call sites from now on (before building the trainer of a
+    point that memory_trace will analyse: then the allocations live between steps have call sites)."""
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python")
+
+
 def memory_trace(trainer: Trainer, layout: ParallelLayout, args: argparse.Namespace, cfg: RunConfig,
                  side: dist.ProcessGroup, top: int = 40) -> int:
-    """One more step with the allocator's history on: this rank's peak above the step's starting
-    allocation, and the allocations live at that peak grouped by (size, call site), largest first.
-    Comparing two points shows which allocation makes their peaks differ. Returns the peak (bytes)."""
+    """One more step with the allocator's history on: the allocations live at the step's start (what
+    persists between steps; with call sites if start_memory_history ran before the trainer was
+    built), this rank's peak above the start, and the allocations of the step live at that peak,
+    grouped by (size, call site), largest first. Comparing two points shows which allocation makes
+    their peaks differ. Returns the peak (bytes)."""
     mem = torch.cuda.memory
     _align(layout)
     start = torch.cuda.memory_allocated(layout.device)
-    mem._record_memory_history(enabled="all", context="alloc", stacks="python", clear_history=True)
+    mem._record_memory_history(enabled="all", context="alloc", stacks="python")  # on (again): keeps call sites
     try:
+        at_start = mem._snapshot(layout.device)
+        mem._record_memory_history(enabled="all", context="alloc", stacks="python", clear_history=True)
         trainer.train_step()
         torch.cuda.synchronize(layout.device)
         snapshot = mem._snapshot(layout.device)
@@ -103,10 +113,29 @@ def memory_trace(trainer: Trainer, layout: ParallelLayout, args: argparse.Namesp
         mem._record_memory_history(enabled=None)
     try:  # a diagnostic: a surprise in the snapshot's format must not end the benchmark
         text, peak = _peak_allocations(snapshot, start, top)
-    except Exception as err:
+        text += "\nlive at the step's start:\n" + _live_blocks(at_start)
+    except Exception as err:  # a diagnostic must not end the benchmark
         text, peak = f"could not analyse the snapshot: {err!r}\n", 0
     _write_all_ranks(text, _point_name("memory", cfg), args, side, layout)
     return start + peak
+
+
+def _site(frames: list[dict]) -> str:
+    ours = [f for f in frames if any(k in f["filename"] for k in OUR_CODE)]
+    return " <- ".join(f"{Path(f['filename']).name}:{f['line']}" for f in ours[:3]) or "(no python frame)"
+
+
+def _live_blocks(snapshot: dict) -> str:
+    """Every group of (size, call site) among the allocated blocks of a snapshot, largest total first."""
+    groups: dict[tuple, int] = collections.Counter()
+    for seg in snapshot["segments"]:
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                groups[(b["size"], _site(b.get("frames", [])))] += 1
+    rows = sorted(groups.items(), key=lambda kv: (-kv[0][0] * kv[1], kv[0][1]))
+    total = sum(size * n for (size, _), n in rows)
+    return (f"{total:,d} B in {sum(groups.values())} blocks\n"
+            + "".join(f"{n:5d} x {size:>13,d} B = {size * n:>15,d} B  {site}\n" for (size, site), n in rows))
 
 
 def _peak_allocations(snapshot: dict, start: int, top: int) -> tuple[str, int]:
@@ -125,9 +154,7 @@ def _peak_allocations(snapshot: dict, start: int, top: int) -> tuple[str, int]:
             live.pop(e["addr"], None)
     groups: dict[tuple, list[int]] = {}
     for e in live.values():
-        frames = [f for f in e.get("frames", []) if any(k in f["filename"] for k in OUR_CODE)]
-        site = " <- ".join(f"{Path(f['filename']).name}:{f['line']}" for f in frames[:3]) or "(no python frame)"
-        groups.setdefault((e["size"], site), []).append(e["size"])
+        groups.setdefault((e["size"], _site(e.get("frames", []))), []).append(e["size"])
     rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
     lines = [f"{len(v):5d} x {k[0]:>13,d} B = {sum(v):>15,d} B  {k[1]}" for k, v in rows[:top]]
     text = (f"allocated at the step's start {start:,d} B; peak {start + peak:,d} B (+{peak:,d} B within the step); "

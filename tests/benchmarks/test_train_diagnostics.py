@@ -26,3 +26,22 @@ def test_peak_and_the_allocations_live_at_it() -> None:
     assert lines[0].split() == ["2", "x", "200", "B", "=", "400", "B", "c.py:7"]  # largest group first, our frame only
     assert lines[1].split() == ["1", "x", "50", "B", "=", "50", "B", "b.py:7"]
     assert len(lines) == 2
+
+
+def test_live_blocks_grouped_by_size_and_call_site() -> None:
+    from benchmarks.train_diagnostics import _live_blocks
+
+    def block(size: int, state: str, where: str | None) -> dict:
+        frames = [] if where is None else [{"filename": f"/r/moontrain/{where}.py", "line": 3, "name": "g"}]
+        return {"size": size, "state": state, "frames": frames}
+
+    snapshot = {"segments": [{"blocks": [block(512, "active_allocated", "p"), block(512, "inactive", "p"),
+                                         block(4096, "active_allocated", None)]},
+                             {"blocks": [block(512, "active_allocated", "p"), block(256, "active_pending_free", "q"),
+                                         block(1024, "active_allocated", "q")]}]}
+    lines = _live_blocks(snapshot).splitlines()
+    assert lines[0] == "6,144 B in 4 blocks"
+    assert [ln.split() for ln in lines[1:]] == [
+        ["1", "x", "4,096", "B", "=", "4,096", "B", "(no", "python", "frame)"],
+        ["2", "x", "512", "B", "=", "1,024", "B", "p.py:3"],
+        ["1", "x", "1,024", "B", "=", "1,024", "B", "q.py:3"]]
