@@ -94,6 +94,10 @@ _TILE = 16384
 _MAX_BLOCK_H = 8192
 _NUM_WARPS = 16
 _REDUCE_BLOCK_T, _REDUCE_BLOCK_H, _REDUCE_WARPS = 4, 1024, 4
+# how the scatter stores a tile to its K destinations (benchmarks/bench_scatter.py times all three):
+# 0 loads each entry's metadata next to its store, 1 takes column k of the metadata tiles loaded
+# once, 2 stores [tokens, K, columns] at once
+SCATTER_MODE = 1
 
 
 def _tile(H: int) -> tuple[int, int]:
@@ -107,7 +111,7 @@ def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_
                     recv_ptr, row_weight_ptr, row_copy_ptr, row_src_ptr,
                     s, H, x_stride, recv_rank_stride, recv_row_stride, meta_rank_stride, src_base,
                     num_iters, num_programs, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                    HAS_W: tl.constexpr, ROWS: tl.constexpr):
+                    HAS_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, SUB_H: tl.constexpr):
     pid = tl.program_id(0)
     kk = tl.arange(0, BLOCK_K)
     hh0 = tl.arange(0, BLOCK_H)
@@ -129,20 +133,39 @@ def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_
             if HAS_W:
                 w = tl.load(w_ptr + entry, mask=e_ok, other=0.0).to(tl.float32)
                 tl.store(row_weight_ptr + meta, w, mask=e_ok)
-            # every entry's destination offset (-1: not sent), from the [BLOCK_T, BLOCK_K] tiles
-            # loaded above: no global load between the row stores below (a load after a store is
-            # not hoisted over it, so per-k loads serialised ~K load latencies per tile)
-            sent_k = tl.load(sent_ptr + entry, mask=e_ok, other=0) != 0
-            dst_k = tl.where(sent_k, d_rank * recv_rank_stride + d_row * recv_row_stride, -1)
-            # the token row: loaded once per H chunk, stored once per destination rank
-            for h0 in range(0, H, BLOCK_H):
-                hh = h0 + hh0
-                m = t_ok[:, None] & (hh < H)[None, :]
-                tile = tl.load(x_ptr + t[:, None] * x_stride + hh[None, :], mask=m)
-                for k in tl.static_range(K):
-                    dst = tl.sum(tl.where(kk[None, :] == k, dst_k, 0), axis=1)  # column k (exactly one term)
-                    sent = tl.sum(tl.where(kk[None, :] == k, sent_k.to(tl.int32), 0), axis=1) != 0
-                    tl.store(recv_ptr + dst[:, None] + hh[None, :], tile, mask=m & sent[:, None])
+            if MODE == 0:  # per k: the entry's metadata loaded next to its store
+                for h0 in range(0, H, BLOCK_H):
+                    hh = h0 + hh0
+                    m = t_ok[:, None] & (hh < H)[None, :]
+                    tile = tl.load(x_ptr + t[:, None] * x_stride + hh[None, :], mask=m)
+                    for k in tl.static_range(K):
+                        sent = tl.load(sent_ptr + t * K + k, mask=t_ok, other=0) != 0
+                        r = tl.load(dst_rank_ptr + t * K + k, mask=t_ok, other=0).to(tl.int64)
+                        row = tl.load(dst_row_ptr + t * K + k, mask=t_ok, other=0).to(tl.int64)
+                        dst = r * recv_rank_stride + row * recv_row_stride
+                        tl.store(recv_ptr + dst[:, None] + hh[None, :], tile, mask=m & sent[:, None])
+            else:
+                # every entry's destination offset from the [BLOCK_T, BLOCK_K] tiles loaded above: no
+                # global load between the row stores (a load after a store is not hoisted over it)
+                sent_k = tl.load(sent_ptr + entry, mask=e_ok, other=0) != 0
+                dst_k = d_rank * recv_rank_stride + d_row * recv_row_stride
+                if MODE == 1:  # column k of the tiles, one store per k
+                    for h0 in range(0, H, BLOCK_H):
+                        hh = h0 + hh0
+                        m = t_ok[:, None] & (hh < H)[None, :]
+                        tile = tl.load(x_ptr + t[:, None] * x_stride + hh[None, :], mask=m)
+                        for k in tl.static_range(K):
+                            dst = tl.sum(tl.where(kk[None, :] == k, dst_k, 0), axis=1)  # exactly one term
+                            sent = tl.sum(tl.where((kk[None, :] == k) & sent_k, 1, 0), axis=1) != 0
+                            tl.store(recv_ptr + dst[:, None] + hh[None, :], tile, mask=m & sent[:, None])
+                else:  # MODE 2: one [BLOCK_T, BLOCK_K, SUB_H] store per chunk of SUB_H columns
+                    ss = tl.arange(0, SUB_H)
+                    for h0 in range(0, H, SUB_H):
+                        hs = h0 + ss
+                        m = t_ok[:, None] & (hs < H)[None, :]
+                        tile = tl.load(x_ptr + t[:, None] * x_stride + hs[None, :], mask=m)
+                        tl.store(recv_ptr + dst_k[:, :, None] + hs[None, None, :], tile[:, None, :],
+                                 mask=sent_k[:, :, None] & m[:, None, :])
 
 
 @triton.jit
@@ -236,7 +259,7 @@ def num_sms(device: torch.device, cap: int | None) -> int:
 def scatter(x_sH: torch.Tensor, weights_sK: torch.Tensor | None, dst_rank_sK: torch.Tensor,
             dst_row_sK: torch.Tensor, copy_row_sK: torch.Tensor, sent_sK: torch.Tensor,
             recv_all: torch.Tensor, row_weight_all: torch.Tensor, row_copy_all: torch.Tensor,
-            row_src_all: torch.Tensor, src_base: int, grid: int, *, rows: bool = True) -> None:
+            row_src_all: torch.Tensor, src_base: int, grid: int, *, rows: bool = True, mode: int | None = None) -> None:
     """Sender side of dispatch: entry metadata to every destination row, token rows once per
     destination rank (rows=False: row_src only, for combine's refresh)."""
     s, K = dst_rank_sK.shape
@@ -251,7 +274,8 @@ def scatter(x_sH: torch.Tensor, weights_sK: torch.Tensor | None, dst_rank_sK: to
         recv_all, row_weight_all, row_copy_all, row_src_all,
         s, H, x_sH.stride(0), recv_all.stride(0), recv_all.stride(1), row_src_all.stride(0), src_base,
         triton.cdiv(num_blocks, programs), programs, K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=block_t, BLOCK_H=block_h,
-        HAS_W=weights_sK is not None, ROWS=rows, num_warps=_NUM_WARPS)
+        HAS_W=weights_sK is not None, ROWS=rows, MODE=SCATTER_MODE if mode is None else mode,
+        SUB_H=max(16, block_h // triton.next_power_of_2(K)), num_warps=_NUM_WARPS)
 
 
 def expand(recv: torch.Tensor, row_weight: torch.Tensor, row_copy: torch.Tensor, row_src: torch.Tensor,

@@ -152,7 +152,7 @@ def test_expert_kernels_match_pytorch_path(world: int) -> None:
 BF16_ULP = 2.0**-7  # relative spacing of bf16
 
 
-def _dispatch_kernels_rank(rank: int, world: int) -> list[int]:
+def _dispatch_kernels_rank(rank: int, world: int, scatter_mode: int) -> list[int]:
     import moonep.buffer as buffer_module
     from moonep import Buffer, BufferConfig
     from moonep.kernels import dispatch_combine
@@ -164,6 +164,7 @@ def _dispatch_kernels_rank(rank: int, world: int) -> list[int]:
     # the triton path is CUDA-only by design; force it onto the CPU heap for the interpreter
     buffer_module.resolve_kernels = lambda kernels, device: "triton"
     dispatch_combine.num_sms = lambda device, cap: 3
+    dispatch_combine.SCATTER_MODE = scatter_mode
     fast = Buffer(cfg)
     try:
         assert fast.kernel_path == "triton" and ref.kernel_path == "torch"
@@ -198,8 +199,9 @@ def _dispatch_kernels_rank(rank: int, world: int) -> list[int]:
         ref.destroy()
 
 
-def test_dispatch_combine_kernels_match_pytorch_path() -> None:
-    used = run_ranks(_dispatch_kernels_rank, 2, timeout_s=300)
+@pytest.mark.parametrize("scatter_mode", [0, 1, 2])
+def test_dispatch_combine_kernels_match_pytorch_path(scatter_mode: int) -> None:
+    used = run_ranks(_dispatch_kernels_rank, 2, scatter_mode, timeout_s=300)
     assert any(n > 0 for n in used[0]), f"some routing should occupy slots: {used}"
 
 
