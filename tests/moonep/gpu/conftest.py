@@ -20,3 +20,11 @@ def group() -> dist.ProcessGroup:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), timeout=timedelta(seconds=120))
     yield dist.group.WORLD
     dist.destroy_process_group()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Print a failure as it happens: a failure on one rank can leave the other waiting in a
+    collective until the step's time limit, and pytest prints its summary only at the end."""
+    if report.failed:
+        print(f"\n[failure, rank {os.environ.get('RANK', '?')}] {report.nodeid} ({report.when}):\n"
+              f"{report.longreprtext}\n", flush=True)
