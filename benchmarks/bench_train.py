@@ -227,6 +227,7 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
         torch.cuda.reset_peak_memory_stats(device)
     retries0 = memory_stats(device).get("mem/alloc_retries", 0.0)
     step_s, step_peak, step_resv, maxvio, rank_maxvio, losses = [], [], [], [], [], []
+    step_req: list[float] = []  # peak of the bytes tensors asked for (no allocator rounding)
     redundant: list[float] = []
     oom_where, heap_bytes, flops_per_token, pooled, syncs, trace_peak = None, 0, None, 0, None, None
     trainer = None
@@ -251,6 +252,7 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
             if device.type == "cuda":  # the peaks were reset before this step
                 step_peak.append(torch.cuda.max_memory_allocated(device) / GIB)
                 step_resv.append(torch.cuda.max_memory_reserved(device) / GIB)
+                step_req.append(float(torch.cuda.memory_stats(device).get("requested_bytes.all.peak", float("nan"))))
             maxvio.append(stats.max_maxvio)
             rank_maxvio.append(stats.scalars.get("moe/rank_maxvio/max", float("nan")))
             redundant.append(stats.scalars.get("moe/redundant_experts/total", 0.0))
@@ -286,10 +288,12 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
         return point
     # per-step time: max over ranks; per-step peak: max over ranks
     cuda = device.type == "cuda"
-    per_step = torch.tensor([step_s, step_peak, step_resv] if cuda else [step_s], dtype=torch.float64, device=device)
+    per_step = torch.tensor([step_s, step_peak, step_resv, step_req] if cuda else [step_s], dtype=torch.float64,
+                            device=device)
     dist.all_reduce(per_step, op=dist.ReduceOp.MAX, group=layout.world_group)
     step_max = per_step[0].tolist()
     peak_max, resv_max = (per_step[1].tolist(), per_step[2].tolist()) if cuda else ([], [])
+    req_max = [int(v) for v in per_step[3].tolist()] if cuda else []  # exact: float64 holds these integers
     med = statistics.median(step_max[args.warmup:])
     tok_per_gpu = cfg.train.global_batch_size * cfg.train.seq_len / layout.world_size / med
     point.update(
@@ -311,6 +315,11 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
         peak_allocated_bytes=int(max(peak_max) * GIB) if cuda else None,  # exact: GiB floats of whole bytes
         peak_reserved_gib=max(resv_max) if cuda else None,
         step_peak_allocated_gib=[min(peak_max[args.warmup:]), max(peak_max[args.warmup:])] if cuda else None,
+        # requested = the sizes tensors asked for; allocated adds the caching allocator's rounding (a
+        # block not worth splitting is handed out whole), which depends on what the process allocated
+        # before: each point builds its trainer after the previous point's
+        peak_requested_bytes=max(req_max) if cuda else None,
+        step_peak_requested_bytes=[min(req_max[args.warmup:]), max(req_max[args.warmup:])] if cuda else None,
         alloc_retries=int(_reduce(mem["mem/alloc_retries"] - retries0, dist.ReduceOp.MAX, layout)) if cuda else None,
         symmetric_heap_gib=_reduce(heap_bytes / GIB, dist.ReduceOp.MAX, layout),
     )
@@ -511,6 +520,10 @@ def merge_rounds(raw: list[dict], warmup: int) -> list[dict]:
             step_peak_allocated_gib=([min(p["step_peak_allocated_gib"][0] for p in ps),
                                       max(p["step_peak_allocated_gib"][1] for p in ps)]
                                      if first["step_peak_allocated_gib"] else None),
+            peak_requested_bytes=_max_or_none([p.get("peak_requested_bytes") for p in ps]),
+            step_peak_requested_bytes=([min(p["step_peak_requested_bytes"][0] for p in ps),
+                                        max(p["step_peak_requested_bytes"][1] for p in ps)]
+                                       if first.get("step_peak_requested_bytes") else None),
             alloc_retries=sum(p["alloc_retries"] for p in ps) if first["alloc_retries"] is not None else None,
             wall_s=sum(p["wall_s"] for p in ps), round=None, rounds=len(ps),
         )
@@ -529,7 +542,7 @@ def _f(v: float | None, fmt: str, width: int) -> str:
 
 HEADER = (f"{'backend':>8} {'target':>6} {'sigma':>8} {'calib':>6} {'train':>6} {'rank':>6} | {'step ms':>8} "
           f"{'tok/s/gpu':>9} {'mfu989':>6} {'mfu mm':>6} | {'peak GiB':>8} {'resv GiB':>8} {'step pk':>13} "
-          f"{'retry':>5} {'heap':>5} {'oom':>4} {'copies':>6} {'plans':>5}")
+          f"{'retry':>5} {'heap':>5} {'oom':>4} {'copies':>6} {'plans':>5} | {'requested peak B':>17}")
 
 
 def _row(r: dict) -> str:
@@ -545,7 +558,15 @@ def _row(r: dict) -> str:
             f"{r['tokens_per_s_per_gpu']:>9.0f} {_f(pct(r['mfu_989']), '.1f', 6)} {_f(pct(r['mfu_mm']), '.1f', 6)} | "
             f"{_f(r['peak_allocated_gib'], '.2f', 8)} {_f(r['peak_reserved_gib'], '.2f', 8)} {step_pk:>13} "
             f"{_f(r['alloc_retries'], 'd', 5)} {r['symmetric_heap_gib']:>5.2f} {'yes' if r['oom'] else 'no':>4} "
-            f"{_f(r.get('redundant_experts_median'), '.0f', 6)} {_f(r.get('pooled_plans'), 'd', 5)}")
+            f"{_f(r.get('redundant_experts_median'), '.0f', 6)} {_f(r.get('pooled_plans'), 'd', 5)} | {_req(r):>17}")
+
+
+def _req(r: dict) -> str:
+    """Peak requested bytes; '~' marks a point whose timed steps did not all peak at the same value."""
+    rng = r.get("step_peak_requested_bytes")
+    if not rng:
+        return "-"
+    return f"{rng[1]:,d}" + ("" if rng[0] == rng[1] else "~")
 
 
 def print_table(result: dict) -> None:
@@ -559,7 +580,8 @@ def print_table(result: dict) -> None:
           "MoE layers), rank = after planning (rows per rank); mfu989 vs 989 TFLOP/s bf16, mfu mm vs the torch.mm "
           "rate (%); peak/resv = torch allocator, max over ranks; step pk = per-step peak allocated range over "
           "timed steps; heap = moonep symmetric heap GiB (outside the allocator); copies = redundant expert copies "
-          "per step over all MoE layers (median); plans = moonep's pooled plans at the end")
+          "per step over all MoE layers (median); plans = moonep's pooled plans at the end; requested peak = the most "
+          "bytes tensors held at once in a timed step (max over ranks; peak GiB adds the allocator's rounding)")
     print(HEADER)
     for r in points:
         print(_row(r))
