@@ -213,6 +213,8 @@ def main() -> None:
     p.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
                    help="moonep data path (BufferConfig.kernels)")
     p.add_argument("--num-sms", type=int, default=None, help="grid of moonep's persistent kernels (None: all SMs)")
+    p.add_argument("--scatter-mode", type=int, default=None, choices=[0, 1, 2],
+                   help="moonep.kernels.dispatch_combine.SCATTER_MODE for this run (default: the module's)")
     p.add_argument("--show", metavar="JSON", help="print the table of a saved result and exit (no GPU needed)")
     args = p.parse_args()
     if args.show:
@@ -223,6 +225,10 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     group = dist.group.WORLD
     rank, R = dist.get_rank(), dist.get_world_size()
+    if args.scatter_mode is not None:
+        from moonep.kernels import dispatch_combine
+
+        dispatch_combine.SCATTER_MODE = args.scatter_mode
     results = []
     for E in args.experts:
         cfg = BufferConfig(max_tokens=args.tokens, hidden=args.hidden, topk=args.topk, num_experts=E,
@@ -252,7 +258,7 @@ def main() -> None:
         tag = args.tag or f"{args.kernels}_{time.strftime('%Y%m%d')}"
         path = out / f"bench_comm_R{R}_{tag}.json"
         meta = {"R": R, "S": args.tokens, "placement": args.placement, "H": args.hidden, "K": args.topk, "ffn": args.ffn, "iters": args.iters,
-                "kernels": args.kernels, "num_sms": args.num_sms,
+                "kernels": args.kernels, "num_sms": args.num_sms, "scatter_mode": args.scatter_mode,
                 "device": torch.cuda.get_device_name(), "torch": torch.__version__}
         path.write_text(json.dumps({"config": meta, "points": results}, indent=1))
         print(f"wrote {path}")

@@ -94,10 +94,11 @@ _TILE = 16384
 _MAX_BLOCK_H = 8192
 _NUM_WARPS = 16
 _REDUCE_BLOCK_T, _REDUCE_BLOCK_H, _REDUCE_WARPS = 4, 1024, 4
-# how the scatter stores a tile to its K destinations (benchmarks/bench_scatter.py times all three):
-# 0 loads each entry's metadata next to its store, 1 takes column k of the metadata tiles loaded
-# once, 2 stores [tokens, K, columns] at once
-SCATTER_MODE = 1
+# how the scatter stores a tile to its K destinations: 0 loads each entry's metadata next to its
+# store, 1 takes column k of the metadata tiles loaded once, 2 stores [tokens, K, columns] at once.
+# benchmarks/bench_scatter.py on one H200 (no NVLink; bench_scatter_20261130.json), us per launch
+# at H = 2048 / 7168: mode 0 93-120 / 196-208, mode 1 798-869 / 334-343, mode 2 137-159 / 307-340
+SCATTER_MODE = 0
 
 
 def _tile(H: int) -> tuple[int, int]:
