@@ -74,11 +74,16 @@ duplicates, ~0.7 GB read + written per rank, ~0.35 ms of HBM time) runs after th
 does not overlap the NVLink stores.
 
 The scatter phase alone (scatter kernel + the "dispatch:rows" barrier that completes it, GPU time;
-bench_comm's `scat` column, bench_comm_R2_session3_20261129.json, E = 96 and 384): 117 MB per
-rank at 304-331 GB/s for maxvio >= 0.2, 81-87 % of the copy engine's 364-380 GB/s measured in the
-same run; at maxvio 0 only 59 MB cross (each token's experts split evenly), at 251-268 GB/s
-(66-72 %): the fixed cost of the phase (launch, the local half of the rows, the barrier) weighs
-more on half the bytes.
+bench_comm's `scat` column, bench_comm_R2_session4_20261130.json, E = 96 and 384): 117 MB per rank at
+310-330 GB/s for maxvio >= 0.2, 83-87 % of the copy engine's 360-380 GB/s measured in the same run;
+at maxvio 0 only 59 MB cross (each token's experts all on one rank) in 204 us, 288 / 287 GB/s (79.6 /
+75.7 %): the phase costs ~30 us plus ~174 us per 58 MB, and the fixed part weighs on half the bytes.
+Session 4 changes behind these numbers: a contiguous run of token blocks per program (with
+pid + i * programs and 132 programs, round-robin routing gave half the programs only local rows: the
+phase at maxvio 0 took 214-243 us), and the store modes measured by benchmarks/bench_scatter.py
+(SCATTER_MODE). Tried and reverted: storing only remote rows in the scatter and this rank's own rows
+in the expand (bench_comm_R2_session4_remote_only_scatter_20261129.json: dispatch 100-250 us slower,
+the maxvio-0 phase no faster).
 """
 
 from __future__ import annotations

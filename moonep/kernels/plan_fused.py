@@ -60,12 +60,11 @@ Measured (2xH200 NV18, torch 2.11, 2026-11-29; R=2, S=8192, K=8):
   default); with the prefix kernel: 1024 x 4 29.6, 256 x 4 27.8, 2048 x 4 49.2, 2048 x 8 40.2. The
   serial prefix over chunks in one program was what made small chunks slow (session 3: 512 x 4
   38.4, 256 x 4 51.8, 128 x 4 82.8).
-- Buffer.plan on 2 GPUs (benchmarks/bench_comm.py, bench_comm_R2_session3b_20261129.json), with
-  the barrier: 37-45 us of GPU time per plan in a run of 8 (E=96: 37-39, E=384: 41-45); one call
-  alone, host launch and the ranks' host skew included, 67-116 us (was 68-72 us at the last
-  measurement with a clone and 11 views per call; the pool removed those host costs, the rest
-  is the caller's check, the input copy, the replay and the barrier's wait for the slower host).
-  The goal of 40 us at E=384 is not reached: next, a cheaper chunk pass (the 1024-key bitonic sort).
+- Buffer.plan on 2 GPUs (benchmarks/bench_comm.py, bench_comm_R2_session4_20261130.json), with the
+  barrier: 29-32 us of GPU time per plan in a run of 8 at E=96 and E=384 (session 3, with the
+  prefixes in the last chunk program: 37-45 us); one call alone, host launch and the ranks' host skew
+  included, 54-122 us (the caller's check, the input copy, the replay and the barrier's wait for the
+  slower host).
 
 Rejected: counting ranks with a [CHUNK, E] one-hot cumsum (E times more work and registers than
 the sort); a single persistent kernel with an in-kernel grid barrier and ready flag (saves two
