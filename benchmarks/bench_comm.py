@@ -215,6 +215,9 @@ def main() -> None:
     p.add_argument("--num-sms", type=int, default=None, help="grid of moonep's persistent kernels (None: all SMs)")
     p.add_argument("--scatter-mode", type=int, default=None, choices=[0, 1, 2],
                    help="moonep.kernels.dispatch_combine.SCATTER_MODE for this run (default: the module's)")
+    p.add_argument("--scatter-tile", type=int, default=None,
+                   help="dispatch_combine.SCATTER_TILE: elements per scatter tile, a power of two (default: the module's)")
+    p.add_argument("--scatter-warps", type=int, default=None, help="dispatch_combine.SCATTER_WARPS (default: the module's)")
     p.add_argument("--show", metavar="JSON", help="print the table of a saved result and exit (no GPU needed)")
     args = p.parse_args()
     if args.show:
@@ -225,10 +228,11 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     group = dist.group.WORLD
     rank, R = dist.get_rank(), dist.get_world_size()
-    if args.scatter_mode is not None:
-        from moonep.kernels import dispatch_combine
+    from moonep.kernels import dispatch_combine
 
-        dispatch_combine.SCATTER_MODE = args.scatter_mode
+    for name in ("scatter_mode", "scatter_tile", "scatter_warps"):  # tuning sweeps: set for this run
+        if getattr(args, name) is not None:
+            setattr(dispatch_combine, name.upper(), getattr(args, name))
     results = []
     for E in args.experts:
         cfg = BufferConfig(max_tokens=args.tokens, hidden=args.hidden, topk=args.topk, num_experts=E,
@@ -259,6 +263,7 @@ def main() -> None:
         path = out / f"bench_comm_R{R}_{tag}.json"
         meta = {"R": R, "S": args.tokens, "placement": args.placement, "H": args.hidden, "K": args.topk, "ffn": args.ffn, "iters": args.iters,
                 "kernels": args.kernels, "num_sms": args.num_sms, "scatter_mode": args.scatter_mode,
+                "scatter_tile": args.scatter_tile, "scatter_warps": args.scatter_warps,
                 "device": torch.cuda.get_device_name(), "torch": torch.__version__}
         path.write_text(json.dumps({"config": meta, "points": results}, indent=1))
         print(f"wrote {path}")

@@ -104,12 +104,16 @@ _REDUCE_BLOCK_T, _REDUCE_BLOCK_H, _REDUCE_WARPS = 4, 1024, 4
 # benchmarks/bench_scatter.py on one H200 (no NVLink; bench_scatter_20261130.json), us per launch
 # at H = 2048 / 7168: mode 0 93-120 / 196-208, mode 1 798-869 / 334-343, mode 2 137-159 / 307-340
 SCATTER_MODE = 0
+# the scatter's tile (elements) and warps; at H = 7168 a tile of 16384 is 2 tokens per iteration of a
+# program, whose metadata-load latency (mode 0) the iteration's bytes must cover (bench_comm
+# --scatter-tile / --scatter-warps sweep them with NVLink in the path)
+SCATTER_TILE, SCATTER_WARPS = _TILE, _NUM_WARPS
 
 
-def _tile(H: int) -> tuple[int, int]:
+def _tile(H: int, tile: int = _TILE) -> tuple[int, int]:
     """(rows per tile, hidden elements per tile)."""
     block_h = min(triton.next_power_of_2(H), _MAX_BLOCK_H)
-    return max(1, _TILE // block_h), block_h
+    return max(1, tile // block_h), block_h
 
 
 @triton.jit
@@ -272,7 +276,7 @@ def scatter(x_sH: torch.Tensor, weights_sK: torch.Tensor | None, dst_rank_sK: to
     H = recv_all.shape[-1]
     assert row_weight_all.stride(0) == row_copy_all.stride(0) == row_src_all.stride(0)
     w = weights_sK if weights_sK is not None else row_weight_all  # never read when HAS_W is off
-    block_t, block_h = _tile(H)
+    block_t, block_h = _tile(H, SCATTER_TILE)
     num_blocks = triton.cdiv(s, block_t)
     programs = max(1, min(grid, num_blocks))
     _scatter_kernel[(programs,)](
@@ -281,7 +285,7 @@ def scatter(x_sH: torch.Tensor, weights_sK: torch.Tensor | None, dst_rank_sK: to
         s, H, x_sH.stride(0), recv_all.stride(0), recv_all.stride(1), row_src_all.stride(0), src_base,
         triton.cdiv(num_blocks, programs), programs, K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=block_t, BLOCK_H=block_h,
         HAS_W=weights_sK is not None, ROWS=rows, MODE=SCATTER_MODE if mode is None else mode,
-        SUB_H=max(16, block_h // triton.next_power_of_2(K)), num_warps=_NUM_WARPS)
+        SUB_H=max(16, block_h // triton.next_power_of_2(K)), num_warps=SCATTER_WARPS)
 
 
 def expand(recv: torch.Tensor, row_weight: torch.Tensor, row_copy: torch.Tensor, row_src: torch.Tensor,

@@ -152,7 +152,7 @@ def test_expert_kernels_match_pytorch_path(world: int) -> None:
 BF16_ULP = 2.0**-7  # relative spacing of bf16
 
 
-def _dispatch_kernels_rank(rank: int, world: int, scatter_mode: int) -> list[int]:
+def _dispatch_kernels_rank(rank: int, world: int, scatter_mode: int, scatter_tile: int) -> list[int]:
     import moonep.buffer as buffer_module
     from moonep import Buffer, BufferConfig
     from moonep.kernels import dispatch_combine
@@ -164,7 +164,7 @@ def _dispatch_kernels_rank(rank: int, world: int, scatter_mode: int) -> list[int
     # the triton path is CUDA-only by design; force it onto the CPU heap for the interpreter
     buffer_module.resolve_kernels = lambda kernels, device: "triton"
     dispatch_combine.num_sms = lambda device, cap: 3
-    dispatch_combine.SCATTER_MODE = scatter_mode
+    dispatch_combine.SCATTER_MODE, dispatch_combine.SCATTER_TILE = scatter_mode, scatter_tile
     fast = Buffer(cfg)
     try:
         assert fast.kernel_path == "triton" and ref.kernel_path == "torch"
@@ -199,9 +199,10 @@ def _dispatch_kernels_rank(rank: int, world: int, scatter_mode: int) -> list[int
         ref.destroy()
 
 
-@pytest.mark.parametrize("scatter_mode", [0, 1, 2])
-def test_dispatch_combine_kernels_match_pytorch_path(scatter_mode: int) -> None:
-    used = run_ranks(_dispatch_kernels_rank, 2, scatter_mode, timeout_s=300)
+@pytest.mark.parametrize(("scatter_mode", "scatter_tile"), [(0, 16384), (1, 16384), (2, 16384), (0, 256), (2, 256)])
+def test_dispatch_combine_kernels_match_pytorch_path(scatter_mode: int, scatter_tile: int) -> None:
+    """Every scatter store mode; a 256-element tile (2 tokens per block) makes each program loop."""
+    used = run_ranks(_dispatch_kernels_rank, 2, scatter_mode, scatter_tile, timeout_s=300)
     assert any(n > 0 for n in used[0]), f"some routing should occupy slots: {used}"
 
 
