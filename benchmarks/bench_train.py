@@ -231,7 +231,9 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
     redundant: list[float] = []
     oom_where, heap_bytes, flops_per_token, pooled, syncs, trace_peak = None, 0, None, 0, None, None
     trainer = None
-    if args.memory_trace and at_diagnosed_point(args, cfg) and device.type == "cuda":
+    diagnosed = at_diagnosed_point(args, cfg)  # the same answer on every rank (collectives follow)
+    traced = args.memory_trace and diagnosed and device.type == "cuda"
+    if traced:
         start_memory_history()  # call sites of what the trainer keeps between steps (slows this point)
     try:
         trainer = Trainer(cfg, layout)
@@ -252,18 +254,20 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
             if device.type == "cuda":  # the peaks were reset before this step
                 step_peak.append(torch.cuda.max_memory_allocated(device) / GIB)
                 step_resv.append(torch.cuda.max_memory_reserved(device) / GIB)
-                step_req.append(float(torch.cuda.memory_stats(device).get("requested_bytes.all.peak", float("nan"))))
+                # -1: an allocator without the statistic (e.g. backend:cudaMallocAsync)
+                step_req.append(float(torch.cuda.memory_stats(device).get("requested_bytes.all.peak", -1)))
             maxvio.append(stats.max_maxvio)
             rank_maxvio.append(stats.scalars.get("moe/rank_maxvio/max", float("nan")))
             redundant.append(stats.scalars.get("moe/redundant_experts/total", 0.0))
             losses.append(stats.loss)
         pooled = buf.pooled_plans if buf is not None else 0
         if args.sync_debug and cfg.model.router_skew == args.sync_skew and args.current_round == 0 \
-                and device.type == "cuda":
+                and ("syncs", cfg.experts.backend) not in args.diagnosed and device.type == "cuda":
+            args.diagnosed.add(("syncs", cfg.experts.backend))  # once per backend
             syncs = count_syncs(trainer, layout, args, cfg, side)  # one extra, untimed step
-        if wants_profile(args, cfg) and device.type == "cuda":  # one extra, untimed step under the profiler
+        if diagnosed and wants_profile(args, cfg) and device.type == "cuda":  # one extra, untimed step, profiled
             profile_step(trainer, layout, args, cfg, side)
-        if args.memory_trace and at_diagnosed_point(args, cfg) and device.type == "cuda":
+        if traced:
             trace_peak = memory_trace(trainer, layout, args, cfg, side)  # one extra, untimed step
     except torch.OutOfMemoryError as err:
         oom_where = f"step {len(step_s)}" if trainer is not None else "building the trainer"
@@ -294,6 +298,7 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
     step_max = per_step[0].tolist()
     peak_max, resv_max = (per_step[1].tolist(), per_step[2].tolist()) if cuda else ([], [])
     req_max = [int(v) for v in per_step[3].tolist()] if cuda else []  # exact: float64 holds these integers
+    has_req = cuda and min(req_max) >= 0
     med = statistics.median(step_max[args.warmup:])
     tok_per_gpu = cfg.train.global_batch_size * cfg.train.seq_len / layout.world_size / med
     point.update(
@@ -309,7 +314,8 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
         redundant_experts_median=statistics.median(redundant[args.warmup:]),  # over layers (and ranks' slots)
         pooled_plans=int(_reduce(float(pooled), dist.ReduceOp.MAX, layout)),  # moonep's plan pool at the end
         host_syncs=syncs,
-        memory_trace_peak_bytes=int(_reduce(float(trace_peak), dist.ReduceOp.MAX, layout)) if trace_peak else None,
+        memory_trace_peak_bytes=(int(_reduce(float(trace_peak or 0), dist.ReduceOp.MAX, layout))
+                                 if traced else None),
         loss_first_last=[losses[0], losses[-1]],
         peak_allocated_gib=max(peak_max) if cuda else None,
         peak_allocated_bytes=int(max(peak_max) * GIB) if cuda else None,  # exact: GiB floats of whole bytes
@@ -318,8 +324,8 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
         # requested = the sizes tensors asked for; allocated adds the caching allocator's rounding (a
         # block not worth splitting is handed out whole), which depends on what the process allocated
         # before: each point builds its trainer after the previous point's
-        peak_requested_bytes=max(req_max) if cuda else None,
-        step_peak_requested_bytes=[min(req_max[args.warmup:]), max(req_max[args.warmup:])] if cuda else None,
+        peak_requested_bytes=max(req_max) if has_req else None,
+        step_peak_requested_bytes=[min(req_max[args.warmup:]), max(req_max[args.warmup:])] if has_req else None,
         alloc_retries=int(_reduce(mem["mem/alloc_retries"] - retries0, dist.ReduceOp.MAX, layout)) if cuda else None,
         symmetric_heap_gib=_reduce(heap_bytes / GIB, dist.ReduceOp.MAX, layout),
     )
@@ -327,15 +333,18 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
 
 
 def at_diagnosed_point(args: argparse.Namespace, cfg: RunConfig) -> bool:
-    """The --profile-at points (default: the first target), in the first round."""
-    return cfg.model.router_skew in args.profile_skews and args.current_round == 0
+    """The --profile-at points (default: the first target), in the first round, once per (backend,
+    skew): targets below the unskewed router's own imbalance all run at skew 0."""
+    key = (cfg.experts.backend, cfg.model.router_skew)
+    if cfg.model.router_skew not in args.profile_skews or args.current_round != 0 or key in args.diagnosed:
+        return False
+    args.diagnosed.add(key)
+    return True
 
 
 def wants_profile(args: argparse.Namespace, cfg: RunConfig) -> bool:
-    """--profile [BACKEND ...]: the --profile-at points of each named backend (all when none named)."""
-    if args.profile is None or not at_diagnosed_point(args, cfg):
-        return False
-    return not args.profile or cfg.experts.backend in args.profile
+    """--profile [BACKEND ...]: (at a diagnosed point) every named backend, all when none is named."""
+    return args.profile is not None and (not args.profile or cfg.experts.backend in args.profile)
 
 
 
@@ -462,6 +471,7 @@ def run(args: argparse.Namespace, device: torch.device, side: dist.ProcessGroup)
     at = args.profile_at if args.profile_at is not None else args.targets[:1]
     args.profile_skews = [c["sigma"] for t, c in zip(args.targets, calib, strict=True) if t in at]  # --profile
     args.sync_skew = calib[0]["sigma"]  # --sync-debug: the first target
+    args.diagnosed = set()  # (backend, skew) points already diagnosed
 
     raw: list[dict] = []  # one point per (round, backend, target)
     for rnd in range(args.rounds):

@@ -22,6 +22,10 @@ Ordering rules (no host synchronisation anywhere):
   allocator reuses neither too early. Zero-copy rows in symmetric memory are not allocator
   memory: they stay valid until the next call on the buffer, as for synchronous calls.
 
+One calling stream: the join is done by the first Buffer call (or wait_pending) after the async
+call, on that call's current stream, and then forgotten; calls from a second stream would not wait
+again. moontrain calls moonep from the default stream only (autograd runs backward on it too).
+
 On the CPU (no streams) the async calls run synchronously and return a completed CommEvent.
 """
 

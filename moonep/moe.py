@@ -110,6 +110,7 @@ class _ExpertSwiGLU(torch.autograd.Function):
         pools = layer.pools
         if ctx.prev is not None:  # the slots' last reader is queued: the next layer's copies overlap the wgrads
             prev_layer, prev_plan = ctx.prev
+            ctx.prev = None  # once (a retained graph's second backward just prefetches as usual)
             pools.prefetch_async(prev_plan, prev_layer)
         pools.accumulate_wgrad(g["down"], a, grad_o, offs, ctx.wgrad_scale)
         pools.accumulate_wgrad(g["gate"], x_rows, grad_h, offs, ctx.wgrad_scale)

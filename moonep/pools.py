@@ -67,6 +67,10 @@ class ExpertPools:
         self._side: torch.cuda.Stream | None = None  # prefetch_async's stream (kernel path)
         self._prefetched: torch.cuda.Event | None = None  # completion of the last prefetch_async
         self._last_forward: tuple[LayerExperts, Plan] | None = None  # see previous_forward
+        # backward refills the slots for the previous layer early (previous_forward); off where the
+        # forwards are recomputed in backward (activation checkpointing): the recompute plans again,
+        # so the early copy (made with the first forward's plan) would be copied once more
+        self.chain_prefetch = True
         self._kx = None  # moonep.kernels.experts on the triton path (imports triton: CUDA only)
         if buffer.kernel_path == "triton" and buffer.config.expert_kernels:
             from moonep.kernels import experts
@@ -176,7 +180,7 @@ class ExpertPools:
         them in place. A wrong guess (e.g. recomputed forwards) only costs the early copy: ensure
         still compares the layer and the plan."""
         prev = self._last_forward
-        self._last_forward = (layer, plan) if track else None
+        self._last_forward = (layer, plan) if track and self.chain_prefetch else None
         return prev if prev is not None and prev[0].index < layer.index else None
 
     def wait_prefetch(self) -> None:

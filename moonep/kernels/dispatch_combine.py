@@ -125,12 +125,16 @@ def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_
     pid = tl.program_id(0)
     kk = tl.arange(0, BLOCK_K)
     hh0 = tl.arange(0, BLOCK_H)
-    for i in range(0, num_iters):  # persistent: a contiguous run of blocks per program (past the end: masked)
-        # (not pid + i * num_programs: with SM counts like 132 a routing that repeats every few tokens,
-        # as round-robin does, gave some programs only remote rows and others only local ones)
-        tb = pid * num_iters + i
+    # persistent: program pid takes the contiguous run of blocks [pid * n // P, (pid + 1) * n // P)
+    # (balanced to one block; not pid + i * P: with P = 132 programs a routing that repeats every few
+    # tokens, as round-robin does, gave some programs only remote rows and others only local ones)
+    num_blocks = tl.cdiv(s, BLOCK_T)
+    first = (pid * num_blocks) // num_programs
+    end = ((pid + 1) * num_blocks) // num_programs
+    for i in range(0, num_iters):  # num_iters = the longest run; past a run's end: masked
+        tb = first + i
         t = (tb * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-        t_ok = t < s
+        t_ok = (t < s) & (tb < end)
         # metadata of every entry (t, k) into its destination row
         entry = t[:, None] * K + kk[None, :]
         e_ok = t_ok[:, None] & (kk[None, :] < K)

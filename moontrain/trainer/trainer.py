@@ -61,6 +61,7 @@ class Trainer:
             max_tokens=micro_batch * cfg.train.seq_len, device=device,
             moonep_kernels=cfg.experts.moonep_kernels, moonep_expert_kernels=cfg.experts.moonep_expert_kernels,
             moonep_fused_planner=cfg.experts.moonep_fused_planner,
+            moonep_chain_prefetch=not cfg.train.activation_checkpointing,
         )
         self.model.attach_experts_backends(cfg.experts.backend, self.experts_ctx)
         self.experts = [moe.experts for moe in self.model.moe_layers()]
@@ -98,6 +99,9 @@ class Trainer:
                 loss, ce_i = self.model(tok_bT, tgt_bT)
                 (loss / n).backward()
                 ce += ce_i.detach() / n
+                # the graph (and what its nodes keep, e.g. moonep's plans) goes now, not after the next
+                # pass's forward: that would hold two passes' plans at once
+                del loss, ce_i
         self._reduce_grads()
         grad_norm = clip_grad_norm_global(self.dense_params, self.expert_params, self.layout,
                                           self.cfg.optim.grad_clip, optimizer=self.optimizer)

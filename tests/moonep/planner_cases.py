@@ -67,7 +67,7 @@ def random_topk(s: int, E: int, K: int, sigma: float, g: torch.Generator) -> tor
 
 
 def simulate_fused(layout: Layout, topk_R: list[torch.Tensor], total: int | None, chunk: int | None = None,
-                   prefix_kernel: bool = False) -> list[Plan]:
+                   prefix_kernel: bool = True) -> list[Plan]:
     """Every rank's plan from moonep.kernels.plan_fused in one process (any device): step 1 of every
     rank into one [R, R, E] hist (what the peer stores build), then steps 3-4 of each rank (program
     order stands in for the barrier)."""
@@ -93,7 +93,7 @@ FusedCase = tuple[int, int, int, list[int], int, int, float, bool]  # R, E, K, s
 
 
 def check_fused_cases(cases: list[FusedCase], g: torch.Generator, device: str = "cpu", chunk: int | None = None,
-                      prefix_kernel: bool = False) -> None:
+                      prefix_kernel: bool = True) -> None:
     """simulate_fused on `device` for every rank of every case, bitwise against make_plan on the CPU
     (per_rank: ranks have different s and pass total_num_tokens)."""
     for i, (R, E, K, s_R, B, pad, sigma, per_rank) in enumerate(cases):

@@ -87,12 +87,14 @@ def test_moe_layer_matches_dense_reference(R: int) -> None:
     assert all(o["reduce_pool_zero"] for o in out), "reduce_grad must leave the consumed slots zero"
 
 
-def _two_layers(rank: int, world: int) -> dict:
-    return run_two_layers(rank, world, None, E=8, H=H, F=F, K=K, S=S)
+def _two_layers(rank: int, world: int, chain: bool) -> dict:
+    return run_two_layers(rank, world, None, E=8, H=H, F=F, K=K, S=S, chain=chain)
 
 
-def test_two_layers_early_prefetch_and_async_reduce_grad_change_no_bit() -> None:
-    """Layer 1's backward refills the slots for layer 0 and leaves reduce_grad queued; the results
-    equal the layers run one at a time, bitwise (tests/moonep/two_layer_case.py)."""
-    for out in run_ranks(_two_layers, 2, timeout_s=240):
+@pytest.mark.parametrize("chain", [True, False], ids=["early_prefetch", "chain_prefetch_off"])
+def test_two_layers_early_prefetch_and_async_reduce_grad_change_no_bit(chain: bool) -> None:
+    """Layer 1's backward refills the slots for layer 0 (unless ExpertPools.chain_prefetch is off)
+    and leaves reduce_grad queued; the results equal the layers run one at a time, bitwise
+    (tests/moonep/two_layer_case.py)."""
+    for out in run_ranks(_two_layers, 2, chain, timeout_s=240):
         check_two_layers(out)

@@ -38,6 +38,8 @@ class ExpertsContext:
     moonep_kernels: str = "auto"  # BufferConfig.kernels of the moonep backend
     moonep_expert_kernels: bool = True  # BufferConfig.expert_kernels of the moonep backend
     moonep_fused_planner: bool = True  # BufferConfig.fused_planner of the moonep backend
+    # ExpertPools.chain_prefetch: off when blocks are recomputed in backward (activation checkpointing)
+    moonep_chain_prefetch: bool = True
     shared: dict[str, Any] = field(default_factory=dict)  # e.g. moonep's Buffer and ExpertPools
     closers: list[Callable[[], None]] = field(default_factory=list)  # release backend-owned memory
     # order work the backends left queued after backward (moonep's reduce_grad on its communication

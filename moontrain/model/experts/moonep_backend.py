@@ -40,6 +40,7 @@ class MoonEPExperts:
             ctx.finishers.append(buf.wait_pending)  # expert_swiglu leaves reduce_grad queued
             ctx.shared["moonep_pools"] = moonep.ExpertPools(buf, projections=dict(weights.shapes),
                                                             dtype=ctx.compute_dtype)
+            ctx.shared["moonep_pools"].chain_prefetch = ctx.moonep_chain_prefetch
         self.buf = ctx.shared["moonep_buffer"]
         self.pools = ctx.shared["moonep_pools"]
         self.layer = self.pools.add_layer()
