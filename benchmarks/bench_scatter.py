@@ -5,14 +5,14 @@
 Rank 0 of an R = 2 problem scatters into a receive region of both ranks that lives on this one GPU,
 so the numbers hold the kernel's own cost (issue, latency, local HBM) without NVLink: what differs
 between the modes. Every mode's receive rows, metadata and weights are compared bitwise with mode 0.
-Median of --iters launches timed by CUDA events. Table printed; JSON to --out.
+Median of --iters replays of the launch captured in a CUDA graph, timed by CUDA events (as
+bench_planner.py; bench_scatter_20261130.json timed eager launches). Table printed; JSON to --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from benchmarks.bench_planner import graph_us
 from moonep import BufferConfig
 from moonep.kernels import dispatch_combine as dc
 from moonep.layout import Layout
@@ -35,17 +36,7 @@ def run_mode(mode: int, plan, x: torch.Tensor, w: torch.Tensor, regions: dict, g
         dc.scatter(x, w, plan.dst_rank_sK, plan.dst_row_sK, plan.copy_row_sK, plan.sent_sK, regions["recv"],
                    regions["row_weight"], regions["row_copy"], regions["row_src"], 0, grid, mode=mode)
 
-    launch()  # compile
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        launch()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times[3:])
+    return graph_us(launch, iters)
 
 
 def main() -> None:
@@ -92,7 +83,7 @@ def main() -> None:
             rows.append({"hidden": H, "maxvio": routing.realised_maxvio, "sent_rows": int(plan.sent_sK.sum()),
                          **{f"mode{m}_us": v for m, v in results.items()}})
     print(f"\nscatter kernel, rank 0 of R=2 on one GPU (no NVLink), S={S}, K={K}, E={E}, {grid} programs, "
-          f"{torch.cuda.get_device_name()}: us per launch (median of {args.iters}); modes equal bitwise")
+          f"{torch.cuda.get_device_name()}: us per launch (median of {args.iters} graph replays); modes equal bitwise")
     print(f"{'H':>5} {'maxvio':>6} {'rows':>6} " + " ".join(f"{'mode ' + str(m):>8}" for m in MODES))
     for r in rows:
         print(f"{r['hidden']:>5} {r['maxvio']:>6.2f} {r['sent_rows']:>6} "
