@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import re
 import traceback
 import warnings
 from pathlib import Path
@@ -54,8 +55,106 @@ def profile_step(trainer: Trainer, layout: ParallelLayout, args: argparse.Namesp
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
     shapes = prof.key_averages(group_by_input_shape=True).table(
         sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=50, max_shapes_column_width=90)
-    _write_all_ranks(f"{table}\n\nby input shapes (self CUDA time):\n{shapes}\n", _point_name("profile", cfg),
-                     args, side, layout)
+    try:  # a diagnostic: a surprise in the profiler's event format must not end the benchmark
+        timeline = timeline_summary(_gpu_kernels(prof))
+    except Exception as err:
+        timeline = f"no timeline: {err!r}\n"
+    _write_all_ranks(f"{timeline}\n{table}\n\nby input shapes (self CUDA time):\n{shapes}\n",
+                     _point_name("profile", cfg), args, side, layout)
+
+
+def _gpu_kernels(prof) -> list[tuple[int, int, int, str]]:
+    """(stream, start ns, duration ns, name) of every GPU activity (kernels, copies, memsets) profiled;
+    not the GPU-side ranges of record_function annotations (they span kernels)."""
+    out = []
+    for e in prof.profiler.kineto_results.events():
+        if (e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0
+                and not e.is_user_annotation()):
+            out.append((e.device_resource_id(), e.start_ns(), e.duration_ns(), e.name()))
+    return out
+
+
+# kernel classes of the timeline, first match wins (names of cuBLAS/CUTLASS, cuDNN, NCCL, Triton, ATen)
+KERNEL_CLASSES = (
+    ("nccl", r"nccl"),
+    ("attention", r"fmha|flash|sdpa|attention"),
+    ("moonep comm", r"_scatter_kernel|_expand_kernel|_push_kernel|_reduce_kernel|_barrier_kernel|_signal|"
+                    r"_wait_kernel|plan|_prefix|_histogram"),
+    ("gemm", r"gemm|cutlass|nvjet|xmma|wgmma|_grouped_mm|splitK"),
+    ("optimizer", r"adam|multi_tensor_apply"),
+    ("copy / cast", r"[Mm]emcpy|[Mm]emset|copy|_to_copy|convert|cast"),
+    ("triton other", r"^triton_|_kernel$"),
+    ("elementwise / reduce", r""),
+)
+
+
+def kernel_class(name: str) -> str:
+    return next(c for c, pattern in KERNEL_CLASSES if re.search(pattern, name))
+
+
+def _union_ns(spans: list[tuple[int, int]]) -> int:
+    busy, end = 0, None
+    for a, b in sorted(spans):
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    return busy
+
+
+def timeline_summary(kernels: list[tuple[int, int, int, str]], top: int = 12) -> str:
+    """Where one step's GPU time went: per stream the busy time (union of its kernels) against the
+    step's span; on the busiest stream (the compute stream) the time per kernel class, the idle time
+    and how much of it another stream covered, and its longest gaps with the kernels around them."""
+    if not kernels:
+        return "timeline: no GPU activity recorded\n"
+    t0 = min(k[1] for k in kernels)
+    span = max(k[1] + k[2] for k in kernels) - t0
+    by_stream: dict[int, list] = collections.defaultdict(list)
+    for k in kernels:
+        by_stream[k[0]].append(k)
+    busy = {s: _union_ns([(k[1], k[1] + k[2]) for k in ks]) for s, ks in by_stream.items()}
+    main = max(busy, key=busy.get)
+    lines = [f"timeline: span {span / 1e6:.2f} ms; per stream: kernels, busy ms (% of span)"]
+    for s in sorted(busy, key=busy.get, reverse=True):
+        tag = "  <- compute (busiest)" if s == main else ""
+        lines.append(f"  stream {s:>4}: {len(by_stream[s]):6d} {busy[s] / 1e6:9.2f} ({100 * busy[s] / span:5.1f}%){tag}")
+    ks = sorted(by_stream[main], key=lambda k: k[1])
+    classes: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    names: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for _, _, d, name in ks:
+        c = classes[kernel_class(name)]
+        c[0] += 1
+        c[1] += d
+        n = names[name[:90]]
+        n[0] += 1
+        n[1] += d
+    lines.append(f"compute stream {main}: kernel time by class (count, ms, % of span)")
+    for c, (n, d) in sorted(classes.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"  {c:22s} {n:6d} {d / 1e6:9.2f} ({100 * d / span:5.1f}%)")
+    others = [(k[1], k[1] + k[2]) for s, kk in by_stream.items() if s != main for k in kk]
+    gaps, end, prev = [], t0, None
+    for k in ks:
+        if k[1] > end:
+            gaps.append((k[1] - end, prev, k[3]))
+        if k[1] + k[2] > end:
+            end, prev = k[1] + k[2], k[3]
+    if t0 + span > end:
+        gaps.append((t0 + span - end, prev, "(end of step)"))
+    idle = sum(g[0] for g in gaps)
+    # idle time of the compute stream during which some other stream ran: union(main + others) - busy(main)
+    covered = _union_ns([(k[1], k[1] + k[2]) for k in ks] + others) - busy[main]
+    lines.append(f"  idle {idle / 1e6:.2f} ms in {len(gaps)} gaps ({100 * idle / span:.1f}% of span), of which "
+                 f"{covered / 1e6:.2f} ms with another stream busy")
+    lines.append("  longest gaps (ms: after -> before):")
+    for g, a, b in sorted(gaps, key=lambda g: -g[0])[:top]:
+        lines.append(f"    {g / 1e6:7.3f}: {(a or '(start)')[:60]} -> {b[:60]}")
+    lines.append("  top kernels (count, ms):")
+    for name, (n, d) in sorted(names.items(), key=lambda kv: -kv[1][1])[:2 * top]:
+        lines.append(f"    {n:6d} {d / 1e6:9.2f}  {name}")
+    return "\n".join(lines) + "\n"
 
 
 def count_syncs(trainer: Trainer, layout: ParallelLayout, args: argparse.Namespace, cfg: RunConfig,

@@ -21,11 +21,15 @@ def expert_master_params(model: nn.Module) -> set[nn.Parameter]:
     return {p for name, p in model.named_parameters() if ".experts.master." in name}
 
 
-def apply_fsdp(model: K3Model, layout: ParallelLayout, param_dtype: torch.dtype) -> None:
+def apply_fsdp(model: K3Model, layout: ParallelLayout, param_dtype: torch.dtype,
+               reshard_after_forward: bool = True) -> None:
+    """Shard every block, then the root (embedding, final norm, head; FSDP keeps the root gathered
+    after forward). reshard_after_forward=False keeps the blocks gathered from forward to backward."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     ignored = expert_master_params(model)
     for block in model.layers:
-        fully_shard(block, mesh=layout.fsdp_mesh, mp_policy=mp, ignored_params=ignored & set(block.parameters()))
+        fully_shard(block, mesh=layout.fsdp_mesh, mp_policy=mp, ignored_params=ignored & set(block.parameters()),
+                    reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=layout.fsdp_mesh, mp_policy=mp, ignored_params=ignored)
 
 

@@ -52,7 +52,8 @@ class Trainer:
             self.model.enable_activation_checkpointing()
         self.fsdp = layout.distributed and cfg.parallel.fsdp
         if self.fsdp:
-            apply_fsdp(self.model, layout, param_dtype=self.compute_dtype)
+            apply_fsdp(self.model, layout, param_dtype=self.compute_dtype,
+                       reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward)
         micro_batch = cfg.train.micro_batch(layout.world_size)
         self.accumulation_steps = cfg.train.accumulation_steps(layout.world_size)
         self.experts_ctx = ExpertsContext(
@@ -96,6 +97,8 @@ class Trainer:
             for i, (tok_bT, tgt_bT) in enumerate(zip(tokens_BT.chunk(n), targets_BT.chunk(n), strict=True)):
                 if self.fsdp:  # FSDP reduce-scatters the dense grads once, after the last pass
                     self.model.set_requires_gradient_sync(i == n - 1)
+                    if not self.cfg.parallel.fsdp_reshard_after_forward:  # and gathers once, in the first
+                        self.model.set_reshard_after_backward(i == n - 1)
                 loss, ce_i = self.model(tok_bT, tgt_bT)
                 (loss / n).backward()
                 ce += ce_i.detach() / n

@@ -45,3 +45,31 @@ def test_live_blocks_grouped_by_size_and_call_site() -> None:
         ["1", "x", "4,096", "B", "=", "4,096", "B", "(no", "python", "frame)"],
         ["2", "x", "512", "B", "=", "1,024", "B", "p.py:3"],
         ["1", "x", "1,024", "B", "=", "1,024", "B", "q.py:3"]]
+
+
+def test_timeline_summary_busy_idle_and_classes() -> None:
+    from benchmarks.train_diagnostics import _union_ns, kernel_class, timeline_summary
+
+    assert _union_ns([(0, 10), (5, 20), (30, 40), (32, 35)]) == 30
+    assert kernel_class("ncclDevKernel_AllGather_RING_LL") == "nccl"
+    assert kernel_class("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT") == "gemm"
+    assert kernel_class("_scatter_kernel") == "moonep comm"
+    assert kernel_class("void at::native::vectorized_elementwise_kernel<4, mul>") == "elementwise / reduce"
+    # in ms (x 1e6 ns): compute stream 7: gemm [0, 1) and [0.3, 0.5), gap, attention [1.5, 2), gap to the
+    # step's end at 3 (stream 9: nccl [1, 1.4))
+    ms = 1_000_000
+    kernels = [(7, 10 * ms, 1 * ms, "sm90_xmma_gemm_bf16"), (7, 11_500_000, ms // 2, "flash_fwd_kernel"),
+               (9, 11 * ms, 400_000, "ncclDevKernel_AllGather"), (7, 10_300_000, 200_000, "sm90_xmma_gemm_bf16"),
+               (9, 12 * ms, 1 * ms, "ncclDevKernel_ReduceScatter")]
+    lines = timeline_summary(kernels).splitlines()
+    assert lines[0].startswith("timeline: span 3.00 ms")
+    assert lines[1].split() == ["stream", "7:", "3", "1.50", "(", "50.0%)", "<-", "compute", "(busiest)"]
+    assert lines[2].split() == ["stream", "9:", "2", "1.40", "(", "46.7%)"]
+    assert next(x for x in lines if x.split()[0] == "gemm").split() == ["gemm", "2", "1.20", "(", "40.0%)"]
+    assert next(x for x in lines if x.split()[0] == "attention").split() == ["attention", "1", "0.50", "(", "16.7%)"]
+    # gaps on stream 7: [1, 1.5) and [2, 3); stream 9 covers 0.4 + 1.0 of them
+    idle = next(x for x in lines if "idle" in x)
+    assert "idle 1.50 ms in 2 gaps (50.0% of span), of which 1.40 ms with another stream busy" in idle
+    gaps = lines[lines.index("  longest gaps (ms: after -> before):") + 1:][:2]
+    assert gaps[0].split() == ["1.000:", "flash_fwd_kernel", "->", "(end", "of", "step)"]
+    assert gaps[1].split() == ["0.500:", "sm90_xmma_gemm_bf16", "->", "flash_fwd_kernel"]

@@ -28,7 +28,7 @@ SKEW = 0.5  # initial score bias of experts 0 and 1
 
 
 def tiny_config(backend: str, ep: int, activation_checkpointing: bool = False,
-                micro_batch_size: int | None = None) -> RunConfig:
+                micro_batch_size: int | None = None, reshard_after_forward: bool = True) -> RunConfig:
     return from_dict(RunConfig, {
         "model": dict(vocab_size=128, hidden_size=64, num_layers=2, num_dense_layers=0, dense_intermediate_size=128,
                       num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -36,7 +36,7 @@ def tiny_config(backend: str, ep: int, activation_checkpointing: bool = False,
                       moe_intermediate_size=64, moe_latent_size=32, routed_scaling_factor=2.0,
                       router_bias_update_rate=0.01, seq_aux_loss_coef=0.01),
         "experts": {"backend": backend},
-        "parallel": {"ep": ep},
+        "parallel": {"ep": ep, "fsdp_reshard_after_forward": reshard_after_forward},
         "optim": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant", "grad_clip": 1.0},
         "train": {"steps": STEPS, "global_batch_size": 8, "seq_len": 16, "seed": 3,
                   "activation_checkpointing": activation_checkpointing, "micro_batch_size": micro_batch_size},
@@ -107,9 +107,20 @@ def train_reference(reverse: bool) -> tuple[list[float], list[float], dict[str, 
 
 
 def train_sharded(rank: int, world: int, backend: str, ep: int, activation_checkpointing: bool = False,
-                  micro_batch_size: int | None = None) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    trainer = Trainer(tiny_config(backend, ep, activation_checkpointing, micro_batch_size),
+                  micro_batch_size: int | None = None,
+                  reshard_after_forward: bool = True) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    trainer = Trainer(tiny_config(backend, ep, activation_checkpointing, micro_batch_size, reshard_after_forward),
                       build_layout(ep, torch.device("cpu")))
+    fsdp_group = trainer.layout.fsdp_mesh.get_group()
+    gathers = []  # FSDP's parameter all-gathers
+    all_gather_single = dist.all_gather_single
+
+    def counting_all_gather(*args, **kwargs):
+        if kwargs.get("group") is fsdp_group:
+            gathers.append(1)
+        return all_gather_single(*args, **kwargs)
+
+    dist.all_gather_single = counting_all_gather
     assert trainer.accumulation_steps == 8 // world // (micro_batch_size or 8 // world)
     slots_used = []
     if backend == "moonep":  # record how many remote experts each prefetch copies into this rank's slots
@@ -121,9 +132,13 @@ def train_sharded(rank: int, world: int, backend: str, ep: int, activation_check
             prefetch(plan, layer)
 
         pools.prefetch = recording_prefetch
-    losses, maxvio, state = _train(trainer)
+    try:
+        losses, maxvio, state = _train(trainer)
+    finally:
+        dist.all_gather_single = all_gather_single
     trainer.close()
     state["slots_used"] = torch.tensor(slots_used)
+    state["fsdp_gathers"] = torch.tensor(len(gathers))
     return losses, maxvio, state
 
 
@@ -149,6 +164,7 @@ def _check(result, reference) -> None:
                 f"step {step}: {what} {a[i]} vs reference {b[i]} (tol {loss_tol[i]:.3g})")
     assert got_maxvio == pytest.approx(maxvio, abs=1e-6), "routing differs from the reference"
     got_state.pop("slots_used")  # checked by the moonep test itself
+    got_state.pop("fsdp_gathers")  # checked by the reshard test
     assert got_state.keys() == state.keys()
     for name, ref in state.items():
         diff = (got_state[name] - ref).abs().max().item()
@@ -184,3 +200,15 @@ def test_gradient_accumulation_matches_single_process(reference, backend: str, m
     1/n, the routers' counts summed over the passes) give the one-pass reference's losses, grad norms,
     step-1 gradients, parameters and router biases."""
     _check(run_ranks(train_sharded, 2, backend, 2, False, micro, timeout_s=300)[0], reference)
+
+
+@pytest.mark.parametrize("backend", ["alltoall", "moonep"])
+def test_unsharded_between_passes_matches_single_process(reference, backend: str) -> None:
+    """parallel.fsdp_reshard_after_forward=false with 4 accumulated passes: the same results, and each
+    of the 3 FSDP units (2 blocks, the root) all-gathers its parameters once per optimizer step (in the
+    first pass's forward), where the default gathers every block in every pass's forward and backward."""
+    result = run_ranks(train_sharded, 2, backend, 2, False, 1, False, timeout_s=300)[0]
+    assert result[2]["fsdp_gathers"].item() == 3 * STEPS, f"{result[2]['fsdp_gathers'].item()} all-gathers in {STEPS} steps"
+    default = run_ranks(train_sharded, 2, backend, 2, False, 1, True, timeout_s=300)[0]
+    assert default[2]["fsdp_gathers"].item() > 4 * 3 * STEPS, "the default should gather in every pass"
+    _check(result, reference)
