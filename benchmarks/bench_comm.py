@@ -44,10 +44,14 @@ _PLAN_RUN = 8
 
 
 def timed(fn: Callable[[], object], iters: int, warmup: int, group: dist.ProcessGroup,
-          setup: Callable[[], object] | None = None, hide_host: bool = False) -> float:
+          setup: Callable[[], object] | None = None, hide_host: bool = False,
+          align: Callable[[], object] | None = None) -> float:
     """Median microseconds of fn over iters (ranks aligned before each; `setup` runs untimed before
     each), max over ranks. By default the time includes the host's launch overhead (the GPU idles
-    until fn's work arrives); hide_host times the GPU work alone."""
+    until fn's work arrives); hide_host times the GPU work alone. `align` (a GPU barrier) is queued
+    right before the start event, after the host-hiding sleep: the ranks' GPUs then start fn together,
+    as they do inside a step, where fn follows other barriers; without it a rank whose host ran
+    ahead would count the other host's lag in fn's first wait."""
     times = []
     for i in range(warmup + iters):
         if setup is not None:
@@ -57,6 +61,8 @@ def timed(fn: Callable[[], object], iters: int, warmup: int, group: dist.Process
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if hide_host:
             torch.cuda._sleep(_HOST_HIDING_CYCLES)
+        if align is not None:
+            align()
         start.record()
         fn()
         end.record()
@@ -70,13 +76,16 @@ def timed(fn: Callable[[], object], iters: int, warmup: int, group: dist.Process
 
 def peer_copy_GBps(buf: Buffer, x: torch.Tensor, iters: int, warmup: int, group: dist.ProcessGroup) -> float:
     """Peer-copy bandwidth of this machine in this run: x (this rank's S x H tokens) copied into the
-    next rank's receive rows through the symmetric mapping by the copy engine (every rank at once),
-    median GB/s, min over ranks. The reference for dispatch's NVLink throughput."""
+    next rank's receive rows through the symmetric mapping by the copy engine (every rank at once,
+    from a common start), GPU time (host launch hidden), median GB/s, min over ranks. The reference
+    for dispatch's NVLink throughput."""
     rank, R = dist.get_rank(group), dist.get_world_size(group)
     if R == 1:
         return float("nan")
     peer_rows = buf._all["recv"][(rank + 1) % R][: x.shape[0]]
-    us = timed(lambda: peer_rows.copy_(x), iters, warmup, group)
+    # GPU time from a common start, as the scatter phase's: both directions of the link busy at once
+    us = timed(lambda: peer_rows.copy_(x), iters, warmup, group, hide_host=True,
+               align=lambda: buf.barrier("bench:peer_copy"))
     buf.barrier("bench:peer_copy")
     gbps = torch.tensor(x.numel() * x.element_size() / (us * 1e-6) / 1e9, device="cuda")
     dist.all_reduce(gbps, op=dist.ReduceOp.MIN, group=group)
@@ -135,9 +144,10 @@ def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, po
     m["dispatch_only"] = timed(lambda: buf.dispatch(x, w, topk, hist), it, wu, group)
     m["dispatch_saved"] = timed(lambda: buf.dispatch(x, w, plan=plan), it, wu, group)
     # the phase in which dispatch's bytes cross NVLink: the sender's scatter and the barrier that
-    # completes it (the receiver's local duplicate expansion follows); GPU time, for the NVLink rate
+    # completes it (the receiver's local duplicate expansion follows); GPU time from a common start
+    # (in dispatch the scatter follows the planner's barriers), for the NVLink rate
     m["dispatch_scatter"] = timed(lambda: (buf._scatter(plan, x, w), buf.barrier("dispatch:rows")), it, wu, group,
-                                  setup=lambda: buf.barrier("dispatch:enter"), hide_host=True)
+                                  hide_host=True, align=lambda: buf.barrier("dispatch:enter"))
     m["prefetch"] = timed(lambda: pools.prefetch(plan, layer), it, wu, group)
     m["combine_fwd"] = timed(lambda: buf.combine(plan, y_rows), it, wu, group)
     m["dispatch_bwd"] = timed(lambda: buf.combine(plan, grad_rows, row_scalars=grad_scal), it, wu, group)
