@@ -146,8 +146,15 @@ def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, po
     # the phase in which dispatch's bytes cross NVLink: the sender's scatter and the barrier that
     # completes it (the receiver's local duplicate expansion follows); GPU time from a common start
     # (in dispatch the scatter follows the planner's barriers), for the NVLink rate
+    enter = lambda: buf.barrier("dispatch:enter")
     m["dispatch_scatter"] = timed(lambda: (buf._scatter(plan, x, w), buf.barrier("dispatch:rows")), it, wu, group,
-                                  hide_host=True, align=lambda: buf.barrier("dispatch:enter"))
+                                  hide_host=True, align=enter)
+    # its parts, same conditions: the scatter kernel alone (its last stores may still be in flight at
+    # the end event), the metadata alone (rows=False: row_src per entry, + barrier), the barrier alone
+    m["scatter_kernel"] = timed(lambda: buf._scatter(plan, x, w), it, wu, group, hide_host=True, align=enter)
+    m["scatter_meta"] = timed(lambda: (buf._scatter(plan, x, w, rows=False), buf.barrier("dispatch:rows")), it, wu,
+                              group, hide_host=True, align=enter)
+    m["scatter_barrier"] = timed(lambda: buf.barrier("dispatch:rows"), it, wu, group, hide_host=True, align=enter)
     m["prefetch"] = timed(lambda: pools.prefetch(plan, layer), it, wu, group)
     m["combine_fwd"] = timed(lambda: buf.combine(plan, y_rows), it, wu, group)
     m["dispatch_bwd"] = timed(lambda: buf.combine(plan, grad_rows, row_scalars=grad_scal), it, wu, group)
@@ -303,6 +310,14 @@ def print_table(results: list[dict]) -> None:
               f"{m.get('scatter_nvlink_GBps', nan):>6.0f} {m.get('peer_copy_GBps', nan):>5.0f} | "
               f"{b['dispatch_fwd_us']:>7.0f} {b['combine_fwd_us']:>7.0f} {b['dispatch_bwd_us']:>7.0f} "
               f"{b['combine_bwd_us']:>7.0f} {b['rank_load_max_over_mean']:>5.2f}")
+    if any("scatter_kernel_us" in r["moonep"] for r in results):
+        print("scatter phase parts (us, GPU time from a common start): scat = kernel + closing barrier; kernel "
+              "alone; meta = metadata only (row_src per entry) + barrier; barrier alone; NVLink MB")
+        for r in results:
+            m = r["moonep"]
+            print(f"{r['E']:>4} {r['target_maxvio']:>6.1f} | scat {m['dispatch_scatter_us']:>5.0f} kernel "
+                  f"{m['scatter_kernel_us']:>5.0f} meta {m['scatter_meta_us']:>5.0f} barrier {m['scatter_barrier_us']:>5.0f} "
+                  f"| {m['nvlink_dispatch_bytes'] / 1e6:6.1f} MB")
     for E in sorted({r["E"] for r in results}):
         pts = [r for r in results if r["E"] == E]
         shapes = {json.dumps(r["moonep"]["shapes"]) for r in pts}
