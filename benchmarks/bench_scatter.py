@@ -32,9 +32,11 @@ MODES = (0, 1, 2)
 
 
 def run_mode(mode: int, plan, x: torch.Tensor, w: torch.Tensor, regions: dict, grid: int, iters: int) -> float:
+    work = dc.scatter_work(x.device)
+
     def launch() -> None:
         dc.scatter(x, w, plan.dst_rank_sK, plan.dst_row_sK, plan.copy_row_sK, plan.sent_sK, regions["recv"],
-                   regions["row_weight"], regions["row_copy"], regions["row_src"], 0, grid, mode=mode)
+                   regions["row_weight"], regions["row_copy"], regions["row_src"], 0, grid, work, mode=mode)
 
     return graph_us(launch, iters)
 

@@ -108,6 +108,7 @@ class Buffer:
 
             self._kernels = dispatch_combine
             self._grid = dispatch_combine.num_sms(self.device, config.num_sms)
+            self._scatter_work = dispatch_combine.scatter_work(self.device)  # calls of a Buffer are stream-ordered
             if config.fused_planner:
                 from moonep.kernels import plan_fused
 
@@ -273,7 +274,8 @@ class Buffer:
         if self._kernels is not None:  # receiver padding marks move to _expand (after the barrier)
             self._kernels.scatter(x_sH, weights_sK, plan.dst_rank_sK, plan.dst_row_sK, plan.copy_row_sK, plan.sent_sK,
                                   every["recv"], every["row_weight"], every["row_copy"], every["row_src"],
-                                  self.rank * self.config.max_tokens * plan.topk, self._grid, rows=rows)
+                                  self.rank * self.config.max_tokens * plan.topk, self._grid, self._scatter_work,
+                                  rows=rows)
             return
         s, K = plan.num_tokens, plan.topk
         dst_rank = plan.dst_rank_sK.reshape(-1).long()

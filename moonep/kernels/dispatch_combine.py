@@ -120,21 +120,21 @@ def _tile(H: int, tile: int = _TILE) -> tuple[int, int]:
 def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_ptr,
                     recv_ptr, row_weight_ptr, row_copy_ptr, row_src_ptr,
                     s, H, x_stride, recv_rank_stride, recv_row_stride, meta_rank_stride, src_base,
-                    num_iters, num_programs, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                    work_ptr, num_programs, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                     HAS_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, SUB_H: tl.constexpr):
-    pid = tl.program_id(0)
     kk = tl.arange(0, BLOCK_K)
     hh0 = tl.arange(0, BLOCK_H)
-    # persistent: program pid takes the contiguous run of blocks [pid * n // P, (pid + 1) * n // P)
-    # (balanced to one block; not pid + i * P: with P = 132 programs a routing that repeats every few
-    # tokens, as round-robin does, gave some programs only remote rows and others only local ones)
+    # persistent, blocks claimed one at a time from a counter (work[0]), in token order: whatever the
+    # routing, every program stays busy until the last blocks, and the kernel ends at most about one
+    # block after the mean. Static runs of blocks left programs uneven: round-robin routing alternates
+    # 24 tokens to each rank at E = 384, so contiguous runs of 62 tokens held 24 to 38 remote ones
+    # (the phase waits for the busiest program), and pid + i * P gave some programs only remote rows.
+    # The last program out (work[1] counts them) puts both counters back to 0 for the next launch.
     num_blocks = tl.cdiv(s, BLOCK_T)
-    first = (pid * num_blocks) // num_programs
-    end = ((pid + 1) * num_blocks) // num_programs
-    for i in range(0, num_iters):  # num_iters = the longest run; past a run's end: masked
-        tb = first + i
-        t = (tb * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-        t_ok = (t < s) & (tb < end)
+    tb = tl.atomic_add(work_ptr, 1)
+    while tb < num_blocks:
+        t = (tb.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+        t_ok = t < s
         # metadata of every entry (t, k) into its destination row
         entry = t[:, None] * K + kk[None, :]
         e_ok = t_ok[:, None] & (kk[None, :] < K)
@@ -180,6 +180,10 @@ def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_
                         tile = tl.load(x_ptr + t[:, None] * x_stride + hs[None, :], mask=m)
                         tl.store(recv_ptr + dst_k[:, :, None] + hs[None, None, :], tile[:, None, :],
                                  mask=sent_k[:, :, None] & m[:, None, :])
+        tb = tl.atomic_add(work_ptr, 1)
+    if tl.atomic_add(work_ptr + 1, 1) == num_programs - 1:
+        tl.atomic_xchg(work_ptr, 0)
+        tl.atomic_xchg(work_ptr + 1, 0)
 
 
 @triton.jit
@@ -270,12 +274,20 @@ def num_sms(device: torch.device, cap: int | None) -> int:
     return count if cap is None else cap
 
 
+def scatter_work(device: torch.device) -> torch.Tensor:
+    """The scatter's block counter and exit counter, zero; each launch leaves them zero."""
+    return torch.zeros(2, dtype=torch.int32, device=device)
+
+
 def scatter(x_sH: torch.Tensor, weights_sK: torch.Tensor | None, dst_rank_sK: torch.Tensor,
             dst_row_sK: torch.Tensor, copy_row_sK: torch.Tensor, sent_sK: torch.Tensor,
             recv_all: torch.Tensor, row_weight_all: torch.Tensor, row_copy_all: torch.Tensor,
-            row_src_all: torch.Tensor, src_base: int, grid: int, *, rows: bool = True, mode: int | None = None) -> None:
+            row_src_all: torch.Tensor, src_base: int, grid: int, work: torch.Tensor, *, rows: bool = True,
+            mode: int | None = None) -> None:
     """Sender side of dispatch: entry metadata to every destination row, token rows once per
-    destination rank (rows=False: row_src only, for combine's refresh)."""
+    destination rank (rows=False: row_src only, for combine's refresh). `work`: int32 [2], zero before
+    the launch and zero again after it (the block counter; see scatter_work); launches that share
+    it must be ordered (one stream)."""
     s, K = dst_rank_sK.shape
     H = recv_all.shape[-1]
     assert row_weight_all.stride(0) == row_copy_all.stride(0) == row_src_all.stride(0)
@@ -287,7 +299,7 @@ def scatter(x_sH: torch.Tensor, weights_sK: torch.Tensor | None, dst_rank_sK: to
         x_sH, w, dst_rank_sK, dst_row_sK, copy_row_sK, sent_sK.view(torch.uint8),
         recv_all, row_weight_all, row_copy_all, row_src_all,
         s, H, x_sH.stride(0), recv_all.stride(0), recv_all.stride(1), row_src_all.stride(0), src_base,
-        triton.cdiv(num_blocks, programs), programs, K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=block_t, BLOCK_H=block_h,
+        work, programs, K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=block_t, BLOCK_H=block_h,
         HAS_W=weights_sK is not None, ROWS=rows, MODE=SCATTER_MODE if mode is None else mode,
         SUB_H=max(16, block_h // triton.next_power_of_2(K)), num_warps=SCATTER_WARPS)
 

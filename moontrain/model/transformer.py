@@ -75,6 +75,7 @@ class K3Model(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
+        self._loss = _cross_entropy
 
     def moe_layers(self) -> list[MoE]:
         return [block.ffn for block in self.layers if block.is_moe]
@@ -97,6 +98,21 @@ class K3Model(nn.Module):
             moe.experts.init_master(seed=seed, layer_idx=layer_idx, std=std)
             moe.router.score_bias_E.zero_()
 
+    def compile_dense_parts(self) -> None:
+        """torch.compile (in place) what runs between the routed experts: per block the two norms, the
+        attention and the dense FFN or the shared experts; the final norm and the loss. The routed
+        experts (custom autograd functions around communication) stay eager."""
+        for block in self.layers:
+            block.attn_norm.compile()
+            block.attn.compile()
+            block.ffn_norm.compile()
+            if not block.is_moe:
+                block.ffn.compile()
+            elif block.ffn.shared is not None:
+                block.ffn.shared.compile()
+        self.norm.compile()
+        self._loss = torch.compile(_cross_entropy)
+
     def enable_activation_checkpointing(self) -> None:
         for block in self.layers:
             block.activation_checkpointing = True
@@ -117,5 +133,10 @@ class K3Model(nn.Module):
             if aux is not None:
                 aux_total = aux_total + aux
         logits_BTV = self.lm_head(self.norm(x_BTD))
-        ce = F.cross_entropy(logits_BTV.float().view(-1, cfg.vocab_size), targets_BT.reshape(-1))
+        ce = self._loss(logits_BTV, targets_BT)
         return ce + aux_total, ce.detach()
+
+
+def _cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy, in fp32."""
+    return F.cross_entropy(logits_BTV.float().view(-1, logits_BTV.shape[-1]), targets_BT.reshape(-1))

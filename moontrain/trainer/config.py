@@ -17,6 +17,10 @@ class TrainConfig:
     log_every: int = 1
     run_dir: str = "runs/default"
     activation_checkpointing: bool = False  # recompute every block in backward (saves its activations)
+    # torch.compile the dense parts of every block (norms, attention, dense FFN / shared experts) and the
+    # loss: fuses their elementwise work and casts; routed experts and their communication stay eager.
+    # The first step of each shape compiles (tens of seconds on a GPU; inductor caches on disk)
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "seq_len", "log_every"):

@@ -50,6 +50,8 @@ class Trainer:
         self.model.init_weights(cfg.train.seed)
         if cfg.train.activation_checkpointing:
             self.model.enable_activation_checkpointing()
+        if cfg.train.compile:  # before FSDP wraps the blocks (compiled parts live inside them)
+            self.model.compile_dense_parts()
         self.fsdp = layout.distributed and cfg.parallel.fsdp
         if self.fsdp:
             apply_fsdp(self.model, layout, param_dtype=self.compute_dtype,

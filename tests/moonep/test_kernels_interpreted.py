@@ -193,6 +193,8 @@ def _dispatch_kernels_rank(rank: int, world: int, scatter_mode: int, scatter_til
             # the interpreter casts fp32 -> bf16 by truncation, the GPU (and torch) by rounding
             err = (got["y"].float() - want["y"].float()).abs()
             assert bool((err <= BF16_ULP * want["y"].float().abs()).all()), f"combine off by > 1 ulp ({err.max()})"
+            # the scatter's block counter and exit counter are back to zero after every launch
+            assert fast._scatter_work.tolist() == [0, 0], fast._scatter_work
         return used
     finally:
         fast.destroy()
@@ -245,3 +247,4 @@ def _fused_plan_rank(rank: int, world: int, fused: bool) -> list[int]:
 def test_fused_planner_in_buffer_matches_make_plan(fused: bool) -> None:
     used = run_ranks(_fused_plan_rank, 2, fused, timeout_s=300)
     assert any(n > 0 for n in used[0]), f"some routing should occupy slots: {used}"
+
