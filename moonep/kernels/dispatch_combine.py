@@ -78,6 +78,11 @@ bench_comm's `scat` column, bench_comm_R2_session4_20261130.json, E = 96 and 384
 310-330 GB/s for maxvio >= 0.2, 83-87 % of the copy engine's 360-380 GB/s measured in the same run;
 at maxvio 0 only 59 MB cross (each token's experts all on one rank) in 204 us, 288 / 287 GB/s (79.6 /
 75.7 %): the phase costs ~30 us plus ~174 us per 58 MB, and the fixed part weighs on half the bytes.
+Kernels that store to peers (scatter, push) end every thread with `fence.sc.sys`: the barrier that
+follows runs in another kernel, and its own fence orders only its own thread's stores; without a
+fence in the storing threads, NVLink writes spread over many links could in principle land after
+the barrier's signal (a rare rank-0-only bitwise failure, a stale route weight on a padding row,
+was seen twice on 2xH200 before this fence; cause not proven).
 Session 4 changes behind these numbers: a contiguous run of token blocks per program (with
 pid + i * programs and 132 programs, round-robin routing gave half the programs only local rows: the
 phase at maxvio 0 took 214-243 us), and the store modes measured by benchmarks/bench_scatter.py
@@ -91,6 +96,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from moonep.heap.device_barrier import _fence_sys
 
 # scatter / expand / push move tiles of _TILE elements (32 KiB in bf16) with 16 warps: whole rows
 # (H padded to a power of two, at most 8192 wide) so that one load serves all K stores and each CTA
@@ -121,7 +128,8 @@ def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_
                     recv_ptr, row_weight_ptr, row_copy_ptr, row_src_ptr,
                     s, H, x_stride, recv_rank_stride, recv_row_stride, meta_rank_stride, src_base,
                     work_ptr, num_programs, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                    HAS_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, SUB_H: tl.constexpr):
+                    HAS_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, SUB_H: tl.constexpr,
+                    FENCE: tl.constexpr):
     kk = tl.arange(0, BLOCK_K)
     hh0 = tl.arange(0, BLOCK_H)
     # persistent, blocks claimed one at a time from a counter (work[0]), in token order: whatever the
@@ -181,6 +189,8 @@ def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_
                         tl.store(recv_ptr + dst_k[:, :, None] + hs[None, None, :], tile[:, None, :],
                                  mask=sent_k[:, :, None] & m[:, None, :])
         tb = tl.atomic_add(work_ptr, 1)
+    if FENCE:
+        _fence_sys(kk)  # this thread's peer stores performed at system scope before the program ends
     if tl.atomic_add(work_ptr + 1, 1) == num_programs - 1:
         tl.atomic_xchg(work_ptr, 0)
         tl.atomic_xchg(work_ptr + 1, 0)
@@ -230,7 +240,8 @@ def _expand_kernel(recv_ptr, row_weight_ptr, row_copy_ptr, row_src_ptr, offs_ptr
 @triton.jit
 def _push_kernel(y_ptr, scal_ptr, row_src_ptr, land_ptr, land_scal_ptr,
                  nvs_s, H, y_stride, land_rank_stride, land_row_stride, land_scal_rank_stride, SK,
-                 num_iters, num_programs, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SCAL: tl.constexpr):
+                 num_iters, num_programs, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SCAL: tl.constexpr,
+                 FENCE: tl.constexpr):
     pid = tl.program_id(0)
     hh0 = tl.arange(0, BLOCK_H)
     for i in range(0, num_iters):
@@ -251,6 +262,8 @@ def _push_kernel(y_ptr, scal_ptr, row_src_ptr, land_ptr, land_scal_ptr,
             m = ok[:, None] & (hh < H)[None, :]
             tile = tl.load(y_ptr + r[:, None] * y_stride + hh[None, :], mask=m)
             tl.store(land_ptr + dst[:, None] + hh[None, :], tile, mask=m)
+    if FENCE:
+        _fence_sys(hh0)  # this thread's peer stores performed at system scope before the program ends
 
 
 @triton.jit
@@ -267,6 +280,11 @@ def _reduce_kernel(land_ptr, out_ptr, s, H, land_row_stride, out_stride,
 
 
 # ---------------------------------------------------------------------------------------------- launches
+
+def _fences(t: torch.Tensor) -> bool:
+    """The system-scope fence is PTX: on the GPU only (Triton's interpreter runs the CPU tests)."""
+    return t.is_cuda
+
 
 def num_sms(device: torch.device, cap: int | None) -> int:
     """Programs of the persistent kernels: `cap` (BufferConfig.num_sms) or every SM."""
@@ -301,7 +319,7 @@ def scatter(x_sH: torch.Tensor, weights_sK: torch.Tensor | None, dst_rank_sK: to
         s, H, x_sH.stride(0), recv_all.stride(0), recv_all.stride(1), row_src_all.stride(0), src_base,
         work, programs, K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=block_t, BLOCK_H=block_h,
         HAS_W=weights_sK is not None, ROWS=rows, MODE=SCATTER_MODE if mode is None else mode,
-        SUB_H=max(16, block_h // triton.next_power_of_2(K)), num_warps=SCATTER_WARPS)
+        SUB_H=max(16, block_h // triton.next_power_of_2(K)), FENCE=_fences(x_sH), num_warps=SCATTER_WARPS)
 
 
 def expand(recv: torch.Tensor, row_weight: torch.Tensor, row_copy: torch.Tensor, row_src: torch.Tensor,
@@ -330,7 +348,7 @@ def push(y_rows: torch.Tensor, row_scalars: torch.Tensor | None, row_src: torch.
         y_rows, scal, row_src, land_all, land_scalar_all,
         nvs_s, H, y_rows.stride(0), land_all.stride(0), land_all.stride(1), land_scalar_all.stride(0),
         entries_per_rank, triton.cdiv(num_blocks, programs), programs, BLOCK_R=block_r, BLOCK_H=block_h, HAS_SCAL=row_scalars is not None,
-        num_warps=_NUM_WARPS)
+        FENCE=_fences(y_rows), num_warps=_NUM_WARPS)
 
 
 def reduce(land: torch.Tensor, out_sH: torch.Tensor, topk: int) -> None:
