@@ -5,6 +5,8 @@ Run on the 2xH200 machine: torchrun --nproc_per_node=2 -m pytest -q -m multigpu 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,6 +15,16 @@ from moonep import Buffer, BufferConfig
 from moonep.routing import generate_routing
 
 pytestmark = pytest.mark.multigpu
+
+
+@pytest.fixture(autouse=True)
+def _scatter_tile(monkeypatch):
+    """MOONEP_TEST_SCATTER_TILE=n runs these tests with dispatch_combine.SCATTER_TILE = n (tile sweeps)."""
+    tile = os.environ.get("MOONEP_TEST_SCATTER_TILE")
+    if tile:
+        from moonep.kernels import dispatch_combine
+
+        monkeypatch.setattr(dispatch_combine, "SCATTER_TILE", int(tile))
 
 S, H, K, E = 256, 1024, 8, 32  # max maxvio for E=32, K=8 is E/K - 1 = 3
 
