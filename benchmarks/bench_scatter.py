@@ -36,7 +36,7 @@ def run_mode(mode: int, plan, x: torch.Tensor, w: torch.Tensor, regions: dict, g
 
     def launch() -> None:
         dc.scatter(x, w, plan.dst_rank_sK, plan.dst_row_sK, plan.copy_row_sK, plan.sent_sK, regions["recv"],
-                   regions["row_weight"], regions["row_copy"], regions["row_src"], 0, grid, work, mode=mode)
+                   regions["row_weight"], regions["row_link"], 0, grid, work, mode=mode)
 
     return graph_us(launch, iters)
 
@@ -70,8 +70,7 @@ def main() -> None:
             for mode in MODES:
                 regions = {"recv": torch.zeros(R, nvs + 2, H, dtype=torch.bfloat16, device=dev),
                            "row_weight": torch.zeros(R, nvs + 1, device=dev),
-                           "row_copy": torch.zeros(R, nvs + 1, dtype=torch.int32, device=dev),
-                           "row_src": torch.zeros(R, nvs + 1, dtype=torch.int32, device=dev)}
+                           "row_link": torch.zeros(R, nvs + 1, 2, dtype=torch.int32, device=dev)}
                 t0 = time.time()
                 results[mode] = run_mode(mode, plan, x, w, regions, grid, args.iters)
                 if first is None:

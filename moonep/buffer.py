@@ -98,6 +98,8 @@ class Buffer:
         R, stride = self.num_ranks, self.layout.comm_bytes
         self._all = {name: strided_view(mapping, reg.offset, stride, R, reg.shape, reg.dtype)
                      for name, reg in self.layout.comm.items()}
+        # row_copy / row_src: the two columns of the row_link records (strided views)
+        self._all["row_copy"], self._all["row_src"] = self._all["row_link"][..., 0], self._all["row_link"][..., 1]
         self._mine = {name: t[self.rank] for name, t in self._all.items()}
         self._kernels = None  # moonep.kernels.dispatch_combine when the triton path is on
         self._fused_planner = None  # moonep.kernels.plan_fused: the whole plan() on the triton path
@@ -273,7 +275,7 @@ class Buffer:
         layout, mine, every = self.layout, self._mine, self._all
         if self._kernels is not None:  # receiver padding marks move to _expand (after the barrier)
             self._kernels.scatter(x_sH, weights_sK, plan.dst_rank_sK, plan.dst_row_sK, plan.copy_row_sK, plan.sent_sK,
-                                  every["recv"], every["row_weight"], every["row_copy"], every["row_src"],
+                                  every["recv"], every["row_weight"], every["row_link"],
                                   self.rank * self.config.max_tokens * plan.topk, self._grid, self._scatter_work,
                                   rows=rows)
             return
@@ -312,7 +314,7 @@ class Buffer:
         x_rows = recv[: plan.nvs_s]
         if self._kernels is not None:
             mine = self._mine
-            self._kernels.expand(recv, mine["row_weight"], mine["row_copy"], mine["row_src"], plan.offs_RG[self.rank],
+            self._kernels.expand(recv, mine["row_weight"], mine["row_link"], plan.offs_RG[self.rank],
                                  plan.group_rows_RG[self.rank], plan.nvs_s, self.layout.zero_row,
                                  self.config.token_padding, copy=copy)
         else:
@@ -370,7 +372,7 @@ class Buffer:
             self._expand(plan, copy=False)
             self.barrier("combine:meta")
             self._rows_plan = plan
-        self._kernels.push(y_rows, row_scalars, mine["row_src"], plan.nvs_s, every["land"], every["land_scalar"],
+        self._kernels.push(y_rows, row_scalars, mine["row_link"], plan.nvs_s, every["land"], every["land_scalar"],
                            self.config.max_tokens * K, self._grid)
         self.barrier("combine:rows")
         s = plan.num_tokens

@@ -11,9 +11,11 @@ Comm segment regions (rows are token rows of width H):
     comb        [NvS + 2, H] dtype   combine source rows (y_rows), read by the tokens' home ranks
     hist        [R, E]       int32   every rank's tokens_per_expert, written by that rank
     row_weight  [NvS + 1]    fp32    route weight per received row (trash at NvS)
-    row_copy    [NvS + 1]    int32   row to copy from: itself, a duplicate's primary row, or the
+    row_link    [NvS + 1, 2] int32   per received row (row_copy, row_src), one 8-byte record so the
+                                     scatter sends both with one store (views row_copy / row_src):
+                row_copy             row to copy from: itself, a duplicate's primary row, or the
                                      zero row for padding
-    row_src     [NvS + 1]    int32   source of the row: src_rank * S * K + t * K + k
+                row_src              source of the row: src_rank * S * K + t * K + k
     row_scalar  [NvS + 1]    fp32    per-row scalars read back by the sources (route-weight grads)
     land        [S*K, H]     dtype   combine landing rows of this rank's entries t*K + k, pushed by
                                      the destinations (triton path, moonep.kernels.dispatch_combine)
@@ -86,8 +88,7 @@ class Layout:
             ("comb", (nvs + 2, H), cfg.dtype),
             ("hist", (R, E), torch.int32),
             ("row_weight", (nvs + 1,), torch.float32),
-            ("row_copy", (nvs + 1,), torch.int32),
-            ("row_src", (nvs + 1,), torch.int32),
+            ("row_link", (nvs + 1, 2), torch.int32),
             ("row_scalar", (nvs + 1,), torch.float32),
             ("land", (cfg.max_tokens * cfg.topk, H), cfg.dtype),
             ("land_scalar", (cfg.max_tokens * cfg.topk,), torch.float32),

@@ -11,10 +11,10 @@ captured in a CUDA graph):
 
 dispatch
     1. `_scatter_kernel` (this rank as sender), persistent grid over blocks of BLOCK_T tokens:
-       the metadata of every entry (t, k) -> (row_copy, row_src, row_weight) of its destination
-       row; each token row x[t] is loaded once per H chunk and stored once per destination rank
+       the metadata of every entry (t, k) -> (row_copy, row_src) as one 8-byte record and
+       row_weight, of its destination row; each token row x[t] is loaded once per H chunk and stored once per destination rank
        (the entries with sent_sK), straight into the destination's recv row.
-    2. barrier "dispatch:rows" (peer stores above are ordered before it by its fence.sc.sys).
+    2. barrier "dispatch:rows" (the scatter's threads end with fence.sc.sys; see below).
     3. `_expand_kernel` (this rank as receiver), local: finds each row's group by a binary search
        over offs_RG[rank], marks padding rows (row_copy = zero row, weight 0, source -1) and zeroes
        them, and copies duplicate rows (row_copy != row) from their primary row. Primary rows are
@@ -125,8 +125,8 @@ def _tile(H: int, tile: int = _TILE) -> tuple[int, int]:
 
 @triton.jit
 def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_ptr,
-                    recv_ptr, row_weight_ptr, row_copy_ptr, row_src_ptr,
-                    s, H, x_stride, recv_rank_stride, recv_row_stride, meta_rank_stride, src_base,
+                    recv_ptr, row_weight_ptr, row_link_ptr, row_link64_ptr,
+                    s, H, x_stride, recv_rank_stride, recv_row_stride, meta_rank_stride, link_rank_stride, src_base,
                     work_ptr, num_programs, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                     HAS_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, SUB_H: tl.constexpr,
                     FENCE: tl.constexpr):
@@ -148,10 +148,16 @@ def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_
         e_ok = t_ok[:, None] & (kk[None, :] < K)
         d_rank = tl.load(dst_rank_ptr + entry, mask=e_ok, other=0).to(tl.int64)
         d_row = tl.load(dst_row_ptr + entry, mask=e_ok, other=0).to(tl.int64)
-        meta = d_rank * meta_rank_stride + d_row
-        tl.store(row_src_ptr + meta, (src_base + entry).to(tl.int32), mask=e_ok)
+        meta = d_rank * meta_rank_stride + d_row  # the destination row's route weight
+        rec = d_rank * link_rank_stride + d_row  # and its (row_copy, row_src) record
+        src = (src_base + entry).to(tl.int32)
+        if ROWS:  # the record as one 8-byte store (little-endian: row_copy low, row_src high), not two
+            copy = tl.load(copy_row_ptr + entry, mask=e_ok, other=0)
+            link = (src.to(tl.int64) << 32) | (copy.to(tl.int64) & 0xFFFFFFFF)
+            tl.store(row_link64_ptr + rec, link, mask=e_ok)
+        else:  # row_src alone (combine's refresh)
+            tl.store(row_link_ptr + 2 * rec + 1, src, mask=e_ok)
         if ROWS:
-            tl.store(row_copy_ptr + meta, tl.load(copy_row_ptr + entry, mask=e_ok, other=0), mask=e_ok)
             if HAS_W:
                 w = tl.load(w_ptr + entry, mask=e_ok, other=0.0).to(tl.float32)
                 tl.store(row_weight_ptr + meta, w, mask=e_ok)
@@ -197,7 +203,7 @@ def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_
 
 
 @triton.jit
-def _expand_kernel(recv_ptr, row_weight_ptr, row_copy_ptr, row_src_ptr, offs_ptr, sizes_ptr,
+def _expand_kernel(recv_ptr, row_weight_ptr, row_link_ptr, offs_ptr, sizes_ptr,
                    nvs_s, H, recv_row_stride, G, zero_row, pad,
                    LOG_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, COPY: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -219,11 +225,11 @@ def _expand_kernel(recv_ptr, row_weight_ptr, row_copy_ptr, row_src_ptr, offs_ptr
     last = tl.load(offs_ptr + G - 1)
     is_row = r_ok & (r < last) & (r - (end - padded) < size)
     is_pad = r_ok & ((r >= last) | (r - (end - padded) >= size))
-    tl.store(row_src_ptr + r, tl.zeros([BLOCK_R], dtype=tl.int32) - 1, mask=is_pad)
+    tl.store(row_link_ptr + 2 * r + 1, tl.zeros([BLOCK_R], dtype=tl.int32) - 1, mask=is_pad)  # row_src
     if COPY:
-        tl.store(row_copy_ptr + r, tl.zeros([BLOCK_R], dtype=tl.int32) + zero_row, mask=is_pad)
+        tl.store(row_link_ptr + 2 * r, tl.zeros([BLOCK_R], dtype=tl.int32) + zero_row, mask=is_pad)  # row_copy
         tl.store(row_weight_ptr + r, tl.zeros([BLOCK_R], dtype=tl.float32), mask=is_pad)
-        src = tl.load(row_copy_ptr + r, mask=is_row, other=0)
+        src = tl.load(row_link_ptr + 2 * r, mask=is_row, other=0)
         dup = is_row & (src != r)
         write = dup | is_pad
         src64 = src.to(tl.int64)
@@ -238,7 +244,7 @@ def _expand_kernel(recv_ptr, row_weight_ptr, row_copy_ptr, row_src_ptr, offs_ptr
 
 
 @triton.jit
-def _push_kernel(y_ptr, scal_ptr, row_src_ptr, land_ptr, land_scal_ptr,
+def _push_kernel(y_ptr, scal_ptr, row_link_ptr, land_ptr, land_scal_ptr,
                  nvs_s, H, y_stride, land_rank_stride, land_row_stride, land_scal_rank_stride, SK,
                  num_iters, num_programs, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SCAL: tl.constexpr,
                  FENCE: tl.constexpr):
@@ -248,7 +254,7 @@ def _push_kernel(y_ptr, scal_ptr, row_src_ptr, land_ptr, land_scal_ptr,
         rb = pid + i * num_programs
         r = (rb * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         r_ok = r < nvs_s
-        src = tl.load(row_src_ptr + r, mask=r_ok, other=-1)
+        src = tl.load(row_link_ptr + 2 * r + 1, mask=r_ok, other=-1)  # row_src
         ok = r_ok & (src >= 0)
         src = tl.where(ok, src, 0).to(tl.int64)
         src_rank = src // SK
@@ -299,53 +305,55 @@ def scatter_work(device: torch.device) -> torch.Tensor:
 
 def scatter(x_sH: torch.Tensor, weights_sK: torch.Tensor | None, dst_rank_sK: torch.Tensor,
             dst_row_sK: torch.Tensor, copy_row_sK: torch.Tensor, sent_sK: torch.Tensor,
-            recv_all: torch.Tensor, row_weight_all: torch.Tensor, row_copy_all: torch.Tensor,
-            row_src_all: torch.Tensor, src_base: int, grid: int, work: torch.Tensor, *, rows: bool = True,
-            mode: int | None = None) -> None:
-    """Sender side of dispatch: entry metadata to every destination row, token rows once per
-    destination rank (rows=False: row_src only, for combine's refresh). `work`: int32 [2], zero before
-    the launch and zero again after it (the block counter; see scatter_work); launches that share
-    it must be ordered (one stream)."""
+            recv_all: torch.Tensor, row_weight_all: torch.Tensor, row_link_all: torch.Tensor,
+            src_base: int, grid: int, work: torch.Tensor, *, rows: bool = True, mode: int | None = None) -> None:
+    """Sender side of dispatch: entry metadata to every destination row (row_link_all [R, rows, 2]:
+    (row_copy, row_src) records), token rows once per destination rank (rows=False: row_src only,
+    for combine's refresh). `work`: int32 [2], zero before the launch and zero again after it (the
+    block counter; see scatter_work); launches that share it must be ordered (one stream)."""
     s, K = dst_rank_sK.shape
     H = recv_all.shape[-1]
-    assert row_weight_all.stride(0) == row_copy_all.stride(0) == row_src_all.stride(0)
+    assert row_link_all.shape[-1] == 2 and row_link_all.stride(-1) == 1 and row_link_all.stride(1) == 2
+    link64 = row_link_all.view(torch.int64)  # [R, rows, 1]: one 8-byte record per row
     w = weights_sK if weights_sK is not None else row_weight_all  # never read when HAS_W is off
     block_t, block_h = _tile(H, SCATTER_TILE)
     num_blocks = triton.cdiv(s, block_t)
     programs = max(1, min(grid, num_blocks))
     _scatter_kernel[(programs,)](
         x_sH, w, dst_rank_sK, dst_row_sK, copy_row_sK, sent_sK.view(torch.uint8),
-        recv_all, row_weight_all, row_copy_all, row_src_all,
-        s, H, x_sH.stride(0), recv_all.stride(0), recv_all.stride(1), row_src_all.stride(0), src_base,
-        work, programs, K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=block_t, BLOCK_H=block_h,
+        recv_all, row_weight_all, row_link_all, link64,
+        s, H, x_sH.stride(0), recv_all.stride(0), recv_all.stride(1), row_weight_all.stride(0), link64.stride(0),
+        src_base, work, programs, K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=block_t, BLOCK_H=block_h,
         HAS_W=weights_sK is not None, ROWS=rows, MODE=SCATTER_MODE if mode is None else mode,
         SUB_H=max(16, block_h // triton.next_power_of_2(K)), FENCE=_fences(x_sH), num_warps=SCATTER_WARPS)
 
 
-def expand(recv: torch.Tensor, row_weight: torch.Tensor, row_copy: torch.Tensor, row_src: torch.Tensor,
+def expand(recv: torch.Tensor, row_weight: torch.Tensor, row_link: torch.Tensor,
            offs_G: torch.Tensor, sizes_G: torch.Tensor, nvs_s: int, zero_row: int, token_padding: int, *,
            copy: bool = True) -> None:
     """Receiver side of dispatch: mark and zero padding rows, copy duplicates from their primary
     row (copy=False: only row_src = -1 on padding rows, for combine's refresh)."""
+    assert row_link.shape[-1] == 2 and row_link.is_contiguous()
     G = offs_G.numel()
     H = recv.shape[-1]
     block_r, block_h = _tile(H)
     _expand_kernel[(triton.cdiv(nvs_s, block_r),)](
-        recv, row_weight, row_copy, row_src, offs_G, sizes_G, nvs_s, H, recv.stride(0), G, zero_row,
+        recv, row_weight, row_link, offs_G, sizes_G, nvs_s, H, recv.stride(0), G, zero_row,
         token_padding, LOG_G=G.bit_length(), BLOCK_R=block_r, BLOCK_H=block_h, COPY=copy,
         num_warps=_NUM_WARPS)
 
 
-def push(y_rows: torch.Tensor, row_scalars: torch.Tensor | None, row_src: torch.Tensor, nvs_s: int,
+def push(y_rows: torch.Tensor, row_scalars: torch.Tensor | None, row_link: torch.Tensor, nvs_s: int,
          land_all: torch.Tensor, land_scalar_all: torch.Tensor, entries_per_rank: int, grid: int) -> None:
     """Destination side of combine: every valid row into its source's landing row."""
+    assert row_link.shape[-1] == 2 and row_link.is_contiguous()
     H = y_rows.shape[-1]
     scal = row_scalars if row_scalars is not None else land_scalar_all  # never read when HAS_SCAL is off
     block_r, block_h = _tile(H)
     num_blocks = triton.cdiv(nvs_s, block_r)
     programs = max(1, min(grid, num_blocks))
     _push_kernel[(programs,)](
-        y_rows, scal, row_src, land_all, land_scalar_all,
+        y_rows, scal, row_link, land_all, land_scalar_all,
         nvs_s, H, y_rows.stride(0), land_all.stride(0), land_all.stride(1), land_scalar_all.stride(0),
         entries_per_rank, triton.cdiv(num_blocks, programs), programs, BLOCK_R=block_r, BLOCK_H=block_h, HAS_SCAL=row_scalars is not None,
         FENCE=_fences(y_rows), num_warps=_NUM_WARPS)
