@@ -32,8 +32,10 @@ while q waits in e every signal[p] is e - 1, e or e + 1, and ">= e" is the whole
 (int32 epochs wrap after 2**31 barriers, which no run reaches).
 
 Memory ordering: kernels queued earlier on this stream have completed before the barrier kernel
-starts (stream order); the system-scope fence makes their stores, local and to peers, visible at
-system scope before the release store of the signal. The reader's acquire load that observes the
+starts (stream order); the system-scope fence orders them before the release store of the signal.
+A fence orders its own thread's accesses, so the kernels that store to peers (moonep.kernels.
+dispatch_combine's scatter and push) also end each of their threads with `fence.sc.sys`: their
+NVLink stores are then performed at system scope before the kernel ends, whatever link they took. The reader's acquire load that observes the
 signal synchronises with that release, and kernels queued after the barrier start after it
 completes, so they see everything the peer wrote before its barrier. Only one barrier may be in
 flight per heap (one stream at a time): two concurrent barriers would share one epoch counter.

@@ -73,22 +73,27 @@ whole call against ~370-390 GB/s peer bandwidth: the expansion (about 6 of every
 duplicates, ~0.7 GB read + written per rank, ~0.35 ms of HBM time) runs after the barrier and
 does not overlap the NVLink stores.
 
-The scatter phase alone (scatter kernel + the "dispatch:rows" barrier that completes it, GPU time;
-bench_comm's `scat` column, bench_comm_R2_session4_20261130.json, E = 96 and 384): 117 MB per rank at
-310-330 GB/s for maxvio >= 0.2, 83-87 % of the copy engine's 360-380 GB/s measured in the same run;
-at maxvio 0 only 59 MB cross (each token's experts all on one rank) in 204 us, 288 / 287 GB/s (79.6 /
-75.7 %): the phase costs ~30 us plus ~174 us per 58 MB, and the fixed part weighs on half the bytes.
-Kernels that store to peers (scatter, push) end every thread with `fence.sc.sys`: the barrier that
-follows runs in another kernel, and its own fence orders only its own thread's stores; without a
-fence in the storing threads, NVLink writes spread over many links could in principle land after
-the barrier's signal (a rare rank-0-only bitwise failure, a stale route weight on a padding row,
-was seen twice on 2xH200 before this fence; cause not proven).
-Session 4 changes behind these numbers: a contiguous run of token blocks per program (with
+The scatter phase alone (scatter kernel + the "dispatch:rows" barrier that completes it, GPU time
+from a GPU-aligned start; bench_comm's `scat` column, bench_comm_R2_session5_20261130.json, E = 96
+and 384): 117 MB per rank at 337-339 GB/s for maxvio >= 0.2, 88.6-89.6 % of the copy engine's
+~378 GB/s measured the same way in the same run; at maxvio 0 only 59 MB cross (round-robin routing:
+each token's experts all on one rank) in 186-187 us, 314-316 GB/s (83.1 / 83.5 %). Session 5 steps,
+each measured at maxvio 0: static contiguous runs per program 76.4-76.7 % (the aligned timing alone
+changed nothing); blocks claimed from a counter 79.7-79.9 %; (row_copy, row_src) as one 8-byte record
+83.1-83.5 % (two NVLink stores per entry instead of three: 7-8 us less of the phase's ~35 us fixed
+cost). A 32768-element tile gave the same as 16384.
+Session 4 changes behind the earlier numbers: a contiguous run of token blocks per program (with
 pid + i * programs and 132 programs, round-robin routing gave half the programs only local rows: the
 phase at maxvio 0 took 214-243 us), and the store modes measured by benchmarks/bench_scatter.py
 (SCATTER_MODE). Tried and reverted: storing only remote rows in the scatter and this rank's own rows
 in the expand (bench_comm_R2_session4_remote_only_scatter_20261129.json: dispatch 100-250 us slower,
 the maxvio-0 phase no faster).
+
+Kernels that store to peers (scatter, push) end every thread with `fence.sc.sys`: the barrier that
+follows runs in another kernel, and its own fence orders only its own thread's stores; without a
+fence in the storing threads, NVLink writes spread over many links could in principle land after
+the barrier's signal (a rare rank-0-only bitwise failure, a stale route weight on a padding row,
+was seen twice on 2xH200 before this fence; cause not proven).
 """
 
 from __future__ import annotations
