@@ -315,7 +315,9 @@ def scatter(x_sH: torch.Tensor, weights_sK: torch.Tensor | None, dst_rank_sK: to
     """Sender side of dispatch: entry metadata to every destination row (row_link_all [R, rows, 2]:
     (row_copy, row_src) records), token rows once per destination rank (rows=False: row_src only,
     for combine's refresh). `work`: int32 [2], zero before the launch and zero again after it (the
-    block counter; see scatter_work); launches that share it must be ordered (one stream)."""
+    block counter; see scatter_work); launches that share it must be ordered (one stream): two
+    overlapping launches would split each other's blocks, and nothing detects it (a Buffer orders its
+    calls on one stream at a time, moonep.comm_stream)."""
     s, K = dst_rank_sK.shape
     H = recv_all.shape[-1]
     assert row_link_all.shape[-1] == 2 and row_link_all.stride(-1) == 1 and row_link_all.stride(1) == 2

@@ -99,17 +99,21 @@ class K3Model(nn.Module):
             moe.router.score_bias_E.zero_()
 
     def compile_dense_parts(self) -> None:
-        """torch.compile (in place) what runs between the routed experts: per block the two norms, the
-        attention and the dense FFN or the shared experts; the final norm and the loss. The routed
-        experts (custom autograd functions around communication) stay eager."""
+        """torch.compile (in place) what runs between the routed experts: per block the norms (the
+        MoE's latent norm included), the attention and the dense FFN or the shared experts; the
+        final norm and the loss. The routed experts (custom autograd functions around
+        communication) stay eager."""
         for block in self.layers:
             block.attn_norm.compile()
             block.attn.compile()
             block.ffn_norm.compile()
             if not block.is_moe:
                 block.ffn.compile()
-            elif block.ffn.shared is not None:
+                continue
+            if block.ffn.shared is not None:
                 block.ffn.shared.compile()
+            if block.ffn.latent:
+                block.ffn.latent_norm.compile()
         self.norm.compile()
         self._loss = torch.compile(_cross_entropy)
 

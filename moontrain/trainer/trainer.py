@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from moontrain.checkpoint import load_checkpoint, save_checkpoint
 from moontrain.config.run_config import RunConfig
@@ -157,6 +158,7 @@ class Trainer:
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Collective-free: restore model, optimizer, schedule, step, RNG and data position from `path`."""
+        self.reshard_dense()  # a gathered copy would outlive the load
         load_checkpoint(self, path)
         self.last_saved_step = self.step
 
@@ -180,6 +182,16 @@ class Trainer:
     def close(self) -> None:
         """Release backend-owned memory (moonep's symmetric heap). The model is unusable afterwards."""
         self.experts_ctx.close()
+
+    def reshard_dense(self) -> None:
+        """Drop FSDP's gathered dense parameters. With parallel.fsdp_reshard_after_forward=false a
+        forward without backward (evaluation, calibration) leaves the blocks gathered, and the next
+        forward would reuse them: call this after such a forward when the sharded parameters change
+        before the next one (load_checkpoint does)."""
+        if self.fsdp:
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
     def _reduce_grads(self) -> None:
         layout = self.layout

@@ -177,6 +177,8 @@ def _dispatch_kernels_rank(rank: int, world: int, scatter_mode: int, scatter_til
             x = torch.randn(s, H, generator=g).to(torch.bfloat16)
             w = torch.rand(s, K, generator=g)
             grad = torch.randn(s, H, generator=g).to(torch.bfloat16)
+            topk2, hist2 = generate_routing(num_ranks=world, tokens_per_rank=s, num_experts=E, topk=K,
+                                            target_maxvio=1.5, seed=6).for_rank(rank)
             outs = []
             for buf in (ref, fast):
                 res = buf.dispatch(x, w, topk, hist)
@@ -185,14 +187,19 @@ def _dispatch_kernels_rank(rank: int, world: int, scatter_mode: int, scatter_til
                 y_rows = torch.randn(res.plan.nvs_s, H, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
                 scal = torch.randn(res.plan.nvs_s, generator=torch.Generator().manual_seed(8))
                 out["y"], out["scalars"] = buf.combine(res.plan, y_rows, row_scalars=scal)
+                # combine with a plan that is not the last dispatched one: the row_src refresh path
+                # (scatter with rows=False, expand without copies)
+                out["rows_other"] = buf.dispatch(x, w, topk2, hist2).x_rows.clone()
+                out["y_stale_plan"] = buf.combine(res.plan, y_rows)[0]
                 outs.append(out)
                 used.append(int((res.plan.slot_expert_RB >= 0).sum()))
             want, got = outs
-            for key in ("rows", "weights", "saved_rows", "scalars"):
+            for key in ("rows", "weights", "saved_rows", "scalars", "rows_other"):
                 assert torch.equal(got[key], want[key]), f"{key} differs at maxvio {maxvio}"
             # the interpreter casts fp32 -> bf16 by truncation, the GPU (and torch) by rounding
-            err = (got["y"].float() - want["y"].float()).abs()
-            assert bool((err <= BF16_ULP * want["y"].float().abs()).all()), f"combine off by > 1 ulp ({err.max()})"
+            for key in ("y", "y_stale_plan"):
+                err = (got[key].float() - want[key].float()).abs()
+                assert bool((err <= BF16_ULP * want[key].float().abs()).all()), f"{key} off by > 1 ulp ({err.max()})"
             # the scatter's block counter and exit counter are back to zero after every launch
             assert fast._scatter_work.tolist() == [0, 0], fast._scatter_work
         return used

@@ -111,10 +111,10 @@ def train_reference(reverse: bool, compile: bool = False) -> tuple[list[float], 
 
 
 def train_sharded(rank: int, world: int, backend: str, ep: int, activation_checkpointing: bool = False,
-                  micro_batch_size: int | None = None,
-                  reshard_after_forward: bool = True) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    trainer = Trainer(tiny_config(backend, ep, activation_checkpointing, micro_batch_size, reshard_after_forward),
-                      build_layout(ep, torch.device("cpu")))
+                  micro_batch_size: int | None = None, reshard_after_forward: bool = True,
+                  compile: bool = False) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    trainer = Trainer(tiny_config(backend, ep, activation_checkpointing, micro_batch_size, reshard_after_forward,
+                                  compile), build_layout(ep, torch.device("cpu")))
     fsdp_group = trainer.layout.fsdp_mesh.get_group()
     gathers = []  # FSDP's parameter all-gathers
     all_gather_single = dist.all_gather_single
@@ -231,3 +231,11 @@ def test_compiled_dense_parts_match_eager(reference) -> None:
     state["slots_used"] = torch.tensor([])
     state["fsdp_gathers"] = torch.tensor(0)
     _check((losses, maxvio, state), reference)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="torch.compile on CPU needs a C compiler")
+def test_compiled_sharded_training_matches_single_process(reference) -> None:
+    """train.compile with FSDP (blocks kept gathered), EP = 2 over moonep and 4 accumulated passes:
+    the eager single-process reference within its tolerance."""
+    _check(run_ranks(train_sharded, 2, "moonep", 2, False, 1, False, True, timeout_s=300)[0], reference)
