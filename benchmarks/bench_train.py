@@ -48,6 +48,12 @@ allocated / reserved memory (max over ranks; also the spread of the per-step pea
 steps), allocator retries during the point, moonep's symmetric heap (outside torch's allocator), and
 whether the point ran out of memory. On CPU the GPU-only columns are left empty.
 
+Steady state (--window N): the per-step timing above syncs the device, aligns the ranks and reads the
+stats on the host around every step, so each step starts with an empty GPU queue (the CPU's launch
+latency of the step's first kernels is idle GPU time, ~8 ms per k3_small_moe step on 2xH200). After the
+timed steps, N more run back to back as a training run with log_every > 1 does (one sync at the end);
+their mean step time and MFU are the "steady" columns, the figure a throughput-based MFU quotes.
+
 Out of memory: torch.OutOfMemoryError is caught per point, recorded, and the run continues with the
 next point once every rank has reported (over a gloo side group). An OOM that hits one rank only, while
 its peer waits inside a collective, cannot be recovered in-process: the peer stays blocked until the
@@ -230,6 +236,7 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
     step_req: list[float] = []  # peak of the bytes tensors asked for (no allocator rounding)
     redundant: list[float] = []
     oom_where, heap_bytes, flops_per_token, pooled, syncs, trace_peak = None, 0, None, 0, None, None
+    window_s = None
     trainer = None
     diagnosed = at_diagnosed_point(args, cfg)  # the same answer on every rank (collectives follow)
     traced = args.memory_trace and diagnosed and device.type == "cuda"
@@ -260,6 +267,16 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
             rank_maxvio.append(stats.scalars.get("moe/rank_maxvio/max", float("nan")))
             redundant.append(stats.scalars.get("moe/redundant_experts/total", 0.0))
             losses.append(stats.loss)
+        if args.window:  # steady state: no sync, barrier or host read between the window's steps
+            trainer.cfg.train.log_every = 1 << 30
+            _sync(device)
+            dist.barrier(group=layout.world_group)
+            t0 = time.perf_counter()
+            for _ in range(args.window):
+                trainer.train_step()
+            _sync(device)
+            window_s = time.perf_counter() - t0
+            trainer.cfg.train.log_every = 1  # the diagnostics below read a step's stats
         pooled = buf.pooled_plans if buf is not None else 0
         if args.sync_debug and cfg.model.router_skew == args.sync_skew and args.current_round == 0 \
                 and ("syncs", cfg.experts.backend) not in args.diagnosed and device.type == "cuda":
@@ -301,6 +318,8 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
     has_req = cuda and min(req_max) >= 0
     med = statistics.median(step_max[args.warmup:])
     tok_per_gpu = cfg.train.global_batch_size * cfg.train.seq_len / layout.world_size / med
+    steady = _reduce(window_s, dist.ReduceOp.MAX, layout) / args.window if window_s is not None else None
+    steady_tok = cfg.train.global_batch_size * cfg.train.seq_len / layout.world_size / steady if steady else None
     point.update(
         step_time_s=med,
         step_times_s=step_max,
@@ -308,6 +327,10 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
         model_flops_per_token=flops_per_token,
         mfu_989=tok_per_gpu * flops_per_token / PEAK_DENSE_BF16 if cuda else None,
         mfu_mm=tok_per_gpu * flops_per_token / mm_flops,
+        steady_window_steps=args.window or None,
+        steady_step_time_s=steady,
+        steady_tokens_per_s_per_gpu=steady_tok,
+        steady_mfu_989=steady_tok * flops_per_token / PEAK_DENSE_BF16 if cuda and steady_tok else None,
         maxvio_median=statistics.median(maxvio[args.warmup:]),
         maxvio_steps=maxvio,
         rank_maxvio_median=statistics.median(rank_maxvio[args.warmup:]),
@@ -375,6 +398,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="run every point this many times, interleaved (round 1: all points, round 2: all points, "
                         "...); a point reports the median over all its rounds' timed steps")
+    p.add_argument("--window", type=int, default=0,
+                   help="after the timed steps, time this many more back to back (no per-step sync, barrier or "
+                        "host read: steady-state training) and report their mean step time and MFU too; 0: off")
     p.add_argument("--calib-batches", type=int, default=2, help="forward passes per calibration evaluation")
     p.add_argument("--calib-iters", type=int, default=16, help="bisection steps per target at most")
     p.add_argument("--calib-tol", type=float, default=0.03, help="relative tolerance on the realised maxvio")
@@ -535,10 +561,20 @@ def merge_rounds(raw: list[dict], warmup: int) -> list[dict]:
                                         max(p["step_peak_requested_bytes"][1] for p in ps)]
                                        if first.get("step_peak_requested_bytes") else None),
             alloc_retries=sum(p["alloc_retries"] for p in ps) if first["alloc_retries"] is not None else None,
+            **_merged_steady(ps),
             wall_s=sum(p["wall_s"] for p in ps), round=None, rounds=len(ps),
         )
         out.append(m)
     return out
+
+
+def _merged_steady(ps: list[dict]) -> dict:
+    """The steady-state window's numbers over rounds: the median round (by step time)."""
+    have = sorted((p for p in ps if p.get("steady_step_time_s")), key=lambda p: p["steady_step_time_s"])
+    if not have:
+        return {}
+    mid = have[(len(have) - 1) // 2]
+    return {k: mid[k] for k in ("steady_step_time_s", "steady_tokens_per_s_per_gpu", "steady_mfu_989")}
 
 
 def _max_or_none(values: list) -> float | None:
@@ -551,7 +587,7 @@ def _f(v: float | None, fmt: str, width: int) -> str:
 
 
 HEADER = (f"{'backend':>8} {'target':>6} {'sigma':>8} {'calib':>6} {'train':>6} {'rank':>6} | {'step ms':>8} "
-          f"{'tok/s/gpu':>9} {'mfu989':>6} {'mfu mm':>6} | {'peak GiB':>8} {'resv GiB':>8} {'step pk':>13} "
+          f"{'tok/s/gpu':>9} {'mfu989':>6} {'mfu mm':>6} {'steady':>7} {'mfu st':>6} | {'peak GiB':>8} {'resv GiB':>8} {'step pk':>13} "
           f"{'retry':>5} {'heap':>5} {'oom':>4} {'copies':>6} {'plans':>5} | {'requested peak B':>17}")
 
 
@@ -563,9 +599,11 @@ def _row(r: dict) -> str:
     pk = r["step_peak_allocated_gib"]
     step_pk = f"{pk[0]:.2f}-{pk[1]:.2f}" if pk else "-"
     pct = (lambda v: None if v is None else 100 * v)
+    ms = (lambda v: None if v is None else 1e3 * v)
     return (f"{r['backend']:>8} {r['target_maxvio']:>6g} {r['sigma']:>8.4g} {r['calib_maxvio']:>6.2f} "
             f"{r['maxvio_median']:>6.2f} {_f(r['rank_maxvio_median'], '.2f', 6)} | {r['step_time_s'] * 1e3:>8.1f} "
-            f"{r['tokens_per_s_per_gpu']:>9.0f} {_f(pct(r['mfu_989']), '.1f', 6)} {_f(pct(r['mfu_mm']), '.1f', 6)} | "
+            f"{r['tokens_per_s_per_gpu']:>9.0f} {_f(pct(r['mfu_989']), '.1f', 6)} {_f(pct(r['mfu_mm']), '.1f', 6)} "
+            f"{_f(ms(r.get('steady_step_time_s')), '.1f', 7)} {_f(pct(r.get('steady_mfu_989')), '.1f', 6)} | "
             f"{_f(r['peak_allocated_gib'], '.2f', 8)} {_f(r['peak_reserved_gib'], '.2f', 8)} {step_pk:>13} "
             f"{_f(r['alloc_retries'], 'd', 5)} {r['symmetric_heap_gib']:>5.2f} {'yes' if r['oom'] else 'no':>4} "
             f"{_f(r.get('redundant_experts_median'), '.0f', 6)} {_f(r.get('pooled_plans'), 'd', 5)} | {_req(r):>17}")
@@ -588,7 +626,8 @@ def print_table(result: dict) -> None:
           f"{meta['matmul_flops'] / 1e12:.2f} TFLOP/s")
     print("maxvio: calib = realised at calibration (initial weights), train = median over timed steps (max over "
           "MoE layers), rank = after planning (rows per rank); mfu989 vs 989 TFLOP/s bf16, mfu mm vs the torch.mm "
-          "rate (%); peak/resv = torch allocator, max over ranks; step pk = per-step peak allocated range over "
+          "rate (%); steady / mfu st = mean step ms and MFU (989) of --window steps back to back (no per-step sync); "
+          "peak/resv = torch allocator, max over ranks; step pk = per-step peak allocated range over "
           "timed steps; heap = moonep symmetric heap GiB (outside the allocator); copies = redundant expert copies "
           "per step over all MoE layers (median); plans = moonep's pooled plans at the end; requested peak = the most "
           "bytes tensors held at once in a timed step (max over ranks; peak GiB adds the allocator's rounding)")

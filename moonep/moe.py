@@ -67,13 +67,15 @@ class _ExpertSwiGLU(torch.autograd.Function):
         w = layer.w_compact
         h = grouped_mm(x_rows, w["gate"], offs)
         u = grouped_mm(x_rows, w["up"], offs)
-        o = grouped_mm(F.silu(h) * u, w["down"], offs)
         y_in = buffer.combine_input(plan)
-        if buffer.kernel_path == "triton":
-            from moonep.kernels.route_weights import scale_rows  # triton: CUDA machines only
+        if buffer.kernel_path == "triton":  # triton: CUDA machines only
+            from moonep.kernels.route_weights import scale_rows
+            from moonep.kernels.swiglu import swiglu_forward
 
+            o = grouped_mm(swiglu_forward(h, u), w["down"], offs)
             scale_rows(o, w_rows, y_in)
         else:
+            o = grouped_mm(F.silu(h) * u, w["down"], offs)
             torch.mul(o, w_rows[:, None], out=y_in)  # fp32 product, rounded once into the symmetric rows
         y_sH, _ = buffer.combine(plan, y_in)
         ctx.save_for_backward(x_rows, w_rows, h, u, o)

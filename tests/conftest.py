@@ -22,4 +22,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # On a GPU machine the Triton kernels run natively (tests/moonep/gpu); the *_interpreted modules set
 # TRITON_INTERPRET=1 at import, which would push every kernel of the session through the interpreter.
-collect_ignore_glob = ["moonep/*_interpreted.py"] if torch.cuda.is_available() else []
+collect_ignore_glob = ["moonep/*_interpreted.py", "moontrain/*_interpreted.py"] if torch.cuda.is_available() else []

@@ -1,4 +1,8 @@
-"""Triton kernel of expert_swiglu's elementwise backward (moonep.moe is the specification).
+"""Triton kernels of expert_swiglu's elementwise SwiGLU, forward and backward (moonep.moe is the
+specification).
+
+Forward: a = bf16(silu(h)) * u in one pass (F.silu(h) * u is two: silu writes a temporary that the
+multiply reads back; ~0.45 ms per k3_small_moe layer and pass on an H200, this ~0.27 ms of HBM).
 
 Given grad_a = dL/da for a = silu(h) * u (bf16 [N, F]), one pass computes
     grad_h = grad_a * u * sig * (1 + h * (1 - sig))    sig = sigmoid(h), fp32, rounded once to bf16
@@ -20,6 +24,17 @@ _BLOCK = 2048
 
 
 @triton.jit
+def _swiglu_fwd_kernel(h_ptr, u_ptr, a_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    hf = tl.load(h_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    uf = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    silu = hf / (1.0 + tl.exp(-hf))
+    a = silu.to(a_ptr.dtype.element_ty).to(tl.float32) * uf
+    tl.store(a_ptr + offs, a.to(a_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _swiglu_bwd_kernel(ga_ptr, h_ptr, u_ptr, gh_ptr, gu_ptr, a_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
@@ -34,6 +49,17 @@ def _swiglu_bwd_kernel(ga_ptr, h_ptr, u_ptr, gh_ptr, gu_ptr, a_ptr, n, BLOCK: tl
     tl.store(gh_ptr + offs, grad_h.to(gh_ptr.dtype.element_ty), mask=m)
     tl.store(gu_ptr + offs, grad_u.to(gu_ptr.dtype.element_ty), mask=m)
     tl.store(a_ptr + offs, a.to(a_ptr.dtype.element_ty), mask=m)
+
+
+def swiglu_forward(h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """a = silu(h) * u in h's dtype, silu rounded first as F.silu(h) * u does."""
+    if not (h.shape == u.shape and h.is_contiguous() and u.is_contiguous() and h.dtype == u.dtype):
+        raise ValueError(f"swiglu_forward needs contiguous tensors of one shape and dtype, got {tuple(h.shape)} "
+                         f"{h.dtype}, {tuple(u.shape)} {u.dtype}")
+    a = torch.empty_like(h)
+    n = h.numel()
+    _swiglu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](h, u, a, n, BLOCK=_BLOCK, num_warps=8)
+    return a
 
 
 def swiglu_backward(grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor

@@ -242,7 +242,10 @@ def _load_optimizer(trainer: Trainer, source: TensorSource, state: dict[str, Any
             if key not in source.index:  # saved before the first optimizer step
                 continue
             own = ownership(name, p, trainer.layout)
-            entry = {"step": source.full(key).clone()}
+            step = source.full(key).clone()
+            if group.get("fused") or group.get("capturable"):  # torch keeps these steps on the device
+                step = step.to(device=local_tensor(p).device, dtype=torch.float32)
+            entry = {"step": step}
             for moment in _MOMENTS:
                 t = torch.zeros_like(p, memory_format=torch.preserve_format)
                 local_tensor(t).copy_(source.rows(f"optim.{name}.{moment}", own.offset, own.rows))

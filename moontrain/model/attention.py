@@ -7,8 +7,9 @@ q = W_qb(RMSNorm(W_qa x)) (or a full-rank W_q), kv latent c = RMSNorm(first Ckv 
 per-head k_nope and v through W_kvb; the last Dr dims of W_kva x are one rope key shared by all heads.
 With use_nope the rope dims are kept but never rotated (no positional encoding at all). With the
 output gate, o = o * sigmoid(W_g x) per head and channel before W_o (gated attention).
-q/k and v are zero-padded to one head dim when they differ so every SDPA backend (flash included,
-which wants equal head dims) accepts them; the padding is sliced off the output.
+SDPA gets q/k and v at their own head dims (cuDNN and memory-efficient attention accept Dv != Dn + Dr);
+with model.attn_pad_head_dims they are zero-padded to one head dim (flash attention wants equal dims;
+zero padding changes neither scores nor values) and the padding is sliced off the output.
 """
 
 from __future__ import annotations
@@ -62,10 +63,11 @@ class MLAttention(nn.Module):
             q_BNTd = torch.cat([q_nope, apply_rope(q_rope, cos_TDr, sin_TDr)], dim=-1)
             k_rope_BNTDr = apply_rope(k_rope_BNTDr, cos_TDr, sin_TDr)
         k_BNTd = torch.cat([k_nope_BNTDn, k_rope_BNTDr.expand(B, N, T, Dr)], dim=-1)
-        # one head dim for q, k and v (zero padding changes neither scores nor values)
-        d = max(Dn + Dr, Dv)
-        q_BNTd, k_BNTd = F.pad(q_BNTd, (0, d - Dn - Dr)), F.pad(k_BNTd, (0, d - Dn - Dr))
-        v_BNTd = F.pad(v_BNTDv, (0, d - Dv))
+        v_BNTd = v_BNTDv
+        if cfg.attn_pad_head_dims and Dn + Dr != Dv:
+            d = max(Dn + Dr, Dv)
+            q_BNTd, k_BNTd = F.pad(q_BNTd, (0, d - Dn - Dr)), F.pad(k_BNTd, (0, d - Dn - Dr))
+            v_BNTd = F.pad(v_BNTDv, (0, d - Dv))
         o_BNTd = F.scaled_dot_product_attention(q_BNTd, k_BNTd, v_BNTd, is_causal=True,
                                                 scale=1.0 / math.sqrt(Dn + Dr))
         o_BTNDv = o_BNTd[..., :Dv].transpose(1, 2).reshape(B, T, N * Dv)

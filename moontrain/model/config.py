@@ -43,6 +43,16 @@ class ModelConfig:
     # barriers (30 ms of barrier waits per step) and FSDP's all-gathers, the step got no faster and
     # the peak memory came to depend on the routing (frees delayed by the cross-stream use)
     overlap_shared_experts: bool = False
+    # execution: on CUDA the router's logits GEMM (fp32) and its backward run on TF32 tensor cores. The
+    # forward's operands are bf16 values (the compute-dtype activations and FSDP's bf16 weight copy),
+    # exact in TF32, so the logits are the fp32 GEMM's up to summation order; the backward rounds the
+    # fp32 logit grads to TF32's 10-bit mantissa. cuBLAS runs the IEEE fp32 GEMMs on FFMA: 15 ms of a
+    # 539 ms k3_small_moe step on 2xH200 (2026-11-30). No effect on the CPU
+    router_tf32: bool = True
+    # execution: zero-pad q/k and v to one head dim before SDPA (flash attention wants equal dims).
+    # Off: SDPA gets qk_head_dim and v_head_dim as they are (cuDNN and memory-efficient attention take
+    # them; on 2xH200 cuDNN's backward at a padded 192/192 took 3.3 ms per k3_small_moe layer)
+    attn_pad_head_dims: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_lora_rank", "v_head_dim",

@@ -7,6 +7,8 @@ the chosen K and multiplied by routed_scaling_factor (DeepSeek-V3 / Kimi K2). Th
 by gradients: after every optimizer step it moves by `update_rate * sign(mean_count - count_e)`
 using token counts reduced over the whole world, so every rank keeps the same bias.
 Routing math runs in fp32 whatever the compute dtype: near-ties in bf16 would flip top-k choices.
+On CUDA with model.router_tf32 the logits GEMM and its backward use TF32 tensor cores (RouterLogits):
+the forward's operands are bf16 values, exact in TF32, so only the summation order differs.
 
 Forced skew (benchmarks, model.router_skew = sigma > 0): a fixed expert popularity p_e = exp(sigma * z_e),
 z ~ N(0, 1) from SKEW_SEED on the CPU (so every rank and every layer gets the same z), enters the
@@ -26,6 +28,39 @@ from moontrain.model.config import ModelConfig
 SKEW_SEED = 9
 
 
+class _TF32:
+    """cuBLAS fp32 GEMMs on TF32 tensor cores inside the block (the previous setting restored)."""
+
+    def __enter__(self) -> None:
+        self.prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    def __exit__(self, *exc) -> None:
+        torch.backends.cuda.matmul.allow_tf32 = self.prev
+
+
+class RouterLogits(torch.autograd.Function):
+    """logits_sE = x_sD @ w_ED^T in fp32 with the GEMMs of forward and backward on TF32 (CUDA). A
+    custom function because autograd runs the backward outside any context the forward sets."""
+
+    @staticmethod
+    def forward(ctx, x_sD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_sD, w_ED)
+        with _TF32():
+            return x_sD @ w_ED.t()
+
+    @staticmethod
+    def backward(ctx, grad_sE: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x_sD, w_ED = ctx.saved_tensors
+        grad_x = grad_w = None
+        with _TF32():
+            if ctx.needs_input_grad[0]:
+                grad_x = grad_sE @ w_ED
+            if ctx.needs_input_grad[1]:
+                grad_w = grad_sE.t() @ x_sD
+        return grad_x, grad_w
+
+
 def skew_bias_E(num_experts: int, sigma: float) -> torch.Tensor:
     """log p_e = sigma * z_e (fp32, CPU): the selection bias of a log-normal popularity with spread sigma."""
     z_E = torch.randn(num_experts, generator=torch.Generator().manual_seed(SKEW_SEED),
@@ -41,6 +76,7 @@ class Router(nn.Module):
         self.scaling = cfg.routed_scaling_factor
         self.update_rate = cfg.router_bias_update_rate
         self.seq_aux_loss_coef = cfg.seq_aux_loss_coef
+        self.tf32 = cfg.router_tf32
         self.count_tokens = True  # off while activation checkpointing recomputes this layer
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, device=device))
         self.register_buffer("score_bias_E", torch.zeros(cfg.num_experts, device=device))
@@ -54,7 +90,10 @@ class Router(nn.Module):
 
     def forward(self, x_sD: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Returns (weights_sK fp32, topk_sK int64, sequence aux loss or None)."""
-        logits_sE = F.linear(x_sD.float(), self.weight.float())
+        if self.tf32 and x_sD.is_cuda:
+            logits_sE = RouterLogits.apply(x_sD.float(), self.weight.float())
+        else:
+            logits_sE = F.linear(x_sD.float(), self.weight.float())
         scores_sE = torch.sigmoid(logits_sE)
         select_sE = scores_sE.detach() + self.score_bias_E
         if self.skew:

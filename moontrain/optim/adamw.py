@@ -5,6 +5,8 @@
 - experts: the fp32 expert masters (this rank's local rows), decayed like dense matrices
 
 Groups stay homogeneous (DTensor shards vs plain tensors) so the foreach kernels never mix the two.
+With optim.write_back the optimizer is WriteBackAdamW: the trainer registers each expert master with
+its compute tensor, and one fused pass steps it, writes the compute copy and zeroes the grad.
 """
 
 from __future__ import annotations
@@ -40,7 +42,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int
     fused = cfg.fused
     if fused is None:  # one multi-tensor kernel per group instead of foreach's chain of ops (GPU only)
         fused = all(p.device.type == "cuda" for g in param_groups for p in g["params"])
-    opt = torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                            fused=fused or None)
+    write_back = fused if cfg.write_back is None else cfg.write_back
+    if write_back:  # imports triton (CUDA machines; Triton's interpreter in the CPU tests)
+        from moontrain.optim.write_back import WriteBackAdamW
+
+        opt_cls = WriteBackAdamW
+    else:
+        opt_cls = torch.optim.AdamW
+    opt = opt_cls(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_multiplier(step, cfg, total_steps))
     return opt, sched

@@ -19,6 +19,9 @@ class OptimConfig:
     decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly to min_lr
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     fused: bool | None = None  # torch's fused AdamW kernels; None: on when the parameters are on a GPU
+    # expert masters: one Triton pass per projection for the AdamW step, the compute-copy write and the
+    # grad zeroing (moontrain.optim.write_back); None: on when `fused` is on
+    write_back: bool | None = None
 
     def __post_init__(self) -> None:
         if self.lr <= 0:

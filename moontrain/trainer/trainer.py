@@ -75,6 +75,10 @@ class Trainer:
         expert_ids = {id(p) for p in self.expert_params}
         self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.train.steps)
+        if hasattr(self.optimizer, "register_write_back"):  # fused step + compute-copy write + grad zeroing
+            for w in self.experts:
+                for name, master in w.master.items():
+                    self.optimizer.register_write_back(master, w.compute[name])
         self.data = build_token_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
                                        global_batch=cfg.train.global_batch_size, rank=layout.rank,
                                        world_size=layout.world_size, device=device)
@@ -117,9 +121,9 @@ class Trainer:
             del self.optimizer.grad_scale
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        written = getattr(self.optimizer, "last_written", frozenset())
         for w in self.experts:
-            w.push_master()
-            w.zero_grads()
+            w.finish_step(written)
         counts_LE = self._balance_routers()
         self.window.add(ce, grad_norm, self.moe_stats.step(counts_LE))
         self.step += 1

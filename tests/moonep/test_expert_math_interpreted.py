@@ -34,6 +34,22 @@ def test_swiglu_backward_kernel_matches_pytorch() -> None:
         assert bool((diff <= bound).all()), f"{name}: max diff {float(diff.max())}"
 
 
+def test_swiglu_forward_kernel_matches_pytorch() -> None:
+    """a = silu(h) * u: two roundings (silu, then the product) as F.silu(h) * u: at most 2 bf16 ulps."""
+    from moonep.kernels.swiglu import swiglu_forward
+
+    g = torch.Generator().manual_seed(1)
+    N, F = 67, 300
+    h = (3 * torch.randn(N, F, generator=g)).to(torch.bfloat16)
+    u = torch.randn(N, F, generator=g).to(torch.bfloat16)
+    got, want = swiglu_forward(h, u), torch.nn.functional.silu(h) * u
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    diff = (got.float() - want.float()).abs()
+    assert bool((diff <= torch.maximum(got.float().abs(), want.float().abs()) * 2 * 2.0**-7).all())
+    with pytest.raises(ValueError, match="contiguous tensors of one shape"):
+        swiglu_forward(h, u.t())
+
+
 @pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
 def test_accumulate_groups_skips_empty_groups_bitwise(scale: float) -> None:
     check_accumulate_groups([3, 0, 16, 0, 0, 1], 5, 700, scale, "cpu")  # groups 1, 3, 4 empty

@@ -19,7 +19,7 @@ from moontrain.model.config import ModelConfig
 from moontrain.model.experts import ExpertsContext
 from moontrain.model.moe import MoE
 from moontrain.model.rope import apply_rope, rope_cos_sin
-from moontrain.model.router import Router
+from moontrain.model.router import Router, RouterLogits
 
 RTOL = 1e-5
 
@@ -68,13 +68,14 @@ def _attention_reference(m: MLAttention, x_BTD: torch.Tensor, cfg: ModelConfig) 
     return m.wo(o)
 
 
+@pytest.mark.parametrize("pad", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize(("use_nope", "dims"), [
-    (False, {}),  # q/k head dim 8 + 4 = 12 > v head dim 8: v is padded
+    (False, {}),  # q/k head dim 8 + 4 = 12 > v head dim 8 (padded: v is padded)
     (True, {}),
-    (False, {"qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 16}),  # v wider: q/k are padded
+    (False, {"qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 16}),  # v wider (padded: q/k are)
 ], ids=["rope", "nope", "wide-v"])
-def test_mla_matches_explicit_attention(use_nope: bool, dims: dict) -> None:
-    cfg = _cfg(use_nope=use_nope, **dims)
+def test_mla_matches_explicit_attention(use_nope: bool, dims: dict, pad: bool) -> None:
+    cfg = _cfg(use_nope=use_nope, attn_pad_head_dims=pad, **dims)
     m = MLAttention(cfg)
     _init(m)
     x = torch.randn(2, 7, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -110,6 +111,64 @@ def test_router_topk_renormalised_and_scaled() -> None:
     chosen = scores.gather(1, want_topk)
     _close(weights, chosen / chosen.sum(-1, keepdim=True) * cfg.routed_scaling_factor, "route weights")
     assert torch.equal(r.tokens_per_expert_E, torch.bincount(want_topk.flatten(), minlength=cfg.num_experts))
+
+
+def test_router_logits_function_matches_linear() -> None:
+    """RouterLogits (the TF32 path's autograd function) against F.linear's autograd, fp32 on the CPU
+    (no TF32 there): same products, at most another summation order."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 24, generator=gen, requires_grad=True)
+    w = torch.randn(8, 24, generator=gen, requires_grad=True)
+    g = torch.randn(37, 8, generator=gen)
+    got = RouterLogits.apply(x, w)
+    gx, gw = torch.autograd.grad(got, (x, w), g)
+    ref = F.linear(x, w)
+    rx, rw = torch.autograd.grad(ref, (x, w), g)
+    for a, b, what in ((got, ref, "logits"), (gx, rx, "grad x"), (gw, rw, "grad w")):
+        _close(a, b, what)
+
+
+@pytest.mark.gpu
+def test_router_tf32_logits_and_grads_on_cuda() -> None:
+    """CUDA, bf16-valued operands as in training: the TF32 forward is the fp32 GEMM up to summation
+    order (bound D * 2^-22 * |x||w|); the backward rounds the fp32 logit grads to TF32 (10-bit
+    mantissa: relative 2^-10 per product if the hardware truncates; bound 2^-9 * |g||w| and |g|^T|x|)."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(6)
+    s, D, E = 4096, 2048, 192
+    x = torch.randn(s, D, device=dev, generator=gen).bfloat16().float().requires_grad_()
+    w = (torch.randn(E, D, device=dev, generator=gen) * 0.02).bfloat16().float().requires_grad_()
+    g = torch.randn(s, E, device=dev, generator=gen)
+    logits = RouterLogits.apply(x, w)
+    gx, gw = torch.autograd.grad(logits, (x, w), g)
+    xd, wd, gd = x.detach().double(), w.detach().double(), g.double()
+    assert not torch.backends.cuda.matmul.allow_tf32  # restored
+    bound = D * 2.0 ** -22 * (xd.abs() @ wd.abs().t())
+    assert ((logits.double() - xd @ wd.t()).abs() <= bound).all()
+    assert ((gx.double() - gd @ wd).abs() <= 2.0 ** -9 * (gd.abs() @ wd.abs()) + 1e-30).all()
+    assert ((gw.double() - gd.t() @ xd).abs() <= 2.0 ** -9 * (gd.abs().t() @ xd.abs()) + 1e-30).all()
+
+
+@pytest.mark.gpu
+def test_unpadded_attention_matches_padded_on_cuda() -> None:
+    """bf16 on CUDA, the recipe's head dims (q/k 192, v 128): SDPA at unequal head dims (cuDNN or
+    memory-efficient) against the zero-padded call, output and input grad within bf16 tolerance."""
+    dev = torch.device("cuda")
+    dims = dict(hidden_size=256, num_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=128,
+                qk_rope_head_dim=64, v_head_dim=128)
+    outs = []
+    for pad in (False, True):
+        cfg = _cfg(attn_pad_head_dims=pad, **dims)
+        torch.manual_seed(0)
+        m = MLAttention(cfg, device=dev).to(torch.bfloat16)
+        x = torch.randn(2, 512, cfg.hidden_size, device=dev, generator=torch.Generator(device=dev).manual_seed(1),
+                        dtype=torch.bfloat16, requires_grad=True)
+        cos, sin = rope_cos_sin(512, cfg.qk_rope_head_dim, cfg.rope_theta, dev)
+        y = m(x, cos, sin)
+        (gx,) = torch.autograd.grad(y.float().square().sum(), (x,))
+        outs.append((y.float(), gx.float()))
+    for a, b, what in zip(outs[0], outs[1], ("output", "grad x"), strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item(), msg=what)
 
 
 def test_bias_update_moves_toward_balance() -> None:

@@ -16,8 +16,8 @@ Per projection (gate [H,F], up [H,F], down [F,H]) a MoE layer holds three tensor
   so both paths present the same fp32 tensor to the trainer. Both accumulate accumulate_scale * grad.
 
 Step protocol (trainer): backward -> reduce_grads over the expert-data-parallel group (local rows only)
--> attach_grads (master.grad = grad) -> clip, optimizer.step -> push_master (compute <- master)
--> zero_grads. Rows of other ranks or slot rows never pass through any reduction issued here.
+-> attach_grads (master.grad = grad) -> clip, optimizer.step -> finish_step: push_master (compute <-
+master) and zero_grads, or nothing for the projections a WriteBackAdamW step already wrote back. Rows of other ranks or slot rows never pass through any reduction issued here.
 """
 
 from __future__ import annotations
@@ -114,6 +114,17 @@ class ExpertWeights(nn.Module):
     def attach_grads(self) -> None:
         for name, master in self.master.items():
             master.grad = self.grad[name]
+
+    @torch.no_grad()
+    def finish_step(self, written: set[int] | frozenset[int] = frozenset()) -> None:
+        """After optimizer.step: push_master and zero_grads, except for the projections whose master's
+        id is in `written` (WriteBackAdamW's fused step already wrote their compute rows and zeroed
+        their grads)."""
+        for name, master in self.master.items():
+            if id(master) not in written:
+                self.compute[name].copy_(master)
+                self.grad[name].zero_()
+            master.grad = None
 
     @torch.no_grad()
     def zero_grads(self) -> None:

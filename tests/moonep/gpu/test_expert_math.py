@@ -32,6 +32,18 @@ def test_swiglu_backward_kernel_gpu() -> None:
         assert float((a != b).float().mean()) < 0.02, f"{name}: {float((a != b).float().mean()):.3f} of elements differ"
 
 
+def test_swiglu_forward_kernel_gpu() -> None:
+    from moonep.kernels.swiglu import swiglu_forward
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    h = (3 * torch.randn(4099, 1024, device="cuda", generator=g)).to(torch.bfloat16)
+    u = torch.randn(4099, 1024, device="cuda", generator=g).to(torch.bfloat16)
+    got, want = swiglu_forward(h, u), torch.nn.functional.silu(h) * u
+    diff = (got.float() - want.float()).abs()
+    assert bool((diff <= torch.maximum(got.float().abs(), want.float().abs()) * 2 * 2.0**-7).all())
+    assert float((got != want).float().mean()) < 0.02
+
+
 @pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
 def test_accumulate_groups_gpu(scale: float) -> None:
     check_accumulate_groups([3, 0, 16, 0, 0, 1, 64, 0], 256, 1024, scale, "cuda")

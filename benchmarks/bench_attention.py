@@ -1,0 +1,141 @@
+"""MLA attention core on one GPU: SDPA at unequal head dims vs zero-padded to one head dim, and the
+router's logits GEMMs in IEEE fp32 vs TF32.
+
+    python benchmarks/bench_attention.py [--batch 4] [--seq 4096]      (one GPU; k3_small_moe shapes)
+
+Attention: forward + backward of F.scaled_dot_product_attention (causal, bf16) as MLAttention calls
+it with model.attn_pad_head_dims off (q/k 192, v 128) and on (all 192), plus which SDPA backend ran
+(from the profiler's kernel names). Router: logits = x W^T with its two backward GEMMs, fp32 operands
+holding bf16 values, through moontrain.model.router.RouterLogits (TF32) and F.linear (IEEE fp32, on
+FFMA). Median of --iters timed by CUDA events after --warmup; the outputs of each pair are compared
+(max abs difference printed). Table printed; JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from moontrain.model.router import RouterLogits
+
+
+def median_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def kernels_of(fn: Callable[[], object]) -> str:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    def tag(name: str) -> str | None:  # cuDNN's kernel names contain "flash" too: test it first
+        name = name.lower()
+        if "cudnn" in name:
+            return "cudnn"
+        if "flash" in name:
+            return "flash"
+        return "mem-efficient" if "fmha" in name or "efficient" in name else None
+
+    return "+".join(sorted({t for t in map(tag, names) if t})) or "math"
+
+
+def attention_case(B: int, N: int, T: int, dqk: int, dv: int, pad: bool, iters: int, warmup: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k = (torch.randn(B, N, T, dqk, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(B, N, T, dv, device="cuda", generator=gen, dtype=torch.bfloat16)
+    go = torch.randn(B, N, T, dv, device="cuda", generator=gen, dtype=torch.bfloat16)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+
+    def run() -> tuple[torch.Tensor, ...]:
+        qq, kk, vv = leaves
+        if pad:
+            d = max(dqk, dv)
+            qq, kk, vv = F.pad(qq, (0, d - dqk)), F.pad(kk, (0, d - dqk)), F.pad(vv, (0, d - dv))
+        o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=dqk ** -0.5)[..., :dv]
+        grads = torch.autograd.grad(o, leaves, go)
+        return (o, *grads)
+
+    ms = median_ms(run, iters, warmup)
+    flops = 3 * B * N * T * T * (dqk + dv)  # model FLOPs (forward 2 T^2 (dqk + dv) / 2 causal, x3 with backward)
+    return {"case": f"attention {'padded' if pad else 'unpadded'}", "ms": ms, "backend": kernels_of(run),
+            "tflops": flops / ms / 1e9, "out": run()}
+
+
+def router_case(s: int, D: int, E: int, tf32: bool, iters: int, warmup: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(s, D, device="cuda", generator=gen).bfloat16().float().requires_grad_()
+    w = (torch.randn(E, D, device="cuda", generator=gen) * 0.02).bfloat16().float().requires_grad_()
+    g = torch.randn(s, E, device="cuda", generator=gen)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        y = RouterLogits.apply(x, w) if tf32 else F.linear(x, w)
+        return (y, *torch.autograd.grad(y, (x, w), g))
+
+    ms = median_ms(run, iters, warmup)
+    return {"case": f"router {'tf32' if tf32 else 'ieee fp32'}", "ms": ms, "backend": "cublas",
+            "tflops": 3 * 2 * s * D * E / ms / 1e9, "out": run()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--qk-head-dim", type=int, default=192)
+    p.add_argument("--v-head-dim", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=192)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention needs a CUDA GPU")
+    B, N, T = args.batch, args.heads, args.seq
+    pairs = [
+        [attention_case(B, N, T, args.qk_head_dim, args.v_head_dim, pad, args.iters, args.warmup)
+         for pad in (True, False)],
+        [router_case(B * T, args.hidden, args.experts, tf32, args.iters, args.warmup) for tf32 in (False, True)],
+    ]
+    rows = []
+    for base, new in pairs:
+        diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(base.pop("out"), new.pop("out"),
+                                                                                strict=True))
+        new["max_abs_diff_vs_" + base["case"].split()[-1]] = diff
+        new["speedup"] = base["ms"] / new["ms"]
+        rows += [base, new]
+    print(f"{'case':<22} {'ms':>8} {'TFLOP/s':>8} {'backend':<16} {'speedup':>8} max|diff|")
+    for r in rows:
+        diff = next((v for k, v in r.items() if k.startswith("max_abs_diff")), None)
+        print(f"{r['case']:<22} {r['ms']:8.3f} {r['tflops']:8.1f} {r['backend']:<16} "
+              f"{r.get('speedup', 1.0):8.2f} {'' if diff is None else f'{diff:.3g}'}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"bench_attention_{time.strftime('%Y%m%d')}.json"
+    path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                "config": vars(args), "rows": rows}, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
