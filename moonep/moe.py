@@ -61,12 +61,16 @@ class _ExpertSwiGLU(torch.autograd.Function):
         layer.pools.prefetch_async(plan, layer)  # expert copies overlap the token rows' dispatch
         res = buffer.dispatch(x_sH, weights_sK, plan=plan)
         offs = res.cu_seqlens
-        x_rows = res.x_rows.clone()  # the receive buffer is reused by the next dispatch
+        # the receive rows are reused by the next dispatch: backward's copy is made on the side stream
+        # while the gate/up GEMMs read the receive rows themselves; joined before combine, whose
+        # barriers are what let a peer's next dispatch write the receive rows again
+        x_rows = layer.pools.copy_async(res.x_rows)
         w_rows = res.weights_rows.clone()
         layer.pools.wait_prefetch()
         w = layer.w_compact
-        h = grouped_mm(x_rows, w["gate"], offs)
-        u = grouped_mm(x_rows, w["up"], offs)
+        h = grouped_mm(res.x_rows, w["gate"], offs)
+        u = grouped_mm(res.x_rows, w["up"], offs)
+        layer.pools.wait_copy()
         y_in = buffer.combine_input(plan)
         if buffer.kernel_path == "triton":  # triton: CUDA machines only
             from moonep.kernels.route_weights import scale_rows

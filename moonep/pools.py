@@ -66,6 +66,7 @@ class ExpertPools:
         self._owner: tuple[int, Plan] | None = None  # (layer index, plan) whose copies the slots hold
         self._side: torch.cuda.Stream | None = None  # prefetch_async's stream (kernel path)
         self._prefetched: torch.cuda.Event | None = None  # completion of the last prefetch_async
+        self._copied: torch.cuda.Event | None = None  # completion of the last copy_async
         self._last_forward: tuple[LayerExperts, Plan] | None = None  # see previous_forward
         # backward refills the slots for the previous layer early (previous_forward); off where the
         # forwards are recomputed in backward (activation checkpointing): the recompute plans again,
@@ -165,6 +166,30 @@ class ExpertPools:
             self.prefetch(plan, layer)
         self._prefetched = torch.cuda.Event()
         self._prefetched.record(self._side)
+
+    def copy_async(self, src: torch.Tensor) -> torch.Tensor:
+        """A copy of src, made on the side stream on the kernel path (a plain clone elsewhere), so it
+        overlaps the current stream's next kernels; `wait_copy()` orders it before the current stream's
+        later work (call it before src's memory may be written again). The copy is allocated on the
+        current stream, which uses it afterwards."""
+        if self._kx is None or not src.is_cuda:
+            return src.clone()
+        device = src.device
+        dst = torch.empty_like(src)
+        if self._side is None:
+            self._side = torch.cuda.Stream(device)
+        self._side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._side):
+            dst.copy_(src)
+        self._copied = torch.cuda.Event()
+        self._copied.record(self._side)
+        return dst
+
+    def wait_copy(self) -> None:
+        """Order the last copy_async before the current stream's next work (no host sync)."""
+        if self._copied is not None:
+            torch.cuda.current_stream(self.buffer.device).wait_event(self._copied)
+            self._copied = None
 
     def ensure_async(self, plan: Plan, layer: LayerExperts) -> None:
         """ensure() through prefetch_async; pair with wait_prefetch()."""
