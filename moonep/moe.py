@@ -104,7 +104,7 @@ class _ExpertSwiGLU(torch.autograd.Function):
         else:
             grad_o, grad_w_rows = route_backward_torch(gy, o, w_rows)
         layer.pools.wait_prefetch()
-        w, g = layer.w_compact, layer.g_compact
+        w = layer.w_compact
         grad_a = grouped_mm(grad_o, w["down"].transpose(1, 2), offs)
         if triton_path:
             grad_h, grad_u, a = swiglu_backward(grad_a, h, u)
@@ -118,9 +118,9 @@ class _ExpertSwiGLU(torch.autograd.Function):
             prev_layer, prev_plan = ctx.prev
             ctx.prev = None  # once (a retained graph's second backward just prefetches as usual)
             pools.prefetch_async(prev_plan, prev_layer)
-        pools.accumulate_wgrad(g["down"], a, grad_o, offs, ctx.wgrad_scale)
-        pools.accumulate_wgrad(g["gate"], x_rows, grad_h, offs, ctx.wgrad_scale)
-        pools.accumulate_wgrad(g["up"], x_rows, grad_u, offs, ctx.wgrad_scale)
+        pools.accumulate_wgrad(layer, "down", a, grad_o, offs, ctx.wgrad_scale)
+        pools.accumulate_wgrad(layer, "gate", x_rows, grad_h, offs, ctx.wgrad_scale)
+        pools.accumulate_wgrad(layer, "up", x_rows, grad_u, offs, ctx.wgrad_scale)
         grad_x_sH, grad_weights_sK = buffer.combine(plan, grad_x_rows, row_scalars=grad_w_rows)
         buffer.reduce_grad_async(plan, layer)
         return grad_x_sH, grad_weights_sK.to(ctx.weights_dtype), None, None, None, None, None

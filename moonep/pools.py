@@ -67,6 +67,7 @@ class ExpertPools:
         self._side: torch.cuda.Stream | None = None  # prefetch_async's stream (kernel path)
         self._prefetched: torch.cuda.Event | None = None  # completion of the last prefetch_async
         self._copied: torch.cuda.Event | None = None  # completion of the last copy_async
+        self._zero_pending: set[tuple[int, str]] = set()  # (layer index, projection): see defer_zero_grads
         self._last_forward: tuple[LayerExperts, Plan] | None = None  # see previous_forward
         # backward refills the slots for the previous layer early (previous_forward); off where the
         # forwards are recomputed in backward (activation checkpointing): the recompute plans again,
@@ -228,15 +229,39 @@ class ExpertPools:
         B = self.buffer.num_slots
         return [(j, min(j + step, B)) for j in range(0, B, step)]
 
-    def accumulate_wgrad(self, g_compact: torch.Tensor, x_rows: torch.Tensor, grad_rows: torch.Tensor,
+    def accumulate_wgrad(self, layer: LayerExperts, name: str, x_rows: torch.Tensor, grad_rows: torch.Tensor,
                          offs: torch.Tensor, scale: float = 1.0) -> None:
-        """g_compact (fp32, [epn + B, I, O]) += scale * x^T grad per W_compact group (expert_swiglu
-        passes the wgrad_scale its forward saw); on the kernel path groups without rows (unused
-        slots) are skipped."""
+        """layer.g_compact[name] (fp32, [epn + B, I, O]) += scale * x^T grad per W_compact group
+        (expert_swiglu passes the wgrad_scale its forward saw); on the kernel path groups without
+        rows (unused slots) are skipped. Local rows declared zero by defer_zero_grads are zeroed
+        first (the kernel path writes them instead of adding)."""
+        g_compact = layer.g_compact[name]
+        stale = (layer.index, name) in self._zero_pending
+        self._zero_pending.discard((layer.index, name))
         if self._kx is not None:
-            self._kx.accumulate_groups(g_compact, grouped_mm_wgrad(x_rows, grad_rows, offs), offs, scale)
+            self._kx.accumulate_groups(g_compact, grouped_mm_wgrad(x_rows, grad_rows, offs), offs, scale,
+                                       write_groups=self.buffer.layout.epn if stale else 0)
         else:
+            if stale:
+                layer.g_local[name].zero_()
             accumulate_wgrad(g_compact, x_rows, grad_rows, offs, scale)
+
+    def defer_zero_grads(self, layer: LayerExperts, names: tuple[str, ...] | None = None) -> None:
+        """Declare layer.g_local[name] zero without writing it: the layer's next accumulate_wgrad
+        overwrites it instead of adding (saves a zeroing pass and the first pass's read of the fp32
+        grads). Until then its memory holds stale values: call settle_grads() before reading the grads
+        (expert_swiglu's backward of every layer normally makes it a no-op)."""
+        for name in names if names is not None else tuple(self.projections):
+            if name not in self.projections:
+                raise ValueError(f"defer_zero_grads: unknown projection {name!r}; the pools have "
+                                 f"{sorted(self.projections)}")
+            self._zero_pending.add((layer.index, name))
+
+    def settle_grads(self) -> None:
+        """Zero every grad still declared zero by defer_zero_grads (a layer without a backward)."""
+        for index, name in sorted(self._zero_pending):
+            self.layers[index].g_local[name].zero_()
+        self._zero_pending.clear()
 
     # ------------------------------------------------------------------ reduce_grad
     def reduce_grad(self, plan: Plan, layer: LayerExperts) -> None:
@@ -247,6 +272,10 @@ class ExpertPools:
         "reduce_grad:read" -> each rank zeroes its own reduce pool."""
         buf = self.buffer
         rank = buf.rank
+        for name in self.projections:  # the owners add into g_local: it must hold values, not a declaration
+            if (layer.index, name) in self._zero_pending:
+                self._zero_pending.discard((layer.index, name))
+                layer.g_local[name].zero_()
         buf.barrier("reduce_grad:ready")
         for name in self.projections:
             if self._kx is not None:

@@ -3,7 +3,8 @@
 Per expert projection the step protocol after backward is AdamW (read p, g, m, v; write p, m, v), then
 push_master (read p, write the bf16 compute rows) and zero_grads (write g): 34 bytes per parameter in
 three passes, plus torch's fused kernel writing the clip-scaled grad back (4 more). One Triton pass
-does it all: reads p, g, m, v, writes p, m, v, the compute copy and g = 0 (34 bytes). On 2xH200 at
+does it all: reads p, g, m, v, writes p, m, v, the compute copy and g = 0 (34 bytes; 30 for moonep,
+whose next accumulation overwrites the grads: moonep.ExpertPools.defer_zero_grads). On 2xH200 at
 k3_small_moe (4.25B expert parameters per rank, 2026-11-29) the three passes took ~42 + 8 + 6 ms.
 
 The math is torch's fused AdamW (ATen's fused_adam_utils, ADAMW mode), in fp32:
@@ -30,7 +31,7 @@ _BLOCK = 2048
 @triton.jit
 def _adamw_write_back_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, bc_ptr, scale_ptr, n,
                              lr, beta1, beta2, eps, weight_decay,
-                             HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_SCALE: tl.constexpr, ZERO: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     bc1 = tl.load(bc_ptr)  # 1 - beta1^step
@@ -50,14 +51,16 @@ def _adamw_write_back_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, bc_ptr, scale_
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
     tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(g_ptr + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=mask)
+    if ZERO:
+        tl.store(g_ptr + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=mask)
 
 
 def adamw_write_back_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                       exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], outs: list[torch.Tensor], *,
                       lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                      grad_scale: torch.Tensor | None = None) -> None:
-    """One AdamW step over each (p, g, m, v, step) in place, out <- p in out's dtype, g <- 0.
+                      grad_scale: torch.Tensor | None = None, zero_grads: bool = True) -> None:
+    """One AdamW step over each (p, g, m, v, step) in place, out <- p in out's dtype, g <- 0 (unless
+    zero_grads is False: a backend that overwrites its grads on the next accumulation).
     `steps` are the per-parameter float32 step tensors, incremented here first (as torch does)."""
     for name, ts in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs), ("outs", outs)):
         for p, t in zip(params, ts, strict=True):
@@ -79,13 +82,13 @@ def adamw_write_back_(params: list[torch.Tensor], grads: list[torch.Tensor], exp
         n = p.numel()
         _adamw_write_back_kernel[(triton.cdiv(n, _BLOCK),)](
             p, g, m, v, out, bc_P2[i], scale, n, float(lr), float(beta1), float(beta2), float(eps),
-            float(weight_decay), HAS_SCALE=grad_scale is not None, BLOCK=_BLOCK, num_warps=4)
+            float(weight_decay), HAS_SCALE=grad_scale is not None, ZERO=zero_grads, BLOCK=_BLOCK, num_warps=4)
 
 
 class WriteBackAdamW(torch.optim.AdamW):
     """torch's AdamW, except for parameters registered with `register_write_back`: their step is
-    `adamw_write_back_` (which also writes the registered compute tensor and zeroes the grad, then
-    drops p.grad). `last_written` holds the ids of the parameters the last step wrote back."""
+    `adamw_write_back_` (which also writes the registered compute tensor and zeroes the grad unless
+    registered with zero_grad=False, then drops p.grad). `last_written` holds the ids of the parameters the last step wrote back."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -93,13 +96,16 @@ class WriteBackAdamW(torch.optim.AdamW):
             if self.defaults.get(flag):
                 raise ValueError(f"WriteBackAdamW implements plain AdamW; {flag}=True is not supported")
         self._out: dict[int, torch.Tensor] = {}
+        self._zero: dict[int, bool] = {}
         self.last_written: set[int] = set()
 
-    def register_write_back(self, param: torch.Tensor, out: torch.Tensor) -> None:
+    def register_write_back(self, param: torch.Tensor, out: torch.Tensor, zero_grad: bool = True) -> None:
+        """Step `param` with the fused pass, writing `out` and, if zero_grad, zeroing its grad."""
         if out.shape != param.shape or not out.is_contiguous():
             raise ValueError(f"write-back target of shape {tuple(out.shape)} (contiguous={out.is_contiguous()}) "
                              f"does not match parameter {tuple(param.shape)}; pass a contiguous tensor of its shape")
         self._out[id(param)] = out
+        self._zero[id(param)] = zero_grad
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -116,8 +122,8 @@ class WriteBackAdamW(torch.optim.AdamW):
             for (_, p), g in zip(mine, held, strict=True):
                 p.grad = g
         grad_scale = getattr(self, "grad_scale", None)
-        for group in self.param_groups:
-            params = [p for g, p in mine if g is group]
+        for group, zero in ((group, zero) for group in self.param_groups for zero in (True, False)):
+            params = [p for g, p in mine if g is group and self._zero[id(p)] == zero]
             if not params:
                 continue
             for p in params:
@@ -132,7 +138,8 @@ class WriteBackAdamW(torch.optim.AdamW):
             adamw_write_back_(params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
                               [self.state[p]["exp_avg_sq"] for p in params], [self.state[p]["step"] for p in params],
                               [self._out[id(p)] for p in params], lr=group["lr"], beta1=beta1, beta2=beta2,
-                              eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=grad_scale)
+                              eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=grad_scale,
+                              zero_grads=zero)
             for p in params:
                 p.grad = None
         self.last_written = {id(p) for _, p in mine}

@@ -78,7 +78,7 @@ class Trainer:
         if hasattr(self.optimizer, "register_write_back"):  # fused step + compute-copy write + grad zeroing
             for w in self.experts:
                 for name, master in w.master.items():
-                    self.optimizer.register_write_back(master, w.compute[name])
+                    self.optimizer.register_write_back(master, w.compute[name], zero_grad=not w.defers_zero)
         self.data = build_token_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
                                        global_batch=cfg.train.global_batch_size, rank=layout.rank,
                                        world_size=layout.world_size, device=device)

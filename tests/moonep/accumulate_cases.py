@@ -32,3 +32,26 @@ def check_accumulate_groups(rows_G: list[int], n_in: int, n_out: int, scale: flo
         tol[rows == 0] = 0
         err = (g - want).abs()
         assert bool((err <= tol).all()), f"accumulate differs by {float((err - tol).max()):.3e} beyond the bound"
+
+
+def check_accumulate_groups_write(rows_G: list[int], write_groups: int, n_in: int, n_out: int, scale: float,
+                                  device: str) -> None:
+    """write_groups > 0: the first groups hold stale values (NaN here) and get exactly scale * w (one
+    fp32 product), or +0 when empty; the others are accumulated as above (exact scales: bitwise)."""
+    from moonep.kernels.experts import accumulate_groups
+
+    gen = torch.Generator(device=device).manual_seed(2)
+    G = len(rows_G)
+    rows = torch.tensor(rows_G, device=device)
+    offs = torch.cumsum(rows, 0).to(torch.int32)
+    g = torch.randn(G, n_in, n_out, device=device, generator=gen)
+    w = torch.randn(G, n_in, n_out, device=device, generator=gen).to(torch.bfloat16)
+    w[rows == 0] = float("nan")
+    want = g + w.float() * scale
+    want[rows == 0] = g[rows == 0]
+    want[:write_groups] = w[:write_groups].float() * scale
+    want[:write_groups][rows[:write_groups] == 0] = 0.0
+    g[:write_groups] = float("nan")  # stale: never read
+    accumulate_groups(g, w, offs, scale, write_groups=write_groups)
+    assert torch.equal(g, want)
+    assert not torch.signbit(g[:write_groups][rows[:write_groups] == 0]).any()

@@ -10,7 +10,7 @@ import torch
 # interpreter's numpy-2 shim, and skips this module too where triton is absent
 import tests.moonep.test_kernels_interpreted  # noqa: F401
 from moonep.moe import swiglu_backward_torch
-from tests.moonep.accumulate_cases import check_accumulate_groups
+from tests.moonep.accumulate_cases import check_accumulate_groups, check_accumulate_groups_write
 from tests.moonep.route_weight_cases import check_route_weights
 
 
@@ -57,3 +57,8 @@ def test_accumulate_groups_skips_empty_groups_bitwise(scale: float) -> None:
 
 def test_route_weight_kernels_match_pytorch() -> None:
     check_route_weights("cpu", exact_rounding=False)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_accumulate_groups_writes_stale_groups(scale: float) -> None:
+    check_accumulate_groups_write([3, 0, 16, 0, 5, 1], 3, 5, 700, scale, "cpu")  # groups 0-2 stale, 1 empty

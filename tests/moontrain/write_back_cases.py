@@ -34,8 +34,8 @@ def check_write_back_matches_adamw(device: str, fused: bool | None, exact_roundi
 
     opt = WriteBackAdamW(groups(ours), lr=LR, betas=BETAS, eps=EPS, fused=fused)
     ref_opt = torch.optim.AdamW(groups(ref), lr=LR, betas=BETAS, eps=EPS, fused=fused)
-    for p, out in zip(ours[:2], outs, strict=True):
-        opt.register_write_back(p, out)
+    for p, out, zero in zip(ours[:2], outs, (True, False), strict=True):  # the second: a deferring backend's
+        opt.register_write_back(p, out, zero_grad=zero)
     for step, scale in enumerate((None, 2.5, 1.0) if clip else (None, None, None)):
         grads = [torch.randn(s, device=device, generator=gen) for s in shapes]
         for p, r, g in zip(ours, ref, grads, strict=True):
@@ -44,13 +44,18 @@ def check_write_back_matches_adamw(device: str, fused: bool | None, exact_roundi
         if scale is not None:
             opt.grad_scale = torch.tensor(scale, device=device)
         held = [p.grad for p in ours[:2]]
+        sent = [g.clone() for g in held]
         opt.step()
         ref_opt.step()
         if scale is not None:
             del opt.grad_scale
         assert opt.last_written == {id(p) for p in ours[:2]}
-        for p, g, out in zip(ours[:2], held, outs, strict=True):
-            assert p.grad is None and not g.any(), "the registered grads are zeroed and released"
+        for p, g, before, out, zero in zip(ours[:2], held, sent, outs, (True, False), strict=True):
+            assert p.grad is None, "the registered grads are released"
+            if zero:
+                assert not g.any(), "zero_grad=True: the grad is zeroed"
+            else:
+                assert torch.equal(g, before), "zero_grad=False: the grad is left as it was"
             want = p.detach().to(out.dtype)
             if exact_rounding or out.dtype == torch.float32:
                 assert torch.equal(out, want), "the write-back copy is the new parameter"

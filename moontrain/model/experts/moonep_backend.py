@@ -38,13 +38,16 @@ class MoonEPExperts:
             ctx.shared["moonep_buffer"] = buf
             ctx.closers.append(buf.destroy)
             ctx.finishers.append(buf.wait_pending)  # expert_swiglu leaves reduce_grad queued
-            ctx.shared["moonep_pools"] = moonep.ExpertPools(buf, projections=dict(weights.shapes),
-                                                            dtype=ctx.compute_dtype)
-            ctx.shared["moonep_pools"].chain_prefetch = ctx.moonep_chain_prefetch
+            pools = moonep.ExpertPools(buf, projections=dict(weights.shapes), dtype=ctx.compute_dtype)
+            pools.chain_prefetch = ctx.moonep_chain_prefetch
+            ctx.shared["moonep_pools"] = pools
+            ctx.finishers.append(pools.settle_grads)  # grads declared zero and never accumulated since
         self.buf = ctx.shared["moonep_buffer"]
         self.pools = ctx.shared["moonep_pools"]
         self.layer = self.pools.add_layer()
-        weights.bind_external(self.layer.w_local, self.layer.g_local)
+        layer, pools = self.layer, self.pools
+        weights.bind_external(layer.w_local, layer.g_local,
+                              defer_zero=lambda name: pools.defer_zero_grads(layer, (name,)))
         self.weights = weights
         self._expert_swiglu = moonep.expert_swiglu
 

@@ -17,10 +17,14 @@ Per projection (gate [H,F], up [H,F], down [F,H]) a MoE layer holds three tensor
 
 Step protocol (trainer): backward -> reduce_grads over the expert-data-parallel group (local rows only)
 -> attach_grads (master.grad = grad) -> clip, optimizer.step -> finish_step: push_master (compute <-
-master) and zero_grads, or nothing for the projections a WriteBackAdamW step already wrote back. Rows of other ranks or slot rows never pass through any reduction issued here.
+master) and zero the grads, or nothing for the projections a WriteBackAdamW step already wrote back;
+moonep's grads are declared zero instead (its next accumulation overwrites them). Rows of other ranks
+or slot rows never pass through any reduction issued here.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -52,6 +56,7 @@ class ExpertWeights(nn.Module):
         # sets it to its loss-mean factor, so reduce_grads need not scale 4 bytes per parameter again);
         # kept in a box that the fold hooks share without referencing this module
         self._scale_box = [1.0]
+        self._defer_zero: Callable[[str], None] | None = None  # see bind_external
 
     @property
     def accumulate_scale(self) -> float:
@@ -81,8 +86,11 @@ class ExpertWeights(nn.Module):
             self.compute[name], self.grad[name] = compute, grad
         self.push_master()
 
-    def bind_external(self, compute: dict[str, torch.Tensor], grad: dict[str, torch.Tensor]) -> None:
-        """moonep: compute and grad are views into memory the EP library owns."""
+    def bind_external(self, compute: dict[str, torch.Tensor], grad: dict[str, torch.Tensor],
+                      defer_zero: Callable[[str], None] | None = None) -> None:
+        """moonep: compute and grad are views into memory the EP library owns. `defer_zero(name)`, when
+        given, declares grad[name] zero without writing it (the library's next accumulation overwrites
+        it; see moonep.ExpertPools.defer_zero_grads): finish_step then never zeroes these grads."""
         for name, master in self.master.items():
             if tuple(compute[name].shape) != tuple(master.shape) or tuple(grad[name].shape) != tuple(master.shape):
                 raise ValueError(
@@ -92,6 +100,7 @@ class ExpertWeights(nn.Module):
             if grad[name].dtype != torch.float32:
                 raise ValueError(f"expert projection {name!r}: grad view must be float32, got {grad[name].dtype}")
         self.compute, self.grad = dict(compute), dict(grad)
+        self._defer_zero = defer_zero
         self.push_master()
 
     @torch.no_grad()
@@ -115,15 +124,24 @@ class ExpertWeights(nn.Module):
         for name, master in self.master.items():
             master.grad = self.grad[name]
 
+    @property
+    def defers_zero(self) -> bool:
+        """True when the backend clears the grads itself on their next accumulation (moonep)."""
+        return self._defer_zero is not None
+
     @torch.no_grad()
     def finish_step(self, written: set[int] | frozenset[int] = frozenset()) -> None:
-        """After optimizer.step: push_master and zero_grads, except for the projections whose master's
-        id is in `written` (WriteBackAdamW's fused step already wrote their compute rows and zeroed
-        their grads)."""
+        """After optimizer.step: push_master and zero the grads, except for the projections whose
+        master's id is in `written` (WriteBackAdamW's fused step already wrote their compute rows, and
+        zeroed their grads unless the backend defers zeroing). With a deferring backend the grads are
+        declared zero instead of written."""
         for name, master in self.master.items():
             if id(master) not in written:
                 self.compute[name].copy_(master)
-                self.grad[name].zero_()
+                if self._defer_zero is None:
+                    self.grad[name].zero_()
+            if self._defer_zero is not None:
+                self._defer_zero(name)
             master.grad = None
 
     @torch.no_grad()

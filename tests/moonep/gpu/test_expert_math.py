@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moonep.moe import swiglu_backward_torch
-from tests.moonep.accumulate_cases import check_accumulate_groups
+from tests.moonep.accumulate_cases import check_accumulate_groups, check_accumulate_groups_write
 from tests.moonep.route_weight_cases import check_route_weights
 
 pytestmark = pytest.mark.gpu
@@ -47,6 +47,11 @@ def test_swiglu_forward_kernel_gpu() -> None:
 @pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
 def test_accumulate_groups_gpu(scale: float) -> None:
     check_accumulate_groups([3, 0, 16, 0, 0, 1, 64, 0], 256, 1024, scale, "cuda")
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_accumulate_groups_writes_stale_groups_gpu(scale: float) -> None:
+    check_accumulate_groups_write([3, 0, 16, 0, 0, 1, 64, 0], 4, 256, 1024, scale, "cuda")
 
 
 def test_route_weight_kernels_gpu() -> None:
