@@ -103,10 +103,12 @@ def _accumulate_kernel(g_ptr, w_ptr, offs_ptr, scale, write_n, G: tl.constexpr, 
                        ROW: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < ROW
-    for grp in range(0, write_n):  # groups whose grad is stale: overwritten (empty ones with zeros)
-        end = tl.load(offs_ptr + grp)
-        start = tl.load(offs_ptr + grp - 1, mask=grp > 0, other=0)
-        row = grp * ROW + offs
+    # groups whose grad is stale: overwritten (empty ones with zeros). Its own loop variable: the loop
+    # below reassigns `grp` (int64), and Triton types a name once per kernel
+    for wg in range(0, write_n):
+        end = tl.load(offs_ptr + wg)
+        start = tl.load(offs_ptr + wg - 1, mask=wg > 0, other=0)
+        row = wg * ROW + offs
         w = tl.load(w_ptr + row, mask=mask & (end > start), other=0.0).to(tl.float32) * scale
         tl.store(g_ptr + row, w, mask=mask)
     g_G = tl.arange(0, G_P)
