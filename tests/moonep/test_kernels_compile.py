@@ -1,0 +1,73 @@
+"""Triton kernels compiled for sm90 on the CPU (no GPU: Triton's frontend, LLVM and the bundled ptxas).
+
+Triton's interpreter runs the kernels' Python on numpy and misses what only the compiler checks, e.g.
+a name given two types in one kernel (the stale-group loop of `_accumulate_kernel` once reused `grp`,
+which the loop after it reassigns as int64: fine in the interpreter, a CompilationError on the H200,
+2026-11-30). Each kernel is compiled in a subprocess without TRITON_INTERPRET (the interpreted test
+modules set it for their whole process). Skipped where triton or its CUDA backend is absent.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# (module, kernel, signature, constexprs); pointer dtypes as the launches pass them
+CASES = [
+    ("moonep.kernels.experts", "_accumulate_kernel",
+     {"g_ptr": "*fp32", "w_ptr": "*bf16", "offs_ptr": "*i32", "scale": "fp32", "write_n": "i32",
+      "G": "constexpr", "G_P": "constexpr", "ROW": "constexpr", "BLOCK": "constexpr"},
+     {"G": 192, "G_P": 256, "ROW": 2097152, "BLOCK": 4096}),
+    ("moonep.kernels.swiglu", "_swiglu_fwd_kernel",
+     {"h_ptr": "*bf16", "u_ptr": "*bf16", "a_ptr": "*bf16", "n": "i64", "BLOCK": "constexpr"}, {"BLOCK": 2048}),
+    ("moonep.kernels.swiglu", "_swiglu_bwd_kernel",
+     {"ga_ptr": "*bf16", "h_ptr": "*bf16", "u_ptr": "*bf16", "gh_ptr": "*bf16", "gu_ptr": "*bf16",
+      "a_ptr": "*bf16", "n": "i64", "BLOCK": "constexpr"}, {"BLOCK": 2048}),
+] + [
+    ("moontrain.optim.write_back", "_adamw_write_back_kernel",
+     {"p_ptr": "*fp32", "g_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32", "out_ptr": "*bf16", "bc_ptr": "*fp32",
+      "scale_ptr": "*fp32", "n": "i64", "lr": "fp32", "beta1": "fp32", "beta2": "fp32", "eps": "fp32",
+      "weight_decay": "fp32", "HAS_SCALE": "constexpr", "ZERO": "constexpr", "BLOCK": "constexpr"},
+     {"HAS_SCALE": scale, "ZERO": zero, "BLOCK": 2048})
+    for scale in (False, True) for zero in (False, True)
+]
+
+_SCRIPT = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+module, kernel, signature, constexprs = json.loads(sys.argv[1])
+fn = getattr(importlib.import_module(module), kernel)
+src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+"""
+
+
+def _backend_available() -> bool:
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _backend_available(), reason="triton without its CUDA backend")
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[1]}-{i}" for i, c in enumerate(CASES)])
+def test_kernel_compiles_for_sm90(case: tuple) -> None:
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(case)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"{case[0]}.{case[1]} does not compile for sm90:\n{proc.stderr[-3000:]}"
