@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 
-def check_accumulate_groups(rows_G: list[int], n_in: int, n_out: int, scale: float, device: str) -> None:
-    from moonep.kernels.experts import accumulate_groups
-
-    gen = torch.Generator(device=device).manual_seed(1)
+def _case(rows_G: list[int], n_in: int, n_out: int, scale: float, device: str, seed: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, offs, g, w, want = g + scale * w on groups with rows, g elsewhere); empty groups' w is NaN."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     G = len(rows_G)
     rows = torch.tensor(rows_G, device=device)
     offs = torch.cumsum(rows, 0).to(torch.int32)
@@ -18,6 +18,13 @@ def check_accumulate_groups(rows_G: list[int], n_in: int, n_out: int, scale: flo
     w[rows == 0] = float("nan")  # an empty group's values must never be read
     want = g + w.float() * scale  # fp32 product, then the fp32 add
     want[rows == 0] = g[rows == 0]
+    return rows, offs, g, w, want
+
+
+def check_accumulate_groups(rows_G: list[int], n_in: int, n_out: int, scale: float, device: str) -> None:
+    from moonep.kernels.experts import accumulate_groups
+
+    rows, offs, g, w, want = _case(rows_G, n_in, n_out, scale, device, seed=1)
     accumulate_groups(g, w, offs, scale)
     if scale in (1.0, 0.5):  # exact products: bitwise
         assert torch.equal(g, want)
@@ -40,15 +47,7 @@ def check_accumulate_groups_write(rows_G: list[int], write_groups: int, n_in: in
     fp32 product), or +0 when empty; the others are accumulated as above (exact scales: bitwise)."""
     from moonep.kernels.experts import accumulate_groups
 
-    gen = torch.Generator(device=device).manual_seed(2)
-    G = len(rows_G)
-    rows = torch.tensor(rows_G, device=device)
-    offs = torch.cumsum(rows, 0).to(torch.int32)
-    g = torch.randn(G, n_in, n_out, device=device, generator=gen)
-    w = torch.randn(G, n_in, n_out, device=device, generator=gen).to(torch.bfloat16)
-    w[rows == 0] = float("nan")
-    want = g + w.float() * scale
-    want[rows == 0] = g[rows == 0]
+    rows, offs, g, w, want = _case(rows_G, n_in, n_out, scale, device, seed=2)
     want[:write_groups] = w[:write_groups].float() * scale
     want[:write_groups][rows[:write_groups] == 0] = 0.0
     g[:write_groups] = float("nan")  # stale: never read
