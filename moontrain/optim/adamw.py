@@ -11,6 +11,8 @@ its compute tensor, and one fused pass steps it, writes the compute copy and zer
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -43,6 +45,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int
     if fused is None:  # one multi-tensor kernel per group instead of foreach's chain of ops (GPU only)
         fused = all(p.device.type == "cuda" for g in param_groups for p in g["params"])
     write_back = fused if cfg.write_back is None else cfg.write_back
+    on_cpu = any(p.device.type != "cuda" for g in param_groups for p in g["params"])
+    if write_back and on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("optim.write_back=true runs a Triton kernel and needs the parameters on a GPU; set "
+                         "optim.write_back=false (or leave it unset: it follows optim.fused) on the CPU")
     if write_back:  # imports triton (CUDA machines; Triton's interpreter in the CPU tests)
         from moontrain.optim.write_back import WriteBackAdamW
 

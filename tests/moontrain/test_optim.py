@@ -65,3 +65,9 @@ def test_bad_optim_config() -> None:
         OptimConfig(min_lr_ratio=2.0)
     with pytest.raises(ValueError, match=r"optim\.lr must be > 0, got 0\.0"):
         OptimConfig(lr=0.0)
+
+
+def test_write_back_needs_a_gpu(monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"optim\.write_back=true runs a Triton kernel"):
+        build_optimizer(_model(), OptimConfig(write_back=True), total_steps=10)
