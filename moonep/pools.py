@@ -159,14 +159,11 @@ class ExpertPools:
         if self._kx is None or self.buffer.device.type != "cuda":
             self.prefetch(plan, layer)
             return
-        device = self.buffer.device
-        if self._side is None:
-            self._side = torch.cuda.Stream(device)
-        self._side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(self._side):
+        side = self._side_after_current(self.buffer.device)
+        with torch.cuda.stream(side):
             self.prefetch(plan, layer)
         self._prefetched = torch.cuda.Event()
-        self._prefetched.record(self._side)
+        self._prefetched.record(side)
 
     def copy_async(self, src: torch.Tensor) -> torch.Tensor:
         """A copy of src, made on the side stream on the kernel path (a plain clone elsewhere), so it
@@ -175,16 +172,20 @@ class ExpertPools:
         current stream, which uses it afterwards."""
         if self._kx is None or not src.is_cuda:
             return src.clone()
-        device = src.device
         dst = torch.empty_like(src)
+        side = self._side_after_current(src.device)
+        with torch.cuda.stream(side):
+            dst.copy_(src)
+        self._copied = torch.cuda.Event()
+        self._copied.record(side)
+        return dst
+
+    def _side_after_current(self, device: torch.device) -> torch.cuda.Stream:
+        """The side stream (created once), ordered after the current stream's work so far."""
         if self._side is None:
             self._side = torch.cuda.Stream(device)
         self._side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(self._side):
-            dst.copy_(src)
-        self._copied = torch.cuda.Event()
-        self._copied.record(self._side)
-        return dst
+        return self._side
 
     def wait_copy(self) -> None:
         """Order the last copy_async before the current stream's next work (no host sync)."""
@@ -236,8 +237,7 @@ class ExpertPools:
         rows (unused slots) are skipped. Local rows declared zero by defer_zero_grads are zeroed
         first (the kernel path writes them instead of adding)."""
         g_compact = layer.g_compact[name]
-        stale = (layer.index, name) in self._zero_pending
-        self._zero_pending.discard((layer.index, name))
+        stale = self._claim_stale(layer, name)
         if self._kx is not None:
             self._kx.accumulate_groups(g_compact, grouped_mm_wgrad(x_rows, grad_rows, offs), offs, scale,
                                        write_groups=self.buffer.layout.epn if stale else 0)
@@ -259,9 +259,18 @@ class ExpertPools:
 
     def settle_grads(self) -> None:
         """Zero every grad still declared zero by defer_zero_grads (a layer without a backward)."""
-        for index, name in sorted(self._zero_pending):
-            self.layers[index].g_local[name].zero_()
-        self._zero_pending.clear()
+        for layer in self.layers:
+            for name in self.projections:
+                if self._claim_stale(layer, name):
+                    layer.g_local[name].zero_()
+
+    def _claim_stale(self, layer: LayerExperts, name: str) -> bool:
+        """True, once, when layer.g_local[name] was declared zero and not written since."""
+        key = (layer.index, name)
+        if key not in self._zero_pending:
+            return False
+        self._zero_pending.remove(key)
+        return True
 
     # ------------------------------------------------------------------ reduce_grad
     def reduce_grad(self, plan: Plan, layer: LayerExperts) -> None:
@@ -273,8 +282,7 @@ class ExpertPools:
         buf = self.buffer
         rank = buf.rank
         for name in self.projections:  # the owners add into g_local: it must hold values, not a declaration
-            if (layer.index, name) in self._zero_pending:
-                self._zero_pending.discard((layer.index, name))
+            if self._claim_stale(layer, name):
                 layer.g_local[name].zero_()
         buf.barrier("reduce_grad:ready")
         for name in self.projections:

@@ -88,7 +88,8 @@ def adamw_write_back_(params: list[torch.Tensor], grads: list[torch.Tensor], exp
 class WriteBackAdamW(torch.optim.AdamW):
     """torch's AdamW, except for parameters registered with `register_write_back`: their step is
     `adamw_write_back_` (which also writes the registered compute tensor and zeroes the grad unless
-    registered with zero_grad=False, then drops p.grad). `last_written` holds the ids of the parameters the last step wrote back."""
+    registered with zero_grad=False, then drops p.grad). `last_written` holds the ids of the
+    parameters the last step wrote back."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -122,25 +123,26 @@ class WriteBackAdamW(torch.optim.AdamW):
             for (_, p), g in zip(mine, held, strict=True):
                 p.grad = g
         grad_scale = getattr(self, "grad_scale", None)
-        for group, zero in ((group, zero) for group in self.param_groups for zero in (True, False)):
-            params = [p for g, p in mine if g is group and self._zero[id(p)] == zero]
-            if not params:
-                continue
-            for p in params:
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                elif state["step"].device != p.device:  # e.g. a step count restored on the CPU
-                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+        for _, p in mine:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif state["step"].device != p.device:  # e.g. a step count restored on the CPU
+                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+        for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            adamw_write_back_(params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
-                              [self.state[p]["exp_avg_sq"] for p in params], [self.state[p]["step"] for p in params],
-                              [self._out[id(p)] for p in params], lr=group["lr"], beta1=beta1, beta2=beta2,
-                              eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=grad_scale,
-                              zero_grads=zero)
-            for p in params:
-                p.grad = None
+            for zero in (True, False):  # one call per group and zeroing choice
+                params = [p for g, p in mine if g is group and self._zero[id(p)] == zero]
+                if params:
+                    adamw_write_back_(
+                        params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
+                        [self.state[p]["exp_avg_sq"] for p in params], [self.state[p]["step"] for p in params],
+                        [self._out[id(p)] for p in params], lr=group["lr"], beta1=beta1, beta2=beta2,
+                        eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=grad_scale,
+                        zero_grads=zero)
+        for _, p in mine:
+            p.grad = None
         self.last_written = {id(p) for _, p in mine}
         return None

@@ -144,12 +144,6 @@ class ExpertWeights(nn.Module):
                 self._defer_zero(name)
             master.grad = None
 
-    @torch.no_grad()
-    def zero_grads(self) -> None:
-        for name, master in self.master.items():
-            self.grad[name].zero_()
-            master.grad = None
-
 
 def _make_fold_hook(grad_fp32: torch.Tensor, scale_box: list[float]):
     # the box, never the module: the hook lives on the compute tensor (C++), which the module holds,
