@@ -62,3 +62,11 @@ def test_route_weight_kernels_match_pytorch() -> None:
 @pytest.mark.parametrize("scale", [1.0, 0.5])
 def test_accumulate_groups_writes_stale_groups(scale: float) -> None:
     check_accumulate_groups_write([3, 0, 16, 0, 5, 1], 3, 5, 700, scale, "cpu")  # groups 0-2 stale, 1 empty
+
+
+def test_every_activation_has_triton_kernels() -> None:
+    """moonep.activation is the registry: the triton path fuses each registered activation."""
+    from moonep.activation import ACTIVATIONS
+    from moonep.datapath.triton_path import GLU_KERNELS
+
+    assert sorted(GLU_KERNELS) == sorted(ACTIVATIONS)
