@@ -18,6 +18,7 @@ import sys
 import torch
 
 from moontrain.config import RunConfig, from_dict, load_recipe
+from moontrain.parallel.hosts import check_dry_run_host, check_ep_domain
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,9 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         nproc = args.nproc if args.nproc is not None else _default_nproc(cfg)
         if nproc < 1 or args.nnodes < 1:
             raise ValueError(f"--nproc ({nproc}) and --nnodes ({args.nnodes}) must be >= 1")
+        if args.dry_run:
+            check_dry_run_host(args.device or "cuda", nproc)
         world = nproc * args.nnodes
         cfg.check_world(world)
-        if args.nnodes > 1 and args.rdzv_endpoint is None:
+        check_ep_domain(cfg.experts.backend, cfg.parallel.ep, nproc)
+        if args.nnodes > 1 and args.rdzv_endpoint is None and not args.dry_run:
             raise ValueError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)")
     except ValueError as err:
         print(f"moontrain: error: {err}", file=sys.stderr)
