@@ -14,7 +14,7 @@ The math is torch's fused AdamW (ATen's fused_adam_utils, ADAMW mode), in fp32:
     v = beta2 * v + (1 - beta2) * g * g
     p = p - (lr / (1 - beta1^step)) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
 with the bias corrections computed on the device from the step tensors (no host read). Values match
-torch's AdamW up to fp32 contraction (a few ulps per step; tests/moontrain/test_write_back_*).
+torch's AdamW up to fp32 contraction (a few ulps per step; tests/moontrain/optim/test_write_back_*).
 State is torch's (exp_avg, exp_avg_sq, a float32 step tensor on the parameter's device), so
 checkpoints and the optimizer's state_dict do not change.
 """
