@@ -14,7 +14,7 @@ import pytest
 
 from tests.dist_utils import free_port
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 STEPS = ["train.steps=3", "train.log_every=1", "checkpoint.save_final=false", "metrics.wandb=false",
          "experts.backend=alltoall"]
 
