@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from moonep import BufferOptions
 
 
 @dataclass(kw_only=True, slots=True)
@@ -103,12 +105,8 @@ class ExpertsConfig:
 
     backend: ExpertsBackendName = "alltoall"
     token_padding: int = 16  # each expert's row group is padded to this many rows (grouped-GEMM alignment)
-    moonep_kernels: Literal["auto", "torch", "triton"] = "auto"  # moonep data path (BufferConfig.kernels)
-    moonep_expert_kernels: bool = True  # moonep prefetch/reduce_grad kernels (BufferConfig.expert_kernels)
-    moonep_fused_planner: bool = True  # moonep's fused Triton planner (BufferConfig.fused_planner)
+    moonep: BufferOptions = field(default_factory=BufferOptions)  # how the moonep backend's Buffer runs
 
     def __post_init__(self) -> None:
-        if self.moonep_kernels not in ("auto", "torch", "triton"):
-            raise ValueError(f"experts.moonep_kernels must be 'auto', 'torch' or 'triton', got {self.moonep_kernels!r}")
         if self.token_padding < 1:
             raise ValueError(f"experts.token_padding must be >= 1, got {self.token_padding}")
