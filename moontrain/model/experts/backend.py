@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from moontrain.model.config import FFNActivation
 from moontrain.model.experts.weights import ExpertWeights
 
 
@@ -35,6 +36,7 @@ class ExpertsContext:
     token_padding: int
     max_tokens: int  # tokens per rank per call (S)
     device: torch.device
+    activation: FFNActivation = "swiglu"  # the experts' gated activation (ModelConfig.ffn_activation)
     moonep_kernels: str = "auto"  # BufferConfig.kernels of the moonep backend
     moonep_expert_kernels: bool = True  # BufferConfig.expert_kernels of the moonep backend
     moonep_fused_planner: bool = True  # BufferConfig.fused_planner of the moonep backend
