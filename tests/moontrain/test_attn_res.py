@@ -94,16 +94,16 @@ def naive_forward(model: K3Model, tokens_BT: torch.Tensor, block_size: int) -> t
         return naive_aggregate(values, res.query, res.key_norm.weight, res.key_norm.eps)
 
     for i, layer in enumerate(model.layers):
-        h = aggregate(layer.res_attn, blocks + [partial])
+        h = aggregate(layer.res_attn, [*blocks, partial])
         if i % (block_size // 2) == 0:
             blocks.append(partial)
             partial = None
         out = layer.attn(layer.attn_norm(h), cos, sin)
         partial = out if partial is None else partial + out
-        h = aggregate(layer.res_ffn, blocks + [partial])
+        h = aggregate(layer.res_ffn, [*blocks, partial])
         y = layer.ffn(layer.ffn_norm(h))
         partial = partial + (y[0] if layer.is_moe else y)
-    return model.lm_head(model.norm(aggregate(model.final_res, blocks + [partial])))
+    return model.lm_head(model.norm(aggregate(model.final_res, [*blocks, partial])))
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 12])
