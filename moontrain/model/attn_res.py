@@ -97,6 +97,19 @@ class DepthAttention(nn.Module):
         return _DepthAttention.apply(q_D, self.key_norm.eps, *blocks, partial)
 
 
+def aggregation_sizes(num_layers: int, block_size: int) -> list[int]:
+    """The number of values N each aggregation attends over, in forward order: two per layer (before
+    the attention, before the FFN), then the final one. Empty for standard residuals (block_size 0)."""
+    if not block_size:
+        return []
+    sizes, completed = [], 0
+    for layer_idx in range(num_layers):
+        sizes.append(completed + 1)
+        completed += starts_block(layer_idx, block_size)
+        sizes.append(completed + 1)
+    return [*sizes, completed + 1]
+
+
 def starts_block(layer_idx: int, block_size: int) -> bool:
     """Whether transformer layer layer_idx commits the partial sum as a completed block (block_size in
     sub-layers, two per transformer layer)."""

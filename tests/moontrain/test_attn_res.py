@@ -13,10 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moontrain.model.attn_res import DepthAttention
+from moontrain.metrics.flops import flops_per_token
+from moontrain.model.attn_res import DepthAttention, aggregation_sizes
 from moontrain.model.config import ModelConfig
 from moontrain.model.experts import ExpertsContext
 from moontrain.model.transformer import K3Model
+from moontrain.planning.params import count_params
 
 
 def naive_aggregate(values: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
@@ -81,8 +83,10 @@ def _model(cfg: ModelConfig) -> K3Model:
     return model
 
 
-def naive_forward(model: K3Model, tokens_BT: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Block AttnRes as the paper's pseudocode reads, around the model's own sub-modules."""
+def naive_forward(model: K3Model, tokens_BT: torch.Tensor, block_size: int,
+                  sizes: list[int] | None = None) -> torch.Tensor:
+    """Block AttnRes as the paper's pseudocode reads, around the model's own sub-modules; appends the
+    number of values of each aggregation to `sizes`."""
     from moontrain.model.rope import rope_cos_sin
 
     cfg = model.cfg
@@ -91,6 +95,8 @@ def naive_forward(model: K3Model, tokens_BT: torch.Tensor, block_size: int) -> t
     partial = model.embed(tokens_BT)
 
     def aggregate(res: DepthAttention, values: list[torch.Tensor]) -> torch.Tensor:
+        if sizes is not None:
+            sizes.append(len(values))
         return naive_aggregate(values, res.query, res.key_norm.weight, res.key_norm.eps)
 
     for i, layer in enumerate(model.layers):
@@ -115,9 +121,23 @@ def test_model_matches_naive_block_attn_res(block_size: int) -> None:
     tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
     targets = tokens.roll(-1, 1)
     _, ce = model(tokens, targets)
-    logits = naive_forward(model, tokens, block_size)
+    sizes: list[int] = []
+    logits = naive_forward(model, tokens, block_size, sizes)
     want = torch.nn.functional.cross_entropy(logits.view(-1, cfg.vocab_size), targets.reshape(-1))
     assert abs(ce.item() - want.item()) <= 1e-5 * abs(want.item()), (ce.item(), want.item())
+    assert aggregation_sizes(cfg.num_layers, block_size) == sizes
+
+
+def test_counts_and_flops_cover_attn_res() -> None:
+    """AttnRes adds 2 D-vectors per aggregation (2 per layer + 1) to the parameters and 12 D N FLOPs per
+    token per aggregation over N values; SiTU-GLU changes neither."""
+    on, off = _cfg(attn_res_block_size=4), _cfg(attn_res_block_size=0, ffn_activation="swiglu")
+    c_on, c_off = count_params(on), count_params(off)
+    D, L = on.hidden_size, on.num_layers
+    assert c_on.attn_res == (2 * L + 1) * 2 * D and c_off.attn_res == 0
+    assert c_on.total - c_off.total == c_on.attn_res and c_on.active - c_off.active == c_on.attn_res
+    sizes = [1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4]  # blocks start at layers 0, 2, 4 of 5
+    assert flops_per_token(on, 64) - flops_per_token(off, 64) == 12 * D * sum(sizes)
 
 
 def test_init_zeroes_the_queries_and_block_size_is_validated() -> None:
