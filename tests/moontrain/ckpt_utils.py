@@ -9,7 +9,6 @@ from torch.distributed.tensor import DTensor
 from moontrain.config import RunConfig, from_dict
 from moontrain.trainer.trainer import Trainer
 
-
 K3_BLOCK = {"ffn_activation": "situ_glu", "attn_res_block_size": 2}  # SiTU-GLU, AttnRes with a block per layer
 
 
