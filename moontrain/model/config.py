@@ -7,14 +7,22 @@ from typing import Literal
 
 from moonep import BufferOptions
 
+FFNActivation = Literal["swiglu", "situ_glu"]
+
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
     num_layers: int
-    num_dense_layers: int = 1  # the first layers use a dense SwiGLU FFN instead of MoE
+    num_dense_layers: int = 1  # the first layers use a dense gated FFN instead of MoE
     dense_intermediate_size: int
+    # gated activation of every FFN (dense, shared and routed experts): silu(g) * u, or K3's SiTU-GLU
+    # 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25) (moonep.situ_glu)
+    ffn_activation: FFNActivation = "swiglu"
+    # Block Attention Residuals (arXiv 2603.15031): sub-layers per block (attention and FFN count one
+    # each, so a block is attn_res_block_size / 2 transformer layers; K3: 12). 0: standard residuals
+    attn_res_block_size: int = 0
     norm_eps: float = 1e-6
     init_std: float = 0.02
     # MLA attention
@@ -65,6 +73,13 @@ class ModelConfig:
         if not 0 <= self.num_dense_layers <= self.num_layers:
             raise ValueError(
                 f"model.num_dense_layers={self.num_dense_layers} must be in [0, num_layers={self.num_layers}]"
+            )
+        if self.ffn_activation not in ("swiglu", "situ_glu"):
+            raise ValueError(f"model.ffn_activation must be 'swiglu' or 'situ_glu', got {self.ffn_activation!r}")
+        if self.attn_res_block_size < 0 or self.attn_res_block_size % 2:
+            raise ValueError(
+                f"model.attn_res_block_size must be an even number of sub-layers >= 2 (K3: 12), or 0 for standard "
+                f"residuals; got {self.attn_res_block_size}"
             )
         if self.router_skew < 0:
             raise ValueError(f"model.router_skew must be >= 0 (0: no skew), got {self.router_skew}")

@@ -2,6 +2,9 @@
 
 Legend: B batch, T sequence, D hidden, V vocab.
 
+Residuals: standard (x + sublayer(norm(x))), or Block Attention Residuals with model.attn_res_block_size
+(moontrain/model/attn_res.py): blocks then pass (completed blocks, partial sum) along instead of x.
+
 Activation checkpointing (optional) recomputes each block in backward (non-reentrant). The recompute
 re-runs the expert backend's collectives; every rank recomputes the same blocks in the same order,
 so they stay matched. early_stop is off so a recompute always runs the whole block (a partial one
@@ -19,9 +22,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moontrain.model.attention import MLAttention
+from moontrain.model.attn_res import DepthAttention, starts_block
 from moontrain.model.config import ModelConfig
 from moontrain.model.experts import ExpertsContext, build_experts_backend
-from moontrain.model.ffn import SwiGLU
+from moontrain.model.ffn import GatedFFN
 from moontrain.model.moe import MoE
 from moontrain.model.norm import RMSNorm
 from moontrain.model.rope import rope_cos_sin
@@ -36,14 +40,22 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
         self.is_moe = layer_idx >= cfg.num_dense_layers
         self.ffn = (MoE(cfg, ep_rank=ep_rank, ep_size=ep_size, device=device) if self.is_moe
-                    else SwiGLU(cfg.hidden_size, cfg.dense_intermediate_size, device=device))
+                    else GatedFFN(cfg.hidden_size, cfg.dense_intermediate_size, cfg.ffn_activation, device=device))
+        self.attn_res = cfg.attn_res_block_size > 0
+        if self.attn_res:  # AttnRes: the attention's and the FFN's inputs are depth aggregations
+            self.res_attn = DepthAttention(cfg.hidden_size, cfg.norm_eps, device=device)
+            self.res_ffn = DepthAttention(cfg.hidden_size, cfg.norm_eps, device=device)
+            self.starts_block = starts_block(layer_idx, cfg.attn_res_block_size)
         self.activation_checkpointing = False
 
-    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, blocks: tuple[torch.Tensor, ...], x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor | None]:
+        """(completed AttnRes blocks, residual stream or AttnRes partial sum) -> the same after this
+        layer, and the MoE aux loss. Without AttnRes `blocks` is () and passes through."""
         if self.activation_checkpointing and torch.is_grad_enabled():
-            return checkpoint(self._forward, x_BTD, cos, sin, use_reentrant=False, early_stop=False,
+            return checkpoint(self._forward, blocks, x_BTD, cos, sin, use_reentrant=False, early_stop=False,
                               context_fn=lambda: (nullcontext(), self._recomputing()))
-        return self._forward(x_BTD, cos, sin)
+        return self._forward(blocks, x_BTD, cos, sin)
 
     @contextmanager
     def _recomputing(self) -> Iterator[None]:
@@ -56,12 +68,25 @@ class Block(nn.Module):
         finally:
             self.ffn.router.count_tokens = True
 
-    def _forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin)
+    def _forward(self, blocks: tuple[torch.Tensor, ...], x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor | None]:
+        if not self.attn_res:
+            x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin)
+            y, aux = self._ffn(self.ffn_norm(x_BTD))
+            return blocks, x_BTD + y, aux
+        h_BTD = self.res_attn(blocks, x_BTD)
+        if self.starts_block:  # the partial sum becomes a completed block; a new one starts here
+            blocks = (*blocks, x_BTD)
+            x_BTD = self.attn(self.attn_norm(h_BTD), cos, sin)
+        else:
+            x_BTD = x_BTD + self.attn(self.attn_norm(h_BTD), cos, sin)
+        y, aux = self._ffn(self.ffn_norm(self.res_ffn(blocks, x_BTD)))
+        return blocks, x_BTD + y, aux
+
+    def _ffn(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.is_moe:
-            y, aux = self.ffn(self.ffn_norm(x_BTD))
-            return x_BTD + y, aux
-        return x_BTD + self.ffn(self.ffn_norm(x_BTD)), None
+            return self.ffn(x_BTD)
+        return self.ffn(x_BTD), None
 
 
 class K3Model(nn.Module):
@@ -75,6 +100,9 @@ class K3Model(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
+        # AttnRes: the final norm's input is one more aggregation over the blocks and the last partial sum
+        self.final_res = (DepthAttention(cfg.hidden_size, cfg.norm_eps, device=device)
+                          if cfg.attn_res_block_size else None)
         self._loss = _cross_entropy
 
     def moe_layers(self) -> list[MoE]:
@@ -92,6 +120,8 @@ class K3Model(nn.Module):
                 continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith(".query"):  # AttnRes pseudo-queries start at zero: uniform depth weights
+                p.zero_()
             else:
                 p.normal_(0.0, std, generator=gen)
         for layer_idx, moe in enumerate(self.moe_layers()):
@@ -132,10 +162,13 @@ class K3Model(nn.Module):
         cos, sin = rope_cos_sin(T, cfg.qk_rope_head_dim, cfg.rope_theta, tokens_BT.device)
         x_BTD = self.embed(tokens_BT)
         aux_total = x_BTD.new_zeros((), dtype=torch.float32)
+        blocks: tuple[torch.Tensor, ...] = ()
         for block in self.layers:
-            x_BTD, aux = block(x_BTD, cos, sin)
+            blocks, x_BTD, aux = block(blocks, x_BTD, cos, sin)
             if aux is not None:
                 aux_total = aux_total + aux
+        if self.final_res is not None:
+            x_BTD = self.final_res(blocks, x_BTD)
         logits_BTV = self.lm_head(self.norm(x_BTD))
         ce = self._loss(logits_BTV, targets_BT)
         return ce + aux_total, ce.detach()

@@ -62,7 +62,7 @@ class Trainer:
         self.experts_ctx = ExpertsContext(
             num_experts=cfg.model.num_experts, topk=cfg.model.num_experts_per_tok, ep_group=layout.ep_group,
             ep_size=layout.ep, compute_dtype=self.compute_dtype, token_padding=cfg.experts.token_padding,
-            max_tokens=micro_batch * cfg.train.seq_len, device=device,
+            max_tokens=micro_batch * cfg.train.seq_len, device=device, activation=cfg.model.ffn_activation,
             moonep_options=cfg.experts.moonep,
             moonep_chain_prefetch=not cfg.train.activation_checkpointing,
         )
