@@ -127,18 +127,25 @@ class K3Model(nn.Module):
 
     def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (loss to backpropagate = CE + aux, CE alone for logging)."""
+        logits_BTV, aux_total = self._logits_aux(tokens_BT)
+        ce = self._loss(logits_BTV, targets_BT)
+        return ce + aux_total, ce.detach()
+
+    def logits(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        """LM-head logits [B, T, V] of the training forward (evaluation, generation, export parity)."""
+        return self._logits_aux(tokens_BT)[0]
+
+    def _logits_aux(self, tokens_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         T = tokens_BT.shape[1]
-        cos, sin = rope_cos_sin(T, cfg.qk_rope_head_dim, cfg.rope_theta, tokens_BT.device)
+        cos, sin = rope_cos_sin(T, cfg.qk_rope_head_dim, cfg.rope_theta, tokens_BT.device, yarn=cfg.rope_yarn)
         x_BTD = self.embed(tokens_BT)
         aux_total = x_BTD.new_zeros((), dtype=torch.float32)
         for block in self.layers:
             x_BTD, aux = block(x_BTD, cos, sin)
             if aux is not None:
                 aux_total = aux_total + aux
-        logits_BTV = self.lm_head(self.norm(x_BTD))
-        ce = self._loss(logits_BTV, targets_BT)
-        return ce + aux_total, ce.detach()
+        return self.lm_head(self.norm(x_BTD)), aux_total
 
 
 def _cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
