@@ -99,7 +99,7 @@ def _export_plan(cfg: ModelConfig, source: TensorSource, dtype: torch.dtype
         if name.kind == "experts":
             for j in range(shape[0]):
                 yield (name.expert(j), (shape[2], shape[1]), out_dtype,
-                       lambda key=key, j=j: source.rows(key, j, 1)[0].t().to(out_dtype).contiguous())
+                       lambda key=key, j=j, d=out_dtype: source.rows(key, j, 1)[0].t().to(d).contiguous())
             continue
         order = rope_rows(name.kind, cfg, shape[0], to_hf=True) if shape else None
 
