@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 
 class MoontrainConfig(PretrainedConfig):
     model_type = "moontrain"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ("past_key_values",)
 
     def __init__(self, vocab_size: int = 257, hidden_size: int = 64, intermediate_size: int = 192,
                  moe_intermediate_size: int = 64, num_hidden_layers: int = 3, num_attention_heads: int = 4,

@@ -222,8 +222,8 @@ class MoontrainDecoderLayer(nn.Module):
 class MoontrainPreTrainedModel(PreTrainedModel):
     config_class = MoontrainConfig
     base_model_prefix = "model"
-    _no_split_modules = ["MoontrainDecoderLayer"]
-    _keep_in_fp32_modules_strict = ["e_score_correction_bias", "gate.weight"]
+    _no_split_modules = ("MoontrainDecoderLayer",)
+    _keep_in_fp32_modules_strict = ("e_score_correction_bias", "gate.weight")
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
@@ -245,7 +245,7 @@ class MoontrainModel(MoontrainPreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        B, T = input_ids.shape
+        T = input_ids.shape[1]
         cos, sin = rope_tables(self.config, torch.arange(T, device=input_ids.device))
         mask = None
         if attention_mask is not None and not bool(attention_mask.all()):

@@ -182,5 +182,5 @@ def test_group_limited_routing_config_errors() -> None:
         from_dict(ModelConfig, base, "model")
     with pytest.raises(ValueError, match="topk_expert_groups=5 must be in"):
         from_dict(ModelConfig, {**_tiny_model(), "num_expert_groups": 4, "topk_expert_groups": 5}, "model")
-    with pytest.raises(ValueError, match="model.rope_yarn.factor"):
+    with pytest.raises(ValueError, match=r"model\.rope_yarn\.factor"):
         from_dict(ModelConfig, {**_tiny_model(), "rope_yarn": {"factor": 0.5, "original_max_position": 64}}, "model")
