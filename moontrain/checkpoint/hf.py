@@ -203,6 +203,10 @@ class HFSource:
             return (self.cfg.num_experts, in_dim, out_dim)
         return tuple(self._slice(name.name).get_shape())
 
+    def full(self, key: str) -> torch.Tensor:
+        shape = self.shape(key)
+        return self.rows(key, 0, shape[0] if shape else 0)
+
     def rows(self, key: str, offset: int, rows: int) -> torch.Tensor:
         name = hf_name(key)
         if name.kind == "experts":
