@@ -26,7 +26,7 @@ from tests.dist_utils import run_ranks
 from tests.moontrain.ckpt_utils import assert_bitwise, full_state, small_config, train
 
 CPU = torch.device("cpu")
-CORPUS = {"source": "dataset", "path": str(Path(__file__).resolve().parents[2] / "recipes/data/tiny_corpus.jsonl")}
+CORPUS = {"source": "dataset", "path": str(Path(__file__).resolve().parents[3] / "recipes/data/tiny_corpus.jsonl")}
 
 
 def _single(run_dir: Path, **kw) -> Trainer:

@@ -21,7 +21,7 @@ from moontrain.data.config import DataConfig  # noqa: E402
 from moontrain.data.packed import PackedDocuments  # noqa: E402
 from moontrain.data.tiny_corpus import documents, write_corpus  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 NUM_DOCS = 23
 T, G = 16, 4
 
