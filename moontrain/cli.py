@@ -3,6 +3,10 @@
     moontrain launch RECIPE [key=value ...] [--nproc N] [--nnodes N --node-rank I --rdzv-endpoint HOST:PORT]
                      [--dry-run [--device cuda|cpu]]
 
+    moontrain export CHECKPOINT OUT_DIR [--dtype bfloat16|float32|float16] [--shard-gib G] [--tokenizer PATH]
+    moontrain generate CHECKPOINT_OR_HF_DIR --prompt TEXT [--max-new-tokens N --temperature T --top-p P --seed S]
+    moontrain eval CHECKPOINT_OR_HF_DIR --data PATH [--seq-len T --batch-size B --batches N]
+
 launch validates the recipe (strict loader, world-size checks) before anything starts, then runs
 torchrun with one worker per rank (`moontrain.trainer.worker`); the worker picks nccl on GPU and gloo
 on CPU. --dry-run prints the parallel layout, parameter counts and a per-rank memory estimate without
@@ -25,9 +29,11 @@ from moontrain.parallel.hosts import check_dry_run_host, check_ep_domain
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]](argv[1:])
     if not argv or argv[0] != "launch":
-        print("usage: moontrain launch RECIPE [key=value ...] [--nproc N] [--dry-run] (see --help)",
-              file=sys.stderr)
+        print("usage: moontrain launch RECIPE [key=value ...] [--nproc N] [--dry-run] (see --help)\n"
+              "       moontrain export|generate|eval ... (see moontrain <command> --help)", file=sys.stderr)
         return 2
     # subparsers cannot be combined with intermixed options, so the one command is matched by hand
     launch = argparse.ArgumentParser(prog="moontrain launch",
@@ -105,6 +111,87 @@ def _default_nproc(cfg: RunConfig) -> int:
     if torch.cuda.is_available():
         return torch.cuda.device_count()
     return cfg.parallel.ep
+
+
+def _device(name: str | None) -> torch.device:
+    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def export_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="moontrain export",
+                                     description="write a checkpoint as a Hugging Face model directory")
+    parser.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/k3_tiny/checkpoints/step_00000060")
+    parser.add_argument("out_dir")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--shard-gib", type=float, default=5.0, help="shard size bound in GiB")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer file or directory (default: the run's)")
+    args = parser.parse_args(argv)
+    from moontrain.checkpoint.hf import export_hf
+
+    try:
+        out = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype, shard_bytes=int(args.shard_gib * 2**30),
+                        tokenizer=args.tokenizer)
+    except ValueError as err:
+        print(f"moontrain: error: {err}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+def generate_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="moontrain generate",
+                                     description="sample text from a checkpoint or a Hugging Face directory")
+    parser.add_argument("model", help="a checkpoint directory or an exported (or DeepSeek-V3 / K2) HF directory")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    args = parser.parse_args(argv)
+    from moontrain.generate.decoder import generate
+    from moontrain.generate.load import load_model
+
+    try:
+        model, tokenizer = load_model(args.model, device=_device(args.device))
+        prompt = tokenizer.encode(args.prompt)
+        if not prompt:
+            raise ValueError("--prompt encodes to no tokens; give some text")
+        out = generate(model, torch.tensor([prompt], device=model.embed.weight.device),
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                       seed=args.seed, eos_id=tokenizer.eos_id)
+    except ValueError as err:
+        print(f"moontrain: error: {err}", file=sys.stderr)
+        return 2
+    print(tokenizer.decode(out[0].tolist()))
+    return 0
+
+
+def eval_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="moontrain eval", description="held-out loss and perplexity")
+    parser.add_argument("model", help="a checkpoint directory or a Hugging Face directory")
+    parser.add_argument("--data", required=True, help="a jsonl / parquet / text file or directory of documents")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batches", type=int, default=10)
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    args = parser.parse_args(argv)
+    from moontrain.data.config import DataConfig
+    from moontrain.generate.evaluate import evaluate
+    from moontrain.generate.load import load_model
+
+    try:
+        model, _ = load_model(args.model, device=_device(args.device), max_tokens=args.batch_size * args.seq_len)
+        result = evaluate(model, DataConfig(source="dataset", path=args.data, shuffle=False), seq_len=args.seq_len,
+                          batch_size=args.batch_size, num_batches=args.batches)
+    except ValueError as err:
+        print(f"moontrain: error: {err}", file=sys.stderr)
+        return 2
+    print(f"loss {result.loss:.4f}  perplexity {result.perplexity:.3f}  ({result.tokens} tokens)")
+    return 0
+
+
+COMMANDS = {"export": export_command, "generate": generate_command, "eval": eval_command}
 
 
 if __name__ == "__main__":

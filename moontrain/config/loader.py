@@ -125,6 +125,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
                 return _convert(option, value, key)
             except ValueError as err:
                 errors.append(str(err))
+        if len(errors) == 1:  # X | None: the one real option's own message names the nested key
+            raise ValueError(errors[0])
         raise ValueError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         allowed = get_args(tp)

@@ -14,15 +14,13 @@ zero padding changes neither scores nor values) and the padding is sliced off th
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moontrain.model.config import ModelConfig
 from moontrain.model.norm import RMSNorm
-from moontrain.model.rope import apply_rope
+from moontrain.model.rope import apply_rope, softmax_scale
 
 
 class MLAttention(nn.Module):
@@ -34,10 +32,10 @@ class MLAttention(nn.Module):
             self.wq = nn.Linear(D, N * cfg.qk_head_dim, bias=False, device=device)
         else:
             self.wq_a = nn.Linear(D, cfg.q_lora_rank, bias=False, device=device)
-            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, device=device)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.mla_eps, device=device)
             self.wq_b = nn.Linear(cfg.q_lora_rank, N * cfg.qk_head_dim, bias=False, device=device)
         self.wkv_a = nn.Linear(D, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False, device=device)
-        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, device=device)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.mla_eps, device=device)
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, N * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False,
                                device=device)
         if cfg.attn_output_gate:
@@ -69,7 +67,7 @@ class MLAttention(nn.Module):
             q_BNTd, k_BNTd = F.pad(q_BNTd, (0, d - Dn - Dr)), F.pad(k_BNTd, (0, d - Dn - Dr))
             v_BNTd = F.pad(v_BNTDv, (0, d - Dv))
         o_BNTd = F.scaled_dot_product_attention(q_BNTd, k_BNTd, v_BNTd, is_causal=True,
-                                                scale=1.0 / math.sqrt(Dn + Dr))
+                                                scale=softmax_scale(cfg))
         o_BTNDv = o_BNTd[..., :Dv].transpose(1, 2).reshape(B, T, N * Dv)
         if cfg.attn_output_gate:
             o_BTNDv = o_BTNDv * torch.sigmoid(self.wg(x_BTD))

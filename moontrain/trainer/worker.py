@@ -1,7 +1,7 @@
 """Per-rank entry point started by torchrun: `python -m moontrain.trainer.worker RECIPE [key=value ...]`.
 
 Picks nccl on GPU and gloo on CPU, builds the layout, writes the resolved config (rank 0), resumes from a
-checkpoint when checkpoint.resume says so, opens the wandb run (rank 0; the id comes from the checkpoint
+checkpoint when checkpoint.resume says so (else takes the initial weights of checkpoint.init_from), opens the wandb run (rank 0; the id comes from the checkpoint
 on resume) and trains.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moontrain.checkpoint import find_latest
+from moontrain.checkpoint import find_latest, init_weights_from
 from moontrain.config import RunConfig, dump_config, from_dict, load_recipe
 from moontrain.config.loader import to_dict
 from moontrain.metrics.progress import ProgressLog
@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> None:
                 trainer.load_checkpoint(resume_from)
                 if is_main:
                     print(f"moontrain: resumed from {resume_from} at step {trainer.step}", flush=True)
+            elif cfg.checkpoint.init_from is not None:
+                init_weights_from(trainer, cfg.checkpoint.init_from)
+                if is_main:
+                    print(f"moontrain: initial weights from {cfg.checkpoint.init_from}", flush=True)
             if is_main:
                 sink = None
                 if cfg.metrics.wandb:
