@@ -48,9 +48,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.optim.adamw import adamw as adamw_step
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim.adamw import adamw as adamw_step
 
 from moontrain.optim.config import OptimConfig
 from moontrain.optim.schedule import lr_multiplier
