@@ -140,8 +140,12 @@ class ReferenceMuon(torch.optim.Optimizer):
 # ------------------------------------------------------------------------------------------ sharded == reference
 def _muon_config(backend: str, ep: int) -> RunConfig:
     cfg = tiny_config(backend, ep)
+    # AdamW's eps raised from 1e-8: the AdamW-stepped parameters (embedding, head, norms, routers) must
+    # respond continuously to their grads. With eps ~0 an element whose grad is ~0 moves by +-lr on its
+    # first step whatever its size, so the bf16 noise that Muon's updates put into the step-2 grads
+    # would flip such elements by 2 lr: a real difference of the reduction order, not of sharding
     return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name="muon", muon_per_head_qkv=True,
-                                                              qk_clip_tau=TAU))
+                                                              qk_clip_tau=TAU, eps=1e-3))
 
 
 def _train_and_gather(trainer: Trainer) -> tuple[list[float], float, dict[str, torch.Tensor]]:
