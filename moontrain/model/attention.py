@@ -10,6 +10,8 @@ output gate, o = o * sigmoid(W_g x) per head and channel before W_o (gated atten
 SDPA gets q/k and v at their own head dims (cuDNN and memory-efficient attention accept Dv != Dn + Dr);
 with model.attn_pad_head_dims they are zero-padded to one head dim (flash attention wants equal dims;
 zero padding changes neither scores nor values) and the padding is sliced off the output.
+While `max_logit_N` is a tensor (QK-Clip on: moontrain.optim.qk_clip owns it), each forward folds the
+exact per-head maximum logit of its q and k into it (a separate no-grad pass; SDPA does not return it).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 from moontrain.model.config import ModelConfig
 from moontrain.model.norm import RMSNorm
 from moontrain.model.rope import apply_rope, softmax_scale
+from moontrain.optim.qk_clip import causal_max_logit
 
 
 class MLAttention(nn.Module):
@@ -41,6 +44,7 @@ class MLAttention(nn.Module):
         if cfg.attn_output_gate:
             self.wg = nn.Linear(D, N * cfg.v_head_dim, bias=False, device=device)
         self.wo = nn.Linear(N * cfg.v_head_dim, D, bias=False, device=device)
+        self.max_logit_N: torch.Tensor | None = None  # QK-Clip's running max logit per head, or None
 
     def forward(self, x_BTD: torch.Tensor, cos_TDr: torch.Tensor, sin_TDr: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -62,6 +66,9 @@ class MLAttention(nn.Module):
             k_rope_BNTDr = apply_rope(k_rope_BNTDr, cos_TDr, sin_TDr)
         k_BNTd = torch.cat([k_nope_BNTDn, k_rope_BNTDr.expand(B, N, T, Dr)], dim=-1)
         v_BNTd = v_BNTDv
+        if self.max_logit_N is not None:
+            self.max_logit_N = torch.maximum(self.max_logit_N,
+                                             causal_max_logit(q_BNTd, k_BNTd, softmax_scale(cfg)))
         if cfg.attn_pad_head_dims and Dn + Dr != Dv:
             d = max(Dn + Dr, Dv)
             q_BNTd, k_BNTd = F.pad(q_BNTd, (0, d - Dn - Dr)), F.pad(k_BNTd, (0, d - Dn - Dr))

@@ -30,6 +30,7 @@ from moontrain.metrics.window import MetricsWindow, memory_stats
 from moontrain.model.experts import ExpertsContext
 from moontrain.model.transformer import K3Model
 from moontrain.optim.adamw import build_optimizer
+from moontrain.optim.qk_clip import QKClip
 from moontrain.parallel.clip import clip_grad_norm_global
 from moontrain.parallel.fsdp import allreduce_dense_grads, apply_fsdp
 from moontrain.parallel.layout import ParallelLayout
@@ -73,7 +74,11 @@ class Trainer:
         self.expert_params = [p for w in self.experts for p in w.master.values()]
         expert_ids = {id(p) for p in self.expert_params}
         self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.train.steps)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.train.steps,
+                                                         expert_group=layout.edp_group)
+        self.qk_clip = (QKClip([block.attn for block in self.model.layers], cfg.optim.qk_clip_tau,
+                               group=layout.world_group, layer_ids=list(range(cfg.model.num_layers)))
+                        if cfg.optim.qk_clip_tau > 0 else None)
         if hasattr(self.optimizer, "register_write_back"):  # fused step + compute-copy write + grad zeroing
             for w in self.experts:
                 for name, master in w.master.items():
@@ -116,6 +121,8 @@ class Trainer:
                                           self.cfg.optim.grad_clip, optimizer=self.optimizer)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
+        if self.qk_clip is not None:
+            self.qk_clip.step()
         if hasattr(self.optimizer, "grad_scale"):  # the clip's factor is for this step only
             del self.optimizer.grad_scale
         self.scheduler.step()
@@ -177,7 +184,8 @@ class Trainer:
                           tokens_per_s=tokens_per_s, step_time_s=dt / n,
                           max_maxvio=values.get("moe/expert_maxvio/max", 0.0), mfu=mfu,
                           peak_mem_gib=mem.get("mem/peak_gib"),
-                          scalars={**values, **mem, "tokens_seen": float(self.tokens_seen)})
+                          scalars={**values, **mem, **(self.qk_clip.flush() if self.qk_clip is not None else {}),
+                                   "tokens_seen": float(self.tokens_seen)})
         if self.log is not None:
             self.log.log(stats)
         return stats
