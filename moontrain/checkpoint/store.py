@@ -65,12 +65,13 @@ def save_checkpoint(trainer: Trainer, root: str | Path, *, keep_last: int) -> Pa
         tmp.mkdir()
     _barrier(trainer)
     tensors, pieces = _collect_tensors(trainer)
+    finite = all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
     file = f"rank_{layout.rank:05d}.safetensors"
     save_file(tensors, str(tmp / file), metadata={"format": "pt", "moontrain": FORMAT})
     del tensors
     _fsync_file(tmp / file)
     entry = {"file": file, "bytes": (tmp / file).stat().st_size, "sha256": file_sha256(tmp / file),
-             "pieces": pieces, "rank_state": {"data": trainer.data.state_dict()}}
+             "pieces": pieces, "rank_state": {"data": trainer.data.state_dict()}, "finite": finite}
     entries = _gather(trainer, entry)
     if layout.rank == 0:
         state = _train_state(trainer, [e["rank_state"] for e in entries])
@@ -82,7 +83,8 @@ def save_checkpoint(trainer: Trainer, root: str | Path, *, keep_last: int) -> Pa
         for e in entries:
             for name, (offset, rows, shape) in e["pieces"].items():
                 index.setdefault(name, {"shape": shape, "pieces": []})["pieces"].append([e["file"], offset, rows])
-        manifest = {"format": FORMAT, "step": trainer.step, "files": files, "tensors": index}
+        manifest = {"format": FORMAT, "step": trainer.step, "finite": all(e["finite"] for e in entries),
+                    "files": files, "tensors": index}
         _write_durable(tmp / MANIFEST, json.dumps(manifest).encode())
         _fsync_dir(tmp)
         if final.exists():  # the same step saved twice (checkpoint.every and the final save)
@@ -284,9 +286,33 @@ def find_latest(root: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def is_finite(path: Path) -> bool:
+    """Whether every floating-point tensor of a complete checkpoint was finite when saved."""
+    return bool(json.loads((path / MANIFEST).read_text()).get("finite", True))
+
+
 def prune(root: Path, keep_last: int) -> None:
-    for old in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old)
+    """Delete complete checkpoints older than the newest keep_last, except the newest finite one (a run
+    that diverged keeps the checkpoint to resume from), and the debris of interrupted deletions.
+
+    A deletion first renames the directory to `<name>.tmp` (atomic), so a kill during rmtree leaves a
+    `.tmp` directory, which the next save removes, never a half-deleted checkpoint under its final name."""
+    found = list_checkpoints(root)
+    keep = set(found[-keep_last:])
+    keep.update(next(([p] for p in reversed(found) if is_finite(p)), []))
+    newest = found[-1] if found else None
+    for path in root.glob(f"{_PREFIX}*"):
+        step = path.name[len(_PREFIX):]
+        if not (path.is_dir() and step.isdigit()) or path in keep:
+            continue
+        # complete and old, or a final-named directory without a complete manifest older than the newest
+        # checkpoint: only an interrupted deletion leaves one (saves rename a finished .tmp into place)
+        if path in found or (newest is not None and int(step) < int(newest.name[len(_PREFIX):])):
+            doomed = path.with_name(path.name + _TMP)
+            if doomed.exists():
+                shutil.rmtree(doomed)
+            os.replace(path, doomed)
+            shutil.rmtree(doomed)
 
 
 # ---------------------------------------------------------------------------------------------- io
