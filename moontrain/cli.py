@@ -3,6 +3,9 @@
     moontrain launch RECIPE [key=value ...] [--nproc N] [--nnodes N --node-rank I --rdzv-endpoint HOST:PORT]
                      [--dry-run [--device cuda|cpu]]
 
+SIGTERM / SIGINT to the launcher: the ranks finish the step, save and exit 0; a second signal aborts;
+no rank outlives the launcher (moontrain.supervisor).
+
 launch validates the recipe (strict loader, world-size checks) before anything starts, then runs
 torchrun with one worker per rank (`moontrain.trainer.worker`); the worker picks nccl on GPU and gloo
 on CPU. --dry-run prints the parallel layout, parameter counts and a per-rank memory estimate without
@@ -12,12 +15,12 @@ allocating anything (the model is built on the meta device).
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 
 import torch
 
 from moontrain.config import RunConfig, from_dict, load_recipe
+from moontrain.supervisor import Supervisor
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd = torchrun_command(args.recipe, args.overrides, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                            rdzv_endpoint=args.rdzv_endpoint)
     print("moontrain: " + " ".join(cmd), flush=True)
-    return subprocess.call(cmd)
+    rc = Supervisor(cmd).run()
+    return 128 - rc if rc < 0 else rc  # killed by a signal: the shell's convention
 
 
 def torchrun_command(recipe: str, overrides: list[str], *, nproc: int, nnodes: int = 1, node_rank: int = 0,

@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 
 from moontrain.checkpoint.tensors import CheckpointError, Piece, TensorSource, file_sha256, local_tensor, ownership
 from moontrain.config.loader import to_dict
+from moontrain.optim.config import OptimConfig
 
 if TYPE_CHECKING:
     from moontrain.trainer.trainer import Trainer
@@ -157,6 +158,7 @@ def _train_state(trainer: Trainer, rank_states: list[dict]) -> dict[str, Any]:
         "scheduler": trainer.scheduler.state_dict(),
         "param_groups": groups,
         "model": to_dict(trainer.cfg.model),
+        "optim": to_dict(trainer.cfg.optim),
         "ranks": rank_states,
     }
 
@@ -234,10 +236,9 @@ def load_model_tensors(trainer: Trainer, source: TensorSource, *, prefix: str) -
 def _load_optimizer(trainer: Trainer, source: TensorSource, state: dict[str, Any]) -> None:
     opt = trainer.optimizer
     names = {id(p): n for n, p in trainer.model.named_parameters()}
-    saved_groups = {g["name"]: g for g in state["param_groups"]}
     for group in opt.param_groups:
-        saved = saved_groups[group["name"]]
-        group.update({k: tuple(v) if isinstance(group[k], tuple) else v for k, v in saved.items() if k in group})
+        # lr, betas, eps and weight_decay stay the recipe's: its settings apply on resume (the worker
+        # names each one that differs from the checkpoint's, see optim_changes)
         for p in group["params"]:
             name = names[id(p)]
             key = f"optim.{name}.step"
@@ -253,7 +254,25 @@ def _load_optimizer(trainer: Trainer, source: TensorSource, state: dict[str, Any
                 local_tensor(t).copy_(source.rows(f"optim.{name}.{moment}", own.offset, own.rows))
                 entry[moment] = t
             opt.state[p] = entry
-    trainer.scheduler.load_state_dict(state["scheduler"])
+    sched = trainer.scheduler
+    sched.load_state_dict(state["scheduler"])
+    sched.base_lrs = [group["initial_lr"] for group in opt.param_groups]  # optim.lr of the recipe
+    for group, base, factor in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
+        group["lr"] = base * factor(sched.last_epoch)  # LambdaLR's own formula: bitwise when unchanged
+    sched._last_lr = [group["lr"] for group in opt.param_groups]
+
+
+def optim_changes(state: dict[str, Any], optim: OptimConfig) -> list[str]:
+    """The optim.* settings that differ between a checkpoint's train state and `optim` ("key saved -> now")."""
+    now = to_dict(optim)
+    saved = state.get("optim")
+    if saved is None:  # a checkpoint from before the optim section was saved: its decay group has the values
+        group = next(g for g in state["param_groups"] if g["name"] in ("decay", "experts", "no_decay"))
+        saved = {"lr": group["initial_lr"], "beta1": group["betas"][0], "beta2": group["betas"][1],
+                 "eps": group["eps"]}
+        if group["name"] != "no_decay":
+            saved["weight_decay"] = group["weight_decay"]
+    return [f"optim.{k} {saved[k]!r} -> {now[k]!r}" for k in sorted(saved) if k in now and saved[k] != now[k]]
 
 
 # ---------------------------------------------------------------------------------------------- find
@@ -279,6 +298,21 @@ def list_checkpoints(root: str | Path) -> list[Path]:
         if path.is_dir() and step.isdigit() and is_complete(path):
             found.append((int(step), path))
     return [p for _, p in sorted(found)]
+
+
+def incomplete_after(root: str | Path, chosen: Path | None) -> list[Path]:
+    """Checkpoint directories newer than `chosen` (all, if None) that are not complete: interrupted saves
+    (`.tmp`) and damaged checkpoints, which `resume: auto` passes over."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    after = int(chosen.name[len(_PREFIX):]) if chosen is not None else -1
+    out = []
+    for path in root.glob(f"{_PREFIX}*"):
+        step = path.name[len(_PREFIX):].removesuffix(_TMP)
+        if path.is_dir() and step.isdigit() and int(step) > after and not is_complete(path):
+            out.append((int(step), path))
+    return [p for _, p in sorted(out)]
 
 
 def find_latest(root: str | Path) -> Path | None:

@@ -180,11 +180,13 @@ class Trainer:
         self.window.t0 += time.perf_counter() - t0  # tokens/s counts training time only
         return path
 
-    def load_checkpoint(self, path: str | Path) -> None:
-        """Collective-free: restore model, optimizer, schedule, step, RNG and data position from `path`."""
+    def load_checkpoint(self, path: str | Path) -> dict:
+        """Collective-free: restore model, optimizer, schedule, step, RNG and data position from `path`;
+        returns the checkpoint's train state."""
         self.reshard_dense()  # a gathered copy would outlive the load
-        load_checkpoint(self, path)
+        state = load_checkpoint(self, path)
         self.last_saved_step = self.step
+        return state
 
     def _log(self, lr: float) -> StepStats:
         """Collective: reduce the window's metrics (one all_reduce) and report them."""
