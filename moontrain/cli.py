@@ -7,6 +7,9 @@
     moontrain generate CHECKPOINT_OR_HF_DIR --prompt TEXT [--max-new-tokens N --temperature T --top-p P --seed S]
     moontrain eval CHECKPOINT_OR_HF_DIR --data PATH [--seq-len T --batch-size B --batches N]
 
+SIGTERM / SIGINT to the launcher: the ranks finish the step, save and exit 0; a second signal aborts;
+no rank outlives the launcher (moontrain.supervisor).
+
 launch validates the recipe (strict loader, world-size checks) before anything starts, then runs
 torchrun with one worker per rank (`moontrain.trainer.worker`); the worker picks nccl on GPU and gloo
 on CPU. --dry-run prints the parallel layout, parameter counts and a per-rank memory estimate without
@@ -17,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +27,7 @@ import torch
 
 from moontrain.config import RunConfig, from_dict, load_recipe
 from moontrain.parallel.hosts import check_dry_run_host, check_ep_domain
+from moontrain.supervisor import Supervisor
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                            max_restarts=args.max_restarts,
                            log_dir=Path(cfg.train.run_dir) / "logs" if args.nnodes > 1 else None)
     print("moontrain: " + " ".join(cmd), flush=True)
-    return subprocess.call(cmd)
+    rc = Supervisor(cmd).run()
+    return 128 - rc if rc < 0 else rc  # killed by a signal: the shell's convention
 
 
 def torchrun_command(recipe: str, overrides: list[str], *, nproc: int, nnodes: int = 1, node_rank: int = 0,

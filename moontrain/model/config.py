@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -112,6 +113,12 @@ class ModelConfig:
             )
         if self.router_skew < 0:
             raise ValueError(f"model.router_skew must be >= 0 (0: no skew), got {self.router_skew}")
+        for name in ("norm_eps", "init_std", "rope_theta"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"model.{name} must be a finite number > 0, got {getattr(self, name)}")
+        for name in ("router_bias_update_rate", "seq_aux_loss_coef", "routed_scaling_factor"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"model.{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.qk_rope_head_dim < 0 or self.qk_rope_head_dim % 2:
             raise ValueError(f"model.qk_rope_head_dim must be even and >= 0, got {self.qk_rope_head_dim}")
         if self.num_experts_per_tok > self.num_experts:
