@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from moontrain.checkpoint import load_checkpoint, save_checkpoint
 from moontrain.config.run_config import RunConfig
-from moontrain.data.source import build_token_source
+from moontrain.data.source import build_loader
 from moontrain.metrics.flops import flops_per_token, peak_flops
 from moontrain.metrics.moe_stats import MoEStats
 from moontrain.metrics.progress import ProgressLog, StepStats
@@ -79,9 +79,9 @@ class Trainer:
             for w in self.experts:
                 for name, master in w.master.items():
                     self.optimizer.register_write_back(master, w.compute[name], zero_grad=not w.defers_zero)
-        self.data = build_token_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
-                                       global_batch=cfg.train.global_batch_size, rank=layout.rank,
-                                       world_size=layout.world_size, device=device)
+        self.data = build_loader(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
+                                 global_batch=cfg.train.global_batch_size, rank=layout.rank,
+                                 world_size=layout.world_size, device=device)
         self.step = 0
         self.tokens_seen = 0
         self.wandb_run_id: str | None = None  # set by the worker (rank 0); kept in checkpoints
@@ -178,13 +178,16 @@ class Trainer:
                           tokens_per_s=tokens_per_s, step_time_s=dt / n,
                           max_maxvio=values.get("moe/expert_maxvio/max", 0.0), mfu=mfu,
                           peak_mem_gib=mem.get("mem/peak_gib"),
-                          scalars={**values, **mem, "tokens_seen": float(self.tokens_seen)})
+                          scalars={**values, **mem, "tokens_seen": float(self.tokens_seen),
+                                   **self.data.take_metrics()})
         if self.log is not None:
             self.log.log(stats)
         return stats
 
     def close(self) -> None:
-        """Release backend-owned memory (moonep's symmetric heap). The model is unusable afterwards."""
+        """Release backend-owned memory (moonep's symmetric heap) and stop the data thread. The model is
+        unusable afterwards."""
+        self.data.close()
         self.experts_ctx.close()
 
     def reshard_dense(self) -> None:
