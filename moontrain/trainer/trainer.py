@@ -86,6 +86,7 @@ class Trainer:
         self.tokens_seen = 0
         self.wandb_run_id: str | None = None  # set by the worker (rank 0); kept in checkpoints
         self.last_saved_step: int | None = None
+        self.last_checkpoint: Path | None = None
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = peak_flops(device)
         self.moe_stats = MoEStats(self.model.moe_layers(), ep=layout.ep)
@@ -156,7 +157,7 @@ class Trainer:
         t0 = time.perf_counter()
         path = save_checkpoint(self, root if root is not None else self.checkpoint_dir,
                                keep_last=self.cfg.checkpoint.keep_last)
-        self.last_saved_step = self.step
+        self.last_saved_step, self.last_checkpoint = self.step, path
         self.window.t0 += time.perf_counter() - t0  # tokens/s counts training time only
         return path
 
@@ -164,7 +165,7 @@ class Trainer:
         """Collective-free: restore model, optimizer, schedule, step, RNG and data position from `path`."""
         self.reshard_dense()  # a gathered copy would outlive the load
         load_checkpoint(self, path)
-        self.last_saved_step = self.step
+        self.last_saved_step, self.last_checkpoint = self.step, Path(path)
 
     def _log(self, lr: float) -> StepStats:
         """Collective: reduce the window's metrics (one all_reduce) and report them."""
