@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from moontrain.checkpoint import load_checkpoint, save_checkpoint
 from moontrain.config.run_config import RunConfig
-from moontrain.data.source import build_token_source
+from moontrain.data.source import build_loader
 from moontrain.metrics.flops import flops_per_token, peak_flops
 from moontrain.metrics.moe_stats import MoEStats
 from moontrain.metrics.progress import ProgressLog, StepStats
@@ -85,9 +85,9 @@ class Trainer:
             for w in self.experts:
                 for name, master in w.master.items():
                     self.optimizer.register_write_back(master, w.compute[name], zero_grad=not w.defers_zero)
-        self.data = build_token_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
-                                       global_batch=cfg.train.global_batch_size, rank=layout.rank,
-                                       world_size=layout.world_size, device=device)
+        self.data = build_loader(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
+                                 global_batch=cfg.train.global_batch_size, rank=layout.rank,
+                                 world_size=layout.world_size, device=device)
         self.step = 0
         self.tokens_seen = 0
         self.wandb_run_id: str | None = None  # set by the worker (rank 0); kept in checkpoints
@@ -95,6 +95,7 @@ class Trainer:
         self.guard = DivergenceGuard(cfg.train.max_skipped_steps)
         self.preemption: PreemptionHandler | None = None  # set by the worker (signal handlers, main thread)
         self.stop_requested = False  # agreed over the ranks after each step
+        self.last_checkpoint: Path | None = None
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = peak_flops(device)
         self.moe_stats = MoEStats(self.model.moe_layers(), ep=layout.ep)
@@ -182,7 +183,7 @@ class Trainer:
         t0 = time.perf_counter()
         path = save_checkpoint(self, root if root is not None else self.checkpoint_dir,
                                keep_last=self.cfg.checkpoint.keep_last)
-        self.last_saved_step = self.step
+        self.last_saved_step, self.last_checkpoint = self.step, path
         self.window.t0 += time.perf_counter() - t0  # tokens/s counts training time only
         return path
 
@@ -191,7 +192,7 @@ class Trainer:
         returns the checkpoint's train state."""
         self.reshard_dense()  # a gathered copy would outlive the load
         state = load_checkpoint(self, path)
-        self.last_saved_step = self.step
+        self.last_saved_step, self.last_checkpoint = self.step, Path(path)
         return state
 
     def _log(self, lr: float) -> StepStats:
@@ -207,13 +208,16 @@ class Trainer:
                           max_maxvio=values.get("moe/expert_maxvio/max", 0.0), mfu=mfu,
                           peak_mem_gib=mem.get("mem/peak_gib"),
                           scalars={**values, **mem, **(self.qk_clip.flush() if self.qk_clip is not None else {}),
-                                   "tokens_seen": float(self.tokens_seen), "skipped_steps": float(self.guard.total)})
+                                   "tokens_seen": float(self.tokens_seen), "skipped_steps": float(self.guard.total),
+                                   **self.data.take_metrics()})
         if self.log is not None:
             self.log.log(stats)
         return stats
 
     def close(self) -> None:
-        """Release backend-owned memory (moonep's symmetric heap). The model is unusable afterwards."""
+        """Release backend-owned memory (moonep's symmetric heap) and stop the data thread. The model is
+        unusable afterwards."""
+        self.data.close()
         self.experts_ctx.close()
 
     def reshard_dense(self) -> None:
