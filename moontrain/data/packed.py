@@ -37,6 +37,7 @@ class PackedDocuments:
     def __init__(self, cfg: DataConfig, *, vocab_size: int, seq_len: int, global_batch: int, rank: int,
                  world_size: int, device: torch.device) -> None:
         self.tokenizer = ByteTokenizer()
+        self.eos_id: int | None = self.tokenizer.eos_id
         if self.tokenizer.vocab_size > vocab_size:
             raise ValueError(f"data.tokenizer={cfg.tokenizer} has {self.tokenizer.vocab_size} ids but "
                              f"model.vocab_size={vocab_size}; set model.vocab_size >= {self.tokenizer.vocab_size}")

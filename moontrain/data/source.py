@@ -10,6 +10,8 @@ from moontrain.data.config import DataConfig
 
 
 class TokenSource(Protocol):
+    eos_id: int | None  # the end-of-document id packed rows carry (None: rows are not packed documents)
+
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens_bT, targets_bT) of this rank for optimizer step `step`."""
         ...

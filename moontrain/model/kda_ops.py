@@ -19,13 +19,18 @@ so U = U~ - W S_0 with U~ = (I + A)^-1 diag(beta) V and W = (I + A)^-1 diag(beta
 independent of S_0, computed for all chunks at once). Then, chunk after chunk:
     O   = (Q * exp(Gc)) S_0 + P U,                         P_rj = sum_c q_rc k_jc D_rjc (j <= r)
     S_L = diag(exp(Gc_L)) S_0 + (K * exp(Gc_L - Gc))^T U.
-Document boundaries enter as masks, not as a -inf decay: a decay product over (j, r] is zero when a
+Document boundaries enter as masks, not as a -inf decay (and Gc restarts at each document start, so
+a token's output is bitwise independent of earlier documents): a decay product over (j, r] is zero when a
 document starts inside it, i.e. when the chunk-local count of document starts differs between r and j;
 the decay from the chunk's start is zero once a document has started in the chunk. Every exponent that
 survives the masks is <= 0, so nothing overflows whatever the gate's range.
 
 Memory: the pairwise decays are B*H*T*L*K values (fp32), so this is the CPU/CI path and the reference
 at moderate sizes; on CUDA the layer runs fla's chunk_kda (Triton), tested against this function.
+The layer calls kda(): the gate (decay from the raw forget projection), the L2 normalisation of q and k,
+then the chunked recurrence; kda_fla() is the same contract on fla's fused kernels (gate, norm and
+recurrence in Triton, document boundaries as cu_seqlens over the flattened batch).
+
 Rejected: a factored exp(Gc_r) * exp(-Gc_j) form (overflows in fp32 once a chunk's decay passes e^-88,
 e.g. 18 tokens at the lower bound -5); a -inf gate at document starts (NaN gradients through exp(-inf -
 (-inf))).
@@ -69,7 +74,9 @@ def chunk_kda_reference(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torc
     same = (docs.unsqueeze(-1) == docs.unsqueeze(-2)) & (idx[:, None] >= idx[None, :])  # [B, 1, N, L, L]
     alive = (docs == 0).unsqueeze(-1)  # [B, 1, N, L, 1]: no document started since the chunk's start
 
-    Gc = g.cumsum(-2)  # [B, H, N, L, K]
+    # the cumulative log-decay restarts at each document start: a sum over the token's own document (a
+    # 0/1 matmul), so an earlier document's gates do not even enter the rounding of a later one's
+    Gc = same.to(dtype) @ g  # [B, H, N, L, K]
     diff = Gc.unsqueeze(-2) - Gc.unsqueeze(-3)  # [B, H, N, L(r), L(j), K]
     decay = torch.exp(torch.where(same.unsqueeze(-1), diff, float("-inf")))
     P = torch.einsum("bhnrc,bhnjc,bhnrjc->bhnrj", q, k, decay)
@@ -92,3 +99,55 @@ def chunk_kda_reference(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torc
         S = decay_end[:, :, n] * S + k_end[:, :, n].transpose(-1, -2) @ U
     o_BHTV = torch.stack(outs, dim=2).reshape(B, H, N * L, V)[:, :, :T]
     return o_BHTV.transpose(1, 2).to(v_BTHV.dtype)
+
+
+L2_EPS = 1e-6  # q / sqrt(|q|^2 + eps), as fla's l2norm
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.square().sum(-1, keepdim=True) + L2_EPS)
+
+
+def kda_gate(f_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor,
+             lower_bound: float | None) -> torch.Tensor:
+    """Per-channel log-decay g <= 0 (fp32): lower_bound * sigmoid(exp(A_log) (f + dt_bias)) when bounded,
+    else -exp(A_log) * softplus(f + dt_bias)."""
+    H, K = f_BTHK.shape[-2:]
+    x = f_BTHK.float() + dt_bias_HK.float().view(H, K)
+    a = A_log_H.float().exp().view(H, 1)
+    if lower_bound is None:
+        return -a * F.softplus(x)
+    return lower_bound * torch.sigmoid(a * x)
+
+
+def kda(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, f_BTHK: torch.Tensor,
+        beta_BTH: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor, *, lower_bound: float | None,
+        scale: float, doc_start_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """KDA from the layer's projections (q/k/v after the short convolution, f the raw forget projection,
+    beta after its sigmoid): o_BTHV in v's dtype. The pure-PyTorch path (the specification)."""
+    g = kda_gate(f_BTHK, A_log_H, dt_bias_HK, lower_bound)
+    q, k = l2_normalize(q_BTHK), l2_normalize(k_BTHK)
+    return chunk_kda_reference(q, k, v_BTHV, g, beta_BTH, scale=scale, doc_start_BT=doc_start_BT)
+
+
+def kda_fla(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, f_BTHK: torch.Tensor,
+            beta_BTH: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor, *, lower_bound: float | None,
+            scale: float, doc_start_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """kda() on fla-core's chunk_kda (CUDA). With document starts the batch is flattened to one row and
+    every row start and document start opens a sequence of cu_seqlens (one host sync for their count)."""
+    from fla.ops.kda import chunk_kda
+
+    B, T = q_BTHK.shape[:2]
+    cu_seqlens = None
+    if doc_start_BT is not None:
+        starts_BT = doc_start_BT.clone()
+        starts_BT[:, 0] = True
+        cu_seqlens = F.pad(starts_BT.flatten().nonzero().flatten(), (0, 1), value=B * T)
+        q_BTHK, k_BTHK, v_BTHV, f_BTHK, beta_BTH = (
+            x.reshape(1, B * T, *x.shape[2:]) for x in (q_BTHK, k_BTHK, v_BTHV, f_BTHK, beta_BTH))
+    o, _ = chunk_kda(q=q_BTHK, k=k_BTHK, v=v_BTHV, g=f_BTHK, beta=beta_BTH, scale=scale,
+                     A_log=A_log_H.float(), dt_bias=dt_bias_HK.float().flatten(),
+                     use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                     safe_gate=lower_bound is not None, lower_bound=lower_bound, cu_seqlens=cu_seqlens)
+    return o.reshape(B, T, *o.shape[2:])

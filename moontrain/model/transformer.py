@@ -1,4 +1,4 @@
-"""The K3-like decoder: embedding, pre-norm blocks (MLA + dense FFN or MoE), final norm, LM head, CE loss.
+"""The K3-like decoder: embedding, pre-norm blocks (KDA or MLA + dense FFN or MoE), final norm, LM head, CE loss.
 
 Legend: B batch, T sequence, D hidden, V vocab.
 
@@ -6,6 +6,11 @@ Activation checkpointing (optional) recomputes each block in backward (non-reent
 re-runs the expert backend's collectives; every rank recomputes the same blocks in the same order,
 so they stay matched. early_stop is off so a recompute always runs the whole block (a partial one
 could stop inside a collective call). The router does not count tokens again while recomputing.
+
+Hybrid layout: model.kda_layers_per_mla picks, per block, Kimi Delta Attention or MLA (ModelConfig.
+layer_is_kda). Documents: with document_eos_id set (the trainer sets the token source's EOS when
+model.document_mask is on), every forward derives the packed documents from the input ids once and
+every attention layer stays inside them (moontrain.model.documents).
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from torch.utils.checkpoint import checkpoint
 
 from moontrain.model.attention import MLAttention
 from moontrain.model.config import ModelConfig
+from moontrain.model.documents import DocumentMask, document_mask
 from moontrain.model.experts import ExpertsContext, build_experts_backend
 from moontrain.model.ffn import SwiGLU
+from moontrain.model.kda import KimiDeltaAttention
 from moontrain.model.moe import MoE
 from moontrain.model.norm import RMSNorm
 from moontrain.model.rope import rope_cos_sin
@@ -32,18 +39,20 @@ class Block(nn.Module):
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
-        self.attn = MLAttention(cfg, device=device)
+        self.is_kda = cfg.layer_is_kda(layer_idx)
+        self.attn = KimiDeltaAttention(cfg, device=device) if self.is_kda else MLAttention(cfg, device=device)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
         self.is_moe = layer_idx >= cfg.num_dense_layers
         self.ffn = (MoE(cfg, ep_rank=ep_rank, ep_size=ep_size, device=device) if self.is_moe
                     else SwiGLU(cfg.hidden_size, cfg.dense_intermediate_size, device=device))
         self.activation_checkpointing = False
 
-    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: DocumentMask | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.activation_checkpointing and torch.is_grad_enabled():
-            return checkpoint(self._forward, x_BTD, cos, sin, use_reentrant=False, early_stop=False,
+            return checkpoint(self._forward, x_BTD, cos, sin, docs, use_reentrant=False, early_stop=False,
                               context_fn=lambda: (nullcontext(), self._recomputing()))
-        return self._forward(x_BTD, cos, sin)
+        return self._forward(x_BTD, cos, sin, docs)
 
     @contextmanager
     def _recomputing(self) -> Iterator[None]:
@@ -56,8 +65,9 @@ class Block(nn.Module):
         finally:
             self.ffn.router.count_tokens = True
 
-    def _forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin)
+    def _forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 docs: DocumentMask | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin, docs)
         if self.is_moe:
             y, aux = self.ffn(self.ffn_norm(x_BTD))
             return x_BTD + y, aux
@@ -76,6 +86,7 @@ class K3Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
         self._loss = _cross_entropy
+        self.document_eos_id: int | None = None  # packed documents end with this id (None: one sequence per row)
 
     def moe_layers(self) -> list[MoE]:
         return [block.ffn for block in self.layers if block.is_moe]
@@ -94,6 +105,9 @@ class K3Model(nn.Module):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, std, generator=gen)
+        for block in self.layers:
+            if block.is_kda:
+                block.attn.init_parameters(gen)
         for layer_idx, moe in enumerate(self.moe_layers()):
             moe.experts.init_master(seed=seed, layer_idx=layer_idx, std=std)
             moe.router.score_bias_E.zero_()
@@ -130,10 +144,11 @@ class K3Model(nn.Module):
         cfg = self.cfg
         T = tokens_BT.shape[1]
         cos, sin = rope_cos_sin(T, cfg.qk_rope_head_dim, cfg.rope_theta, tokens_BT.device)
+        docs = document_mask(tokens_BT, self.document_eos_id) if self.document_eos_id is not None else None
         x_BTD = self.embed(tokens_BT)
         aux_total = x_BTD.new_zeros((), dtype=torch.float32)
         for block in self.layers:
-            x_BTD, aux = block(x_BTD, cos, sin)
+            x_BTD, aux = block(x_BTD, cos, sin, docs)
             if aux is not None:
                 aux_total = aux_total + aux
         logits_BTV = self.lm_head(self.norm(x_BTD))
