@@ -37,17 +37,20 @@ def document_mask(tokens_BT: torch.Tensor, eos_id: int) -> DocumentMask:
     start_BT = torch.zeros_like(tokens_BT, dtype=torch.bool)
     start_BT[:, 1:] = tokens_BT[:, :-1] == eos_id
     id_BT = start_BT.long().cumsum(1)
-    block_mask = None
-    if tokens_BT.is_cuda:
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        def same_document_causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
-                                 kv_idx: torch.Tensor) -> torch.Tensor:
-            return (q_idx >= kv_idx) & (id_BT[b, q_idx] == id_BT[b, kv_idx])
-
-        B, T = tokens_BT.shape
-        block_mask = create_block_mask(same_document_causal, B, None, T, T, device=tokens_BT.device)
+    block_mask = flex_block_mask(id_BT) if tokens_BT.is_cuda else None
     return DocumentMask(start_BT=start_BT, id_BT=id_BT, block_mask=block_mask)
+
+
+def flex_block_mask(id_BT: torch.Tensor) -> Any:
+    """flex_attention's BlockMask for causal attention within each document of id_BT's rows."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                             kv_idx: torch.Tensor) -> torch.Tensor:
+        return (q_idx >= kv_idx) & (id_BT[b, q_idx] == id_BT[b, kv_idx])
+
+    B, T = id_BT.shape
+    return create_block_mask(same_document_causal, B, None, T, T, device=id_BT.device)
 
 
 @functools.cache

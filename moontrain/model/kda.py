@@ -34,7 +34,7 @@ from torch import nn
 
 from moontrain.model.config import ModelConfig
 from moontrain.model.documents import DocumentMask
-from moontrain.model.kda_ops import kda, kda_fla
+from moontrain.model.kda_ops import at_least_fp32, kda, kda_fla
 
 DECAY_RATE_RANGE = (1e-3, 1e-1)
 
@@ -70,7 +70,7 @@ def short_conv(x_BTC: torch.Tensor, w_CW: torch.Tensor, doc_id_BT: torch.Tensor 
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm over each head's channels (fp32), times sigmoid of the output gate."""
+    """RMSNorm over each head's channels (at least fp32), times sigmoid of the output gate."""
 
     def __init__(self, dim: int, eps: float, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -78,9 +78,9 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps) * self.weight.float()
-        return (y * torch.sigmoid(gate.float())).to(gate.dtype)
+        x32 = at_least_fp32(x)
+        y = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps) * at_least_fp32(self.weight)
+        return (y * torch.sigmoid(at_least_fp32(gate))).to(gate.dtype)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -137,7 +137,7 @@ class KimiDeltaAttention(nn.Module):
         k_BTHK = short_conv(self.wk(x_BTD), self.conv_k, doc_id).view(B, T, H, K)
         v_BTHK = short_conv(self.wv(x_BTD), self.conv_v, doc_id).view(B, T, H, K)
         f_BTHK = self.wf(x_BTD).view(B, T, H, K)
-        beta_BTH = torch.sigmoid(self.wb(x_BTD).float())
+        beta_BTH = torch.sigmoid(at_least_fp32(self.wb(x_BTD)))
         o_BTHK = self.kernel(q_BTHK, k_BTHK, v_BTHK, f_BTHK, beta_BTH, self.A_log, self.dt_bias,
                              lower_bound=cfg.kda_gate_lower_bound, scale=K ** -0.5,
                              doc_start_BT=docs.start_BT if docs is not None else None)

@@ -104,18 +104,22 @@ def chunk_kda_reference(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torc
 L2_EPS = 1e-6  # q / sqrt(|q|^2 + eps), as fla's l2norm
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    x32 = x.float()
+    x32 = at_least_fp32(x)
     return x32 * torch.rsqrt(x32.square().sum(-1, keepdim=True) + L2_EPS)
 
 
 def kda_gate(f_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor,
              lower_bound: float | None) -> torch.Tensor:
-    """Per-channel log-decay g <= 0 (fp32): lower_bound * sigmoid(exp(A_log) (f + dt_bias)) when bounded,
+    """Per-channel log-decay g <= 0 (fp32, or fp64 for fp64 inputs): lower_bound * sigmoid(exp(A_log) (f + dt_bias)) when bounded,
     else -exp(A_log) * softplus(f + dt_bias)."""
     H, K = f_BTHK.shape[-2:]
-    x = f_BTHK.float() + dt_bias_HK.float().view(H, K)
-    a = A_log_H.float().exp().view(H, 1)
+    x = at_least_fp32(f_BTHK) + at_least_fp32(dt_bias_HK).view(H, K)
+    a = at_least_fp32(A_log_H).exp().view(H, 1)
     if lower_bound is None:
         return -a * F.softplus(x)
     return lower_bound * torch.sigmoid(a * x)

@@ -223,11 +223,15 @@ def test_latent_moe_matches_per_token_loop() -> None:
     _close(y.view(12, -1), want, "moe output")
 
 
-def test_activation_checkpointing_same_grads_and_counts_once() -> None:
+@pytest.mark.parametrize("hybrid", [False, True], ids=["mla", "kda-hybrid-documents"])
+def test_activation_checkpointing_same_grads_and_counts_once(hybrid: bool) -> None:
     from moontrain.model.transformer import K3Model
 
-    cfg = _cfg(num_dense_layers=1, num_layers=3)
+    layout = dict(kda_layers_per_mla=1, kda_head_dim=8, kda_kernel="torch") if hybrid else {}
+    cfg = _cfg(num_dense_layers=1, num_layers=3, **layout)
     tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(6))
+    if hybrid:
+        tokens[:, 3] = 7  # an end of document
     grads, counts = [], []
     for ac in (False, True):
         model = K3Model(cfg)
@@ -235,6 +239,8 @@ def test_activation_checkpointing_same_grads_and_counts_once() -> None:
         model.attach_experts_backends("local", ExpertsContext(
             num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep_size=1,
             compute_dtype=torch.float32, token_padding=8, max_tokens=18, device=torch.device("cpu")))
+        if hybrid:
+            model.document_eos_id = 7
         if ac:
             model.enable_activation_checkpointing()
         loss, _ = model(tokens, tokens.roll(-1, 1))
