@@ -86,7 +86,7 @@ def test_init_decay_rates_in_range() -> None:
 def test_k3_layout() -> None:
     cfg = _cfg(num_layers=93, kda_layers_per_mla=3)
     mla = [i + 1 for i in range(93) if not cfg.layer_is_kda(i)]
-    assert mla == list(range(4, 93, 4)) + [93]
+    assert mla == [*range(4, 93, 4), 93]
     assert (cfg.num_kda_layers, cfg.num_mla_layers) == (69, 24)
     all_mla = _cfg(kda_layers_per_mla=0)
     assert not any(all_mla.layer_is_kda(i) for i in range(all_mla.num_layers))
