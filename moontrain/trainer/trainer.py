@@ -88,6 +88,8 @@ class Trainer:
         self.data = build_loader(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
                                  global_batch=cfg.train.global_batch_size, rank=layout.rank,
                                  world_size=layout.world_size, device=device)
+        if cfg.model.document_mask:  # packed documents: attention and KDA state stop at each EOS
+            self.model.document_eos_id = self.data.eos_id
         self.step = 0
         self.tokens_seen = 0
         self.wandb_run_id: str | None = None  # set by the worker (rank 0); kept in checkpoints
