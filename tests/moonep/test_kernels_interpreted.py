@@ -1,6 +1,6 @@
 """The Triton kernels run on the CPU in Triton's interpreter, bitwise against the PyTorch path.
 
-Skipped where triton is not installed (CI installs it through the `interpret` extra). Bitwise: the
+Skipped where triton is not installed (the `test` extra installs it). Bitwise: the
 planner (integers: the fused planner of Buffer.plan, simulated for R = 1..8 in one process and run
 by a 2-rank Buffer), the expert-side prefetch / reduce_grad / slot zeroing (copies and fp32 adds in a
 fixed order), dispatch rows and weights, saved-plan dispatch, combine's scalar gather. Combine's

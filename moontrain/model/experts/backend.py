@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moonep import BufferOptions
+from moontrain.model.config import FFNActivation
 from moontrain.model.experts.weights import ExpertWeights
 
 
@@ -37,6 +38,7 @@ class ExpertsContext:
     max_tokens: int  # tokens per rank per call (S)
     device: torch.device
     moonep_options: BufferOptions = field(default_factory=BufferOptions)  # the moonep backend's Buffer
+    activation: FFNActivation = "swiglu"  # the experts' gated activation (ModelConfig.ffn_activation)
     # ExpertPools.chain_prefetch: off when blocks are recomputed in backward (activation checkpointing)
     moonep_chain_prefetch: bool = True
     shared: dict[str, Any] = field(default_factory=dict)  # e.g. moonep's Buffer and ExpertPools

@@ -21,6 +21,9 @@ class MoonEPExperts:
     def __init__(self, ctx: ExpertsContext, weights: ExpertWeights) -> None:
         import moonep
 
+        if ctx.activation != "swiglu":
+            raise ValueError(f"the moonep backend runs SwiGLU experts only, model.ffn_activation is {ctx.activation!r}; "
+                             "use experts.backend=alltoall or local")
         if ctx.ep_group is None:
             raise ValueError("the moonep backend needs an initialised process group (launch with torchrun)")
         if "moonep_pools" not in ctx.shared:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from moontrain.metrics.wandb_offline import read_history, run_files
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MOE_LAYERS = (1, 2)  # k3_tiny: layer 0 is dense
 
 

@@ -95,7 +95,7 @@ def _moonep_rank_fn(rank: int, world: int) -> dict:
 
     from moontrain.parallel.layout import build_layout
     from moontrain.trainer.trainer import Trainer
-    from tests.moontrain.test_ep_equality import SKEW, tiny_config
+    from tests.moontrain.parallel.test_ep_equality import SKEW, tiny_config
 
     trainer = Trainer(tiny_config("moonep", 2), build_layout(2, torch.device("cpu")))
     for moe in trainer.model.moe_layers():

@@ -1,5 +1,5 @@
 """WriteBackAdamW's fused expert step in Triton's interpreter on the CPU, against torch's AdamW
-(tests/moontrain/write_back_cases.py)."""
+(tests/moontrain/optim/write_back_cases.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 # first: sets TRITON_INTERPRET=1 before triton is imported and skips this module where triton is absent
 import tests.moonep.test_kernels_interpreted  # noqa: F401
-from tests.moontrain.write_back_cases import check_write_back_matches_adamw
+from tests.moontrain.optim.write_back_cases import check_write_back_matches_adamw
 
 
 def test_write_back_adamw_matches_torch_adamw() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.moontrain.write_back_cases import check_write_back_matches_adamw
+from tests.moontrain.optim.write_back_cases import check_write_back_matches_adamw
 
 pytestmark = pytest.mark.gpu
 

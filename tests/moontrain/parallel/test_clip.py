@@ -15,7 +15,7 @@ from moontrain.parallel.clip import clip_grad_norm_global
 from moontrain.parallel.layout import build_layout, single_process_layout
 from moontrain.trainer.trainer import Trainer
 from tests.dist_utils import run_ranks
-from tests.moontrain.test_ep_equality import tiny_config
+from tests.moontrain.parallel.test_ep_equality import tiny_config
 
 MAX_NORM = 0.5
 

@@ -9,7 +9,7 @@ import yaml
 
 from moontrain.config import RunConfig, apply_overrides, dump_config, from_dict, load_recipe
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _raw() -> dict:
