@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK = 2048
+from moonep.kernels.glu_launch import launch_backward, launch_forward
 
 
 @triton.jit
@@ -81,28 +81,12 @@ def _situ_glu_bwd_kernel(ga_ptr, h_ptr, u_ptr, gh_ptr, gu_ptr, a_ptr, n, BLOCK: 
     tl.store(a_ptr + offs, _to_bf16(situ * cap), mask=m)
 
 
-def _check(name: str, *tensors: torch.Tensor) -> None:
-    first = tensors[0]
-    if not all(t.shape == first.shape and t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors):
-        raise ValueError(f"{name} needs contiguous bf16 tensors of one shape, got "
-                         + ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors))
-
-
 def situ_glu_forward(h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """a = situ(h) * cap(u) (bf16); see moonep.situ_glu.situ_glu_forward."""
-    _check("situ_glu_forward", h, u)
-    a = torch.empty_like(h)
-    n = h.numel()
-    _situ_glu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](h, u, a, n, BLOCK=_BLOCK, num_warps=8)
-    return a
+    return launch_forward(_situ_glu_fwd_kernel, "situ_glu_forward", h, u, dtype=torch.bfloat16)
 
 
 def situ_glu_backward(grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_h, grad_u, a) (bf16); see moonep.situ_glu.situ_glu_backward."""
-    grad_a = grad_a.contiguous()
-    _check("situ_glu_backward", grad_a, h, u)
-    grad_h, grad_u, a = torch.empty_like(h), torch.empty_like(h), torch.empty_like(h)
-    n = h.numel()
-    _situ_glu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](grad_a, h, u, grad_h, grad_u, a, n, BLOCK=_BLOCK, num_warps=8)
-    return grad_h, grad_u, a
+    return launch_backward(_situ_glu_bwd_kernel, "situ_glu_backward", grad_a, h, u, dtype=torch.bfloat16)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK = 2048
+from moonep.kernels.glu_launch import launch_backward, launch_forward
 
 
 @triton.jit
@@ -53,23 +53,10 @@ def _swiglu_bwd_kernel(ga_ptr, h_ptr, u_ptr, gh_ptr, gu_ptr, a_ptr, n, BLOCK: tl
 
 def swiglu_forward(h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """a = silu(h) * u in h's dtype, silu rounded first as F.silu(h) * u does."""
-    if not (h.shape == u.shape and h.is_contiguous() and u.is_contiguous() and h.dtype == u.dtype):
-        raise ValueError(f"swiglu_forward needs contiguous tensors of one shape and dtype, got {tuple(h.shape)} "
-                         f"{h.dtype}, {tuple(u.shape)} {u.dtype}")
-    a = torch.empty_like(h)
-    n = h.numel()
-    _swiglu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](h, u, a, n, BLOCK=_BLOCK, num_warps=8)
-    return a
+    return launch_forward(_swiglu_fwd_kernel, "swiglu_forward", h, u)
 
 
 def swiglu_backward(grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_h, grad_u, a) in h's dtype; see the module docstring."""
-    if not (grad_a.shape == h.shape == u.shape and h.is_contiguous() and u.is_contiguous()):
-        raise ValueError(f"swiglu_backward needs contiguous tensors of one shape, got {tuple(grad_a.shape)}, "
-                         f"{tuple(h.shape)}, {tuple(u.shape)}")
-    grad_a = grad_a.contiguous()
-    grad_h, grad_u, a = torch.empty_like(h), torch.empty_like(h), torch.empty_like(h)
-    n = h.numel()
-    _swiglu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](grad_a, h, u, grad_h, grad_u, a, n, BLOCK=_BLOCK, num_warps=8)
-    return grad_h, grad_u, a
+    return launch_backward(_swiglu_bwd_kernel, "swiglu_backward", grad_a, h, u)

@@ -182,7 +182,7 @@ SINGLE_RANK = {
                         r"symmetric-heap granularity 4096 bytes",
     "no projections": r"ExpertPools needs at least one projection",
     "projection shape": r"projection 'gate' has shape \(32,\); expected \(in_features, out_features\)",
-    "unknown activation": r"unknown expert activation 'relu'; moonep has \['swiglu'",
+    "unknown activation": r"unknown expert activation 'relu'; moonep has \['situ_glu', 'swiglu'\]",
     "pools with num_slots < E // R": r"ExpertPools needs one prefetch slot per local expert: the buffer has "
                                      r"num_slots=3 < E // R = 4",
 }
