@@ -27,6 +27,7 @@ Legend: s tokens of this rank, K top-k, H hidden, E experts, R ranks, nvs_s rows
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -90,6 +91,7 @@ class Buffer:
         # True from the end of plan() until the next barrier: a peer may still have to read its
         # histograms of that plan, so a second plan() in a row must not write new ones yet
         self._hist_unsettled = False
+        self._plans: weakref.WeakSet[Plan] = weakref.WeakSet()  # the plans this buffer made (plan())
         self._comm_stream = CommStream(self.device)  # dispatch_async / combine_async
         self.path: DataPath = build_path(kind, CommViews(self.layout, self.rank, self.device, config.options,
                                                          self._all, self._mine, self.barrier))
@@ -136,6 +138,13 @@ class Buffer:
             raise RuntimeError(f"moonep Buffer used after destroy() (in {call})")
         self._comm_stream.join()
 
+    def _check_plan(self, call: str, plan: Plan) -> None:
+        """A saved plan must be one this buffer made: its rows and slots index this buffer's memory
+        and the peers of this buffer's group (a plan of another buffer may have other sizes)."""
+        if not isinstance(plan, Plan) or plan not in self._plans:
+            raise ValueError(f"{call} got a plan this Buffer did not make ({type(plan).__name__}); pass a plan "
+                             "returned by this buffer's plan() or dispatch()")
+
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x_sH: torch.Tensor, weights_sK: torch.Tensor | None = None, topk_sK: torch.Tensor | None = None,
                  tokens_per_expert_E: torch.Tensor | None = None, *, plan: Plan | None = None,
@@ -159,6 +168,7 @@ class Buffer:
         else:
             if topk_sK is not None or tokens_per_expert_E is not None:
                 raise ValueError("dispatch got both plan= and routing; pass one of them")
+            self._check_plan("dispatch", plan)
             if plan.num_tokens != s:
                 raise ValueError(f"the saved plan was made for s={plan.num_tokens} tokens but x_sH has {s} rows; "
                                  "reuse a plan only with the same tokens (as in backward)")
@@ -207,7 +217,9 @@ class Buffer:
         check = (lambda counts_RE: check_gathered_counts(self.layout, counts_RE, s, total_num_tokens)) \
             if self.check_values else None
         try:
-            return self.path.plan(topk_sK, tokens_per_expert_E, total_num_tokens, check)
+            plan = self.path.plan(topk_sK, tokens_per_expert_E, total_num_tokens, check)
+            self._plans.add(plan)
+            return plan
         finally:
             self._hist_unsettled = True
 
@@ -220,6 +232,7 @@ class Buffer:
     def combine_input(self, plan: Plan) -> torch.Tensor:
         """[nvs_s, H] symmetric rows; writing y rows here makes combine copy nothing."""
         self._check_alive("combine_input")
+        self._check_plan("combine_input", plan)
         return self._mine["comb"][: plan.nvs_s]
 
     def combine(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None = None
@@ -229,6 +242,7 @@ class Buffer:
         `row_scalars` [nvs_s] fp32 (optional) are gathered per (token, k), e.g. the gradient of
         the route weights in dispatch's backward."""
         self._check_alive("combine")
+        self._check_plan("combine", plan)
         H = self.config.hidden
         check_tensor("y_rows", y_rows, shape=(plan.nvs_s, H), dtype=self.config.dtype, device=self.device)
         if row_scalars is not None:
@@ -244,11 +258,13 @@ class Buffer:
     def prefetch_weight(self, plan: Plan, layer) -> None:
         """Copy every planned remote expert of `layer` into this rank's slots."""
         self._check_alive("prefetch_weight")
+        self._check_plan("prefetch_weight", plan)
         layer.pools.prefetch(plan, layer)
 
     def reduce_grad(self, plan: Plan, layer) -> None:
         """Fold every slot's fp32 weight gradient into its owner's grad rows; zero the slots."""
         self._check_alive("reduce_grad")
+        self._check_plan("reduce_grad", plan)
         layer.pools.reduce_grad(plan, layer)
 
     def reduce_grad_async(self, plan: Plan, layer) -> CommEvent:

@@ -134,6 +134,12 @@ def _single_rank(rank: int, world: int) -> dict[str, tuple[str | None, str]]:
                                         num_slots=E - 1, options=BufferOptions(timeout_s=30)))
         try:  # training computes every remote expert from a slot: B < E // R would drop tokens' weights
             out["pools with num_slots < E // R"] = _outcome(lambda: ExpertPools(few_slots, glu_projections(H, 64)))
+            other = few_slots.plan(topk)
+            out["combine with another buffer's plan"] = _outcome(lambda: buf.combine(other, y))
+            out["dispatch with another buffer's plan"] = _outcome(lambda: d(x, w, plan=other))
+            out["prefetch with another buffer's plan"] = _outcome(lambda: buf.prefetch_weight(other, layer))
+            made = make_plan(buf.layout, 0, topk, hist[None])
+            out["combine with a make_plan plan"] = _outcome(lambda: buf.combine(made, y))
         finally:
             few_slots.destroy()
         out["still correct"] = ("ok", _still_correct(buf, rank, [topk], [x], [w], None))
@@ -185,6 +191,10 @@ SINGLE_RANK = {
     "unknown activation": r"unknown expert activation 'relu'; moonep has \['situ_glu', 'swiglu'\]",
     "pools with num_slots < E // R": r"ExpertPools needs one prefetch slot per local expert: the buffer has "
                                      r"num_slots=3 < E // R = 4",
+    "combine with another buffer's plan": r"combine got a plan this Buffer did not make \(Plan\)",
+    "dispatch with another buffer's plan": r"dispatch got a plan this Buffer did not make",
+    "prefetch with another buffer's plan": r"prefetch_weight got a plan this Buffer did not make",
+    "combine with a make_plan plan": r"combine got a plan this Buffer did not make",
 }
 
 
