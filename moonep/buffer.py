@@ -18,6 +18,12 @@ when the Buffer is built (BufferOptions.kernels); both give the same bits.
 dispatch_async / combine_async / reduce_grad_async queue the same calls on the buffer's communication
 stream and return a CommEvent to wait on (moonep.comm_stream: ordering and memory rules).
 
+Out of step: a barrier that times out (a peer died, raised, or called something else), or a
+data-dependent check that rejects one rank's routing (R > 1: its peers may already be waiting in the
+histogram exchange), poisons the buffer: every later call on it raises RuntimeError naming the cause,
+instead of pairing this rank's barriers with the peers' earlier ones. Checks every rank makes alike
+(shapes, s across ranks after the exchange) leave the buffer usable.
+
 Returned rows are zero-copy views into symmetric memory, valid until the next call on this buffer;
 clone what must outlive it (autograd saves). No call synchronises with the host unless value checks
 are on (BufferOptions.check_values).
@@ -36,6 +42,7 @@ import torch.distributed as dist
 from moonep.comm_stream import CommEvent, CommStream
 from moonep.config import BufferConfig
 from moonep.datapath import CommViews, DataPath, build_path, resolve_kernels
+from moonep.errors import MoonEPTimeoutError
 from moonep.heap import Piece, SymmetricHeap, create_heap, strided_view
 from moonep.layout import Layout
 from moonep.planner.plan import Plan
@@ -92,6 +99,7 @@ class Buffer:
         # histograms of that plan, so a second plan() in a row must not write new ones yet
         self._hist_unsettled = False
         self._plans: weakref.WeakSet[Plan] = weakref.WeakSet()  # the plans this buffer made (plan())
+        self._poisoned: str | None = None  # why every later call is refused (see _poison)
         self._comm_stream = CommStream(self.device)  # dispatch_async / combine_async
         self.path: DataPath = build_path(kind, CommViews(self.layout, self.rank, self.device, config.options,
                                                          self._all, self._mine, self.barrier))
@@ -128,14 +136,26 @@ class Buffer:
 
     def barrier(self, call: str) -> None:
         self._comm_stream.join()  # device barriers run in issue order, also across streams
-        self.heap.barrier(call)
+        try:
+            self.heap.barrier(call)
+        except MoonEPTimeoutError as err:
+            self._poison(f"barrier {call!r} timed out ({err})")
+            raise
         self._hist_unsettled = False  # every rank got past its last read of the hist region
+
+    def _poison(self, reason: str) -> None:
+        """The ranks' call sequences may be out of step: refuse every later call, saying why (SPEC 8)."""
+        if self._poisoned is None:
+            self._poisoned = reason
 
     def _check_alive(self, call: str) -> None:
         """Entry of every public call: the buffer is alive, and the call's work queues after the
         last async call (moonep.comm_stream)."""
         if not self._mine:  # destroy() dropped the views over unmapped memory
             raise RuntimeError(f"moonep Buffer used after destroy() (in {call})")
+        if self._poisoned is not None:
+            raise RuntimeError(f"moonep Buffer refuses {call}: an earlier call left the ranks out of step "
+                               f"({self._poisoned}); destroy it and build a new Buffer on every rank")
         self._comm_stream.join()
 
     def _check_plan(self, call: str, plan: Plan) -> None:
@@ -199,19 +219,27 @@ class Buffer:
         s = topk_sK.shape[0] if isinstance(topk_sK, torch.Tensor) and topk_sK.dim() == 2 else -1
         check_num_tokens(self.layout, s)
         check_tensor("topk_sK", topk_sK, shape=(s, cfg.topk), dtype=(torch.int32, torch.int64), device=self.device)
-        if tokens_per_expert_E is None:
-            if self.check_values:  # an id outside [0, E) is a ValueError, not an out-of-bounds scatter
-                check_expert_ids(self.layout, topk_sK)
-            if not self.path.counts_topk or self.check_values:
-                tokens_per_expert_E = self._histogram(topk_sK)
         if tokens_per_expert_E is not None:
             check_tensor("tokens_per_expert_E", tokens_per_expert_E, shape=(cfg.num_experts,),
                          dtype=(torch.int32, torch.int64), device=self.device)
         if total_num_tokens is not None and not s <= total_num_tokens <= self.num_ranks * cfg.max_tokens:
             raise ValueError(f"total_num_tokens={total_num_tokens} must lie in [{s}, R*S="
                              f"{self.num_ranks * cfg.max_tokens}]")
-        if self.check_values:
-            check_routing_values(self.layout, topk_sK, tokens_per_expert_E)
+        try:
+            if tokens_per_expert_E is None:
+                if self.check_values:  # an id outside [0, E) is a ValueError, not an out-of-bounds scatter
+                    check_expert_ids(self.layout, topk_sK)
+                if not self.path.counts_topk or self.check_values:
+                    tokens_per_expert_E = self._histogram(topk_sK)
+            if self.check_values:
+                check_routing_values(self.layout, topk_sK, tokens_per_expert_E)
+        except ValueError as err:
+            # data-dependent: this rank may be the only one rejecting its input, while its peers go
+            # on into the histogram exchange and time out; a retry here would pair this rank's
+            # barriers with the peers' earlier ones, so the buffer refuses every later call
+            if self.num_ranks > 1:
+                self._poison(f"plan rejected this rank's routing: {err}")
+            raise
         if self._hist_unsettled:  # plan() right after plan(): let every peer read the last histograms
             self.barrier("plan:enter")
         check = (lambda counts_RE: check_gathered_counts(self.layout, counts_RE, s, total_num_tokens)) \

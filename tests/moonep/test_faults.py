@@ -55,15 +55,21 @@ def _moonep_residue() -> list[str]:
     return maps + fds
 
 
-def _failing_call(buf: Buffer, fn) -> dict:
-    start = time.monotonic()
+def _outcome(fn) -> dict:
     try:
         fn()
-        outcome = {"type": None, "msg": ""}
+        return {"type": None, "msg": ""}
     except Exception as exc:  # reported to the parent, which checks the type
-        outcome = {"type": type(exc).__name__, "msg": str(exc),
-                   "is_timeout_error": isinstance(exc, MoonEPTimeoutError)}
+        return {"type": type(exc).__name__, "msg": str(exc), "is_timeout_error": isinstance(exc, MoonEPTimeoutError)}
+
+
+def _failing_call(buf: Buffer, fn, before_destroy=None) -> dict:
+    """fn's outcome and time; then before_destroy() (e.g. a retry on the same buffer), destroy, residue."""
+    start = time.monotonic()
+    outcome = _outcome(fn)
     outcome["elapsed_s"] = time.monotonic() - start
+    if before_destroy is not None:
+        before_destroy(outcome)
     with_heap = _moonep_residue()
     buf.destroy()
     buf.destroy()  # idempotent, also after a failed call
@@ -92,13 +98,20 @@ def _raising_peer(rank: int, world: int, tmp: str) -> dict:
     if rank == 1:
         bad = topk.clone()
         bad[5, 1] = E + 3
-        outcome = _failing_call(buf, lambda: buf.dispatch(x, w, bad))
-        done.touch()
-        # stay alive (no barrier) until the peers have timed out, so they see a timeout, not a close
-        outcome["peers_done"] = _wait_for([Path(tmp) / f"done{r}" for r in range(world) if r != 1], 60)
+
+        def wait_then_retry(outcome: dict) -> None:
+            done.touch()
+            # stay alive (no barrier) until the peers have timed out, so they see a timeout, not a close
+            outcome["peers_done"] = _wait_for([Path(tmp) / f"done{r}" for r in range(world) if r != 1], 60)
+            outcome["retry"] = _outcome(lambda: buf.dispatch(x, w, topk))  # valid input, out of step
+
+        outcome = _failing_call(buf, lambda: buf.dispatch(x, w, bad), wait_then_retry)
     else:
-        outcome = _failing_call(buf, lambda: buf.dispatch(x, w, topk))
-        done.touch()
+        def retry(outcome: dict) -> None:
+            done.touch()
+            outcome["retry"] = _outcome(lambda: buf.dispatch(x, w, topk))
+
+        outcome = _failing_call(buf, lambda: buf.dispatch(x, w, topk), retry)
     outcome["healthy_first_call"] = healthy
     return outcome
 
@@ -128,6 +141,13 @@ def test_rank_raising_mid_call_times_out_its_peers(tmp_path: Path) -> None:
     elapsed = time.monotonic() - start
     assert out[1]["type"] == "ValueError" and "expert id 9, outside [0, 6)" in out[1]["msg"], out[1]
     assert out[1]["peers_done"], "rank 1's peers never finished their failing call"
+    # every rank's buffer is out of step now: a retry with valid input is refused at once, naming why
+    assert out[1]["retry"]["type"] == "RuntimeError", out[1]["retry"]
+    assert "plan rejected this rank's routing: topk_sK holds expert id 9" in out[1]["retry"]["msg"], out[1]["retry"]
+    for rank in (0, 2):
+        assert out[rank]["retry"]["type"] == "RuntimeError", out[rank]["retry"]
+        assert "refuses dispatch: an earlier call left the ranks out of step (barrier 'dispatch:histograms' " \
+               "timed out" in out[rank]["retry"]["msg"], out[rank]["retry"]
     for rank in (0, 2):
         o = out[rank]
         assert o["healthy_first_call"]
