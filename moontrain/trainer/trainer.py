@@ -74,11 +74,9 @@ class Trainer:
         self.expert_params = [p for w in self.experts for p in w.master.values()]
         expert_ids = {id(p) for p in self.expert_params}
         self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.train.steps)
-        if hasattr(self.optimizer, "register_write_back"):  # fused step + compute-copy write + grad zeroing
-            for w in self.experts:
-                for name, master in w.master.items():
-                    self.optimizer.register_write_back(master, w.compute[name], zero_grad=not w.defers_zero)
+        write_back_targets = [(master, w.compute[name], not w.defers_zero)
+                              for w in self.experts for name, master in w.master.items()]
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.train.steps, write_back_targets)
         self.data = build_token_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
                                        global_batch=cfg.train.global_batch_size, rank=layout.rank,
                                        world_size=layout.world_size, device=device)
@@ -117,11 +115,9 @@ class Trainer:
                                           self.cfg.optim.grad_clip, optimizer=self.optimizer)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
-        if hasattr(self.optimizer, "grad_scale"):  # the clip's factor is for this step only
-            del self.optimizer.grad_scale
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        written = getattr(self.optimizer, "last_written", frozenset())
+        written = self.optimizer.written_back
         for w in self.experts:
             w.finish_step(written)
         counts_LE = self._balance_routers()
