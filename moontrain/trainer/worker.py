@@ -19,6 +19,7 @@ from moontrain.config import RunConfig, dump_config, from_dict, load_recipe
 from moontrain.config.loader import to_dict
 from moontrain.metrics.progress import ProgressLog
 from moontrain.metrics.wandb_run import WandbRun
+from moontrain.parallel.hosts import check_ep_group_hosts
 from moontrain.parallel.layout import build_layout
 from moontrain.trainer.trainer import Trainer
 
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         layout = build_layout(cfg.parallel.ep, device)
         cfg.check_world(layout.world_size)
+        check_ep_group_hosts(layout.ep_group, cfg.experts.backend)
         is_main = layout.rank == 0
         if is_main:
             dump_config(cfg, Path(cfg.train.run_dir) / "config.yaml")
