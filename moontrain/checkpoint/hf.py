@@ -24,11 +24,11 @@ from safetensors.torch import save_file
 
 from moontrain.checkpoint.store import load_model_tensors, open_checkpoint
 from moontrain.checkpoint.tensors import CheckpointError, Piece, TensorSource
-from moontrain.config.loader import from_dict
+from moontrain.dataclass_dict import from_dict
 from moontrain.model.config import ModelConfig
 
 if TYPE_CHECKING:
-    from moontrain.trainer.trainer import Trainer
+    from moontrain.checkpoint.state import TrainState
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -73,9 +73,9 @@ def read_hf(model_dir: str | Path) -> tuple[ModelConfig, TensorSource]:
     return cfg, TensorSource(model_dir, index)
 
 
-def import_hf(trainer: Trainer, model_dir: str | Path) -> None:
-    """Load exported weights into a trainer of the same model config (any EP / DP layout)."""
+def import_hf(run: TrainState, model_dir: str | Path) -> None:
+    """Load exported weights into a run of the same model config (any EP / DP layout)."""
     cfg, source = read_hf(model_dir)
-    if cfg != trainer.cfg.model:
+    if cfg != run.model_config:
         raise CheckpointError(f"{Path(model_dir) / CONFIG} describes another model than the recipe's model: section")
-    load_model_tensors(trainer, source, prefix="")
+    load_model_tensors(run, source, prefix="")

@@ -3,8 +3,9 @@
 Gradient scaling: each rank's loss is the mean over its own tokens, so the global loss is the mean of
 the per-rank losses. FSDP's reduce-scatter averages dense grads over the world. An expert's grad on
 its owner already sums the contributions of every rank of its EP group (the backend's backward sums
-them: the reversed all-to-all, or moonep's combine-backward plus reduce_grad); summing over the expert-data-parallel replicas and dividing by the world size gives the
-same mean.
+them: the reversed all-to-all, or moonep's combine-backward plus reduce_grad); the backends accumulate
+it times ExpertsContext.loss_scale = 1 / world size (the one place that factor is set), and summing
+over the expert-data-parallel replicas gives the same mean.
 
 Metrics are accumulated on device (MetricsWindow) and read once per logging step. Checkpoints
 (moontrain.checkpoint) hold the whole train state: model, optimizer, schedule, step, tokens seen, RNG,
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from moontrain.checkpoint import load_checkpoint, save_checkpoint
+from moontrain.checkpoint.state import TrainState
 from moontrain.config.run_config import RunConfig
 from moontrain.data.source import build_token_source
 from moontrain.metrics.flops import flops_per_token, peak_flops
@@ -62,15 +64,13 @@ class Trainer:
         self.experts_ctx = ExpertsContext(
             num_experts=cfg.model.num_experts, topk=cfg.model.num_experts_per_tok, ep_group=layout.ep_group,
             ep_size=layout.ep, compute_dtype=self.compute_dtype, token_padding=cfg.experts.token_padding,
-            max_tokens=micro_batch * cfg.train.seq_len, device=device,
+            max_tokens=micro_batch * cfg.train.seq_len, device=device, loss_scale=1.0 / layout.world_size,
             moonep_kernels=cfg.experts.moonep_kernels, moonep_expert_kernels=cfg.experts.moonep_expert_kernels,
             moonep_fused_planner=cfg.experts.moonep_fused_planner,
             moonep_chain_prefetch=not cfg.train.activation_checkpointing,
         )
         self.model.attach_experts_backends(cfg.experts.backend, self.experts_ctx)
         self.experts = [moe.experts for moe in self.model.moe_layers()]
-        for w in self.experts:  # the loss-mean factor of _reduce_grads, applied as the grads accumulate
-            w.accumulate_scale = 1.0 / layout.world_size
         self.expert_params = [p for w in self.experts for p in w.master.values()]
         expert_ids = {id(p) for p in self.expert_params}
         self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
@@ -80,15 +80,41 @@ class Trainer:
         self.data = build_token_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
                                        global_batch=cfg.train.global_batch_size, rank=layout.rank,
                                        world_size=layout.world_size, device=device)
-        self.step = 0
-        self.tokens_seen = 0
-        self.wandb_run_id: str | None = None  # set by the worker (rank 0); kept in checkpoints
+        # what checkpoints save and restore; step, tokens_seen and wandb_run_id are read through it
+        self.state = TrainState(layout=layout, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                                data=self.data, experts=self.experts, model_config=cfg.model,
+                                experts_backend=cfg.experts.backend, data_source=cfg.data.source)
         self.last_saved_step: int | None = None
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = peak_flops(device)
         self.moe_stats = MoEStats(self.model.moe_layers(), ep=layout.ep)
         moe_ids = [i for i, block in enumerate(self.model.layers) if block.is_moe]
         self.window = MetricsWindow(moe_ids, layout)
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state.step = value
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.state.tokens_seen
+
+    @tokens_seen.setter
+    def tokens_seen(self, value: int) -> None:
+        self.state.tokens_seen = value
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        """Set by the worker (rank 0); kept in checkpoints."""
+        return self.state.wandb_run_id
+
+    @wandb_run_id.setter
+    def wandb_run_id(self, value: str | None) -> None:
+        self.state.wandb_run_id = value
 
     def train_step(self) -> StepStats | None:
         """One optimizer step; returns the logged stats on a logging step (the only host read), else None."""
@@ -150,7 +176,7 @@ class Trainer:
     def save_checkpoint(self, root: str | Path | None = None) -> Path:
         """Collective: the whole train state as <checkpoint dir>/step_<step> (see moontrain.checkpoint)."""
         t0 = time.perf_counter()
-        path = save_checkpoint(self, root if root is not None else self.checkpoint_dir,
+        path = save_checkpoint(self.state, root if root is not None else self.checkpoint_dir,
                                keep_last=self.cfg.checkpoint.keep_last)
         self.last_saved_step = self.step
         self.window.t0 += time.perf_counter() - t0  # tokens/s counts training time only
@@ -159,7 +185,7 @@ class Trainer:
     def load_checkpoint(self, path: str | Path) -> None:
         """Collective-free: restore model, optimizer, schedule, step, RNG and data position from `path`."""
         self.reshard_dense()  # a gathered copy would outlive the load
-        load_checkpoint(self, path)
+        load_checkpoint(self.state, path)
         self.last_saved_step = self.step
 
     def _log(self, lr: float) -> StepStats:
@@ -199,7 +225,7 @@ class Trainer:
         if layout.distributed and not self.fsdp:
             allreduce_dense_grads(self.model, layout.world_group)
         for w in self.experts:
-            w.reduce_grads(layout.edp_group, scale=1.0 / layout.world_size)
+            w.reduce_grads(layout.edp_group)
             w.attach_grads()
 
     @torch.no_grad()

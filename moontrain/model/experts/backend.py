@@ -1,10 +1,10 @@
-"""The experts-backend interface and the registry that builds one per MoE layer by name.
+"""The experts-backend interface: what a backend computes and the context every backend of a model shares.
 
 Legend: s tokens on this rank, H expert width, K top-k.
 
 A backend maps (x_sH, weights_sK, topk_sK) -> y_sH = sum_k weights[t,k] * expert_{topk[t,k]}(x[t]),
 with autograd to x and weights, and weight gradients landing in ExpertWeights.grad (fp32, local rows).
-Adding a backend is one entry in BACKENDS.
+Backends are built by name in registry.py (adding one is one entry there).
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-
-from moontrain.model.experts.weights import ExpertWeights
 
 
 class ExpertsBackend(Protocol):
@@ -35,6 +33,10 @@ class ExpertsContext:
     token_padding: int
     max_tokens: int  # tokens per rank per call (S)
     device: torch.device
+    # The one owner of the loss scale: the factor the training loss puts on every expert-weight grad,
+    # applied as the grads accumulate (1 / world size: each rank's loss is the mean over its own tokens;
+    # see Trainer). Backends fold it in; nothing rescales the grads afterwards.
+    loss_scale: float = 1.0
     moonep_kernels: str = "auto"  # BufferConfig.kernels of the moonep backend
     moonep_expert_kernels: bool = True  # BufferConfig.expert_kernels of the moonep backend
     moonep_fused_planner: bool = True  # BufferConfig.fused_planner of the moonep backend
@@ -55,34 +57,3 @@ class ExpertsContext:
         """Release what the backends own (moonep's symmetric heap); expert tensors become invalid."""
         while self.closers:
             self.closers.pop()()
-
-
-def _build_local(ctx: ExpertsContext, weights: ExpertWeights) -> ExpertsBackend:
-    from moontrain.model.experts.local import LocalExperts
-
-    return LocalExperts(ctx, weights)
-
-
-def _build_alltoall(ctx: ExpertsContext, weights: ExpertWeights) -> ExpertsBackend:
-    from moontrain.model.experts.alltoall import AllToAllExperts
-
-    return AllToAllExperts(ctx, weights)
-
-
-def _build_moonep(ctx: ExpertsContext, weights: ExpertWeights) -> ExpertsBackend:
-    from moontrain.model.experts.moonep_backend import MoonEPExperts
-
-    return MoonEPExperts(ctx, weights)
-
-
-BACKENDS: dict[str, Callable[[ExpertsContext, ExpertWeights], ExpertsBackend]] = {
-    "local": _build_local,
-    "alltoall": _build_alltoall,
-    "moonep": _build_moonep,
-}
-
-
-def build_experts_backend(name: str, ctx: ExpertsContext, weights: ExpertWeights) -> ExpertsBackend:
-    if name not in BACKENDS:
-        raise ValueError(f"unknown experts backend {name!r}; choose one of {sorted(BACKENDS)}")
-    return BACKENDS[name](ctx, weights)

@@ -40,6 +40,7 @@ class MoonEPExperts:
             ctx.finishers.append(buf.wait_pending)  # expert_swiglu leaves reduce_grad queued
             pools = moonep.ExpertPools(buf, projections=dict(weights.shapes), dtype=ctx.compute_dtype)
             pools.chain_prefetch = ctx.moonep_chain_prefetch
+            pools.wgrad_scale = ctx.loss_scale  # weight grads accumulate pre-scaled
             ctx.shared["moonep_pools"] = pools
             ctx.finishers.append(pools.settle_grads)  # grads declared zero and never accumulated since
         self.buf = ctx.shared["moonep_buffer"]
@@ -53,7 +54,6 @@ class MoonEPExperts:
 
     def forward(self, x_sH: torch.Tensor, weights_sK: torch.Tensor, topk_sK: torch.Tensor) -> torch.Tensor:
         dtype = self.pools.dtype
-        self.pools.wgrad_scale = self.weights.accumulate_scale  # read in this layer's backward
         y_sH = self._expert_swiglu(self.buf, self.pools, self.layer, x_sH.to(dtype).contiguous(),
                                    weights_sK.contiguous(), topk_sK.to(torch.int32).contiguous())
         return y_sH.to(x_sH.dtype)
