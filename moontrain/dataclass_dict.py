@@ -1,16 +1,17 @@
 """Strict conversion between the dataclass configs and plain mappings (what YAML reads and writes).
 
 from_dict builds a dataclass from a mapping whose keys are exactly its fields (nested dataclasses
-recursively); unknown keys, wrong types and missing required fields raise ValueError naming the dotted
+recursively, and `dict[str, X]` fields as name -> X); unknown keys, wrong types and missing required fields raise ValueError naming the dotted
 key and what is allowed. Nothing is coerced except int -> float (YAML writes round numbers like `lr: 1`
 as ints, which loses nothing) and, for float fields, PyYAML's `1e-3` string (YAML 1.1 reads an exponent
-without a dot as a string). to_dict is its inverse. The recipe layer (files, base:, overrides) is
+without a dot as a string); nan and inf are refused. to_dict is its inverse. The recipe layer (files, base:, overrides) is
 moontrain.config.loader; this module has no moontrain imports, so any package may use it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -48,6 +49,8 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
     return to_dict(value) if dataclasses.is_dataclass(value) else value
 
 
@@ -65,6 +68,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
                 return _convert(option, value, key)
             except ValueError as err:
                 errors.append(str(err))
+        if len(errors) == 1:  # X | None: the one real option's own message names the nested key
+            raise ValueError(errors[0])
         raise ValueError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         allowed = get_args(tp)
@@ -73,6 +78,15 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         return value
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, key)
+    if origin is dict:  # name -> value (e.g. data.sources.web); keys are names, values converted strictly
+        key_type, value_type = get_args(tp)
+        assert key_type is str, f"config mappings are keyed by str, {key} is not"
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}: expected a mapping of name -> {_type_name(value_type)}, got {value!r}")
+        for name in value:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"{key}: keys must be non-empty names, got {name!r}")
+        return {name: _convert(value_type, v, f"{key}.{name}") for name, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             raise ValueError(f"{key}: expected bool (true/false), got {value!r}")
@@ -83,9 +97,11 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         return value
     if tp is float:
         if isinstance(value, str) and _FLOAT_RE.fullmatch(value):
-            return float(value)  # PyYAML (YAML 1.1) reads 1e-3 (no dot) as a string
+            value = float(value)  # PyYAML (YAML 1.1) reads 1e-3 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{key}: expected float, got {value!r}")
+        if not math.isfinite(value):  # no setting means anything at nan or inf; they only surface as a NaN loss
+            raise ValueError(f"{key}: expected a finite float, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

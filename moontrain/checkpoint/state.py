@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from moontrain.data.source import TokenSource
     from moontrain.model.config import ModelConfig
     from moontrain.model.experts.weights import ExpertWeights
+    from moontrain.optim.config import OptimConfig
     from moontrain.optim.protocol import TrainOptimizer
     from moontrain.parallel.layout import ParallelLayout
 
@@ -25,7 +26,7 @@ class TrainState:
     """model / optimizer / scheduler / data are the live objects (restored in place); step, tokens_seen
     and wandb_run_id are plain values (restored by assignment). model_config, experts_backend and
     data_source are what a checkpoint must agree with to be loaded (the model's shapes, the data position's
-    meaning). experts: the model's ExpertWeights, whose compute copies follow their masters after a load.
+    meaning); optim_config is recorded beside them. experts: the model's ExpertWeights, whose compute copies follow their masters after a load.
     The RNG state saved is the process's (torch's CPU and CUDA generators)."""
 
     layout: ParallelLayout
@@ -35,6 +36,7 @@ class TrainState:
     data: TokenSource
     experts: list[ExpertWeights]
     model_config: ModelConfig
+    optim_config: OptimConfig  # saved so that a resume can name the settings the recipe changed
     experts_backend: str
     data_source: str
     step: int = 0

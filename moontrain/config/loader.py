@@ -56,7 +56,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
         key, sep, text = item.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
             raise ValueError(f"override {item!r} is not of the form dotted.key=value, e.g. model.num_layers=4")
-        value = yaml.safe_load(text) if text != "" else ""
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError as err:
+            raise ValueError(f"override {item!r}: the value is not valid YAML: {_yaml_problem(err)}; quote "
+                             "strings that contain ':', '{' or '['") from None
         node = raw
         parts = key.split(".")
         for depth, part in enumerate(parts[:-1]):
@@ -78,13 +82,25 @@ def dump_config(config: Any, path: str | Path) -> None:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    with path.open() as fh:
-        raw = yaml.safe_load(fh)
+    try:
+        with path.open() as fh:
+            raw = yaml.safe_load(fh)
+    except yaml.YAMLError as err:
+        raise ValueError(f"recipe {path} is not valid YAML: {_yaml_problem(err)}") from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):
         raise ValueError(f"recipe {path} must be a YAML mapping at the top level, got {type(raw).__name__}")
     return raw
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's error as one line: what is wrong and where (1-based line and column)."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    context = getattr(err, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + (f"{problem} ({context})" if context else problem)
 
 
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

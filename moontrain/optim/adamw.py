@@ -7,7 +7,8 @@
 Groups stay homogeneous (DTensor shards vs plain tensors) so the foreach kernels never mix the two.
 With optim.write_back the optimizer is WriteBackAdamW: build_optimizer registers each expert master
 with its compute tensor (the trainer's write-back targets), and one fused pass steps it, writes the
-compute copy and zeroes the grad. Either optimizer keeps the contract of moontrain/optim/protocol.py.
+compute copy and zeroes the grad. build_optimizer builds Muon instead (moontrain.optim.muon) when
+optim.name is muon. Every optimizer it returns keeps the contract of moontrain/optim/protocol.py.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import os
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moontrain.optim.config import OptimConfig
+from moontrain.optim.muon import build_muon
 from moontrain.optim.protocol import TrainOptimizer
 from moontrain.optim.schedule import lr_multiplier
 from moontrain.optim.torch_adamw import AdamW
@@ -38,10 +41,15 @@ def split_param_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int,
+                    expert_group: dist.ProcessGroup | None = None,
                     write_back_targets: Iterable[tuple[torch.Tensor, torch.Tensor, bool]] = ()
                     ) -> tuple[TrainOptimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """The optimizer and its LR schedule. write_back_targets: (expert master, its compute tensor, zero its
-    grad) for each expert projection, stepped by the fused write-back pass when optim.write_back is on."""
+    """The optimizer and its LR schedule. optim.name picks AdamW (here) or Muon (moontrain.optim.muon;
+    expert_group: the expert-data-parallel group, whose replicas share the expert orthogonalisation).
+    write_back_targets: (expert master, its compute tensor, zero its grad) per expert projection, stepped
+    by the fused write-back pass when optim.write_back is on."""
+    if cfg.name == "muon":
+        return build_muon(model, cfg, total_steps, expert_group=expert_group)
     groups = split_param_groups(model)
     param_groups = [
         {"params": groups["decay"], "weight_decay": cfg.weight_decay, "name": "decay"},

@@ -16,6 +16,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from moonep import BufferOptions
+from moontrain.model.config import FFNActivation
+
 
 class ExpertsBackend(Protocol):
     def forward(self, x_sH: torch.Tensor, weights_sK: torch.Tensor, topk_sK: torch.Tensor) -> torch.Tensor: ...
@@ -37,9 +40,8 @@ class ExpertsContext:
     # applied as the grads accumulate (1 / world size: each rank's loss is the mean over its own tokens;
     # see Trainer). Backends fold it in; nothing rescales the grads afterwards.
     loss_scale: float = 1.0
-    moonep_kernels: str = "auto"  # BufferConfig.kernels of the moonep backend
-    moonep_expert_kernels: bool = True  # BufferConfig.expert_kernels of the moonep backend
-    moonep_fused_planner: bool = True  # BufferConfig.fused_planner of the moonep backend
+    moonep_options: BufferOptions = field(default_factory=BufferOptions)  # the moonep backend's Buffer
+    activation: FFNActivation = "swiglu"  # the experts' gated activation (ModelConfig.ffn_activation)
     # ExpertPools.chain_prefetch: off when blocks are recomputed in backward (activation checkpointing)
     moonep_chain_prefetch: bool = True
     shared: dict[str, Any] = field(default_factory=dict)  # e.g. moonep's Buffer and ExpertPools

@@ -76,6 +76,16 @@ def test_write_back_needs_a_gpu(monkeypatch) -> None:
         build_optimizer(_model(), OptimConfig(write_back=True), total_steps=10)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_muon_keeps_the_step_contract(fused: bool) -> None:
+    """Muon never folds the clip (its fused AdamW groups would take a grad_scale, its Muon groups not):
+    the clip scales the grads in place instead."""
+    opt, _ = build_optimizer(_model(), OptimConfig(name="muon", fused=fused, write_back=False), total_steps=10)
+    assert isinstance(opt, TrainOptimizer) and not opt.folds_clip and opt.written_back == frozenset()
+    with pytest.raises(ValueError, match="Muon does not fold the gradient clip"):
+        opt.clip_next_step(torch.tensor(2.0))
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_optimizer_keeps_the_step_contract(fused: bool) -> None:
     """build_optimizer's optimizer is a TrainOptimizer; a fused one divides the grads of the next step

@@ -1,10 +1,10 @@
-"""The CuTe DSL planner kernel (moonep.kernels.cute_planner) traces and compiles to sm_90a PTX and
+"""The CuTe DSL planner kernel (experiments.cute_planner.cute_planner) traces and compiles to sm_90a PTX and
 cubin on a machine without a GPU, and its entry point rejects bad problems with a ValueError.
 
 CuTe DSL runs its whole MLIR pipeline (PTX, then ptxas) without a driver; only loading the module
 needs one. `no_jit_engine=True` stops before that load, so this runs on a CPU host (GPUArch picks
 the target instead of the detected GPU). Bitwise values are checked on the GPU by
-tests/moonep/gpu/test_cute_planner.py; here the PTX is checked for the kernel's synchronisation
+experiments/cute_planner/test_cute_planner_gpu.py; here the PTX is checked for the kernel's synchronisation
 structure (five CTA barriers, one __syncwarp in the quota split), warp reductions and the absence of
 local memory (no spills, no indexed register arrays)."""
 
@@ -30,7 +30,7 @@ def test_cute_planner_compiles_to_sm90a(R: int, E: int, B: int, pad: int, tmp_pa
     import cutlass.cute as cute
     from cutlass.base_dsl.compiler import DumpDir, GPUArch, KeepPTX
 
-    from moonep.kernels.cute_planner import NUM_THREADS, PlanSharedKernel, example_args
+    from experiments.cute_planner.cute_planner import NUM_THREADS, PlanSharedKernel, example_args
 
     kernel = PlanSharedKernel(R, E, B, pad)
     compiled = cute.compile[GPUArch("sm_90a"), KeepPTX, DumpDir(str(tmp_path))](
@@ -61,7 +61,7 @@ def test_cute_planner_compiles_to_sm90a(R: int, E: int, B: int, pad: int, tmp_pa
 ])
 def test_cute_planner_rejects_bad_problems(counts: torch.Tensor, cap: torch.Tensor, B: int, pad: int,
                                            match: str) -> None:
-    from moonep.kernels.cute_planner import plan_shared
+    from experiments.cute_planner.cute_planner import plan_shared
 
     with pytest.raises(ValueError, match=match):
         plan_shared(counts, cap, B, pad)

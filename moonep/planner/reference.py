@@ -13,72 +13,13 @@ s tokens of this rank, K top-k.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, fields
-
 import torch
 
 from moonep.layout import Layout
+from moonep.planner.plan import Plan
+from moonep.validate import check_counts, check_gathered_counts, check_num_tokens, check_routing_values, check_tensor
 
 _I64 = torch.int64
-
-
-@dataclass(frozen=True, eq=False)
-class Plan:
-    """Everything dispatch, prefetch, combine, both backward passes and reduce_grad need.
-
-    Shared fields are identical on every rank; local fields describe this rank's tokens.
-    """
-
-    # static
-    rank: int
-    num_ranks: int
-    num_experts: int
-    num_slots: int
-    topk: int
-    num_tokens: int  # s of this rank
-    nvs_s: int  # rows of the receive buffer this call may fill
-    # shared (identical on every rank)
-    counts_RE: torch.Tensor  # int32 tokens of expert e on source rank r
-    cap_R: torch.Tensor  # int64 token slots each rank receives
-    quota_RR: torch.Tensor  # int64 z[h, u]: tokens of home group h processed on receiver u
-    alloc_ER: torch.Tensor  # int32 tokens of expert e processed on rank d
-    slot_expert_RB: torch.Tensor  # int32 expert in slot j of rank d, -1 when empty
-    group_rows_RG: torch.Tensor  # int32 token rows of W_full row g on rank d (unpadded)
-    offs_RG: torch.Tensor  # int32 cumulative padded ends over W_full rows (cu_seqlens_full)
-    # local (this rank's entries)
-    dst_rank_sK: torch.Tensor  # int32 rank that processes entry (t, k)
-    dst_row_sK: torch.Tensor  # int32 row of entry (t, k) in that rank's receive buffer
-    copy_row_sK: torch.Tensor  # int32 row on dst that entry (t, k) is copied from (itself if sent)
-    sent_sK: torch.Tensor  # bool entry carries the token row (first k of the token to that rank)
-
-    @property
-    def epn(self) -> int:
-        return self.num_experts // self.num_ranks
-
-    @property
-    def cu_seqlens_full(self) -> torch.Tensor:
-        """int32 [E + B]: offs over W_full rows for this rank (the torch._grouped_mm format)."""
-        return self.offs_RG[self.rank]
-
-    @property
-    def cu_seqlens(self) -> torch.Tensor:
-        """int32 [epn + B]: offs over W_compact (local experts, then slots), used in training
-        where every remote expert has a slot (B = epn)."""
-        lo = self.rank * self.epn
-        return torch.cat([self.offs_RG[self.rank, lo : lo + self.epn], self.offs_RG[self.rank, self.num_experts :]])
-
-    def shared(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in _SHARED}
-
-    def __repr__(self) -> str:
-        head = (f"Plan(rank={self.rank}/{self.num_ranks}, E={self.num_experts}, B={self.num_slots}, "
-                f"K={self.topk}, s={self.num_tokens}, nvs_s={self.nvs_s}")
-        body = ",\n  ".join(f"{n}={getattr(self, n).tolist()}" for n in ("cap_R", "slot_expert_RB"))
-        return f"{head},\n  {body})"
-
-
-_SHARED = ("counts_RE", "cap_R", "quota_RR", "alloc_ER", "slot_expert_RB", "group_rows_RG", "offs_RG")
 
 
 def receive_caps(num_ranks: int, topk: int, *, num_tokens: int | None, total_num_tokens: int | None,
@@ -213,7 +154,7 @@ def token_destinations(topk_sK: torch.Tensor, counts_RE: torch.Tensor, rank: int
 def plan_shared(counts_RE: torch.Tensor, cap_R: torch.Tensor, num_slots: int, token_padding: int
                 ) -> tuple[torch.Tensor, ...]:
     """SPEC 5.2-5.4, the part every rank computes identically: (quota_RR, alloc_ER, slot_expert_RB,
-    group_ER, group_rows_RG, offs_RG). moonep.kernels.planner computes the same in one kernel."""
+    group_ER, group_rows_RG, offs_RG)."""
     R = cap_R.numel()
     count_E = counts_RE.to(_I64).sum(0)
     group_R = count_E.view(R, -1).sum(1)
@@ -224,24 +165,42 @@ def plan_shared(counts_RE: torch.Tensor, cap_R: torch.Tensor, num_slots: int, to
     return quota, alloc.to(torch.int32), slot_expert, group_ER, group_rows, offs
 
 
-SharedPlanner = Callable[[torch.Tensor, torch.Tensor, int, int], tuple[torch.Tensor, ...]]
-
-
-def make_plan(layout: Layout, rank: int, topk_sK: torch.Tensor, counts_RE: torch.Tensor, *,
-              total_num_tokens: int | None = None, shared: SharedPlanner = plan_shared) -> Plan:
-    """Plan one dispatch from this rank's routing and every rank's histogram (SPEC 5)."""
+def build_plan(layout: Layout, rank: int, topk_sK: torch.Tensor, counts_RE: torch.Tensor,
+               total_num_tokens: int | None = None) -> Plan:
+    """make_plan without its checks: no host synchronisation, for inputs a Buffer has validated."""
     R, B, K = layout.num_ranks, layout.num_slots, layout.config.topk
     pad = layout.config.token_padding
     s = topk_sK.shape[0]
     device = topk_sK.device
     cap_R = receive_caps(R, K, num_tokens=s, total_num_tokens=total_num_tokens, device=device)
-    quota, alloc, slot_expert, group_ER, group_rows, offs = shared(counts_RE, cap_R, B, pad)
+    quota, alloc, slot_expert, group_ER, group_rows, offs = plan_shared(counts_RE, cap_R, B, pad)
     dst_rank, dst_row, copy_row, sent = token_destinations(topk_sK, counts_RE, rank, alloc, group_ER,
                                                            group_rows, offs, pad)
-    max_cap = s * K if total_num_tokens is None else -(-total_num_tokens * K // R)
     return Plan(
         rank=rank, num_ranks=R, num_experts=layout.config.num_experts, num_slots=B, topk=K, num_tokens=s,
-        nvs_s=layout.nvs_rows(max_cap), counts_RE=counts_RE.to(torch.int32), cap_R=cap_R, quota_RR=quota,
+        nvs_s=layout.call_rows(s, total_num_tokens), counts_RE=counts_RE.to(torch.int32), cap_R=cap_R, quota_RR=quota,
         alloc_ER=alloc, slot_expert_RB=slot_expert, group_rows_RG=group_rows, offs_RG=offs,
         dst_rank_sK=dst_rank, dst_row_sK=dst_row, copy_row_sK=copy_row, sent_sK=sent,
     )
+
+
+def make_plan(layout: Layout, rank: int, topk_sK: torch.Tensor, counts_RE: torch.Tensor, *,
+              total_num_tokens: int | None = None) -> Plan:
+    """Plan one dispatch from this rank's routing and every rank's histogram (SPEC 5), as every
+    planner of a Buffer does, with the checks of Buffer.plan (SPEC 8: ValueError naming the value;
+    host synchronisations)."""
+    R, S = layout.num_ranks, layout.config.max_tokens
+    if not 0 <= rank < R:
+        raise ValueError(f"rank={rank} is outside [0, {R}) for a layout of R={R} ranks")
+    s = topk_sK.shape[0] if isinstance(topk_sK, torch.Tensor) and topk_sK.dim() == 2 else -1
+    check_num_tokens(layout, s)
+    check_tensor("topk_sK", topk_sK, shape=(s, layout.config.topk), dtype=(torch.int32, torch.int64),
+                 device=topk_sK.device)
+    check_tensor("counts_RE", counts_RE, shape=(R, layout.config.num_experts), dtype=(torch.int32, torch.int64),
+                 device=topk_sK.device)
+    if total_num_tokens is not None and not s <= total_num_tokens <= R * S:
+        raise ValueError(f"total_num_tokens={total_num_tokens} must lie in [{s}, R*S={R * S}]")
+    check_counts(layout, counts_RE)
+    check_routing_values(layout, topk_sK, counts_RE[rank])
+    check_gathered_counts(layout, counts_RE, s, total_num_tokens)
+    return build_plan(layout, rank, topk_sK, counts_RE, total_num_tokens)

@@ -1,5 +1,6 @@
-"""The whole planner (SPEC 5) in three Triton kernels around the histogram barrier, bitwise equal to
-`moonep.planner.make_plan` (the specification) on every field of the Plan.
+"""The fused planner: the whole of SPEC 5 in four Triton launches around the histogram barrier,
+bitwise equal to `moonep.planner.reference.make_plan` (the specification) on every field of the Plan.
+Buffers on the triton path plan with it.
 
 Protocol of one plan (every rank; s tokens, K top-k, flat entry index i = t*K + k):
     1. `_chunk_kernel`, one program per chunk of CHUNK consecutive flat entries: the chunk's
@@ -7,18 +8,16 @@ Protocol of one plan (every rank; s tokens, K top-k, flat entry index i = t*K + 
        order (tl.sort on the key expert*CHUNK + i, then a scan over runs of equal experts). Then
        `_prefix_kernel`, one program per 16 experts, turns the per-chunk histograms into exclusive
        prefixes over chunks and writes the local histogram (their sum) into row `rank` of every
-       peer's hist region (plain peer stores). (FusedPlanner(prefix_kernel=False) does this step in
-       the chunk kernel's last program to finish instead: a ticket counter, atomic acq_rel after a
-       CTA barrier, reset to 0 by that program, so nothing is reset from the host.)
+       peer's hist region (plain peer stores).
     2. the heap barrier "dispatch:histograms" (moonep.heap.device_barrier on CUDA: its
        fence.sc.sys + st.release.sys / ld.acquire.sys and stream order make the peer stores of 1
        visible to 3 and 4 on every rank).
     3. `_shared_kernel`, one program: counts_RE (copied out of the own hist region), receive caps,
-       receiver filling, quota split, slots, group rows and offs: the algorithm of
-       moonep.kernels.planner, plus per (expert e, rank d) the end of d's share of e's entry list
-       and the receive row of e's entry number 0 on d, so that step 4 needs two lookups per entry.
-       The quota-split loop stops once every quota is 0 (the PyTorch planner's remaining masked
-       steps then move 0 tokens, so the outputs are the same).
+       receiver filling, quota split, slots, group rows and offs (SPEC 5.1-5.4 with the
+       specification's tie rules: tl.argmax / tl.argmin keep the lowest index, as torch does),
+       plus per (expert e, rank d) the end of d's share of e's entry list and the receive row of
+       e's entry number 0 on d, so that step 4 needs two lookups per entry. The quota-split loop
+       stops once every quota is 0 (the specification's remaining masked steps move 0 tokens).
     4. `_dest_kernel`, one program per BLOCK_T whole tokens: SPEC 5.5 for this rank's entries,
        pos = (tokens of e on lower ranks) + (e's entries in earlier chunks) + (rank inside the
        chunk); dst_rank = number of ranks whose share of e ends at or before pos; dst_row = the
@@ -26,51 +25,50 @@ Protocol of one plan (every rank; s tokens, K top-k, flat entry index i = t*K + 
 All outputs of a plan live in one flat byte buffer (int64 fields, then int32, then bool) that
 `_PlanLayout` cuts into the Plan's tensors.
 
-On CUDA (BufferConfig.plan_graph) the four launches of one shape are captured in CUDA graphs,
-each writing into its own pooled Plan (`_PlanPool`); a call copies topk into the graphs' input and
-replays a graph whose Plan nothing outside the pool holds any more (no Python reference to the Plan
-or its tensors, no autograd save, no view), capturing a new one when every pooled Plan is held. A
-plan thus outlives later calls (it is saved for backward) at the cost of one copy and one replay.
-The pool's contract is the caching allocator's without record_stream: work on another stream that
-reads a Plan must be joined to the calling stream before the Plan is dropped (moonep's side-stream
-prefetch is). The pool keeps as many Plans per shape as were ever held at once (1.1 MB each at
-s = 8192, K = 8). While the
-caller's stream is being captured (a training step inside a CUDA graph) and on the CPU heap (the
-interpreter), the kernels launch directly into a fresh output buffer. No path synchronises with
-the host; the first call of a shape compiles and captures (host syncs, like any compile step).
+The shared kernel holds the whole problem in registers as small tiles: R ranks (padded to a power
+of two R_P), epn experts per home group (EPN_P), G = E + B groups (G_P). Padded lanes: quota and
+remaining get -1 in padded columns so argmax never picks them, 0 in padded rows so their `take` is
+0; balance gets the dtype's extreme values for argmax/argmin.
+
+On CUDA the four launches of one shape are captured in CUDA graphs, each writing into its own
+pooled Plan (`_PlanPool`); a call copies topk into the graphs' input and replays a graph whose Plan
+nothing outside the pool holds any more (no Python reference to the Plan or its tensors, no
+autograd save, no view), capturing a new one when every pooled Plan is held. A plan thus outlives
+later calls (it is saved for backward) at the cost of one copy and one replay. The pool's contract
+is the caching allocator's without record_stream: work on another stream that reads a Plan must be
+joined to the calling stream before the Plan is dropped (moonep's side-stream prefetch is). The
+pool keeps as many Plans per shape as were ever held at once (1.1 MB each at s = 8192, K = 8).
+While the caller's stream is being captured (a training step inside a CUDA graph) and on the CPU
+heap (the interpreter), the kernels launch directly into a fresh output buffer. No path
+synchronises with the host; the first call of a shape compiles and captures (host syncs, like any
+compile step).
 
 The histogram is counted from topk_sK on the device: the tokens_per_expert_E argument must equal
-it (SPEC 8; `BufferConfig.check_values` verifies it) and is not read on this path.
+it (SPEC 8; `BufferOptions.check_values` verifies it) and is not read on this path.
 
 Why Triton: Triton's interpreter runs these kernels on the CPU, so CI checks them bitwise against
 the PyTorch planner (tests/moonep/test_kernels_interpreted.py, R = 1..8 simulated in one process
 plus a 2-rank Buffer on the CPU heap) before any device time is spent.
 
 Race note (as on the PyTorch path): the hist region is single-buffered. A peer may write its next
-histogram only after a barrier that follows this rank's step 3 (dispatch's "dispatch:rows" or a
-saved-plan dispatch's "dispatch:enter"); two plan() calls back to back with nothing collective in
-between must be separated by the caller (bench_comm aligns ranks before each call).
+histogram only after a barrier that follows this rank's step 3; Buffer.plan passes barrier
+"plan:enter" first when two plans follow each other with nothing collective in between.
 
-Measured (2xH200 NV18, torch 2.11, 2026-11-29; R=2, S=8192, K=8):
+Measured (2xH200 NV18, torch 2.11, 2026-11-29/30; R=2, S=8192, K=8):
 - kernels alone (benchmarks/bench_planner.py, E=384, every rank simulated on one GPU, one CUDA graph
-  replay, median of 50; bench_planner_R2_E384_session4_20261129.json): chunk 512 x 4 warps with the
-  prefix kernel (the default) 25.6 us, of which the chunk pass (with the prefix launch) 17.2 us and
-  the shared + destination pass 17.5 us (the parts overlap a little in one graph). With the
-  prefixes in the last chunk program instead: 512 x 4 36.2 us, 1024 x 4 34.1 (the earlier
-  default); with the prefix kernel: 1024 x 4 29.6, 256 x 4 27.8, 2048 x 4 49.2, 2048 x 8 40.2. The
-  serial prefix over chunks in one program was what made small chunks slow (session 3: 512 x 4
-  38.4, 256 x 4 51.8, 128 x 4 82.8).
-- Buffer.plan on 2 GPUs (benchmarks/bench_comm.py, bench_comm_R2_session4_20261130.json), with the
-  barrier: 29-32 us of GPU time per plan in a run of 8 at E=96 and E=384 (session 3, with the
-  prefixes in the last chunk program: 37-45 us); one call alone, host launch and the ranks' host skew
-  included, 54-122 us (the caller's check, the input copy, the replay and the barrier's wait for the
-  slower host).
+  replay, median of 50): chunk 512 x 4 warps 25.6 us, of which the chunk pass (with the prefix
+  launch) 17.2 us and the shared + destination pass 17.5 us (the parts overlap a little in one
+  graph). Other chunks: 1024 x 4 29.6, 256 x 4 27.8, 2048 x 4 49.2, 2048 x 8 40.2 us.
+- Buffer.plan on 2 GPUs (benchmarks/bench_comm.py), with the barrier: 29-32 us of GPU time per plan
+  in a run of 8 at E=96 and E=384; one call alone, host launch and the ranks' host skew included,
+  54-122 us.
 
-Rejected: counting ranks with a [CHUNK, E] one-hot cumsum (E times more work and registers than
-the sort); a single persistent kernel with an in-kernel grid barrier and ready flag (saves two
-in-graph launch gaps of ~1-2 us but needs all programs co-resident and spins inside the
-interpreter's sequential programs); launching eagerly on CUDA (3 Triton launches + the barrier
-cost the host ~100 us; the bench counts host time).
+Rejected: the prefixes over chunks in the last chunk program to finish (a ticket counter; 36.2 us
+at chunk 512); counting ranks with a [CHUNK, E] one-hot cumsum (E times more work and registers
+than the sort); a single persistent kernel with an in-kernel grid barrier (needs all programs
+co-resident and spins inside the interpreter's sequential programs); launching eagerly on CUDA (3
+Triton launches + the barrier cost the host ~100 us); the PyTorch planner replayed from a CUDA
+graph (~400 small kernels per plan); a CuTe DSL kernel of the shared part (experiments/cute_planner).
 """
 
 from __future__ import annotations
@@ -83,11 +81,11 @@ import triton
 import triton.language as tl
 
 from moonep.layout import Layout
-from moonep.planner import Plan
+from moonep.planner.plan import Plan
 
 CHUNK = 512  # flat entries per histogram program (a power of two for tl.sort); benchmarks/bench_planner.py sweeps it
 _DEST_ENTRIES = 1024  # entries per destination program (whole tokens, K padded to a power of two)
-_PREFIX_EXPERTS = 16  # experts per program of the separate prefix kernel (FusedPlanner(prefix_kernel=True))
+_PREFIX_EXPERTS = 16  # experts per program of the prefix kernel
 _DEDUP_TILE = 8192  # elements of the destination program's [tokens, K_P, K_P] dedup tile (registers)
 
 
@@ -121,31 +119,8 @@ def _sort(x, LOG_N: tl.constexpr):
 
 
 @triton.jit
-def _prefix_tile(chunk_hist_ptr, hist_ptr, e0, num_chunks, rank, hist_rank_stride, hist_row_stride, E,
-                 R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Experts [e0, e0 + BLOCK_E): per-chunk histograms -> exclusive prefixes over chunks (in
-    place), and their totals (the local histogram) into row `rank` of every rank's hist region."""
-    cc = tl.arange(0, BLOCK_C)[:, None]
-    ee = e0 + tl.arange(0, BLOCK_E)
-    e_ok = ee < E
-    carry = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for c0 in range(0, num_chunks, BLOCK_C):
-        m = ((c0 + cc) < num_chunks) & e_ok[None, :]
-        ptrs = chunk_hist_ptr + (c0 + cc) * E + ee[None, :]
-        tile = tl.load(ptrs, mask=m, other=0, cache_modifier=".cg")  # written by other SMs
-        tl.store(ptrs, tl.cumsum(tile, axis=0) - tile + carry[None, :], mask=m)
-        carry += tl.sum(tile, axis=0)
-    for r in tl.static_range(R):  # int64: the rank stride spans the whole comm segment
-        row = hist_ptr + r * hist_rank_stride.to(tl.int64) + rank * hist_row_stride
-        tl.store(row + ee, carry, mask=e_ok)
-
-
-@triton.jit(do_not_specialize=["rank", "hist_rank_stride", "hist_row_stride"])
-def _chunk_kernel(topk_ptr, rank_ptr, chunk_hist_ptr, ticket_ptr, hist_ptr,
-                  num_entries, num_chunks, rank, hist_rank_stride, hist_row_stride, E,
-                  R: tl.constexpr, CHUNK: tl.constexpr, LOG_CHUNK: tl.constexpr,
-                  E_BINS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
-                  PREFIX_HERE: tl.constexpr):
+def _chunk_kernel(topk_ptr, rank_ptr, chunk_hist_ptr, num_entries, E,
+                  CHUNK: tl.constexpr, LOG_CHUNK: tl.constexpr, E_BINS: tl.constexpr):
     c = tl.program_id(0)
     i = tl.arange(0, CHUNK)
     entry = c * CHUNK + i
@@ -160,24 +135,28 @@ def _chunk_kernel(topk_ptr, rank_ptr, chunk_hist_ptr, ticket_ptr, hist_ptr,
     run_start = tl.gather(tl.cumsum(counts, axis=0) - counts, key >> LOG_CHUNK, 0)
     idx = c * CHUNK + (key & (CHUNK - 1))
     tl.store(rank_ptr + idx, i - run_start, mask=idx < num_entries)
-    if PREFIX_HERE:
-        # ticket: every program's stores happen before its release; the last one acquires them all
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
-        tl.debug_barrier()
-        if ticket == num_chunks - 1:
-            tl.atomic_xchg(ticket_ptr, 0)
-            for e0 in range(0, E, BLOCK_E):
-                _prefix_tile(chunk_hist_ptr, hist_ptr, e0, num_chunks, rank, hist_rank_stride, hist_row_stride, E,
-                             R, BLOCK_C, BLOCK_E)
 
 
 @triton.jit(do_not_specialize=["rank", "hist_rank_stride", "hist_row_stride"])
 def _prefix_kernel(chunk_hist_ptr, hist_ptr, num_chunks, rank, hist_rank_stride, hist_row_stride, E,
                    R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The prefix step of the chunk pass as its own launch: one program per BLOCK_E experts."""
-    _prefix_tile(chunk_hist_ptr, hist_ptr, tl.program_id(0) * BLOCK_E, num_chunks, rank, hist_rank_stride,
-                 hist_row_stride, E, R, BLOCK_C, BLOCK_E)
+    """Experts [e0, e0 + BLOCK_E) of this program: per-chunk histograms -> exclusive prefixes over
+    chunks (in place), and their totals (the local histogram) into row `rank` of every rank's hist
+    region."""
+    e0 = tl.program_id(0) * BLOCK_E
+    cc = tl.arange(0, BLOCK_C)[:, None]
+    ee = e0 + tl.arange(0, BLOCK_E)
+    e_ok = ee < E
+    carry = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        m = ((c0 + cc) < num_chunks) & e_ok[None, :]
+        ptrs = chunk_hist_ptr + (c0 + cc) * E + ee[None, :]
+        tile = tl.load(ptrs, mask=m, other=0, cache_modifier=".cg")  # written by other SMs
+        tl.store(ptrs, tl.cumsum(tile, axis=0) - tile + carry[None, :], mask=m)
+        carry += tl.sum(tile, axis=0)
+    for r in tl.static_range(R):  # int64: the rank stride spans the whole comm segment
+        row = hist_ptr + r * hist_rank_stride.to(tl.int64) + rank * hist_row_stride
+        tl.store(row + ee, carry, mask=e_ok)
 
 
 @triton.jit(do_not_specialize=["rank", "cap_base", "cap_rem"])
@@ -322,8 +301,7 @@ class _PlanLayout:
         R, E, B, K = layout.num_ranks, layout.config.num_experts, layout.num_slots, layout.config.topk
         dims = {"R": R, "E": E, "B": B, "G": E + B, "s": s, "K": K}
         self.static = {"rank": rank, "num_ranks": R, "num_experts": E, "num_slots": B, "topk": K, "num_tokens": s}
-        max_cap = s * K if total_num_tokens is None else -(-total_num_tokens * K // R)
-        self.static["nvs_s"] = layout.nvs_rows(max_cap)
+        self.static["nvs_s"] = layout.call_rows(s, total_num_tokens)
         # (field, dtype index 0: int64 / 1: int32 / 2: bool, shape, element offset in that dtype)
         self.fields: list[tuple[str, int, tuple[int, ...], int]] = []
         nbytes = 0
@@ -351,17 +329,15 @@ class _PlanLayout:
 class _Workspace:
     """Intermediate buffers of one shape, reused by every call (one plan at a time per buffer)."""
 
-    def __init__(self, layout: Layout, s: int, device: torch.device, chunk: int = CHUNK, chunk_warps: int = 4,
-                 prefix_kernel: bool = True) -> None:
+    def __init__(self, layout: Layout, s: int, device: torch.device, chunk: int = CHUNK, chunk_warps: int = 4) -> None:
         R, E, K = layout.num_ranks, layout.config.num_experts, layout.config.topk
         if chunk < 16 or chunk & (chunk - 1):
             raise ValueError(f"chunk={chunk} must be a power of two >= 16 (tl.sort's block)")
-        self.chunk, self.chunk_warps, self.prefix_kernel = chunk, chunk_warps, prefix_kernel
+        self.chunk, self.chunk_warps = chunk, chunk_warps
         self.num_chunks = triton.cdiv(s * K, chunk)
         i32 = {"dtype": torch.int32, "device": device}
         self.rank_in_chunk = torch.empty(s * K, **i32)
         self.chunk_hist = torch.empty(self.num_chunks, E, **i32)  # histograms, then prefixes
-        self.ticket = torch.zeros(1, **i32)  # back to 0 after every chunk pass
         self.base_E = torch.empty(E, **i32)
         self.end_ER = torch.empty(E, R, **i32)
         self.rowbase_ER = torch.empty(E, R, **i32)
@@ -372,19 +348,13 @@ def chunk_pass(topk_sK: torch.Tensor, rank: int, hist_all: torch.Tensor, work: _
     rank's region of hist_all ([R, R, E] int32, region r = hist_all[r], any strides)."""
     R, _, E = hist_all.shape
     C = work.num_chunks
-    block_c = min(64, triton.next_power_of_2(C))
     assert hist_all.stride(2) == 1
-    _chunk_kernel[(C,)](
-        topk_sK, work.rank_in_chunk, work.chunk_hist, work.ticket, hist_all,
-        topk_sK.numel(), C, rank, hist_all.stride(0), hist_all.stride(1), E, R=R, CHUNK=work.chunk,
-        LOG_CHUNK=work.chunk.bit_length() - 1, E_BINS=triton.next_power_of_2(E + 1),
-        BLOCK_C=block_c, BLOCK_E=max(16, min(triton.next_power_of_2(E), 8192 // block_c)), num_warps=work.chunk_warps,
-        PREFIX_HERE=not work.prefix_kernel)
-    if work.prefix_kernel:  # many programs of few experts each, instead of the last chunk program alone
-        block_e = _PREFIX_EXPERTS
-        _prefix_kernel[(triton.cdiv(E, block_e),)](
-            work.chunk_hist, hist_all, C, rank, hist_all.stride(0), hist_all.stride(1), E, R=R,
-            BLOCK_C=min(64, triton.next_power_of_2(C)), BLOCK_E=block_e, num_warps=4)
+    _chunk_kernel[(C,)](topk_sK, work.rank_in_chunk, work.chunk_hist, topk_sK.numel(), E, CHUNK=work.chunk,
+                        LOG_CHUNK=work.chunk.bit_length() - 1, E_BINS=triton.next_power_of_2(E + 1),
+                        num_warps=work.chunk_warps)
+    _prefix_kernel[(triton.cdiv(E, _PREFIX_EXPERTS),)](
+        work.chunk_hist, hist_all, C, rank, hist_all.stride(0), hist_all.stride(1), E, R=R,
+        BLOCK_C=min(64, triton.next_power_of_2(C)), BLOCK_E=_PREFIX_EXPERTS, num_warps=4)
 
 
 def plan_pass(topk_sK: torch.Tensor, rank: int, hist_RE: torch.Tensor, work: _Workspace, out: dict[str, torch.Tensor],
@@ -417,20 +387,18 @@ def receive_cap_args(num_ranks: int, topk: int, s: int, total_num_tokens: int | 
 class FusedPlanner:
     """Buffer's planner on the triton path: plan(topk_sK) -> Plan, collective (see the module docstring).
 
-    hist_all: Buffer._all["hist"], the [R, R, E] all-ranks view; barrier: the heap barrier of the
-    histogram exchange; graph: replay captured CUDA graphs (CUDA only); chunk / chunk_warps: entries
-    and warps per program of the chunk pass; prefix_kernel: the prefixes over chunks as a launch of
-    their own, parallel over experts (the default: 25.6 us against 36.2 us in the last chunk program
-    at chunk 512, benchmarks/bench_planner.py)."""
+    hist_all: the Buffer's [R, R, E] all-ranks view of the hist region; barrier: the heap barrier of
+    the histogram exchange; chunk / chunk_warps: entries and warps per program of the chunk pass
+    (benchmarks/bench_planner.py sweeps them). CUDA graphs are replayed on CUDA only."""
 
     def __init__(self, layout: Layout, rank: int, hist_all: torch.Tensor, barrier: Callable[[], None],
-                 graph: bool, chunk: int = CHUNK, chunk_warps: int = 4, prefix_kernel: bool = True) -> None:
+                 chunk: int = CHUNK, chunk_warps: int = 4) -> None:
         self.layout = layout
-        self.chunk, self.chunk_warps, self.prefix_kernel = chunk, chunk_warps, prefix_kernel
+        self.chunk, self.chunk_warps = chunk, chunk_warps
         self.rank = rank
         self.hist_all = hist_all
         self.barrier = barrier
-        self.graph = graph and hist_all.device.type == "cuda"
+        self.graph = hist_all.device.type == "cuda"
         self._work: dict[int, _Workspace] = {}
         self._layouts: dict[tuple[int, int | None], _PlanLayout] = {}
         self._graphs: dict[tuple, _PlanPool] = {}
@@ -466,8 +434,7 @@ class FusedPlanner:
         s = topk_sK.shape[0]
         work = self._work.get(s)
         if work is None:
-            work = self._work[s] = _Workspace(self.layout, s, topk_sK.device, self.chunk, self.chunk_warps,
-                                              self.prefix_kernel)
+            work = self._work[s] = _Workspace(self.layout, s, topk_sK.device, self.chunk, self.chunk_warps)
         chunk_pass(topk_sK, self.rank, self.hist_all, work)
         self.barrier()
         cap_base, cap_rem = receive_cap_args(self.layout.num_ranks, self.layout.config.topk, s, total)

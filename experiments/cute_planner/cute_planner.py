@@ -1,5 +1,7 @@
 """CuTe DSL kernel of the planner's shared part (SPEC 5.2-5.4), bitwise equal to
-`moonep.planner.plan_shared` (the specification) and to the Triton kernel moonep.kernels.planner.
+`moonep.planner.reference.plan_shared` (the specification). An experiment, not part of moonep: moonep's
+planner is the fused Triton planner (moonep.planner.fused), which also does the histogram exchange and
+the token destinations; this kernel covers the shared part only.
 
 Protocol: one CTA of NUM_THREADS threads (NUM_WARPS warps) holds the problem in shared memory and
 runs the specification's greedy steps with the same tie rules. Every argmax/argmin is two warp
@@ -49,7 +51,7 @@ L2 round trip on every split step and in the slot scan).
 Shapes are static: one compile per (R, E, B, token_padding) and device, cached (about 0.2 s to
 PTX and cubin on a CPU host). Launch: torch's current stream, arguments through DLPack; nothing
 synchronises with the host, so it can be captured in a CUDA graph. Time on the GPU: printed by
-tests/moonep/gpu/test_cute_planner.py (not yet recorded here).
+experiments/cute_planner/test_cute_planner_gpu.py (not yet recorded).
 """
 
 from __future__ import annotations

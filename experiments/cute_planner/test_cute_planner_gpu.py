@@ -1,5 +1,5 @@
-"""The CuTe DSL planner kernel (moonep.kernels.cute_planner) equals the PyTorch planner's shared part
-(moonep.planner.plan_shared, run on the CPU) bitwise, launches without a host sync, replays inside a
+"""The CuTe DSL planner kernel (experiments.cute_planner.cute_planner) equals the PyTorch planner's shared part
+(moonep.planner.reference.plan_shared, run on the CPU) bitwise, launches without a host sync, replays inside a
 CUDA graph; its time at R=2, E=384 is printed (run with -s).
 
 Each static shape (R, E, B, token_padding) compiles once (about a second); the random routings of a
@@ -8,12 +8,11 @@ shape reuse it."""
 from __future__ import annotations
 
 import statistics
-import time
 
 import pytest
 import torch
 
-from moonep.planner import plan_shared, receive_caps
+from moonep.planner.reference import plan_shared, receive_caps
 from tests.moonep.planner_cases import planner_cases, random_counts
 
 pytest.importorskip("cutlass")
@@ -59,7 +58,7 @@ def _routings(R: int, E: int, K: int, s: int, sigma: float, g: torch.Generator
 
 
 def test_cute_planner_bitwise_equals_plan_shared() -> None:
-    from moonep.kernels.cute_planner import plan_shared as plan_shared_cute
+    from experiments.cute_planner.cute_planner import plan_shared as plan_shared_cute
 
     g = torch.Generator().manual_seed(11)
     shapes = set()
@@ -73,7 +72,7 @@ def test_cute_planner_bitwise_equals_plan_shared() -> None:
 
 
 def test_cute_planner_without_host_sync() -> None:
-    from moonep.kernels.cute_planner import plan_shared as plan_shared_cute
+    from experiments.cute_planner.cute_planner import plan_shared as plan_shared_cute
 
     g = torch.Generator().manual_seed(12)
     R, E, K, s, B, pad = 2, 384, 8, 2048, 192, 16
@@ -94,7 +93,7 @@ def test_cute_planner_without_host_sync() -> None:
 
 def test_cute_planner_in_cuda_graph() -> None:
     """Captured once, replayed on new histograms copied into the captured input."""
-    from moonep.kernels.cute_planner import plan_shared as plan_shared_cute
+    from experiments.cute_planner.cute_planner import plan_shared as plan_shared_cute
 
     g = torch.Generator().manual_seed(13)
     R, E, K, s, B, pad = 2, 384, 8, 2048, 192, 16
@@ -123,34 +122,3 @@ def _median_us(fn, n: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
-
-
-def test_cute_planner_timing_r2_e384() -> None:
-    """Prints (does not assert) the time of one shared plan at R=2, E=384, B=192, next to the
-    Triton kernel of moonep.kernels.planner."""
-    from moonep.kernels.cute_planner import plan_shared as plan_shared_cute
-    from moonep.kernels.planner import plan_shared as plan_shared_triton
-
-    g = torch.Generator().manual_seed(14)
-    R, E, K, s, B, pad = 2, 384, 8, 8192, 192, 16
-    cap = receive_caps(R, K, num_tokens=s, total_num_tokens=None, device="cuda")
-    counts = random_counts(R, E, K, s, 1.0, g).cuda()
-    lines = []
-    for name, fn in (("cute", plan_shared_cute), ("triton", plan_shared_triton)):
-        fn(counts, cap, B, pad)  # compile
-        torch.cuda.synchronize()
-        eager = _median_us(lambda fn=fn: fn(counts, cap, B, pad), 200)
-        t0 = time.perf_counter()
-        for _ in range(200):
-            fn(counts, cap, B, pad)
-        host = (time.perf_counter() - t0) / 200 * 1e6
-        torch.cuda.synchronize()
-        reps = 20  # back-to-back launches in one graph: kernel time plus the in-graph launch gap
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn(counts, cap, B, pad)
-        in_graph = _median_us(graph.replay, 50) / reps
-        lines.append(f"{name:6s}: eager {eager:6.1f} us (event to event, host launch included), host "
-                     f"{host:6.1f} us/call, in a CUDA graph {in_graph:5.2f} us/call")
-    print(f"\nplan_shared R={R} E={E} B={B} pad={pad} on {torch.cuda.get_device_name()}:\n  " + "\n  ".join(lines))
