@@ -66,7 +66,7 @@ def test_scheduler_drives_optimizer_lr() -> None:
 def test_bad_optim_config() -> None:
     with pytest.raises(ValueError, match=r"optim\.min_lr_ratio must be in \[0, 1\], got 2\.0"):
         OptimConfig(min_lr_ratio=2.0)
-    with pytest.raises(ValueError, match=r"optim\.lr must be > 0, got 0\.0"):
+    with pytest.raises(ValueError, match=r"optim\.lr must be a finite number > 0, got 0\.0"):
         OptimConfig(lr=0.0)
 
 
