@@ -69,10 +69,9 @@ class Trainer:
             ep_size=layout.ep, compute_dtype=self.compute_dtype, token_padding=cfg.experts.token_padding,
             max_tokens=micro_batch * cfg.train.seq_len, device=device, activation=cfg.model.ffn_activation,
             loss_scale=1.0 / layout.world_size,
-            moonep_options=cfg.experts.moonep,
-            moonep_chain_prefetch=not cfg.train.activation_checkpointing,
+            recomputed_in_backward=cfg.train.activation_checkpointing, moonep=cfg.experts.moonep,
         )
-        self.model.attach_experts_backends(cfg.experts.backend, self.experts_ctx)
+        self.experts_runtime = self.model.attach_experts_backends(cfg.experts.backend, self.experts_ctx)
         self.experts = [moe.experts for moe in self.model.moe_layers()]
         self.expert_params = [p for w in self.experts for p in w.master.values()]
         expert_ids = {id(p) for p in self.expert_params}
@@ -244,7 +243,7 @@ class Trainer:
         """Release backend-owned memory (moonep's symmetric heap) and stop the data thread. The model is
         unusable afterwards."""
         self.data.close()
-        self.experts_ctx.close()
+        self.experts_runtime.close()
 
     def reshard_dense(self) -> None:
         """Drop FSDP's gathered dense parameters. With parallel.fsdp_reshard_after_forward=false a
@@ -258,7 +257,7 @@ class Trainer:
 
     def _reduce_grads(self) -> None:
         layout = self.layout
-        self.experts_ctx.finish_backward()  # moonep's last reduce_grad may still be queued
+        self.experts_runtime.finish_backward()  # moonep's last reduce_grad may still be queued
         if layout.distributed and not self.fsdp:
             allreduce_dense_grads(self.model, layout.world_group)
         for w in self.experts:

@@ -1,4 +1,4 @@
-"""The experts-backend registry: builds one backend per MoE layer by name.
+"""The experts-backend registry: builds one model's ExpertsRuntime by name.
 
 It imports the backends; they import only the interface (backend.py), never this module.
 """
@@ -6,21 +6,40 @@ It imports the backends; they import only the interface (backend.py), never this
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from moontrain.model.experts.alltoall import AllToAllExperts
-from moontrain.model.experts.backend import ExpertsBackend, ExpertsContext
+from moontrain.model.experts.backend import ExpertsBackend, ExpertsContext, ExpertsRuntime
 from moontrain.model.experts.local import LocalExperts
-from moontrain.model.experts.moonep_backend import MoonEPExperts
+from moontrain.model.experts.moonep_backend import MoonEPRuntime
 from moontrain.model.experts.weights import ExpertWeights
 
-BACKENDS: dict[str, Callable[[ExpertsContext, ExpertWeights], ExpertsBackend]] = {
-    "local": LocalExperts,
-    "alltoall": AllToAllExperts,
-    "moonep": MoonEPExperts,
+
+@dataclass
+class PerLayerRuntime:
+    """The runtime of backends that share nothing: each layer's backend stands alone."""
+
+    ctx: ExpertsContext
+    build: Callable[[ExpertsContext, ExpertWeights], ExpertsBackend]
+
+    def layer(self, weights: ExpertWeights) -> ExpertsBackend:
+        return self.build(self.ctx, weights)
+
+    def finish_backward(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+RUNTIMES: dict[str, Callable[[ExpertsContext], ExpertsRuntime]] = {
+    "local": lambda ctx: PerLayerRuntime(ctx, LocalExperts),
+    "alltoall": lambda ctx: PerLayerRuntime(ctx, AllToAllExperts),
+    "moonep": MoonEPRuntime,
 }
 
 
-def build_experts_backend(name: str, ctx: ExpertsContext, weights: ExpertWeights) -> ExpertsBackend:
-    if name not in BACKENDS:
-        raise ValueError(f"unknown experts backend {name!r}; choose one of {sorted(BACKENDS)}")
-    return BACKENDS[name](ctx, weights)
+def build_experts_runtime(name: str, ctx: ExpertsContext) -> ExpertsRuntime:
+    if name not in RUNTIMES:
+        raise ValueError(f"unknown experts backend {name!r}; choose one of {sorted(RUNTIMES)}")
+    return RUNTIMES[name](ctx)
