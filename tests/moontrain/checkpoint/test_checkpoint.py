@@ -89,7 +89,7 @@ def _forward_then_resume(rank: int, world: int, run_dir: str) -> tuple[list[floa
 
 
 def test_resume_after_a_forward_with_gathered_blocks(tmp_path: Path) -> None:
-    straight_losses, straight_state, _ = run_ranks(_straight_then_save, 2, str(tmp_path))[0]
+    straight_losses, straight_state, _ = run_ranks(_straight_then_save, 2, str(tmp_path), False)[0]
     losses, state = run_ranks(_forward_then_resume, 2, str(tmp_path))[0]
     assert losses == straight_losses[3:], (losses, straight_losses)
     assert_bitwise(state, straight_state, "3 + forward + resume + 3 (blocks kept gathered) vs 6")
