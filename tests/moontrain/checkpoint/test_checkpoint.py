@@ -60,6 +60,7 @@ def _resume_and_finish(rank: int, world: int, run_dir: str, k3_block: bool) -> t
     return losses, state, trainer.wandb_run_id
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k3_block", [False, True], ids=["standard", "situ_attnres"])
 def test_exact_resume_ep2_new_process(tmp_path: Path, k3_block: bool) -> None:
     """With the K3 block too (SiTU-GLU experts on moonep, AttnRes queries and key norms in the state)."""
