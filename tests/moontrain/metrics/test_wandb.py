@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from moontrain.metrics.wandb_offline import read_history, run_files
 
 REPO = Path(__file__).resolve().parents[3]
