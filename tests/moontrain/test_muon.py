@@ -12,6 +12,7 @@ went through bf16 Newton-Schulz like the sharded run -- times 20 is the toleranc
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from pathlib import Path
 
@@ -250,7 +251,7 @@ def test_checkpoint_of_another_optimizer_is_refused(tmp_path: Path) -> None:
     train(adamw, 1)
     adamw.save_checkpoint()
     muon = Trainer(_muon_small("local", 1, str(tmp_path)), single_process_layout(CPU))
-    with pytest.raises(CheckpointError, match="another optim.name"):
+    with pytest.raises(CheckpointError, match=r"another optim\.name"):
         muon.load_checkpoint(find_latest(tmp_path / "checkpoints"))
 
 
@@ -350,18 +351,18 @@ def test_qk_clip_holds_max_logit_at_tau() -> None:
     tau = 5 * free[0]
     assert free[-1] > 6 * tau, f"the logits should grow without QK-Clip: {free}"
     clipped = _growth_run(tau, steps)
-    growth = max(b / a for a, b in zip(free, free[1:], strict=False))
+    growth = max(b / a for a, b in itertools.pairwise(free))
     assert max(clipped) <= tau * growth, (clipped, tau, growth)
     assert min(clipped[-10:]) >= tau, clipped  # held at tau, not below it: heads clip to tau, not further
 
 
 # ------------------------------------------------------------------------------------------ config
 def test_optim_config_errors() -> None:
-    with pytest.raises(ValueError, match="optim.name must be 'adamw' or 'muon', got 'sgd'"):
+    with pytest.raises(ValueError, match=r"optim\.name must be 'adamw' or 'muon', got 'sgd'"):
         OptimConfig(name="sgd")
-    with pytest.raises(ValueError, match="optim.write_back=true is the fused AdamW"):
+    with pytest.raises(ValueError, match=r"optim\.write_back=true is the fused AdamW"):
         OptimConfig(name="muon", write_back=True)
-    with pytest.raises(ValueError, match="optim.qk_clip_tau must be >= 0"):
+    with pytest.raises(ValueError, match=r"optim\.qk_clip_tau must be >= 0"):
         OptimConfig(qk_clip_tau=-1.0)
-    with pytest.raises(ValueError, match="optim.muon_momentum must be in"):
+    with pytest.raises(ValueError, match=r"optim\.muon_momentum must be in"):
         OptimConfig(muon_momentum=1.0)
