@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 
 from moontrain.checkpoint.tensors import CheckpointError, Piece, TensorSource, file_sha256, local_tensor, ownership
 from moontrain.config.loader import to_dict
+from moontrain.optim.config import OptimConfig
 
 if TYPE_CHECKING:
     from moontrain.trainer.trainer import Trainer
@@ -65,12 +66,13 @@ def save_checkpoint(trainer: Trainer, root: str | Path, *, keep_last: int) -> Pa
         tmp.mkdir()
     _barrier(trainer)
     tensors, pieces = _collect_tensors(trainer)
+    finite = all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
     file = f"rank_{layout.rank:05d}.safetensors"
     save_file(tensors, str(tmp / file), metadata={"format": "pt", "moontrain": FORMAT})
     del tensors
     _fsync_file(tmp / file)
     entry = {"file": file, "bytes": (tmp / file).stat().st_size, "sha256": file_sha256(tmp / file),
-             "pieces": pieces, "rank_state": {"data": trainer.data.state_dict()}}
+             "pieces": pieces, "rank_state": {"data": trainer.data.state_dict()}, "finite": finite}
     entries = _gather(trainer, entry)
     if layout.rank == 0:
         state = _train_state(trainer, [e["rank_state"] for e in entries])
@@ -82,7 +84,8 @@ def save_checkpoint(trainer: Trainer, root: str | Path, *, keep_last: int) -> Pa
         for e in entries:
             for name, (offset, rows, shape) in e["pieces"].items():
                 index.setdefault(name, {"shape": shape, "pieces": []})["pieces"].append([e["file"], offset, rows])
-        manifest = {"format": FORMAT, "step": trainer.step, "files": files, "tensors": index}
+        manifest = {"format": FORMAT, "step": trainer.step, "finite": all(e["finite"] for e in entries),
+                    "files": files, "tensors": index}
         _write_durable(tmp / MANIFEST, json.dumps(manifest).encode())
         _fsync_dir(tmp)
         if final.exists():  # the same step saved twice (checkpoint.every and the final save)
@@ -157,6 +160,7 @@ def _train_state(trainer: Trainer, rank_states: list[dict]) -> dict[str, Any]:
         "scheduler": trainer.scheduler.state_dict(),
         "param_groups": groups,
         "model": to_dict(trainer.cfg.model),
+        "optim": to_dict(trainer.cfg.optim),
         "ranks": rank_states,
     }
 
@@ -245,8 +249,8 @@ def _load_optimizer(trainer: Trainer, source: TensorSource, state: dict[str, Any
             param, _, key = tensor_name[len("optim."):].rpartition(".")
             state_keys.setdefault(param, []).append(key)
     for group in opt.param_groups:
-        saved = saved_groups[group["name"]]
-        group.update({k: tuple(v) if isinstance(group[k], tuple) else v for k, v in saved.items() if k in group})
+        # lr, betas, eps and weight_decay stay the recipe's: its settings apply on resume (the worker
+        # names each one that differs from the checkpoint's, see optim_changes)
         for p in group["params"]:
             name = names[id(p)]
             keys = state_keys.get(name)
@@ -264,7 +268,25 @@ def _load_optimizer(trainer: Trainer, source: TensorSource, state: dict[str, Any
                     local_tensor(value).copy_(source.rows(f"optim.{name}.{key}", own.offset, own.rows))
                 entry[key] = value
             opt.state[p] = entry
-    trainer.scheduler.load_state_dict(state["scheduler"])
+    sched = trainer.scheduler
+    sched.load_state_dict(state["scheduler"])
+    sched.base_lrs = [group["initial_lr"] for group in opt.param_groups]  # optim.lr of the recipe
+    for group, base, factor in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
+        group["lr"] = base * factor(sched.last_epoch)  # LambdaLR's own formula: bitwise when unchanged
+    sched._last_lr = [group["lr"] for group in opt.param_groups]
+
+
+def optim_changes(state: dict[str, Any], optim: OptimConfig) -> list[str]:
+    """The optim.* settings that differ between a checkpoint's train state and `optim` ("key saved -> now")."""
+    now = to_dict(optim)
+    saved = state.get("optim")
+    if saved is None:  # a checkpoint from before the optim section was saved: its decay group has the values
+        group = next(g for g in state["param_groups"] if g["name"] in ("decay", "experts", "no_decay"))
+        saved = {"lr": group["initial_lr"], "beta1": group["betas"][0], "beta2": group["betas"][1],
+                 "eps": group["eps"]}
+        if group["name"] != "no_decay":
+            saved["weight_decay"] = group["weight_decay"]
+    return [f"optim.{k} {saved[k]!r} -> {now[k]!r}" for k in sorted(saved) if k in now and saved[k] != now[k]]
 
 
 # ---------------------------------------------------------------------------------------------- find
@@ -292,14 +314,53 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def incomplete_after(root: str | Path, chosen: Path | None) -> list[Path]:
+    """Checkpoint directories newer than `chosen` (all, if None) that are not complete: interrupted saves
+    (`.tmp`) and damaged checkpoints, which `resume: auto` passes over."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    after = int(chosen.name[len(_PREFIX):]) if chosen is not None else -1
+    out = []
+    for path in root.glob(f"{_PREFIX}*"):
+        step = path.name[len(_PREFIX):].removesuffix(_TMP)
+        if path.is_dir() and step.isdigit() and int(step) > after and not is_complete(path):
+            out.append((int(step), path))
+    return [p for _, p in sorted(out)]
+
+
 def find_latest(root: str | Path) -> Path | None:
     found = list_checkpoints(root)
     return found[-1] if found else None
 
 
+def is_finite(path: Path) -> bool:
+    """Whether every floating-point tensor of a complete checkpoint was finite when saved."""
+    return bool(json.loads((path / MANIFEST).read_text()).get("finite", True))
+
+
 def prune(root: Path, keep_last: int) -> None:
-    for old in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old)
+    """Delete complete checkpoints older than the newest keep_last, except the newest finite one (a run
+    that diverged keeps the checkpoint to resume from), and the debris of interrupted deletions.
+
+    A deletion first renames the directory to `<name>.tmp` (atomic), so a kill during rmtree leaves a
+    `.tmp` directory, which the next save removes, never a half-deleted checkpoint under its final name."""
+    found = list_checkpoints(root)
+    keep = set(found[-keep_last:])
+    keep.update(next(([p] for p in reversed(found) if is_finite(p)), []))
+    newest = found[-1] if found else None
+    for path in root.glob(f"{_PREFIX}*"):
+        step = path.name[len(_PREFIX):]
+        if not (path.is_dir() and step.isdigit()) or path in keep:
+            continue
+        # complete and old, or a final-named directory without a complete manifest older than the newest
+        # checkpoint: only an interrupted deletion leaves one (saves rename a finished .tmp into place)
+        if path in found or (newest is not None and int(step) < int(newest.name[len(_PREFIX):])):
+            doomed = path.with_name(path.name + _TMP)
+            if doomed.exists():
+                shutil.rmtree(doomed)
+            os.replace(path, doomed)
+            shutil.rmtree(doomed)
 
 
 # ---------------------------------------------------------------------------------------------- io

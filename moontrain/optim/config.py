@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,15 +44,23 @@ class OptimConfig:
             raise ValueError(f"optim.muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if self.muon_ns_steps < 1:
             raise ValueError(f"optim.muon_ns_steps must be >= 1, got {self.muon_ns_steps}")
-        if self.qk_clip_tau < 0:
-            raise ValueError(f"optim.qk_clip_tau must be >= 0 (0 disables QK-Clip), got {self.qk_clip_tau}")
-        if self.lr <= 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if not 0 <= self.qk_clip_tau < math.inf:
+            raise ValueError(f"optim.qk_clip_tau must be a finite number >= 0 (0 disables QK-Clip), got {self.qk_clip_tau}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"optim.lr must be a finite number > 0, got {self.lr}")
+        if not 0 < self.eps < math.inf:
+            raise ValueError(f"optim.eps must be a finite number > 0 (AdamW divides by sqrt(v) + eps; 1e-8 is usual), "
+                             f"got {self.eps}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"optim.weight_decay must be a finite number >= 0 (0 disables), got {self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0.0 < self.decay_fraction <= 1.0:
             raise ValueError(f"optim.decay_fraction must be in (0, 1], got {self.decay_fraction}")
-        if self.grad_clip < 0:
-            raise ValueError(f"optim.grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
+        if not 0 <= self.grad_clip < math.inf:
+            raise ValueError(f"optim.grad_clip must be a finite number >= 0 (0 disables), got {self.grad_clip}")
