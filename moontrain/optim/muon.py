@@ -4,9 +4,10 @@ Legend: n rows (output features) and m columns of a dense matrix, W ranks of the
 experts, Hin/Hout an expert projection's widths, P matrices batched through one Newton-Schulz call.
 
 Groups (`split_muon_groups`):
-- muon: dense matrices (attention projections, dense FFN, shared experts, MoE latent projections)
+- muon: the nn.Linear weights (attention projections, dense FFN, shared experts, MoE latent projections)
 - experts: the fp32 expert masters [epn, Hin, Hout], one matrix per expert
-- adamw: the output head and the router weights (decayed), and
+- adamw: the output head and the other matrices that are not linear maps (router weights, KDA's
+  convolution taps), decayed, and
 - no_decay: norms, biases and the token embedding (AdamW, not decayed)
 
 Muon step per matrix G (its grad), momentum mu, Nesterov:
@@ -91,16 +92,20 @@ def _rows_of(n: int, world: int, rank: int) -> tuple[int, int]:
 
 
 def split_muon_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """Muon for the weights of the nn.Linear layers but the output head, and the expert masters; AdamW for
+    the rest (router weights, KDA's convolution taps and gate biases, ...; norms, biases, embedding
+    undecayed as in adamw.split_param_groups)."""
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     groups: dict[str, list[nn.Parameter]] = {"muon": [], "experts": [], "adamw": [], "no_decay": []}
     for name, p in model.named_parameters():
         if ".experts.master." in name:
             groups["experts"].append(p)
         elif p.ndim < 2 or name.endswith(".bias") or "embed" in name:
             groups["no_decay"].append(p)
-        elif name.startswith("lm_head.") or name.endswith("router.weight"):
-            groups["adamw"].append(p)
-        else:
+        elif id(p) in linear and not name.startswith("lm_head."):
             groups["muon"].append(p)
+        else:
+            groups["adamw"].append(p)
     return groups
 
 

@@ -78,8 +78,9 @@ class Trainer:
         self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.train.steps,
                                                          expert_group=layout.edp_group)
-        self.qk_clip = (QKClip([block.attn for block in self.model.layers], cfg.optim.qk_clip_tau,
-                               group=layout.world_group, layer_ids=list(range(cfg.model.num_layers)))
+        mla_ids = [i for i, block in enumerate(self.model.layers) if not block.is_kda]  # QK-Clip: softmax layers
+        self.qk_clip = (QKClip([self.model.layers[i].attn for i in mla_ids], cfg.optim.qk_clip_tau,
+                               group=layout.world_group, layer_ids=mla_ids)
                         if cfg.optim.qk_clip_tau > 0 else None)
         if hasattr(self.optimizer, "register_write_back"):  # fused step + compute-copy write + grad zeroing
             for w in self.experts:
