@@ -30,7 +30,13 @@ from moontrain.parallel.layout import build_layout, single_process_layout
 from moontrain.trainer.trainer import Trainer
 from tests.dist_utils import run_ranks
 from tests.moontrain.ckpt_utils import assert_bitwise, full_state, small_config, train
-from tests.moontrain.parallel.test_ep_equality import _capture_first_grads, _full_state, _reverse_rows, _skew, tiny_config
+from tests.moontrain.parallel.test_ep_equality import (
+    _capture_first_grads,
+    _full_state,
+    _reverse_rows,
+    _skew,
+    tiny_config,
+)
 
 CPU = torch.device("cpu")
 LR_GROWTH = 0.02  # Muon lr that makes the tiny model's attention logits grow ~40x in 30 steps
