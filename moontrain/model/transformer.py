@@ -30,7 +30,7 @@ from moontrain.model.attention import MLAttention
 from moontrain.model.attn_res import DepthAttention, starts_block
 from moontrain.model.config import ModelConfig
 from moontrain.model.documents import DocumentMask, document_mask
-from moontrain.model.experts import ExpertsContext, build_experts_backend
+from moontrain.model.experts import ExpertsContext, ExpertsRuntime, build_experts_runtime
 from moontrain.model.ffn import GatedFFN
 from moontrain.model.kda import KimiDeltaAttention
 from moontrain.model.moe import MoE
@@ -165,9 +165,12 @@ class K3Model(nn.Module):
         for block in self.layers:
             block.activation_checkpointing = True
 
-    def attach_experts_backends(self, name: str, ctx: ExpertsContext) -> None:
+    def attach_experts_backends(self, name: str, ctx: ExpertsContext) -> ExpertsRuntime:
+        """Give every MoE layer its backend of `name`; returns the runtime that owns what they share."""
+        runtime = build_experts_runtime(name, ctx)
         for moe in self.moe_layers():
-            moe.backend = build_experts_backend(name, ctx, moe.experts)
+            moe.backend = runtime.layer(moe.experts)
+        return runtime
 
     def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (loss to backpropagate = CE + aux, CE alone for logging)."""
