@@ -33,6 +33,7 @@ from moontrain.optim.adamw import build_optimizer
 from moontrain.parallel.clip import clip_grad_norm_global
 from moontrain.parallel.fsdp import allreduce_dense_grads, apply_fsdp
 from moontrain.parallel.layout import ParallelLayout
+from moontrain.trainer.evaluate import Evaluator
 
 
 def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -92,6 +93,7 @@ class Trainer:
         self.moe_stats = MoEStats(self.model.moe_layers(), ep=layout.ep)
         moe_ids = [i for i, block in enumerate(self.model.layers) if block.is_moe]
         self.window = MetricsWindow(moe_ids, layout)
+        self.evaluator = Evaluator(self) if cfg.eval.every else None
 
     def train_step(self) -> StepStats | None:
         """One optimizer step; returns the logged stats on a logging step (the only host read), else None."""
@@ -171,6 +173,7 @@ class Trainer:
         """Collective: reduce the window's metrics (one all_reduce) and report them."""
         values = self.window.flush()
         n, dt = values.pop("window_steps"), values.pop("window_s")
+        evals = self._evaluate_if_due()
         tokens_per_s = n * self.cfg.train.global_batch_size * self.cfg.train.seq_len / dt
         mfu = (tokens_per_s / self.layout.world_size * self.flops_per_token / self.peak_flops
                if self.peak_flops else None)
@@ -180,10 +183,18 @@ class Trainer:
                           max_maxvio=values.get("moe/expert_maxvio/max", 0.0), mfu=mfu,
                           peak_mem_gib=mem.get("mem/peak_gib"),
                           scalars={**values, **mem, "tokens_seen": float(self.tokens_seen),
-                                   **self.data.take_metrics()})
+                                   **self.data.take_metrics(), **evals})
         if self.log is not None:
             self.log.log(stats)
         return stats
+
+    def _evaluate_if_due(self) -> dict[str, float]:
+        """Collective: the held-out loss on evaluation steps (moontrain.trainer.evaluate), else nothing."""
+        if self.evaluator is None or not self.evaluator.due(self.step):
+            return {}
+        values = self.evaluator.run()
+        self.window.t0 += values["eval/time_s"]  # tokens/s counts training time only
+        return values
 
     def close(self) -> None:
         """Release backend-owned memory (moonep's symmetric heap) and stop the data thread. The model is
