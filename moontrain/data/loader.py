@@ -33,6 +33,7 @@ class BatchLoader:
         self._state: dict[str, Any] | None = None  # after the last batch taken (None: the source's own)
         self._metrics: dict[str, float] = {}
         self.wait_s, self.batches = 0.0, 0
+        self.eos_id = source.eos_id
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens_bT, targets_bT) of this rank for `step`, on the device."""

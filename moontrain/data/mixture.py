@@ -27,6 +27,7 @@ class FileTokens:
     def __init__(self, cfg: DataConfig, *, vocab_size: int, seq_len: int, global_batch: int, rank: int,
                  world_size: int) -> None:
         self.tokenizer = load_tokenizer(cfg.tokenizer, eos_id=cfg.eos_id)
+        self.eos_id: int | None = self.tokenizer.eos_id  # ends every packed document
         check_vocab(cfg.tokenizer, self.tokenizer.vocab_size, vocab_size)
         sources = cfg.file_sources()
         self.names = list(sources)

@@ -11,6 +11,7 @@ from moontrain.data.config import DataConfig
 
 class TokenSource(Protocol):
     world: int  # the world size it shards over
+    eos_id: int | None  # the end-of-document id packed rows carry (None: rows are not packed documents)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens_bT, targets_bT) of this rank for optimizer step `step`, on the CPU."""
