@@ -23,7 +23,7 @@ datasets = pytest.importorskip("datasets")
 
 from moontrain.metrics.wandb_offline import read_history, run_files  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TOKENIZER = REPO / "recipes" / "data" / "tiny_tokenizer.json"
 STEPS, CKPT_EVERY = 16, 4
 

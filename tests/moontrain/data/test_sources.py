@@ -27,7 +27,7 @@ from moontrain.data.mixture import FileTokens  # noqa: E402
 from moontrain.data.tokenizer import load_tokenizer  # noqa: E402
 from moontrain.data.train_tokenizer import EOS_TOKEN, train_tokenizer  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SHIPPED = REPO / "recipes" / "data" / "tiny_tokenizer.json"
 NUM_DOCS = 19
 T, G = 16, 4

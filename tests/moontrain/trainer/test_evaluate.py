@@ -25,7 +25,7 @@ from moontrain.trainer.trainer import Trainer
 from tests.dist_utils import run_ranks
 from tests.moontrain.ckpt_utils import small_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CORPUS = str(REPO / "recipes" / "data" / "tiny_corpus.jsonl")
 EVAL = {"every": 1, "steps": 2, "data": {"path": CORPUS}}
 T, G = 16, 4
