@@ -24,6 +24,7 @@ from moontrain.checkpoint import load_checkpoint, save_checkpoint
 from moontrain.config.run_config import RunConfig
 from moontrain.data.source import build_loader
 from moontrain.metrics.flops import flops_per_token, peak_flops
+from moontrain.metrics.heatmap import colorize, heatmap_path, write_png
 from moontrain.metrics.moe_stats import MoEStats
 from moontrain.metrics.progress import ProgressLog, StepStats
 from moontrain.metrics.window import MetricsWindow, memory_stats
@@ -217,7 +218,19 @@ class Trainer:
                                    **self.data.take_metrics(), **evals})
         if self.log is not None:
             self.log.log(stats)
+        self._expert_heatmap()
         return stats
+
+    def _expert_heatmap(self) -> None:
+        """Every metrics.heatmap_every logging steps (and the last): the expert-load PNG (rank 0) and wandb image."""
+        every, load = self.cfg.metrics.heatmap_every, self.moe_stats.load
+        logs = self.step // self.cfg.train.log_every
+        if not every or load is None or (logs % every and self.step != self.cfg.train.steps):
+            return
+        share_LE = load.take()
+        if self.log is not None:
+            path = write_png(heatmap_path(self.cfg.train.run_dir, self.step), colorize(share_LE))
+            self.log.image("moe/expert_load", path, self.step)
 
     def _evaluate_if_due(self) -> dict[str, float]:
         """Collective: the held-out loss on evaluation steps (moontrain.trainer.evaluate), else nothing."""
