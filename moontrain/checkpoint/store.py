@@ -2,8 +2,9 @@
 
 A checkpoint is a directory `<dir>/step_<step:08d>/`:
 
-    rank_<r:05d>.safetensors   what rank r owns (see tensors.py): model.<name>, optim.<name>.exp_avg /
-                               .exp_avg_sq / .step, rng.rank<r>.cpu / .cuda
+    rank_<r:05d>.safetensors   what rank r owns (see tensors.py): model.<name>, optim.<name>.<state name>
+                               (AdamW's exp_avg / exp_avg_sq / step, Muon's momentum_buffer),
+                               rng.rank<r>.cpu / .cuda
     train_state.json           step, tokens seen, LR schedule, optimizer hyperparameters, the layout it
                                was saved at, the model config, the wandb run id, per-rank data position
     manifest.json              written last: every file with its size and sha256, every tensor's
@@ -36,6 +37,7 @@ from safetensors.torch import save_file
 
 from moontrain.checkpoint.tensors import CheckpointError, Piece, TensorSource, file_sha256, local_tensor, ownership
 from moontrain.config.loader import to_dict
+from moontrain.optim.config import OptimConfig
 
 if TYPE_CHECKING:
     from moontrain.trainer.trainer import Trainer
@@ -45,7 +47,6 @@ MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.json"
 _PREFIX = "step_"
 _TMP = ".tmp"
-_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def checkpoint_name(step: int) -> str:
@@ -65,12 +66,13 @@ def save_checkpoint(trainer: Trainer, root: str | Path, *, keep_last: int) -> Pa
         tmp.mkdir()
     _barrier(trainer)
     tensors, pieces = _collect_tensors(trainer)
+    finite = all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
     file = f"rank_{layout.rank:05d}.safetensors"
     save_file(tensors, str(tmp / file), metadata={"format": "pt", "moontrain": FORMAT})
     del tensors
     _fsync_file(tmp / file)
     entry = {"file": file, "bytes": (tmp / file).stat().st_size, "sha256": file_sha256(tmp / file),
-             "pieces": pieces, "rank_state": {"data": trainer.data.state_dict()}}
+             "pieces": pieces, "rank_state": {"data": trainer.data.state_dict()}, "finite": finite}
     entries = _gather(trainer, entry)
     if layout.rank == 0:
         state = _train_state(trainer, [e["rank_state"] for e in entries])
@@ -82,7 +84,8 @@ def save_checkpoint(trainer: Trainer, root: str | Path, *, keep_last: int) -> Pa
         for e in entries:
             for name, (offset, rows, shape) in e["pieces"].items():
                 index.setdefault(name, {"shape": shape, "pieces": []})["pieces"].append([e["file"], offset, rows])
-        manifest = {"format": FORMAT, "step": trainer.step, "files": files, "tensors": index}
+        manifest = {"format": FORMAT, "step": trainer.step, "finite": all(e["finite"] for e in entries),
+                    "files": files, "tensors": index}
         _write_durable(tmp / MANIFEST, json.dumps(manifest).encode())
         _fsync_dir(tmp)
         if final.exists():  # the same step saved twice (checkpoint.every and the final save)
@@ -119,10 +122,12 @@ def _collect_tensors(trainer: Trainer) -> tuple[dict[str, torch.Tensor], dict[st
             if not state:
                 continue
             name = names[id(p)]
-            for moment in _MOMENTS:
-                put(f"optim.{name}.{moment}", state[moment], owner_of=p)
-            if layout.rank == 0:  # Adam's step count: a scalar, the same on every rank
-                whole(f"optim.{name}.step", state["step"])
+            for key, value in state.items():
+                if value.ndim == 0:  # Adam's step count: a scalar, the same on every rank
+                    if layout.rank == 0:
+                        whole(f"optim.{name}.{key}", value)
+                else:  # moments (Adam's exp_avg / exp_avg_sq, Muon's momentum_buffer) follow the parameter
+                    put(f"optim.{name}.{key}", value, owner_of=p)
     whole(f"rng.rank{layout.rank}.cpu", torch.get_rng_state())
     if layout.device.type == "cuda":
         whole(f"rng.rank{layout.rank}.cuda", torch.cuda.get_rng_state(layout.device))
@@ -155,6 +160,7 @@ def _train_state(trainer: Trainer, rank_states: list[dict]) -> dict[str, Any]:
         "scheduler": trainer.scheduler.state_dict(),
         "param_groups": groups,
         "model": to_dict(trainer.cfg.model),
+        "optim": to_dict(trainer.cfg.optim),
         "ranks": rank_states,
     }
 
@@ -233,25 +239,54 @@ def _load_optimizer(trainer: Trainer, source: TensorSource, state: dict[str, Any
     opt = trainer.optimizer
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     saved_groups = {g["name"]: g for g in state["param_groups"]}
+    missing = sorted(set(g["name"] for g in opt.param_groups) - set(saved_groups))
+    if missing:
+        raise CheckpointError(f"checkpoint has optimizer groups {sorted(saved_groups)}, the run's optimizer has "
+                              f"{missing} too: it was saved with another optim.name; resume with that one")
+    state_keys: dict[str, list[str]] = {}  # parameter name -> its saved optimizer state names
+    for tensor_name in source.names():
+        if tensor_name.startswith("optim."):
+            param, _, key = tensor_name[len("optim."):].rpartition(".")
+            state_keys.setdefault(param, []).append(key)
     for group in opt.param_groups:
-        saved = saved_groups[group["name"]]
-        group.update({k: tuple(v) if isinstance(group[k], tuple) else v for k, v in saved.items() if k in group})
+        # lr, betas, eps and weight_decay stay the recipe's: its settings apply on resume (the worker
+        # names each one that differs from the checkpoint's, see optim_changes)
         for p in group["params"]:
             name = names[id(p)]
-            key = f"optim.{name}.step"
-            if key not in source.index:  # saved before the first optimizer step
+            keys = state_keys.get(name)
+            if not keys:  # saved before the first optimizer step
                 continue
             own = ownership(name, p, trainer.layout)
-            step = source.full(key).clone()
-            if group.get("fused") or group.get("capturable"):  # torch keeps these steps on the device
-                step = step.to(device=local_tensor(p).device, dtype=torch.float32)
-            entry = {"step": step}
-            for moment in _MOMENTS:
-                t = torch.zeros_like(p, memory_format=torch.preserve_format)
-                local_tensor(t).copy_(source.rows(f"optim.{name}.{moment}", own.offset, own.rows))
-                entry[moment] = t
+            entry = {}
+            for key in keys:
+                if source.shape(f"optim.{name}.{key}") == ():
+                    value = source.full(f"optim.{name}.{key}").clone()
+                    if group.get("fused") or group.get("capturable"):  # torch keeps these steps on the device
+                        value = value.to(device=local_tensor(p).device, dtype=torch.float32)
+                else:
+                    value = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    local_tensor(value).copy_(source.rows(f"optim.{name}.{key}", own.offset, own.rows))
+                entry[key] = value
             opt.state[p] = entry
-    trainer.scheduler.load_state_dict(state["scheduler"])
+    sched = trainer.scheduler
+    sched.load_state_dict(state["scheduler"])
+    sched.base_lrs = [group["initial_lr"] for group in opt.param_groups]  # optim.lr of the recipe
+    for group, base, factor in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
+        group["lr"] = base * factor(sched.last_epoch)  # LambdaLR's own formula: bitwise when unchanged
+    sched._last_lr = [group["lr"] for group in opt.param_groups]
+
+
+def optim_changes(state: dict[str, Any], optim: OptimConfig) -> list[str]:
+    """The optim.* settings that differ between a checkpoint's train state and `optim` ("key saved -> now")."""
+    now = to_dict(optim)
+    saved = state.get("optim")
+    if saved is None:  # a checkpoint from before the optim section was saved: its decay group has the values
+        group = next(g for g in state["param_groups"] if g["name"] in ("decay", "experts", "no_decay"))
+        saved = {"lr": group["initial_lr"], "beta1": group["betas"][0], "beta2": group["betas"][1],
+                 "eps": group["eps"]}
+        if group["name"] != "no_decay":
+            saved["weight_decay"] = group["weight_decay"]
+    return [f"optim.{k} {saved[k]!r} -> {now[k]!r}" for k in sorted(saved) if k in now and saved[k] != now[k]]
 
 
 # ---------------------------------------------------------------------------------------------- find
@@ -279,14 +314,53 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def incomplete_after(root: str | Path, chosen: Path | None) -> list[Path]:
+    """Checkpoint directories newer than `chosen` (all, if None) that are not complete: interrupted saves
+    (`.tmp`) and damaged checkpoints, which `resume: auto` passes over."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    after = int(chosen.name[len(_PREFIX):]) if chosen is not None else -1
+    out = []
+    for path in root.glob(f"{_PREFIX}*"):
+        step = path.name[len(_PREFIX):].removesuffix(_TMP)
+        if path.is_dir() and step.isdigit() and int(step) > after and not is_complete(path):
+            out.append((int(step), path))
+    return [p for _, p in sorted(out)]
+
+
 def find_latest(root: str | Path) -> Path | None:
     found = list_checkpoints(root)
     return found[-1] if found else None
 
 
+def is_finite(path: Path) -> bool:
+    """Whether every floating-point tensor of a complete checkpoint was finite when saved."""
+    return bool(json.loads((path / MANIFEST).read_text()).get("finite", True))
+
+
 def prune(root: Path, keep_last: int) -> None:
-    for old in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old)
+    """Delete complete checkpoints older than the newest keep_last, except the newest finite one (a run
+    that diverged keeps the checkpoint to resume from), and the debris of interrupted deletions.
+
+    A deletion first renames the directory to `<name>.tmp` (atomic), so a kill during rmtree leaves a
+    `.tmp` directory, which the next save removes, never a half-deleted checkpoint under its final name."""
+    found = list_checkpoints(root)
+    keep = set(found[-keep_last:])
+    keep.update(next(([p] for p in reversed(found) if is_finite(p)), []))
+    newest = found[-1] if found else None
+    for path in root.glob(f"{_PREFIX}*"):
+        step = path.name[len(_PREFIX):]
+        if not (path.is_dir() and step.isdigit()) or path in keep:
+            continue
+        # complete and old, or a final-named directory without a complete manifest older than the newest
+        # checkpoint: only an interrupted deletion leaves one (saves rename a finished .tmp into place)
+        if path in found or (newest is not None and int(step) < int(newest.name[len(_PREFIX):])):
+            doomed = path.with_name(path.name + _TMP)
+            if doomed.exists():
+                shutil.rmtree(doomed)
+            os.replace(path, doomed)
+            shutil.rmtree(doomed)
 
 
 # ---------------------------------------------------------------------------------------------- io

@@ -17,6 +17,7 @@ as a string; float fields accept such strings.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -59,7 +60,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
         key, sep, text = item.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
             raise ValueError(f"override {item!r} is not of the form dotted.key=value, e.g. model.num_layers=4")
-        value = yaml.safe_load(text) if text != "" else ""
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError as err:
+            raise ValueError(f"override {item!r}: the value is not valid YAML: {_yaml_problem(err)}; quote "
+                             "strings that contain ':', '{' or '['") from None
         node = raw
         parts = key.split(".")
         for depth, part in enumerate(parts[:-1]):
@@ -125,6 +130,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
                 return _convert(option, value, key)
             except ValueError as err:
                 errors.append(str(err))
+        if len(errors) == 1:  # X | None: the one real option's own message names the nested key
+            raise ValueError(errors[0])
         raise ValueError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         allowed = get_args(tp)
@@ -143,9 +150,11 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         return value
     if tp is float:
         if isinstance(value, str) and _FLOAT_RE.fullmatch(value):
-            return float(value)  # PyYAML (YAML 1.1) reads 1e-3 (no dot) as a string
+            value = float(value)  # PyYAML (YAML 1.1) reads 1e-3 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{key}: expected float, got {value!r}")
+        if not math.isfinite(value):  # no setting means anything at nan or inf; they only surface as a NaN loss
+            raise ValueError(f"{key}: expected a finite float, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -155,13 +164,25 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    with path.open() as fh:
-        raw = yaml.safe_load(fh)
+    try:
+        with path.open() as fh:
+            raw = yaml.safe_load(fh)
+    except yaml.YAMLError as err:
+        raise ValueError(f"recipe {path} is not valid YAML: {_yaml_problem(err)}") from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):
         raise ValueError(f"recipe {path} must be a YAML mapping at the top level, got {type(raw).__name__}")
     return raw
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's error as one line: what is wrong and where (1-based line and column)."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    context = getattr(err, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + (f"{problem} ({context})" if context else problem)
 
 
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -2,10 +2,36 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Literal
 
+from moonep import BufferOptions
+
 FFNActivation = Literal["swiglu", "situ_glu"]
+
+
+@dataclass(kw_only=True, slots=True)
+class YarnConfig:
+    """YaRN context extension of the rope dims (the `yarn` rope scaling of DeepSeek-V3 / Kimi K2).
+
+    Frequencies between the beta_fast and beta_slow rotation counts (over original_max_position) blend
+    from extrapolated to interpolated by `factor`. With m(x) = 0.1 x ln(factor) + 1: cos/sin are scaled
+    by m(mscale) / m(mscale_all_dim) (m(1) when either is 0), and a nonzero mscale_all_dim multiplies the
+    softmax scale by m(mscale_all_dim)^2."""
+
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.factor < 1:
+            raise ValueError(f"model.rope_yarn.factor must be >= 1, got {self.factor}")
+        if self.original_max_position < 1:
+            raise ValueError(f"model.rope_yarn.original_max_position must be >= 1, got {self.original_max_position}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -33,6 +59,8 @@ class ModelConfig:
     use_nope: bool = False  # True: no positional rotation at all (the rope dims stay, unrotated)
     attn_output_gate: bool = True  # sigmoid(x W_g) * attention output, per head and channel
     rope_theta: float = 50000.0
+    rope_yarn: YarnConfig | None = None  # None: plain rope
+    mla_norm_eps: float | None = None  # eps of the q and kv latent norms (None: norm_eps; DeepSeek-V3/K2: 1e-6)
     # MoE
     num_experts: int
     num_experts_per_tok: int
@@ -40,6 +68,10 @@ class ModelConfig:
     moe_intermediate_size: int
     moe_latent_size: int | None = None  # routed experts run at this width between down and up projections
     routed_scaling_factor: float = 1.0
+    # group-limited routing (DeepSeek-V3): experts form num_expert_groups equal groups, each scored by the
+    # sum of its two best selection scores; a token picks its top-k among the topk_expert_groups best groups
+    num_expert_groups: int = 1
+    topk_expert_groups: int = 1
     router_bias_update_rate: float = 1e-3  # aux-loss-free balancing step on the score-correction bias
     seq_aux_loss_coef: float = 0.0  # sequence-wise balance loss (DeepSeek-V3); 0 disables it
     # benchmarks: sigma of a fixed log-normal expert popularity whose log is added to the selection scores
@@ -81,12 +113,25 @@ class ModelConfig:
             )
         if self.router_skew < 0:
             raise ValueError(f"model.router_skew must be >= 0 (0: no skew), got {self.router_skew}")
+        for name in ("norm_eps", "init_std", "rope_theta"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"model.{name} must be a finite number > 0, got {getattr(self, name)}")
+        for name in ("router_bias_update_rate", "seq_aux_loss_coef", "routed_scaling_factor"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"model.{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.qk_rope_head_dim < 0 or self.qk_rope_head_dim % 2:
             raise ValueError(f"model.qk_rope_head_dim must be even and >= 0, got {self.qk_rope_head_dim}")
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(
                 f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}"
             )
+        groups, top_groups = self.num_expert_groups, self.topk_expert_groups
+        if groups > 1 and (self.num_experts % groups or self.num_experts // groups < 2):
+            raise ValueError(f"model.num_expert_groups={groups} must divide num_experts={self.num_experts} into "
+                             "groups of at least 2 experts; use 1 to turn group-limited routing off")
+        if not 1 <= top_groups <= groups or top_groups * (self.num_experts // groups) < self.num_experts_per_tok:
+            raise ValueError(f"model.topk_expert_groups={top_groups} must be in [1, num_expert_groups={groups}] and "
+                             f"its groups must hold num_experts_per_tok={self.num_experts_per_tok} experts")
         elems = self.expert_width * self.moe_intermediate_size
         if elems % 2048:
             raise ValueError(
@@ -108,6 +153,10 @@ class ModelConfig:
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    @property
+    def mla_eps(self) -> float:
+        return self.norm_eps if self.mla_norm_eps is None else self.mla_norm_eps
+
 
 ExpertsBackendName = Literal["local", "alltoall", "moonep"]
 
@@ -118,12 +167,8 @@ class ExpertsConfig:
 
     backend: ExpertsBackendName = "alltoall"
     token_padding: int = 16  # each expert's row group is padded to this many rows (grouped-GEMM alignment)
-    moonep_kernels: Literal["auto", "torch", "triton"] = "auto"  # moonep data path (BufferConfig.kernels)
-    moonep_expert_kernels: bool = True  # moonep prefetch/reduce_grad kernels (BufferConfig.expert_kernels)
-    moonep_fused_planner: bool = True  # moonep's fused Triton planner (BufferConfig.fused_planner)
+    moonep: BufferOptions = field(default_factory=BufferOptions)  # how the moonep backend's Buffer runs
 
     def __post_init__(self) -> None:
-        if self.moonep_kernels not in ("auto", "torch", "triton"):
-            raise ValueError(f"experts.moonep_kernels must be 'auto', 'torch' or 'triton', got {self.moonep_kernels!r}")
         if self.token_padding < 1:
             raise ValueError(f"experts.token_padding must be >= 1, got {self.token_padding}")

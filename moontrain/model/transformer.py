@@ -157,9 +157,18 @@ class K3Model(nn.Module):
 
     def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (loss to backpropagate = CE + aux, CE alone for logging)."""
+        logits_BTV, aux_total = self._logits_aux(tokens_BT)
+        ce = self._loss(logits_BTV, targets_BT)
+        return ce + aux_total, ce.detach()
+
+    def logits(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        """LM-head logits [B, T, V] of the training forward (evaluation, generation, export parity)."""
+        return self._logits_aux(tokens_BT)[0]
+
+    def _logits_aux(self, tokens_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         T = tokens_BT.shape[1]
-        cos, sin = rope_cos_sin(T, cfg.qk_rope_head_dim, cfg.rope_theta, tokens_BT.device)
+        cos, sin = rope_cos_sin(T, cfg.qk_rope_head_dim, cfg.rope_theta, tokens_BT.device, yarn=cfg.rope_yarn)
         x_BTD = self.embed(tokens_BT)
         aux_total = x_BTD.new_zeros((), dtype=torch.float32)
         blocks: tuple[torch.Tensor, ...] = ()
@@ -169,9 +178,7 @@ class K3Model(nn.Module):
                 aux_total = aux_total + aux
         if self.final_res is not None:
             x_BTD = self.final_res(blocks, x_BTD)
-        logits_BTV = self.lm_head(self.norm(x_BTD))
-        ce = self._loss(logits_BTV, targets_BT)
-        return ce + aux_total, ce.detach()
+        return self.lm_head(self.norm(x_BTD)), aux_total
 
 
 def _cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:

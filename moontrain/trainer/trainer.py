@@ -30,9 +30,12 @@ from moontrain.metrics.window import MetricsWindow, memory_stats
 from moontrain.model.experts import ExpertsContext
 from moontrain.model.transformer import K3Model
 from moontrain.optim.adamw import build_optimizer
+from moontrain.optim.qk_clip import QKClip
 from moontrain.parallel.clip import clip_grad_norm_global
 from moontrain.parallel.fsdp import allreduce_dense_grads, apply_fsdp
 from moontrain.parallel.layout import ParallelLayout
+from moontrain.trainer.guard import DivergenceGuard, step_verdict
+from moontrain.trainer.preempt import PreemptionHandler
 
 
 def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -63,8 +66,7 @@ class Trainer:
             num_experts=cfg.model.num_experts, topk=cfg.model.num_experts_per_tok, ep_group=layout.ep_group,
             ep_size=layout.ep, compute_dtype=self.compute_dtype, token_padding=cfg.experts.token_padding,
             max_tokens=micro_batch * cfg.train.seq_len, device=device, activation=cfg.model.ffn_activation,
-            moonep_kernels=cfg.experts.moonep_kernels, moonep_expert_kernels=cfg.experts.moonep_expert_kernels,
-            moonep_fused_planner=cfg.experts.moonep_fused_planner,
+            moonep_options=cfg.experts.moonep,
             moonep_chain_prefetch=not cfg.train.activation_checkpointing,
         )
         self.model.attach_experts_backends(cfg.experts.backend, self.experts_ctx)
@@ -74,7 +76,11 @@ class Trainer:
         self.expert_params = [p for w in self.experts for p in w.master.values()]
         expert_ids = {id(p) for p in self.expert_params}
         self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.train.steps)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.train.steps,
+                                                         expert_group=layout.edp_group)
+        self.qk_clip = (QKClip([block.attn for block in self.model.layers], cfg.optim.qk_clip_tau,
+                               group=layout.world_group, layer_ids=list(range(cfg.model.num_layers)))
+                        if cfg.optim.qk_clip_tau > 0 else None)
         if hasattr(self.optimizer, "register_write_back"):  # fused step + compute-copy write + grad zeroing
             for w in self.experts:
                 for name, master in w.master.items():
@@ -86,6 +92,9 @@ class Trainer:
         self.tokens_seen = 0
         self.wandb_run_id: str | None = None  # set by the worker (rank 0); kept in checkpoints
         self.last_saved_step: int | None = None
+        self.guard = DivergenceGuard(cfg.train.max_skipped_steps)
+        self.preemption: PreemptionHandler | None = None  # set by the worker (signal handlers, main thread)
+        self.stop_requested = False  # agreed over the ranks after each step
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = peak_flops(device)
         self.moe_stats = MoEStats(self.model.moe_layers(), ep=layout.ep)
@@ -116,21 +125,34 @@ class Trainer:
         grad_norm = clip_grad_norm_global(self.dense_params, self.expert_params, self.layout,
                                           self.cfg.optim.grad_clip, optimizer=self.optimizer)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        if hasattr(self.optimizer, "grad_scale"):  # the clip's factor is for this step only
-            del self.optimizer.grad_scale
+        written = self._optimizer_step(grad_norm)  # None: a non-finite step, skipped
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        written = getattr(self.optimizer, "last_written", frozenset())
         for w in self.experts:
-            w.finish_step(written)
-        counts_LE = self._balance_routers()
+            w.finish_step(written or frozenset())
+        counts_LE = self._balance_routers(update=written is not None)
         self.window.add(ce, grad_norm, self.moe_stats.step(counts_LE))
         self.step += 1
         self.tokens_seen += self.cfg.train.global_batch_size * self.cfg.train.seq_len
         if self.step % self.cfg.train.log_every == 0 or self.step == self.cfg.train.steps:
             return self._log(lr)
         return None
+
+    def _optimizer_step(self, grad_norm: torch.Tensor) -> frozenset[int] | set[int] | None:
+        """The update, unless the guard skips a non-finite step (returns None); else the ids of the masters
+        WriteBackAdamW wrote. Takes the step's one host read (see moontrain.trainer.guard)."""
+        requested = self.preemption is not None and self.preemption.requested
+        verdict = step_verdict(grad_norm, requested, self.layout)
+        self.stop_requested = verdict.stop
+        written: frozenset[int] | set[int] | None = None
+        if self.guard.admit(verdict.finite, self.step):
+            self.optimizer.step()
+            if self.qk_clip is not None:
+                self.qk_clip.step()
+            written = getattr(self.optimizer, "last_written", frozenset())
+        if hasattr(self.optimizer, "grad_scale"):  # the clip's factor is for this step only
+            del self.optimizer.grad_scale
+        return written
 
     def fit(self) -> list[StepStats]:
         """Train to train.steps, saving checkpoints as configured; returns the logged stats."""
@@ -143,6 +165,10 @@ class Trainer:
                 logged.append(stats)
             if ckpt.every and self.step % ckpt.every == 0:
                 self.save_checkpoint()
+            if self.stop_requested:  # preemption: every rank saw the same verdict after this step
+                if self.last_saved_step != self.step:
+                    self.save_checkpoint()
+                return logged
         if ckpt.save_final and self.last_saved_step != self.step:
             self.save_checkpoint()
         return logged
@@ -160,11 +186,13 @@ class Trainer:
         self.window.t0 += time.perf_counter() - t0  # tokens/s counts training time only
         return path
 
-    def load_checkpoint(self, path: str | Path) -> None:
-        """Collective-free: restore model, optimizer, schedule, step, RNG and data position from `path`."""
+    def load_checkpoint(self, path: str | Path) -> dict:
+        """Collective-free: restore model, optimizer, schedule, step, RNG and data position from `path`;
+        returns the checkpoint's train state."""
         self.reshard_dense()  # a gathered copy would outlive the load
-        load_checkpoint(self, path)
+        state = load_checkpoint(self, path)
         self.last_saved_step = self.step
+        return state
 
     def _log(self, lr: float) -> StepStats:
         """Collective: reduce the window's metrics (one all_reduce) and report them."""
@@ -178,7 +206,8 @@ class Trainer:
                           tokens_per_s=tokens_per_s, step_time_s=dt / n,
                           max_maxvio=values.get("moe/expert_maxvio/max", 0.0), mfu=mfu,
                           peak_mem_gib=mem.get("mem/peak_gib"),
-                          scalars={**values, **mem, "tokens_seen": float(self.tokens_seen)})
+                          scalars={**values, **mem, **(self.qk_clip.flush() if self.qk_clip is not None else {}),
+                                   "tokens_seen": float(self.tokens_seen), "skipped_steps": float(self.guard.total)})
         if self.log is not None:
             self.log.log(stats)
         return stats
@@ -207,8 +236,9 @@ class Trainer:
             w.attach_grads()
 
     @torch.no_grad()
-    def _balance_routers(self) -> torch.Tensor:
-        """Reduce this step's expert counts over the world, update every router bias; returns counts_LE."""
+    def _balance_routers(self, update: bool = True) -> torch.Tensor:
+        """Reduce this step's expert counts over the world, update every router bias (unless the step was
+        skipped: a skipped step changes no trained state); returns counts_LE."""
         routers = [moe.router for moe in self.model.moe_layers()]
         if not routers:
             return torch.zeros(0, self.cfg.model.num_experts, dtype=torch.long, device=self.layout.device)
@@ -216,5 +246,6 @@ class Trainer:
         if self.layout.distributed:
             dist.all_reduce(counts_LE, group=self.layout.world_group)
         for router, counts_E in zip(routers, counts_LE, strict=True):
-            router.update_bias(counts_E)
+            if update:
+                router.update_bias(counts_E)
         return counts_LE

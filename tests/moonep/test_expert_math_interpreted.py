@@ -10,7 +10,7 @@ import torch
 # first: sets TRITON_INTERPRET=1 before triton is imported (triton reads it then), installs the
 # interpreter's numpy-2 shim, and skips this module too where triton is absent
 import tests.moonep.test_kernels_interpreted  # noqa: F401
-from moonep.moe import swiglu_backward_torch
+from moonep.activation import swiglu_backward as swiglu_backward_ref
 from tests.moonep.accumulate_cases import check_accumulate_groups, check_accumulate_groups_write
 from tests.moonep.route_weight_cases import check_route_weights
 from tests.moonep.situ_glu_cases import assert_bitwise, assert_close_to_exact, exact, situ_inputs
@@ -25,7 +25,7 @@ def test_swiglu_backward_kernel_matches_pytorch() -> None:
     u = torch.randn(N, F, generator=g).to(torch.bfloat16)
     grad_a = torch.randn(N, F, generator=g).to(torch.bfloat16)
     got = swiglu_backward(grad_a, h, u)
-    want = swiglu_backward_torch(grad_a, h, u)
+    want = swiglu_backward_ref(grad_a, h, u)
     # grad_h, grad_u: one fp32 value rounded once to bf16; the interpreter truncates where torch rounds
     # to nearest, and exp may differ in the last fp32 bits: at most 1 bf16 ulp (2**-7 relative) apart.
     # a: two roundings (silu, then the product): at most 2 ulps.

@@ -37,7 +37,7 @@ CASES = [
      {"ga_ptr": "*bf16", "h_ptr": "*bf16", "u_ptr": "*bf16", "gh_ptr": "*bf16", "gu_ptr": "*bf16",
       "a_ptr": "*bf16", "n": "i64", "BLOCK": "constexpr"}, {"BLOCK": 2048}),
 ] + [
-    ("moontrain.optim.write_back", "_adamw_write_back_kernel",
+    ("moontrain.optim.write_back_kernel", "_adamw_write_back_kernel",
      {"p_ptr": "*fp32", "g_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32", "out_ptr": "*bf16", "bc_ptr": "*fp32",
       "scale_ptr": "*fp32", "n": "i64", "lr": "fp32", "beta1": "fp32", "beta2": "fp32", "eps": "fp32",
       "weight_decay": "fp32", "HAS_SCALE": "constexpr", "ZERO": "constexpr", "BLOCK": "constexpr"},

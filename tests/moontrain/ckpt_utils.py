@@ -42,15 +42,13 @@ def _full(trainer: Trainer, name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def full_state(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Every parameter, router bias and Adam moment at canonical shape (collective when distributed)."""
+    """Every parameter, router bias and optimizer state tensor at canonical shape (collective when distributed)."""
     out = {}
     for name, p in trainer.model.named_parameters():
         out[name] = _full(trainer, name, p)
         st = trainer.optimizer.state.get(p)
-        if st:
-            out[f"{name}.exp_avg"] = _full(trainer, name, st["exp_avg"])
-            out[f"{name}.exp_avg_sq"] = _full(trainer, name, st["exp_avg_sq"])
-            out[f"{name}.step"] = st["step"].clone()
+        for key, value in (st or {}).items():  # Adam's exp_avg / exp_avg_sq / step, Muon's momentum_buffer
+            out[f"{name}.{key}"] = _full(trainer, name, value) if value.ndim else value.clone()
     for i, moe in enumerate(trainer.model.moe_layers()):
         out[f"router_bias.{i}"] = moe.router.score_bias_E.clone()
     return out
