@@ -21,9 +21,6 @@ class MoonEPExperts:
     def __init__(self, ctx: ExpertsContext, weights: ExpertWeights) -> None:
         import moonep
 
-        if ctx.activation != "swiglu":
-            raise ValueError(f"the moonep backend runs SwiGLU experts only, model.ffn_activation is {ctx.activation!r}; "
-                             "use experts.backend=alltoall or local")
         if ctx.ep_group is None:
             raise ValueError("the moonep backend needs an initialised process group (launch with torchrun)")
         if "moonep_pools" not in ctx.shared:
@@ -49,10 +46,12 @@ class MoonEPExperts:
                               defer_zero=lambda name: pools.defer_zero_grads(layer, (name,)))
         self.weights = weights
         self._expert_glu = moonep.expert_glu
+        self.activation = ctx.activation  # moonep.activation registers every ModelConfig.ffn_activation
 
     def forward(self, x_sH: torch.Tensor, weights_sK: torch.Tensor, topk_sK: torch.Tensor) -> torch.Tensor:
         dtype = self.pools.dtype
         self.pools.wgrad_scale = self.weights.accumulate_scale  # read in this layer's backward
         y_sH = self._expert_glu(self.buf, self.pools, self.layer, x_sH.to(dtype).contiguous(),
-                                weights_sK.contiguous(), topk_sK.to(torch.int32).contiguous())
+                                weights_sK.contiguous(), topk_sK.to(torch.int32).contiguous(),
+                                activation=self.activation)
         return y_sH.to(x_sH.dtype)
