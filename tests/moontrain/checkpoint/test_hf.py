@@ -28,7 +28,7 @@ from tests.moontrain.ckpt_utils import assert_bitwise, full_state, train
 transformers = pytest.importorskip("transformers")
 
 CPU = torch.device("cpu")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FP32_ULPS = 64
 
 

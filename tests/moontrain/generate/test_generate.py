@@ -28,7 +28,7 @@ from moontrain.trainer.trainer import Trainer
 from tests.moontrain.ckpt_utils import train
 
 CPU = torch.device("cpu")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CORPUS = str(ROOT / "recipes/data/tiny_corpus.jsonl")
 
 
