@@ -67,6 +67,7 @@ def hf_config(cfg: ModelConfig, *, dtype: str, max_position_embeddings: int, ext
         "initializer_range": cfg.init_std,
         "tie_word_embeddings": False,
         "max_position_embeddings": max_position_embeddings,
+        "use_cache": False,  # the HF modeling code has no KV cache: generate() re-runs the whole sequence
         **extra,
         "moontrain_model": to_dict(cfg),
     }
