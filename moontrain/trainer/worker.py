@@ -31,6 +31,7 @@ from moontrain.metrics.wandb_run import WandbRun
 from moontrain.parallel.heartbeat import Heartbeat
 from moontrain.parallel.layout import build_layout
 from moontrain.supervisor import die_with_parent
+from moontrain.trainer.determinism import set_cublas_workspace
 from moontrain.trainer.errors import one_line
 from moontrain.trainer.preempt import PreemptionHandler
 from moontrain.trainer.trainer import Trainer
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
         _exit_one_line(rank, f"error: {err}")
     die_with_parent()  # torchrun gone (killed with the launcher): no rank keeps training
     preemption = PreemptionHandler(rank)
+    if cfg.train.deterministic:
+        set_cublas_workspace()  # read when CUDA initialises
     device, backend = select_device()
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
                             timeout=timedelta(seconds=cfg.parallel.timeout_s))
@@ -98,8 +101,8 @@ def _train(cfg: RunConfig, device: torch.device, preemption: PreemptionHandler) 
     is_main = layout.rank == 0
     if is_main:
         dump_config(cfg, Path(cfg.train.run_dir) / "config.yaml")
-        print(f"moontrain: {layout.describe()}; experts backend {cfg.experts.backend}; device {device}",
-              flush=True)
+        print(f"moontrain: {layout.describe()}; experts backend {cfg.experts.backend}; device {device}"
+              + ("; deterministic kernels" if cfg.train.deterministic else ""), flush=True)
     trainer = Trainer(cfg, layout)
     trainer.preemption = preemption
     try:
