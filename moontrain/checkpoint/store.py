@@ -2,8 +2,9 @@
 
 A checkpoint is a directory `<dir>/step_<step:08d>/`:
 
-    rank_<r:05d>.safetensors   what rank r owns (see tensors.py): model.<name>, optim.<name>.exp_avg /
-                               .exp_avg_sq / .step, rng.rank<r>.cpu / .cuda
+    rank_<r:05d>.safetensors   what rank r owns (see tensors.py): model.<name>, optim.<name>.<state name>
+                               (AdamW's exp_avg / exp_avg_sq / step, Muon's momentum_buffer),
+                               rng.rank<r>.cpu / .cuda
     train_state.json           step, tokens seen, LR schedule, optimizer hyperparameters, the layout it
                                was saved at, the model config, the wandb run id, per-rank data position
     manifest.json              written last: every file with its size and sha256, every tensor's
@@ -46,7 +47,6 @@ MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.json"
 _PREFIX = "step_"
 _TMP = ".tmp"
-_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def checkpoint_name(step: int) -> str:
@@ -122,10 +122,12 @@ def _collect_tensors(trainer: Trainer) -> tuple[dict[str, torch.Tensor], dict[st
             if not state:
                 continue
             name = names[id(p)]
-            for moment in _MOMENTS:
-                put(f"optim.{name}.{moment}", state[moment], owner_of=p)
-            if layout.rank == 0:  # Adam's step count: a scalar, the same on every rank
-                whole(f"optim.{name}.step", state["step"])
+            for key, value in state.items():
+                if value.ndim == 0:  # Adam's step count: a scalar, the same on every rank
+                    if layout.rank == 0:
+                        whole(f"optim.{name}.{key}", value)
+                else:  # moments (Adam's exp_avg / exp_avg_sq, Muon's momentum_buffer) follow the parameter
+                    put(f"optim.{name}.{key}", value, owner_of=p)
     whole(f"rng.rank{layout.rank}.cpu", torch.get_rng_state())
     if layout.device.type == "cuda":
         whole(f"rng.rank{layout.rank}.cuda", torch.cuda.get_rng_state(layout.device))
@@ -236,23 +238,35 @@ def load_model_tensors(trainer: Trainer, source: TensorSource, *, prefix: str) -
 def _load_optimizer(trainer: Trainer, source: TensorSource, state: dict[str, Any]) -> None:
     opt = trainer.optimizer
     names = {id(p): n for n, p in trainer.model.named_parameters()}
+    saved_groups = {g["name"]: g for g in state["param_groups"]}
+    missing = sorted(set(g["name"] for g in opt.param_groups) - set(saved_groups))
+    if missing:
+        raise CheckpointError(f"checkpoint has optimizer groups {sorted(saved_groups)}, the run's optimizer has "
+                              f"{missing} too: it was saved with another optim.name; resume with that one")
+    state_keys: dict[str, list[str]] = {}  # parameter name -> its saved optimizer state names
+    for tensor_name in source.names():
+        if tensor_name.startswith("optim."):
+            param, _, key = tensor_name[len("optim."):].rpartition(".")
+            state_keys.setdefault(param, []).append(key)
     for group in opt.param_groups:
         # lr, betas, eps and weight_decay stay the recipe's: its settings apply on resume (the worker
         # names each one that differs from the checkpoint's, see optim_changes)
         for p in group["params"]:
             name = names[id(p)]
-            key = f"optim.{name}.step"
-            if key not in source.index:  # saved before the first optimizer step
+            keys = state_keys.get(name)
+            if not keys:  # saved before the first optimizer step
                 continue
             own = ownership(name, p, trainer.layout)
-            step = source.full(key).clone()
-            if group.get("fused") or group.get("capturable"):  # torch keeps these steps on the device
-                step = step.to(device=local_tensor(p).device, dtype=torch.float32)
-            entry = {"step": step}
-            for moment in _MOMENTS:
-                t = torch.zeros_like(p, memory_format=torch.preserve_format)
-                local_tensor(t).copy_(source.rows(f"optim.{name}.{moment}", own.offset, own.rows))
-                entry[moment] = t
+            entry = {}
+            for key in keys:
+                if source.shape(f"optim.{name}.{key}") == ():
+                    value = source.full(f"optim.{name}.{key}").clone()
+                    if group.get("fused") or group.get("capturable"):  # torch keeps these steps on the device
+                        value = value.to(device=local_tensor(p).device, dtype=torch.float32)
+                else:
+                    value = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    local_tensor(value).copy_(source.rows(f"optim.{name}.{key}", own.offset, own.rows))
+                entry[key] = value
             opt.state[p] = entry
     sched = trainer.scheduler
     sched.load_state_dict(state["scheduler"])

@@ -113,6 +113,8 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
     return to_dict(value) if dataclasses.is_dataclass(value) else value
 
 
@@ -130,6 +132,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
                 return _convert(option, value, key)
             except ValueError as err:
                 errors.append(str(err))
+        if len(errors) == 1:  # X | None: the one real option's own message names the nested key
+            raise ValueError(errors[0])
         raise ValueError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         allowed = get_args(tp)
@@ -138,6 +142,15 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         return value
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, key)
+    if origin is dict:  # name -> value (e.g. data.sources.web); keys are names, values converted strictly
+        key_type, value_type = get_args(tp)
+        assert key_type is str, f"config mappings are keyed by str, {key} is not"
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}: expected a mapping of name -> {_type_name(value_type)}, got {value!r}")
+        for name in value:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"{key}: keys must be non-empty names, got {name!r}")
+        return {name: _convert(value_type, v, f"{key}.{name}") for name, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             raise ValueError(f"{key}: expected bool (true/false), got {value!r}")

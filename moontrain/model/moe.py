@@ -3,7 +3,7 @@
 Legend: B batch, T sequence, s = B*T tokens, D hidden, L latent width (expert width H), K top-k.
 
 Latent MoE (K3): routed experts run at width L: x_sL = RMSNorm(x_sD W_down); y_sD = experts(x_sL) W_up.
-Shared experts see the full width D and are one SwiGLU of width num_shared * F (identical to the sum
+Shared experts see the full width D and are one gated FFN of width num_shared * F (identical to the sum
 of num_shared separate experts). With model.overlap_shared_experts on CUDA they run on a side stream,
 concurrently with the routed experts; autograd runs their backward on the same side stream. Off by
 default (see ModelConfig: it slowed moonep's barriers more than it hid).
@@ -16,7 +16,7 @@ from torch import nn
 
 from moontrain.model.config import ModelConfig
 from moontrain.model.experts import ExpertsBackend, ExpertWeights
-from moontrain.model.ffn import SwiGLU
+from moontrain.model.ffn import GatedFFN
 from moontrain.model.norm import RMSNorm
 from moontrain.model.router import Router
 
@@ -33,8 +33,8 @@ class MoE(nn.Module):
         self.experts = ExpertWeights(num_experts=cfg.num_experts, ep_rank=ep_rank, ep_size=ep_size,
                                      hidden=cfg.expert_width, intermediate=cfg.moe_intermediate_size,
                                      device=device)
-        self.shared = (SwiGLU(cfg.hidden_size, cfg.num_shared_experts * cfg.moe_intermediate_size, device=device)
-                       if cfg.num_shared_experts else None)
+        self.shared = (GatedFFN(cfg.hidden_size, cfg.num_shared_experts * cfg.moe_intermediate_size,
+                                cfg.ffn_activation, device=device) if cfg.num_shared_experts else None)
         self.latent = cfg.moe_latent_size is not None
         self.overlap_shared = cfg.overlap_shared_experts
         self._side: torch.cuda.Stream | None = None  # the shared experts' stream (CUDA, overlap on)

@@ -7,6 +7,7 @@
 Groups stay homogeneous (DTensor shards vs plain tensors) so the foreach kernels never mix the two.
 With optim.write_back the optimizer is WriteBackAdamW: the trainer registers each expert master with
 its compute tensor, and one fused pass steps it, writes the compute copy and zeroes the grad.
+build_optimizer builds Muon instead (moontrain.optim.muon) when optim.name is muon.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moontrain.optim.config import OptimConfig
+from moontrain.optim.muon import build_muon
 from moontrain.optim.schedule import lr_multiplier
 
 
@@ -32,8 +35,13 @@ def split_param_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     return groups
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int
-                    ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int,
+                    expert_group: dist.ProcessGroup | None = None
+                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """optim.name picks AdamW (here) or Muon (moontrain.optim.muon; expert_group: the expert-data-parallel
+    group, whose replicas share the expert orthogonalisation)."""
+    if cfg.name == "muon":
+        return build_muon(model, cfg, total_steps, expert_group=expert_group)
     groups = split_param_groups(model)
     param_groups = [
         {"params": groups["decay"], "weight_decay": cfg.weight_decay, "name": "decay"},

@@ -18,6 +18,10 @@ L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
 - activations: tensors saved for backward per token per layer: the compute dtype for most, fp32 for
   routing weights, the K-way combine and the logits (a rough model, ~30%). With activation
   checkpointing: each block's input, plus one block's full activations during its recompute.
+  AttnRes (model.attn_res_block_size): each aggregation keeps two fp32 values per token per value it
+  attends over (its rsqrt factors and weights), and each layer's two partial sums are kept besides the
+  norms' inputs; with checkpointing the completed blocks are block inputs already counted, and only
+  the recomputed block's aggregations add. SiTU-GLU saves what SwiGLU saves (the gate and up outputs).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moontrain.config.run_config import RunConfig
+from moontrain.model.attn_res import aggregation_sizes
 from moontrain.planning.params import ParamCounts
 
 ROWS = ("weights", "master", "grads", "optimizer", "symmetric_heap", "receive_buffers", "activations")
@@ -85,6 +90,9 @@ def _activation_bytes_per_token(cfg: RunConfig, c: int, checkpointed: bool) -> f
     shared = (3 * m.num_shared_experts * F + D) * c
     moe = (2 * D + latent) * c + routed + shared
     logits = cfg.model.vocab_size * (c + 8)
+    sizes = aggregation_sizes(m.num_layers, m.attn_res_block_size)
     if checkpointed:
-        return m.num_layers * D * c + attn + max(dense_ffn, moe) + logits
-    return m.num_dense_layers * (attn + dense_ffn) + m.num_moe_layers * (attn + moe) + logits
+        recomputed_res = 2 * 8 * max(sizes) + 2 * D * c if sizes else 0  # one block's aggregations
+        return m.num_layers * D * c + attn + max(dense_ffn, moe) + recomputed_res + logits
+    attn_res = 8 * sum(sizes) + 2 * m.num_layers * D * c if sizes else 0
+    return m.num_dense_layers * (attn + dense_ffn) + m.num_moe_layers * (attn + moe) + attn_res + logits

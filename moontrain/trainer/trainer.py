@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from moontrain.checkpoint import load_checkpoint, save_checkpoint
 from moontrain.config.run_config import RunConfig
-from moontrain.data.source import build_token_source
+from moontrain.data.source import build_loader
 from moontrain.metrics.flops import flops_per_token, peak_flops
 from moontrain.metrics.moe_stats import MoEStats
 from moontrain.metrics.progress import ProgressLog, StepStats
@@ -30,6 +30,7 @@ from moontrain.metrics.window import MetricsWindow, memory_stats
 from moontrain.model.experts import ExpertsContext
 from moontrain.model.transformer import K3Model
 from moontrain.optim.adamw import build_optimizer
+from moontrain.optim.qk_clip import QKClip
 from moontrain.parallel.clip import clip_grad_norm_global
 from moontrain.parallel.fsdp import allreduce_dense_grads, apply_fsdp
 from moontrain.parallel.layout import ParallelLayout
@@ -67,9 +68,8 @@ class Trainer:
         self.experts_ctx = ExpertsContext(
             num_experts=cfg.model.num_experts, topk=cfg.model.num_experts_per_tok, ep_group=layout.ep_group,
             ep_size=layout.ep, compute_dtype=self.compute_dtype, token_padding=cfg.experts.token_padding,
-            max_tokens=micro_batch * cfg.train.seq_len, device=device,
-            moonep_kernels=cfg.experts.moonep_kernels, moonep_expert_kernels=cfg.experts.moonep_expert_kernels,
-            moonep_fused_planner=cfg.experts.moonep_fused_planner,
+            max_tokens=micro_batch * cfg.train.seq_len, device=device, activation=cfg.model.ffn_activation,
+            moonep_options=cfg.experts.moonep,
             moonep_chain_prefetch=not cfg.train.activation_checkpointing,
         )
         self.model.attach_experts_backends(cfg.experts.backend, self.experts_ctx)
@@ -79,14 +79,20 @@ class Trainer:
         self.expert_params = [p for w in self.experts for p in w.master.values()]
         expert_ids = {id(p) for p in self.expert_params}
         self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.train.steps)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.train.steps,
+                                                         expert_group=layout.edp_group)
+        self.qk_clip = (QKClip([block.attn for block in self.model.layers], cfg.optim.qk_clip_tau,
+                               group=layout.world_group, layer_ids=list(range(cfg.model.num_layers)))
+                        if cfg.optim.qk_clip_tau > 0 else None)
         if hasattr(self.optimizer, "register_write_back"):  # fused step + compute-copy write + grad zeroing
             for w in self.experts:
                 for name, master in w.master.items():
                     self.optimizer.register_write_back(master, w.compute[name], zero_grad=not w.defers_zero)
-        self.data = build_token_source(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
-                                       global_batch=cfg.train.global_batch_size, rank=layout.rank,
-                                       world_size=layout.world_size, device=device)
+        self.data = build_loader(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
+                                 global_batch=cfg.train.global_batch_size, rank=layout.rank,
+                                 world_size=layout.world_size, device=device)
+        if cfg.model.document_mask:  # packed documents: attention and KDA state stop at each EOS
+            self.model.document_eos_id = self.data.eos_id
         self.step = 0
         self.tokens_seen = 0
         self.wandb_run_id: str | None = None  # set by the worker (rank 0); kept in checkpoints
@@ -94,6 +100,7 @@ class Trainer:
         self.guard = DivergenceGuard(cfg.train.max_skipped_steps)
         self.preemption: PreemptionHandler | None = None  # set by the worker (signal handlers, main thread)
         self.stop_requested = False  # agreed over the ranks after each step
+        self.last_checkpoint: Path | None = None
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = peak_flops(device)
         self.moe_stats = MoEStats(self.model.moe_layers(), ep=layout.ep)
@@ -146,6 +153,8 @@ class Trainer:
         written: frozenset[int] | set[int] | None = None
         if self.guard.admit(verdict.finite, self.step):
             self.optimizer.step()
+            if self.qk_clip is not None:
+                self.qk_clip.step()
             written = getattr(self.optimizer, "last_written", frozenset())
         if hasattr(self.optimizer, "grad_scale"):  # the clip's factor is for this step only
             del self.optimizer.grad_scale
@@ -179,7 +188,7 @@ class Trainer:
         t0 = time.perf_counter()
         path = save_checkpoint(self, root if root is not None else self.checkpoint_dir,
                                keep_last=self.cfg.checkpoint.keep_last)
-        self.last_saved_step = self.step
+        self.last_saved_step, self.last_checkpoint = self.step, path
         self.window.t0 += time.perf_counter() - t0  # tokens/s counts training time only
         return path
 
@@ -188,7 +197,7 @@ class Trainer:
         returns the checkpoint's train state."""
         self.reshard_dense()  # a gathered copy would outlive the load
         state = load_checkpoint(self, path)
-        self.last_saved_step = self.step
+        self.last_saved_step, self.last_checkpoint = self.step, Path(path)
         return state
 
     def _log(self, lr: float) -> StepStats:
@@ -203,14 +212,17 @@ class Trainer:
                           tokens_per_s=tokens_per_s, step_time_s=dt / n,
                           max_maxvio=values.get("moe/expert_maxvio/max", 0.0), mfu=mfu,
                           peak_mem_gib=mem.get("mem/peak_gib"),
-                          scalars={**values, **mem, "tokens_seen": float(self.tokens_seen),
-                                   "skipped_steps": float(self.guard.total)})
+                          scalars={**values, **mem, **(self.qk_clip.flush() if self.qk_clip is not None else {}),
+                                   "tokens_seen": float(self.tokens_seen), "skipped_steps": float(self.guard.total),
+                                   **self.data.take_metrics()})
         if self.log is not None:
             self.log.log(stats)
         return stats
 
     def close(self) -> None:
-        """Release backend-owned memory (moonep's symmetric heap). The model is unusable afterwards."""
+        """Release backend-owned memory (moonep's symmetric heap) and stop the data thread. The model is
+        unusable afterwards."""
+        self.data.close()
         self.experts_ctx.close()
 
     def reshard_dense(self) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from moonep import Buffer, BufferConfig, ExpertPools
+from moonep import Buffer, BufferConfig, BufferOptions, ExpertPools
 from moonep.layout import Layout
 from tests.dist_utils import run_ranks
 from tests.moonep.planner_reference import reference_plan
@@ -71,7 +71,7 @@ def _still_correct(buf: Buffer, rank: int, topk_R: list[torch.Tensor], x_R: list
 # ---------------------------------------------------------------------------------- R = 1
 def _single_rank(rank: int, world: int) -> dict[str, tuple[str | None, str]]:
     out: dict[str, tuple[str | None, str]] = {}
-    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=PAD, timeout_s=30))
+    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=PAD, options=BufferOptions(timeout_s=30)))
     try:
         x, w, topk, hist = _valid()
         s = x.shape[0]
@@ -195,7 +195,7 @@ def test_buffer_still_correct_after_rejected_calls(single_rank: dict) -> None:
 def _two_ranks(rank: int, world: int) -> dict[str, tuple[str | None, str]]:
     out: dict[str, tuple[str | None, str]] = {}
     out["E % R != 0"] = _outcome(lambda: Buffer(BufferConfig(max_tokens=S, hidden=H, topk=1, num_experts=3)))
-    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=PAD, timeout_s=30))
+    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=PAD, options=BufferOptions(timeout_s=30)))
     try:
         s_R = [4, 3]
         data = [_valid(s_R[r], seed=10 + r) for r in range(world)]
@@ -248,13 +248,27 @@ def test_layout_rejects_experts_not_divisible_by_ranks() -> None:
     ({"hidden": -1}, r"BufferConfig.hidden must be a positive int, got -1"),
     ({"topk": 5}, r"BufferConfig.topk=5 exceeds num_experts=4"),
     ({"num_slots": 0}, r"BufferConfig.num_slots must be None \(= E // R\) or an int >= 1, got 0"),
-    ({"timeout_s": 0.0}, r"BufferConfig.timeout_s must be > 0, got 0.0"),
     ({"token_padding": 0}, r"BufferConfig.token_padding must be a positive int, got 0"),
+    ({"options": {"kernels": "torch"}}, r"BufferConfig.options must be a moonep.BufferOptions, got dict"),
 ])
 def test_buffer_config_rejects_bad_sizes(kwargs: dict, match: str) -> None:
     base = {"max_tokens": S, "hidden": H, "topk": K, "num_experts": E}
     with pytest.raises(ValueError, match=match):
         BufferConfig(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"timeout_s": 0.0}, r"BufferOptions.timeout_s must be a finite number of seconds > 0, got 0.0"),
+    ({"timeout_s": float("nan")}, r"BufferOptions.timeout_s must be a finite number of seconds > 0, got nan"),
+    ({"timeout_s": float("inf")}, r"BufferOptions.timeout_s must be a finite number of seconds > 0, got inf"),
+    ({"kernels": "cuda"}, r"BufferOptions.kernels must be one of \('auto', 'torch', 'triton'\), got 'cuda'"),
+    ({"check_values": "yes"}, r"BufferOptions.check_values must be None \(on for CPU buffers\), True or False"),
+    ({"num_sms": 0}, r"BufferOptions.num_sms must be None \(every SM\) or an int >= 1, got 0"),
+    ({"scatter_tile": 1000}, r"BufferOptions.scatter_tile must be a power of two >= 256, got 1000"),
+])
+def test_buffer_options_reject_bad_values(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        BufferOptions(**kwargs)
 
 
 @pytest.mark.parametrize(("shape", "dtype"), [((3, 5), torch.bfloat16), ((3000, 7), torch.bfloat16),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moonep import Buffer, BufferConfig, ExpertPools, expert_swiglu, swiglu_projections
+from moonep import Buffer, BufferConfig, ExpertPools, expert_glu, glu_projections
 from moonep.routing import generate_routing
 from tests.dist_utils import run_ranks
 from tests.moonep.moe_reference import reference_grads
@@ -37,14 +37,14 @@ def _rank_fn(rank: int, world: int, E: int, maxvio: float) -> dict:
     x, w, topk, weights, grad_y = _problem(world, E, maxvio)
     buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=4))
     try:
-        pools = ExpertPools(buf, swiglu_projections(H, F))
+        pools = ExpertPools(buf, glu_projections(H, F))
         layer = pools.add_layer()
         epn = E // world
         for p in w:
             layer.w_local[p].copy_(w[p][rank * epn:(rank + 1) * epn])
         x_sH = x[rank].clone().requires_grad_()
         w_sK = weights[rank].clone().requires_grad_()
-        y = expert_swiglu(buf, pools, layer, x_sH, w_sK, topk[rank])
+        y = expert_glu(buf, pools, layer, x_sH, w_sK, topk[rank])
         (y.double() * grad_y[rank].double()).sum().backward()
         buf.wait_pending()  # reduce_grad is left queued (synchronous on the CPU)
         plan = pools.slot_plan

@@ -16,6 +16,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from moonep import BufferOptions
+from moontrain.model.config import FFNActivation
 from moontrain.model.experts.weights import ExpertWeights
 
 
@@ -35,9 +37,8 @@ class ExpertsContext:
     token_padding: int
     max_tokens: int  # tokens per rank per call (S)
     device: torch.device
-    moonep_kernels: str = "auto"  # BufferConfig.kernels of the moonep backend
-    moonep_expert_kernels: bool = True  # BufferConfig.expert_kernels of the moonep backend
-    moonep_fused_planner: bool = True  # BufferConfig.fused_planner of the moonep backend
+    moonep_options: BufferOptions = field(default_factory=BufferOptions)  # the moonep backend's Buffer
+    activation: FFNActivation = "swiglu"  # the experts' gated activation (ModelConfig.ffn_activation)
     # ExpertPools.chain_prefetch: off when blocks are recomputed in backward (activation checkpointing)
     moonep_chain_prefetch: bool = True
     shared: dict[str, Any] = field(default_factory=dict)  # e.g. moonep's Buffer and ExpertPools

@@ -21,23 +21,22 @@ class MoonEPExperts:
     def __init__(self, ctx: ExpertsContext, weights: ExpertWeights) -> None:
         import moonep
 
+        if ctx.activation != "swiglu":
+            raise ValueError(f"the moonep backend runs SwiGLU experts only, model.ffn_activation is {ctx.activation!r}; "
+                             "use experts.backend=alltoall or local")
         if ctx.ep_group is None:
             raise ValueError("the moonep backend needs an initialised process group (launch with torchrun)")
         if "moonep_pools" not in ctx.shared:
             hidden = weights.shapes["gate"][0]
-            # check_values costs host syncs per call: on for CPU (tests, debugging), off on the GPU hot path
             buf = moonep.Buffer(
                 moonep.BufferConfig(max_tokens=ctx.max_tokens, hidden=hidden, topk=ctx.topk,
-                                    num_experts=ctx.num_experts, num_slots=None,
-                                    token_padding=ctx.token_padding, dtype=ctx.compute_dtype, timeout_s=60.0,
-                                    check_values=ctx.device.type == "cpu", kernels=ctx.moonep_kernels,
-                                    expert_kernels=ctx.moonep_expert_kernels,
-                                    fused_planner=ctx.moonep_fused_planner),
+                                    num_experts=ctx.num_experts, num_slots=None, token_padding=ctx.token_padding,
+                                    dtype=ctx.compute_dtype, options=ctx.moonep_options),
                 ctx.ep_group, device=ctx.device,
             )
             ctx.shared["moonep_buffer"] = buf
             ctx.closers.append(buf.destroy)
-            ctx.finishers.append(buf.wait_pending)  # expert_swiglu leaves reduce_grad queued
+            ctx.finishers.append(buf.wait_pending)  # expert_glu leaves reduce_grad queued
             pools = moonep.ExpertPools(buf, projections=dict(weights.shapes), dtype=ctx.compute_dtype)
             pools.chain_prefetch = ctx.moonep_chain_prefetch
             ctx.shared["moonep_pools"] = pools
@@ -49,11 +48,11 @@ class MoonEPExperts:
         weights.bind_external(layer.w_local, layer.g_local,
                               defer_zero=lambda name: pools.defer_zero_grads(layer, (name,)))
         self.weights = weights
-        self._expert_swiglu = moonep.expert_swiglu
+        self._expert_glu = moonep.expert_glu
 
     def forward(self, x_sH: torch.Tensor, weights_sK: torch.Tensor, topk_sK: torch.Tensor) -> torch.Tensor:
         dtype = self.pools.dtype
         self.pools.wgrad_scale = self.weights.accumulate_scale  # read in this layer's backward
-        y_sH = self._expert_swiglu(self.buf, self.pools, self.layer, x_sH.to(dtype).contiguous(),
-                                   weights_sK.contiguous(), topk_sK.to(torch.int32).contiguous())
+        y_sH = self._expert_glu(self.buf, self.pools, self.layer, x_sH.to(dtype).contiguous(),
+                                weights_sK.contiguous(), topk_sK.to(torch.int32).contiguous())
         return y_sH.to(x_sH.dtype)
