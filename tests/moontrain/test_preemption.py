@@ -24,7 +24,7 @@ import torch
 from moontrain.checkpoint.store import list_checkpoints
 from moontrain.config.loader import load_recipe
 from moontrain.data.config import DataConfig
-from moontrain.data.source import build_token_source
+from moontrain.data.source import build_loader
 from moontrain.optim.schedule import lr_multiplier
 from moontrain.parallel.layout import build_layout, single_process_layout
 from moontrain.trainer.errors import one_line
@@ -138,8 +138,7 @@ def test_data_errors_are_one_line(tmp_path: Path, content: str, match: str) -> N
     path.write_text(content)
     cfg = DataConfig(source="dataset", path=str(path))
     with pytest.raises(Exception) as info:  # whatever the data libraries raise
-        source = build_token_source(cfg, vocab_size=257, seq_len=16, global_batch=2, rank=0, world_size=1,
-                                    device=CPU)
+        source = build_loader(cfg, vocab_size=257, seq_len=16, global_batch=2, rank=0, world_size=1, device=CPU)
         for step in range(4):
             source.batch(step)
     line = one_line(info.value, cfg)
