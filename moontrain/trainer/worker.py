@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     heartbeat = None
     if dist.get_world_size() > 1 and cfg.parallel.heartbeat_timeout_s > 0:
         heartbeat = Heartbeat(_default_store(), dist.get_rank(), dist.get_world_size(),
-                              timeout_s=cfg.parallel.heartbeat_timeout_s).start()
+                              timeout_s=cfg.parallel.heartbeat_timeout_s,
+                              report=lambda line: _report_line(rank, line)).start()
     try:
         _train(cfg, device, preemption)
     except Exception as err:
@@ -92,8 +93,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _exit_one_line(rank: int, line: str) -> NoReturn:
-    """Print the rank's one line (and hand it to the launcher through MOONTRAIN_ERROR_FILE: the first
-    rank to fail wins, the others' lines are usually the same) and exit 1."""
+    _report_line(rank, line)
+    sys.exit(1)
+
+
+def _report_line(rank: int, line: str) -> None:
+    """Print the rank's one line and hand it to the launcher through MOONTRAIN_ERROR_FILE (the first
+    rank to fail wins, the others' lines are usually the same)."""
     text = f"moontrain: rank {rank}: {line}".replace("\n", " ")
     path = os.environ.get("MOONTRAIN_ERROR_FILE")
     if path:
@@ -103,7 +109,6 @@ def _exit_one_line(rank: int, line: str) -> NoReturn:
         except FileExistsError:
             pass
     print(text, file=sys.stderr, flush=True)
-    sys.exit(1)
 
 
 def _default_store() -> dist.Store:
