@@ -62,10 +62,12 @@ def hf_config(cfg: ModelConfig, *, dtype: str, max_position_embeddings: int, ext
         "use_nope": cfg.use_nope,
         "attn_output_gate": cfg.attn_output_gate,
         "moe_latent_size": cfg.moe_latent_size,
-        "hidden_act": "silu",
+        "hidden_act": "situ_glu" if cfg.ffn_activation == "situ_glu" else "silu",
+        "attn_res_block_size": cfg.attn_res_block_size,
         "initializer_range": cfg.init_std,
         "tie_word_embeddings": False,
         "max_position_embeddings": max_position_embeddings,
+        "use_cache": False,  # the HF modeling code has no KV cache: generate() re-runs the whole sequence
         **extra,
         "moontrain_model": to_dict(cfg),
     }

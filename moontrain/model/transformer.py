@@ -18,7 +18,7 @@ every attention layer stays inside them (moontrain.model.documents).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -80,16 +80,23 @@ class Block(nn.Module):
 
     def _forward(self, blocks: tuple[torch.Tensor, ...], x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  docs: DocumentMask | None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor | None]:
+        return self.residuals(blocks, x_BTD, lambda h_BTD: self.attn(h_BTD, cos, sin, docs))
+
+    def residuals(self, blocks: tuple[torch.Tensor, ...], x_BTD: torch.Tensor,
+                  attend: Callable[[torch.Tensor], torch.Tensor]
+                  ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor | None]:
+        """This layer's residual wiring (standard or AttnRes) around attend(normed input) -> attention
+        output: the training forward passes its attention, decoding the cached form of it."""
         if not self.attn_res:
-            x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin, docs)
+            x_BTD = x_BTD + attend(self.attn_norm(x_BTD))
             y, aux = self._ffn(self.ffn_norm(x_BTD))
             return blocks, x_BTD + y, aux
         h_BTD = self.res_attn(blocks, x_BTD)
         if self.starts_block:  # the partial sum becomes a completed block; a new one starts here
             blocks = (*blocks, x_BTD)
-            x_BTD = self.attn(self.attn_norm(h_BTD), cos, sin, docs)
+            x_BTD = attend(self.attn_norm(h_BTD))
         else:
-            x_BTD = x_BTD + self.attn(self.attn_norm(h_BTD), cos, sin, docs)
+            x_BTD = x_BTD + attend(self.attn_norm(h_BTD))
         y, aux = self._ffn(self.ffn_norm(self.res_ffn(blocks, x_BTD)))
         return blocks, x_BTD + y, aux
 

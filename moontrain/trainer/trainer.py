@@ -26,6 +26,7 @@ from moontrain.checkpoint.state import TrainState
 from moontrain.config.run_config import RunConfig
 from moontrain.data.loader import build_loader
 from moontrain.metrics.flops import flops_per_token, peak_flops
+from moontrain.metrics.heatmap import colorize, heatmap_path, write_png
 from moontrain.metrics.moe_stats import MoEStats
 from moontrain.metrics.progress import ProgressLog, StepStats
 from moontrain.metrics.window import MetricsWindow, memory_stats
@@ -36,6 +37,8 @@ from moontrain.optim.qk_clip import QKClip
 from moontrain.parallel.clip import clip_grad_norm_global
 from moontrain.parallel.fsdp import allreduce_dense_grads, apply_fsdp
 from moontrain.parallel.layout import ParallelLayout
+from moontrain.trainer.determinism import enable_determinism
+from moontrain.trainer.evaluate import Evaluator
 from moontrain.trainer.guard import DivergenceGuard, step_verdict
 from moontrain.trainer.preempt import PreemptionHandler
 
@@ -50,6 +53,8 @@ class Trainer:
     def __init__(self, cfg: RunConfig, layout: ParallelLayout, *, log: ProgressLog | None = None) -> None:
         cfg.check_world(layout.world_size)
         self.cfg, self.layout, self.log = cfg, layout, log
+        if cfg.train.deterministic:
+            enable_determinism()
         device = layout.device
         self.compute_dtype = resolve_compute_dtype(cfg.parallel.compute_dtype, device)
         self.model = K3Model(cfg.model, ep_rank=layout.ep_rank, ep_size=layout.ep, device=device)
@@ -81,8 +86,9 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.train.steps,
                                                          expert_group=layout.edp_group,
                                                          write_back_targets=write_back_targets)
-        self.qk_clip = (QKClip([block.attn for block in self.model.layers], cfg.optim.qk_clip_tau,
-                               group=layout.world_group, layer_ids=list(range(cfg.model.num_layers)))
+        mla_ids = [i for i, block in enumerate(self.model.layers) if not block.is_kda]  # QK-Clip: softmax layers
+        self.qk_clip = (QKClip([self.model.layers[i].attn for i in mla_ids], cfg.optim.qk_clip_tau,
+                               group=layout.world_group, layer_ids=mla_ids)
                         if cfg.optim.qk_clip_tau > 0 else None)
         self.data = build_loader(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
                                  global_batch=cfg.train.global_batch_size, rank=layout.rank,
@@ -103,6 +109,7 @@ class Trainer:
         self.moe_stats = MoEStats(self.model.moe_layers(), ep=layout.ep)
         moe_ids = [i for i, block in enumerate(self.model.layers) if block.is_moe]
         self.window = MetricsWindow(moe_ids, layout)
+        self.evaluator = (Evaluator(cfg, layout, self.model, self.reshard_dense) if cfg.eval.every else None)
 
     @property
     def step(self) -> int:
@@ -224,6 +231,7 @@ class Trainer:
         """Collective: reduce the window's metrics (one all_reduce) and report them."""
         values = self.window.flush()
         n, dt = values.pop("window_steps"), values.pop("window_s")
+        evals = self._evaluate_if_due()
         tokens_per_s = n * self.cfg.train.global_batch_size * self.cfg.train.seq_len / dt
         mfu = (tokens_per_s / self.layout.world_size * self.flops_per_token / self.peak_flops
                if self.peak_flops else None)
@@ -234,10 +242,30 @@ class Trainer:
                           peak_mem_gib=mem.get("mem/peak_gib"),
                           scalars={**values, **mem, **(self.qk_clip.flush() if self.qk_clip is not None else {}),
                                    "tokens_seen": float(self.tokens_seen), "skipped_steps": float(self.guard.total),
-                                   **self.data.take_metrics()})
+                                   **self.data.take_metrics(), **evals})
         if self.log is not None:
             self.log.log(stats)
+        self._expert_heatmap()
         return stats
+
+    def _expert_heatmap(self) -> None:
+        """Every metrics.heatmap_every logging steps (and the last): the expert-load PNG (rank 0) and wandb image."""
+        every, load = self.cfg.metrics.heatmap_every, self.moe_stats.load
+        logs = self.step // self.cfg.train.log_every
+        if not every or load is None or (logs % every and self.step != self.cfg.train.steps):
+            return
+        share_LE = load.take()
+        if self.log is not None:
+            path = write_png(heatmap_path(self.cfg.train.run_dir, self.step), colorize(share_LE))
+            self.log.image("moe/expert_load", path, self.step)
+
+    def _evaluate_if_due(self) -> dict[str, float]:
+        """Collective: the held-out loss on evaluation steps (moontrain.trainer.evaluate), else nothing."""
+        if self.evaluator is None or not self.evaluator.due(self.step):
+            return {}
+        values = self.evaluator.run()
+        self.window.t0 += values["eval/time_s"]  # tokens/s counts training time only
+        return values
 
     def close(self) -> None:
         """Release backend-owned memory (moonep's symmetric heap) and stop the data thread. The model is

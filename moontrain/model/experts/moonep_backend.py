@@ -22,9 +22,6 @@ class MoonEPRuntime:
     """The Buffer and ExpertPools of one model's moonep backends (ExpertsRuntime)."""
 
     def __init__(self, ctx: ExpertsContext) -> None:
-        if ctx.activation != "swiglu":
-            raise ValueError(f"the moonep backend runs SwiGLU experts only, model.ffn_activation is {ctx.activation!r}; "
-                             "use experts.backend=alltoall or local")
         if ctx.ep_group is None:
             raise ValueError("the moonep backend needs an initialised process group (launch with torchrun)")
         self.ctx = ctx
@@ -44,7 +41,7 @@ class MoonEPRuntime:
             self.pools = moonep.ExpertPools(self.buffer, projections=dict(weights.shapes), dtype=ctx.compute_dtype)
             self.pools.chain_prefetch = not ctx.recomputed_in_backward
             self.pools.wgrad_scale = ctx.loss_scale  # weight grads accumulate pre-scaled
-        return MoonEPExperts(self.buffer, self.pools, weights)
+        return MoonEPExperts(self.buffer, self.pools, weights, ctx.activation)
 
     def finish_backward(self) -> None:
         if self.buffer is not None:
@@ -58,15 +55,18 @@ class MoonEPRuntime:
 
 
 class MoonEPExperts:
-    def __init__(self, buffer: moonep.Buffer, pools: moonep.ExpertPools, weights: ExpertWeights) -> None:
+    def __init__(self, buffer: moonep.Buffer, pools: moonep.ExpertPools, weights: ExpertWeights,
+                 activation: str) -> None:
         self.buf, self.pools = buffer, pools
         self.layer = layer = pools.add_layer()
         weights.bind_external(layer.w_local, layer.g_local,
                               defer_zero=lambda name: pools.defer_zero_grads(layer, (name,)))
         self.weights = weights
+        self.activation = activation  # moonep.activation registers every ModelConfig.ffn_activation
 
     def forward(self, x_sH: torch.Tensor, weights_sK: torch.Tensor, topk_sK: torch.Tensor) -> torch.Tensor:
         dtype = self.pools.dtype
         y_sH = moonep.expert_glu(self.buf, self.pools, self.layer, x_sH.to(dtype).contiguous(),
-                                 weights_sK.contiguous(), topk_sK.to(torch.int32).contiguous())
+                                 weights_sK.contiguous(), topk_sK.to(torch.int32).contiguous(),
+                                 activation=self.activation)
         return y_sH.to(x_sH.dtype)

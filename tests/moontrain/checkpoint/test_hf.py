@@ -19,6 +19,7 @@ from safetensors import safe_open
 from moontrain.checkpoint import CheckpointError, export_hf, init_weights_from, read_hf
 from moontrain.config import RunConfig, from_dict, load_recipe
 from moontrain.config.loader import to_dict
+from moontrain.generate.decoder import generate
 from moontrain.model.config import ModelConfig
 from moontrain.parallel.layout import build_layout, single_process_layout
 from moontrain.trainer.trainer import Trainer
@@ -97,6 +98,8 @@ def test_export_transformers_parity_and_import_at_ep2(tmp_path: Path) -> None:
     with torch.no_grad():
         ref = trainer.model.logits(tokens)
         _close(model(tokens).logits, ref, "fp32 export vs moontrain")
+    hf_greedy = model.generate(tokens[:, :8], max_new_tokens=8, do_sample=False)
+    assert torch.equal(hf_greedy, generate(trainer.model, tokens[:, :8], max_new_tokens=8))
 
     # bf16 export: the weights rounded to bf16, read at fp32, compute the logits of moontrain's model
     # holding the same rounded weights
