@@ -1,7 +1,8 @@
 """A K3Model on one device from a moontrain checkpoint or a Hugging Face directory, for inference.
 
-All experts live on the device (the local experts backend, EP=1); the dense weights keep their fp32
-values and the experts compute in `dtype` (bf16 on GPU by default, fp32 on CPU), as in training.
+All experts live on the device (the local experts backend, EP=1; their fp32 masters are dropped after
+the compute copies are made); weights are held in `dtype` (bf16 on GPU by default, fp32 on CPU) except
+the routers', which stay fp32 as in training.
 The tokenizer: the run's (config.yaml next to the checkpoints directory, data.tokenizer), the
 directory's tokenizer.json, or moontrain's byte tokenizer.
 """
@@ -74,6 +75,11 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
             t.copy_(source.full(prefix + name))
         for moe in model.moe_layers():
             moe.experts.push_master()
+            for master in moe.experts.master.values():  # the compute copies are all inference reads
+                master.data = torch.empty(0, device=device)
+        for name, p in model.named_parameters():
+            if ".experts.master." not in name and ".router." not in name:  # routing stays fp32
+                p.data = p.data.to(dtype)
     return model.eval(), tokenizer
 
 
