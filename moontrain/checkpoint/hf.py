@@ -38,11 +38,11 @@ from moontrain.checkpoint.hf_names import hf_name, rope_rows
 from moontrain.checkpoint.safetensors_io import SafetensorsReader, write_safetensors
 from moontrain.checkpoint.store import MANIFEST, load_model_tensors, open_checkpoint
 from moontrain.checkpoint.tensors import CheckpointError, TensorSource
-from moontrain.config.loader import from_dict
+from moontrain.dataclass_dict import from_dict
 from moontrain.model.config import ModelConfig
 
 if TYPE_CHECKING:
-    from moontrain.trainer.trainer import Trainer
+    from moontrain.checkpoint.state import TrainState
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -225,28 +225,28 @@ def read_hf(model_dir: str | Path) -> tuple[ModelConfig, HFSource]:
     return cfg, HFSource(model_dir, cfg, weight_map, interleaved=raw.get("rope_interleave", True))
 
 
-def import_hf(trainer: Trainer, model_dir: str | Path) -> None:
-    """Load the weights of a Hugging Face model directory into a trainer whose model has the same
+def import_hf(run: TrainState, model_dir: str | Path) -> None:
+    """Load the weights of a Hugging Face model directory into a run whose model has the same
     architecture (any EP / DP layout; training settings such as init_std may differ)."""
     cfg, source = read_hf(model_dir)
-    diff = architecture_diff(cfg, trainer.cfg.model)
+    diff = architecture_diff(cfg, run.model_config)
     if diff:
         raise CheckpointError(f"{Path(model_dir) / CONFIG} describes another model than the recipe's model: section; "
                               "differing (imported vs recipe): " + ", ".join(diff))
-    load_model_tensors(trainer, source, prefix="")
+    load_model_tensors(run, source, prefix="")
 
 
-def init_weights_from(trainer: Trainer, path: str | Path) -> None:
+def init_weights_from(run: TrainState, path: str | Path) -> None:
     """checkpoint.init_from: the weights of a moontrain checkpoint (its manifest) or of an HF directory."""
     path = Path(path)
     if (path / MANIFEST).is_file():
         state, source = open_checkpoint(path)
-        diff = architecture_diff(from_dict(ModelConfig, state["model"], "model"), trainer.cfg.model)
+        diff = architecture_diff(from_dict(ModelConfig, state["model"], "model"), run.model_config)
         if diff:
             raise CheckpointError(f"checkpoint {path} holds another model than the recipe's model: section; "
                                   "differing (checkpoint vs recipe): " + ", ".join(diff))
-        load_model_tensors(trainer, source, prefix="model.")
+        load_model_tensors(run, source, prefix="model.")
         return
-    import_hf(trainer, path)
+    import_hf(run, path)
 
 

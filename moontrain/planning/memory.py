@@ -12,19 +12,28 @@ L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
   blocks; experts: fp32 local rows (moonep: the grad mirror's local rows, in the heap).
 - optimizer: Adam's two fp32 moments on the master.
 - symmetric heap (moonep, beyond the local weight/grad rows above): per projection B slot rows in the
-  compute dtype and B reduce-pool rows in fp32, shared by all layers.
-- receive buffers: moonep NvS x H, NvS = S*K + 2*epn*token_padding (static); alltoall S*K*H at
-  balance (dynamic: up to R times that under full skew).
+  compute dtype and B reduce-pool rows in fp32, shared by all layers (moonep.Layout.slot_pool_bytes).
+- receive buffers: moonep's comm segment as its Layout sizes it (moonep.Layout.comm_bytes: NvS receive
+  and combine rows, the landing rows and their metadata; static); alltoall S*K*H at balance (dynamic:
+  up to R times that under full skew).
 - activations: tensors saved for backward per token per layer: the compute dtype for most, fp32 for
   routing weights, the K-way combine and the logits (a rough model, ~30%). With activation
   checkpointing: each block's input, plus one block's full activations during its recompute.
+  AttnRes (model.attn_res_block_size): each aggregation keeps two fp32 values per token per value it
+  attends over (its rsqrt factors and weights), and each layer's two partial sums are kept besides the
+  norms' inputs; with checkpointing the completed blocks are block inputs already counted, and only
+  the recomputed block's aggregations add. SiTU-GLU saves what SwiGLU saves (the gate and up outputs).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+import moonep
 from moontrain.config.run_config import RunConfig
+from moontrain.model.attn_res import aggregation_sizes
 from moontrain.planning.params import ParamCounts
 
 ROWS = ("weights", "master", "grads", "optimizer", "symmetric_heap", "receive_buffers", "activations")
@@ -51,8 +60,6 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
     local = m.num_moe_layers * epn * 3 * H * F
     P = counts.dense
     gathered = counts.embedding + 2 * counts.max_block_dense(m)
-    moonep = cfg.experts.backend == "moonep"
-    nvs = S * K + 2 * epn * cfg.experts.token_padding
     dense = {
         "weights": gathered * compute_bytes,
         "master": 4 * P / world_size,
@@ -65,9 +72,16 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
         "master": 4 * local,
         "grads": 4 * local,
         "optimizer": 8 * local,
-        "symmetric_heap": epn * 3 * H * F * (compute_bytes + 4) if moonep else 0.0,
-        "receive_buffers": (nvs if moonep else S * K) * H * compute_bytes,
+        "symmetric_heap": 0.0,
+        "receive_buffers": S * K * H * compute_bytes,
     }
+    if cfg.experts.backend == "moonep":
+        dtype = torch.bfloat16 if compute_bytes == 2 else torch.float32
+        layout = moonep.Layout(moonep.BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=m.num_experts,
+                                                   token_padding=cfg.experts.token_padding, dtype=dtype), R)
+        projections = {"gate": (H, F), "up": (H, F), "down": (F, H)}
+        experts["symmetric_heap"] = layout.slot_pool_bytes(projections)
+        experts["receive_buffers"] = layout.comm_bytes
     return MemoryEstimate(dense=dense, experts=experts)
 
 
@@ -85,6 +99,9 @@ def _activation_bytes_per_token(cfg: RunConfig, c: int, checkpointed: bool) -> f
     shared = (3 * m.num_shared_experts * F + D) * c
     moe = (2 * D + latent) * c + routed + shared
     logits = cfg.model.vocab_size * (c + 8)
+    sizes = aggregation_sizes(m.num_layers, m.attn_res_block_size)
     if checkpointed:
-        return m.num_layers * D * c + attn + max(dense_ffn, moe) + logits
-    return m.num_dense_layers * (attn + dense_ffn) + m.num_moe_layers * (attn + moe) + logits
+        recomputed_res = 2 * 8 * max(sizes) + 2 * D * c if sizes else 0  # one block's aggregations
+        return m.num_layers * D * c + attn + max(dense_ffn, moe) + recomputed_res + logits
+    attn_res = 8 * sum(sizes) + 2 * m.num_layers * D * c if sizes else 0
+    return m.num_dense_layers * (attn + dense_ffn) + m.num_moe_layers * (attn + moe) + attn_res + logits

@@ -31,6 +31,11 @@ CASES = [
     ("moonep.kernels.swiglu", "_swiglu_bwd_kernel",
      {"ga_ptr": "*bf16", "h_ptr": "*bf16", "u_ptr": "*bf16", "gh_ptr": "*bf16", "gu_ptr": "*bf16",
       "a_ptr": "*bf16", "n": "i64", "BLOCK": "constexpr"}, {"BLOCK": 2048}),
+    ("moonep.kernels.situ_glu", "_situ_glu_fwd_kernel",
+     {"h_ptr": "*bf16", "u_ptr": "*bf16", "a_ptr": "*bf16", "n": "i64", "BLOCK": "constexpr"}, {"BLOCK": 2048}),
+    ("moonep.kernels.situ_glu", "_situ_glu_bwd_kernel",
+     {"ga_ptr": "*bf16", "h_ptr": "*bf16", "u_ptr": "*bf16", "gh_ptr": "*bf16", "gu_ptr": "*bf16",
+      "a_ptr": "*bf16", "n": "i64", "BLOCK": "constexpr"}, {"BLOCK": 2048}),
 ] + [
     ("moontrain.optim.write_back_kernel", "_adamw_write_back_kernel",
      {"p_ptr": "*fp32", "g_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32", "out_ptr": "*bf16", "bc_ptr": "*fp32",

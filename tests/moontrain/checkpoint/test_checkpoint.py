@@ -35,8 +35,8 @@ def _single(run_dir: Path, **kw) -> Trainer:
 
 
 # ------------------------------------------------------------------------------------------ exact resume
-def _straight_then_save(rank: int, world: int, run_dir: str) -> tuple[list[float], dict, list[float]]:
-    cfg = small_config("moonep", 2, run_dir=run_dir, data=CORPUS)
+def _straight_then_save(rank: int, world: int, run_dir: str, k3_block: bool) -> tuple[list[float], dict, list[float]]:
+    cfg = small_config("moonep", 2, run_dir=run_dir, data=CORPUS, k3_block=k3_block)
     straight = Trainer(cfg, build_layout(2, CPU))
     losses = train(straight, 6)
     state = full_state(straight)
@@ -49,8 +49,8 @@ def _straight_then_save(rank: int, world: int, run_dir: str) -> tuple[list[float
     return losses, state, first_losses
 
 
-def _resume_and_finish(rank: int, world: int, run_dir: str) -> tuple[list[float], dict, str | None]:
-    cfg = small_config("moonep", 2, run_dir=run_dir, data=CORPUS, checkpoint={"resume": "auto"})
+def _resume_and_finish(rank: int, world: int, run_dir: str, k3_block: bool) -> tuple[list[float], dict, str | None]:
+    cfg = small_config("moonep", 2, run_dir=run_dir, data=CORPUS, checkpoint={"resume": "auto"}, k3_block=k3_block)
     trainer = Trainer(cfg, build_layout(2, CPU))
     trainer.load_checkpoint(resolve_resume(cfg, trainer.checkpoint_dir))
     assert trainer.step == 3 and trainer.tokens_seen == 3 * 4 * 16
@@ -60,9 +60,11 @@ def _resume_and_finish(rank: int, world: int, run_dir: str) -> tuple[list[float]
     return losses, state, trainer.wandb_run_id
 
 
-def test_exact_resume_ep2_new_process(tmp_path: Path) -> None:
-    straight_losses, straight_state, first_losses = run_ranks(_straight_then_save, 2, str(tmp_path))[0]
-    rest_losses, state, run_id = run_ranks(_resume_and_finish, 2, str(tmp_path))[0]
+@pytest.mark.parametrize("k3_block", [False, True], ids=["standard", "situ_attnres"])
+def test_exact_resume_ep2_new_process(tmp_path: Path, k3_block: bool) -> None:
+    """With the K3 block too (SiTU-GLU experts on moonep, AttnRes queries and key norms in the state)."""
+    straight_losses, straight_state, first_losses = run_ranks(_straight_then_save, 2, str(tmp_path), k3_block)[0]
+    rest_losses, state, run_id = run_ranks(_resume_and_finish, 2, str(tmp_path), k3_block)[0]
     assert first_losses + rest_losses == straight_losses, (first_losses, rest_losses, straight_losses)
     assert_bitwise(state, straight_state, "6 steps vs 3 + resume + 3")
     assert run_id == "run-abc123"
@@ -137,7 +139,7 @@ def test_reshard_ep2_to_1_to_ep2(tmp_path: Path) -> None:
             continue
         assert torch.equal(source.rows(name, 0, value.shape[0]), value), name
     fresh = _single(tmp_path / "c")
-    import_hf(fresh, out)
+    import_hf(fresh.state, out)
     params = full_state(fresh)  # parameters and router biases (no optimizer state in an export)
     assert_bitwise(params, {k: saved[k] for k in params}, "HF export -> import")
     assert any(k.startswith("router_bias") for k in params) and not any(k.endswith("exp_avg") for k in params)

@@ -65,7 +65,7 @@ def _export_tiny(tmp_path: Path) -> tuple[Trainer, Path]:
 def _import_at_ep2(rank: int, world: int, model_dir: str, run_dir: str) -> dict:
     cfg = _run_config(_tiny_model(), "alltoall", 2, run_dir, init_from=model_dir)
     trainer = Trainer(cfg, build_layout(2, CPU))
-    init_weights_from(trainer, cfg.checkpoint.init_from)
+    init_weights_from(trainer.state, cfg.checkpoint.init_from)
     state = full_state(trainer)
     trainer.close()
     return state
@@ -132,7 +132,7 @@ def test_import_refuses_another_architecture(tmp_path: Path) -> None:
     other = {**_tiny_model(), "num_heads": 2}
     trainer = Trainer(_run_config(other, "local", 1, str(tmp_path / "b")), single_process_layout(CPU))
     with pytest.raises(CheckpointError, match=r"model.num_heads \(4 vs 2\)"):
-        init_weights_from(trainer, out)
+        init_weights_from(trainer.state, out)
     cfg, _ = read_hf(out)
     assert to_dict(cfg) == to_dict(from_dict(ModelConfig, _tiny_model(), "model"))
 
@@ -168,7 +168,7 @@ def test_deepseek_v3_import_matches_transformers(tmp_path: Path) -> None:
     assert not cfg.attn_output_gate and cfg.moe_latent_size is None
     torch.set_num_threads(1)
     trainer = Trainer(_run_config(to_dict(cfg), "local", 1, str(tmp_path / "run")), single_process_layout(CPU))
-    init_weights_from(trainer, tmp_path / "ds")
+    init_weights_from(trainer.state, tmp_path / "ds")
     tokens = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = ds(tokens).logits

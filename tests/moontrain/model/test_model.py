@@ -198,16 +198,22 @@ def test_sequence_aux_loss_formula() -> None:
     _close(aux, cfg.seq_aux_loss_coef * want, "seq aux loss")
 
 
-def test_latent_moe_matches_per_token_loop() -> None:
-    cfg = _cfg()
+def _situ_glu_reference(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "situ_glu"])
+def test_latent_moe_matches_per_token_loop(activation: str) -> None:
+    cfg = _cfg(ffn_activation=activation)
+    act = _situ_glu_reference if activation == "situ_glu" else (lambda g, u: F.silu(g) * u)
     moe = MoE(cfg, ep_rank=0, ep_size=1)
     _init(moe)
-    from moontrain.model.experts import build_experts_backend
+    from moontrain.model.experts import build_experts_runtime
 
-    moe.backend = build_experts_backend("local", ExpertsContext(
+    moe.backend = build_experts_runtime("local", ExpertsContext(
         num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep_size=1,
         compute_dtype=torch.float32, token_padding=8, max_tokens=12,
-        device=torch.device("cpu")), moe.experts)
+        device=torch.device("cpu"), activation=activation)).layer(moe.experts)
     x = torch.randn(2, 6, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
     y, _ = moe(x)
     x_sD = x.view(12, -1)
@@ -218,23 +224,40 @@ def test_latent_moe_matches_per_token_loop() -> None:
     for t in range(12):
         for k in range(cfg.num_experts_per_tok):
             e = topk[t, k]
-            routed[t] += weights[t, k] * ((F.silu(h[t] @ w["gate"][e]) * (h[t] @ w["up"][e])) @ w["down"][e])
-    want = moe.latent_up(routed) + moe.shared(x_sD)
+            routed[t] += weights[t, k] * (act(h[t] @ w["gate"][e], h[t] @ w["up"][e]) @ w["down"][e])
+    sw = moe.shared
+    want = moe.latent_up(routed) + sw.w_down(act(sw.w_gate(x_sD), sw.w_up(x_sD)))
     _close(y.view(12, -1), want, "moe output")
 
 
-def test_activation_checkpointing_same_grads_and_counts_once() -> None:
+@pytest.mark.parametrize("variant", ["standard", "situ_attnres", "kda-hybrid-documents"])
+def test_activation_checkpointing_same_grads_and_counts_once(variant: str) -> None:
+    """Recomputed blocks give bitwise the same grads; with SiTU-GLU and AttnRes (block size 2: a block
+    per layer, so every recompute reads a different tuple of completed blocks) too, and with the KDA
+    hybrid layout over packed documents."""
     from moontrain.model.transformer import K3Model
 
-    cfg = _cfg(num_dense_layers=1, num_layers=3)
+    extra = {"standard": {}, "situ_attnres": dict(ffn_activation="situ_glu", attn_res_block_size=2),
+             "kda-hybrid-documents": dict(kda_layers_per_mla=1, kda_head_dim=8, kda_kernel="torch")}[variant]
+    cfg = _cfg(num_dense_layers=1, num_layers=3, **extra)
     tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(6))
+    if variant == "kda-hybrid-documents":
+        tokens[:, 3] = 7  # an end of document
     grads, counts = [], []
     for ac in (False, True):
         model = K3Model(cfg)
         model.init_weights(seed=0)
         model.attach_experts_backends("local", ExpertsContext(
             num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep_size=1,
-            compute_dtype=torch.float32, token_padding=8, max_tokens=18, device=torch.device("cpu")))
+            compute_dtype=torch.float32, token_padding=8, max_tokens=18, device=torch.device("cpu"),
+            activation=cfg.ffn_activation))
+        if variant == "situ_attnres":  # non-zero pseudo-queries: depth weights that are not uniform
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name.endswith(".query"):
+                        p.normal_(generator=torch.Generator().manual_seed(len(name)))
+        if variant == "kda-hybrid-documents":
+            model.document_eos_id = 7
         if ac:
             model.enable_activation_checkpointing()
         loss, _ = model(tokens, tokens.roll(-1, 1))

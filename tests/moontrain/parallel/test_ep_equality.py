@@ -1,7 +1,8 @@
 """Sharded == unsharded: a 2-layer MoE model trained 3 steps on one global batch gives the same losses, grad
 norms, step-1 gradients, parameters and router biases at EP = 1 (local backend, one process, no FSDP) and at
 EP = 2, EP = 4 and dp_replicate 2 x EP 2 (expert data parallel on), FSDP on, with both the alltoall and the
-moonep backend (fp32 on CPU; moonep must use redundant experts, asserted).
+moonep backend (fp32 on CPU; moonep must use redundant experts, asserted). The K3 block (SiTU-GLU
+experts, shared expert and AttnRes with a block per layer) against its own single-process reference.
 
 Tolerance: derived from an fp32 reference against itself. The reference is run twice in one process,
 once with the global batch rows reversed: the loss is the same mean, only the fp32 summation order
@@ -29,15 +30,18 @@ STEPS = 3
 SKEW = 0.5  # initial score bias of experts 0 and 1
 
 
+K3_BLOCK = {"ffn_activation": "situ_glu", "attn_res_block_size": 2}
+
+
 def tiny_config(backend: str, ep: int, activation_checkpointing: bool = False,
                 micro_batch_size: int | None = None, reshard_after_forward: bool = True,
-                compile: bool = False) -> RunConfig:
+                compile: bool = False, k3_block: bool = False) -> RunConfig:
     return from_dict(RunConfig, {
         "model": dict(vocab_size=128, hidden_size=64, num_layers=2, num_dense_layers=0, dense_intermediate_size=128,
                       num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                       v_head_dim=16, num_experts=8, num_experts_per_tok=3, num_shared_experts=1,
                       moe_intermediate_size=64, moe_latent_size=32, routed_scaling_factor=2.0,
-                      router_bias_update_rate=0.01, seq_aux_loss_coef=0.01),
+                      router_bias_update_rate=0.01, seq_aux_loss_coef=0.01, **(K3_BLOCK if k3_block else {})),
         "experts": {"backend": backend},
         "parallel": {"ep": ep, "fsdp_reshard_after_forward": reshard_after_forward},
         "optim": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant", "grad_clip": 1.0},
@@ -102,9 +106,11 @@ def _train(trainer: Trainer) -> tuple[list[tuple[float, float]], list[float], di
     return [(s.loss, s.grad_norm) for s in stats], [s.max_maxvio for s in stats], {**_full_state(trainer), **first_grads}
 
 
-def train_reference(reverse: bool, compile: bool = False) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+def train_reference(reverse: bool, compile: bool = False, k3_block: bool = False
+                    ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     torch.set_num_threads(1)
-    trainer = Trainer(tiny_config("local", 1, compile=compile), single_process_layout(torch.device("cpu")))
+    trainer = Trainer(tiny_config("local", 1, compile=compile, k3_block=k3_block),
+                      single_process_layout(torch.device("cpu")))
     if reverse:
         _reverse_rows(trainer)
     return _train(trainer)
@@ -112,9 +118,9 @@ def train_reference(reverse: bool, compile: bool = False) -> tuple[list[float], 
 
 def train_sharded(rank: int, world: int, backend: str, ep: int, activation_checkpointing: bool = False,
                   micro_batch_size: int | None = None, reshard_after_forward: bool = True,
-                  compile: bool = False) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+                  compile: bool = False, k3_block: bool = False) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     trainer = Trainer(tiny_config(backend, ep, activation_checkpointing, micro_batch_size, reshard_after_forward,
-                                  compile), build_layout(ep, torch.device("cpu")))
+                                  compile, k3_block), build_layout(ep, torch.device("cpu")))
     fsdp_group = trainer.layout.fsdp_mesh.get_group()
     gathers = []  # FSDP's parameter all-gathers
     all_gather_single = dist.all_gather_single
@@ -146,16 +152,25 @@ def train_sharded(rank: int, world: int, backend: str, ep: int, activation_check
     return losses, maxvio, state
 
 
-@pytest.fixture(scope="module")
-def reference():
-    losses, maxvio, state = train_reference(reverse=False)
-    losses_r, _, state_r = train_reference(reverse=True)
+def _reference(k3_block: bool):
+    losses, maxvio, state = train_reference(reverse=False, k3_block=k3_block)
+    losses_r, _, state_r = train_reference(reverse=True, k3_block=k3_block)
     # per (loss, grad norm): the grad norm catches gradient-scale bugs that Adam would hide in the params
     loss_tol = [max(20 * max(abs(a[i] - b[i]) for a, b in zip(losses, losses_r, strict=True)), 1e-5 * abs(losses[0][i]))
                 for i in range(2)]
     param_tol = {k: max(20 * (state[k] - state_r[k]).abs().max().item(), 1e-5 * state[k].abs().max().item(), 1e-9)
                  for k in state}
     return losses, maxvio, state, loss_tol, param_tol
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference(k3_block=False)
+
+
+@pytest.fixture(scope="module")
+def reference_k3():
+    return _reference(k3_block=True)
 
 
 def _check(result, reference) -> None:
@@ -239,3 +254,15 @@ def test_compiled_sharded_training_matches_single_process(reference) -> None:
     """train.compile with FSDP (blocks kept gathered), EP = 2 over moonep and 4 accumulated passes:
     the eager single-process reference within its tolerance."""
     _check(run_ranks(train_sharded, 2, "moonep", 2, False, 1, False, True, timeout_s=300)[0], reference)
+
+
+@pytest.mark.parametrize(("backend", "world", "ep", "ac"), [("alltoall", 2, 2, False), ("moonep", 2, 2, False),
+                                                          ("moonep", 4, 4, False), ("moonep", 2, 2, True)],
+                         ids=["alltoall-ep2", "moonep-ep2", "moonep-ep4", "moonep-ep2-recompute"])
+def test_k3_block_training_matches_single_process(reference_k3, backend: str, world: int, ep: int, ac: bool) -> None:
+    """SiTU-GLU experts (the moonep op's activation parameter) and AttnRes: sharded == unsharded, with
+    activation checkpointing recomputing the depth aggregations too."""
+    result = run_ranks(train_sharded, world, backend, ep, ac, None, True, False, True, timeout_s=300)[0]
+    if backend == "moonep":
+        assert result[2]["slots_used"].sum() > 0, "the skewed router should make moonep use redundant experts"
+    _check(result, reference_k3)
