@@ -41,10 +41,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+CHUNK = 64  # tokens per chunk (fla's default; its kernels take 32 or 64)
+
 
 def chunk_kda_reference(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, g_BTHK: torch.Tensor,
                         beta_BTH: torch.Tensor, *, scale: float, doc_start_BT: torch.Tensor | None = None,
-                        chunk_size: int = 64) -> torch.Tensor:
+                        chunk_size: int = CHUNK) -> torch.Tensor:
     """KDA output o_BTHV (in v's dtype). q/k: L2-normalised; g: log-decay (<= 0); beta in (0, 1);
     doc_start_BT: True at the first token of each document after the first (the state resets there).
     Computes in fp32 (fp64 if v is fp64); differentiable through autograd."""
