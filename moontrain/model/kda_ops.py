@@ -117,8 +117,8 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
 
 def kda_gate(f_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor,
              lower_bound: float | None) -> torch.Tensor:
-    """Per-channel log-decay g <= 0 (fp32, or fp64 for fp64 inputs): lower_bound * sigmoid(exp(A_log) (f + dt_bias)) when bounded,
-    else -exp(A_log) * softplus(f + dt_bias)."""
+    """Per-channel log-decay g <= 0 (fp32, or fp64 for fp64 inputs): lower_bound * sigmoid(exp(A_log)
+    (f + dt_bias)) when bounded, else -exp(A_log) * softplus(f + dt_bias). dt_bias: H * K values."""
     H, K = f_BTHK.shape[-2:]
     x = at_least_fp32(f_BTHK) + at_least_fp32(dt_bias_HK).view(H, K)
     a = at_least_fp32(A_log_H).exp().view(H, 1)

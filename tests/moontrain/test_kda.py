@@ -51,7 +51,7 @@ def _layer_reference(m: KimiDeltaAttention, x: torch.Tensor, cfg: ModelConfig) -
     q = l2norm(conv(m.conv_q, m.wq(x)).view(B, T, H, K))
     k = l2norm(conv(m.conv_k, m.wk(x)).view(B, T, H, K))
     v = conv(m.conv_v, m.wv(x)).view(B, T, H, K)
-    pre = m.wf(x).view(B, T, H, K) + m.dt_bias
+    pre = m.wf(x).view(B, T, H, K) + m.dt_bias.view(H, K)
     a = m.A_log.exp()[:, None]
     bound = cfg.kda_gate_lower_bound
     g = -a * F.softplus(pre) if bound is None else bound * torch.sigmoid(a * pre)
