@@ -12,7 +12,7 @@ all_to_all_single, permute), forward and backward. Also reported: realised exper
 rank-level max/mean received rows, logical GB/s = s*K*H*2/t, bytes that crossed NVLink, peak
 memory, and the shapes moonep returned (identical across points for a fixed s).
 --placement concentrated renumbers the experts by popularity so the hot ones share home rank 0 (the
-case bench_train uses). --kernels picks the moonep data path (BufferConfig.kernels: torch, triton or auto), --num-sms the
+case bench_train uses). --kernels picks the moonep data path (BufferOptions.kernels: torch, triton or auto), --num-sms the
 grid of its persistent kernels.
 Writes benchmarks/results/bench_comm_R<R>_<tag>.json and prints a table.
 """
@@ -34,7 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from benchmarks.alltoall_baseline import AllToAllDispatcher
-from moonep import Buffer, BufferConfig, ExpertPools
+from moonep import Buffer, BufferConfig, BufferOptions, ExpertPools
 from moonep.routing import generate_routing, max_maxvio
 
 # ~1 ms of GPU sleep queued before the start event when `hide_host` is on: the host enqueues fn
@@ -147,13 +147,14 @@ def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, po
     # completes it (the receiver's local duplicate expansion follows); GPU time from a common start
     # (in dispatch the scatter follows the planner's barriers), for the NVLink rate
     enter = lambda: buf.barrier("dispatch:enter")
-    m["dispatch_scatter"] = timed(lambda: (buf._scatter(plan, x, w), buf.barrier("dispatch:rows")), it, wu, group,
+    m["dispatch_scatter"] = timed(lambda: (buf.path.scatter(plan, x, w), buf.barrier("dispatch:rows")), it, wu, group,
                                   hide_host=True, align=enter)
     # its parts, same conditions: the scatter kernel alone (its last stores may still be in flight at
     # the end event), the metadata alone (rows=False: row_src per entry, + barrier), the barrier alone
-    m["scatter_kernel"] = timed(lambda: buf._scatter(plan, x, w), it, wu, group, hide_host=True, align=enter)
-    m["scatter_meta"] = timed(lambda: (buf._scatter(plan, x, w, rows=False), buf.barrier("dispatch:rows")), it, wu,
-                              group, hide_host=True, align=enter)
+    m["scatter_kernel"] = timed(lambda: buf.path.scatter(plan, x, w), it, wu, group, hide_host=True, align=enter)
+    if buf.kernel_path == "triton":  # the metadata-only scatter is the triton path's (combine's refresh)
+        m["scatter_meta"] = timed(lambda: (buf.path.scatter(plan, x, w, rows=False), buf.barrier("dispatch:rows")),
+                                  it, wu, group, hide_host=True, align=enter)
     m["scatter_barrier"] = timed(lambda: buf.barrier("dispatch:rows"), it, wu, group, hide_host=True, align=enter)
     m["prefetch"] = timed(lambda: pools.prefetch(plan, layer), it, wu, group)
     m["combine_fwd"] = timed(lambda: buf.combine(plan, y_rows), it, wu, group)
@@ -228,13 +229,10 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="file tag (default: the --kernels value and the date)")
     p.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
-                   help="moonep data path (BufferConfig.kernels)")
+                   help="moonep data path (BufferOptions.kernels)")
     p.add_argument("--num-sms", type=int, default=None, help="grid of moonep's persistent kernels (None: all SMs)")
-    p.add_argument("--scatter-mode", type=int, default=None, choices=[0, 1, 2],
-                   help="moonep.kernels.dispatch_combine.SCATTER_MODE for this run (default: the module's)")
-    p.add_argument("--scatter-tile", type=int, default=None,
-                   help="dispatch_combine.SCATTER_TILE: elements per scatter tile, a power of two (default: the module's)")
-    p.add_argument("--scatter-warps", type=int, default=None, help="dispatch_combine.SCATTER_WARPS (default: the module's)")
+    p.add_argument("--scatter-tile", type=int, default=BufferOptions().scatter_tile,
+                   help="BufferOptions.scatter_tile: elements per scatter tile, a power of two")
     p.add_argument("--show", metavar="JSON", help="print the table of a saved result and exit (no GPU needed)")
     args = p.parse_args()
     if args.show:
@@ -245,15 +243,11 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     group = dist.group.WORLD
     rank, R = dist.get_rank(), dist.get_world_size()
-    from moonep.kernels import dispatch_combine
-
-    for name in ("scatter_mode", "scatter_tile", "scatter_warps"):  # tuning sweeps: set for this run
-        if getattr(args, name) is not None:
-            setattr(dispatch_combine, name.upper(), getattr(args, name))
     results = []
     for E in args.experts:
         cfg = BufferConfig(max_tokens=args.tokens, hidden=args.hidden, topk=args.topk, num_experts=E,
-                           check_values=False, timeout_s=60.0, kernels=args.kernels, num_sms=args.num_sms)
+                           options=BufferOptions(check_values=False, timeout_s=60.0, kernels=args.kernels,
+                                                 num_sms=args.num_sms, scatter_tile=args.scatter_tile))
         buf = Buffer(cfg, group)
         pools = ExpertPools(buf, {"gate_up": (args.hidden, 2 * args.ffn), "down": (args.ffn, args.hidden)})
         layer = pools.add_layer()
@@ -279,8 +273,7 @@ def main() -> None:
         tag = args.tag or f"{args.kernels}_{time.strftime('%Y%m%d')}"
         path = out / f"bench_comm_R{R}_{tag}.json"
         meta = {"R": R, "S": args.tokens, "placement": args.placement, "H": args.hidden, "K": args.topk, "ffn": args.ffn, "iters": args.iters,
-                "kernels": args.kernels, "num_sms": args.num_sms, "scatter_mode": args.scatter_mode,
-                "scatter_tile": args.scatter_tile, "scatter_warps": args.scatter_warps,
+                "kernels": args.kernels, "num_sms": args.num_sms, "scatter_tile": args.scatter_tile,
                 "device": torch.cuda.get_device_name(), "torch": torch.__version__}
         path.write_text(json.dumps({"config": meta, "points": results}, indent=1))
         print(f"wrote {path}")
@@ -316,7 +309,7 @@ def print_table(results: list[dict]) -> None:
         for r in results:
             m = r["moonep"]
             print(f"{r['E']:>4} {r['target_maxvio']:>6.1f} | scat {m['dispatch_scatter_us']:>5.0f} kernel "
-                  f"{m['scatter_kernel_us']:>5.0f} meta {m['scatter_meta_us']:>5.0f} barrier {m['scatter_barrier_us']:>5.0f} "
+                  f"{m['scatter_kernel_us']:>5.0f} meta {m.get('scatter_meta_us', nan):>5.0f} barrier {m['scatter_barrier_us']:>5.0f} "
                   f"| {m['nvlink_dispatch_bytes'] / 1e6:6.1f} MB")
     for E in sorted({r["E"] for r in results}):
         pts = [r for r in results if r["E"] == E]

@@ -1,10 +1,10 @@
-"""GPU time of the fused planner's kernels (moonep.kernels.plan_fused) per chunk size and warps.
+"""GPU time of the fused planner's kernels (moonep.planner.fused) per chunk size and warps.
 
     python benchmarks/bench_planner.py [--experts 384] [--tokens 8192] [--ranks 2]     (one GPU)
 
 Every rank of an R-rank problem is simulated on one GPU (as tests/moonep/planner_cases.py does: the
 chunk passes of all ranks fill one [R, R, E] histogram region, program order stands in for the
-barrier). For each (chunk, warps, prefix kernel) variant: the plans of every rank are checked bitwise against
+barrier). For each (chunk, warps) variant: the plans of every rank are checked bitwise against
 moonep.planner.make_plan on the CPU, then rank 0's kernels are captured in CUDA graphs and
 replayed: the chunk pass alone, the shared + destination pass alone, and both. Median of --iters
 replays, timed by CUDA events around each replay (GPU time; the host only launches one graph).
@@ -25,15 +25,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from moonep import BufferConfig
-from moonep.kernels import plan_fused as pf
 from moonep.layout import Layout
+from moonep.planner import fused as pf
 from moonep.planner import make_plan
 from moonep.routing import generate_routing
 from tests.moonep.planner_cases import PLAN_FIELDS, assert_same_plan
 
-# (chunk, warps, prefix kernel): the prefixes over chunks in the last chunk program, or as a launch of their own
-VARIANTS = ((1024, 4, False), (1024, 4, True), (512, 4, False), (512, 4, True), (256, 4, True), (2048, 4, False),
-            (2048, 4, True), (2048, 8, True))
+# (chunk, warps) of the chunk pass
+VARIANTS = ((1024, 4), (512, 4), (256, 4), (2048, 4), (2048, 8))
 
 
 def graph_us(fn, iters: int) -> float:
@@ -55,12 +54,12 @@ def graph_us(fn, iters: int) -> float:
 
 
 def bench_variant(layout: Layout, topk_R: list[torch.Tensor], counts_RE: torch.Tensor, chunk: int, warps: int,
-                  prefix_kernel: bool, iters: int) -> dict:
+                  iters: int) -> dict:
     R, E = layout.num_ranks, layout.config.num_experts
     dev = topk_R[0].device
     s = topk_R[0].shape[0]
     hist_all = torch.zeros(R, R, E, dtype=torch.int32, device=dev)
-    work = [pf._Workspace(layout, s, dev, chunk, warps, prefix_kernel) for _ in range(R)]
+    work = [pf._Workspace(layout, s, dev, chunk, warps) for _ in range(R)]
     plan_layout = [pf._PlanLayout(layout, r, s, None) for r in range(R)]
     flats = [pl.empty(dev) for pl in plan_layout]
     outs = [pl.views(f) for pl, f in zip(plan_layout, flats, strict=True)]
@@ -74,7 +73,7 @@ def bench_variant(layout: Layout, topk_R: list[torch.Tensor], counts_RE: torch.T
         got = plan_layout[r].plan(flats[r])
         got = type(got)(**{**vars(got), **{n: getattr(got, n).cpu() for n in PLAN_FIELDS}})
         assert_same_plan(got, make_plan(layout, r, topk_R[r].cpu(), counts_RE),
-                         f"chunk={chunk} warps={warps} prefix_kernel={prefix_kernel} rank {r}")
+                         f"chunk={chunk} warps={warps} rank {r}")
 
     def chunk_only() -> None:
         pf.chunk_pass(topk_R[0], 0, hist_all, work[0])
@@ -86,7 +85,7 @@ def bench_variant(layout: Layout, topk_R: list[torch.Tensor], counts_RE: torch.T
         chunk_only()
         plan_only()
 
-    return {"chunk": chunk, "warps": warps, "prefix_kernel": prefix_kernel, "chunk_pass_us": graph_us(chunk_only, iters),
+    return {"chunk": chunk, "warps": warps, "chunk_pass_us": graph_us(chunk_only, iters),
             "shared_dest_us": graph_us(plan_only, iters), "total_us": graph_us(both, iters)}
 
 
@@ -107,16 +106,16 @@ def main() -> None:
     topk_R = [routing.topk_RsK[r].cuda() for r in range(R)]
     counts = routing.tokens_per_expert_RE.to(torch.int32)
     rows = []
-    for chunk, warps, prefix_kernel in VARIANTS:
+    for chunk, warps in VARIANTS:
         t0 = time.time()
-        rows.append(bench_variant(layout, topk_R, counts, chunk, warps, prefix_kernel, args.iters))
-        print(f"chunk {chunk} warps {warps} prefix kernel {prefix_kernel}: bitwise equal to make_plan on {R} ranks, "
+        rows.append(bench_variant(layout, topk_R, counts, chunk, warps, args.iters))
+        print(f"chunk {chunk} warps {warps}: bitwise equal to make_plan on {R} ranks, "
               f"{rows[-1]['total_us']:.1f} us [{time.time() - t0:.0f} s]", flush=True)
     print(f"\nfused planner kernels, R={R} simulated, E={E}, s={S}, K={K}, maxvio {routing.realised_maxvio:.2f}, "
           f"{torch.cuda.get_device_name()}: GPU us per CUDA-graph replay (median of {args.iters})")
-    print(f"{'chunk':>6} {'warps':>5} {'prefix':>6} {'chunk pass':>10} {'shared+dest':>11} {'total':>7}")
+    print(f"{'chunk':>6} {'warps':>5} {'chunk pass':>10} {'shared+dest':>11} {'total':>7}")
     for r in rows:
-        print(f"{r['chunk']:>6} {r['warps']:>5} {'kernel' if r['prefix_kernel'] else 'last':>6} {r['chunk_pass_us']:>10.1f} {r['shared_dest_us']:>11.1f} "
+        print(f"{r['chunk']:>6} {r['warps']:>5} {r['chunk_pass_us']:>10.1f} {r['shared_dest_us']:>11.1f} "
               f"{r['total_us']:>7.1f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

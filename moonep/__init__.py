@@ -2,27 +2,35 @@
 
 Every EP rank receives exactly s*K token slots per call, whatever the routing, by planning a few
 redundant experts online. See SPEC.md for the contract; `Buffer` is the communication object,
-`ExpertPools` owns expert weights in symmetric memory, `expert_swiglu` is the autograd op.
+`ExpertPools` owns expert weights in symmetric memory, `expert_glu` is the autograd op (its gated
+activation a parameter: moonep.activation), `BufferOptions` how a buffer runs, `Layout` the sizes of
+its symmetric memory (usable without a process group, e.g. to size a job).
 """
 
+from moonep.activation import ACTIVATIONS
 from moonep.buffer import Buffer, DispatchResult
 from moonep.comm_stream import CommEvent
-from moonep.config import BufferConfig
+from moonep.config import BufferConfig, BufferOptions
 from moonep.errors import MoonEPTimeoutError
-from moonep.moe import expert_swiglu, swiglu_projections
+from moonep.layout import Layout, receive_rows
+from moonep.moe import expert_glu, glu_projections
 from moonep.planner import Plan, make_plan
 from moonep.pools import ExpertPools, LayerExperts
 
 __all__ = [
+    "ACTIVATIONS",
     "Buffer",
     "BufferConfig",
+    "BufferOptions",
     "CommEvent",
     "DispatchResult",
     "ExpertPools",
     "LayerExperts",
+    "Layout",
     "MoonEPTimeoutError",
     "Plan",
-    "expert_swiglu",
+    "expert_glu",
+    "glu_projections",
     "make_plan",
-    "swiglu_projections",
+    "receive_rows",
 ]

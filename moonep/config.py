@@ -1,10 +1,59 @@
-"""BufferConfig: the static problem of one moonep buffer (SPEC section 3 notation)."""
+"""moonep's two config objects: BufferConfig (the static problem of one buffer, SPEC section 3
+notation) and BufferOptions (how it runs: the settings a trainer exposes to its users as they are)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
+
+KernelsChoice = Literal["auto", "torch", "triton"]
+KERNEL_CHOICES: tuple[str, ...] = ("auto", "torch", "triton")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class BufferOptions:
+    """How a Buffer runs; none of it changes a result.
+
+    kernels: data-path implementation, chosen once when the Buffer is built: "torch" (the pure-PyTorch
+        specification, moonep.datapath.reference, any device), "triton" (moonep.datapath.triton_path:
+        the Triton kernels and the fused planner, CUDA only), "auto" (triton on CUDA, torch elsewhere).
+    check_values: data-dependent input checks (expert ids in range, histogram == bincount(topk),
+        equal s on every rank). Each costs a device-to-host sync; None means on for a CPU buffer and
+        off on CUDA (the GPU hot path).
+    timeout_s: a collective call that waits longer than this raises MoonEPTimeoutError.
+    num_sms: programs of the persistent dispatch/combine kernels; None means every SM.
+    scatter_tile: elements of x one program of the dispatch scatter moves per step (a power of two
+        >= 256; 16384 = 32 KiB in bf16 keeps every SM's NVLink stores in flight, benchmarks/bench_comm.py
+        --scatter-tile sweeps it).
+    """
+
+    kernels: KernelsChoice = "auto"
+    check_values: bool | None = None
+    timeout_s: float = 120.0
+    num_sms: int | None = None
+    scatter_tile: int = 16384
+
+    def __post_init__(self) -> None:
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"BufferOptions.kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
+        if self.check_values not in (None, True, False):
+            raise ValueError(f"BufferOptions.check_values must be None (on for CPU buffers), True or False, "
+                             f"got {self.check_values!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float) \
+                or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            raise ValueError(f"BufferOptions.timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
+        if self.num_sms is not None and (not isinstance(self.num_sms, int) or self.num_sms < 1):
+            raise ValueError(f"BufferOptions.num_sms must be None (every SM) or an int >= 1, got {self.num_sms!r}")
+        tile = self.scatter_tile
+        if not isinstance(tile, int) or tile < 256 or tile & (tile - 1):
+            raise ValueError(f"BufferOptions.scatter_tile must be a power of two >= 256, got {tile!r}")
+
+    def checks_values(self, device: torch.device) -> bool:
+        """check_values resolved for a buffer on `device`."""
+        return device.type == "cpu" if self.check_values is None else self.check_values
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -15,23 +64,11 @@ class BufferConfig:
     hidden: H, row width seen by the experts.
     topk: K experts per token.
     num_experts: E routed experts, E % R == 0.
-    num_slots: B prefetch slots per rank; None means E // R, which training requires.
+    num_slots: B prefetch slots per rank; None means E // R. ExpertPools (training) needs B >= E // R:
+        every remote expert a rank computes must have a slot.
     token_padding: every non-empty expert group on a rank is padded to a multiple of this.
     dtype: dtype of token rows and expert weights (grads are always fp32).
-    timeout_s: a collective call that waits longer than this raises MoonEPTimeoutError.
-    plan_graph: on CUDA, replay the planner from a CUDA graph captured once per shape (bitwise the
-        same plan, one host launch instead of ~400; the first call per shape captures, a host sync).
-    fused_planner: on the triton path, plan() is moonep.kernels.plan_fused (histogram exchange and
-        the whole planner in three kernels); False falls back to the PyTorch planner with the shared
-        part as one Triton kernel (moonep.kernels.planner), graph-replayed when plan_graph is on.
-    check_values: data-dependent input checks (expert ids in range, histogram == bincount(topk),
-        equal s on every rank). Each costs a device-to-host sync, so the GPU hot path turns it off.
-    kernels: data-path implementation: "torch" (the pure-PyTorch specification, any device),
-        "triton" (moonep.kernels, CUDA only), "auto" (triton on CUDA, torch on the CPU).
-    num_sms: programs of the persistent dispatch/combine kernels; None means every SM.
-    expert_kernels: on the triton path, also run prefetch_weight / reduce_grad as the kernels of
-        moonep.kernels.experts (they touch occupied slots only); bitwise equal to the PyTorch
-        path (Triton's interpreter in CI, tests/moonep/gpu/test_expert_kernels.py on 2xH200).
+    options: how the buffer runs (BufferOptions).
     """
 
     max_tokens: int
@@ -41,14 +78,7 @@ class BufferConfig:
     num_slots: int | None = None
     token_padding: int = 16
     dtype: torch.dtype = torch.bfloat16
-    timeout_s: float = 120.0
-    check_values: bool = True
-    kernels: str = "auto"
-    num_sms: int | None = None
-    expert_kernels: bool = True
-
-    plan_graph: bool = True
-    fused_planner: bool = True
+    options: BufferOptions = field(default_factory=BufferOptions)
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "hidden", "topk", "num_experts", "token_padding"):
@@ -60,9 +90,5 @@ class BufferConfig:
                              "each token needs topk distinct experts")
         if self.num_slots is not None and (not isinstance(self.num_slots, int) or self.num_slots < 1):
             raise ValueError(f"BufferConfig.num_slots must be None (= E // R) or an int >= 1, got {self.num_slots!r}")
-        if self.kernels not in ("auto", "torch", "triton"):
-            raise ValueError(f"BufferConfig.kernels must be 'auto', 'torch' or 'triton', got {self.kernels!r}")
-        if self.num_sms is not None and (not isinstance(self.num_sms, int) or self.num_sms < 1):
-            raise ValueError(f"BufferConfig.num_sms must be None (every SM) or an int >= 1, got {self.num_sms!r}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"BufferConfig.timeout_s must be > 0, got {self.timeout_s}")
+        if not isinstance(self.options, BufferOptions):
+            raise ValueError(f"BufferConfig.options must be a moonep.BufferOptions, got {type(self.options).__name__}")

@@ -21,9 +21,12 @@ Comm segment regions (rows are token rows of width H):
                                      the destinations (triton path, moonep.kernels.dispatch_combine)
     land_scalar [S*K]        fp32    row scalars of the same entries (triton path)
 
-NvS = round_up(S*K + 2*epn*(token_padding - 1), token_padding): every rank receives exactly
-cap_d <= S*K rows in at most 2*epn non-empty groups (epn local experts plus at most epn experts
-of one remote home group), each padded by at most token_padding - 1 rows.
+NvS = round_up(S*K + 2*epn*(token_padding - 1), token_padding) (`receive_rows`): every rank
+receives exactly cap_d <= S*K rows in at most 2*epn non-empty groups (epn local experts plus at
+most epn experts of one remote home group), each padded by at most token_padding - 1 rows.
+
+`Layout(config, R)` needs no process group or memory: a dry run sizes a job with it (`comm_bytes`,
+`slot_pool_bytes`).
 """
 
 from __future__ import annotations
@@ -60,11 +63,20 @@ class Region:
         return n
 
 
+def receive_rows(max_tokens: int, topk: int, num_experts: int, num_ranks: int, token_padding: int) -> int:
+    """NvS: receive rows per rank, enough for any routing of max_tokens tokens per rank."""
+    epn = num_experts // num_ranks
+    return round_up(max_tokens * topk + 2 * epn * (token_padding - 1), token_padding)
+
+
 @dataclass(frozen=True, slots=True)
 class Layout:
+    """Sizes and offsets of one Buffer's symmetric memory on each of `num_ranks` ranks; `granularity`
+    (bytes) is the heap's mapping granularity (1: unrounded sizes, for estimates)."""
+
     config: BufferConfig
     num_ranks: int
-    granularity: int
+    granularity: int = 1
     epn: int = field(init=False)
     num_slots: int = field(init=False)
     nvs: int = field(init=False)
@@ -80,8 +92,7 @@ class Layout:
             )
         epn = cfg.num_experts // R
         num_slots = epn if cfg.num_slots is None else cfg.num_slots
-        pad = cfg.token_padding
-        nvs = round_up(cfg.max_tokens * cfg.topk + 2 * epn * (pad - 1), pad)
+        nvs = receive_rows(cfg.max_tokens, cfg.topk, cfg.num_experts, R, cfg.token_padding)
         H, E = cfg.hidden, cfg.num_experts
         specs = [
             ("recv", (nvs + 2, H), cfg.dtype),
@@ -116,6 +127,19 @@ class Layout:
         """Rows a call may fill when no rank receives more than `max_cap` token slots."""
         pad = self.config.token_padding
         return round_up(max_cap + 2 * self.epn * (pad - 1), pad)
+
+    def call_rows(self, num_tokens: int, total_num_tokens: int | None) -> int:
+        """nvs_s of a call with s = num_tokens on this rank (and total_num_tokens over the ranks when
+        they differ): receive caps are s*K, or total*K split evenly (SPEC 5.1)."""
+        K = self.config.topk
+        max_cap = num_tokens * K if total_num_tokens is None else -(-total_num_tokens * K // self.num_ranks)
+        return self.nvs_rows(max_cap)
+
+    def slot_pool_bytes(self, projections: dict[str, tuple[int, int]], dtype: torch.dtype | None = None) -> int:
+        """Bytes of ExpertPools' slot pools (B slots in `dtype`, default the config's) and reduce
+        pools (B slots in fp32) over the projections, shared by every layer."""
+        itemsize = dtype_bytes(dtype or self.config.dtype) + dtype_bytes(torch.float32)
+        return sum(self.num_slots * i * o * itemsize for i, o in projections.values())
 
     def expert_block_bytes(self, shape: tuple[int, int], dtype: torch.dtype, num_rows: int) -> int:
         """Bytes of `num_rows` expert matrices of `shape`; must be a multiple of the granularity."""

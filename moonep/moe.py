@@ -1,8 +1,8 @@
-"""expert_swiglu: the routed-expert half of an MoE layer on moonep, as one autograd op.
+"""expert_glu: the routed-expert half of an MoE layer on moonep, as one autograd op.
 
 forward:  plan -> prefetch (side stream, overlapping the dispatch of token rows) -> dispatch ->
           h = x W_gate, u = x W_up (grouped over W_compact) ->
-          o = (silu(h) * u) W_down -> y_rows = o * route weight -> combine
+          o = f(h, u) W_down -> y_rows = o * route weight -> combine
 backward: re-prefetch if another layer used the slots (side stream) -> dispatch(grad_y) with the
           saved plan -> grads of rows (the last read of the slots; then the previous layer's
           copies start on the side stream, ExpertPools.previous_forward) -> weight grads (fp32
@@ -12,14 +12,18 @@ backward: re-prefetch if another layer used the slots (side stream) -> dispatch(
           attention, until the next moonep call joins it; Buffer.wait_pending before the grads
           are read)
 
+The gated activation f is a parameter of the op, by name (moonep.activation: "swiglu", ...). The
+elementwise steps (f and its backward, the route weights) run on the buffer's data path
+(moonep.datapath): the PyTorch specification or its Triton kernels.
+
 Legend: s tokens, K top-k, H hidden (buffer width), F expert FFN width, G = epn + B groups.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from moonep.activation import get_activation
 from moonep.buffer import Buffer
 from moonep.grouped_gemm import grouped_mm
 from moonep.pools import ExpertPools, LayerExperts
@@ -27,35 +31,15 @@ from moonep.pools import ExpertPools, LayerExperts
 PROJECTIONS = ("gate", "up", "down")
 
 
-def swiglu_projections(hidden: int, ffn: int) -> dict[str, tuple[int, int]]:
-    """The projection shapes `expert_swiglu` expects in ExpertPools."""
+def glu_projections(hidden: int, ffn: int) -> dict[str, tuple[int, int]]:
+    """The projection shapes `expert_glu` expects in ExpertPools."""
     return {"gate": (hidden, ffn), "up": (hidden, ffn), "down": (ffn, hidden)}
 
 
-def swiglu_backward_torch(grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For a = silu(h) * u: (grad_h, grad_u, a) from grad_a, in fp32 with one rounding to h's dtype
-    (the specification of moonep.kernels.swiglu)."""
-    hf = h.float()
-    sig = torch.sigmoid(hf)
-    ga = grad_a.float()
-    grad_h = (ga * u.float() * sig * (1 + hf * (1 - sig))).to(h.dtype)
-    grad_u = (ga * (hf * sig)).to(h.dtype)
-    return grad_h, grad_u, F.silu(h) * u
-
-
-def route_backward_torch(gy: torch.Tensor, o: torch.Tensor, w_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For y_rows = o * w (per row): (grad_o, grad_w) from gy; fp32 products, grad_o rounded once to gy's
-    dtype (the specification of moonep.kernels.route_weights.route_backward)."""
-    grad_w = (gy.float() * o).sum(-1)
-    grad_o = torch.mul(gy, w_rows[:, None], out=torch.empty_like(gy))
-    return grad_o, grad_w
-
-
-class _ExpertSwiGLU(torch.autograd.Function):
+class _ExpertGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_sH, weights_sK, topk_sK, tokens_per_expert_E, buffer: Buffer, layer: LayerExperts,
-                track: bool):
+                activation: str, track: bool):
         plan = buffer.plan(topk_sK, tokens_per_expert_E)
         ctx.prev = layer.pools.previous_forward(layer, plan, track)
         layer.pools.prefetch_async(plan, layer)  # expert copies overlap the token rows' dispatch
@@ -72,18 +56,12 @@ class _ExpertSwiGLU(torch.autograd.Function):
         u = grouped_mm(res.x_rows, w["up"], offs)
         layer.pools.wait_copy()
         y_in = buffer.combine_input(plan)
-        if buffer.kernel_path == "triton":  # triton: CUDA machines only
-            from moonep.kernels.route_weights import scale_rows
-            from moonep.kernels.swiglu import swiglu_forward
-
-            o = grouped_mm(swiglu_forward(h, u), w["down"], offs)
-            scale_rows(o, w_rows, y_in)
-        else:
-            o = grouped_mm(F.silu(h) * u, w["down"], offs)
-            torch.mul(o, w_rows[:, None], out=y_in)  # fp32 product, rounded once into the symmetric rows
+        path = buffer.path
+        o = grouped_mm(path.glu_forward(activation, h, u), w["down"], offs)
+        path.scale_rows(o, w_rows, y_in)  # fp32 product, rounded once into the symmetric rows
         y_sH, _ = buffer.combine(plan, y_in)
         ctx.save_for_backward(x_rows, w_rows, h, u, o)
-        ctx.plan, ctx.buffer, ctx.layer = plan, buffer, layer
+        ctx.plan, ctx.buffer, ctx.layer, ctx.activation = plan, buffer, layer, activation
         ctx.wgrad_scale = layer.pools.wgrad_scale  # as configured for this forward
         ctx.weights_dtype = weights_sK.dtype
         return y_sH
@@ -95,21 +73,12 @@ class _ExpertSwiGLU(torch.autograd.Function):
         offs = plan.cu_seqlens
         layer.pools.ensure_async(plan, layer)  # re-prefetch (another layer used the slots) overlaps dispatch
         gy = buffer.dispatch(grad_y_sH.contiguous(), plan=plan).x_rows
-        triton_path = buffer.kernel_path == "triton"
-        if triton_path:  # triton: CUDA machines only
-            from moonep.kernels.route_weights import route_backward
-            from moonep.kernels.swiglu import swiglu_backward
-
-            grad_o, grad_w_rows = route_backward(gy, o, w_rows)
-        else:
-            grad_o, grad_w_rows = route_backward_torch(gy, o, w_rows)
+        path = buffer.path
+        grad_o, grad_w_rows = path.route_backward(gy, o, w_rows)
         layer.pools.wait_prefetch()
         w = layer.w_compact
         grad_a = grouped_mm(grad_o, w["down"].transpose(1, 2), offs)
-        if triton_path:
-            grad_h, grad_u, a = swiglu_backward(grad_a, h, u)
-        else:
-            grad_h, grad_u, a = swiglu_backward_torch(grad_a, h, u)
+        grad_h, grad_u, a = path.glu_backward(ctx.activation, grad_a, h, u)
         # bf16 + bf16 adds in fp32 and rounds once (torch's opmath): the fp32 sum's bits, no fp32 temporary
         grad_x_rows = grouped_mm(grad_h, w["gate"].transpose(1, 2), offs)
         grad_x_rows.add_(grouped_mm(grad_u, w["up"].transpose(1, 2), offs))
@@ -123,13 +92,15 @@ class _ExpertSwiGLU(torch.autograd.Function):
         pools.accumulate_wgrad(layer, "up", x_rows, grad_u, offs, ctx.wgrad_scale)
         grad_x_sH, grad_weights_sK = buffer.combine(plan, grad_x_rows, row_scalars=grad_w_rows)
         buffer.reduce_grad_async(plan, layer)
-        return grad_x_sH, grad_weights_sK.to(ctx.weights_dtype), None, None, None, None, None
+        return grad_x_sH, grad_weights_sK.to(ctx.weights_dtype), None, None, None, None, None, None
 
 
-def expert_swiglu(buffer: Buffer, pools: ExpertPools, layer: LayerExperts, x_sH: torch.Tensor,
-                  weights_sK: torch.Tensor, topk_sK: torch.Tensor,
-                  tokens_per_expert_E: torch.Tensor | None = None) -> torch.Tensor:
-    """Routed SwiGLU experts of one MoE layer: y[t] = sum_k w[t,k] * expert_{topk[t,k]}(x[t]).
+def expert_glu(buffer: Buffer, pools: ExpertPools, layer: LayerExperts, x_sH: torch.Tensor,
+               weights_sK: torch.Tensor, topk_sK: torch.Tensor, tokens_per_expert_E: torch.Tensor | None = None,
+               *, activation: str = "swiglu") -> torch.Tensor:
+    """Routed gated-FFN experts of one MoE layer: y[t] = sum_k w[t,k] * expert_{topk[t,k]}(x[t]) with
+    expert_e(x) = f(x W_gate[e], x W_up[e]) W_down[e] and f the registered `activation`
+    (moonep.activation).
 
     Differentiable in x_sH and weights_sK; expert weight grads accumulate (fp32) into
     `layer.g_local` after reduce_grad, which backward leaves queued on the buffer's communication
@@ -139,7 +110,8 @@ def expert_swiglu(buffer: Buffer, pools: ExpertPools, layer: LayerExperts, x_sH:
         raise ValueError("layer does not belong to these pools/buffer; pass the objects it was created from")
     missing = [p for p in PROJECTIONS if p not in pools.projections]
     if missing:
-        raise ValueError(f"expert_swiglu needs projections {PROJECTIONS}, pools lack {missing}; build them with "
-                         "moonep.moe.swiglu_projections(H, F)")
+        raise ValueError(f"expert_glu needs projections {PROJECTIONS}, pools lack {missing}; build them with "
+                         "moonep.glu_projections(H, F)")
+    get_activation(activation)
     track = torch.is_grad_enabled() and (x_sH.requires_grad or weights_sK.requires_grad)
-    return _ExpertSwiGLU.apply(x_sH, weights_sK, topk_sK, tokens_per_expert_E, buffer, layer, track)
+    return _ExpertGLU.apply(x_sH, weights_sK, topk_sK, tokens_per_expert_E, buffer, layer, activation, track)

@@ -12,6 +12,10 @@ Views per layer (same physical memory, SPEC section 4):
     g_full / g_compact     the same in fp32 with the reduce pool behind rows [E, E+B) / [epn, epn+B)
 Per pool: w_slots_all / g_slots_all [R, B, in, out], every rank's slots.
 
+The copies and folds themselves are the Buffer's data path (moonep.datapath: the PyTorch
+specification or the Triton kernels); on CUDA, prefetch_async and copy_async run them on a side
+stream. Every remote expert a rank computes needs a slot: B >= epn (BufferConfig.num_slots None).
+
 The slots hold one layer's copies at a time. `ensure(plan, layer)` re-prefetches when another
 layer (or another plan) used them since; all ranks run the same call sequence, so they agree. In
 backward a layer refills them for the layer before it (`previous_forward`) once its own last read
@@ -25,11 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from moonep.buffer import Buffer
-from moonep.grouped_gemm import accumulate_wgrad, grouped_mm_wgrad
 from moonep.heap import Piece, view
-from moonep.planner import Plan
-
-_TEMP_BYTES = 1 << 30
+from moonep.planner.plan import Plan
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,6 +56,12 @@ class ExpertPools:
         for name, shape in projections.items():
             if len(shape) != 2 or any((not isinstance(n, int)) or n < 1 for n in shape):
                 raise ValueError(f"projection {name!r} has shape {shape}; expected (in_features, out_features)")
+        layout = buffer.layout
+        if layout.num_slots < layout.epn:
+            raise ValueError(
+                f"ExpertPools needs one prefetch slot per local expert: the buffer has num_slots="
+                f"{layout.num_slots} < E // R = {layout.epn}, so tokens of a remote expert without a slot would "
+                "meet no weights; build the BufferConfig with num_slots=None (= E // R)")
         self.buffer = buffer
         self.heap = buffer.heap
         self.projections = dict(projections)
@@ -64,7 +71,7 @@ class ExpertPools:
         # (e.g. 1 / world size) in here instead of scaling the fp32 grads in a pass of their own
         self.wgrad_scale = 1.0
         self._owner: tuple[int, Plan] | None = None  # (layer index, plan) whose copies the slots hold
-        self._side: torch.cuda.Stream | None = None  # prefetch_async's stream (kernel path)
+        self._side: torch.cuda.Stream | None = None  # prefetch_async's / copy_async's stream (CUDA)
         self._prefetched: torch.cuda.Event | None = None  # completion of the last prefetch_async
         self._copied: torch.cuda.Event | None = None  # completion of the last copy_async
         self._zero_pending: set[tuple[int, str]] = set()  # (layer index, projection): see defer_zero_grads
@@ -73,12 +80,8 @@ class ExpertPools:
         # forwards are recomputed in backward (activation checkpointing): the recompute plans again,
         # so the early copy (made with the first forward's plan) would be copied once more
         self.chain_prefetch = True
-        self._kx = None  # moonep.kernels.experts on the triton path (imports triton: CUDA only)
-        if buffer.kernel_path == "triton" and buffer.config.expert_kernels:
-            from moonep.kernels import experts
-
-            self._kx = experts
-        layout, heap, R, rank = buffer.layout, buffer.heap, buffer.num_ranks, buffer.rank
+        self._path = buffer.path
+        heap, R = buffer.heap, buffer.num_ranks
         B = layout.num_slots
         self.w_slots_all: dict[str, torch.Tensor] = {}
         self.g_slots_all: dict[str, torch.Tensor] = {}
@@ -94,7 +97,6 @@ class ExpertPools:
             g_map = heap.map([Piece(g_seg, r, 0, g_bytes) for r in range(R)])
             self.w_slots_all[name] = view(w_map, 0, (R, B, *shape), self.dtype)
             self.g_slots_all[name] = view(g_map, 0, (R, B, *shape), torch.float32)
-        del rank
 
     def add_layer(self) -> LayerExperts:
         """Collective: allocate one MoE layer's expert weights and grad mirror (zero-initialised)."""
@@ -136,27 +138,17 @@ class ExpertPools:
     def prefetch(self, plan: Plan, layer: LayerExperts) -> None:
         """Pull each planned remote expert's rows from its owner into this rank's slots (local
         stream order; the owners' rows were published by the barriers of the dispatch before)."""
-        E, B = plan.num_experts, plan.num_slots
-        if self._kx is not None:
-            for name in self.projections:
-                self._kx.prefetch(layer.w_full[name], plan.slot_expert_RB, plan.rank, E)
-            self._owner = (layer.index, plan)
-            return
-        slot_e = plan.slot_expert_RB[plan.rank].long()
-        src = torch.where(slot_e >= 0, slot_e, E + torch.arange(B, device=slot_e.device))
         for name in self.projections:
-            w_full = layer.w_full[name]
-            for j0, j1 in self._chunks(name, w_full.dtype):
-                w_full[E + j0 : E + j1].copy_(w_full.index_select(0, src[j0:j1]))
+            self._path.prefetch(plan, layer.w_full[name])
         self._owner = (layer.index, plan)
 
     def prefetch_async(self, plan: Plan, layer: LayerExperts) -> None:
         """prefetch on a side stream, so the copies overlap whatever the caller queues next (the
         token dispatch); `wait_prefetch()` orders them before the slots are read. The side stream
         first waits for the current stream: earlier readers of the slots (the previous layer's
-        GEMMs) are done and the owners' rows are the ones published by the last barrier. Without the
-        kernel path on a GPU this is prefetch()."""
-        if self._kx is None or self.buffer.device.type != "cuda":
+        GEMMs) are done and the owners' rows are the ones published by the last barrier. On the CPU
+        this is prefetch()."""
+        if self.buffer.device.type != "cuda":
             self.prefetch(plan, layer)
             return
         side = self._side_after_current(self.buffer.device)
@@ -166,11 +158,11 @@ class ExpertPools:
         self._prefetched.record(side)
 
     def copy_async(self, src: torch.Tensor) -> torch.Tensor:
-        """A copy of src, made on the side stream on the kernel path (a plain clone elsewhere), so it
+        """A copy of src, made on the side stream on CUDA (a plain clone on the CPU), so it
         overlaps the current stream's next kernels; `wait_copy()` orders it before the current stream's
         later work (call it before src's memory may be written again). The copy is allocated on the
         current stream, which uses it afterwards."""
-        if self._kx is None or not src.is_cuda:
+        if not src.is_cuda:
             return src.clone()
         dst = torch.empty_like(src)
         side = self._side_after_current(src.device)
@@ -201,7 +193,7 @@ class ExpertPools:
     def previous_forward(self, layer: LayerExperts, plan: Plan, track: bool) -> tuple[LayerExperts, Plan] | None:
         """The (layer, plan) of the expert forward that ran just before this one in the same pass
         (an earlier layer: its backward runs right after this layer's), or None; then remembers
-        this one if `track` (autograd will run its backward). expert_swiglu's backward prefetches
+        this one if `track` (autograd will run its backward). expert_glu's backward prefetches
         that layer's copies as soon as its own last read of the slots is queued, so the copies
         travel during its weight-gradient GEMMs; the next backward's `ensure_async` then finds
         them in place. A wrong guess (e.g. recomputed forwards) only costs the early copy: ensure
@@ -221,36 +213,20 @@ class ExpertPools:
         if self._owner is None or self._owner[0] != layer.index or self._owner[1] is not plan:
             self.prefetch(plan, layer)
 
-    def _chunks(self, name: str, dtype: torch.dtype) -> list[tuple[int, int]]:
-        """Slot ranges whose temporaries stay under _TEMP_BYTES (prefetch and reduce_grad gather
-        whole slots; at K3 sizes all B slots at once would need tens of GB)."""
-        i, o = self.projections[name]
-        per_slot = i * o * torch.empty((), dtype=dtype).element_size()
-        step = max(1, _TEMP_BYTES // per_slot)
-        B = self.buffer.num_slots
-        return [(j, min(j + step, B)) for j in range(0, B, step)]
-
     def accumulate_wgrad(self, layer: LayerExperts, name: str, x_rows: torch.Tensor, grad_rows: torch.Tensor,
                          offs: torch.Tensor, scale: float = 1.0) -> None:
         """layer.g_compact[name] (fp32, [epn + B, I, O]) += scale * x^T grad per W_compact group
-        (expert_swiglu passes the wgrad_scale its forward saw); on the kernel path groups without
-        rows (unused slots) are skipped. Local rows declared zero by defer_zero_grads are zeroed
-        first (the kernel path writes them instead of adding)."""
-        g_compact = layer.g_compact[name]
+        (expert_glu passes the wgrad_scale its forward saw). Local rows declared zero by
+        defer_zero_grads get the product instead of adding to it."""
         stale = self._claim_stale(layer, name)
-        if self._kx is not None:
-            self._kx.accumulate_groups(g_compact, grouped_mm_wgrad(x_rows, grad_rows, offs), offs, scale,
-                                       write_groups=self.buffer.layout.epn if stale else 0)
-        else:
-            if stale:
-                layer.g_local[name].zero_()
-            accumulate_wgrad(g_compact, x_rows, grad_rows, offs, scale)
+        self._path.accumulate_wgrad(layer.g_compact[name], x_rows, grad_rows, offs, scale,
+                                    self.buffer.layout.epn if stale else 0)
 
     def defer_zero_grads(self, layer: LayerExperts, names: tuple[str, ...] | None = None) -> None:
         """Declare layer.g_local[name] zero without writing it: the layer's next accumulate_wgrad
         overwrites it instead of adding (saves a zeroing pass and the first pass's read of the fp32
         grads). Until then its memory holds stale values: call settle_grads() before reading the grads
-        (expert_swiglu's backward of every layer normally makes it a no-op)."""
+        (expert_glu's backward of every layer normally makes it a no-op)."""
         for name in names if names is not None else tuple(self.projections):
             if name not in self.projections:
                 raise ValueError(f"defer_zero_grads: unknown projection {name!r}; the pools have "
@@ -280,32 +256,12 @@ class ExpertPools:
         barrier "reduce_grad:ready" -> owners read peers' reduce pools -> barrier
         "reduce_grad:read" -> each rank zeroes its own reduce pool."""
         buf = self.buffer
-        rank = buf.rank
         for name in self.projections:  # the owners add into g_local: it must hold values, not a declaration
             if self._claim_stale(layer, name):
                 layer.g_local[name].zero_()
         buf.barrier("reduce_grad:ready")
         for name in self.projections:
-            if self._kx is not None:
-                self._kx.reduce_into_owner(layer.g_local[name], self.g_slots_all[name], plan.slot_expert_RB, rank)
-            else:
-                self._reduce_torch(plan, layer.g_local[name], self.g_slots_all[name], name)
+            self._path.reduce_into_owner(plan, layer.g_local[name], self.g_slots_all[name])
         buf.barrier("reduce_grad:read")
         for name in self.projections:
-            if self._kx is not None:
-                self._kx.zero_slots(self.g_slots_all[name], plan.slot_expert_RB, rank)
-            else:
-                self.g_slots_all[name][rank].zero_()
-
-    def _reduce_torch(self, plan: Plan, g_local: torch.Tensor, g_all: torch.Tensor, name: str) -> None:
-        """Sync-free, so every slot of every peer is read; non-owned slots add 0."""
-        rank, R, epn = self.buffer.rank, self.buffer.num_ranks, self.buffer.epn
-        slot_e = plan.slot_expert_RB.long()  # [R, B]
-        owned = (slot_e >= 0) & (slot_e // epn == rank)
-        local_idx = torch.where(owned, slot_e - rank * epn, 0)
-        for d in range(R):
-            if d == rank:
-                continue  # a rank never holds copies of its own experts
-            for j0, j1 in self._chunks(name, torch.float32):
-                contrib = torch.where(owned[d, j0:j1, None, None], g_all[d, j0:j1], 0.0)
-                g_local.index_add_(0, local_idx[d, j0:j1], contrib)
+            self._path.zero_slots(plan, self.g_slots_all[name])

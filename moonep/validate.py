@@ -55,6 +55,19 @@ def check_routing_values(layout: Layout, topk_sK: torch.Tensor, tokens_per_exper
                          f"{int(expected[e])} tokens to expert {e}; pass the histogram of topk_sK (or None)")
 
 
+def check_counts(layout: Layout, counts_RE: torch.Tensor) -> None:
+    """Data-dependent (host sync): every rank's histogram is non-negative, sums to a multiple of K
+    (s tokens times K) and to at most S * K."""
+    K, S = layout.config.topk, layout.config.max_tokens
+    if bool((counts_RE < 0).any()):
+        r, e = torch.nonzero(counts_RE < 0)[0].tolist()
+        raise ValueError(f"counts_RE[{r}, {e}]={int(counts_RE[r, e])} is negative; a histogram counts tokens")
+    for r, total in enumerate(counts_RE.long().sum(1).tolist()):
+        if total % K or total > S * K:
+            raise ValueError(f"rank {r}'s histogram sums to {total}, not s*K for a whole number of tokens "
+                             f"1 <= s <= S={S} (K={K}); pass the bincount of every rank's topk_sK")
+
+
 def check_gathered_counts(layout: Layout, counts_RE: torch.Tensor, s: int, total_num_tokens: int | None) -> None:
     """After the histogram exchange every rank sees every s; the same error is raised on all ranks."""
     K = layout.config.topk

@@ -1,7 +1,7 @@
-"""Triton kernels of the dispatch and combine data path (issue 4), bitwise equal to the PyTorch path
-of `moonep.buffer` (the specification).
+"""Triton kernels of the dispatch and combine data path, bitwise equal to the PyTorch path
+(moonep.datapath.reference, the specification).
 
-Every kernel addresses the comm segment through the all-ranks views of `Buffer._all` ([R, ...]
+Every kernel addresses the comm segment through the all-ranks views of the Buffer ([R, ...]
 strided views over one contiguous virtual range): one base pointer plus rank * rank_stride reaches
 any peer's region, so a store to a peer is a plain `st.global` that travels over NVLink.
 
@@ -45,55 +45,46 @@ Memory ordering: peer stores are weak `st.global`; the following device barrier 
 `fence.sc.sys` then `st.release.sys`, and the peer's `ld.acquire.sys` + stream order make every
 store visible to kernels queued after the barrier on the peer. Local kernels need only stream order.
 
-Rejected: a pull combine with plain loads (latency-bound, see above); reducing a token's duplicate
-rows on the destination before sending (fewer NVLink bytes but another fp32 add order, so not
-bitwise equal to the specification); copy-engine copies per row (one launch or one descriptor per
-row, tens of thousands per call); folding the receiver's padding marks into the scatter (they need
-each row's group, cheap to find only on the receiver, and the scatter has no barrier before it).
-
-Also rejected, measured: writing a token's duplicates on the sender's own rank inside the scatter
-(so the receiver expands only remote duplicates; predicted 0.85 -> 0.55 ms) gave a saved-plan
-dispatch of 818/913/893/935/927 us over the points below, no better than the kept version (the
-extra local stores share the CTAs and store queues with the NVLink stores). num_sms=32 instead of
-all 132 SMs: dispatch 1131 us, combine 1997 us at maxvio 1 (vs 893 / 1671), so the default is every SM.
-
 Measured (2xH200 linked by NV18, torch 2.11, triton 3.6, 2026-11-29; benchmarks/bench_comm.py
---experts 96 --iters 5 --warmup 2 --kernels triton: R=2, S=8192, H=7168, K=8, E=96; median of 5,
-max over ranks; benchmarks/results/bench_comm_R2_triton.json), in us, realised maxvio
-0.00 / 0.22 / 0.98 / 9.99 / 10.84:
+--experts 96 --kernels triton: R=2, S=8192, H=7168, K=8, E=96; median of 5, max over ranks), in us,
+realised maxvio 0.00 / 0.22 / 0.98 / 9.99 / 10.84:
     dispatch, saved plan (scatter + expand + 2 barriers)  688 /  980 /  841 /  845 /  862
     NCCL all-to-all dispatch (count exchange + a2a)      3727 / 3856 / 3860 / 4015 / 4092
     combine fwd (push + reduce + 2 barriers)             1638 / 1729 / 1698 / 1539 / 1563
     NCCL all-to-all combine                              6639 / 6654 / 6604 / 6932 / 6957
     combine with row scalars (dispatch bwd)              1769 / 1741 / 1715 / 1560 / 1579
-    dispatch with planning (PyTorch planner ~14-22 ms)  19117 / 20554 / 21734 / 22606 / 14451
-A second run of the same combine gave 1815 / 1678 / 1671 / 1630 / 1621 (spread ~10 %). The
-dispatch moves 117 MB per rank over NVLink (59 MB at maxvio 0), 120-140 GB/s averaged over the
-whole call against ~370-390 GB/s peer bandwidth: the expansion (about 6 of every 8 rows are local
-duplicates, ~0.7 GB read + written per rank, ~0.35 ms of HBM time) runs after the barrier and
-does not overlap the NVLink stores.
-
+(spread between runs ~10 %). The dispatch moves 117 MB per rank over NVLink (59 MB at maxvio 0),
+120-140 GB/s averaged over the whole call against ~370-390 GB/s peer bandwidth: the expansion
+(about 6 of every 8 rows are local duplicates, ~0.7 GB read + written per rank, ~0.35 ms of HBM
+time) runs after the barrier and does not overlap the NVLink stores.
 The scatter phase alone (scatter kernel + the "dispatch:rows" barrier that completes it, GPU time
-from a GPU-aligned start; bench_comm's `scat` column, bench_comm_R2_session5_20261130.json, E = 96
-and 384): 117 MB per rank at 337-339 GB/s for maxvio >= 0.2, 88.6-89.6 % of the copy engine's
-~378 GB/s measured the same way in the same run; at maxvio 0 only 59 MB cross (round-robin routing:
-each token's experts all on one rank) in 186-187 us, 314-316 GB/s (83.1 / 83.5 %). Session 5 steps,
-each measured at maxvio 0: static contiguous runs per program 76.4-76.7 % (the aligned timing alone
-changed nothing); blocks claimed from a counter 79.7-79.9 %; (row_copy, row_src) as one 8-byte record
-83.1-83.5 % (two NVLink stores per entry instead of three: 7-8 us less of the phase's ~35 us fixed
-cost). A 32768-element tile gave the same as 16384.
-Session 4 changes behind the earlier numbers: a contiguous run of token blocks per program (with
-pid + i * programs and 132 programs, round-robin routing gave half the programs only local rows: the
-phase at maxvio 0 took 214-243 us), and the store modes measured by benchmarks/bench_scatter.py
-(SCATTER_MODE). Tried and reverted: storing only remote rows in the scatter and this rank's own rows
-in the expand (bench_comm_R2_session4_remote_only_scatter_20261129.json: dispatch 100-250 us slower,
-the maxvio-0 phase no faster).
+from a GPU-aligned start; bench_comm's `scat` column, 2026-11-30, E = 96 and 384): 117 MB per rank
+at 337-339 GB/s for maxvio >= 0.2, 88.6-89.6 % of the copy engine's ~378 GB/s measured the same
+way in the same run; at maxvio 0 only 59 MB cross (round-robin routing: each token's experts all
+on one rank) in 186-187 us, 314-316 GB/s (83.1 / 83.5 %). A 32768-element tile gives the same as
+16384.
+
+Rejected: a pull combine with plain loads (latency-bound, see above); reducing a token's duplicate
+rows on the destination before sending (fewer NVLink bytes but another fp32 add order, so not
+bitwise equal to the specification); copy-engine copies per row (one launch or one descriptor per
+row, tens of thousands per call); folding the receiver's padding marks into the scatter (they need
+each row's group, cheap to find only on the receiver, and the scatter has no barrier before it).
+Also rejected, measured on 2xH200 or one H200: writing a token's duplicates on the sender's own
+rank inside the scatter (no faster: the extra local stores share the CTAs and store queues with
+the NVLink stores); num_sms=32 instead of every SM (dispatch 1131 vs 893 us, combine 1997 vs 1671
+us at maxvio 1); storing only remote rows in the scatter and the own rows in the expand (dispatch
+100-250 us slower); static runs of token blocks per program instead of claimed blocks (76 % instead
+of 83 % of the copy engine's bandwidth at maxvio 0); row_copy and row_src as two stores per entry
+instead of one 8-byte record (7-8 us slower); a tile's metadata loaded once with each k's column
+selected from it, or one [tokens, K, columns] store per tile, instead of each entry's metadata
+loaded next to its store (one H200, H = 2048 / 7168: 798-869 / 334-343 and 137-159 / 307-340 us
+against 93-120 / 196-208 us per launch).
 
 Kernels that store to peers (scatter, push) end every thread with `fence.sc.sys`: the barrier that
 follows runs in another kernel, and its own fence orders only its own thread's stores; without a
 fence in the storing threads, NVLink writes spread over many links could in principle land after
-the barrier's signal (a rare rank-0-only bitwise failure, a stale route weight on a padding row,
-was seen twice on 2xH200 before this fence; cause not proven).
+the barrier's signal (without it, a rare stale route weight on a padding row was observed on
+2xH200; the cause is not proven).
 """
 
 from __future__ import annotations
@@ -111,15 +102,6 @@ _TILE = 16384
 _MAX_BLOCK_H = 8192
 _NUM_WARPS = 16
 _REDUCE_BLOCK_T, _REDUCE_BLOCK_H, _REDUCE_WARPS = 4, 1024, 4
-# how the scatter stores a tile to its K destinations: 0 loads each entry's metadata next to its
-# store, 1 takes column k of the metadata tiles loaded once, 2 stores [tokens, K, columns] at once.
-# benchmarks/bench_scatter.py on one H200 (no NVLink; bench_scatter_20261130.json), us per launch
-# at H = 2048 / 7168: mode 0 93-120 / 196-208, mode 1 798-869 / 334-343, mode 2 137-159 / 307-340
-SCATTER_MODE = 0
-# the scatter's tile (elements) and warps; at H = 7168 a tile of 16384 is 2 tokens per iteration of a
-# program, whose metadata-load latency (mode 0) the iteration's bytes must cover (bench_comm
-# --scatter-tile / --scatter-warps sweep them with NVLink in the path)
-SCATTER_TILE, SCATTER_WARPS = _TILE, _NUM_WARPS
 
 
 def _tile(H: int, tile: int = _TILE) -> tuple[int, int]:
@@ -133,15 +115,13 @@ def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_
                     recv_ptr, row_weight_ptr, row_link_ptr, row_link64_ptr,
                     s, H, x_stride, recv_rank_stride, recv_row_stride, meta_rank_stride, link_rank_stride, src_base,
                     work_ptr, num_programs, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                    HAS_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, SUB_H: tl.constexpr,
-                    FENCE: tl.constexpr):
+                    HAS_W: tl.constexpr, ROWS: tl.constexpr, FENCE: tl.constexpr):
     kk = tl.arange(0, BLOCK_K)
     hh0 = tl.arange(0, BLOCK_H)
     # persistent, blocks claimed one at a time from a counter (work[0]), in token order: whatever the
     # routing, every program stays busy until the last blocks, and the kernel ends at most about one
-    # block after the mean. Static runs of blocks left programs uneven: round-robin routing alternates
-    # 24 tokens to each rank at E = 384, so contiguous runs of 62 tokens held 24 to 38 remote ones
-    # (the phase waits for the busiest program), and pid + i * P gave some programs only remote rows.
+    # block after the mean (static runs of blocks leave programs uneven: round-robin routing
+    # alternates runs of tokens to each rank, and the phase waits for the busiest program).
     # The last program out (work[1] counts them) puts both counters back to 0 for the next launch.
     num_blocks = tl.cdiv(s, BLOCK_T)
     tb = tl.atomic_add(work_ptr, 1)
@@ -166,39 +146,17 @@ def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_
             if HAS_W:
                 w = tl.load(w_ptr + entry, mask=e_ok, other=0.0).to(tl.float32)
                 tl.store(row_weight_ptr + meta, w, mask=e_ok)
-            if MODE == 0:  # per k: the entry's metadata loaded next to its store
-                for h0 in range(0, H, BLOCK_H):
-                    hh = h0 + hh0
-                    m = t_ok[:, None] & (hh < H)[None, :]
-                    tile = tl.load(x_ptr + t[:, None] * x_stride + hh[None, :], mask=m)
-                    for k in tl.static_range(K):
-                        sent = tl.load(sent_ptr + t * K + k, mask=t_ok, other=0) != 0
-                        r = tl.load(dst_rank_ptr + t * K + k, mask=t_ok, other=0).to(tl.int64)
-                        row = tl.load(dst_row_ptr + t * K + k, mask=t_ok, other=0).to(tl.int64)
-                        dst = r * recv_rank_stride + row * recv_row_stride
-                        tl.store(recv_ptr + dst[:, None] + hh[None, :], tile, mask=m & sent[:, None])
-            else:
-                # every entry's destination offset from the [BLOCK_T, BLOCK_K] tiles loaded above: no
-                # global load between the row stores (a load after a store is not hoisted over it)
-                sent_k = tl.load(sent_ptr + entry, mask=e_ok, other=0) != 0
-                dst_k = d_rank * recv_rank_stride + d_row * recv_row_stride
-                if MODE == 1:  # column k of the tiles, one store per k
-                    for h0 in range(0, H, BLOCK_H):
-                        hh = h0 + hh0
-                        m = t_ok[:, None] & (hh < H)[None, :]
-                        tile = tl.load(x_ptr + t[:, None] * x_stride + hh[None, :], mask=m)
-                        for k in tl.static_range(K):
-                            dst = tl.sum(tl.where(kk[None, :] == k, dst_k, 0), axis=1)  # exactly one term
-                            sent = tl.sum(tl.where((kk[None, :] == k) & sent_k, 1, 0), axis=1) != 0
-                            tl.store(recv_ptr + dst[:, None] + hh[None, :], tile, mask=m & sent[:, None])
-                else:  # MODE 2: one [BLOCK_T, BLOCK_K, SUB_H] store per chunk of SUB_H columns
-                    ss = tl.arange(0, SUB_H)
-                    for h0 in range(0, H, SUB_H):
-                        hs = h0 + ss
-                        m = t_ok[:, None] & (hs < H)[None, :]
-                        tile = tl.load(x_ptr + t[:, None] * x_stride + hs[None, :], mask=m)
-                        tl.store(recv_ptr + dst_k[:, :, None] + hs[None, None, :], tile[:, None, :],
-                                 mask=sent_k[:, :, None] & m[:, None, :])
+            # per k, the entry's metadata loaded next to its store
+            for h0 in range(0, H, BLOCK_H):
+                hh = h0 + hh0
+                m = t_ok[:, None] & (hh < H)[None, :]
+                tile = tl.load(x_ptr + t[:, None] * x_stride + hh[None, :], mask=m)
+                for k in tl.static_range(K):
+                    sent = tl.load(sent_ptr + t * K + k, mask=t_ok, other=0) != 0
+                    r = tl.load(dst_rank_ptr + t * K + k, mask=t_ok, other=0).to(tl.int64)
+                    row = tl.load(dst_row_ptr + t * K + k, mask=t_ok, other=0).to(tl.int64)
+                    dst = r * recv_rank_stride + row * recv_row_stride
+                    tl.store(recv_ptr + dst[:, None] + hh[None, :], tile, mask=m & sent[:, None])
         tb = tl.atomic_add(work_ptr, 1)
     if FENCE:
         _fence_sys(kk)  # this thread's peer stores performed at system scope before the program ends
@@ -297,12 +255,6 @@ def _fences(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def num_sms(device: torch.device, cap: int | None) -> int:
-    """Programs of the persistent kernels: `cap` (BufferConfig.num_sms) or every SM."""
-    count = torch.cuda.get_device_properties(device).multi_processor_count
-    return count if cap is None else cap
-
-
 def scatter_work(device: torch.device) -> torch.Tensor:
     """The scatter's block counter and exit counter, zero; each launch leaves them zero."""
     return torch.zeros(2, dtype=torch.int32, device=device)
@@ -311,10 +263,11 @@ def scatter_work(device: torch.device) -> torch.Tensor:
 def scatter(x_sH: torch.Tensor, weights_sK: torch.Tensor | None, dst_rank_sK: torch.Tensor,
             dst_row_sK: torch.Tensor, copy_row_sK: torch.Tensor, sent_sK: torch.Tensor,
             recv_all: torch.Tensor, row_weight_all: torch.Tensor, row_link_all: torch.Tensor,
-            src_base: int, grid: int, work: torch.Tensor, *, rows: bool = True, mode: int | None = None) -> None:
+            src_base: int, grid: int, work: torch.Tensor, *, tile: int = _TILE, rows: bool = True) -> None:
     """Sender side of dispatch: entry metadata to every destination row (row_link_all [R, rows, 2]:
     (row_copy, row_src) records), token rows once per destination rank (rows=False: row_src only,
-    for combine's refresh). `work`: int32 [2], zero before the launch and zero again after it (the
+    for combine's refresh). `tile`: elements of x per program step (BufferOptions.scatter_tile);
+    `grid`: programs at most (BufferOptions.num_sms). `work`: int32 [2], zero before the launch and zero again after it (the
     block counter; see scatter_work); launches that share it must be ordered (one stream): two
     overlapping launches would split each other's blocks, and nothing detects it (a Buffer orders its
     calls on one stream at a time, moonep.comm_stream)."""
@@ -323,7 +276,7 @@ def scatter(x_sH: torch.Tensor, weights_sK: torch.Tensor | None, dst_rank_sK: to
     assert row_link_all.shape[-1] == 2 and row_link_all.stride(-1) == 1 and row_link_all.stride(1) == 2
     link64 = row_link_all.view(torch.int64)  # [R, rows, 1]: one 8-byte record per row
     w = weights_sK if weights_sK is not None else row_weight_all  # never read when HAS_W is off
-    block_t, block_h = _tile(H, SCATTER_TILE)
+    block_t, block_h = _tile(H, tile)
     num_blocks = triton.cdiv(s, block_t)
     programs = max(1, min(grid, num_blocks))
     _scatter_kernel[(programs,)](
@@ -331,8 +284,7 @@ def scatter(x_sH: torch.Tensor, weights_sK: torch.Tensor | None, dst_rank_sK: to
         recv_all, row_weight_all, row_link_all, link64,
         s, H, x_sH.stride(0), recv_all.stride(0), recv_all.stride(1), row_weight_all.stride(0), link64.stride(0),
         src_base, work, programs, K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=block_t, BLOCK_H=block_h,
-        HAS_W=weights_sK is not None, ROWS=rows, MODE=SCATTER_MODE if mode is None else mode,
-        SUB_H=max(16, block_h // triton.next_power_of_2(K)), FENCE=_fences(x_sH), num_warps=SCATTER_WARPS)
+        HAS_W=weights_sK is not None, ROWS=rows, FENCE=_fences(x_sH), num_warps=_NUM_WARPS)
 
 
 def expand(recv: torch.Tensor, row_weight: torch.Tensor, row_link: torch.Tensor,

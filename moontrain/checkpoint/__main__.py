@@ -1,18 +1,17 @@
-"""`python -m moontrain.checkpoint export CHECKPOINT_DIR OUT_DIR`: write a Hugging-Face-style model directory."""
+"""`python -m moontrain.checkpoint export CHECKPOINT_DIR OUT_DIR [...]`: the same as `moontrain export`."""
 
 from __future__ import annotations
 
 import sys
 
-from moontrain.checkpoint.hf import export_hf
+from moontrain.cli import export_command
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 3 or argv[0] != "export":
-        print("usage: python -m moontrain.checkpoint export CHECKPOINT_DIR OUT_DIR", file=sys.stderr)
+    if not argv or argv[0] != "export":
+        print("usage: python -m moontrain.checkpoint export CHECKPOINT_DIR OUT_DIR [--dtype ...]", file=sys.stderr)
         return 2
-    print(export_hf(argv[1], argv[2]))
-    return 0
+    return export_command(argv[1:])
 
 
 if __name__ == "__main__":

@@ -11,14 +11,21 @@ class CheckpointConfig:
     every: int = 0  # save every this many steps (0: only the final save)
     save_final: bool = True  # save after the last step
     keep_last: int = 3  # older complete checkpoints are deleted after a successful save
-    # "none": start fresh; "auto": the latest valid checkpoint in `dir` (fresh when there is none);
+    # "auto": the latest valid checkpoint in `dir` (fresh when there is none): relaunching continues the run;
+    # "none": start over (the earlier checkpoints and metrics are moved aside, see checkpoint/resume.py);
     # anything else: the path of one checkpoint directory
-    resume: str = "none"
+    resume: str = "auto"
+    # a new run's initial weights: a Hugging Face model directory (an export, or a DeepSeek-V3 / Kimi K2
+    # checkpoint of the same architecture) or a moontrain checkpoint (its weights only); a resumed run
+    # takes its weights from the checkpoint it resumes instead
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         if self.every < 0:
             raise ValueError(f"checkpoint.every must be >= 0 (0: only the final save), got {self.every}")
         if self.keep_last < 1:
             raise ValueError(f"checkpoint.keep_last must be >= 1, got {self.keep_last}")
+        if self.init_from is not None and not self.init_from:
+            raise ValueError("checkpoint.init_from must be a model directory or null, got ''")
         if not self.resume:
             raise ValueError("checkpoint.resume must be 'none', 'auto' or a checkpoint directory, got ''")

@@ -1,81 +1,252 @@
-"""Export to and import from a Hugging-Face-style model directory (weights only).
+"""Export to and import from a Hugging Face model directory (weights only).
 
-    <dir>/config.json          the model config (moontrain's ModelConfig fields) plus model_type,
-                               architectures, torch_dtype and the step it was exported from
-    <dir>/model.safetensors    every parameter and persistent buffer at its canonical (full) shape under
-                               its state-dict name: expert projections as [E, in, out] (the E canonical
-                               experts, never slot copies), router score biases as [E]
+    <dir>/config.json                       see hf_config.py (DeepSeek-V3 / Kimi K2 names + moontrain's)
+    <dir>/model-0000i-of-0000n.safetensors  shards of at most `shard_bytes` (one tensor may exceed it)
+    <dir>/model.safetensors.index.json      {"metadata": {"total_size"}, "weight_map": {name: shard}}
+    <dir>/configuration_moontrain.py, modeling_moontrain.py   the modeling code (trust_remote_code)
+    <dir>/tokenizer.json ...                 the run's tokenizer files, when it had some
 
-Values are copied bit for bit (fp32 masters, no casting), so export then import is the identity.
-Optimizer state, RNG and data position are not part of it: an imported model starts a new run.
+Names and layouts: hf_names.py. Weights are cast to `dtype` (bf16 by default; float32 keeps every bit),
+except the router weight and score-correction bias, which stay fp32 (routing runs in fp32).
 
-    python -m moontrain.checkpoint export runs/k3_tiny/checkpoints/step_00000060 exported/k3_tiny
+Export streams: the shard plan and every file header come from the checkpoint's manifest (shapes only);
+tensors are then read one at a time (expert projections one expert at a time, with pread, not mmap:
+safetensors_io.py) and written straight to their shard, so the peak host memory is about one tensor
+(read + cast copy) whatever the model or shard size.
 
-    python -m moontrain.checkpoint.hf runs/k3_tiny/checkpoints/step_00000060 exported/k3_tiny
+Import (`checkpoint.init_from=<dir>`) reads, on every rank, only the canonical rows that rank owns under
+its own EP / DP layout, from any directory with these names: an export, or a DeepSeek-V3 / Kimi K2
+checkpoint (hf_config.py lists what its config may hold). Optimizer state, RNG and data position are
+not part of it: an imported model starts a new run.
+
+    moontrain export runs/k3_tiny/checkpoints/step_00000060 exported/k3_tiny [--dtype float32]
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from safetensors.torch import save_file
+import torch
+import yaml
 
-from moontrain.checkpoint.store import load_model_tensors, open_checkpoint
-from moontrain.checkpoint.tensors import CheckpointError, Piece, TensorSource
-from moontrain.config.loader import from_dict
+from moontrain.checkpoint.hf_config import architecture_diff, hf_config, model_config
+from moontrain.checkpoint.hf_names import hf_name, rope_rows
+from moontrain.checkpoint.safetensors_io import SafetensorsReader, write_safetensors
+from moontrain.checkpoint.store import MANIFEST, load_model_tensors, open_checkpoint
+from moontrain.checkpoint.tensors import CheckpointError, TensorSource
+from moontrain.dataclass_dict import from_dict
 from moontrain.model.config import ModelConfig
 
 if TYPE_CHECKING:
-    from moontrain.trainer.trainer import Trainer
+    from moontrain.checkpoint.state import TrainState
 
 CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
-MODEL_TYPE = "moontrain_k3"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+MODELING_FILES = ("configuration_moontrain.py", "modeling_moontrain.py")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+FP32_ALWAYS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Write the model weights of a checkpoint (any layout) as one full-shape safetensors file."""
+# ---------------------------------------------------------------------------------------------- export
+def export_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16",
+              shard_bytes: int = 5 * 2**30, tokenizer: str | Path | None = None) -> Path:
+    """Write the model of a checkpoint (any layout) as a Hugging Face model directory; returns it.
+    `tokenizer`: a tokenizer.json or a directory of tokenizer files (default: the run's data.tokenizer)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"export dtype {dtype!r} is not one of {sorted(DTYPES)}")
     state, source = open_checkpoint(checkpoint)
+    cfg = from_dict(ModelConfig, state["model"], "model")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {name[len("model."):]: source.full(name).contiguous() for name in source.names()
-               if name.startswith("model.")}
-    save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": "pt"})
-    config = {"architectures": ["K3ForCausalLM"], "model_type": MODEL_TYPE, "torch_dtype": "float32",
-              "moontrain_step": state["step"], **state["model"]}
+    plan = list(_export_plan(cfg, source, DTYPES[dtype]))
+    shards = _assign_shards(plan, shard_bytes)
+    n = max(shards) + 1 if shards else 1
+    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map, total = {}, 0
+    for shard, file in enumerate(names):
+        entries = [entry for entry, i in zip(plan, shards, strict=True) if i == shard]
+        total += write_safetensors(out_dir / file, entries)
+        weight_map.update(dict.fromkeys((entry[0] for entry in entries), file))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+    extra: dict[str, Any] = {"moontrain_step": state["step"]}
+    tokenizer_dir = _copy_tokenizer(Path(checkpoint), out_dir, tokenizer)
+    if tokenizer_dir is None:
+        extra["moontrain_tokenizer"] = "bytes"
+    config = hf_config(cfg, dtype=dtype, max_position_embeddings=_max_positions(Path(checkpoint), cfg), extra=extra)
     (out_dir / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    modeling = Path(__file__).resolve().parents[1] / "hf"
+    for file in MODELING_FILES:
+        shutil.copyfile(modeling / file, out_dir / file)
     return out_dir
 
 
-def read_hf(model_dir: str | Path) -> tuple[ModelConfig, TensorSource]:
-    """The model config and the weights of an exported directory (read on demand)."""
+def _export_plan(cfg: ModelConfig, source: TensorSource, dtype: torch.dtype
+                 ) -> Iterator[tuple[str, tuple[int, ...], torch.dtype, Callable[[], torch.Tensor]]]:
+    """(HF name, shape, dtype, reader) of every exported tensor, in checkpoint order; nothing is read yet."""
+    for key in source.names():
+        if not key.startswith("model."):
+            continue
+        name = hf_name(key[len("model."):])
+        shape = tuple(source.shape(key))
+        out_dtype = torch.float32 if name.name.endswith(FP32_ALWAYS) else dtype
+        if name.kind == "experts":
+            for j in range(shape[0]):
+                yield (name.expert(j), (shape[2], shape[1]), out_dtype,
+                       lambda key=key, j=j, d=out_dtype: source.rows(key, j, 1)[0].t().to(d).contiguous())
+            continue
+        order = rope_rows(name.kind, cfg, shape[0], to_hf=True) if shape else None
+
+        def read(key: str = key, order: torch.Tensor | None = order, out_dtype: torch.dtype = out_dtype) -> torch.Tensor:
+            t = source.full(key)
+            return (t if order is None else t[order]).to(out_dtype).contiguous()
+
+        yield name.name, shape, out_dtype, read
+
+
+def _assign_shards(plan: list, shard_bytes: int) -> list[int]:
+    shards, shard, used = [], 0, 0
+    for _, shape, dtype, _ in plan:
+        size = torch.Size(shape).numel() * dtype.itemsize
+        if used and used + size > shard_bytes:
+            shard, used = shard + 1, 0
+        shards.append(shard)
+        used += size
+    return shards
+
+
+def _run_config(checkpoint: Path) -> dict[str, Any] | None:
+    """The resolved config.yaml of the run a checkpoint belongs to (<run_dir>/checkpoints/step_N), if there."""
+    path = checkpoint.resolve().parent.parent / "config.yaml"
+    return yaml.safe_load(path.read_text()) if path.is_file() else None
+
+
+def _max_positions(checkpoint: Path, cfg: ModelConfig) -> int:
+    if cfg.rope_yarn is not None:
+        return int(cfg.rope_yarn.original_max_position * cfg.rope_yarn.factor)
+    run = _run_config(checkpoint)
+    return int(run["train"]["seq_len"]) if run else 4096
+
+
+def _copy_tokenizer(checkpoint: Path, out_dir: Path, tokenizer: str | Path | None) -> Path | None:
+    if tokenizer is None:
+        run = _run_config(checkpoint)
+        tokenizer = (run or {}).get("data", {}).get("tokenizer", "bytes")
+        if tokenizer == "bytes":
+            return None
+    path = Path(tokenizer)
+    files = [path] if path.is_file() else [path / f for f in TOKENIZER_FILES if (path / f).is_file()]
+    if not files:
+        raise ValueError(f"tokenizer {str(path)!r} is neither a tokenizer file nor a directory holding one of "
+                         f"{list(TOKENIZER_FILES)}")
+    for f in files:
+        shutil.copyfile(f, out_dir / f.name)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- import
+class HFSource:
+    """Canonical moontrain rows read from an HF model directory (the TensorSource interface that
+    load_model_tensors uses): experts stacked and transposed back, rope rows de-interleaved."""
+
+    def __init__(self, root: Path, cfg: ModelConfig, weight_map: dict[str, str], interleaved: bool) -> None:
+        self.root, self.cfg, self.weight_map, self.interleaved = root, cfg, weight_map, interleaved
+        self._open: dict[str, Any] = {}
+
+    def _reader(self, hf: str) -> SafetensorsReader:
+        if hf not in self.weight_map:
+            raise CheckpointError(f"{self.root}: no tensor {hf!r} in the model directory; it does not match the model")
+        file = self.weight_map[hf]
+        if file not in self._open:
+            try:
+                self._open[file] = SafetensorsReader(self.root / file)
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                raise CheckpointError(f"model file {self.root / file} is not a readable safetensors file: {err}") from err
+        return self._open[file]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        name = hf_name(key)
+        if name.kind == "experts":
+            out_dim, in_dim = self._reader(name.expert(0)).shape(name.expert(0))
+            return (self.cfg.num_experts, in_dim, out_dim)
+        return self._reader(name.name).shape(name.name)
+
+    def full(self, key: str) -> torch.Tensor:
+        shape = self.shape(key)
+        return self.rows(key, 0, shape[0] if shape else 0)
+
+    def rows(self, key: str, offset: int, rows: int) -> torch.Tensor:
+        name = hf_name(key)
+        if name.kind == "experts":
+            if rows == 0:
+                return torch.empty(0, *self.shape(key)[1:])
+            return torch.stack([self._reader(name.expert(j)).tensor(name.expert(j)).t()
+                                for j in range(offset, offset + rows)])
+        shape = self.shape(key)
+        reader = self._reader(name.name)
+        order = rope_rows(name.kind, self.cfg, shape[0], to_hf=False) if shape and self.interleaved else None
+        if order is None:
+            return reader.rows(name.name, offset, offset + rows) if shape else reader.tensor(name.name)
+        return reader.tensor(name.name)[order[offset:offset + rows]]
+
+
+def read_hf(model_dir: str | Path) -> tuple[ModelConfig, HFSource]:
+    """The model config and the weights (read on demand) of a Hugging Face model directory."""
     model_dir = Path(model_dir)
-    config_path, weights_path = model_dir / CONFIG, model_dir / WEIGHTS
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise CheckpointError(f"model file {path} is missing")
+    config_path = model_dir / CONFIG
+    if not config_path.is_file():
+        raise CheckpointError(f"model file {config_path} is missing")
     try:
         raw = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"model file {config_path} is corrupt: {err}") from err
-    if raw.get("model_type") != MODEL_TYPE:
-        raise CheckpointError(f"{config_path}: model_type {raw.get('model_type')!r} is not {MODEL_TYPE!r}")
-    fields = set(ModelConfig.__dataclass_fields__)
-    cfg = from_dict(ModelConfig, {k: v for k, v in raw.items() if k in fields}, "model")
-    probe = TensorSource(model_dir, {})
-    handle = probe._handle(WEIGHTS)
-    index = {}
-    for name in handle.keys():
-        shape = tuple(handle.get_slice(name).get_shape())
-        index[name] = (shape, [Piece(WEIGHTS, 0, shape[0] if shape else 0)])
-    return cfg, TensorSource(model_dir, index)
+    cfg = model_config(raw, str(config_path))
+    if (model_dir / INDEX).is_file():
+        weight_map = json.loads((model_dir / INDEX).read_text())["weight_map"]
+    elif (model_dir / SINGLE).is_file():
+        try:
+            reader = SafetensorsReader(model_dir / SINGLE)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"model file {model_dir / SINGLE} is not a readable safetensors file: {err}") from err
+        weight_map = dict.fromkeys(reader.keys(), SINGLE)
+        reader.close()
+    else:
+        raise CheckpointError(f"{model_dir} holds neither {INDEX} nor {SINGLE}")
+    for file in sorted(set(weight_map.values())):
+        if not (model_dir / file).is_file():
+            raise CheckpointError(f"model file {model_dir / file} is missing (named in {INDEX})")
+    return cfg, HFSource(model_dir, cfg, weight_map, interleaved=raw.get("rope_interleave", True))
 
 
-def import_hf(trainer: Trainer, model_dir: str | Path) -> None:
-    """Load exported weights into a trainer of the same model config (any EP / DP layout)."""
+def import_hf(run: TrainState, model_dir: str | Path) -> None:
+    """Load the weights of a Hugging Face model directory into a run whose model has the same
+    architecture (any EP / DP layout; training settings such as init_std may differ)."""
     cfg, source = read_hf(model_dir)
-    if cfg != trainer.cfg.model:
-        raise CheckpointError(f"{Path(model_dir) / CONFIG} describes another model than the recipe's model: section")
-    load_model_tensors(trainer, source, prefix="")
+    diff = architecture_diff(cfg, run.model_config)
+    if diff:
+        raise CheckpointError(f"{Path(model_dir) / CONFIG} describes another model than the recipe's model: section; "
+                              "differing (imported vs recipe): " + ", ".join(diff))
+    load_model_tensors(run, source, prefix="")
+
+
+def init_weights_from(run: TrainState, path: str | Path) -> None:
+    """checkpoint.init_from: the weights of a moontrain checkpoint (its manifest) or of an HF directory."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        state, source = open_checkpoint(path)
+        diff = architecture_diff(from_dict(ModelConfig, state["model"], "model"), run.model_config)
+        if diff:
+            raise CheckpointError(f"checkpoint {path} holds another model than the recipe's model: section; "
+                                  "differing (checkpoint vs recipe): " + ", ".join(diff))
+        load_model_tensors(run, source, prefix="model.")
+        return
+    import_hf(run, path)
+
+

@@ -8,6 +8,9 @@ elementwise ones, norms and KDA's A_log / dt_bias, counted alike) + the sequence
   two triangular solves (V * L and K * L), P U (V * L), and the state's read, correction and update
   (3 * 2 * K * V); backward twice that: 3 * (L * (3K + 2V) + 6 K V). Linear in seq_len: at K = 128 a KDA
   head costs 0.42 MFLOP per token against 3.9 MFLOP for an MLA head (192/128) at seq_len 4096.
++ AttnRes (model.attn_res_block_size): per aggregation over N values, 2DN for the scores and 2DN for
+  the weighted sum, x3 for forward and backward (the RMS factors and the softmax are not counted, as
+  norms are not). SiTU-GLU and SwiGLU count the same (elementwise, not matmul).
 MFU = achieved model FLOP/s per GPU / the GPU's dense bf16 peak (H100/H200 SXM: 989 TFLOP/s).
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from moontrain.model.attn_res import aggregation_sizes
 from moontrain.model.config import ModelConfig
 from moontrain.model.kda_ops import CHUNK as KDA_CHUNK
 from moontrain.planning.params import count_params
@@ -35,10 +39,12 @@ def kda_mixing_flops_per_token(cfg: ModelConfig) -> float:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     counts = count_params(cfg)
-    matmul_params = counts.active - cfg.vocab_size * cfg.hidden_size  # the embedding is a lookup
+    # the embedding is a lookup; AttnRes parameters are counted below, per aggregation
+    matmul_params = counts.active - cfg.vocab_size * cfg.hidden_size - counts.attn_res
     mixing = (cfg.num_mla_layers * mla_mixing_flops_per_token(cfg, seq_len)
               + cfg.num_kda_layers * kda_mixing_flops_per_token(cfg))
-    return 6 * matmul_params + mixing
+    attn_res = 12 * cfg.hidden_size * sum(aggregation_sizes(cfg.num_layers, cfg.attn_res_block_size))
+    return 6 * matmul_params + mixing + attn_res
 
 
 def peak_flops(device: torch.device) -> float | None:

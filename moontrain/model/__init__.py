@@ -1,1 +1,1 @@
-"""The K3-like decoder: MLA attention, dense SwiGLU first layer(s), latent MoE layers, LM head."""
+"""The K3-like decoder: MLA attention, dense gated-FFN first layer(s), latent MoE layers, LM head."""

@@ -11,11 +11,11 @@ K3 stack these layers are the gated NoPE MLA between the KDA layers (moontrain.m
 SDPA gets q/k and v at their own head dims (cuDNN and memory-efficient attention accept Dv != Dn + Dr);
 with model.attn_pad_head_dims they are zero-padded to one head dim (flash attention wants equal dims;
 zero padding changes neither scores nor values) and the padding is sliced off the output.
+While `max_logit_N` is a tensor (QK-Clip on: moontrain.optim.qk_clip owns it), each forward folds the
+exact per-head maximum logit of its q and k into it (a separate no-grad pass; SDPA does not return it).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,8 @@ from torch import nn
 from moontrain.model.config import ModelConfig
 from moontrain.model.documents import DocumentMask, causal_attention
 from moontrain.model.norm import RMSNorm
-from moontrain.model.rope import apply_rope
+from moontrain.model.rope import apply_rope, softmax_scale
+from moontrain.optim.qk_clip import causal_max_logit
 
 
 class MLAttention(nn.Module):
@@ -36,15 +37,16 @@ class MLAttention(nn.Module):
             self.wq = nn.Linear(D, N * cfg.qk_head_dim, bias=False, device=device)
         else:
             self.wq_a = nn.Linear(D, cfg.q_lora_rank, bias=False, device=device)
-            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, device=device)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.mla_eps, device=device)
             self.wq_b = nn.Linear(cfg.q_lora_rank, N * cfg.qk_head_dim, bias=False, device=device)
         self.wkv_a = nn.Linear(D, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False, device=device)
-        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps, device=device)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.mla_eps, device=device)
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, N * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False,
                                device=device)
         if cfg.attn_output_gate:
             self.wg = nn.Linear(D, N * cfg.v_head_dim, bias=False, device=device)
         self.wo = nn.Linear(N * cfg.v_head_dim, D, bias=False, device=device)
+        self.max_logit_N: torch.Tensor | None = None  # QK-Clip's running max logit per head, or None
 
     def forward(self, x_BTD: torch.Tensor, cos_TDr: torch.Tensor, sin_TDr: torch.Tensor,
                 docs: DocumentMask | None = None) -> torch.Tensor:
@@ -68,11 +70,15 @@ class MLAttention(nn.Module):
             k_rope_BNTDr = apply_rope(k_rope_BNTDr, cos_TDr, sin_TDr)
         k_BNTd = torch.cat([k_nope_BNTDn, k_rope_BNTDr.expand(B, N, T, Dr)], dim=-1)
         v_BNTd = v_BNTDv
+        if self.max_logit_N is not None:
+            self.max_logit_N = torch.maximum(self.max_logit_N,
+                                             causal_max_logit(q_BNTd, k_BNTd, softmax_scale(cfg),
+                                                              None if docs is None else docs.id_BT))
         if cfg.attn_pad_head_dims and Dn + Dr != Dv:
             d = max(Dn + Dr, Dv)
             q_BNTd, k_BNTd = F.pad(q_BNTd, (0, d - Dn - Dr)), F.pad(k_BNTd, (0, d - Dn - Dr))
             v_BNTd = F.pad(v_BNTDv, (0, d - Dv))
-        o_BNTd = causal_attention(q_BNTd, k_BNTd, v_BNTd, scale=1.0 / math.sqrt(Dn + Dr), docs=docs)
+        o_BNTd = causal_attention(q_BNTd, k_BNTd, v_BNTd, scale=softmax_scale(cfg), docs=docs)
         o_BTNDv = o_BNTd[..., :Dv].transpose(1, 2).reshape(B, T, N * Dv)
         if cfg.attn_output_gate:
             o_BTNDv = o_BTNDv * torch.sigmoid(self.wg(x_BTD))

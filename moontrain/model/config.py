@@ -2,8 +2,36 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Literal
+
+from moonep import BufferOptions
+
+FFNActivation = Literal["swiglu", "situ_glu"]
+
+
+@dataclass(kw_only=True, slots=True)
+class YarnConfig:
+    """YaRN context extension of the rope dims (the `yarn` rope scaling of DeepSeek-V3 / Kimi K2).
+
+    Frequencies between the beta_fast and beta_slow rotation counts (over original_max_position) blend
+    from extrapolated to interpolated by `factor`. With m(x) = 0.1 x ln(factor) + 1: cos/sin are scaled
+    by m(mscale) / m(mscale_all_dim) (m(1) when either is 0), and a nonzero mscale_all_dim multiplies the
+    softmax scale by m(mscale_all_dim)^2."""
+
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.factor < 1:
+            raise ValueError(f"model.rope_yarn.factor must be >= 1, got {self.factor}")
+        if self.original_max_position < 1:
+            raise ValueError(f"model.rope_yarn.original_max_position must be >= 1, got {self.original_max_position}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -11,8 +39,14 @@ class ModelConfig:
     vocab_size: int
     hidden_size: int
     num_layers: int
-    num_dense_layers: int = 1  # the first layers use a dense SwiGLU FFN instead of MoE
+    num_dense_layers: int = 1  # the first layers use a dense gated FFN instead of MoE
     dense_intermediate_size: int
+    # gated activation of every FFN (dense, shared and routed experts): silu(g) * u, or K3's SiTU-GLU
+    # 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25) (moonep.situ_glu)
+    ffn_activation: FFNActivation = "swiglu"
+    # Block Attention Residuals (arXiv 2603.15031): sub-layers per block (attention and FFN count one
+    # each, so a block is attn_res_block_size / 2 transformer layers; K3: 12). 0: standard residuals
+    attn_res_block_size: int = 0
     norm_eps: float = 1e-6
     init_std: float = 0.02
     # MLA attention
@@ -25,6 +59,8 @@ class ModelConfig:
     use_nope: bool = False  # True: no positional rotation at all (the rope dims stay, unrotated)
     attn_output_gate: bool = True  # sigmoid(x W_g) * attention output, per head and channel
     rope_theta: float = 50000.0
+    rope_yarn: YarnConfig | None = None  # None: plain rope
+    mla_norm_eps: float | None = None  # eps of the q and kv latent norms (None: norm_eps; DeepSeek-V3/K2: 1e-6)
     # hybrid layout: n Kimi Delta Attention (KDA) layers, then one MLA layer, repeated; the last layer is
     # always MLA (global attention at the top). 0: every layer MLA. K3: 3 (93 layers = 69 KDA + 24 MLA)
     kda_layers_per_mla: int = 0
@@ -50,17 +86,15 @@ class ModelConfig:
     moe_intermediate_size: int
     moe_latent_size: int | None = None  # routed experts run at this width between down and up projections
     routed_scaling_factor: float = 1.0
+    # group-limited routing (DeepSeek-V3): experts form num_expert_groups equal groups, each scored by the
+    # sum of its two best selection scores; a token picks its top-k among the topk_expert_groups best groups
+    num_expert_groups: int = 1
+    topk_expert_groups: int = 1
     router_bias_update_rate: float = 1e-3  # aux-loss-free balancing step on the score-correction bias
     seq_aux_loss_coef: float = 0.0  # sequence-wise balance loss (DeepSeek-V3); 0 disables it
     # benchmarks: sigma of a fixed log-normal expert popularity whose log is added to the selection scores
     # (same on every rank and layer), to force a routing skew; 0 leaves routing untouched
     router_skew: float = 0.0
-    # execution (no effect on the math): on CUDA, run the shared experts on a side stream so they
-    # overlap the routed experts' communication (forward and, through autograd, backward). Off by
-    # default: on 2xH200 (k3_small_moe, 2026-11-29) the side stream's GEMMs held up moonep's device
-    # barriers (30 ms of barrier waits per step) and FSDP's all-gathers, the step got no faster and
-    # the peak memory came to depend on the routing (frees delayed by the cross-stream use)
-    overlap_shared_experts: bool = False
     # execution: on CUDA the router's logits GEMM (fp32) and its backward run on TF32 tensor cores. The
     # forward's operands are bf16 values (the compute-dtype activations and FSDP's bf16 weight copy),
     # exact in TF32, so the logits are the fp32 GEMM's up to summation order; the backward rounds the
@@ -82,8 +116,21 @@ class ModelConfig:
             raise ValueError(
                 f"model.num_dense_layers={self.num_dense_layers} must be in [0, num_layers={self.num_layers}]"
             )
+        if self.ffn_activation not in ("swiglu", "situ_glu"):
+            raise ValueError(f"model.ffn_activation must be 'swiglu' or 'situ_glu', got {self.ffn_activation!r}")
+        if self.attn_res_block_size < 0 or self.attn_res_block_size % 2:
+            raise ValueError(
+                f"model.attn_res_block_size must be an even number of sub-layers >= 2 (K3: 12), or 0 for standard "
+                f"residuals; got {self.attn_res_block_size}"
+            )
         if self.router_skew < 0:
             raise ValueError(f"model.router_skew must be >= 0 (0: no skew), got {self.router_skew}")
+        for name in ("norm_eps", "init_std", "rope_theta"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"model.{name} must be a finite number > 0, got {getattr(self, name)}")
+        for name in ("router_bias_update_rate", "seq_aux_loss_coef", "routed_scaling_factor"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"model.{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.qk_rope_head_dim < 0 or self.qk_rope_head_dim % 2:
             raise ValueError(f"model.qk_rope_head_dim must be even and >= 0, got {self.qk_rope_head_dim}")
         if self.kda_layers_per_mla < 0:
@@ -104,6 +151,13 @@ class ModelConfig:
             raise ValueError(
                 f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}"
             )
+        groups, top_groups = self.num_expert_groups, self.topk_expert_groups
+        if groups > 1 and (self.num_experts % groups or self.num_experts // groups < 2):
+            raise ValueError(f"model.num_expert_groups={groups} must divide num_experts={self.num_experts} into "
+                             "groups of at least 2 experts; use 1 to turn group-limited routing off")
+        if not 1 <= top_groups <= groups or top_groups * (self.num_experts // groups) < self.num_experts_per_tok:
+            raise ValueError(f"model.topk_expert_groups={top_groups} must be in [1, num_expert_groups={groups}] and "
+                             f"its groups must hold num_experts_per_tok={self.num_experts_per_tok} experts")
         elems = self.expert_width * self.moe_intermediate_size
         if elems % 2048:
             raise ValueError(
@@ -143,6 +197,10 @@ class ModelConfig:
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    @property
+    def mla_eps(self) -> float:
+        return self.norm_eps if self.mla_norm_eps is None else self.mla_norm_eps
+
 
 ExpertsBackendName = Literal["local", "alltoall", "moonep"]
 
@@ -153,12 +211,8 @@ class ExpertsConfig:
 
     backend: ExpertsBackendName = "alltoall"
     token_padding: int = 16  # each expert's row group is padded to this many rows (grouped-GEMM alignment)
-    moonep_kernels: Literal["auto", "torch", "triton"] = "auto"  # moonep data path (BufferConfig.kernels)
-    moonep_expert_kernels: bool = True  # moonep prefetch/reduce_grad kernels (BufferConfig.expert_kernels)
-    moonep_fused_planner: bool = True  # moonep's fused Triton planner (BufferConfig.fused_planner)
+    moonep: BufferOptions = field(default_factory=BufferOptions)  # how the moonep backend's Buffer runs
 
     def __post_init__(self) -> None:
-        if self.moonep_kernels not in ("auto", "torch", "triton"):
-            raise ValueError(f"experts.moonep_kernels must be 'auto', 'torch' or 'triton', got {self.moonep_kernels!r}")
         if self.token_padding < 1:
             raise ValueError(f"experts.token_padding must be >= 1, got {self.token_padding}")

@@ -3,7 +3,8 @@
 Legend: B batch, T sequence, s = B*T tokens, D hidden, E routed experts, K top-k.
 
 Selection uses sigmoid(logits) + bias; the combine weights use the unbiased scores, renormalised over
-the chosen K and multiplied by routed_scaling_factor (DeepSeek-V3 / Kimi K2). The bias is not trained
+the chosen K and multiplied by routed_scaling_factor (DeepSeek-V3 / Kimi K2). With group-limited routing
+(model.num_expert_groups > 1) a token chooses only among the experts of its topk_expert_groups best groups. The bias is not trained
 by gradients: after every optimizer step it moves by `update_rate * sign(mean_count - count_e)`
 using token counts reduced over the whole world, so every rank keeps the same bias.
 Routing math runs in fp32 whatever the compute dtype: near-ties in bf16 would flip top-k choices.
@@ -77,6 +78,7 @@ class Router(nn.Module):
         self.update_rate = cfg.router_bias_update_rate
         self.seq_aux_loss_coef = cfg.seq_aux_loss_coef
         self.tf32 = cfg.router_tf32
+        self.num_groups, self.topk_groups = cfg.num_expert_groups, cfg.topk_expert_groups
         self.count_tokens = True  # off while activation checkpointing recomputes this layer
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, device=device))
         self.register_buffer("score_bias_E", torch.zeros(cfg.num_experts, device=device))
@@ -98,6 +100,8 @@ class Router(nn.Module):
         select_sE = scores_sE.detach() + self.score_bias_E
         if self.skew:
             select_sE = select_sE + self.skew_bias_E
+        if self.num_groups > 1:
+            select_sE = self._limit_to_groups(select_sE)
         topk_sK = torch.topk(select_sE, self.topk, dim=-1).indices
         weights_sK = scores_sE.gather(1, topk_sK)
         weights_sK = weights_sK / weights_sK.sum(-1, keepdim=True) * self.scaling
@@ -109,6 +113,16 @@ class Router(nn.Module):
         if self.seq_aux_loss_coef > 0:
             aux = self._sequence_aux_loss(scores_sE, topk_sK, batch)
         return weights_sK, topk_sK, aux
+
+    def _limit_to_groups(self, select_sE: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing: experts outside the token's topk_groups best groups (a group scores the
+        sum of its two best selection scores) get -inf."""
+        s, G = select_sE.shape[0], self.num_groups
+        select_sGe = select_sE.view(s, G, -1)
+        group_sG = select_sGe.topk(2, dim=-1).values.sum(-1)
+        keep_sG = torch.zeros_like(group_sG, dtype=torch.bool)
+        keep_sG.scatter_(1, group_sG.topk(self.topk_groups, dim=-1).indices, True)
+        return select_sGe.masked_fill(~keep_sG.unsqueeze(-1), float("-inf")).view(s, -1)
 
     def _sequence_aux_loss(self, scores_sE: torch.Tensor, topk_sK: torch.Tensor, batch: int) -> torch.Tensor:
         """DeepSeek-V3 eq. 17-20: alpha * sum_e f_e P_e per sequence, averaged over sequences."""

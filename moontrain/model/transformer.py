@@ -2,6 +2,9 @@
 
 Legend: B batch, T sequence, D hidden, V vocab.
 
+Residuals: standard (x + sublayer(norm(x))), or Block Attention Residuals with model.attn_res_block_size
+(moontrain/model/attn_res.py): blocks then pass (completed blocks, partial sum) along instead of x.
+
 Activation checkpointing (optional) recomputes each block in backward (non-reentrant). The recompute
 re-runs the expert backend's collectives; every rank recomputes the same blocks in the same order,
 so they stay matched. early_stop is off so a recompute always runs the whole block (a partial one
@@ -15,7 +18,7 @@ every attention layer stays inside them (moontrain.model.documents).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -24,10 +27,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moontrain.model.attention import MLAttention
+from moontrain.model.attn_res import DepthAttention, starts_block
 from moontrain.model.config import ModelConfig
 from moontrain.model.documents import DocumentMask, document_mask
-from moontrain.model.experts import ExpertsContext, build_experts_backend
-from moontrain.model.ffn import SwiGLU
+from moontrain.model.experts import ExpertsContext, ExpertsRuntime, build_experts_runtime
+from moontrain.model.ffn import GatedFFN
 from moontrain.model.kda import KimiDeltaAttention
 from moontrain.model.moe import MoE
 from moontrain.model.norm import RMSNorm
@@ -44,15 +48,24 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
         self.is_moe = layer_idx >= cfg.num_dense_layers
         self.ffn = (MoE(cfg, ep_rank=ep_rank, ep_size=ep_size, device=device) if self.is_moe
-                    else SwiGLU(cfg.hidden_size, cfg.dense_intermediate_size, device=device))
+                    else GatedFFN(cfg.hidden_size, cfg.dense_intermediate_size, cfg.ffn_activation, device=device))
+        self.attn_res = cfg.attn_res_block_size > 0
+        if self.attn_res:  # AttnRes: the attention's and the FFN's inputs are depth aggregations
+            self.res_attn = DepthAttention(cfg.hidden_size, cfg.norm_eps, device=device)
+            self.res_ffn = DepthAttention(cfg.hidden_size, cfg.norm_eps, device=device)
+            self.starts_block = starts_block(layer_idx, cfg.attn_res_block_size)
         self.activation_checkpointing = False
 
-    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                docs: DocumentMask | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, blocks: tuple[torch.Tensor, ...], x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: DocumentMask | None = None
+                ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor | None]:
+        """(completed AttnRes blocks, residual stream or AttnRes partial sum) -> the same after this
+        layer, and the MoE aux loss. Without AttnRes `blocks` is () and passes through. docs: the packed
+        documents attention stays inside."""
         if self.activation_checkpointing and torch.is_grad_enabled():
-            return checkpoint(self._forward, x_BTD, cos, sin, docs, use_reentrant=False, early_stop=False,
+            return checkpoint(self._forward, blocks, x_BTD, cos, sin, docs, use_reentrant=False, early_stop=False,
                               context_fn=lambda: (nullcontext(), self._recomputing()))
-        return self._forward(x_BTD, cos, sin, docs)
+        return self._forward(blocks, x_BTD, cos, sin, docs)
 
     @contextmanager
     def _recomputing(self) -> Iterator[None]:
@@ -65,13 +78,32 @@ class Block(nn.Module):
         finally:
             self.ffn.router.count_tokens = True
 
-    def _forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 docs: DocumentMask | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin, docs)
+    def _forward(self, blocks: tuple[torch.Tensor, ...], x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 docs: DocumentMask | None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor | None]:
+        return self.residuals(blocks, x_BTD, lambda h_BTD: self.attn(h_BTD, cos, sin, docs))
+
+    def residuals(self, blocks: tuple[torch.Tensor, ...], x_BTD: torch.Tensor,
+                  attend: Callable[[torch.Tensor], torch.Tensor]
+                  ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor | None]:
+        """This layer's residual wiring (standard or AttnRes) around attend(normed input) -> attention
+        output: the training forward passes its attention, decoding the cached form of it."""
+        if not self.attn_res:
+            x_BTD = x_BTD + attend(self.attn_norm(x_BTD))
+            y, aux = self._ffn(self.ffn_norm(x_BTD))
+            return blocks, x_BTD + y, aux
+        h_BTD = self.res_attn(blocks, x_BTD)
+        if self.starts_block:  # the partial sum becomes a completed block; a new one starts here
+            blocks = (*blocks, x_BTD)
+            x_BTD = attend(self.attn_norm(h_BTD))
+        else:
+            x_BTD = x_BTD + attend(self.attn_norm(h_BTD))
+        y, aux = self._ffn(self.ffn_norm(self.res_ffn(blocks, x_BTD)))
+        return blocks, x_BTD + y, aux
+
+    def _ffn(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.is_moe:
-            y, aux = self.ffn(self.ffn_norm(x_BTD))
-            return x_BTD + y, aux
-        return x_BTD + self.ffn(self.ffn_norm(x_BTD)), None
+            return self.ffn(x_BTD)
+        return self.ffn(x_BTD), None
 
 
 class K3Model(nn.Module):
@@ -85,6 +117,9 @@ class K3Model(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
+        # AttnRes: the final norm's input is one more aggregation over the blocks and the last partial sum
+        self.final_res = (DepthAttention(cfg.hidden_size, cfg.norm_eps, device=device)
+                          if cfg.attn_res_block_size else None)
         self._loss = _cross_entropy
         self.document_eos_id: int | None = None  # packed documents end with this id (None: one sequence per row)
 
@@ -103,6 +138,8 @@ class K3Model(nn.Module):
                 continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith(".query"):  # AttnRes pseudo-queries start at zero: uniform depth weights
+                p.zero_()
             else:
                 p.normal_(0.0, std, generator=gen)
         for block in self.layers:
@@ -135,25 +172,38 @@ class K3Model(nn.Module):
         for block in self.layers:
             block.activation_checkpointing = True
 
-    def attach_experts_backends(self, name: str, ctx: ExpertsContext) -> None:
+    def attach_experts_backends(self, name: str, ctx: ExpertsContext) -> ExpertsRuntime:
+        """Give every MoE layer its backend of `name`; returns the runtime that owns what they share."""
+        runtime = build_experts_runtime(name, ctx)
         for moe in self.moe_layers():
-            moe.backend = build_experts_backend(name, ctx, moe.experts)
+            moe.backend = runtime.layer(moe.experts)
+        return runtime
 
     def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (loss to backpropagate = CE + aux, CE alone for logging)."""
+        logits_BTV, aux_total = self._logits_aux(tokens_BT)
+        ce = self._loss(logits_BTV, targets_BT)
+        return ce + aux_total, ce.detach()
+
+    def logits(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        """LM-head logits [B, T, V] of the training forward (evaluation, generation, export parity)."""
+        return self._logits_aux(tokens_BT)[0]
+
+    def _logits_aux(self, tokens_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         T = tokens_BT.shape[1]
-        cos, sin = rope_cos_sin(T, cfg.qk_rope_head_dim, cfg.rope_theta, tokens_BT.device)
+        cos, sin = rope_cos_sin(T, cfg.qk_rope_head_dim, cfg.rope_theta, tokens_BT.device, yarn=cfg.rope_yarn)
         docs = document_mask(tokens_BT, self.document_eos_id) if self.document_eos_id is not None else None
         x_BTD = self.embed(tokens_BT)
         aux_total = x_BTD.new_zeros((), dtype=torch.float32)
+        blocks: tuple[torch.Tensor, ...] = ()
         for block in self.layers:
-            x_BTD, aux = block(x_BTD, cos, sin, docs)
+            blocks, x_BTD, aux = block(blocks, x_BTD, cos, sin, docs)
             if aux is not None:
                 aux_total = aux_total + aux
-        logits_BTV = self.lm_head(self.norm(x_BTD))
-        ce = self._loss(logits_BTV, targets_BT)
-        return ce + aux_total, ce.detach()
+        if self.final_res is not None:
+            x_BTD = self.final_res(blocks, x_BTD)
+        return self.lm_head(self.norm(x_BTD)), aux_total
 
 
 def _cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
+    # adamw: AdamW everywhere. muon: Muon for the matrices (dense and per expert), AdamW for the embedding,
+    # head, norms and router weights (moontrain.optim.muon); lr and weight_decay carry over
+    name: Literal["adamw", "muon"] = "adamw"
     lr: float = 3e-4
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
     weight_decay: float = 0.1
@@ -22,15 +26,41 @@ class OptimConfig:
     # expert masters: one Triton pass per projection for the AdamW step, the compute-copy write and the
     # grad zeroing (moontrain.optim.write_back); None: on when `fused` is on
     write_back: bool | None = None
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # quintic Newton-Schulz iterations
+    muon_per_head_qkv: bool = False  # orthogonalise each head's query, key and value rows separately (K3)
+    # QK-Clip (moontrain.optim.qk_clip): after each step, rescale the query/key weights of every attention
+    # head whose maximum attention logit exceeded this threshold back to it (Kimi K2 uses 100); 0 disables
+    qk_clip_tau: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if self.name not in ("adamw", "muon"):
+            raise ValueError(f"optim.name must be 'adamw' or 'muon', got {self.name!r}")
+        if self.name == "muon" and self.write_back:
+            raise ValueError("optim.write_back=true is the fused AdamW expert step; with optim.name=muon leave "
+                             "optim.write_back unset (or false)")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ValueError(f"optim.muon_momentum must be in [0, 1), got {self.muon_momentum}")
+        if self.muon_ns_steps < 1:
+            raise ValueError(f"optim.muon_ns_steps must be >= 1, got {self.muon_ns_steps}")
+        if not 0 <= self.qk_clip_tau < math.inf:
+            raise ValueError(f"optim.qk_clip_tau must be a finite number >= 0 (0 disables QK-Clip), got {self.qk_clip_tau}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"optim.lr must be a finite number > 0, got {self.lr}")
+        if not 0 < self.eps < math.inf:
+            raise ValueError(f"optim.eps must be a finite number > 0 (AdamW divides by sqrt(v) + eps; 1e-8 is usual), "
+                             f"got {self.eps}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"optim.weight_decay must be a finite number >= 0 (0 disables), got {self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0.0 < self.decay_fraction <= 1.0:
             raise ValueError(f"optim.decay_fraction must be in (0, 1], got {self.decay_fraction}")
-        if self.grad_clip < 0:
-            raise ValueError(f"optim.grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
+        if not 0 <= self.grad_clip < math.inf:
+            raise ValueError(f"optim.grad_clip must be a finite number >= 0 (0 disables), got {self.grad_clip}")

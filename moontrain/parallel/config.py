@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,7 +18,18 @@ class ParallelConfig:
     fsdp_reshard_after_forward: bool = True
     # auto: bf16 compute with fp32 reduction on GPU, fp32 everywhere on CPU
     compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    # seconds a collective may wait before the process group fails it (NCCL / gloo timeout)
+    timeout_s: float = 600.0
+    # seconds without a heartbeat after which a rank is named as dead or frozen and the job aborts
+    # (moontrain.parallel.heartbeat); 0 disables the heartbeat
+    heartbeat_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.ep < 1:
             raise ValueError(f"parallel.ep must be >= 1, got {self.ep}")
+        if not 0 < self.timeout_s < math.inf:
+            raise ValueError(f"parallel.timeout_s must be a finite number of seconds > 0, got {self.timeout_s}")
+        if not 0 <= self.heartbeat_timeout_s < self.timeout_s:
+            raise ValueError(f"parallel.heartbeat_timeout_s={self.heartbeat_timeout_s} must be >= 0 (0 disables) and "
+                             f"below parallel.timeout_s={self.timeout_s}, so the heartbeat names a dead rank before "
+                             "the collective times out")

@@ -20,12 +20,13 @@ class ParamCounts:
     shared_experts: int
     router_and_latent: int  # routers, latent down/up projections
     norms: int
+    attn_res: int  # AttnRes pseudo-queries and key-norm weights (2 per layer + the final aggregation)
     active: int  # parameters touched per token (K of E routed experts)
 
     @property
     def total(self) -> int:
         return (self.embedding + self.attention + self.dense_ffn + self.routed_experts + self.shared_experts
-                + self.router_and_latent + self.norms)
+                + self.router_and_latent + self.norms + self.attn_res)
 
     @property
     def dense(self) -> int:
@@ -36,7 +37,7 @@ class ParamCounts:
         """Dense parameters of the largest block (what FSDP gathers at once, per block)."""
         mla = (self.attention - self.kda_attention) // max(1, cfg.num_mla_layers)
         kda = self.kda_attention // max(1, cfg.num_kda_layers)
-        per_layer = max(mla, kda) + self.norms // max(1, cfg.num_layers)
+        per_layer = max(mla, kda) + (self.norms + self.attn_res) // max(1, cfg.num_layers)
         ffn = [cfg_block_ffn(cfg, moe=False)] if cfg.num_dense_layers else []
         ffn += [cfg_block_ffn(cfg, moe=True)] if cfg.num_moe_layers else []
         return per_layer + max(ffn)
@@ -54,13 +55,15 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     with torch.device("meta"):
         model = K3Model(cfg, ep_rank=0, ep_size=1, device="meta")
     buckets = {k: 0 for k in ("embedding", "attention", "kda_attention", "dense_ffn", "routed_experts",
-                              "shared_experts", "router_and_latent", "norms")}
+                              "shared_experts", "router_and_latent", "norms", "attn_res")}
     kda_prefixes = tuple(f"layers.{i}.attn." for i in range(cfg.num_layers) if cfg.layer_is_kda(i))
     for name, p in model.named_parameters():
         n = p.numel()
         if name.startswith(kda_prefixes) and not name.endswith("norm.weight"):
             buckets["kda_attention"] += n
-        if ".experts.master." in name:
+        if name.startswith("final_res.") or ".res_attn." in name or ".res_ffn." in name:
+            buckets["attn_res"] += n
+        elif ".experts.master." in name:
             buckets["routed_experts"] += n
         elif name.endswith("norm.weight"):
             buckets["norms"] += n

@@ -32,7 +32,7 @@ def dry_run_report(cfg: RunConfig, world_size: int, device: str) -> str:
         f"total {_num(counts.total)}   active per token {_num(counts.active)}",
     ]
     for name in ("embedding", "attention", "dense_ffn", "routed_experts", "shared_experts", "router_and_latent",
-                 "norms"):
+                 "norms", "attn_res"):
         lines.append(f"  {name:<18} {_num(getattr(counts, name))}")
     lines.append("== memory per rank (estimate) ==")
     lines.append(f"  {'':<16} {'dense':>12} {'experts':>12} {'total':>12}")

@@ -21,9 +21,15 @@ class TrainConfig:
     # loss: fuses their elementwise work and casts; routed experts and their communication stay eager.
     # The first step of each shape compiles (tens of seconds on a GPU; inductor caches on disk)
     compile: bool = False
+    # divergence policy: a step with a non-finite grad norm skips its optimizer update; this many in a
+    # row stop the run with an error (moontrain.trainer.guard)
+    max_skipped_steps: int = 5
+    # bitwise-reproducible runs on the GPU (deterministic kernels only; moontrain.trainer.determinism);
+    # costs step time, so off by default
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("steps", "global_batch_size", "seq_len", "log_every"):
+        for name in ("steps", "global_batch_size", "seq_len", "log_every", "max_skipped_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:

@@ -66,17 +66,17 @@ def random_topk(s: int, E: int, K: int, sigma: float, g: torch.Generator) -> tor
     return torch.topk(torch.log(p) + gumbel, K, dim=1).indices.to(torch.int32)
 
 
-def simulate_fused(layout: Layout, topk_R: list[torch.Tensor], total: int | None, chunk: int | None = None,
-                   prefix_kernel: bool = True) -> list[Plan]:
-    """Every rank's plan from moonep.kernels.plan_fused in one process (any device): step 1 of every
+def simulate_fused(layout: Layout, topk_R: list[torch.Tensor], total: int | None, chunk: int | None = None
+                   ) -> list[Plan]:
+    """Every rank's plan from moonep.planner.fused in one process (any device): step 1 of every
     rank into one [R, R, E] hist (what the peer stores build), then steps 3-4 of each rank (program
     order stands in for the barrier)."""
-    from moonep.kernels import plan_fused as pf  # imports triton
+    from moonep.planner import fused as pf  # imports triton
 
     R, E = layout.num_ranks, layout.config.num_experts
     device = topk_R[0].device
     hist_all = torch.full((R, R, E), -7, dtype=torch.int32, device=device)
-    work = [pf._Workspace(layout, t.shape[0], device, chunk or pf.CHUNK, prefix_kernel=prefix_kernel) for t in topk_R]
+    work = [pf._Workspace(layout, t.shape[0], device, chunk or pf.CHUNK) for t in topk_R]
     for r, topk in enumerate(topk_R):
         pf.chunk_pass(topk, r, hist_all, work[r])
     plans = []
@@ -92,8 +92,8 @@ def simulate_fused(layout: Layout, topk_R: list[torch.Tensor], total: int | None
 FusedCase = tuple[int, int, int, list[int], int, int, float, bool]  # R, E, K, s per rank, B, pad, sigma, per_rank
 
 
-def check_fused_cases(cases: list[FusedCase], g: torch.Generator, device: str = "cpu", chunk: int | None = None,
-                      prefix_kernel: bool = True) -> None:
+def check_fused_cases(cases: list[FusedCase], g: torch.Generator, device: str = "cpu", chunk: int | None = None
+                      ) -> None:
     """simulate_fused on `device` for every rank of every case, bitwise against make_plan on the CPU
     (per_rank: ranks have different s and pass total_num_tokens)."""
     for i, (R, E, K, s_R, B, pad, sigma, per_rank) in enumerate(cases):
@@ -104,7 +104,7 @@ def check_fused_cases(cases: list[FusedCase], g: torch.Generator, device: str = 
         topk_R = [random_topk(s, E, K, sigma, g) for s in s_R]
         total = sum(s_R) if per_rank else None
         counts = torch.stack([torch.bincount(t.reshape(-1).long(), minlength=E) for t in topk_R]).to(torch.int32)
-        for r, got in enumerate(simulate_fused(layout, [t.to(device) for t in topk_R], total, chunk, prefix_kernel)):
+        for r, got in enumerate(simulate_fused(layout, [t.to(device) for t in topk_R], total, chunk)):
             want = make_plan(layout, r, topk_R[r], counts, total_num_tokens=total)
             got = dataclasses.replace(got, **{n: getattr(got, n).cpu() for n in PLAN_FIELDS})
             assert_same_plan(got, want, f"rank {r} of R={R} E={E} K={K} s={s_R} B={B} pad={pad} sigma={sigma:.2f} "

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moonep import Buffer, BufferConfig, ExpertPools
+from moonep import Buffer, BufferConfig, BufferOptions, ExpertPools
 from moonep.routing import generate_routing
 from tests.dist_utils import run_ranks
 from tests.moonep.planner_reference import RefPlan, reference_plan
@@ -210,7 +210,7 @@ def _data_path_rank(rank: int, R: int) -> dict:
     epn = E // R
     c = Checks()
     info: dict = {"slots_used": 0, "remote_rows": 0}
-    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=pad, timeout_s=60))
+    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=pad, options=BufferOptions(timeout_s=60)))
     try:
         pools = ExpertPools(buf, PROJ)
         layers = [pools.add_layer(), pools.add_layer()]
@@ -329,8 +329,7 @@ def _few_slots_rank(rank: int, R: int, c: Checks) -> int:
     GPU hot-path settings: check_values=False and bf16 route weights."""
     sz = SIZES[R]
     E, K, S, pad = sz["E"], sz["K"], sz["S"], sz["pad"]
-    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=pad, num_slots=1,
-                              timeout_s=60, check_values=False))
+    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=pad, num_slots=1, options=BufferOptions(timeout_s=60, check_values=False)))
     overflow = 0
     try:
         for name, topk_R, total in [*_cases(R, E, K, S), _overflow_case(R, E, K, S)]:
@@ -355,7 +354,7 @@ def _few_slots_rank(rank: int, R: int, c: Checks) -> int:
 def _static_shapes_rank(rank: int, R: int, c: Checks) -> dict:
     """Same s, maxvio 0 and maxvio 20: identical shapes of everything dispatch returns."""
     E, K, S = SHAPE_E, SHAPE_K, SHAPE_S
-    buf = Buffer(BufferConfig(max_tokens=S, hidden=16, topk=K, num_experts=E, token_padding=8, timeout_s=60))
+    buf = Buffer(BufferConfig(max_tokens=S, hidden=16, topk=K, num_experts=E, token_padding=8, options=BufferOptions(timeout_s=60)))
     shapes, realised, slots = [], [], []
     try:
         for ci, maxvio in enumerate((0.0, SHAPE_MAXVIO)):

@@ -3,15 +3,17 @@ Triton's interpreter on the CPU, against the PyTorch specification in moonep.moe
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 # first: sets TRITON_INTERPRET=1 before triton is imported (triton reads it then), installs the
 # interpreter's numpy-2 shim, and skips this module too where triton is absent
 import tests.moonep.test_kernels_interpreted  # noqa: F401
-from moonep.moe import swiglu_backward_torch
+from moonep.activation import swiglu_backward as swiglu_backward_ref
 from tests.moonep.accumulate_cases import check_accumulate_groups, check_accumulate_groups_write
 from tests.moonep.route_weight_cases import check_route_weights
+from tests.moonep.situ_glu_cases import assert_bitwise, assert_close_to_exact, exact, situ_inputs
 
 
 def test_swiglu_backward_kernel_matches_pytorch() -> None:
@@ -23,7 +25,7 @@ def test_swiglu_backward_kernel_matches_pytorch() -> None:
     u = torch.randn(N, F, generator=g).to(torch.bfloat16)
     grad_a = torch.randn(N, F, generator=g).to(torch.bfloat16)
     got = swiglu_backward(grad_a, h, u)
-    want = swiglu_backward_torch(grad_a, h, u)
+    want = swiglu_backward_ref(grad_a, h, u)
     # grad_h, grad_u: one fp32 value rounded once to bf16; the interpreter truncates where torch rounds
     # to nearest, and exp may differ in the last fp32 bits: at most 1 bf16 ulp (2**-7 relative) apart.
     # a: two roundings (silu, then the product): at most 2 ulps.
@@ -62,3 +64,40 @@ def test_route_weight_kernels_match_pytorch() -> None:
 @pytest.mark.parametrize("scale", [1.0, 0.5])
 def test_accumulate_groups_writes_stale_groups(scale: float) -> None:
     check_accumulate_groups_write([3, 0, 16, 0, 5, 1], 3, 5, 700, scale, "cpu")  # groups 0-2 stale, 1 empty
+
+
+
+def _numpy_exp(x: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.exp(x.numpy()))
+
+
+def test_situ_glu_kernels_match_specification_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one exp on both sides (the interpreter's is numpy's) every output equals the specification's
+    bit for bit: the kernels evaluate its formulas in its order with its rounding. Both are within the
+    derived bound of the exact values (tests/moonep/situ_glu_cases.py)."""
+    from moonep import situ_glu as spec
+    from moonep.kernels.situ_glu import situ_glu_backward, situ_glu_forward
+
+    h, u, grad_a = situ_inputs(2)
+    got_fwd, got_bwd = situ_glu_forward(h, u), situ_glu_backward(grad_a, h, u)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "exp", _numpy_exp)
+        want_fwd, want_bwd = spec.situ_glu_forward(h, u), spec.situ_glu_backward(grad_a, h, u)
+    assert_bitwise("a (forward)", got_fwd, want_fwd)
+    ref = exact(grad_a, h, u)
+    assert_close_to_exact("a (forward)", got_fwd, ref["a"])
+    for name, got, want in zip(("grad_h", "grad_u", "a"), got_bwd, want_bwd, strict=True):
+        assert_bitwise(name, got, want)
+        assert_close_to_exact(name, got, ref[name])
+    with pytest.raises(ValueError, match="contiguous bf16 tensors of one shape"):
+        situ_glu_forward(h, u.t())
+    with pytest.raises(ValueError, match="contiguous bf16 tensors of one shape"):
+        situ_glu_backward(grad_a.float(), h, u)
+
+
+def test_every_activation_has_triton_kernels() -> None:
+    """moonep.activation is the registry: the triton path fuses each registered activation."""
+    from moonep.activation import ACTIVATIONS
+    from moonep.datapath.triton_path import GLU_KERNELS
+
+    assert sorted(GLU_KERNELS) == sorted(ACTIVATIONS)

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moonep import Buffer, BufferConfig, MoonEPTimeoutError
+from moonep import Buffer, BufferConfig, BufferOptions, MoonEPTimeoutError
 from tests.dist_utils import run_ranks
 
 TIMEOUT_S = 5.0
@@ -84,7 +84,7 @@ def _wait_for(paths: list[Path], limit_s: float) -> bool:
 # ---------------------------------------------------------------------------------- rank raises
 def _raising_peer(rank: int, world: int, tmp: str) -> dict:
     E = 2 * world
-    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=4, timeout_s=TIMEOUT_S))
+    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=4, options=BufferOptions(timeout_s=TIMEOUT_S)))
     x, w, topk = _routing(rank, E)
     first = buf.dispatch(x, w, topk)  # a healthy call first: the group works before the fault
     healthy = first.plan.num_tokens == S
@@ -146,7 +146,7 @@ def test_rank_raising_mid_call_times_out_its_peers(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------- rank dies
 def _dying_peer(rank: int, world: int, tmp: str) -> dict:
     E = 2 * world
-    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=4, timeout_s=TIMEOUT_S))
+    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=4, options=BufferOptions(timeout_s=TIMEOUT_S)))
     x, w, topk = _routing(rank, E)
     buf.dispatch(x, w, topk)
     if rank == 1:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moonep import Buffer, BufferConfig
+from moonep import Buffer, BufferConfig, BufferOptions
 from moonep.heap import Piece, create_heap, strided_view, view
 
 PAGE = 4096
@@ -102,7 +102,7 @@ def _heap_rank(rank: int, world: int) -> dict:
     out["barrier after destroy"] = _outcome(lambda: heap.barrier("late"))
 
     # the Buffer on top: destroy twice is fine, a call afterwards raises
-    buf = Buffer(BufferConfig(max_tokens=4, hidden=8, topk=1, num_experts=2, timeout_s=30))
+    buf = Buffer(BufferConfig(max_tokens=4, hidden=8, topk=1, num_experts=2, options=BufferOptions(timeout_s=30)))
     buf.destroy()
     out["buffer destroy twice"] = _outcome(buf.destroy)
     x = torch.zeros(4, 8, dtype=torch.bfloat16)

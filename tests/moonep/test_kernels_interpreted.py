@@ -1,8 +1,8 @@
 """The Triton kernels run on the CPU in Triton's interpreter, bitwise against the PyTorch path.
 
-Skipped where triton is not installed (CI installs it through the `interpret` extra). Bitwise: the
-planner (integers: the shared-part kernel, and the fused planner of Buffer.plan, simulated for
-R = 1..8 in one process and run by a 2-rank Buffer), the expert-side prefetch / reduce_grad / slot zeroing (copies and fp32 adds in a
+Skipped where triton is not installed (the `test` extra installs it). Bitwise: the
+planner (integers: the fused planner of Buffer.plan, simulated for R = 1..8 in one process and run
+by a 2-rank Buffer), the expert-side prefetch / reduce_grad / slot zeroing (copies and fp32 adds in a
 fixed order), dispatch rows and weights, saved-plan dispatch, combine's scalar gather. Combine's
 output is within one bf16 ulp: the interpreter truncates fp32 -> bf16 where the GPU rounds (on the
 GPU tests/moonep/gpu/test_kernels.py checks it bitwise).
@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from moonep import BufferConfig
-from moonep.planner import make_plan, plan_shared, receive_caps
+from moonep import BufferConfig, BufferOptions
+from moonep.planner import make_plan
 from tests.dist_utils import run_ranks
-from tests.moonep.planner_cases import assert_same_plan, check_fused_cases, planner_cases, random_counts
+from tests.moonep.planner_cases import assert_same_plan, check_fused_cases, planner_cases
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates any kernel; inherited by spawned ranks
 _interpreter = pytest.importorskip("triton.runtime.interpreter")
@@ -47,26 +47,6 @@ def _create_histogram_int32(self, data, bins, mask):
 
 _interpreter.InterpreterBuilder.create_histogram = _create_histogram_int32
 
-NAMES = ("quota_RR", "alloc_ER", "slot_expert_RB", "group_ER", "group_rows_RG", "offs_RG")
-
-
-def test_planner_kernel_matches_pytorch_planner() -> None:
-    from moonep.kernels.planner import plan_shared as plan_shared_kernel
-
-    g = torch.Generator().manual_seed(0)
-    cases = planner_cases(40, (1, 2, 4, 8), 6, ((2, 96), (8, 384)))
-    slots_used = 0
-    for R, E, K, s, B, pad, sigma in cases:
-        counts = random_counts(R, E, K, s, sigma, g)
-        cap = receive_caps(R, K, num_tokens=s, total_num_tokens=None, device=torch.device("cpu"))
-        want = plan_shared(counts, cap, B, pad)
-        got = plan_shared_kernel(counts, cap, B, pad)
-        for name, a, b in zip(NAMES, got, want, strict=True):
-            assert torch.equal(a.long(), b.long()), f"{name} differs for R={R} E={E} K={K} s={s} B={B} pad={pad}"
-        slots_used += int((want[2] >= 0).sum())
-    assert slots_used > 0
-
-
 def test_fused_planner_matches_make_plan() -> None:
     g = torch.Generator().manual_seed(2)
     cases = [(R, E, K, [s] * R, B, pad, sigma, False)
@@ -80,15 +60,14 @@ def test_fused_planner_matches_make_plan() -> None:
     check_fused_cases(cases, g)
 
 
-@pytest.mark.parametrize(("chunk", "prefix_kernel"), [(16, False), (256, False), (16, True), (1024, False)])
-def test_fused_planner_other_chunk_sizes(chunk: int, prefix_kernel: bool) -> None:
-    """The chunk size and where the prefixes over chunks run are tuning knobs
-    (benchmarks/bench_planner.py): many chunks per expert run, runs crossing chunk ends, a last
-    partial chunk."""
+@pytest.mark.parametrize("chunk", [16, 256, 1024])
+def test_fused_planner_other_chunk_sizes(chunk: int) -> None:
+    """The chunk size is a tuning knob (benchmarks/bench_planner.py): many chunks per expert run, runs
+    crossing chunk ends, a last partial chunk."""
     g = torch.Generator().manual_seed(4)
     cases = [(2, 384, 8, [512, 512], 192, 16, 3.0, False), (2, 384, 8, [700, 333], 96, 16, 1.0, True),
              (4, 16, 3, [37] * 4, 4, 2, 2.0, False), (8, 64, 8, [64] * 8, 8, 4, 0.5, False)]
-    check_fused_cases(cases, g, chunk=chunk, prefix_kernel=prefix_kernel)
+    check_fused_cases(cases, g, chunk=chunk)
 
 
 def _expert_kernels_rank(rank: int, world: int) -> list[int]:
@@ -152,19 +131,17 @@ def test_expert_kernels_match_pytorch_path(world: int) -> None:
 BF16_ULP = 2.0**-7  # relative spacing of bf16
 
 
-def _dispatch_kernels_rank(rank: int, world: int, scatter_mode: int, scatter_tile: int) -> list[int]:
+def _dispatch_kernels_rank(rank: int, world: int, scatter_tile: int) -> list[int]:
     import moonep.buffer as buffer_module
     from moonep import Buffer, BufferConfig
-    from moonep.kernels import dispatch_combine
     from moonep.routing import generate_routing
 
     S, H, K, E = 40, 80, 4, 8 * world
-    cfg = BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=4)
+    cfg = BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=4,
+                       options=BufferOptions(num_sms=3, scatter_tile=scatter_tile))
     ref = Buffer(cfg)
     # the triton path is CUDA-only by design; force it onto the CPU heap for the interpreter
     buffer_module.resolve_kernels = lambda kernels, device: "triton"
-    dispatch_combine.num_sms = lambda device, cap: 3
-    dispatch_combine.SCATTER_MODE, dispatch_combine.SCATTER_TILE = scatter_mode, scatter_tile
     fast = Buffer(cfg)
     try:
         assert fast.kernel_path == "triton" and ref.kernel_path == "torch"
@@ -201,36 +178,33 @@ def _dispatch_kernels_rank(rank: int, world: int, scatter_mode: int, scatter_til
                 err = (got[key].float() - want[key].float()).abs()
                 assert bool((err <= BF16_ULP * want[key].float().abs()).all()), f"{key} off by > 1 ulp ({err.max()})"
             # the scatter's block counter and exit counter are back to zero after every launch
-            assert fast._scatter_work.tolist() == [0, 0], fast._scatter_work
+            assert fast.path._scatter_work.tolist() == [0, 0], fast.path._scatter_work
         return used
     finally:
         fast.destroy()
         ref.destroy()
 
 
-@pytest.mark.parametrize(("scatter_mode", "scatter_tile"), [(0, 16384), (1, 16384), (2, 16384), (0, 256), (2, 256)])
-def test_dispatch_combine_kernels_match_pytorch_path(scatter_mode: int, scatter_tile: int) -> None:
-    """Every scatter store mode; a 256-element tile (2 tokens per block) makes each program loop."""
-    used = run_ranks(_dispatch_kernels_rank, 2, scatter_mode, scatter_tile, timeout_s=300)
+@pytest.mark.parametrize("scatter_tile", [16384, 256])
+def test_dispatch_combine_kernels_match_pytorch_path(scatter_tile: int) -> None:
+    """The default tile; a 256-element tile (2 tokens per block) makes each program loop."""
+    used = run_ranks(_dispatch_kernels_rank, 2, scatter_tile, timeout_s=300)
     assert any(n > 0 for n in used[0]), f"some routing should occupy slots: {used}"
 
 
-def _fused_plan_rank(rank: int, world: int, fused: bool) -> list[int]:
+def _fused_plan_rank(rank: int, world: int) -> list[int]:
     import moonep.buffer as buffer_module
     from moonep import Buffer
-    from moonep.kernels import dispatch_combine
     from moonep.routing import generate_routing
 
     S, K, E = 300, 6, 12 * world
     cfg = BufferConfig(max_tokens=S, hidden=16, topk=K, num_experts=E, token_padding=4, num_slots=5,
-                       fused_planner=fused)
+                       options=BufferOptions(num_sms=3))
     # the triton path is CUDA-only by design; force it onto the CPU heap for the interpreter
     buffer_module.resolve_kernels = lambda kernels, device: "triton"
-    dispatch_combine.num_sms = lambda device, cap: 3
     buf = Buffer(cfg)
     try:
         assert buf.kernel_path == "triton"
-        assert (buf._fused_planner is not None) == fused
         used = []
         for maxvio, s_R, pass_hist in ((0.3, (S, S), True), (3.0, (S, S), False), (2.0, (S, 171), True)):
             routing = generate_routing(num_ranks=world, tokens_per_rank=S, num_experts=E, topk=K,
@@ -250,8 +224,7 @@ def _fused_plan_rank(rank: int, world: int, fused: bool) -> list[int]:
         buf.destroy()
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["plan_fused", "shared_kernel_fallback"])
-def test_fused_planner_in_buffer_matches_make_plan(fused: bool) -> None:
-    used = run_ranks(_fused_plan_rank, 2, fused, timeout_s=300)
+def test_fused_planner_in_buffer_matches_make_plan() -> None:
+    used = run_ranks(_fused_plan_rank, 2, timeout_s=300)
     assert any(n > 0 for n in used[0]), f"some routing should occupy slots: {used}"
 

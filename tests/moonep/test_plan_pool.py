@@ -1,4 +1,4 @@
-"""The fused planner's pool of graph-written Plans (moonep.kernels.plan_fused._PlanPool) hands an
+"""The fused planner's pool of graph-written Plans (moonep.planner.fused._PlanPool) hands an
 entry out again only when nothing outside the pool holds its Plan or any of its tensors."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("triton")
 
 from moonep import BufferConfig
-from moonep.kernels import plan_fused
 from moonep.layout import Layout
+from moonep.planner import fused as plan_fused
 
 
 class _SaveIndex(torch.autograd.Function):

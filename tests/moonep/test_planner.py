@@ -19,7 +19,8 @@ import torch
 
 from moonep import BufferConfig, make_plan
 from moonep.layout import Layout
-from moonep.planner import Plan, receive_caps
+from moonep.planner import Plan
+from moonep.planner.reference import receive_caps
 from moonep.routing import expert_maxvio, max_maxvio
 from tests.moonep.planner_reference import RefPlan, reference_caps, reference_plan, round_up
 

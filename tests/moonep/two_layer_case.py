@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from moonep import Buffer, BufferConfig, ExpertPools, expert_swiglu, swiglu_projections
+from moonep import Buffer, BufferConfig, ExpertPools, expert_glu, glu_projections
 from moonep.routing import generate_routing
 
 # chained: fwd 0, fwd 1, then in 1's backward the early copy of layer 0 before 1's combine; reduce_grad
@@ -49,7 +49,7 @@ def run_two_layers(rank: int, R: int, group, *, E: int, H: int, F: int, K: int, 
     buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=4), group)
     dev = buf.device
     try:
-        pools = ExpertPools(buf, swiglu_projections(H, F))
+        pools = ExpertPools(buf, glu_projections(H, F))
         pools.chain_prefetch = chain
         layers = [pools.add_layer(), pools.add_layer()]
         epn = E // R
@@ -75,8 +75,8 @@ def run_two_layers(rank: int, R: int, group, *, E: int, H: int, F: int, K: int, 
         # chained
         x0 = xs.clone().requires_grad_()
         w0, w1 = rw[0].clone().requires_grad_(), rw[1].clone().requires_grad_()
-        y0 = expert_swiglu(buf, pools, layers[0], x0, w0, topk[0])
-        y1 = expert_swiglu(buf, pools, layers[1], y0, w1, topk[1])
+        y0 = expert_glu(buf, pools, layers[0], x0, w0, topk[0])
+        y1 = expert_glu(buf, pools, layers[1], y0, w1, topk[1])
         y1.backward(gy)
         chained_log = list(log)
         chained = {"y1": y1.detach().cpu(), "gx": x0.grad.cpu(), "gw0": w0.grad.cpu(), "gw1": w1.grad.cpu(),
@@ -86,10 +86,10 @@ def run_two_layers(rank: int, R: int, group, *, E: int, H: int, F: int, K: int, 
         # one layer at a time
         y0_in = y0.detach().clone().requires_grad_()
         w1b = rw[1].clone().requires_grad_()
-        y1b = expert_swiglu(buf, pools, layers[1], y0_in, w1b, topk[1])
+        y1b = expert_glu(buf, pools, layers[1], y0_in, w1b, topk[1])
         y1b.backward(gy)
         x0b, w0b = xs.clone().requires_grad_(), rw[0].clone().requires_grad_()
-        y0b = expert_swiglu(buf, pools, layers[0], x0b, w0b, topk[0])
+        y0b = expert_glu(buf, pools, layers[0], x0b, w0b, topk[0])
         y0b.backward(y0_in.grad)
         alone = {"y1": y1b.detach().cpu(), "gx": x0b.grad.cpu(), "gw0": w0b.grad.cpu(), "gw1": w1b.grad.cpu(),
                  "g": grads()}

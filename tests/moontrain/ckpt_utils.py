@@ -10,16 +10,18 @@ from torch.distributed.tensor import DTensor
 from moontrain.config import RunConfig, from_dict
 from moontrain.trainer.trainer import Trainer
 
+K3_BLOCK = {"ffn_activation": "situ_glu", "attn_res_block_size": 2}  # SiTU-GLU, AttnRes with a block per layer
+
 
 def small_config(backend: str, ep: int, *, steps: int = 6, run_dir: str = "runs/test", data: dict | None = None,
-                 checkpoint: dict | None = None) -> RunConfig:
+                 checkpoint: dict | None = None, k3_block: bool = False) -> RunConfig:
     return from_dict(RunConfig, {
         "model": dict(vocab_size=260, hidden_size=64, num_layers=3, num_dense_layers=1, dense_intermediate_size=96,
                       num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                       v_head_dim=16, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
                       moe_intermediate_size=64, moe_latent_size=32, routed_scaling_factor=2.0,
                       router_bias_update_rate=0.01, kda_layers_per_mla=2, kda_num_heads=2, kda_head_dim=16,
-                      kda_kernel="torch"),  # KDA, KDA, MLA
+                      kda_kernel="torch", **(K3_BLOCK if k3_block else {})),  # KDA, KDA, MLA
         "experts": {"backend": backend},
         "parallel": {"ep": ep},
         "optim": {"lr": 3e-3, "warmup_steps": 2, "schedule": "cosine", "grad_clip": 1.0},
@@ -42,15 +44,13 @@ def _full(trainer: Trainer, name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def full_state(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Every parameter, router bias and Adam moment at canonical shape (collective when distributed)."""
+    """Every parameter, router bias and optimizer state tensor at canonical shape (collective when distributed)."""
     out = {}
     for name, p in trainer.model.named_parameters():
         out[name] = _full(trainer, name, p)
         st = trainer.optimizer.state.get(p)
-        if st:
-            out[f"{name}.exp_avg"] = _full(trainer, name, st["exp_avg"])
-            out[f"{name}.exp_avg_sq"] = _full(trainer, name, st["exp_avg_sq"])
-            out[f"{name}.step"] = st["step"].clone()
+        for key, value in (st or {}).items():  # Adam's exp_avg / exp_avg_sq / step, Muon's momentum_buffer
+            out[f"{name}.{key}"] = _full(trainer, name, value) if value.ndim else value.clone()
     for i, moe in enumerate(trainer.model.moe_layers()):
         out[f"router_bias.{i}"] = moe.router.score_bias_E.clone()
     return out

@@ -42,9 +42,9 @@ def test_launch_k3_tiny_loss_falls(tmp_path: Path, backend: str) -> None:
 
 
 def test_dry_run_full_k3(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["launch", "recipes/k3.yaml", "--dry-run", "--nproc", "512"]) == 0
+    assert main(["launch", "recipes/k3.yaml", "--dry-run", "--nproc", "8", "--nnodes", "112"]) == 0
     out = capsys.readouterr().out
-    assert "world 512 = dp_replicate 4 x ep 128" in out and "B=7 prefetch slots" in out
+    assert "world 896 = dp_replicate 1 x ep 896; experts backend alltoall" in out and ": fits)" in out
     for row in ("weights", "master", "grads", "optimizer", "symmetric_heap", "receive_buffers", "activations",
                 "total"):
         assert f"  {row} " in out
@@ -68,11 +68,15 @@ def test_param_counts_match_formula() -> None:
     (["recipes/k3_tiny.yaml", "--nproc", "3"], "world size 3 is not divisible by parallel.ep=2"),
     (["recipes/k3_tiny.yaml", "parallel.ep=4", "--nproc", "4", "model.num_experts=6",
       "model.num_experts_per_tok=2"], "model.num_experts=6 is not divisible by parallel.ep=4"),
-    (["recipes/k3_tiny.yaml", "--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint"),
 ])
 def test_bad_launch_fails_before_torchrun(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["launch", *args, "--dry-run"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_multi_node_launch_needs_rendezvous(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "recipes/k3_tiny.yaml", "--nnodes", "2"]) == 2
+    assert "--nnodes 2 needs --rdzv-endpoint" in capsys.readouterr().err
 
 
 def test_torchrun_command() -> None:
@@ -81,7 +85,9 @@ def test_torchrun_command() -> None:
     single = torchrun_command("r.yaml", ["a.b=1"], nproc=8)
     assert single[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "8", "--standalone",
                           "-m", "moontrain.trainer.worker", "r.yaml", "a.b=1"]
-    multi = torchrun_command("r.yaml", [], nproc=8, nnodes=4, node_rank=2, rdzv_endpoint="h:29500")
+    multi = torchrun_command("r.yaml", [], nproc=8, nnodes=4, node_rank=2, rdzv_endpoint="h:29500", rdzv_id="job7",
+                             max_restarts=3, log_dir=Path("runs/x/logs"))
     assert multi[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "8", "--nnodes", "4", "--node-rank", "2",
-                         "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29500",
+                         "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29500", "--rdzv-id", "job7",
+                         "--max-restarts", "3", "--log-dir", "runs/x/logs/node2", "--tee", "3",
                          "-m", "moontrain.trainer.worker", "r.yaml"]

@@ -5,7 +5,7 @@ Legend: s tokens, K top-k, n = s*K entries, R EP ranks, epn = E/R local experts,
 Forward: histogram the entries per expert; exchange the per-expert counts (all_to_all_single of [R*epn]
 ints); read the split sizes on the host (one sync per layer: the shapes are dynamic); send each
 entry's token row to its expert's rank (entries sorted by expert are already grouped by destination);
-permute the received rows from (source, expert) order into padded expert groups; grouped SwiGLU GEMM;
+permute the received rows from (source, expert) order into padded expert groups; grouped gated-FFN GEMMs;
 reverse the permutation and the all-to-all; weight and sum the K outputs per token in fp32.
 Backward is autograd through the same path, with the all-to-all transposed (splits swapped).
 """
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from moontrain.model.experts.backend import ExpertsContext
-from moontrain.model.experts.grouped import combine_topk, group_rows, grouped_swiglu, scatter_rows
+from moontrain.model.experts.grouped import combine_topk, group_rows, grouped_glu, scatter_rows
 from moontrain.model.experts.weights import ExpertWeights
 
 
@@ -43,7 +43,7 @@ class AllToAllExperts:
             raise ValueError(f"the alltoall backend needs a process group for ep={ctx.ep_size}")
         self.ctx = ctx
         self.weights = weights
-        weights.bind_owned(ctx.compute_dtype)
+        weights.bind_owned(ctx.compute_dtype, ctx.loss_scale)
 
     def forward(self, x_sH: torch.Tensor, weights_sK: torch.Tensor, topk_sK: torch.Tensor) -> torch.Tensor:
         ctx, R = self.ctx, self.ctx.ep_size
@@ -64,7 +64,7 @@ class AllToAllExperts:
         local_m = torch.repeat_interleave(torch.arange(epn, device=x_sH.device).repeat(R), recv_counts_E)
         row_m, offs_G, num_rows = group_rows(local_m, epn, ctx.token_padding)
         w = self.weights.compute
-        y_RH = grouped_swiglu(scatter_rows(x_mH, row_m, num_rows), offs_G, w["gate"], w["up"], w["down"])
+        y_RH = grouped_glu(scatter_rows(x_mH, row_m, num_rows), offs_G, w["gate"], w["up"], w["down"], self.ctx.activation)
         y_mH = y_RH[row_m]
         y_sorted_nH = _AllToAll.apply(y_mH, send_splits, recv_splits, ctx.ep_group) if R > 1 else y_mH
         y_nH = torch.empty_like(y_sorted_nH).index_copy(0, order_n, y_sorted_nH)

@@ -1,4 +1,4 @@
-"""Expert-grouped row layout and the grouped SwiGLU GEMM shared by the local and all-to-all backends.
+"""Expert-grouped row layout and the grouped gated-FFN GEMMs shared by the local and all-to-all backends.
 
 Legend: n routed entries (token, k) on this rank, G expert groups, Hin/F widths, R padded rows.
 
@@ -12,7 +12,9 @@ every dynamic-shape EP path does (moonep's static-shape path avoids it).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from moontrain.model.config import FFNActivation
+from moontrain.model.ffn import glu_activation
 
 
 def group_rows(expert_idx_n: torch.Tensor, num_groups: int, padding: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -43,9 +45,10 @@ def grouped_mm(x_RH: torch.Tensor, w_GHF: torch.Tensor, offs_G: torch.Tensor) ->
     return y
 
 
-def grouped_swiglu(x_RH: torch.Tensor, offs_G: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                   w_down: torch.Tensor) -> torch.Tensor:
-    h_RF = F.silu(grouped_mm(x_RH, w_gate, offs_G)) * grouped_mm(x_RH, w_up, offs_G)
+def grouped_glu(x_RH: torch.Tensor, offs_G: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                w_down: torch.Tensor, activation: FFNActivation) -> torch.Tensor:
+    """Per expert group: act(x W_gate, x W_up) W_down (ModelConfig.ffn_activation)."""
+    h_RF = glu_activation(activation, grouped_mm(x_RH, w_gate, offs_G), grouped_mm(x_RH, w_up, offs_G))
     return grouped_mm(h_RF, w_down, offs_G)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from moontrain.model.experts.backend import ExpertsContext
-from moontrain.model.experts.grouped import combine_topk, group_rows, grouped_swiglu, scatter_rows
+from moontrain.model.experts.grouped import combine_topk, group_rows, grouped_glu, scatter_rows
 from moontrain.model.experts.weights import ExpertWeights
 
 
@@ -18,7 +18,7 @@ class LocalExperts:
             raise ValueError(f"the local experts backend holds all experts and needs ep=1, got ep={ctx.ep_size}")
         self.ctx = ctx
         self.weights = weights
-        weights.bind_owned(ctx.compute_dtype)
+        weights.bind_owned(ctx.compute_dtype, ctx.loss_scale)
 
     def forward(self, x_sH: torch.Tensor, weights_sK: torch.Tensor, topk_sK: torch.Tensor) -> torch.Tensor:
         K = topk_sK.shape[1]
@@ -27,5 +27,5 @@ class LocalExperts:
         src_n = torch.arange(expert_n.numel(), device=x_sH.device) // K
         x_RH = scatter_rows(x_sH.to(self.ctx.compute_dtype)[src_n], row_n, num_rows)
         w = self.weights.compute
-        y_RH = grouped_swiglu(x_RH, offs_E, w["gate"], w["up"], w["down"])
+        y_RH = grouped_glu(x_RH, offs_E, w["gate"], w["up"], w["down"], self.ctx.activation)
         return combine_topk(y_RH[row_n], weights_sK, x_sH.dtype)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moonep import Buffer, BufferConfig
+from moonep import Buffer, BufferConfig, BufferOptions
 from moonep.routing import generate_routing
 
 pytestmark = pytest.mark.multigpu
@@ -28,7 +28,7 @@ def test_async_calls_order_and_equal_sync(group: dist.ProcessGroup) -> None:
     x = torch.randn(S, H, device="cuda", generator=gen).to(torch.bfloat16)
     w = torch.rand(S, K, device="cuda", generator=gen)
     topk = routing.topk_RsK[rank].cuda()
-    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, check_values=False, timeout_s=60.0),
+    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, options=BufferOptions(check_values=False, timeout_s=60.0)),
                  group)
     try:
         assert buf.comm_stream is not None and buf.comm_stream != torch.cuda.current_stream()

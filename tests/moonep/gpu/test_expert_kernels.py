@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moonep import Buffer, BufferConfig, ExpertPools
+from moonep import Buffer, BufferConfig, BufferOptions, ExpertPools
 from moonep.routing import generate_routing
 
 pytestmark = pytest.mark.multigpu
@@ -15,12 +15,11 @@ pytestmark = pytest.mark.multigpu
 def test_prefetch_and_reduce_grad_kernels(group: dist.ProcessGroup) -> None:
     rank, R = dist.get_rank(group), dist.get_world_size(group)
     E, H, F, K, S = 16 * R, 512, 2048, 4, 256  # 512*2048*2 B = 2 MiB per expert row
-    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, check_values=False,
-                                    expert_kernels=True), group)
+    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E,
+                              options=BufferOptions(check_values=False)), group)
     try:
         assert buf.kernel_path == "triton"
         pools = ExpertPools(buf, {"gate": (H, F), "down": (F, H)})
-        assert pools._kx is not None
         layer = pools.add_layer()
         g = torch.Generator(device="cuda").manual_seed(rank)
         for p, w in layer.w_local.items():

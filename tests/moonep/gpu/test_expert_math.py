@@ -1,4 +1,4 @@
-"""expert_swiglu's elementwise backward and route-weight kernels and the masked weight-gradient
+"""expert_glu's elementwise backward and route-weight kernels and the masked weight-gradient
 accumulation on GPU, against the PyTorch specification (moonep.moe's *_torch functions, an fp32 add)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moonep.moe import swiglu_backward_torch
+from moonep.activation import swiglu_backward as swiglu_backward_ref
 from tests.moonep.accumulate_cases import check_accumulate_groups, check_accumulate_groups_write
 from tests.moonep.route_weight_cases import check_route_weights
 
@@ -22,7 +22,7 @@ def test_swiglu_backward_kernel_gpu() -> None:
     u = torch.randn(N, F, device="cuda", generator=g).to(torch.bfloat16)
     grad_a = torch.randn(N, F, device="cuda", generator=g).to(torch.bfloat16)
     got = swiglu_backward(grad_a, h, u)
-    want = swiglu_backward_torch(grad_a, h, u)
+    want = swiglu_backward_ref(grad_a, h, u)
     # both round the same fp32 formula to nearest; only the device exp's last bits differ from
     # torch.sigmoid's, which moves a rounding by one ulp in rare elements (two roundings for a)
     for name, a, b, ulps in zip(("grad_h", "grad_u", "a"), got, want, (1, 1, 2), strict=True):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moonep import Buffer, BufferConfig, ExpertPools, expert_swiglu, make_plan, swiglu_projections
+from moonep import Buffer, BufferConfig, BufferOptions, ExpertPools, expert_glu, glu_projections, make_plan
 from moonep.layout import Layout
 from moonep.routing import generate_routing
 from tests.moonep import test_moe_layer as cpu_moe
@@ -70,14 +70,14 @@ def test_moe_layer_matches_dense_reference_on_gpu(group: dist.ProcessGroup) -> N
     x, w, topk, weights, grad_y = cpu_moe._problem(R, Es, 2.5, H=Hs, F=Fs, K=Ks, S=Ss)
     buf = Buffer(BufferConfig(max_tokens=Ss, hidden=Hs, topk=Ks, num_experts=Es), group)
     try:
-        pools = ExpertPools(buf, swiglu_projections(Hs, Fs))
+        pools = ExpertPools(buf, glu_projections(Hs, Fs))
         layer = pools.add_layer()
         epn = Es // R
         for p in w:
             layer.w_local[p].copy_(w[p][rank * epn:(rank + 1) * epn].cuda())
         x_sH = x[rank].cuda().requires_grad_()
         w_sK = weights[rank].cuda().requires_grad_()
-        y = expert_swiglu(buf, pools, layer, x_sH, w_sK, topk[rank].cuda())
+        y = expert_glu(buf, pools, layer, x_sH, w_sK, topk[rank].cuda())
         (y.double() * grad_y[rank].cuda().double()).sum().backward()
         buf.wait_pending()  # backward leaves reduce_grad queued on the communication stream
         assert int((pools.slot_plan.slot_expert_RB >= 0).sum()) > 0, "skewed routing should use slots"
@@ -107,7 +107,8 @@ def test_dispatch_combine_without_host_sync(group: dist.ProcessGroup) -> None:
     topk, hist = (t.cuda() for t in routing.for_rank(rank))
     x = torch.randn(S, H, device="cuda").to(torch.bfloat16)
     w = torch.rand(S, K, device="cuda")
-    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, check_values=False), group)
+    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E,
+                              options=BufferOptions(check_values=False)), group)
     try:
         pools = ExpertPools(buf, {"w": (H, F)})
         layer = pools.add_layer()
@@ -130,27 +131,6 @@ def test_dispatch_combine_without_host_sync(group: dist.ProcessGroup) -> None:
         torch.testing.assert_close(y.float(), (x.float() * K).to(torch.bfloat16).float(), rtol=0, atol=0)
     finally:
         buf.destroy()
-
-
-def test_graph_planner_replays_equal_eager_plans(group: dist.ProcessGroup) -> None:
-    from moonep.plan_graph import GraphPlanner
-
-    rank, R = dist.get_rank(group), dist.get_world_size(group)
-    layout = Layout(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E), R, 4096)
-    planner = GraphPlanner(layout, rank)
-    plans = []
-    for seed, maxvio in ((1, 0.5), (2, 3.0), (3, 0.0)):  # one capture, then replays with new inputs
-        routing = generate_routing(num_ranks=R, tokens_per_rank=S, num_experts=E, topk=K, target_maxvio=maxvio,
-                                   seed=seed)
-        topk = routing.topk_RsK[rank].cuda()
-        counts = routing.tokens_per_expert_RE.cuda()
-        plans.append((planner(topk, counts, None), make_plan(layout, rank, topk, counts)))
-    for got, want in plans:  # compared after all replays: a plan must not alias the graph's outputs
-        for name, value in vars(want).items():
-            if isinstance(value, torch.Tensor):
-                _first_mismatch(getattr(got, name), value, f"graph plan.{name}")
-            else:
-                assert getattr(got, name) == value, name
 
 
 def test_two_layers_early_prefetch_and_async_reduce_grad_change_no_bit(group: dist.ProcessGroup) -> None:

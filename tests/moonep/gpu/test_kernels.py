@@ -11,20 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moonep import Buffer, BufferConfig
+from moonep import Buffer, BufferConfig, BufferOptions
 from moonep.routing import generate_routing
 
 pytestmark = pytest.mark.multigpu
 
-
-@pytest.fixture(autouse=True)
-def _scatter_tile(monkeypatch):
-    """MOONEP_TEST_SCATTER_TILE=n runs these tests with dispatch_combine.SCATTER_TILE = n (tile sweeps)."""
-    tile = os.environ.get("MOONEP_TEST_SCATTER_TILE")
-    if tile:
-        from moonep.kernels import dispatch_combine
-
-        monkeypatch.setattr(dispatch_combine, "SCATTER_TILE", int(tile))
 
 S, H, K, E = 256, 1024, 8, 32  # max maxvio for E=32, K=8 is E/K - 1 = 3
 
@@ -41,9 +32,14 @@ def _bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
                              f"got {got.reshape(-1)[i].item()}, want {want.reshape(-1)[i].item()}")
 
 
-def _buffers(group: dist.ProcessGroup, hidden: int = H, **kw) -> tuple[Buffer, Buffer]:
-    cfg = dict(max_tokens=S, hidden=hidden, topk=K, num_experts=E, timeout_s=30.0, **kw)
-    return Buffer(BufferConfig(kernels="torch", **cfg), group), Buffer(BufferConfig(kernels="triton", **cfg), group)
+def _buffers(group: dist.ProcessGroup, hidden: int = H, **options) -> tuple[Buffer, Buffer]:
+    """The PyTorch path and the Triton path; MOONEP_TEST_SCATTER_TILE=n sets the triton scatter's tile
+    (tile sweeps)."""
+    cfg = dict(max_tokens=S, hidden=hidden, topk=K, num_experts=E)
+    tile = int(os.environ.get("MOONEP_TEST_SCATTER_TILE", BufferOptions().scatter_tile))
+    return (Buffer(BufferConfig(**cfg, options=BufferOptions(kernels="torch", timeout_s=30.0, **options)), group),
+            Buffer(BufferConfig(**cfg, options=BufferOptions(kernels="triton", timeout_s=30.0, scatter_tile=tile,
+                                                             **options)), group))
 
 
 def _routing(rank: int, R: int, s: int, maxvio: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +123,8 @@ def test_triton_path_without_host_sync(group: dist.ProcessGroup) -> None:
 def test_dispatch_combine_sum_of_copies(group: dist.ProcessGroup) -> None:
     """Not against the torch path: combine(dispatch(x)) = K * x (each row sums K bf16 copies)."""
     rank = dist.get_rank(group)
-    fast = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, kernels="triton", timeout_s=30.0), group)
+    fast = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E,
+                               options=BufferOptions(kernels="triton", timeout_s=30.0)), group)
     try:
         topk, hist = _routing(rank, fast.num_ranks, S, 2.9, seed=7)
         x = _randn((S, H), 70 + rank)

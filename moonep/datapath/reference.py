@@ -1,0 +1,182 @@
+"""The pure-PyTorch data path: the specification of every moonep kernel (SPEC sections 5-6).
+
+Runs on any device (the CPU heap in tests, CUDA as the reference of the GPU tests) and never
+synchronises with the host. It is written for clarity: the sender writes every (token, k) entry's
+metadata and each token row once per destination rank with index_put_ over the all-ranks views, the
+receiver copies every row through index_select, and combine pulls each token's K rows from the
+destinations (advanced indexing over the all-ranks view) and sums them in fp32 in ascending k.
+The expert side, sync-free, cannot know which slots are occupied: prefetch copies all B slots
+(empty ones onto themselves) and reduce_grad reads every slot of every peer, masked.
+
+Protocol of the calls (the barriers come from the Buffer, `CommViews.barrier`):
+plan
+    1. write tokens_per_expert into row `rank` of every peer's hist region (unicast)
+    2. barrier "dispatch:histograms"
+    3. every rank plans redundantly from the gathered [R, E] histograms (moonep.planner.reference)
+dispatch
+    4. scatter: for every (t, k): route weight, copy row and source id into the destination's row
+       metadata; the token row itself once per (token, destination rank); the receiver marks its
+       own padding rows (copy from the zero row, weight 0, no source)
+    5. barrier "dispatch:rows" (Buffer)
+    6. expand: the receiver expands duplicates and zeroes padding: row <- row[copy_row]
+combine
+    1. y rows land in the comb region (no copy when the caller wrote into Buffer.combine_input)
+    2. barrier "combine:rows"
+    3. each source pulls its K rows per token from the destinations and sums them in fp32 in
+       ascending k; optional per-row scalars (route-weight grads) likewise
+    4. barrier "combine:done" so the comb region may be rewritten
+
+Legend: s tokens, K top-k, H hidden, E experts, R ranks, B slots, epn = E / R, nvs_s rows of this
+call, I/O an expert matrix's in/out features, G groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from moonep.activation import get_activation
+from moonep.datapath import CommViews
+from moonep.grouped_gemm import accumulate_wgrad
+from moonep.planner.plan import Plan
+from moonep.planner.reference import build_plan
+
+# prefetch and reduce_grad gather whole slots; at K3 sizes all B slots at once would need tens of GB
+_TEMP_BYTES = 1 << 30
+
+
+def _slot_chunks(num_slots: int, slot: torch.Tensor) -> list[tuple[int, int]]:
+    """Slot ranges whose temporaries (slots shaped like `slot`) stay under _TEMP_BYTES."""
+    step = max(1, _TEMP_BYTES // (slot.numel() * slot.element_size()))
+    return [(j, min(j + step, num_slots)) for j in range(0, num_slots, step)]
+
+
+class ReferencePath:
+    name = "torch"
+    counts_topk = False
+
+    def __init__(self, comm: CommViews) -> None:
+        self.comm = comm
+
+    # ------------------------------------------------------------------ Buffer
+    def plan(self, topk_sK: torch.Tensor, tokens_per_expert_E: torch.Tensor | None, total_num_tokens: int | None,
+             check_counts: Callable[[torch.Tensor], None] | None) -> Plan:
+        c = self.comm
+        c.every["hist"][:, c.rank, :] = tokens_per_expert_E.to(torch.int32)
+        c.barrier("dispatch:histograms")
+        counts_RE = c.mine["hist"].clone()
+        if check_counts is not None:
+            check_counts(counts_RE)
+        return build_plan(c.layout, c.rank, topk_sK, counts_RE, total_num_tokens)
+
+    def scatter(self, plan: Plan, x_sH: torch.Tensor, weights_sK: torch.Tensor | None) -> None:
+        c = self.comm
+        mine, every, layout = c.mine, c.every, c.layout
+        s, K = plan.num_tokens, plan.topk
+        dst_rank = plan.dst_rank_sK.reshape(-1).long()
+        dst_row = plan.dst_row_sK.reshape(-1).long()
+        # this rank as receiver: padding rows copy from the zero row, weight 0, no source
+        pad = ~self._valid_rows(plan)
+        mine["row_copy"][: plan.nvs_s].masked_fill_(pad, layout.zero_row)
+        mine["row_weight"][: plan.nvs_s].masked_fill_(pad, 0.0)
+        mine["row_src"][: plan.nvs_s].masked_fill_(pad, -1)
+        # this rank as sender: metadata for every entry, the row once per (token, rank)
+        idx = (dst_rank, dst_row)
+        flat = torch.arange(s * K, device=c.device, dtype=torch.int32)
+        every["row_copy"].index_put_(idx, plan.copy_row_sK.reshape(-1))
+        every["row_src"].index_put_(idx, c.rank * layout.config.max_tokens * K + flat)
+        if weights_sK is not None:
+            every["row_weight"].index_put_(idx, weights_sK.reshape(-1).float())
+        sent = plan.sent_sK.reshape(-1)
+        rows_to = (torch.where(sent, dst_rank, c.rank), torch.where(sent, dst_row, layout.trash_row))
+        token = torch.arange(s * K, device=c.device) // K
+        every["recv"].index_put_(rows_to, x_sH.index_select(0, token))
+
+    def _valid_rows(self, plan: Plan) -> torch.Tensor:
+        """[nvs_s] bool: rows of this rank that receive a token (not padding)."""
+        c = self.comm
+        offs = plan.offs_RG[c.rank].long()
+        sizes = plan.group_rows_RG[c.rank].long()
+        pad = c.layout.config.token_padding
+        padded = (sizes + pad - 1) // pad * pad
+        row = torch.arange(plan.nvs_s, device=c.device)
+        g = torch.searchsorted(offs, row, right=True).clamp(max=offs.numel() - 1)
+        return (row < offs[-1]) & (row - (offs[g] - padded[g]) < sizes[g])
+
+    def expand(self, plan: Plan) -> None:
+        recv = self.comm.mine["recv"]
+        recv[: plan.nvs_s].copy_(recv.index_select(0, self.comm.mine["row_copy"][: plan.nvs_s].long()))
+
+    def combine(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        c = self.comm
+        comb = c.mine["comb"][: plan.nvs_s]
+        if y_rows.data_ptr() != comb.data_ptr():
+            comb.copy_(y_rows)
+        if row_scalars is not None:
+            c.mine["row_scalar"][: plan.nvs_s].copy_(row_scalars)
+        c.barrier("combine:rows")
+        idx = (plan.dst_rank_sK.long(), plan.dst_row_sK.long())
+        rows_sKH = c.every["comb"][idx]
+        y_sH = rows_sKH[:, 0].float()
+        for k in range(1, plan.topk):
+            y_sH += rows_sKH[:, k].float()
+        scalars_sK = c.every["row_scalar"][idx].clone() if row_scalars is not None else None
+        c.barrier("combine:done")
+        return y_sH.to(c.layout.config.dtype), scalars_sK
+
+    def pooled_plans(self) -> int:
+        return 0
+
+    # ------------------------------------------------------------------ ExpertPools
+    def prefetch(self, plan: Plan, w_full: torch.Tensor) -> None:
+        E, B = plan.num_experts, plan.num_slots
+        slot_e = plan.slot_expert_RB[plan.rank].long()
+        src = torch.where(slot_e >= 0, slot_e, E + torch.arange(B, device=slot_e.device))
+        for j0, j1 in _slot_chunks(B, w_full[0]):
+            w_full[E + j0 : E + j1].copy_(w_full.index_select(0, src[j0:j1]))
+
+    def reduce_into_owner(self, plan: Plan, g_local: torch.Tensor, g_slots_all: torch.Tensor) -> None:
+        rank, R, epn, B = plan.rank, plan.num_ranks, plan.epn, plan.num_slots
+        slot_e = plan.slot_expert_RB.long()  # [R, B]
+        owned = (slot_e >= 0) & (slot_e // epn == rank)
+        local_idx = torch.where(owned, slot_e - rank * epn, 0)
+        for d in range(R):
+            if d == rank:
+                continue  # a rank never holds copies of its own experts
+            for j0, j1 in _slot_chunks(B, g_local[0]):
+                contrib = torch.where(owned[d, j0:j1, None, None], g_slots_all[d, j0:j1], 0.0)
+                g_local.index_add_(0, local_idx[d, j0:j1], contrib)
+
+    def zero_slots(self, plan: Plan, g_slots_all: torch.Tensor) -> None:
+        g_slots_all[plan.rank].zero_()
+
+    def accumulate_wgrad(self, g_GIO: torch.Tensor, x_rows: torch.Tensor, grad_rows: torch.Tensor,
+                         offs_G: torch.Tensor, scale: float, write_groups: int) -> None:
+        if write_groups:
+            g_GIO[:write_groups].zero_()
+        accumulate_wgrad(g_GIO, x_rows, grad_rows, offs_G, scale)
+
+    # ------------------------------------------------------------------ expert math
+    def glu_forward(self, activation: str, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return get_activation(activation).forward(h, u)
+
+    def glu_backward(self, activation: str, grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return get_activation(activation).backward(grad_a, h, u)
+
+    def scale_rows(self, o: torch.Tensor, w_rows: torch.Tensor, out: torch.Tensor) -> None:
+        torch.mul(o, w_rows[:, None], out=out)  # fp32 product, rounded once into out
+
+    def route_backward(self, gy: torch.Tensor, o: torch.Tensor, w_rows: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        return route_backward(gy, o, w_rows)
+
+
+def route_backward(gy: torch.Tensor, o: torch.Tensor, w_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For y_rows = o * w (per row): (grad_o, grad_w) from gy; fp32 products, grad_o rounded once to
+    gy's dtype (the specification of moonep.kernels.route_weights.route_backward)."""
+    grad_w = (gy.float() * o).sum(-1)
+    grad_o = torch.mul(gy, w_rows[:, None], out=torch.empty_like(gy))
+    return grad_o, grad_w

@@ -1,0 +1,132 @@
+"""The Triton data path (CUDA): the kernels of moonep.kernels and the fused planner, bitwise equal to
+moonep.datapath.reference (the specification) except where a docstring below says otherwise.
+
+- plan: moonep.planner.fused (histogram counted from topk_sK on the device, exchanged by peer
+  stores, planned in three more kernels; one CUDA graph replay per call).
+- dispatch and combine: moonep.kernels.dispatch_combine (its docstring holds the protocol: a push
+  combine through a landing region). Combine needs the receive rows' sources (row_src) of its
+  plan; when the plan is not the one of the last dispatch on this buffer, combine first rewrites
+  them (barriers "combine:enter" / "combine:meta"; every rank takes this branch together, as every
+  rank runs the same call sequence).
+- prefetch / reduce_grad / the masked weight-gradient accumulation: moonep.kernels.experts (they
+  touch occupied slots and non-empty groups only).
+- the activation and the route weights: moonep.kernels.swiglu / .situ_glu and moonep.kernels.route_weights
+  (the route-weight gradient sums in another order than torch.sum: within a bound the tests derive;
+  SiTU-GLU's device exp and division are approximate: within the bound of tests/moonep/situ_glu_cases.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from moonep.activation import get_activation
+from moonep.datapath import CommViews
+from moonep.grouped_gemm import grouped_mm_wgrad
+from moonep.kernels import dispatch_combine, experts, route_weights, situ_glu, swiglu
+from moonep.planner.fused import FusedPlanner
+from moonep.planner.plan import Plan
+
+# activation name (moonep.activation) -> (forward, backward) kernels of the same signatures
+GLU_KERNELS: dict[str, tuple[Callable, Callable]] = {
+    "swiglu": (swiglu.swiglu_forward, swiglu.swiglu_backward),
+    "situ_glu": (situ_glu.situ_glu_forward, situ_glu.situ_glu_backward),
+}
+
+
+class TritonPath:
+    name = "triton"
+    counts_topk = True
+
+    def __init__(self, comm: CommViews) -> None:
+        self.comm = comm
+        opts = comm.options
+        self._grid = opts.num_sms or torch.cuda.get_device_properties(comm.device).multi_processor_count
+        self._scatter_work = dispatch_combine.scatter_work(comm.device)  # calls of a Buffer are stream-ordered
+        self._planner = FusedPlanner(comm.layout, comm.rank, comm.every["hist"],
+                                     lambda: comm.barrier("dispatch:histograms"))
+        self._rows_plan: Plan | None = None  # plan of the last dispatch: its rows' sources are in row_src
+
+    # ------------------------------------------------------------------ Buffer
+    def plan(self, topk_sK: torch.Tensor, tokens_per_expert_E: torch.Tensor | None, total_num_tokens: int | None,
+             check_counts: Callable[[torch.Tensor], None] | None) -> Plan:
+        plan = self._planner(topk_sK, total_num_tokens)
+        if check_counts is not None:
+            check_counts(plan.counts_RE)
+        return plan
+
+    def scatter(self, plan: Plan, x_sH: torch.Tensor, weights_sK: torch.Tensor | None, *, rows: bool = True) -> None:
+        c = self.comm
+        every = c.every
+        dispatch_combine.scatter(x_sH, weights_sK, plan.dst_rank_sK, plan.dst_row_sK, plan.copy_row_sK, plan.sent_sK,
+                                 every["recv"], every["row_weight"], every["row_link"],
+                                 c.rank * c.layout.config.max_tokens * plan.topk, self._grid, self._scatter_work,
+                                 tile=c.options.scatter_tile, rows=rows)
+
+    def expand(self, plan: Plan, *, copy: bool = True) -> None:
+        c = self.comm
+        mine = c.mine
+        dispatch_combine.expand(mine["recv"], mine["row_weight"], mine["row_link"], plan.offs_RG[c.rank],
+                                plan.group_rows_RG[c.rank], plan.nvs_s, c.layout.zero_row,
+                                c.layout.config.token_padding, copy=copy)
+        self._rows_plan = plan
+
+    def combine(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        c = self.comm
+        mine, every, K = c.mine, c.every, plan.topk
+        cfg = c.layout.config
+        if plan is not self._rows_plan:
+            c.barrier("combine:enter")
+            self.scatter(plan, y_rows, None, rows=False)
+            self.expand(plan, copy=False)
+            c.barrier("combine:meta")
+        dispatch_combine.push(y_rows, row_scalars, mine["row_link"], plan.nvs_s, every["land"], every["land_scalar"],
+                              cfg.max_tokens * K, self._grid)
+        c.barrier("combine:rows")
+        s = plan.num_tokens
+        y_sH = torch.empty(s, cfg.hidden, dtype=cfg.dtype, device=c.device)
+        dispatch_combine.reduce(mine["land"], y_sH, K)
+        scalars_sK = mine["land_scalar"][: s * K].view(s, K).clone() if row_scalars is not None else None
+        c.barrier("combine:done")
+        return y_sH, scalars_sK
+
+    def pooled_plans(self) -> int:
+        return self._planner.pooled_plans()
+
+    # ------------------------------------------------------------------ ExpertPools
+    def prefetch(self, plan: Plan, w_full: torch.Tensor) -> None:
+        experts.prefetch(w_full, plan.slot_expert_RB, plan.rank, plan.num_experts)
+
+    def reduce_into_owner(self, plan: Plan, g_local: torch.Tensor, g_slots_all: torch.Tensor) -> None:
+        experts.reduce_into_owner(g_local, g_slots_all, plan.slot_expert_RB, plan.rank)
+
+    def zero_slots(self, plan: Plan, g_slots_all: torch.Tensor) -> None:
+        experts.zero_slots(g_slots_all, plan.slot_expert_RB, plan.rank)
+
+    def accumulate_wgrad(self, g_GIO: torch.Tensor, x_rows: torch.Tensor, grad_rows: torch.Tensor,
+                         offs_G: torch.Tensor, scale: float, write_groups: int) -> None:
+        experts.accumulate_groups(g_GIO, grouped_mm_wgrad(x_rows, grad_rows, offs_G), offs_G, scale,
+                                  write_groups=write_groups)
+
+    # ------------------------------------------------------------------ expert math
+    def glu_forward(self, activation: str, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return _glu_kernels(activation)[0](h, u)
+
+    def glu_backward(self, activation: str, grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _glu_kernels(activation)[1](grad_a, h, u)
+
+    def scale_rows(self, o: torch.Tensor, w_rows: torch.Tensor, out: torch.Tensor) -> None:
+        route_weights.scale_rows(o, w_rows, out)
+
+    def route_backward(self, gy: torch.Tensor, o: torch.Tensor, w_rows: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        return route_weights.route_backward(gy, o, w_rows)
+
+
+def _glu_kernels(activation: str) -> tuple[Callable, Callable]:
+    get_activation(activation)  # a ValueError for names moonep does not know
+    assert activation in GLU_KERNELS, f"activation {activation!r} has no Triton kernels (moonep.activation lists it)"
+    return GLU_KERNELS[activation]

@@ -1,0 +1,108 @@
+"""Triton kernels of SiTU-GLU, forward and the one-pass elementwise backward (moonep.situ_glu is the
+specification: same formulas, same operation order, one rounding per output).
+
+Forward: a = situ(h) * cap(u), read h and u (bf16), write a (bf16).
+Backward: from grad_a, h, u (bf16) write grad_h, grad_u and the recomputed a (bf16) in one pass, the
+elementwise part of the expert backward (the eager form makes ~20 fp32 passes over [N, F]).
+
+Rounding fp32 -> bf16 is done on the bits (round to nearest, ties to even; finite values) rather than
+by a cast, because Triton's interpreter casts by truncating: written this way the interpreter and the
+GPU round as torch does, so under TRITON_INTERPRET=1 the outputs equal the specification's bit for bit
+once both use the same exp (tests/moonep/test_expert_math_interpreted.py). On the GPU, exp and fp32
+division are the device's (approximate) instructions: within one bf16 ulp of the specification
+(tests/moonep/gpu/test_expert_math.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK = 2048
+
+
+@triton.jit
+def _tanh_sech2(x):
+    """moonep.situ_glu._tanh_sech2, operation for operation."""
+    x2 = x * x
+    poly = x + x * (x2 * (x2 * (2.0 / 15.0) - (1.0 / 3.0)))
+    e = tl.exp(-2.0 * tl.abs(x))
+    big = (1.0 - e) / (1.0 + e)
+    small = tl.abs(x) < 0.0625
+    t = tl.where(small, poly, tl.where(x < 0, -big, big))
+    sech2 = tl.where(small, 1.0 - poly * poly, 4.0 * e / ((1.0 + e) * (1.0 + e)))
+    return t, sech2
+
+
+@triton.jit
+def _sigmoid_dsigmoid(x):
+    """moonep.situ_glu._sigmoid_dsigmoid, operation for operation."""
+    e = tl.exp(-tl.abs(x))
+    inv = 1.0 / (1.0 + e)
+    return tl.where(x < 0, e * inv, inv), e * (inv * inv)
+
+
+@triton.jit
+def _to_bf16(x):
+    """fp32 -> bf16 bits, round to nearest even (what torch's .to(bfloat16) does for finite values)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _situ_glu_fwd_kernel(h_ptr, u_ptr, a_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    hf = tl.load(h_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    uf = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    t, _ = _tanh_sech2(hf / 4.0)
+    sig, _ = _sigmoid_dsigmoid(hf)
+    c, _ = _tanh_sech2(uf / 25.0)
+    tl.store(a_ptr + offs, _to_bf16((4.0 * t * sig) * (25.0 * c)), mask=m)
+
+
+@triton.jit
+def _situ_glu_bwd_kernel(ga_ptr, h_ptr, u_ptr, gh_ptr, gu_ptr, a_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    ga = tl.load(ga_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    hf = tl.load(h_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    uf = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    t, sech2_t = _tanh_sech2(hf / 4.0)
+    sig, dsig = _sigmoid_dsigmoid(hf)
+    c, sech2_c = _tanh_sech2(uf / 25.0)
+    situ = 4.0 * t * sig
+    cap = 25.0 * c
+    dsitu = sech2_t * sig + 4.0 * t * dsig
+    tl.store(gh_ptr + offs, _to_bf16(ga * cap * dsitu), mask=m)
+    tl.store(gu_ptr + offs, _to_bf16(ga * situ * sech2_c), mask=m)
+    tl.store(a_ptr + offs, _to_bf16(situ * cap), mask=m)
+
+
+def _check(name: str, *tensors: torch.Tensor) -> None:
+    first = tensors[0]
+    if not all(t.shape == first.shape and t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors):
+        raise ValueError(f"{name} needs contiguous bf16 tensors of one shape, got "
+                         + ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors))
+
+
+def situ_glu_forward(h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """a = situ(h) * cap(u) (bf16); see moonep.situ_glu.situ_glu_forward."""
+    _check("situ_glu_forward", h, u)
+    a = torch.empty_like(h)
+    n = h.numel()
+    _situ_glu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](h, u, a, n, BLOCK=_BLOCK, num_warps=8)
+    return a
+
+
+def situ_glu_backward(grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_h, grad_u, a) (bf16); see moonep.situ_glu.situ_glu_backward."""
+    grad_a = grad_a.contiguous()
+    _check("situ_glu_backward", grad_a, h, u)
+    grad_h, grad_u, a = torch.empty_like(h), torch.empty_like(h), torch.empty_like(h)
+    n = h.numel()
+    _situ_glu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](grad_a, h, u, grad_h, grad_u, a, n, BLOCK=_BLOCK, num_warps=8)
+    return grad_h, grad_u, a

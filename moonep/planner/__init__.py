@@ -1,0 +1,7 @@
+"""The online planner (SPEC section 5): `Plan`, the PyTorch specification (`reference`) and the
+fused Triton planner Buffers use on CUDA (`fused`, imported only there: it imports triton)."""
+
+from moonep.planner.plan import Plan
+from moonep.planner.reference import make_plan
+
+__all__ = ["Plan", "make_plan"]

@@ -1,0 +1,116 @@
+"""Block Attention Residuals (AttnRes, Kimi Team, arXiv 2603.15031): each sub-layer's input is a softmax
+attention over depth instead of the running residual sum.
+
+Legend: N values attended over, B batch, T sequence, D hidden.
+
+Values: the completed block representations b_0 .. b_{n-1} (b_0 is the token embedding) and the partial
+sum of the current block (the outputs of its sub-layers so far). Keys: RMSNorm(v) with a learned weight
+g; the query is a learned pseudo-query w per aggregation (zero at init: uniform weights), not a function
+of the token:
+
+    h = sum_n softmax_n(w . RMSNorm(v_n)) v_n      w . RMSNorm(v_n) = (v_n . (w * g)) * rsqrt(mean(v_n^2) + eps)
+
+Block structure (model.attn_res_block_size S sub-layers per block, attention and FFN counting one each):
+transformer layer i starts a block when i % (S / 2) == 0, committing the partial sum it receives (the
+embedding at layer 0) as a completed block before its attention runs; the attention's and the FFN's
+inputs are aggregations (one DepthAttention each); their outputs are added to the partial sum; after
+the last layer one more aggregation feeds the final norm. K3: S = 12 (6 transformer layers per block).
+
+Numerics and memory: DepthAttention is one autograd function. It upcasts each value to fp32 on the
+fly, accumulates h in fp32 and rounds it once to the values' dtype, and saves only references to its
+inputs plus two [N, B, T] fp32 tensors (the rsqrt factors and the weights); backward recomputes the
+rest one value at a time. Autograd through the formula would save an fp32 copy (or a stacked [N, B, T,
+D] copy) of every value per aggregation, 2L times per step.
+
+Activation checkpointing: a block's recompute re-runs its two aggregations from the same tuple of
+completed blocks (tuples: never mutated after a layer read them) and the partial sum it received; the
+completed blocks are partial sums some layer received, which the checkpoints hold anyway, so AttnRes
+adds two [N, B, T] fp32 tensors per aggregation in backward and nothing between forward and backward.
+FSDP: the queries and key-norm weights are ordinary dense parameters of their block (the final one of
+the root), gathered and reduced with it.
+
+Rejected: a fused kernel (fla-core ships one). Per aggregation the op reads N + 1 [B, T, D] tensors
+twice (logits, weighted sum), N <= 17 for K3: an elementwise-bound op next to the layer's GEMMs, to be
+fused only if a profile shows it matters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moontrain.model.norm import RMSNorm
+
+
+class _DepthAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_D: torch.Tensor, eps: float, *values: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(values[0].dtype, torch.float32)
+        q = q_D.to(dtype)
+        rs, logits = [], []
+        for v in values:
+            vf = v.to(dtype)
+            r = torch.rsqrt(vf.pow(2).mean(-1) + eps)
+            rs.append(r)
+            logits.append((vf @ q) * r)
+        p_NBT = torch.softmax(torch.stack(logits), dim=0)
+        h = torch.zeros(values[0].shape, dtype=dtype, device=values[0].device)
+        for p, v in zip(p_NBT, values, strict=True):
+            h.addcmul_(p.unsqueeze(-1), v.to(dtype))
+        ctx.save_for_backward(q_D, torch.stack(rs), p_NBT, *values)
+        ctx.dtype = dtype
+        return h.to(values[0].dtype)
+
+    @staticmethod
+    def backward(ctx, grad_h: torch.Tensor):
+        q_D, r_NBT, p_NBT, *values = ctx.saved_tensors
+        dtype = ctx.dtype
+        q = q_D.to(dtype)
+        gh = grad_h.to(dtype)
+        dim = q.shape[0]
+        grad_p = torch.stack([(gh * v.to(dtype)).sum(-1) for v in values])
+        grad_logit = p_NBT * (grad_p - (p_NBT * grad_p).sum(0, keepdim=True))
+        grad_q = torch.zeros_like(q)
+        grad_values = []
+        for v, r, p, gl in zip(values, r_NBT, p_NBT, grad_logit, strict=True):
+            vf = v.to(dtype)
+            # logit = (v . q) r, r = rsqrt(mean(v^2) + eps): d logit / dv = r q - (v . q) r^3 v / D
+            s = vf @ q
+            gv = gh * p.unsqueeze(-1) + (gl * r).unsqueeze(-1) * q - (gl * s * r.pow(3) / dim).unsqueeze(-1) * vf
+            grad_values.append(gv.to(v.dtype))
+            grad_q += ((gl * r).unsqueeze(-1) * vf).flatten(0, -2).sum(0)
+        return grad_q.to(q_D.dtype), None, *grad_values
+
+
+class DepthAttention(nn.Module):
+    """One AttnRes aggregation: a zero-initialised pseudo-query and the keys' RMSNorm weight."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(dim, device=device))
+        self.key_norm = RMSNorm(dim, eps, device=device)  # only its weight and eps are used
+
+    def forward(self, blocks: tuple[torch.Tensor, ...], partial: torch.Tensor) -> torch.Tensor:
+        """softmax-weighted sum of (*blocks, partial), each [B, T, D]."""
+        dtype = torch.promote_types(self.query.dtype, torch.float32)  # fp32 also from FSDP's bf16 copies
+        q_D = self.query.to(dtype) * self.key_norm.weight.to(dtype)
+        return _DepthAttention.apply(q_D, self.key_norm.eps, *blocks, partial)
+
+
+def aggregation_sizes(num_layers: int, block_size: int) -> list[int]:
+    """The number of values N each aggregation attends over, in forward order: two per layer (before
+    the attention, before the FFN), then the final one. Empty for standard residuals (block_size 0)."""
+    if not block_size:
+        return []
+    sizes, completed = [], 0
+    for layer_idx in range(num_layers):
+        sizes.append(completed + 1)
+        completed += starts_block(layer_idx, block_size)
+        sizes.append(completed + 1)
+    return [*sizes, completed + 1]
+
+
+def starts_block(layer_idx: int, block_size: int) -> bool:
+    """Whether transformer layer layer_idx commits the partial sum as a completed block (block_size in
+    sub-layers, two per transformer layer)."""
+    return layer_idx % (block_size // 2) == 0

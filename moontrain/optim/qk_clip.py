@@ -1,0 +1,144 @@
+"""QK-Clip (Kimi K2): after each optimizer step, scale back the query/key weights of every attention head
+whose maximum attention logit exceeded tau. Softmax (MLA) layers only: KDA layers have no logits.
+
+Legend: L full-attention layers, N heads, B batch, T sequence, d q/k head dim, Dn nope and Dr rope head
+dims, Dv value head dim, c query rows per chunk.
+
+Measurement: SDPA does not return its logits, so `causal_max_logit` is a separate pass over the same
+q and k (after rope, before SDPA): the exact causal maximum of scale * q.k per head (within each
+document for packed rows with document masking, the logits the attention computes), in chunks of
+query rows (peak memory B * N * c * T scores), under no_grad. The products run in the compute dtype
+with fp32 accumulation; bf16 scores are rounded once, and rounding is monotone, so the measured
+maximum is the true one up to one bf16 rounding (relative 2^-9). Cost: the QK^T half of the
+attention forward again (causal: the chunks stop at the diagonal), no backward. A layer's running
+maximum covers every micro-batch of the step; activation-checkpointing recomputes measure the same
+values again (the maximum is idempotent).
+
+Clip, per layer and head h, with S_h the step's maximum over every rank's tokens (one all_reduce MAX)
+and gamma_h = min(1, tau / S_h): in MLA the head-specific query and key parts are rescaled (Kimi K2),
+the shared rope key is not:
+    q_nope rows of head h (wq_b or wq)       *= sqrt(gamma_h)
+    k_nope rows of head h (wkv_b)            *= sqrt(gamma_h)
+    q_rope rows of head h (wq_b or wq)       *= gamma_h
+so every logit of head h is scaled by exactly gamma_h and the step's maximum becomes tau. Value rows
+and the optimizer state are untouched. FSDP shards are scaled on their local rows.
+
+Metrics (identical on every rank, read at logging steps only): qk/max_logit/layer<i> (the window's
+maximum before the clip), qk/clipped_heads/layer<i> (heads clipped, summed over the window's steps),
+and their max / total.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+_SCORES_PER_CHUNK = 1 << 24  # scores materialised per chunk (64 MiB in fp32)
+
+
+@torch.no_grad()
+def causal_max_logit(q_BNTd: torch.Tensor, k_BNTd: torch.Tensor, scale: float,
+                     doc_id_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """max over batch, query t and key s <= t (of t's document when doc_id_BT is given: the logits the
+    attention computes) of scale * q[b, h, t] . k[b, h, s], per head h (fp32 [N])."""
+    B, N, T, _ = q_BNTd.shape
+    chunk = max(1, min(T, _SCORES_PER_CHUNK // max(1, B * N * T)))
+    out_N = torch.full((N,), -math.inf, dtype=torch.float32, device=q_BNTd.device)
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        s_BNcS = torch.matmul(q_BNTd[:, :, t0:t1], k_BNTd[:, :, :t1].transpose(-1, -2)).float()
+        t_c = torch.arange(t0, t1, device=q_BNTd.device)
+        hidden_BcS = (torch.arange(t1, device=q_BNTd.device)[None, :] > t_c[:, None]).unsqueeze(0)
+        if doc_id_BT is not None:
+            hidden_BcS = hidden_BcS | (doc_id_BT[:, t0:t1, None] != doc_id_BT[:, None, :t1])
+        s_BNcS.masked_fill_(hidden_BcS.unsqueeze(1), -math.inf)
+        out_N = torch.maximum(out_N, s_BNcS.amax(dim=(0, 2, 3)) * scale)
+    return out_N
+
+
+def _rows_of(n: int, world: int, rank: int) -> tuple[int, int]:
+    chunk = -(-n // world) if n else 0
+    offset = min(rank * chunk, n)
+    return offset, min(chunk, n - offset)
+
+
+def _scale_rows_(weight: torch.Tensor, scale_n: torch.Tensor) -> None:
+    """weight[i, :] *= scale_n[i] on the rows this rank holds (all of them unless an FSDP shard)."""
+    if isinstance(weight, DTensor):
+        mesh = weight.device_mesh
+        offset, rows = _rows_of(weight.shape[0], mesh.size(), mesh.get_local_rank())
+        local = weight.to_local()
+        local.mul_(scale_n[offset:offset + rows, None].to(local.dtype))
+    else:
+        weight.mul_(scale_n[:, None].to(weight.dtype))
+
+
+class QKClip:
+    """Owns the max-logit measurement of the given attention modules and the clip after each step.
+
+    Each module must expose `max_logit_N` (None: not measuring; a tensor: the running maximum that its
+    forward updates with causal_max_logit), `cfg` (ModelConfig) and its q (wq_b or wq) and wkv_b."""
+
+    def __init__(self, attns: list[nn.Module], tau: float, *, group: dist.ProcessGroup | None,
+                 layer_ids: list[int]) -> None:
+        if tau <= 0:
+            raise ValueError(f"QK-Clip needs tau > 0, got {tau}")
+        self.attns, self.tau, self.group, self.layer_ids = attns, tau, group, layer_ids
+        device = next(attns[0].parameters()).device if attns else torch.device("cpu")
+        self._device = device
+        for attn in attns:
+            attn.max_logit_N = self._fresh(attn.cfg.num_heads)
+        self._window_max_L = torch.full((len(attns),), -math.inf, device=device)
+        self._window_clipped_L = torch.zeros(len(attns), device=device)
+
+    def _fresh(self, num_heads: int) -> torch.Tensor:
+        return torch.full((num_heads,), -math.inf, dtype=torch.float32, device=self._device)
+
+    @torch.no_grad()
+    def step(self) -> torch.Tensor:
+        """Collective (one all_reduce): clip every head above tau, restart the measurement; returns the
+        step's max logit per layer and head [L, N] (before clipping)."""
+        if not self.attns:
+            return torch.zeros(0, 0)
+        max_LN = torch.stack([attn.max_logit_N for attn in self.attns])
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(max_LN, op=dist.ReduceOp.MAX, group=self.group)
+        gamma_LN = torch.where(max_LN > self.tau, self.tau / max_LN, 1.0)
+        for attn, gamma_N in zip(self.attns, gamma_LN, strict=True):
+            self._clip_layer(attn, gamma_N)
+            attn.max_logit_N = self._fresh(attn.cfg.num_heads)
+        self._window_max_L = torch.maximum(self._window_max_L, max_LN.amax(dim=1))
+        self._window_clipped_L += (gamma_LN < 1.0).sum(dim=1)
+        return max_LN
+
+    @staticmethod
+    def _clip_layer(attn: nn.Module, gamma_N: torch.Tensor) -> None:
+        cfg = attn.cfg
+        Dn, Dr, Dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        root_N = gamma_N.sqrt()
+        q_scale_Nd = torch.cat([root_N[:, None].expand(-1, Dn), gamma_N[:, None].expand(-1, Dr)], dim=1)
+        kv_scale_Nd = torch.cat([root_N[:, None].expand(-1, Dn), torch.ones_like(gamma_N)[:, None].expand(-1, Dv)],
+                                dim=1)
+        wq = attn.wq if cfg.q_lora_rank is None else attn.wq_b
+        _scale_rows_(wq.weight, q_scale_Nd.reshape(-1))
+        _scale_rows_(attn.wkv_b.weight, kv_scale_Nd.reshape(-1))
+
+    def flush(self) -> dict[str, float]:
+        """The window's metrics (one host read), then a new window starts."""
+        if not self.attns:
+            return {}
+        values = torch.cat([self._window_max_L, self._window_clipped_L]).tolist()
+        L = len(self.attns)
+        out = {}
+        for i, layer_id in enumerate(self.layer_ids):
+            out[f"qk/max_logit/layer{layer_id}"] = values[i]
+            out[f"qk/clipped_heads/layer{layer_id}"] = values[L + i]
+        out["qk/max_logit/max"] = max(values[:L])
+        out["qk/clipped_heads/total"] = sum(values[L:])
+        self._window_max_L.fill_(-math.inf)
+        self._window_clipped_L.zero_()
+        return out

@@ -1,0 +1,13 @@
+"""WriteBackAdamW's fused expert step on a GPU against torch's fused AdamW (write_back_cases.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.moontrain.optim.write_back_cases import check_write_back_matches_adamw
+
+pytestmark = pytest.mark.gpu
+
+
+def test_write_back_adamw_matches_fused_adamw_gpu() -> None:
+    check_write_back_matches_adamw("cuda", fused=True, exact_rounding=True)

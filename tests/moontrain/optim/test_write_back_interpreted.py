@@ -1,0 +1,100 @@
+"""WriteBackAdamW's fused expert step in Triton's interpreter on the CPU, against torch's AdamW
+(tests/moontrain/optim/write_back_cases.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+# first: sets TRITON_INTERPRET=1 before triton is imported and skips this module where triton is absent
+import tests.moonep.test_kernels_interpreted  # noqa: F401
+from tests.moontrain.optim.write_back_cases import check_write_back_matches_adamw
+
+
+def test_write_back_adamw_matches_torch_adamw() -> None:
+    check_write_back_matches_adamw("cpu", fused=None, exact_rounding=False, torch_param=True, clip=False)
+
+
+def test_write_back_adamw_applies_the_clip_factor() -> None:
+    check_write_back_matches_adamw("cpu", fused=None, exact_rounding=False, torch_param=False, clip=True)
+
+
+def test_write_back_rejects_mismatched_target() -> None:
+    import torch
+
+    from moontrain.optim.write_back import WriteBackAdamW
+
+    p = torch.nn.Parameter(torch.zeros(4, 6))
+    opt = WriteBackAdamW([p], lr=1e-3)
+    with pytest.raises(ValueError, match="does not match parameter"):
+        opt.register_write_back(p, torch.zeros(6, 4).t())
+    with pytest.raises(ValueError, match="amsgrad=True is not supported"):
+        WriteBackAdamW([p], lr=1e-3, amsgrad=True)
+
+
+def test_trainer_with_write_back_matches_plain_adamw(tmp_path) -> None:
+    """The trainer's step protocol with optim.write_back (one fused pass per expert projection, then
+    finish_step skips them) against torch's AdamW + push_master + zero_grads: same losses and state
+    within the kernel's fp32 contraction (bound as in write_back_cases), compute copies = masters."""
+    import torch
+
+    from moontrain.optim.write_back import WriteBackAdamW
+    from moontrain.parallel.layout import single_process_layout
+    from moontrain.trainer.trainer import Trainer
+    from tests.moontrain.ckpt_utils import full_state, small_config, train
+
+    states, losses = [], []
+    for write_back in (False, True):
+        cfg = small_config("local", 1, run_dir=str(tmp_path / str(write_back)))
+        cfg.optim.write_back = write_back
+        trainer = Trainer(cfg, single_process_layout(torch.device("cpu")))
+        assert isinstance(trainer.optimizer, WriteBackAdamW) == write_back
+        losses.append(train(trainer, 4))
+        states.append(full_state(trainer))
+        for w in trainer.experts:
+            for name, master in w.master.items():
+                assert torch.equal(w.compute[name], master.detach().to(w.compute[name].dtype))
+                assert master.grad is None and not w.grad[name].any()
+        if write_back:
+            assert len(trainer.optimizer.written_back) == 3 * len(trainer.experts)
+        trainer.close()
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    for name, ref in states[0].items():
+        tol = 1e-6 * (float(ref.abs().max()) + 1.0)
+        torch.testing.assert_close(states[1][name], ref, rtol=0, atol=tol, msg=name)
+
+
+def _train_moonep(rank: int, world: int, write_back: bool, run_dir: str) -> tuple[list[float], dict]:
+    import torch
+
+    from moontrain.parallel.layout import build_layout
+    from moontrain.trainer.trainer import Trainer
+    from tests.moontrain.ckpt_utils import full_state, small_config, train
+
+    torch.set_num_threads(1)
+    cfg = small_config("moonep", 2, run_dir=run_dir)
+    cfg.optim.write_back = write_back
+    trainer = Trainer(cfg, build_layout(2, torch.device("cpu")))
+    losses = train(trainer, 4)
+    state = full_state(trainer)
+    written = len(trainer.optimizer.written_back) if write_back else 0
+    trainer.close()
+    return losses, {**state, "written": torch.tensor(written)}
+
+
+def test_moonep_trainer_with_write_back_matches_plain_adamw(tmp_path) -> None:
+    """moonep at EP=2 (gloo): WriteBackAdamW registers the expert masters with zero_grad=False and
+    moonep declares their grads zero instead (ExpertPools.defer_zero_grads, overwritten by the next
+    accumulation): 4 steps match torch's AdamW + push_master + zeroing within the kernel's rounding
+    (a grad left stale would add a whole step's gradient)."""
+    import torch
+
+    from tests.dist_utils import run_ranks
+
+    ref_losses, ref = run_ranks(_train_moonep, 2, False, str(tmp_path / "a"), timeout_s=300)[0]
+    losses, got = run_ranks(_train_moonep, 2, True, str(tmp_path / "b"), timeout_s=300)[0]
+    assert int(got.pop("written")) == 3 * 2  # 2 MoE layers x 3 projections of this rank
+    ref.pop("written")
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for name, want in ref.items():
+        tol = 1e-6 * (float(want.abs().max()) + 1.0)
+        torch.testing.assert_close(got[name], want, rtol=0, atol=tol, msg=name)

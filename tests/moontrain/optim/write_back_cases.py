@@ -1,0 +1,78 @@
+"""WriteBackAdamW against torch's AdamW on copies of the same parameters (shared by the CPU test in
+Triton's interpreter and the GPU test).
+
+Registered parameters take the fused Triton step; an unregistered one goes through torch's step in the
+same call. The reference sees each grad already divided by the clip factor (what grad_scale means).
+Tolerance: both evaluate the same fp32 formula, the kernel with possible FMA contraction: a few ulps
+of |p| plus of the update lr * |m| / (sqrt(v) + eps) <= ~lr / (1 - beta1) per step. Over 3 steps
+64 ulps of (max|p| + 10 lr) covers it; a wrong bias correction or decay would miss by ~1e-2 * lr.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moontrain.optim.write_back import WriteBackAdamW
+
+LR, WD, BETAS, EPS = 1e-3, 0.1, (0.9, 0.95), 1e-8
+
+
+def check_write_back_matches_adamw(device: str, fused: bool | None, exact_rounding: bool,
+                                   torch_param: bool = True, clip: bool = True) -> None:
+    """torch_param: include the unregistered parameter; clip: clip_next_step in steps 2 and 3 (torch's
+    unfused AdamW rejects grad_scale, so the CPU runs the two separately). exact_rounding: the bf16 write-back copy is bitwise p.to(bf16) (GPU); Triton's interpreter
+    truncates fp32 -> bf16 where torch rounds to nearest, so there it is within one bf16 ulp."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    shapes = [(3, 40, 24), (5, 16, 7), (33,)][:3 if torch_param else 2]  # the last: torch's path
+    init = [torch.randn(s, device=device, generator=gen) * 0.05 for s in shapes]
+    ours = [torch.nn.Parameter(t.clone()) for t in init]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    outs = [torch.empty(shapes[0], device=device, dtype=torch.bfloat16), torch.empty(shapes[1], device=device)]
+
+    def groups(ps):
+        return [{"params": ps[:2], "weight_decay": WD}, {"params": ps[2:], "weight_decay": 0.0}]
+
+    opt = WriteBackAdamW(groups(ours), lr=LR, betas=BETAS, eps=EPS, fused=fused)
+    ref_opt = torch.optim.AdamW(groups(ref), lr=LR, betas=BETAS, eps=EPS, fused=fused)
+    for p, out, zero in zip(ours[:2], outs, (True, False), strict=True):  # the second: a deferring backend's
+        opt.register_write_back(p, out, zero_grad=zero)
+    for step, scale in enumerate((None, 2.5, 1.0) if clip else (None, None, None)):
+        grads = [torch.randn(s, device=device, generator=gen) for s in shapes]
+        for p, r, g in zip(ours, ref, grads, strict=True):
+            p.grad = g.clone()
+            r.grad = g.clone() if scale is None else g / scale
+        if scale is not None:
+            opt.clip_next_step(torch.tensor(scale, device=device))
+        held = [p.grad for p in ours[:2]]
+        sent = [g.clone() for g in held]
+        opt.step()
+        ref_opt.step()
+        assert not hasattr(opt, "grad_scale"), "the clip factor is for one step only"
+        assert opt.written_back == {id(p) for p in ours[:2]}
+        for p, g, before, out, zero in zip(ours[:2], held, sent, outs, (True, False), strict=True):
+            assert p.grad is None, "the registered grads are released"
+            if zero:
+                assert not g.any(), "zero_grad=True: the grad is zeroed"
+            else:
+                assert torch.equal(g, before), "zero_grad=False: the grad is left as it was"
+            want = p.detach().to(out.dtype)
+            if exact_rounding or out.dtype == torch.float32:
+                assert torch.equal(out, want), "the write-back copy is the new parameter"
+            else:
+                ulp = want.float().abs() * 2.0**-7
+                assert bool(((out.float() - want.float()).abs() <= ulp).all()), "write-back copy beyond 1 ulp"
+        for p in ours[2:]:
+            assert p.grad is not None  # torch's path leaves its grad alone
+            p.grad = None
+        for r in ref:
+            r.grad = None
+        for p, r in zip(ours, ref, strict=True):
+            tol = 64 * 2.0**-24 * (float(r.detach().abs().max()) + 10 * LR)
+            torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=tol, msg=f"step {step}: param")
+            for key in ("exp_avg", "exp_avg_sq"):
+                a, b = opt.state[p][key], ref_opt.state[r][key]
+                # torch's foreach path uses lerp (m + (1 - beta1) (g - m)), the kernel the fused form:
+                # a few ulps of the operands' magnitude, not of a cancelled result
+                torch.testing.assert_close(a, b, rtol=0, atol=16 * 2.0**-24 * float(b.abs().max()),
+                                           msg=f"step {step}: {key}")
+            assert float(opt.state[p]["step"]) == float(ref_opt.state[r]["step"]) == step + 1
