@@ -7,13 +7,15 @@
     moontrain generate CHECKPOINT_OR_HF_DIR --prompt TEXT [--max-new-tokens N --temperature T --top-p P --seed S]
     moontrain eval CHECKPOINT_OR_HF_DIR --data PATH [--seq-len T --batch-size B --batches N]
 
+launch validates the recipe (strict loader, world-size checks, data paths and tokenizer, and on a CPU host
+the memory estimate) before anything starts, then runs torchrun with one worker per rank
+(`moontrain.trainer.worker`); the worker picks nccl on GPU and gloo on CPU. A configuration or data error
+in a worker is printed as the worker's one line, not torchrun's report. --dry-run prints the parallel
+layout, parameter counts, a per-rank memory estimate and the data checks without allocating anything
+(the model is built on the meta device).
+
 SIGTERM / SIGINT to the launcher: the ranks finish the step, save and exit 0; a second signal aborts;
 no rank outlives the launcher (moontrain.supervisor).
-
-launch validates the recipe (strict loader, world-size checks) before anything starts, then runs
-torchrun with one worker per rank (`moontrain.trainer.worker`); the worker picks nccl on GPU and gloo
-on CPU. --dry-run prints the parallel layout, parameter counts and a per-rank memory estimate without
-allocating anything (the model is built on the meta device).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -29,19 +32,32 @@ from moontrain.config import RunConfig, from_dict, load_recipe
 from moontrain.parallel.hosts import check_dry_run_host, check_ep_domain
 from moontrain.supervisor import Supervisor
 
+EPILOG = """\
+examples:
+  moontrain launch recipes/k3_tiny.yaml                       train the toy model on CPU (2 ranks, EP=2)
+  moontrain launch recipes/k3_tiny.yaml train.steps=200 data.tokenizer=recipes/data/tiny_tokenizer.json \\
+      model.vocab_size=384 eval.every=20 eval.data.path=recipes/data/tiny_corpus.jsonl
+  moontrain launch recipes/k3_small.yaml data.path=/data/fineweb.parquet data.tokenizer=/models/k2/tokenizer.json
+  moontrain launch recipes/k3.yaml --nproc 8 --nnodes 112 --dry-run  plan a cluster run, allocate nothing
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in COMMANDS:
-        return COMMANDS[argv[0]](argv[1:])
-    if not argv or argv[0] != "launch":
-        print("usage: moontrain launch RECIPE [key=value ...] [--nproc N] [--dry-run] (see --help)\n"
-              "       moontrain export|generate|eval ... (see moontrain <command> --help)", file=sys.stderr)
-        return 2
-    # subparsers cannot be combined with intermixed options, so the one command is matched by hand
-    launch = argparse.ArgumentParser(prog="moontrain launch",
-                                     description="train a recipe under torchrun (or plan it with --dry-run)")
-    launch.add_argument("recipe")
+overrides (dotted keys of the recipe, checked strictly):
+  data.path=FILE|DIR|GLOB   jsonl / parquet / text / save_to_disk / .bin / .npy (input_ids columns need no
+                            tokenizer); data.sources.NAME.path=... data.sources.NAME.weight=0.7 for a mixture
+  data.tokenizer=bytes|tokenizer.json|DIR   eval.every=N eval.steps=N eval.data.path=FILE
+  train.steps train.seq_len train.global_batch_size train.run_dir   parallel.ep   experts.backend
+
+runs never lose work: relaunching the same command resumes from the latest checkpoint in the run
+directory (checkpoint.resume=auto); checkpoint.resume=none starts over (the earlier run is moved aside).
+Metrics: <run_dir>/metrics.jsonl, an offline wandb run under <run_dir>/wandb, expert-load heatmaps
+under <run_dir>/heatmaps.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    launch = argparse.ArgumentParser(prog="moontrain launch", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     description="train a recipe under torchrun (or plan it with --dry-run)",
+                                     epilog=EPILOG)
+    launch.add_argument("recipe", help="a YAML recipe, e.g. recipes/k3_tiny.yaml")
     launch.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.num_layers=4")
     launch.add_argument("--nproc", type=int, default=None,
                         help="processes per node (default: GPUs on this host, or parallel.ep on CPU)")
@@ -53,10 +69,35 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("--max-restarts", type=int, default=0,
                         help="restart all workers this many times after a failure (they resume from the latest "
                              "checkpoint of train.run_dir)")
-    launch.add_argument("--dry-run", action="store_true", help="print layout, parameters and memory; run nothing")
+    launch.add_argument("--dry-run", action="store_true",
+                        help="print layout, parameters, memory and the data checks; run nothing")
     launch.add_argument("--device", choices=["cuda", "cpu"], default=None,
                         help="dry-run target (default: cuda, i.e. bf16 compute unless the recipe says float32)")
-    args = launch.parse_intermixed_args(argv[1:])
+    launch.add_argument("--no-memory-check", action="store_true",
+                        help="launch a CPU run even when its memory estimate exceeds the available host memory")
+    return launch
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]](argv[1:])
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print("usage: moontrain launch RECIPE [key=value ...] [--nproc N] [--dry-run]\n\n"
+              "moontrain trains Kimi-K3-like MoE models with expert parallelism (moonep).\n\n"
+              "commands:\n  launch    train a recipe under torchrun, or plan it with --dry-run\n"
+              "  export    write a checkpoint as a Hugging Face model directory\n"
+              "  generate  sample text from a checkpoint or a Hugging Face directory\n"
+              "  eval      held-out loss and perplexity of a checkpoint\n\n" + EPILOG
+              + "\nmore: moontrain <command> --help", file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    if argv[0] != "launch":
+        print(f"moontrain: error: unknown command {argv[0]!r}; the commands are launch, {', '.join(COMMANDS)} "
+              "(see moontrain --help)", file=sys.stderr)
+        return 2
+    # subparsers cannot be combined with intermixed options, so the one command is matched by hand
+    args = _parser().parse_intermixed_args(argv[1:])
+    on_gpu = torch.cuda.is_available()
     try:
         cfg = from_dict(RunConfig, load_recipe(args.recipe, args.overrides))
         nproc = args.nproc if args.nproc is not None else _default_nproc(cfg)
@@ -69,6 +110,14 @@ def main(argv: list[str] | None = None) -> int:
         check_ep_domain(cfg.experts.backend, cfg.parallel.ep, nproc)
         if args.nnodes > 1 and args.rdzv_endpoint is None and not args.dry_run:
             raise ValueError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)")
+        from moontrain.planning.preflight import check_data, host_memory_line
+
+        data_lines = check_data(cfg)
+        cpu_run = args.device == "cpu" or (args.device is None and not on_gpu)
+        memory_line, fits = host_memory_line(cfg, world, nproc) if cpu_run else ("", True)
+        if not args.dry_run and not fits and not args.no_memory_check:
+            raise ValueError(f"{memory_line}; make the model or batch smaller (model.*, train.global_batch_size, "
+                             "train.seq_len), run on GPUs, or pass --no-memory-check")
     except ValueError as err:
         print(f"moontrain: error: {err}", file=sys.stderr)
         return 2
@@ -76,14 +125,33 @@ def main(argv: list[str] | None = None) -> int:
         from moontrain.planning.report import dry_run_report
 
         print(dry_run_report(cfg, world, args.device or "cuda"))
+        print("== checks ==")
+        print("\n".join(data_lines + ([memory_line] if memory_line else [])))
         return 0
     cmd = torchrun_command(args.recipe, args.overrides, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                            rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id or rdzv_id_for(cfg.train.run_dir),
                            max_restarts=args.max_restarts,
                            log_dir=Path(cfg.train.run_dir) / "logs" if args.nnodes > 1 else None)
     print("moontrain: " + " ".join(cmd), flush=True)
-    rc = Supervisor(cmd).run()
-    return 128 - rc if rc < 0 else rc  # killed by a signal: the shell's convention
+    return run_workers(cmd)
+
+
+def run_workers(cmd: list[str]) -> int:
+    """Run torchrun under the Supervisor (signals, no orphans); a worker's one-line error
+    (MOONTRAIN_ERROR_FILE) replaces torchrun's own report."""
+    with tempfile.TemporaryDirectory(prefix="moontrain-") as tmp:
+        error_file = Path(tmp) / "error"
+
+        def forward(line: str) -> None:  # live, until a worker has reported an error (then torchrun's report)
+            if not error_file.exists():
+                sys.stderr.write(line)
+                sys.stderr.flush()
+
+        rc = Supervisor(cmd, env={"MOONTRAIN_ERROR_FILE": str(error_file)}, on_stderr=forward).run()
+        if error_file.exists():
+            print(error_file.read_text().strip(), file=sys.stderr, flush=True)
+            return 2
+        return 128 - rc if rc < 0 else rc  # killed by a signal: the shell's convention
 
 
 def torchrun_command(recipe: str, overrides: list[str], *, nproc: int, nnodes: int = 1, node_rank: int = 0,

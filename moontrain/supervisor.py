@@ -23,7 +23,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -73,27 +75,42 @@ def _start_time(pid: int) -> str | None:
 class Supervisor:
     """Run `cmd` (torchrun) to completion; see the module docstring for signals."""
 
-    def __init__(self, cmd: list[str]) -> None:
+    def __init__(self, cmd: list[str], *, env: dict[str, str] | None = None,
+                 on_stderr: Callable[[str], None] | None = None) -> None:
         self.cmd = cmd
+        self.env = env or {}
+        self.on_stderr = on_stderr  # called with each line torchrun and the ranks write to stderr
         self.signals_seen = 0
         self.ranks: dict[int, str | None] = {}  # pid -> start time (a pid can be reused once it exits)
         self.proc: subprocess.Popen | None = None
 
     def run(self) -> int:
-        env = {**os.environ, "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGQUIT"}
+        env = {**os.environ, **self.env, "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGQUIT"}
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        reader = None
         try:
-            self.proc = subprocess.Popen(self.cmd, env=env, preexec_fn=_torchrun_preexec)
+            self.proc = subprocess.Popen(self.cmd, env=env, preexec_fn=_torchrun_preexec, text=True, bufsize=1,
+                                         stderr=subprocess.PIPE if self.on_stderr is not None else None)
+            if self.on_stderr is not None:
+                reader = threading.Thread(target=self._read_stderr, daemon=True)
+                reader.start()
             while self.proc.poll() is None:
                 self._refresh_ranks()
                 if self.signals_seen == 1:  # until they exit: a rank still starting up ignores it
                     self._send(self._live_ranks(), FORWARDED_SIGNAL)
                 time.sleep(_POLL_S)
+            if reader is not None:
+                reader.join(timeout=5)
             return self.proc.returncode
         finally:
             self._kill_leftovers()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _read_stderr(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None and self.on_stderr is not None
+        for line in self.proc.stderr:
+            self.on_stderr(line)
 
     def _refresh_ranks(self) -> None:
         if self.proc is None:

@@ -11,9 +11,10 @@ class CheckpointConfig:
     every: int = 0  # save every this many steps (0: only the final save)
     save_final: bool = True  # save after the last step
     keep_last: int = 3  # older complete checkpoints are deleted after a successful save
-    # "none": start fresh; "auto": the latest valid checkpoint in `dir` (fresh when there is none);
+    # "auto": the latest valid checkpoint in `dir` (fresh when there is none): relaunching continues the run;
+    # "none": start over (the earlier checkpoints and metrics are moved aside, see checkpoint/resume.py);
     # anything else: the path of one checkpoint directory
-    resume: str = "none"
+    resume: str = "auto"
     # a new run's initial weights: a Hugging Face model directory (an export, or a DeepSeek-V3 / Kimi K2
     # checkpoint of the same architecture) or a moontrain checkpoint (its weights only); a resumed run
     # takes its weights from the checkpoint it resumes instead

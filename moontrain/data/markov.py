@@ -22,15 +22,15 @@ from moontrain.data.config import DataConfig
 
 class MarkovTokens:
     def __init__(self, cfg: DataConfig, *, vocab_size: int, seq_len: int, global_batch: int, rank: int,
-                 world_size: int, device: torch.device) -> None:
+                 world_size: int) -> None:
         self.cfg, self.vocab, self.seq_len = cfg, vocab_size, seq_len
         self.global_batch, self.rank, self.world = global_batch, rank, world_size
-        self.device = device
+        self.eos_id = None  # one endless walk per row, no documents
         gen = torch.Generator().manual_seed(cfg.seed)
         self.successors_Vb = torch.randint(0, vocab_size, (vocab_size, cfg.branching), generator=gen)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens_BT, targets_BT) of this rank for optimizer step `step`."""
+        """(tokens_bT, targets_bT) of this rank for optimizer step `step`, on the CPU."""
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
         G, T = self.global_batch, self.seq_len
         # draw the random numbers of the whole global batch (cheap), walk the chain for local rows only
@@ -43,7 +43,7 @@ class MarkovTokens:
         seq_bT1[:, 0] = start_G[rows].numpy()
         for t in range(T):  # numpy: ~3x faster than torch indexing for these tiny per-step gathers
             seq_bT1[:, t + 1] = succ[seq_bT1[:, t], choice[:, t]]
-        local = torch.from_numpy(seq_bT1).to(self.device)
+        local = torch.from_numpy(seq_bT1)
         return local[:, :-1].contiguous(), local[:, 1:].contiguous()
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The token-source protocol the trainer uses, and the factory that picks one from data.source."""
+"""The token-source protocol and the factory that picks one from data.source (the trainer's batches: loader.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ from moontrain.data.config import DataConfig
 
 
 class TokenSource(Protocol):
+    world: int  # the world size it shards over
+    eos_id: int | None  # the end-of-document id packed rows carry (None: rows are not packed documents)
+
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens_bT, targets_bT) of this rank for optimizer step `step`."""
+        """(tokens_bT, targets_bT) of this rank for optimizer step `step`, on the CPU."""
         ...
 
     def state_dict(self) -> dict[str, Any]:
@@ -24,13 +27,14 @@ class TokenSource(Protocol):
 
 
 def build_token_source(cfg: DataConfig, *, vocab_size: int, seq_len: int, global_batch: int, rank: int,
-                       world_size: int, device: torch.device) -> TokenSource:
+                       world_size: int) -> TokenSource:
     kwargs = dict(vocab_size=vocab_size, seq_len=seq_len, global_batch=global_batch, rank=rank,
-                  world_size=world_size, device=device)
+                  world_size=world_size)
     if cfg.source == "markov":
         from moontrain.data.markov import MarkovTokens
 
         return MarkovTokens(cfg, **kwargs)
-    from moontrain.data.packed import PackedDocuments
+    from moontrain.data.mixture import FileTokens
 
-    return PackedDocuments(cfg, **kwargs)
+    return FileTokens(cfg, **kwargs)
+

@@ -1,10 +1,31 @@
-"""The built-in offline tokenizer: UTF-8 bytes (ids 0..255) and one end-of-document id (256).
+"""Tokenizers: the built-in byte tokenizer, or a local Hugging Face tokenizer (nothing is downloaded).
 
-No vocabulary file and nothing to download; any text round-trips exactly. Documents are packed back to
-back with EOS between them, so the model sees where one ends.
+`data.tokenizer`:
+  - `bytes`: UTF-8 bytes (ids 0..255) and one end-of-document id (256). No file; any text round-trips.
+  - a `tokenizer.json` file, or a directory holding one: loaded with the `tokenizers` library.
+  - a directory without tokenizer.json (e.g. only a sentencepiece model and tokenizer_config.json):
+    transformers' AutoTokenizer with local_files_only=True.
+
+The end-of-document id comes from the tokenizer: a directory's tokenizer_config.json `eos_token`, else the
+first of the usual end-of-text tokens the vocabulary has. `data.eos_id` overrides it. Documents are
+packed back to back with EOS between them, so the model sees where one ends. The vocabulary (added
+tokens included) must fit model.vocab_size; a larger model vocabulary is fine (unused rows).
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]", "<|im_end|>")
+
+
+class Tokenizer(Protocol):
+    eos_id: int
+    vocab_size: int  # ids are in [0, vocab_size)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
 
 
 class ByteTokenizer:
@@ -14,5 +35,96 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8")) for t in texts]
+
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A `tokenizers.Tokenizer` (tokenizer.json) or a transformers tokenizer, without special tokens added
+    around each document (the packer adds EOS)."""
+
+    def __init__(self, spec: str, eos_id: int | None) -> None:
+        path = Path(spec)
+        json_file = path / "tokenizer.json" if path.is_dir() else path
+        config = _read_config(path / "tokenizer_config.json") if path.is_dir() else {}
+        if json_file.is_file():
+            from tokenizers import Tokenizer as RustTokenizer
+
+            try:
+                self._tok = RustTokenizer.from_file(str(json_file))
+            except Exception as err:  # the Rust library raises its own Exception type
+                raise ValueError(f"data.tokenizer={spec!r}: {json_file} is not a tokenizer.json file ({err})") from err
+            self._auto = None
+            self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+            lookup = self._tok.token_to_id
+        elif path.is_dir():
+            try:
+                from transformers import AutoTokenizer
+            except ImportError as err:
+                raise ValueError(f"data.tokenizer={spec!r} has no tokenizer.json; loading it needs the transformers "
+                                 "package (pip install transformers)") from err
+            try:
+                self._auto = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            except (OSError, ValueError) as err:
+                raise ValueError(f"data.tokenizer={spec!r}: transformers cannot load this directory ({err})") from err
+            self._tok = None
+            self.vocab_size = len(self._auto)
+            vocab = self._auto.get_vocab()
+            lookup = vocab.get
+        else:
+            raise ValueError(f"data.tokenizer={spec!r} is neither 'bytes' nor an existing tokenizer.json file or "
+                             "tokenizer directory")
+        self.eos_id = eos_id if eos_id is not None else _find_eos(spec, config, lookup)
+        if not 0 <= self.eos_id < self.vocab_size:
+            raise ValueError(f"data.eos_id={self.eos_id} is outside the vocabulary of {spec!r} (size {self.vocab_size})")
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if self._tok is not None:  # the Rust library encodes a batch in parallel, outside the GIL
+            return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        return self._auto(texts, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        if self._tok is not None:
+            return self._tok.decode(ids, skip_special_tokens=False)
+        return self._auto.decode(ids)
+
+
+def _read_config(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
+
+
+def _find_eos(spec: str, config: dict, lookup) -> int:
+    token = config.get("eos_token")
+    if isinstance(token, dict):  # the AddedToken form: {"content": "</s>", ...}
+        token = token.get("content")
+    candidates = ([token] if isinstance(token, str) else []) + list(_EOS_CANDIDATES)
+    for name in candidates:
+        idx = lookup(name)
+        if idx is not None:
+            return int(idx)
+    raise ValueError(f"data.tokenizer={spec!r} has no end-of-document token (looked for {candidates}); set data.eos_id "
+                     "to the id the packer puts between documents")
+
+
+def load_tokenizer(spec: str, *, eos_id: int | None = None) -> ByteTokenizer | HFTokenizer:
+    """`bytes` or a local Hugging Face tokenizer (see the module docstring)."""
+    if spec == "bytes":
+        if eos_id is not None and eos_id != ByteTokenizer.eos_id:
+            raise ValueError(f"data.eos_id={eos_id}: the byte tokenizer's end-of-document id is 256; leave data.eos_id "
+                             "unset")
+        return ByteTokenizer()
+    return HFTokenizer(spec, eos_id)
+
+
+def check_vocab(tokenizer_spec: str, tokenizer_vocab: int, model_vocab: int) -> None:
+    if tokenizer_vocab > model_vocab:
+        raise ValueError(f"data.tokenizer={tokenizer_spec} has {tokenizer_vocab} ids but model.vocab_size={model_vocab}; "
+                         f"set model.vocab_size >= {tokenizer_vocab}")

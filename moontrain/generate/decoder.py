@@ -7,7 +7,7 @@ The blocks' own modules (norms, projections, dense FFN, MoE with its router and 
 backend) run unchanged; only attention is re-expressed to read keys and values from the cache: the
 new tokens' normed kv latent and rotated rope key are appended, and k_nope / v of every position are
 expanded from the cached latents through W_kvb. With an empty cache and the whole sequence this is the
-training forward's math (tests/moontrain/test_generate.py checks greedy decoding token for token).
+training forward's math (tests/moontrain/generate/test_generate.py checks greedy decoding token for token).
 """
 
 from __future__ import annotations

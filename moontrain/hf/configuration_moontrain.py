@@ -26,7 +26,8 @@ class MoontrainConfig(PretrainedConfig):
                  rope_parameters: dict | None = None, rope_interleave: bool = True, use_nope: bool = False,
                  attn_output_gate: bool = False, moe_latent_size: int | None = None,
                  max_position_embeddings: int = 4096, hidden_act: str = "silu", initializer_range: float = 0.02,
-                 tie_word_embeddings: bool = False, attn_res_block_size: int = 0, **kwargs) -> None:
+                 tie_word_embeddings: bool = False, attn_res_block_size: int = 0, use_cache: bool = False,
+                 **kwargs) -> None:
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -58,4 +59,5 @@ class MoontrainConfig(PretrainedConfig):
         self.hidden_act = hidden_act
         self.initializer_range = initializer_range
         self.attn_res_block_size = attn_res_block_size
+        self.use_cache = use_cache  # no KV cache in the modeling code: generate() re-runs the whole sequence
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

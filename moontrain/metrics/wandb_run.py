@@ -32,6 +32,12 @@ class WandbRun:
             settings=wandb.Settings(x_disable_stats=True, console="off", silent=True),
         )
         self.id = self.run.id
+        self.sync_dir = Path(self.run.settings.sync_dir)  # what `wandb sync` uploads (offline runs)
+
+    def log_image(self, key: str, path: str | Path, step: int) -> None:
+        import wandb
+
+        self.run.log({key: wandb.Image(str(path))}, step=step)
 
     def log(self, values: dict[str, float | int | None], step: int) -> None:
         self.run.log(values, step=step)

@@ -6,7 +6,8 @@ Dn nope head dim, Dr rope head dim, Dv value head dim.
 q = W_qb(RMSNorm(W_qa x)) (or a full-rank W_q), kv latent c = RMSNorm(first Ckv of W_kva x) expands to
 per-head k_nope and v through W_kvb; the last Dr dims of W_kva x are one rope key shared by all heads.
 With use_nope the rope dims are kept but never rotated (no positional encoding at all). With the
-output gate, o = o * sigmoid(W_g x) per head and channel before W_o (gated attention).
+output gate, o = o * sigmoid(W_g x) per head and channel before W_o (gated attention). In the hybrid
+K3 stack these layers are the gated NoPE MLA between the KDA layers (moontrain.model.kda).
 SDPA gets q/k and v at their own head dims (cuDNN and memory-efficient attention accept Dv != Dn + Dr);
 with model.attn_pad_head_dims they are zero-padded to one head dim (flash attention wants equal dims;
 zero padding changes neither scores nor values) and the padding is sliced off the output.
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moontrain.model.config import ModelConfig
+from moontrain.model.documents import DocumentMask, causal_attention
 from moontrain.model.norm import RMSNorm
 from moontrain.model.rope import apply_rope, softmax_scale
 from moontrain.optim.qk_clip import causal_max_logit
@@ -46,7 +48,9 @@ class MLAttention(nn.Module):
         self.wo = nn.Linear(N * cfg.v_head_dim, D, bias=False, device=device)
         self.max_logit_N: torch.Tensor | None = None  # QK-Clip's running max logit per head, or None
 
-    def forward(self, x_BTD: torch.Tensor, cos_TDr: torch.Tensor, sin_TDr: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, cos_TDr: torch.Tensor, sin_TDr: torch.Tensor,
+                docs: DocumentMask | None = None) -> torch.Tensor:
+        """docs: packed documents; a query attends only to its own document (moontrain.model.documents)."""
         cfg = self.cfg
         B, T, _ = x_BTD.shape
         N, Dn, Dr, Dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -68,13 +72,13 @@ class MLAttention(nn.Module):
         v_BNTd = v_BNTDv
         if self.max_logit_N is not None:
             self.max_logit_N = torch.maximum(self.max_logit_N,
-                                             causal_max_logit(q_BNTd, k_BNTd, softmax_scale(cfg)))
+                                             causal_max_logit(q_BNTd, k_BNTd, softmax_scale(cfg),
+                                                              None if docs is None else docs.id_BT))
         if cfg.attn_pad_head_dims and Dn + Dr != Dv:
             d = max(Dn + Dr, Dv)
             q_BNTd, k_BNTd = F.pad(q_BNTd, (0, d - Dn - Dr)), F.pad(k_BNTd, (0, d - Dn - Dr))
             v_BNTd = F.pad(v_BNTDv, (0, d - Dv))
-        o_BNTd = F.scaled_dot_product_attention(q_BNTd, k_BNTd, v_BNTd, is_causal=True,
-                                                scale=softmax_scale(cfg))
+        o_BNTd = causal_attention(q_BNTd, k_BNTd, v_BNTd, scale=softmax_scale(cfg), docs=docs)
         o_BTNDv = o_BNTd[..., :Dv].transpose(1, 2).reshape(B, T, N * Dv)
         if cfg.attn_output_gate:
             o_BTNDv = o_BTNDv * torch.sigmoid(self.wg(x_BTD))

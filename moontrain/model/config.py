@@ -1,4 +1,4 @@
-"""Model configuration for the K3-like decoder (MLA attention, dense FFN first, latent MoE after)."""
+"""Model configuration for the K3-like decoder (KDA / gated MLA attention, dense FFN first, latent MoE after)."""
 
 from __future__ import annotations
 
@@ -61,6 +61,24 @@ class ModelConfig:
     rope_theta: float = 50000.0
     rope_yarn: YarnConfig | None = None  # None: plain rope
     mla_norm_eps: float | None = None  # eps of the q and kv latent norms (None: norm_eps; DeepSeek-V3/K2: 1e-6)
+    # hybrid layout: n Kimi Delta Attention (KDA) layers, then one MLA layer, repeated; the last layer is
+    # always MLA (global attention at the top). 0: every layer MLA. K3: 3 (93 layers = 69 KDA + 24 MLA)
+    kda_layers_per_mla: int = 0
+    kda_num_heads: int | None = None  # None: num_heads
+    kda_head_dim: int = 128  # key and value head dim of KDA (fla's kernel takes <= 256)
+    kda_conv_size: int = 4  # causal depthwise short convolution on q, k and v
+    # None: full-rank forget-gate and output-gate projections D -> heads x head dim (K3); r: low rank
+    # D -> r -> heads x head dim (Kimi Linear, r = head dim)
+    kda_gate_rank: int | None = None
+    # decay g = bound * sigmoid(exp(A_log) (f + dt_bias)) in [bound, 0] (K3: -5); None: the unbounded
+    # g = -exp(A_log) softplus(f + dt_bias) of Kimi Linear
+    kda_gate_lower_bound: float | None = -5.0
+    # execution: "auto" runs fla's chunk_kda (Triton) on CUDA when fla-core is installed, else the
+    # pure-PyTorch chunked KDA (moontrain.model.kda_ops, the specification); "torch" / "fla" force one
+    kda_kernel: Literal["auto", "torch", "fla"] = "auto"
+    # packed rows: attention and the KDA state stop at each end-of-document token of the token source
+    # (no effect with a source without documents, e.g. data.source=markov)
+    document_mask: bool = True
     # MoE
     num_experts: int
     num_experts_per_tok: int
@@ -77,12 +95,6 @@ class ModelConfig:
     # benchmarks: sigma of a fixed log-normal expert popularity whose log is added to the selection scores
     # (same on every rank and layer), to force a routing skew; 0 leaves routing untouched
     router_skew: float = 0.0
-    # execution (no effect on the math): on CUDA, run the shared experts on a side stream so they
-    # overlap the routed experts' communication (forward and, through autograd, backward). Off by
-    # default: on 2xH200 (k3_small_moe, 2026-11-29) the side stream's GEMMs held up moonep's device
-    # barriers (30 ms of barrier waits per step) and FSDP's all-gathers, the step got no faster and
-    # the peak memory came to depend on the routing (frees delayed by the cross-stream use)
-    overlap_shared_experts: bool = False
     # execution: on CUDA the router's logits GEMM (fp32) and its backward run on TF32 tensor cores. The
     # forward's operands are bf16 values (the compute-dtype activations and FSDP's bf16 weight copy),
     # exact in TF32, so the logits are the fp32 GEMM's up to summation order; the backward rounds the
@@ -121,6 +133,20 @@ class ModelConfig:
                 raise ValueError(f"model.{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.qk_rope_head_dim < 0 or self.qk_rope_head_dim % 2:
             raise ValueError(f"model.qk_rope_head_dim must be even and >= 0, got {self.qk_rope_head_dim}")
+        if self.kda_layers_per_mla < 0:
+            raise ValueError(f"model.kda_layers_per_mla must be >= 0 (0: every layer MLA), got {self.kda_layers_per_mla}")
+        for name in ("kda_num_heads", "kda_gate_rank"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1 or null, got {getattr(self, name)}")
+        if not 1 <= self.kda_head_dim <= 256:
+            raise ValueError(f"model.kda_head_dim must be in [1, 256] (fla's chunk_kda), got {self.kda_head_dim}")
+        if self.kda_conv_size < 1:
+            raise ValueError(f"model.kda_conv_size must be >= 1, got {self.kda_conv_size}")
+        if self.kda_gate_lower_bound is not None and not self.kda_gate_lower_bound < 0:
+            raise ValueError(f"model.kda_gate_lower_bound must be < 0 (or null: unbounded), "
+                             f"got {self.kda_gate_lower_bound}")
+        if self.kda_kernel not in ("auto", "torch", "fla"):
+            raise ValueError(f"model.kda_kernel must be 'auto', 'torch' or 'fla', got {self.kda_kernel!r}")
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(
                 f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}"
@@ -144,6 +170,24 @@ class ModelConfig:
     def expert_width(self) -> int:
         """Width H seen by the routed experts: the latent width when the latent projection is on."""
         return self.moe_latent_size if self.moe_latent_size is not None else self.hidden_size
+
+    def layer_is_kda(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` (0-based) is KDA: with n = kda_layers_per_mla, layers l = 1, 2, ...
+        (1-based) with l % (n + 1) == 0, and the last layer, are MLA."""
+        n = self.kda_layers_per_mla
+        return n > 0 and (layer_idx + 1) % (n + 1) != 0 and layer_idx != self.num_layers - 1
+
+    @property
+    def num_kda_layers(self) -> int:
+        return sum(self.layer_is_kda(i) for i in range(self.num_layers))
+
+    @property
+    def num_mla_layers(self) -> int:
+        return self.num_layers - self.num_kda_layers
+
+    @property
+    def kda_heads(self) -> int:
+        return self.kda_num_heads if self.kda_num_heads is not None else self.num_heads
 
     @property
     def num_moe_layers(self) -> int:

@@ -1,4 +1,4 @@
-"""The K3-like decoder: embedding, pre-norm blocks (MLA + dense FFN or MoE), final norm, LM head, CE loss.
+"""The K3-like decoder: embedding, pre-norm blocks (KDA or MLA + dense FFN or MoE), final norm, LM head, CE loss.
 
 Legend: B batch, T sequence, D hidden, V vocab.
 
@@ -9,6 +9,11 @@ Activation checkpointing (optional) recomputes each block in backward (non-reent
 re-runs the expert backend's collectives; every rank recomputes the same blocks in the same order,
 so they stay matched. early_stop is off so a recompute always runs the whole block (a partial one
 could stop inside a collective call). The router does not count tokens again while recomputing.
+
+Hybrid layout: model.kda_layers_per_mla picks, per block, Kimi Delta Attention or MLA (ModelConfig.
+layer_is_kda). Documents: with document_eos_id set (the trainer sets the token source's EOS when
+model.document_mask is on), every forward derives the packed documents from the input ids once and
+every attention layer stays inside them (moontrain.model.documents).
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ from torch.utils.checkpoint import checkpoint
 from moontrain.model.attention import MLAttention
 from moontrain.model.attn_res import DepthAttention, starts_block
 from moontrain.model.config import ModelConfig
-from moontrain.model.experts import ExpertsContext, build_experts_backend
+from moontrain.model.documents import DocumentMask, document_mask
+from moontrain.model.experts import ExpertsContext, ExpertsRuntime, build_experts_runtime
 from moontrain.model.ffn import GatedFFN
+from moontrain.model.kda import KimiDeltaAttention
 from moontrain.model.moe import MoE
 from moontrain.model.norm import RMSNorm
 from moontrain.model.rope import rope_cos_sin
@@ -36,7 +43,8 @@ class Block(nn.Module):
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
-        self.attn = MLAttention(cfg, device=device)
+        self.is_kda = cfg.layer_is_kda(layer_idx)
+        self.attn = KimiDeltaAttention(cfg, device=device) if self.is_kda else MLAttention(cfg, device=device)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
         self.is_moe = layer_idx >= cfg.num_dense_layers
         self.ffn = (MoE(cfg, ep_rank=ep_rank, ep_size=ep_size, device=device) if self.is_moe
@@ -48,14 +56,16 @@ class Block(nn.Module):
             self.starts_block = starts_block(layer_idx, cfg.attn_res_block_size)
         self.activation_checkpointing = False
 
-    def forward(self, blocks: tuple[torch.Tensor, ...], x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    def forward(self, blocks: tuple[torch.Tensor, ...], x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: DocumentMask | None = None
                 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor | None]:
         """(completed AttnRes blocks, residual stream or AttnRes partial sum) -> the same after this
-        layer, and the MoE aux loss. Without AttnRes `blocks` is () and passes through."""
+        layer, and the MoE aux loss. Without AttnRes `blocks` is () and passes through. docs: the packed
+        documents attention stays inside."""
         if self.activation_checkpointing and torch.is_grad_enabled():
-            return checkpoint(self._forward, blocks, x_BTD, cos, sin, use_reentrant=False, early_stop=False,
+            return checkpoint(self._forward, blocks, x_BTD, cos, sin, docs, use_reentrant=False, early_stop=False,
                               context_fn=lambda: (nullcontext(), self._recomputing()))
-        return self._forward(blocks, x_BTD, cos, sin)
+        return self._forward(blocks, x_BTD, cos, sin, docs)
 
     @contextmanager
     def _recomputing(self) -> Iterator[None]:
@@ -68,9 +78,9 @@ class Block(nn.Module):
         finally:
             self.ffn.router.count_tokens = True
 
-    def _forward(self, blocks: tuple[torch.Tensor, ...], x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor | None]:
-        return self.residuals(blocks, x_BTD, lambda h_BTD: self.attn(h_BTD, cos, sin))
+    def _forward(self, blocks: tuple[torch.Tensor, ...], x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 docs: DocumentMask | None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor | None]:
+        return self.residuals(blocks, x_BTD, lambda h_BTD: self.attn(h_BTD, cos, sin, docs))
 
     def residuals(self, blocks: tuple[torch.Tensor, ...], x_BTD: torch.Tensor,
                   attend: Callable[[torch.Tensor], torch.Tensor]
@@ -111,6 +121,7 @@ class K3Model(nn.Module):
         self.final_res = (DepthAttention(cfg.hidden_size, cfg.norm_eps, device=device)
                           if cfg.attn_res_block_size else None)
         self._loss = _cross_entropy
+        self.document_eos_id: int | None = None  # packed documents end with this id (None: one sequence per row)
 
     def moe_layers(self) -> list[MoE]:
         return [block.ffn for block in self.layers if block.is_moe]
@@ -131,6 +142,9 @@ class K3Model(nn.Module):
                 p.zero_()
             else:
                 p.normal_(0.0, std, generator=gen)
+        for block in self.layers:
+            if block.is_kda:
+                block.attn.init_parameters(gen)
         for layer_idx, moe in enumerate(self.moe_layers()):
             moe.experts.init_master(seed=seed, layer_idx=layer_idx, std=std)
             moe.router.score_bias_E.zero_()
@@ -158,9 +172,12 @@ class K3Model(nn.Module):
         for block in self.layers:
             block.activation_checkpointing = True
 
-    def attach_experts_backends(self, name: str, ctx: ExpertsContext) -> None:
+    def attach_experts_backends(self, name: str, ctx: ExpertsContext) -> ExpertsRuntime:
+        """Give every MoE layer its backend of `name`; returns the runtime that owns what they share."""
+        runtime = build_experts_runtime(name, ctx)
         for moe in self.moe_layers():
-            moe.backend = build_experts_backend(name, ctx, moe.experts)
+            moe.backend = runtime.layer(moe.experts)
+        return runtime
 
     def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (loss to backpropagate = CE + aux, CE alone for logging)."""
@@ -176,11 +193,12 @@ class K3Model(nn.Module):
         cfg = self.cfg
         T = tokens_BT.shape[1]
         cos, sin = rope_cos_sin(T, cfg.qk_rope_head_dim, cfg.rope_theta, tokens_BT.device, yarn=cfg.rope_yarn)
+        docs = document_mask(tokens_BT, self.document_eos_id) if self.document_eos_id is not None else None
         x_BTD = self.embed(tokens_BT)
         aux_total = x_BTD.new_zeros((), dtype=torch.float32)
         blocks: tuple[torch.Tensor, ...] = ()
         for block in self.layers:
-            blocks, x_BTD, aux = block(blocks, x_BTD, cos, sin)
+            blocks, x_BTD, aux = block(blocks, x_BTD, cos, sin, docs)
             if aux is not None:
                 aux_total = aux_total + aux
         if self.final_res is not None:

@@ -1,13 +1,16 @@
 """Per-rank entry point started by torchrun: `python -m moontrain.trainer.worker RECIPE [key=value ...]`.
 
-Picks nccl on GPU and gloo on CPU, builds the layout, writes the resolved config (rank 0), resumes from a
-checkpoint when checkpoint.resume says so (else takes the initial weights of checkpoint.init_from), opens the wandb run (rank 0; the id comes from the checkpoint
-on resume) and trains.
+Picks nccl on GPU and gloo on CPU, builds the layout, writes the resolved config (rank 0), resumes from the
+latest checkpoint unless checkpoint.resume says otherwise (moontrain.checkpoint.resume; a fresh run takes
+the initial weights of checkpoint.init_from when set), opens the wandb run (rank 0; the id comes from the
+checkpoint on resume, so the same run continues), trains and prints the end-of-run summary.
 
 Faults: the process group fails a collective after parallel.timeout_s; heartbeats (parallel.heartbeat)
 name a dead or frozen rank in every survivor's error; SIGTERM / SIGINT finish the step, save and exit 0
 (trainer.preempt); the rank dies with torchrun. User errors (settings, data, checkpoints, divergence)
-are one line `moontrain: rank R: error: ...` (trainer.errors); anything else keeps its traceback.
+are one line `moontrain: rank R: error: ...` (trainer.errors); anything else keeps its traceback. Under
+`moontrain launch` the first such line is also written to the file named by MOONTRAIN_ERROR_FILE, which
+the launcher prints instead of torchrun's report.
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from moontrain.checkpoint import find_latest, init_weights_from
+from moontrain.checkpoint import init_weights_from
+from moontrain.checkpoint.resume import START_OVER, set_aside_earlier_run
+from moontrain.checkpoint.resume import resolve_resume as resolve_checkpoint
 from moontrain.checkpoint.store import incomplete_after, optim_changes
+from moontrain.checkpoint.tensors import CheckpointError
 from moontrain.config import RunConfig, dump_config, from_dict, load_recipe
 from moontrain.config.loader import to_dict
 from moontrain.metrics.progress import ProgressLog
@@ -32,6 +38,7 @@ from moontrain.parallel.heartbeat import Heartbeat
 from moontrain.parallel.hosts import check_ep_group_hosts
 from moontrain.parallel.layout import build_layout
 from moontrain.supervisor import die_with_parent
+from moontrain.trainer.determinism import set_cublas_workspace
 from moontrain.trainer.errors import one_line
 from moontrain.trainer.preempt import PreemptionHandler
 from moontrain.trainer.trainer import Trainer
@@ -59,13 +66,16 @@ def main(argv: list[str] | None = None) -> None:
         _exit_one_line(rank, f"error: {err}")
     die_with_parent()  # torchrun gone (killed with the launcher): no rank keeps training
     preemption = PreemptionHandler(rank)
+    if cfg.train.deterministic:
+        set_cublas_workspace()  # read when CUDA initialises
     device, backend = select_device()
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
                             timeout=timedelta(seconds=cfg.parallel.timeout_s))
     heartbeat = None
     if dist.get_world_size() > 1 and cfg.parallel.heartbeat_timeout_s > 0:
         heartbeat = Heartbeat(_default_store(), dist.get_rank(), dist.get_world_size(),
-                              timeout_s=cfg.parallel.heartbeat_timeout_s).start()
+                              timeout_s=cfg.parallel.heartbeat_timeout_s,
+                              report=lambda line: _report_line(rank, line)).start()
     try:
         _train(cfg, device, preemption)
     except Exception as err:
@@ -83,8 +93,22 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _exit_one_line(rank: int, line: str) -> NoReturn:
-    print(f"moontrain: rank {rank}: {line}", file=sys.stderr, flush=True)
+    _report_line(rank, line)
     sys.exit(1)
+
+
+def _report_line(rank: int, line: str) -> None:
+    """Print the rank's one line and hand it to the launcher through MOONTRAIN_ERROR_FILE (the first
+    rank to fail wins, the others' lines are usually the same)."""
+    text = f"moontrain: rank {rank}: {line}".replace("\n", " ")
+    path = os.environ.get("MOONTRAIN_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "x") as fh:
+                fh.write(text + "\n")
+        except FileExistsError:
+            pass
+    print(text, file=sys.stderr, flush=True)
 
 
 def _default_store() -> dist.Store:
@@ -100,32 +124,44 @@ def _train(cfg: RunConfig, device: torch.device, preemption: PreemptionHandler) 
     is_main = layout.rank == 0
     if is_main:
         dump_config(cfg, Path(cfg.train.run_dir) / "config.yaml")
-        print(f"moontrain: {layout.describe()}; experts backend {cfg.experts.backend}; device {device}",
-              flush=True)
+        print(f"moontrain: {layout.describe()}; experts backend {cfg.experts.backend}; device {device}"
+              + ("; deterministic kernels" if cfg.train.deterministic else ""), flush=True)
     trainer = Trainer(cfg, layout)
     trainer.preemption = preemption
+    sink = None
     try:
         resume_from = resolve_resume(cfg, trainer.checkpoint_dir)
         if resume_from is not None:
-            state = trainer.load_checkpoint(resume_from)
+            try:
+                state = trainer.load_checkpoint(resume_from)
+            except CheckpointError as err:
+                raise CheckpointError(f"{err}; {START_OVER}") from err
             notes = resume_notes(cfg, trainer.checkpoint_dir, resume_from, state)
             if is_main:
                 print(f"moontrain: resumed from {resume_from} at step {trainer.step}", flush=True)
                 for note in notes:
                     print(f"moontrain: {note}", flush=True)
-        elif cfg.checkpoint.init_from is not None:
-            init_weights_from(trainer, cfg.checkpoint.init_from)
-            if is_main:
-                print(f"moontrain: initial weights from {cfg.checkpoint.init_from}", flush=True)
+        else:
+            if is_main and cfg.checkpoint.resume == "none":
+                moved = set_aside_earlier_run(trainer.checkpoint_dir, Path(cfg.train.run_dir))
+                if moved is not None:
+                    print(f"moontrain: checkpoint.resume=none: starting over; the earlier run's checkpoints are "
+                          f"in {moved}", flush=True)
+            if cfg.checkpoint.init_from is not None:
+                init_weights_from(trainer.state, cfg.checkpoint.init_from)
+                if is_main:
+                    print(f"moontrain: initial weights from {cfg.checkpoint.init_from}", flush=True)
         if is_main:
-            sink = None
             if cfg.metrics.wandb:
                 sink = WandbRun(cfg.metrics, run_dir=cfg.train.run_dir, config=to_dict(cfg),
                                 run_id=trainer.wandb_run_id)
                 trainer.wandb_run_id = sink.id
-            trainer.log = ProgressLog(cfg.train.run_dir, cfg.train.steps, sink=sink,
-                                      append=resume_from is not None)
+            trainer.log = ProgressLog(cfg.train.run_dir, cfg.train.steps, sink=sink, start_step=trainer.step)
         trainer.fit()
+        if trainer.log is not None:
+            print(trainer.log.summary(step=trainer.step, tokens_seen=trainer.tokens_seen,
+                                      checkpoint=trainer.last_checkpoint,
+                                      wandb_dir=sink.sync_dir if sink is not None else None), flush=True)
         if trainer.stop_requested and is_main:
             print(f"moontrain: stopped by {preemption.signal_name or 'a signal to another rank'} after step "
                   f"{trainer.step} of {cfg.train.steps}; checkpoint saved in {trainer.checkpoint_dir}; continue "
@@ -156,18 +192,9 @@ def resume_notes(cfg: RunConfig, checkpoint_dir: Path, resumed: Path, state: dic
 
 
 def resolve_resume(cfg: RunConfig, checkpoint_dir: Path) -> Path | None:
-    """checkpoint.resume: none -> None; auto -> the latest complete checkpoint (None if there is none);
+    """checkpoint.resume: auto -> the latest complete checkpoint (None if there is none); none -> None;
     otherwise the named directory, which must exist."""
-    resume = cfg.checkpoint.resume
-    if resume == "none":
-        return None
-    if resume == "auto":
-        return find_latest(checkpoint_dir)
-    path = Path(resume)
-    if not path.is_dir():
-        raise ValueError(f"checkpoint.resume={resume!r} is not a directory; use none, auto or a checkpoint path "
-                         f"such as {checkpoint_dir}/step_00000100")
-    return path
+    return resolve_checkpoint(cfg.checkpoint, checkpoint_dir)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from moontrain.data.markov import MarkovTokens
 
 def _source(rank: int, world: int) -> MarkovTokens:
     return MarkovTokens(DataConfig(seed=7, branching=3), vocab_size=50, seq_len=33, global_batch=8, rank=rank,
-                        world_size=world, device=torch.device("cpu"))
+                        world_size=world)
 
 
 def test_rank_slices_tile_the_global_batch() -> None:

@@ -18,7 +18,7 @@ import torch
 datasets = pytest.importorskip("datasets")  # absent on the GPU machines
 
 from moontrain.data.config import DataConfig  # noqa: E402
-from moontrain.data.packed import PackedDocuments  # noqa: E402
+from moontrain.data.mixture import FileTokens  # noqa: E402
 from moontrain.data.tiny_corpus import documents, write_corpus  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
@@ -44,13 +44,14 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
-def _source(path: Path, rank: int = 0, world: int = 1, **kw) -> PackedDocuments:
+def _source(path: Path, rank: int = 0, world: int = 1, **kw) -> FileTokens:
+    if path.suffix == ".txt":
+        kw.setdefault("text_unit", "line")
     cfg = DataConfig(source="dataset", path=str(path), **kw)
-    return PackedDocuments(cfg, vocab_size=260, seq_len=T, global_batch=G * world, rank=rank, world_size=world,
-                           device=torch.device("cpu"))
+    return FileTokens(cfg, vocab_size=260, seq_len=T, global_batch=G * world, rank=rank, world_size=world)
 
 
-def _stream(src: PackedDocuments, batches: int) -> list[int]:
+def _stream(src: FileTokens, batches: int) -> list[int]:
     """The token stream a rank trained on, rebuilt from its batches (consecutive rows share one token)."""
     out: list[int] = []
     for step in range(batches):
@@ -119,7 +120,7 @@ def test_restored_position_gives_the_next_batch(corpus: dict[str, Path], streami
             for i in range(3):
                 got = resumed.batch(batches_before + i)
                 assert torch.equal(got[0], expected[r][i][0]) and torch.equal(got[1], expected[r][i][1]), (r, i)
-    assert min(s["epoch"] for s in saved) >= 1, "the second round must start past an epoch boundary"
+    assert min(s["sources"]["data"]["epoch"] for s in saved) >= 1, "the second round must start past an epoch boundary"
 
 
 def test_other_world_size_skips_no_document(corpus: dict[str, Path]) -> None:
@@ -143,11 +144,11 @@ def test_bad_configs_are_named(tmp_path: Path, corpus: dict[str, Path]) -> None:
         DataConfig(source="dataset", path="x.jsonl", streaming=True)
     with pytest.raises(ValueError, match=re.escape("names no file")):
         _source(tmp_path / "missing.jsonl")
-    with pytest.raises(ValueError, match=re.escape("data.text_field='body' is not a column")):
+    with pytest.raises(ValueError, match=re.escape("text_field='body' is not a column")):
         _source(corpus["jsonl"], text_field="body")
     with pytest.raises(ValueError, match=re.escape("set model.vocab_size >= 257")):
-        PackedDocuments(DataConfig(source="dataset", path=str(corpus["jsonl"])), vocab_size=256, seq_len=T,
-                        global_batch=G, rank=0, world_size=1, device=torch.device("cpu"))
+        FileTokens(DataConfig(source="dataset", path=str(corpus["jsonl"])), vocab_size=256, seq_len=T,
+                   global_batch=G, rank=0, world_size=1)
 
 
 def test_shipped_tiny_corpus_is_the_generated_one(tmp_path: Path) -> None:

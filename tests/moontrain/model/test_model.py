@@ -208,12 +208,12 @@ def test_latent_moe_matches_per_token_loop(activation: str) -> None:
     act = _situ_glu_reference if activation == "situ_glu" else (lambda g, u: F.silu(g) * u)
     moe = MoE(cfg, ep_rank=0, ep_size=1)
     _init(moe)
-    from moontrain.model.experts import build_experts_backend
+    from moontrain.model.experts import build_experts_runtime
 
-    moe.backend = build_experts_backend("local", ExpertsContext(
+    moe.backend = build_experts_runtime("local", ExpertsContext(
         num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep_size=1,
         compute_dtype=torch.float32, token_padding=8, max_tokens=12,
-        device=torch.device("cpu"), activation=activation), moe.experts)
+        device=torch.device("cpu"), activation=activation)).layer(moe.experts)
     x = torch.randn(2, 6, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
     y, _ = moe(x)
     x_sD = x.view(12, -1)
@@ -230,15 +230,19 @@ def test_latent_moe_matches_per_token_loop(activation: str) -> None:
     _close(y.view(12, -1), want, "moe output")
 
 
-@pytest.mark.parametrize("k3_block", [False, True], ids=["standard", "situ_attnres"])
-def test_activation_checkpointing_same_grads_and_counts_once(k3_block: bool) -> None:
+@pytest.mark.parametrize("variant", ["standard", "situ_attnres", "kda-hybrid-documents"])
+def test_activation_checkpointing_same_grads_and_counts_once(variant: str) -> None:
     """Recomputed blocks give bitwise the same grads; with SiTU-GLU and AttnRes (block size 2: a block
-    per layer, so every recompute reads a different tuple of completed blocks) too."""
+    per layer, so every recompute reads a different tuple of completed blocks) too, and with the KDA
+    hybrid layout over packed documents."""
     from moontrain.model.transformer import K3Model
 
-    extra = dict(ffn_activation="situ_glu", attn_res_block_size=2) if k3_block else {}
+    extra = {"standard": {}, "situ_attnres": dict(ffn_activation="situ_glu", attn_res_block_size=2),
+             "kda-hybrid-documents": dict(kda_layers_per_mla=1, kda_head_dim=8, kda_kernel="torch")}[variant]
     cfg = _cfg(num_dense_layers=1, num_layers=3, **extra)
     tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(6))
+    if variant == "kda-hybrid-documents":
+        tokens[:, 3] = 7  # an end of document
     grads, counts = [], []
     for ac in (False, True):
         model = K3Model(cfg)
@@ -247,11 +251,13 @@ def test_activation_checkpointing_same_grads_and_counts_once(k3_block: bool) -> 
             num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep_size=1,
             compute_dtype=torch.float32, token_padding=8, max_tokens=18, device=torch.device("cpu"),
             activation=cfg.ffn_activation))
-        if k3_block:  # non-zero pseudo-queries: depth weights that are not uniform
+        if variant == "situ_attnres":  # non-zero pseudo-queries: depth weights that are not uniform
             with torch.no_grad():
                 for name, p in model.named_parameters():
                     if name.endswith(".query"):
                         p.normal_(generator=torch.Generator().manual_seed(len(name)))
+        if variant == "kda-hybrid-documents":
+            model.document_eos_id = 7
         if ac:
             model.enable_activation_checkpointing()
         loss, _ = model(tokens, tokens.roll(-1, 1))

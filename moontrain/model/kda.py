@@ -1,0 +1,145 @@
+"""The Kimi Delta Attention (KDA) layer of the hybrid K3 stack (Kimi Linear's linear attention).
+
+Legend: B batch, T sequence, D hidden, H KDA heads, K KDA head dim (keys and values), W conv taps, r gate rank.
+
+    q, k, v = silu(conv_W(x W_q)), silu(conv_W(x W_k)), silu(conv_W(x W_v))   causal depthwise short convs
+    f       = x W_f  (full rank, or low rank x W_fa W_fb)                       raw per-channel forget input
+    g       = bound * sigmoid(exp(A_log_h) (f + dt_bias))   (or -exp(A_log_h) softplus(f + dt_bias))
+    beta    = sigmoid(x W_b)                                                    one write strength per head
+    o       = KDA(l2norm(q), l2norm(k), v, g, beta)        (moontrain.model.kda_ops: spec and fla kernel)
+    out     = (RMSNorm_K(o) * sigmoid(x W_g)) W_o          per-head gated RMSNorm, output gate like W_f
+The short convolutions see no token of an earlier document (taps across a document start are zeroed),
+and the recurrence restarts at each document start, so nothing crosses an end-of-document.
+No positional encoding: the recurrence and the convolutions are order-aware.
+
+Kernel: model.kda_kernel picks kda_ops.kda (pure PyTorch, chunked; CPU and GPU) or kda_ops.kda_fla
+(fla-core's chunk_kda, Triton, with the gate and the L2 norm fused) once, at construction. The call is
+excluded from torch.compile (fla's autograd function is opaque to it; the reference's chunk loop would
+unroll); the projections, convolutions and the output norm around it compile.
+
+Init (init_parameters, after the model's normal init): A_log = log U(1, 16) per head (fla's range), dt_bias
+so that the initial decay rate -g at f = 0 is log-uniform in [1e-3, 1e-1] per channel (Mamba-2's range for
+the step: long and short memories from the start), conv taps U(+-1/sqrt(W)) (nn.Conv1d's default).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moontrain.model.config import ModelConfig
+from moontrain.model.documents import DocumentMask
+from moontrain.model.kda_ops import at_least_fp32, kda, kda_fla
+
+DECAY_RATE_RANGE = (1e-3, 1e-1)
+
+
+def fla_available() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def select_kda_kernel(cfg: ModelConfig, device: torch.device | str | None) -> Callable[..., torch.Tensor]:
+    if cfg.kda_kernel == "torch":
+        return kda
+    if cfg.kda_kernel == "fla":
+        if not fla_available():
+            raise ValueError("model.kda_kernel=fla needs fla-core (pip install fla-core, or on the GPU machine "
+                             "bash ../shared/device/stage.sh fla); model.kda_kernel=torch runs the PyTorch KDA")
+        return kda_fla
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    return kda_fla if on_cuda and fla_available() else kda
+
+
+def short_conv(x_BTC: torch.Tensor, w_CW: torch.Tensor, doc_id_BT: torch.Tensor | None) -> torch.Tensor:
+    """silu(sum_s w[:, s] * x_{t-s}) over taps s = 0..W-1, a tap counting only inside x_t's document."""
+    T, W = x_BTC.shape[1], w_CW.shape[1]
+    w_CW = w_CW.to(x_BTC.dtype)
+    y = x_BTC * w_CW[:, 0]
+    for s in range(1, min(W, T)):
+        x_s = F.pad(x_BTC, (0, 0, s, 0))[:, :T]
+        if doc_id_BT is not None:
+            same_BT = F.pad((doc_id_BT[:, s:] == doc_id_BT[:, :-s]).to(x_s.dtype), (s, 0))
+            x_s = x_s * same_BT.unsqueeze(-1)
+        y = y + x_s * w_CW[:, s]
+    return F.silu(y)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each head's channels (at least fp32), times sigmoid of the output gate."""
+
+    def __init__(self, dim: int, eps: float, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = at_least_fp32(x)
+        y = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps) * at_least_fp32(self.weight)
+        return (y * torch.sigmoid(at_least_fp32(gate))).to(gate.dtype)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        D, H, K, W, r = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_conv_size, cfg.kda_gate_rank
+        self.wq = nn.Linear(D, H * K, bias=False, device=device)
+        self.wk = nn.Linear(D, H * K, bias=False, device=device)
+        self.wv = nn.Linear(D, H * K, bias=False, device=device)
+        self.conv_q = nn.Parameter(torch.empty(H * K, W, device=device))
+        self.conv_k = nn.Parameter(torch.empty(H * K, W, device=device))
+        self.conv_v = nn.Parameter(torch.empty(H * K, W, device=device))
+        if r is None:
+            self.wf = nn.Linear(D, H * K, bias=False, device=device)
+            self.wg = nn.Linear(D, H * K, bias=False, device=device)
+        else:
+            self.wf = nn.Sequential(nn.Linear(D, r, bias=False, device=device),
+                                    nn.Linear(r, H * K, bias=False, device=device))
+            self.wg = nn.Sequential(nn.Linear(D, r, bias=False, device=device),
+                                    nn.Linear(r, H * K, bias=False, device=device))
+        self.wb = nn.Linear(D, H, bias=False, device=device)
+        self.A_log = nn.Parameter(torch.zeros(H, device=device))
+        self.dt_bias = nn.Parameter(torch.zeros(H, K, device=device))
+        self.o_norm = GatedRMSNorm(K, cfg.norm_eps, device=device)
+        self.wo = nn.Linear(H * K, D, bias=False, device=device)
+        self.kernel = torch.compiler.disable(select_kda_kernel(cfg, device))
+
+    @torch.no_grad()
+    def init_parameters(self, gen: torch.Generator) -> None:
+        """A_log, dt_bias and the conv taps (see the module docstring); the rest keeps the model's init."""
+        H, K, W = self.dt_bias.shape[0], self.dt_bias.shape[1], self.conv_q.shape[1]
+        dev = self.A_log.device
+        self.A_log.copy_(torch.empty(H, device=dev).uniform_(1.0, 16.0, generator=gen).log())
+        lo, hi = DECAY_RATE_RANGE
+        rate_HK = torch.exp(torch.empty(H, K, device=dev).uniform_(math.log(lo), math.log(hi), generator=gen))
+        a_H1 = self.A_log.exp().unsqueeze(-1)
+        bound = self.cfg.kda_gate_lower_bound
+        if bound is None:  # rate = a softplus(dt)
+            self.dt_bias.copy_(torch.log(torch.expm1(rate_HK / a_H1)))
+        else:  # rate = -bound sigmoid(a dt)
+            self.dt_bias.copy_(torch.logit(rate_HK / -bound) / a_H1)
+        for w in (self.conv_q, self.conv_k, self.conv_v):
+            w.uniform_(-1 / math.sqrt(W), 1 / math.sqrt(W), generator=gen)
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                docs: DocumentMask | None = None) -> torch.Tensor:
+        """cos/sin are unused (no positional encoding); the signature is MLAttention's."""
+        cfg = self.cfg
+        B, T, _ = x_BTD.shape
+        H, K = cfg.kda_heads, cfg.kda_head_dim
+        doc_id = docs.id_BT if docs is not None else None
+        q_BTHK = short_conv(self.wq(x_BTD), self.conv_q, doc_id).view(B, T, H, K)
+        k_BTHK = short_conv(self.wk(x_BTD), self.conv_k, doc_id).view(B, T, H, K)
+        v_BTHK = short_conv(self.wv(x_BTD), self.conv_v, doc_id).view(B, T, H, K)
+        f_BTHK = self.wf(x_BTD).view(B, T, H, K)
+        beta_BTH = torch.sigmoid(at_least_fp32(self.wb(x_BTD)))
+        o_BTHK = self.kernel(q_BTHK, k_BTHK, v_BTHK, f_BTHK, beta_BTH, self.A_log, self.dt_bias,
+                             lower_bound=cfg.kda_gate_lower_bound, scale=K ** -0.5,
+                             doc_start_BT=docs.start_BT if docs is not None else None)
+        o_BTHK = self.o_norm(o_BTHK, self.wg(x_BTD).view(B, T, H, K))
+        return self.wo(o_BTHK.reshape(B, T, H * K))
