@@ -171,6 +171,20 @@ class Muon(torch.optim.Optimizer):
         self._plans: dict[tuple[int, ...], list[_Matrix]] = {}
         self._row_scales: dict[int, torch.Tensor] = {}
 
+    # the training step's optimizer contract (moontrain/optim/protocol.py): the clip scales the grads in
+    # place before step() (Newton-Schulz normalises the Muon update anyway; the AdamW groups need it)
+    @property
+    def folds_clip(self) -> bool:
+        return False
+
+    def clip_next_step(self, factor: torch.Tensor) -> None:
+        raise ValueError("Muon does not fold the gradient clip into its step (folds_clip is False): scale the "
+                         "grads before step()")
+
+    @property
+    def written_back(self) -> frozenset[int]:
+        return frozenset()
+
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:

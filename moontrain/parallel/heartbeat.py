@@ -27,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -35,8 +36,11 @@ _PREFIX = "moontrain/hb/"
 
 
 class Heartbeat:
-    def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout_s: float) -> None:
+    def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout_s: float,
+                 report: Callable[[str], None] | None = None) -> None:
+        """report: prints the abort line (default: to stderr as `moontrain: rank R: aborting: ...`)."""
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        self.report = report or (lambda line: print(f"moontrain: rank {rank}: {line}", file=sys.stderr, flush=True))
         self.interval_s = max(0.2, min(5.0, timeout_s / 10))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -117,7 +121,7 @@ class Heartbeat:
                     pass
 
     def _abort(self, verdict: str) -> None:
-        print(f"moontrain: rank {self.rank}: aborting: {verdict}", file=sys.stderr, flush=True)
+        self.report(f"aborting: {verdict}")
         os._exit(EXIT_CODE)
 
     def mark_left(self) -> None:
