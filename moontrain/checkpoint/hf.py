@@ -94,7 +94,7 @@ def _export_plan(cfg: ModelConfig, source: TensorSource, dtype: torch.dtype
     for key in source.names():
         if not key.startswith("model."):
             continue
-        name = hf_name(key[len("model."):])
+        name = hf_name(key[len("model."):], cfg)
         shape = tuple(source.shape(key))
         out_dtype = torch.float32 if name.name.endswith(FP32_ALWAYS) else dtype
         if name.kind == "experts":
@@ -192,7 +192,7 @@ class HFSource:
         return t.float() * scale
 
     def shape(self, key: str) -> tuple[int, ...]:
-        name = hf_name(key)
+        name = hf_name(key, self.cfg)
         if name.kind == "experts":
             out_dim, in_dim = self._reader(name.expert(0)).shape(name.expert(0))
             return (self.cfg.num_experts, in_dim, out_dim)
@@ -203,7 +203,7 @@ class HFSource:
         return self.rows(key, 0, shape[0] if shape else 0)
 
     def rows(self, key: str, offset: int, rows: int) -> torch.Tensor:
-        name = hf_name(key)
+        name = hf_name(key, self.cfg)
         if name.kind == "experts":
             if rows == 0:
                 return torch.empty(0, *self.shape(key)[1:])

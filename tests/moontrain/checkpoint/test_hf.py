@@ -226,3 +226,28 @@ def test_deepseek_v3_fp8_import(tmp_path: Path) -> None:
         init_weights_from(trainer.state, tmp_path / directory)
         states.append({k: v for k, v in full_state(trainer).items() if "exp_avg" not in k})
     assert_bitwise(states[0], states[1], "FP8 import vs the dequantized weights")
+
+
+@pytest.mark.parametrize("gate_rank", [8, None], ids=["low_rank_gates", "full_rank_gates"])
+def test_kda_hybrid_export_parity_and_import(tmp_path: Path, gate_rank: int | None) -> None:
+    """A KDA/MLA hybrid (KDA layers 0 and 2 of 4, MLA 1 and 3): the transformers-loaded export (recurrent
+    KDA) gives moontrain's logits (chunked KDA) within fp32 rounding; the import is bitwise."""
+    torch.set_num_threads(1)
+    model = {**_tiny_model(), "num_layers": 4, "kda_layers_per_mla": 1, "kda_num_heads": 2, "kda_head_dim": 16,
+             "kda_gate_rank": gate_rank, "kda_kernel": "torch"}
+    trainer = Trainer(_run_config(model, "local", 1, str(tmp_path / "run")), single_process_layout(CPU))
+    train(trainer, 2)
+    assert [b.is_kda for b in trainer.model.layers] == [True, False, True, False]
+    ckpt = trainer.save_checkpoint()
+    out = export_hf(ckpt, tmp_path / "hf", dtype="float32")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True)
+    tokens = torch.randint(0, 257, (2, 40), generator=torch.Generator().manual_seed(2))
+    trainer.model.document_eos_id = None  # one sequence per row, as the HF model reads it
+    with torch.no_grad():
+        _close(hf(tokens).logits, trainer.model.logits(tokens), "KDA hybrid export vs moontrain")
+    fresh = Trainer(_run_config(model, "local", 1, str(tmp_path / "fresh")), single_process_layout(CPU))
+    init_weights_from(fresh.state, out)
+    drop = ("exp_avg", ".step")
+    assert_bitwise({k: v for k, v in full_state(fresh).items() if not any(d in k for d in drop)},
+                   {k: v for k, v in full_state(trainer).items() if not any(d in k for d in drop)},
+                   "KDA hybrid export -> import")
