@@ -151,3 +151,7 @@ def test_init_zeroes_the_queries_and_block_size_is_validated() -> None:
         _cfg(attn_res_block_size=3)
     with pytest.raises(ValueError, match="ffn_activation must be 'swiglu' or 'situ_glu'"):
         _cfg(ffn_activation="gelu")
+    with pytest.raises(ValueError, match=r"computes 'swiglu' experts, the model has model\.ffn_activation='situ_glu'"):
+        model.attach_experts_backends("local", ExpertsContext(
+            num_experts=8, topk=3, ep_group=None, ep_size=1, compute_dtype=torch.float32, token_padding=8,
+            max_tokens=18, device=torch.device("cpu")))
