@@ -24,7 +24,7 @@ import torch
 from moontrain.checkpoint.store import list_checkpoints
 from moontrain.config.loader import load_recipe
 from moontrain.data.config import DataConfig
-from moontrain.data.source import build_loader
+from moontrain.data.loader import build_loader
 from moontrain.optim.schedule import lr_multiplier
 from moontrain.parallel.layout import build_layout, single_process_layout
 from moontrain.trainer.errors import one_line
