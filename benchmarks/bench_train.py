@@ -86,6 +86,7 @@ from moontrain.config.loader import to_dict
 from moontrain.metrics.balance import maxvio_L
 from moontrain.metrics.flops import PEAK_BF16_FLOPS
 from moontrain.metrics.window import memory_stats
+from moontrain.model.experts.moonep_backend import MoonEPRuntime
 from moontrain.parallel.layout import ParallelLayout, build_layout
 from moontrain.trainer.trainer import Trainer, resolve_compute_dtype
 from moontrain.trainer.worker import select_device
@@ -235,8 +236,9 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
     step_s, step_peak, step_resv, maxvio, rank_maxvio, losses = [], [], [], [], [], []
     step_req: list[float] = []  # peak of the bytes tensors asked for (no allocator rounding)
     redundant: list[float] = []
+    data_wait: list[float] = []  # seconds the step waited for its batch (the loader's prefetch thread)
     oom_where, heap_bytes, flops_per_token, pooled, syncs, trace_peak = None, 0, None, 0, None, None
-    window_s = None
+    window_s = window_wait_s = None
     trainer = None
     diagnosed = at_diagnosed_point(args, cfg)  # the same answer on every rank (collectives follow)
     traced = args.memory_trace and diagnosed and device.type == "cuda"
@@ -247,7 +249,7 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
         set_router_biases(trainer, bias_LE)
         apply_skew(trainer, cfg.model.router_skew, args.placement)
         flops_per_token = trainer.flops_per_token
-        buf = trainer.experts_ctx.shared.get("moonep_buffer")
+        buf = trainer.experts_runtime.buffer if isinstance(trainer.experts_runtime, MoonEPRuntime) else None
         heap_bytes = buf.heap.local_bytes if buf is not None else 0
         for _ in range(args.warmup + args.steps):
             _sync(device)
@@ -267,8 +269,10 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
             rank_maxvio.append(stats.scalars.get("moe/rank_maxvio/max", float("nan")))
             redundant.append(stats.scalars.get("moe/redundant_experts/total", 0.0))
             losses.append(stats.loss)
+            data_wait.append(stats.scalars.get("data/wait_ms", float("nan")) / 1e3)
         if args.window:  # steady state: no sync, barrier or host read between the window's steps
             trainer.cfg.train.log_every = 1 << 30
+            trainer.data.take_metrics()  # the window's data wait accumulates from here
             _sync(device)
             dist.barrier(group=layout.world_group)
             t0 = time.perf_counter()
@@ -276,6 +280,7 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
                 trainer.train_step()
             _sync(device)
             window_s = time.perf_counter() - t0
+            window_wait_s = trainer.data.take_metrics()["data/wait_ms"] / 1e3  # mean per step of the window
             trainer.cfg.train.log_every = 1  # the diagnostics below read a step's stats
         pooled = buf.pooled_plans if buf is not None else 0
         if args.sync_debug and cfg.model.router_skew == args.sync_skew and args.current_round == 0 \
@@ -331,6 +336,11 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
         steady_step_time_s=steady,
         steady_tokens_per_s_per_gpu=steady_tok,
         steady_mfu_989=steady_tok * flops_per_token / PEAK_DENSE_BF16 if cuda and steady_tok else None,
+        # data wait per step: max over ranks; its median over the timed steps, and over the steady window
+        data_wait_ms_median=1e3 * statistics.median(
+            _reduce(w, dist.ReduceOp.MAX, layout) for w in data_wait[args.warmup:]),
+        steady_data_wait_ms=(1e3 * _reduce(window_wait_s, dist.ReduceOp.MAX, layout)
+                             if window_wait_s is not None else None),
         maxvio_median=statistics.median(maxvio[args.warmup:]),
         maxvio_steps=maxvio,
         rank_maxvio_median=statistics.median(rank_maxvio[args.warmup:]),
@@ -587,7 +597,7 @@ def _f(v: float | None, fmt: str, width: int) -> str:
 
 
 HEADER = (f"{'backend':>8} {'target':>6} {'sigma':>8} {'calib':>6} {'train':>6} {'rank':>6} | {'step ms':>8} "
-          f"{'tok/s/gpu':>9} {'mfu989':>6} {'mfu mm':>6} {'steady':>7} {'mfu st':>6} | {'peak GiB':>8} {'resv GiB':>8} {'step pk':>13} "
+          f"{'wait ms':>7} {'tok/s/gpu':>9} {'mfu989':>6} {'mfu mm':>6} {'steady':>7} {'mfu st':>6} | {'peak GiB':>8} {'resv GiB':>8} {'step pk':>13} "
           f"{'retry':>5} {'heap':>5} {'oom':>4} {'copies':>6} {'plans':>5} | {'requested peak B':>17}")
 
 
@@ -602,7 +612,7 @@ def _row(r: dict) -> str:
     ms = (lambda v: None if v is None else 1e3 * v)
     return (f"{r['backend']:>8} {r['target_maxvio']:>6g} {r['sigma']:>8.4g} {r['calib_maxvio']:>6.2f} "
             f"{r['maxvio_median']:>6.2f} {_f(r['rank_maxvio_median'], '.2f', 6)} | {r['step_time_s'] * 1e3:>8.1f} "
-            f"{r['tokens_per_s_per_gpu']:>9.0f} {_f(pct(r['mfu_989']), '.1f', 6)} {_f(pct(r['mfu_mm']), '.1f', 6)} "
+            f"{_f(r.get('data_wait_ms_median'), '.2f', 7)} {r['tokens_per_s_per_gpu']:>9.0f} {_f(pct(r['mfu_989']), '.1f', 6)} {_f(pct(r['mfu_mm']), '.1f', 6)} "
             f"{_f(ms(r.get('steady_step_time_s')), '.1f', 7)} {_f(pct(r.get('steady_mfu_989')), '.1f', 6)} | "
             f"{_f(r['peak_allocated_gib'], '.2f', 8)} {_f(r['peak_reserved_gib'], '.2f', 8)} {step_pk:>13} "
             f"{_f(r['alloc_retries'], 'd', 5)} {r['symmetric_heap_gib']:>5.2f} {'yes' if r['oom'] else 'no':>4} "
@@ -626,7 +636,7 @@ def print_table(result: dict) -> None:
           f"{meta['matmul_flops'] / 1e12:.2f} TFLOP/s")
     print("maxvio: calib = realised at calibration (initial weights), train = median over timed steps (max over "
           "MoE layers), rank = after planning (rows per rank); mfu989 vs 989 TFLOP/s bf16, mfu mm vs the torch.mm "
-          "rate (%); steady / mfu st = mean step ms and MFU (989) of --window steps back to back (no per-step sync); "
+          "rate (%); wait ms = the time a step waited for its batch (the data loader's prefetch thread; median, max over ranks); steady / mfu st = mean step ms and MFU (989) of --window steps back to back (no per-step sync); "
           "peak/resv = torch allocator, max over ranks; step pk = per-step peak allocated range over "
           "timed steps; heap = moonep symmetric heap GiB (outside the allocator); copies = redundant expert copies "
           "per step over all MoE layers (median); plans = moonep's pooled plans at the end; requested peak = the most "

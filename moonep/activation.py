@@ -7,7 +7,7 @@ projection's weight gradient). The triton data path fuses each into one kernel p
 (moonep.datapath.triton_path.GLU_KERNELS holds one pair per name here).
 
     swiglu     a = silu(h) * u   (silu rounded to h's dtype first, as F.silu(h) * u does)
-    situ_glu   a = 4 tanh(h/4) sigmoid(h) * 25 tanh(u/25)   (Kimi K3's experts; moonep.situ_glu)
+    situ_glu   a = 4 tanh(h/4) sigmoid(h) * 25 tanh(u/25)   (Kimi K3; moonep.situ_glu, fp32, one rounding)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moonep import situ_glu
+from moonep.situ_glu import situ_glu_backward, situ_glu_forward
 
 
 def swiglu_forward(h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -45,7 +45,7 @@ class GatedActivation:
 
 ACTIVATIONS: dict[str, GatedActivation] = {
     "swiglu": GatedActivation("swiglu", swiglu_forward, swiglu_backward),
-    "situ_glu": GatedActivation("situ_glu", situ_glu.situ_glu_forward, situ_glu.situ_glu_backward),
+    "situ_glu": GatedActivation("situ_glu", situ_glu_forward, situ_glu_backward),
 }
 
 

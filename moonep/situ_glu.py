@@ -14,8 +14,9 @@ Numerics: everything in fp32 from the inputs' values, each result rounded once t
 The transcendentals are written out in terms of exp of a non-positive argument (sigmoid and
 sig (1 - sig) from exp(-|x|); tanh and 1 - tanh^2 from exp(-2|x|), with a Taylor polynomial for
 |x| < 1/16 where 1 - exp(-2|x|) would cancel), so the derivatives keep their relative accuracy in the
-saturated tails; one operation at a time, in the order the Triton kernels evaluate them: the kernels differ from this only by their
-exp (Triton's interpreter uses numpy's, the GPU its own) and, on the GPU, by fp32 division.
+saturated tails; one operation at a time, in the order the Triton kernels evaluate them. The kernels
+differ from this only by their exp (Triton's interpreter uses numpy's, the GPU its own) and, on the
+GPU, by fp32 division. The differentiable `situ_glu` runs the kernels on bf16 CUDA tensors.
 
 Rejected: torch.tanh / torch.sigmoid here and libdevice's tanh in the kernel (Triton's interpreter has
 no libdevice, so the kernel could not be checked on a CPU).
@@ -75,22 +76,36 @@ def situ_glu_backward(grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
     return grad_h.to(h.dtype), grad_u.to(h.dtype), (situ * cap).to(h.dtype)
 
 
+def _uses_kernels(h: torch.Tensor) -> bool:
+    """The Triton kernels for bf16 CUDA tensors (what they are written for), this module elsewhere."""
+    return h.is_cuda and h.dtype == torch.bfloat16
+
+
 class _SiTUGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(h, u)
+        if _uses_kernels(h):
+            from moonep.kernels.situ_glu import situ_glu_forward as kernel_forward
+
+            return kernel_forward(h.contiguous(), u.contiguous())
         return situ_glu_forward(h, u)
 
     @staticmethod
     def backward(ctx, grad_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h, u = ctx.saved_tensors
-        grad_h, grad_u, _ = situ_glu_backward(grad_a, h, u)
+        if _uses_kernels(h):
+            from moonep.kernels.situ_glu import situ_glu_backward as kernel_backward
+
+            grad_h, grad_u, _ = kernel_backward(grad_a, h.contiguous(), u.contiguous())
+        else:
+            grad_h, grad_u, _ = situ_glu_backward(grad_a, h, u)
         return grad_h, grad_u
 
 
 def situ_glu(h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Differentiable SiTU-GLU: situ_glu_forward, with situ_glu_backward's one-pass gradients (saves
-    only h and u, like SwiGLU)."""
+    only h and u, like SwiGLU); on bf16 CUDA tensors both run as moonep.kernels.situ_glu's kernels."""
     if h.shape != u.shape or h.dtype != u.dtype:
         raise ValueError(f"situ_glu needs h and u of one shape and dtype, got {tuple(h.shape)} {h.dtype} and "
                          f"{tuple(u.shape)} {u.dtype}")

@@ -11,7 +11,8 @@ moonep.datapath.reference (the specification) except where a docstring below say
 - prefetch / reduce_grad / the masked weight-gradient accumulation: moonep.kernels.experts (they
   touch occupied slots and non-empty groups only).
 - the activation and the route weights: moonep.kernels.swiglu / .situ_glu and moonep.kernels.route_weights
-  (the route-weight gradient sums in another order than torch.sum: within a bound the tests derive).
+  (the route-weight gradient sums in another order than torch.sum: within a bound the tests derive;
+  SiTU-GLU's device exp and division are approximate: within the bound of tests/moonep/situ_glu_cases.py).
 """
 
 from __future__ import annotations

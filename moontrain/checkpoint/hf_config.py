@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from moontrain.checkpoint.tensors import CheckpointError
-from moontrain.config.loader import from_dict, to_dict
+from moontrain.dataclass_dict import from_dict, to_dict
 from moontrain.model.config import ModelConfig, YarnConfig
 
 MODEL_TYPE = "moontrain"
@@ -62,10 +62,18 @@ def hf_config(cfg: ModelConfig, *, dtype: str, max_position_embeddings: int, ext
         "use_nope": cfg.use_nope,
         "attn_output_gate": cfg.attn_output_gate,
         "moe_latent_size": cfg.moe_latent_size,
-        "hidden_act": "silu",
+        "hidden_act": "situ_glu" if cfg.ffn_activation == "situ_glu" else "silu",
+        "attn_res_block_size": cfg.attn_res_block_size,
+        "kda_layers_per_mla": cfg.kda_layers_per_mla,
+        "kda_num_heads": cfg.kda_heads,
+        "kda_head_dim": cfg.kda_head_dim,
+        "kda_conv_size": cfg.kda_conv_size,
+        "kda_gate_rank": cfg.kda_gate_rank,
+        "kda_gate_lower_bound": cfg.kda_gate_lower_bound,
         "initializer_range": cfg.init_std,
         "tie_word_embeddings": False,
         "max_position_embeddings": max_position_embeddings,
+        "use_cache": False,  # the HF modeling code has no KV cache: generate() re-runs the whole sequence
         **extra,
         "moontrain_model": to_dict(cfg),
     }

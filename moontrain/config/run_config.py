@@ -11,6 +11,7 @@ from moontrain.model.config import ExpertsConfig, ModelConfig
 from moontrain.optim.config import OptimConfig
 from moontrain.parallel.config import ParallelConfig
 from moontrain.trainer.config import TrainConfig
+from moontrain.trainer.eval_config import EvalConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -23,6 +24,12 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        if self.eval.every and self.eval.every % self.train.log_every:
+            raise ValueError(f"eval.every={self.eval.every} is not a multiple of train.log_every={self.train.log_every}; "
+                             "evaluation results are logged with a step's metrics")
 
     def check_world(self, world_size: int) -> None:
         """Checks that need the world size (known only at launch)."""

@@ -1,6 +1,9 @@
 """Hugging Face modeling code of a moontrain model: MLA attention (optional q low rank, output gate, NoPE,
-YaRN), dense SwiGLU first layers, then sigmoid-routed MoE (optional group-limited routing, latent
-projection, shared experts). Loaded with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`.
+YaRN), dense gated-FFN first layers (SwiGLU, or SiTU-GLU with hidden_act="situ_glu"), then sigmoid-routed
+MoE (optional group-limited routing, latent projection, shared experts), optionally Block Attention
+Residuals (attn_res_block_size > 0: each sub-layer's input a softmax over depth of the completed blocks,
+the embedding first, and the current block's partial sum, with a zero-initialised pseudo-query), and
+Kimi Delta Attention layers (kda_layers_per_mla > 0; recurrent form, token by token). Loaded with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`.
 
 Legend: B batch, T sequence, D hidden, N heads, Dn/Dr/Dv nope/rope/value head dims, E experts, K top-k,
 s = B*T tokens, H expert width (the latent width with moe_latent_size).
@@ -132,15 +135,111 @@ class MoontrainAttention(nn.Module):
         return self.o_proj(o)
 
 
-class MoontrainMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
+class MoontrainShortConv(nn.Module):
+    """Causal depthwise convolution then silu: weight [C, W], tap s multiplies x_{t-s}."""
+
+    def __init__(self, channels: int, taps: int) -> None:
         super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, taps))
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        T, W = x_BTC.shape[1], self.weight.shape[1]
+        w = self.weight.to(x_BTC.dtype)
+        y = x_BTC * w[:, 0]
+        for s in range(1, min(W, T)):
+            y = y + F.pad(x_BTC, (0, 0, s, 0))[:, :T] * w[:, s]
+        return F.silu(y)
+
+
+class MoontrainKDA(nn.Module):
+    """Kimi Delta Attention, recurrent form: per head, with decay a_t = exp(g_t) per key channel and write
+    strength beta_t, S_t = diag(a_t) S_{t-1}; S_t += beta_t k_t (v_t - S_t^T k_t)^T; o_t = S_t^T q_t / sqrt(K),
+    q and k L2-normalised; out = (RMSNorm(o) * sigmoid(g_proj x)) o_proj. No positional encoding."""
+
+    def __init__(self, config: MoontrainConfig) -> None:
+        super().__init__()
+        self.config = config
+        D, H, K, W, r = (config.hidden_size, config.kda_num_heads, config.kda_head_dim, config.kda_conv_size,
+                         config.kda_gate_rank)
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(D, H * K, bias=False) for _ in range(3))
+        self.q_conv, self.k_conv, self.v_conv = (MoontrainShortConv(H * K, W) for _ in range(3))
+        if r is None:
+            self.f_proj, self.g_proj = nn.Linear(D, H * K, bias=False), nn.Linear(D, H * K, bias=False)
+        else:
+            self.f_a_proj, self.f_b_proj = nn.Linear(D, r, bias=False), nn.Linear(r, H * K, bias=False)
+            self.g_a_proj, self.g_b_proj = nn.Linear(D, r, bias=False), nn.Linear(r, H * K, bias=False)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.dt_bias = nn.Parameter(torch.zeros(H, K))
+        self.o_norm = MoontrainRMSNorm(K, config.rms_norm_eps)
+        self.o_proj = nn.Linear(H * K, D, bias=False)
+
+    def _low_rank(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if self.config.kda_gate_rank is None:
+            return getattr(self, f"{name}_proj")(x)
+        return getattr(self, f"{name}_b_proj")(getattr(self, f"{name}_a_proj")(x))
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        cfg = self.config
+        B, T, _ = x_BTD.shape
+        H, K = cfg.kda_num_heads, cfg.kda_head_dim
+
+        def l2(t: torch.Tensor) -> torch.Tensor:
+            t = t.float()
+            return t * torch.rsqrt(t.square().sum(-1, keepdim=True) + 1e-6)
+
+        q = l2(self.q_conv(self.q_proj(x_BTD)).view(B, T, H, K))
+        k = l2(self.k_conv(self.k_proj(x_BTD)).view(B, T, H, K))
+        v = self.v_conv(self.v_proj(x_BTD)).view(B, T, H, K)
+        f = self._low_rank(x_BTD, "f").view(B, T, H, K).float() + self.dt_bias.float()
+        a = self.A_log.float().exp().view(H, 1)
+        bound = cfg.kda_gate_lower_bound
+        g = -a * F.softplus(f) if bound is None else bound * torch.sigmoid(a * f)
+        beta = torch.sigmoid(self.b_proj(x_BTD).float())
+        S = x_BTD.new_zeros(B, H, K, K, dtype=torch.float32)
+        outs = []
+        for t in range(T):
+            S = g[:, t].exp().unsqueeze(-1) * S
+            u = beta[:, t].unsqueeze(-1) * (v[:, t].float() - torch.einsum("bhk,bhkv->bhv", k[:, t], S))
+            S = S + k[:, t].unsqueeze(-1) * u.unsqueeze(-2)
+            outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * K ** -0.5, S))
+        o = torch.stack(outs, dim=1)
+        gate = self._low_rank(x_BTD, "g").view(B, T, H, K)
+        o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + self.o_norm.eps) * self.o_norm.weight.float()
+        o = (o * torch.sigmoid(gate.float())).to(gate.dtype)
+        return self.o_proj(o.reshape(B, T, H * K))
+
+
+class MoontrainMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str = "silu") -> None:
+        super().__init__()
+        self.act = act
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g, u = self.gate_proj(x), self.up_proj(x)
+        if self.act == "situ_glu":  # in fp32, rounded once, as moontrain's trainer computes it
+            a = (4 * torch.tanh(g.float() / 4) * torch.sigmoid(g.float()) * (25 * torch.tanh(u.float() / 25)))
+            return self.down_proj(a.to(x.dtype))
+        return self.down_proj(F.silu(g) * u)
+
+
+class MoontrainDepthAttention(nn.Module):
+    """One AttnRes aggregation: softmax over depth of (pseudo-query . RMSNorm(value)), in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(dim))
+        self.key_norm = MoontrainRMSNorm(dim, eps)
+
+    def forward(self, values: list[torch.Tensor]) -> torch.Tensor:
+        v = torch.stack(values).float()
+        k = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.key_norm.eps) * self.key_norm.weight.float()
+        alpha = torch.einsum("d,nbtd->nbt", self.query.float(), k).softmax(0)
+        return torch.einsum("nbt,nbtd->btd", alpha, v).to(values[0].dtype)
 
 
 class MoontrainRouter(nn.Module):
@@ -182,10 +281,11 @@ class MoontrainMoE(nn.Module):
             self.latent_down_proj = nn.Linear(D, H, bias=False)
             self.latent_norm = MoontrainRMSNorm(H, config.rms_norm_eps)
             self.latent_up_proj = nn.Linear(H, D, bias=False)
-        self.experts = nn.ModuleList(MoontrainMLP(H, config.moe_intermediate_size)
+        self.experts = nn.ModuleList(MoontrainMLP(H, config.moe_intermediate_size, config.hidden_act)
                                      for _ in range(config.n_routed_experts))
         if config.n_shared_experts:
-            self.shared_experts = MoontrainMLP(D, config.n_shared_experts * config.moe_intermediate_size)
+            self.shared_experts = MoontrainMLP(D, config.n_shared_experts * config.moe_intermediate_size,
+                                               config.hidden_act)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
@@ -209,14 +309,33 @@ class MoontrainDecoderLayer(nn.Module):
     def __init__(self, config: MoontrainConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = MoontrainRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MoontrainAttention(config)
+        n, last = config.kda_layers_per_mla, layer_idx == config.num_hidden_layers - 1
+        kda = n > 0 and (layer_idx + 1) % (n + 1) != 0 and not last
+        self.self_attn = MoontrainKDA(config) if kda else MoontrainAttention(config)
         self.post_attention_layernorm = MoontrainRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = (MoontrainMoE(config) if layer_idx >= config.first_k_dense_replace
-                    else MoontrainMLP(config.hidden_size, config.intermediate_size))
+                    else MoontrainMLP(config.hidden_size, config.intermediate_size, config.hidden_act))
+        block_size = config.attn_res_block_size
+        if block_size:
+            self.attn_res = MoontrainDepthAttention(config.hidden_size, config.rms_norm_eps)
+            self.mlp_res = MoontrainDepthAttention(config.hidden_size, config.rms_norm_eps)
+            self.starts_block = layer_idx % (block_size // 2) == 0
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_attn_res(self, blocks: list[torch.Tensor], partial: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, mask: torch.Tensor | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """AttnRes: (completed blocks, partial sum) -> the same after this layer."""
+        h = self.attn_res([*blocks, partial])
+        out = self.self_attn(self.input_layernorm(h), cos, sin, mask)
+        if self.starts_block:
+            blocks, partial = [*blocks, partial], out
+        else:
+            partial = partial + out
+        h = self.mlp_res([*blocks, partial])
+        return blocks, partial + self.mlp(self.post_attention_layernorm(h))
 
 
 class MoontrainPreTrainedModel(PreTrainedModel):
@@ -242,6 +361,8 @@ class MoontrainModel(MoontrainPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(MoontrainDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = MoontrainRMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.attn_res_block_size:
+            self.final_res = MoontrainDepthAttention(config.hidden_size, config.rms_norm_eps)
         self.post_init()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -253,6 +374,11 @@ class MoontrainModel(MoontrainPreTrainedModel):
             eye = torch.eye(T, dtype=torch.bool, device=input_ids.device)  # a padding query sees itself, not NaN
             mask = (causal & attention_mask.bool()[:, None, None, :]) | eye
         x = self.embed_tokens(input_ids)
+        if self.config.attn_res_block_size:
+            blocks: list[torch.Tensor] = []
+            for layer in self.layers:
+                blocks, x = layer.forward_attn_res(blocks, x, cos, sin, mask)
+            return self.norm(self.final_res([*blocks, x]))
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
         return self.norm(x)

@@ -14,3 +14,10 @@ class MetricsConfig:
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     project: str = "moontrain"
     run_name: str | None = None  # default: the name of train.run_dir
+    # expert-load heatmap (moontrain.metrics.heatmap): a PNG under <run_dir>/heatmaps and a wandb image every
+    # this many logging steps (and at the last step), over the steps since the previous one; 0: none
+    heatmap_every: int = 10
+
+    def __post_init__(self) -> None:
+        if self.heatmap_every < 0:
+            raise ValueError(f"metrics.heatmap_every must be >= 0 (0: no heatmaps), got {self.heatmap_every}")

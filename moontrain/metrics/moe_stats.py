@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from moontrain.metrics.balance import maxvio_L
+from moontrain.metrics.heatmap import ExpertLoad
 
 FIELDS = ("expert_maxvio", "rank_maxvio", "redundant_experts", "prefetch_bytes")
 
@@ -31,6 +32,7 @@ class MoEStats:
         self.moe_layers = moe_layers
         self.pools = [getattr(moe.backend, "pools", None) for moe in moe_layers]
         self.plans: list = [None] * len(moe_layers)
+        self.load: ExpertLoad | None = None  # token counts summed over the steps since the last heatmap
         for i, (moe, pools) in enumerate(zip(moe_layers, self.pools, strict=True)):
             if pools is not None:
                 moe.register_forward_hook(self._keeper(i, pools))
@@ -48,6 +50,9 @@ class MoEStats:
         L = counts_LE.shape[0]
         if L == 0:
             return torch.zeros(len(FIELDS), 0, dtype=torch.float64, device=counts_LE.device)
+        if self.load is None:
+            self.load = ExpertLoad(L, counts_LE.shape[1], counts_LE.device)
+        self.load.add(counts_LE)
         expert = maxvio_L(counts_LE).double()
         if all(p is not None for p in self.plans):
             rows_LR = torch.stack([plan.alloc_ER.sum(0) for plan in self.plans])

@@ -105,6 +105,12 @@ class ProgressLog:
         if self.sink is not None:
             self.sink.log({k: v for k, v in values.items() if k != "step" and v is not None}, stats.step)
 
+    def image(self, key: str, path: Path, step: int) -> None:
+        """An image file (the expert-load heatmap) to wandb, at the step just logged."""
+        log_image = getattr(self.sink, "log_image", None)
+        if log_image is not None:
+            log_image(key, path, step)
+
     def summary(self, *, step: int, tokens_seen: int, checkpoint: Path | None, wandb_dir: Path | None) -> str:
         """The end-of-run lines: steps, tokens, wall time, final and best held-out loss, checkpoint, wandb."""
         lines = [f"moontrain: done at step {step}/{self.total_steps}: {tokens_seen:,} tokens seen, this job "
@@ -119,6 +125,9 @@ class ProgressLog:
             lines.append(line)
         if self.path is not None:
             lines.append(f"  metrics: {self.path}")
+            heatmaps = sorted((self.path.parent / "heatmaps").glob("expert_load_step_*.png"))
+            if heatmaps:
+                lines.append(f"  expert-load heatmaps: {heatmaps[-1].parent} (latest {heatmaps[-1].name})")
         if checkpoint is not None:
             lines.append(f"  checkpoint: {checkpoint}")
         if wandb_dir is not None:

@@ -4,9 +4,9 @@ Legend: B batch, T sequence, s = B*T tokens, D hidden, L latent width (expert wi
 
 Latent MoE (K3): routed experts run at width L: x_sL = RMSNorm(x_sD W_down); y_sD = experts(x_sL) W_up.
 Shared experts see the full width D and are one gated FFN of width num_shared * F (identical to the sum
-of num_shared separate experts), run after the routed experts on the same stream.
-Rejected: the shared experts on a side stream during the routed experts' communication (2xH200,
-k3_small_moe, 2026-11-29: its GEMMs held up moonep's device barriers and FSDP's all-gathers, no faster).
+of num_shared separate experts). They run on the caller's stream: on a side stream, overlapping the
+routed experts' communication, their GEMMs held up moonep's device barriers and FSDP's all-gathers and
+made the peak memory depend on the routing (2xH200, k3_small_moe, 2026-11-29; docs/performance.md).
 """
 
 from __future__ import annotations

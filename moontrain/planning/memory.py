@@ -18,7 +18,9 @@ L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
   landing rows S*K x H, row metadata; static); alltoall S*K*H at
   balance (dynamic: up to R times that under full skew).
 - activations: tensors saved for backward per token per layer: the compute dtype for most, fp32 for
-  routing weights, the K-way combine and the logits (a rough model, ~30%). With activation
+  routing weights, the K-way combine and the logits (a rough model, ~30%). KDA layers (fla's kernel):
+  the projections before and after the short convolutions, gate, output, fp32 decays, the chunk's two
+  L x L matrices per head and the chunk-boundary states (K x V per head per L tokens). With activation
   checkpointing: each block's input, plus one block's full activations during its recompute.
   AttnRes (model.attn_res_block_size): each aggregation keeps two fp32 values per token per value it
   attends over (its rsqrt factors and weights), and each layer's two partial sums are kept besides the
@@ -35,6 +37,7 @@ import torch
 from moonep import BufferConfig, Layout, glu_projections
 from moontrain.config.run_config import RunConfig
 from moontrain.model.attn_res import aggregation_sizes
+from moontrain.model.kda_ops import CHUNK as KDA_CHUNK
 from moontrain.planning.params import ParamCounts
 
 ROWS = ("weights", "master", "grads", "optimizer", "symmetric_heap", "receive_buffers", "activations")
@@ -99,10 +102,14 @@ def _activation_bytes_per_token(cfg: RunConfig, c: int, checkpointed: bool) -> f
     routed = K * (2 * H + 3 * F) * c + K * H * 4 + m.num_experts * 8
     shared = (3 * m.num_shared_experts * F + D) * c
     moe = (2 * D + latent) * c + routed + shared
+    HK, L = m.kda_heads * m.kda_head_dim, KDA_CHUNK
+    kda = (2 * D + 11 * HK + m.kda_head_dim * HK // L) * c + (2 * HK + 2 * L * m.kda_heads) * 4
     logits = cfg.model.vocab_size * (c + 8)
     sizes = aggregation_sizes(m.num_layers, m.attn_res_block_size)
     if checkpointed:
         recomputed_res = 2 * 8 * max(sizes) + 2 * D * c if sizes else 0  # one block's aggregations
-        return m.num_layers * D * c + attn + max(dense_ffn, moe) + recomputed_res + logits
+        mixing = max(attn if m.num_mla_layers else 0, kda if m.num_kda_layers else 0)
+        return m.num_layers * D * c + mixing + max(dense_ffn, moe) + recomputed_res + logits
     attn_res = 8 * sum(sizes) + 2 * m.num_layers * D * c if sizes else 0
-    return m.num_dense_layers * (attn + dense_ffn) + m.num_moe_layers * (attn + moe) + attn_res + logits
+    return (m.num_mla_layers * attn + m.num_kda_layers * kda + m.num_dense_layers * dense_ffn
+            + m.num_moe_layers * moe + attn_res + logits)

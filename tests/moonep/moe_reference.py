@@ -6,23 +6,23 @@ import torch
 import torch.nn.functional as F
 
 
-ACTIVATIONS = {  # written here from their definitions, independently of moonep.activation
-    "swiglu": lambda h, u: F.silu(h) * u,
-    "situ_glu": lambda h, u: 4 * torch.tanh(h / 4) * torch.sigmoid(h) * (25 * torch.tanh(u / 25)),
-}
+def glu(activation: str, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The gated activations by their textbook formulas (autograd gives their gradients)."""
+    if activation == "situ_glu":
+        return 4 * torch.tanh(h / 4) * torch.sigmoid(h) * (25 * torch.tanh(u / 25))
+    return F.silu(h) * u
 
 
 def dense_moe(x_NH: torch.Tensor, weights_NK: torch.Tensor, topk_NK: torch.Tensor,
               w: dict[str, torch.Tensor], activation: str = "swiglu") -> torch.Tensor:
-    """y[t] = sum_k weights[t,k] * f(x W_gate[e], x W_up[e]) W_down[e] in x's dtype, the sum over k
-    in fp32 (as moonep's combine)."""
-    act = ACTIVATIONS[activation]
+    """y[t] = sum_k weights[t,k] * f(x W_gate[e], x W_up[e]) W_down[e] in x's dtype (f: silu(h) * u or
+    SiTU-GLU), the sum over k in fp32 (as moonep's combine)."""
     y = torch.zeros(x_NH.shape, dtype=torch.float32 if x_NH.dtype != torch.float64 else torch.float64)
     for k in range(topk_NK.shape[1]):
         e = topk_NK[:, k].long()
         h = torch.bmm(x_NH[:, None, :], w["gate"][e])[:, 0]
         u = torch.bmm(x_NH[:, None, :], w["up"][e])[:, 0]
-        o = torch.bmm(act(h, u)[:, None, :], w["down"][e])[:, 0]
+        o = torch.bmm(glu(activation, h, u)[:, None, :], w["down"][e])[:, 0]
         y = y + (o.to(y.dtype) * weights_NK[:, k, None].to(y.dtype)).to(x_NH.dtype).to(y.dtype)
     return y.to(x_NH.dtype)
 

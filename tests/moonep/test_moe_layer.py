@@ -33,7 +33,7 @@ def _problem(R: int, E: int, maxvio: float, H: int = H, F: int = F, K: int = K, 
     return x, w, routing.topk_RsK, weights, grad_y
 
 
-def _rank_fn(rank: int, world: int, E: int, maxvio: float, activation: str) -> dict:
+def _rank_fn(rank: int, world: int, E: int, maxvio: float, activation: str = "swiglu") -> dict:
     x, w, topk, weights, grad_y = _problem(world, E, maxvio)
     buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=4))
     try:
@@ -68,6 +68,7 @@ def _close(name: str, got: torch.Tensor, ref16: torch.Tensor, ref64: torch.Tenso
 
 @pytest.mark.parametrize(("R", "activation"), [(1, "swiglu"), (2, "swiglu"), (4, "swiglu"), (2, "situ_glu")])
 def test_moe_layer_matches_dense_reference(R: int, activation: str) -> None:
+    """SiTU-GLU (K3's experts) through the op's activation parameter against the textbook formula."""
     E = 8 if R < 4 else 16
     maxvio = min(2.5, E / K - 1 - 0.1)
     out = run_ranks(_rank_fn, R, E, maxvio, activation, timeout_s=240)

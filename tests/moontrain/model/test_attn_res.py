@@ -1,0 +1,157 @@
+"""Block Attention Residuals against an independent naive formulation written here from the paper
+(arXiv 2603.15031): stack the values, RMSNorm them (with the norm's weight) as keys, score with the
+pseudo-query, softmax over depth, weighted sum; blocks of S/2 transformer layers, the embedding as
+the first block, one more aggregation before the final norm.
+
+Tolerances: the op in fp64 against the naive form in fp64 (autograd through it for the gradients):
+1e-12 relative (different summation order only). The model in fp32 against the naive loop in fp32:
+the same parameters and sub-modules, only the aggregation's arithmetic order differs: 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moontrain.metrics.flops import flops_per_token
+from moontrain.model.attn_res import DepthAttention, aggregation_sizes
+from moontrain.model.config import ModelConfig
+from moontrain.model.experts import ExpertsContext
+from moontrain.model.transformer import K3Model
+from moontrain.planning.params import count_params
+
+
+def naive_aggregate(values: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+    v_NBTD = torch.stack(values)
+    k_NBTD = v_NBTD * torch.rsqrt(v_NBTD.pow(2).mean(-1, keepdim=True) + eps) * norm_weight
+    alpha_NBT = torch.einsum("d,nbtd->nbt", query, k_NBTD).softmax(0)
+    return torch.einsum("nbt,nbtd->btd", alpha_NBT, v_NBTD)
+
+
+@pytest.mark.parametrize("num_values", [1, 2, 5])
+def test_depth_attention_matches_naive_formulation(num_values: int) -> None:
+    g = torch.Generator().manual_seed(num_values)
+    D = 24
+    values = [(torch.randn(2, 7, D, generator=g, dtype=torch.float64) * (1 + i)).requires_grad_()
+              for i in range(num_values)]
+    m = DepthAttention(D, eps=1e-6).double()
+    with torch.no_grad():
+        m.query.copy_(torch.randn(D, generator=g, dtype=torch.float64))
+        m.key_norm.weight.copy_(1 + 0.3 * torch.randn(D, generator=g, dtype=torch.float64))
+    grad_h = torch.randn(2, 7, D, generator=g, dtype=torch.float64)
+    got = m(tuple(values[:-1]), values[-1])
+    got_grads = torch.autograd.grad(got, [*values, m.query, m.key_norm.weight], grad_h)
+    want = naive_aggregate(values, m.query, m.key_norm.weight, 1e-6)
+    want_grads = torch.autograd.grad(want, [*values, m.query, m.key_norm.weight], grad_h)
+    names = [f"value {i}" for i in range(num_values)] + ["query", "key norm weight"]
+    for name, a, b in zip(["h", *names], [got, *got_grads], [want, *want_grads], strict=True):
+        diff, tol = (a - b).abs().max().item(), 1e-12 * max(b.abs().max().item(), 1.0)
+        assert diff <= tol, f"{name}: max |diff| {diff:.3g} > {tol:.3g}"
+
+
+def test_zero_query_is_the_mean_and_bf16_rounds_once() -> None:
+    """At init (query 0) every value weighs 1/N; bf16 values give the fp32 result rounded once."""
+    g = torch.Generator().manual_seed(0)
+    values = [torch.randn(3, 5, 16, generator=g).to(torch.bfloat16) for _ in range(3)]
+    got = DepthAttention(16)(tuple(values[:-1]), values[-1])
+    want = (sum(v.float() for v in values) / 3).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want.float()).abs().max().item() <= 2.0**-8 * want.float().abs().max().item()
+
+
+def _cfg(**over) -> ModelConfig:
+    base = dict(vocab_size=64, hidden_size=32, num_layers=5, num_dense_layers=1, dense_intermediate_size=64,
+                num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                num_experts=8, num_experts_per_tok=3, num_shared_experts=1, moe_intermediate_size=128,
+                moe_latent_size=16, routed_scaling_factor=2.5, attn_res_block_size=4, ffn_activation="situ_glu")
+    return ModelConfig(**{**base, **over})
+
+
+def _model(cfg: ModelConfig) -> K3Model:
+    model = K3Model(cfg)
+    model.init_weights(seed=0)
+    with torch.no_grad():  # non-zero queries so the depth weights are not uniform
+        gen = torch.Generator().manual_seed(1)
+        for name, p in model.named_parameters():
+            if name.endswith(".query"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+    model.attach_experts_backends("local", ExpertsContext(
+        num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep_size=1,
+        compute_dtype=torch.float32, token_padding=8, max_tokens=18, device=torch.device("cpu"),
+        activation=cfg.ffn_activation))
+    return model
+
+
+def naive_forward(model: K3Model, tokens_BT: torch.Tensor, block_size: int,
+                  sizes: list[int] | None = None) -> torch.Tensor:
+    """Block AttnRes as the paper's pseudocode reads, around the model's own sub-modules; appends the
+    number of values of each aggregation to `sizes`."""
+    from moontrain.model.rope import rope_cos_sin
+
+    cfg = model.cfg
+    cos, sin = rope_cos_sin(tokens_BT.shape[1], cfg.qk_rope_head_dim, cfg.rope_theta, tokens_BT.device)
+    blocks: list[torch.Tensor] = []
+    partial = model.embed(tokens_BT)
+
+    def aggregate(res: DepthAttention, values: list[torch.Tensor]) -> torch.Tensor:
+        if sizes is not None:
+            sizes.append(len(values))
+        return naive_aggregate(values, res.query, res.key_norm.weight, res.key_norm.eps)
+
+    for i, layer in enumerate(model.layers):
+        h = aggregate(layer.res_attn, [*blocks, partial])
+        if i % (block_size // 2) == 0:
+            blocks.append(partial)
+            partial = None
+        out = layer.attn(layer.attn_norm(h), cos, sin)
+        partial = out if partial is None else partial + out
+        h = aggregate(layer.res_ffn, [*blocks, partial])
+        y = layer.ffn(layer.ffn_norm(h))
+        partial = partial + (y[0] if layer.is_moe else y)
+    return model.lm_head(model.norm(aggregate(model.final_res, [*blocks, partial])))
+
+
+@pytest.mark.parametrize(("block_size", "kda"), [(2, 0), (4, 0), (12, 0), (4, 1)],
+                         ids=["bs2", "bs4", "bs12", "bs4_hybrid_kda"])
+def test_model_matches_naive_block_attn_res(block_size: int, kda: int) -> None:
+    """Block sizes 2 (a block per layer), 4 (blocks start at layers 0, 2, 4 of 5) and 12 (one block:
+    the embedding and one partial sum); with the hybrid KDA/MLA layout too (the full K3 block)."""
+    cfg = _cfg(attn_res_block_size=block_size, kda_layers_per_mla=kda, kda_head_dim=16)
+    model = _model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    targets = tokens.roll(-1, 1)
+    _, ce = model(tokens, targets)
+    sizes: list[int] = []
+    logits = naive_forward(model, tokens, block_size, sizes)
+    want = torch.nn.functional.cross_entropy(logits.view(-1, cfg.vocab_size), targets.reshape(-1))
+    assert abs(ce.item() - want.item()) <= 1e-5 * abs(want.item()), (ce.item(), want.item())
+    assert aggregation_sizes(cfg.num_layers, block_size) == sizes
+
+
+def test_counts_and_flops_cover_attn_res() -> None:
+    """AttnRes adds 2 D-vectors per aggregation (2 per layer + 1) to the parameters and 12 D N FLOPs per
+    token per aggregation over N values; SiTU-GLU changes neither."""
+    on, off = _cfg(attn_res_block_size=4), _cfg(attn_res_block_size=0, ffn_activation="swiglu")
+    c_on, c_off = count_params(on), count_params(off)
+    D, L = on.hidden_size, on.num_layers
+    assert c_on.attn_res == (2 * L + 1) * 2 * D and c_off.attn_res == 0
+    assert c_on.total - c_off.total == c_on.attn_res and c_on.active - c_off.active == c_on.attn_res
+    sizes = [1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4]  # blocks start at layers 0, 2, 4 of 5
+    assert flops_per_token(on, 64) - flops_per_token(off, 64) == 12 * D * sum(sizes)
+
+
+def test_init_zeroes_the_queries_and_block_size_is_validated() -> None:
+    model = K3Model(_cfg())
+    model.init_weights(seed=0)
+    queries = {n: p for n, p in model.named_parameters() if n.endswith(".query")}
+    assert len(queries) == 2 * 5 + 1 and all(not p.any() for p in queries.values())
+    assert all(p.eq(1).all() for n, p in model.named_parameters() if n.endswith("key_norm.weight"))
+    with pytest.raises(ValueError, match="attn_res_block_size must be an even number"):
+        _cfg(attn_res_block_size=3)
+    with pytest.raises(ValueError, match="ffn_activation must be 'swiglu' or 'situ_glu'"):
+        _cfg(ffn_activation="gelu")
+    with pytest.raises(ValueError, match=r"computes 'swiglu' experts, the model has model\.ffn_activation='situ_glu'"):
+        model.attach_experts_backends("local", ExpertsContext(
+            num_experts=8, topk=3, ep_group=None, ep_size=1, compute_dtype=torch.float32, token_padding=8,
+            max_tokens=18, device=torch.device("cpu")))

@@ -1,0 +1,404 @@
+"""Muon and QK-Clip: Newton-Schulz against its exact polynomial, owner balance, sharded == a single-process
+Muon written here (EP = 1, 2, 4 and 2 replicas x EP 2, FSDP on, per-head Q/K/V on, QK-Clip clipping),
+bitwise resume and resharding of the Muon state, QK-Clip holding the max logit at tau, config errors.
+
+Tolerances: Newton-Schulz runs in bf16, so a sharded run cannot be bitwise equal to a reference whose
+fp32 grads were summed in another order: one flipped bf16 rounding of NS's input moves its output by
+bf16 noise. As in test_ep_equality the reference is run twice, once with the global batch rows
+reversed (same loss, another fp32 summation order), and the difference of the two references -- which
+went through bf16 Newton-Schulz like the sharded run -- times 20 is the tolerance (floor 1e-5 relative).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from moontrain.checkpoint import CheckpointError, find_latest
+from moontrain.config import RunConfig
+from moontrain.model.attention import MLAttention
+from moontrain.model.config import ModelConfig
+from moontrain.optim.config import OptimConfig
+from moontrain.optim.muon import NS_COEFFS, assign_owners, newton_schulz
+from moontrain.optim.qk_clip import QKClip, causal_max_logit
+from moontrain.parallel.layout import build_layout, single_process_layout
+from moontrain.trainer.trainer import Trainer
+from tests.dist_utils import run_ranks
+from tests.moontrain.ckpt_utils import assert_bitwise, full_state, small_config, train
+from tests.moontrain.parallel.test_ep_equality import (
+    _capture_first_grads,
+    _full_state,
+    _reverse_rows,
+    _skew,
+    tiny_config,
+)
+
+CPU = torch.device("cpu")
+LR_GROWTH = 0.02  # Muon lr that makes the tiny model's attention logits grow ~40x in 30 steps
+TAU = 0.04  # below the tiny model's initial max logit (~0.05): QK-Clip clips from the first step
+
+
+# ------------------------------------------------------------------------------------------ Newton-Schulz
+def _ns_polynomial_fp64(G: torch.Tensor, steps: int) -> torch.Tensor:
+    """What the quintic iteration computes in exact arithmetic: the polynomial applied `steps` times to
+    the singular values of G / ||G||_F, with G's singular vectors."""
+    U, s, Vh = torch.linalg.svd(G.double() / G.double().norm(), full_matrices=False)
+    a, b, c = NS_COEFFS
+    for _ in range(steps):
+        s = a * s + b * s**3 + c * s**5
+    return U @ torch.diag(s) @ Vh
+
+
+@pytest.mark.parametrize("shape", [(24, 64), (96, 32), (48, 48)])
+def test_newton_schulz_matches_its_polynomial(shape: tuple[int, int]) -> None:
+    gen = torch.Generator().manual_seed(0)
+    G = torch.randn(3, *shape, generator=gen)
+    got = newton_schulz(G, 5)
+    assert got.dtype == torch.bfloat16 and got.shape == G.shape
+    # bf16 unit roundoff 2^-8 per rounding, ~3 roundings per iteration (A, B, X), 5 iterations, entries of
+    # X bounded by its spectral norm (<= 1.25 after the first iteration)
+    tol = 15 * 2.0**-8 * 1.25
+    for i in range(3):
+        want = _ns_polynomial_fp64(G[i], 5)
+        diff = (got[i].double() - want).abs().max().item()
+        assert diff <= tol, f"matrix {i}: max |NS - polynomial| {diff:.3g} > {tol:.3g}"
+    # the iteration drives every singular value into the quintic's band around 1 (K. Jordan's coefficients)
+    sv = torch.linalg.svdvals(got.double())
+    assert sv.min() > 0.6 and sv.max() < 1.25, sv
+
+
+def test_owner_assignment_balances_cost() -> None:
+    gen = torch.Generator().manual_seed(1)
+    costs = torch.randint(1, 1000, (37,), generator=gen).tolist()
+    for world in (1, 2, 3, 8):
+        owners = assign_owners(costs, world)
+        load = [sum(c for c, o in zip(costs, owners, strict=True) if o == r) for r in range(world)]
+        # longest-processing-time bound: no rank exceeds the mean by more than the largest matrix
+        assert max(load) <= sum(costs) / world + max(costs), (world, load)
+        assert owners == assign_owners(costs, world)  # deterministic: every rank computes the same plan
+
+
+# ------------------------------------------------------------------------------------------ reference Muon
+def _reference_orthogonalize(M: torch.Tensor) -> torch.Tensor:
+    """Quintic Newton-Schulz on one matrix, bf16, as in the Muon / Moonlight write-ups."""
+    if M.shape[0] > M.shape[1]:
+        return _reference_orthogonalize(M.T).T
+    X = M.bfloat16()
+    X = X / (X.norm() + 1e-7)
+    for _ in range(5):
+        A = X @ X.T
+        X = 3.4445 * X + (-4.7750 * A + 2.0315 * (A @ A)) @ X
+    return X
+
+
+class ReferenceMuon(torch.optim.Optimizer):
+    """Single-process Muon, one matrix at a time: experts one by one, the query rows of each head and the
+    key and value rows of each head of wkv_b separately; torch's AdamW for the head, router weights,
+    embedding and norms."""
+
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig) -> None:
+        mc = model.cfg
+        self.mats, decay, no_decay = [], [], []
+        for name, p in model.named_parameters():
+            if ".experts.master." in name:
+                self.mats.append((p, "experts"))
+            elif p.ndim < 2 or "embed" in name:
+                no_decay.append(p)
+            elif name.startswith("lm_head") or name.endswith("router.weight"):
+                decay.append(p)
+            elif name.endswith("attn.wq_b.weight"):
+                self.mats.append((p, [mc.qk_nope_head_dim + mc.qk_rope_head_dim] * mc.num_heads))
+            elif name.endswith("attn.wkv_b.weight"):
+                self.mats.append((p, [mc.qk_nope_head_dim, mc.v_head_dim] * mc.num_heads))
+            else:
+                self.mats.append((p, None))
+        super().__init__([p for p, _ in self.mats] + decay + no_decay, {"lr": cfg.lr})
+        self.cfg = cfg
+        self.adamw = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                        {"params": no_decay, "weight_decay": 0.0}],
+                                       lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        self.bufs = {id(p): torch.zeros_like(p) for p, _ in self.mats}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        cfg, lr, mu = self.cfg, self.cfg.lr, self.cfg.muon_momentum
+        for p, split in self.mats:
+            buf = self.bufs[id(p)]
+            buf.mul_(mu).add_((1 - mu) * p.grad)
+            u = (1 - mu) * p.grad + mu * buf
+            p.mul_(1 - lr * cfg.weight_decay)
+            if split == "experts":
+                blocks = [(p[e], u[e]) for e in range(p.shape[0])]
+            elif split is None:
+                blocks = [(p, u)]
+            else:
+                blocks = list(zip(p.split(split), u.split(split), strict=True))
+            for p_b, u_b in blocks:
+                o = _reference_orthogonalize(u_b).float()
+                p_b.sub_(lr * 0.2 * math.sqrt(max(u_b.shape)) * o)
+        self.adamw.step()
+
+
+# ------------------------------------------------------------------------------------------ sharded == reference
+def _muon_config(backend: str, ep: int) -> RunConfig:
+    cfg = tiny_config(backend, ep)
+    # AdamW's eps raised from 1e-8: the AdamW-stepped parameters (embedding, head, norms, routers) must
+    # respond continuously to their grads. With eps ~0 an element whose grad is ~0 moves by +-lr on its
+    # first step whatever its size, so the bf16 noise that Muon's updates put into the step-2 grads
+    # would flip such elements by 2 lr: a real difference of the reduction order, not of sharding
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name="muon", muon_per_head_qkv=True,
+                                                              qk_clip_tau=TAU, eps=1e-3))
+
+
+def _train_and_gather(trainer: Trainer) -> tuple[list[float], float, dict[str, torch.Tensor]]:
+    _skew(trainer)
+    first_grads: dict[str, torch.Tensor] = {}
+    _capture_first_grads(trainer, first_grads)
+    stats = trainer.fit()
+    clipped = stats[-1].scalars["qk/clipped_heads/total"]
+    return [x for s in stats for x in (s.loss, s.grad_norm)], clipped, {**_full_state(trainer), **first_grads}
+
+
+def _reference_run(reverse: bool):
+    torch.set_num_threads(1)
+    trainer = Trainer(_muon_config("local", 1), single_process_layout(CPU))
+    trainer.optimizer = ReferenceMuon(trainer.model, trainer.cfg.optim)
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda step: 1.0)
+    if reverse:
+        _reverse_rows(trainer)
+    return _train_and_gather(trainer)
+
+
+def _sharded_run(rank: int, world: int, backend: str, ep: int):
+    trainer = Trainer(_muon_config(backend, ep), build_layout(ep, CPU))
+    assert trainer.fsdp and type(trainer.optimizer).__name__ == "Muon"
+    result = _train_and_gather(trainer)
+    trainer.close()
+    return result
+
+
+@pytest.fixture(scope="module")
+def muon_reference():
+    losses, clipped, state = _reference_run(reverse=False)
+    losses_r, _, state_r = _reference_run(reverse=True)
+    assert clipped > 0, "tau should make QK-Clip clip heads in the reference"
+    loss_tol = [max(20 * abs(a - b), 1e-5 * abs(a)) for a, b in zip(losses, losses_r, strict=True)]
+    tol = {k: max(20 * (state[k] - state_r[k]).abs().max().item(), 1e-5 * state[k].abs().max().item(), 1e-9)
+           for k in state}
+    return losses, clipped, state, loss_tol, tol
+
+
+@pytest.mark.parametrize(("world", "backend", "ep"),
+                         [(2, "alltoall", 1), (2, "alltoall", 2), (4, "alltoall", 4), (4, "moonep", 2)],
+                         ids=["fsdp2-ep1", "ep2", "ep4", "dp2xep2-moonep"])
+def test_sharded_muon_matches_single_process_reference(muon_reference, world: int, backend: str, ep: int) -> None:
+    losses, clipped, state, loss_tol, tol = muon_reference
+    got_losses, got_clipped, got_state = run_ranks(_sharded_run, world, backend, ep, timeout_s=400)[0]
+    for i, (a, b) in enumerate(zip(got_losses, losses, strict=True)):
+        assert abs(a - b) <= loss_tol[i], f"step {i // 2} {('loss', 'grad norm')[i % 2]}: {a} vs {b}"
+    assert got_clipped == clipped, "QK-Clip clipped other heads than the reference"
+    assert got_state.keys() == state.keys()
+    for name, ref in state.items():
+        diff = (got_state[name] - ref).abs().max().item()
+        assert diff <= tol[name], f"{name}: max |diff| {diff:.3g} > tol {tol[name]:.3g}"
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def _muon_small(backend: str, ep: int, run_dir: str, **kw) -> RunConfig:
+    cfg = small_config(backend, ep, run_dir=run_dir, **kw)
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name="muon", qk_clip_tau=TAU))
+
+
+def _straight_then_save(rank: int, world: int, run_dir: str):
+    cfg = _muon_small("moonep", 2, run_dir)
+    straight = Trainer(cfg, build_layout(2, CPU))
+    losses = train(straight, 4)
+    state = full_state(straight)
+    straight.close()
+    first = Trainer(cfg, build_layout(2, CPU))
+    first_losses = train(first, 2)
+    first.save_checkpoint()
+    first.close()
+    return losses, state, first_losses
+
+
+def _resume(rank: int, world: int, run_dir: str):
+    trainer = Trainer(_muon_small("moonep", 2, run_dir), build_layout(2, CPU))
+    trainer.load_checkpoint(find_latest(Path(run_dir) / "checkpoints"))
+    loaded = full_state(trainer)
+    losses = train(trainer, 2)
+    state = full_state(trainer)
+    trainer.close()
+    return loaded, losses, state
+
+
+def test_muon_resume_is_bitwise_and_reshards(tmp_path: Path) -> None:
+    """EP=2 + FSDP: 4 steps straight == 2 steps, save, resume in new processes, 2 steps (bitwise: momentum
+    buffers, AdamW moments, parameters, router biases); the EP=2 checkpoint loads bitwise in one process."""
+    straight_losses, straight_state, first_losses = run_ranks(_straight_then_save, 2, str(tmp_path), timeout_s=400)[0]
+    assert any(k.endswith(".momentum_buffer") for k in straight_state)
+    assert any(".experts.master." in k and k.endswith(".momentum_buffer") for k in straight_state)
+    loaded, rest_losses, state = run_ranks(_resume, 2, str(tmp_path), timeout_s=400)[0]
+    assert first_losses + rest_losses == straight_losses, (first_losses, rest_losses, straight_losses)
+    assert_bitwise(state, straight_state, "4 steps vs 2 + resume + 2")
+    single = Trainer(_muon_small("local", 1, str(tmp_path / "one")), single_process_layout(CPU))
+    single.load_checkpoint(find_latest(tmp_path / "checkpoints"))
+    assert_bitwise(full_state(single), loaded, "Muon state EP=2 -> 1 process")
+
+
+def test_checkpoint_of_another_optimizer_is_refused(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    adamw = Trainer(small_config("local", 1, run_dir=str(tmp_path)), single_process_layout(CPU))
+    train(adamw, 1)
+    adamw.save_checkpoint()
+    muon = Trainer(_muon_small("local", 1, str(tmp_path)), single_process_layout(CPU))
+    with pytest.raises(CheckpointError, match=r"another optim\.name"):
+        muon.load_checkpoint(find_latest(tmp_path / "checkpoints"))
+
+
+# ------------------------------------------------------------------------------------------ QK-Clip
+def _attention(seed: int) -> MLAttention:
+    cfg = ModelConfig(vocab_size=16, hidden_size=32, num_layers=1, dense_intermediate_size=32, num_heads=3,
+                      q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                      num_experts=2, num_experts_per_tok=1, moe_intermediate_size=64)
+    torch.manual_seed(seed)
+    attn = MLAttention(cfg)
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return attn
+
+
+def _head_logits(attn: MLAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Every causal logit of every head, [N, B*T*(T+1)/2], recomputed from the weights (no measurement)."""
+    captured = {}
+
+    def capture(q, k, v, **kw):
+        captured["q"], captured["k"], captured["scale"] = q, k, kw["scale"]
+        return torch.zeros_like(v)
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = capture
+    try:
+        with torch.no_grad():
+            attn(x, cos, sin)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+    s = captured["q"] @ captured["k"].transpose(-1, -2) * captured["scale"]
+    T = s.shape[-1]
+    keep = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    return s[:, :, keep].transpose(0, 1).reshape(s.shape[1], -1)
+
+
+def test_qk_clip_scales_each_head_logit_by_gamma() -> None:
+    from moontrain.model.rope import rope_cos_sin
+
+    attn = _attention(0)
+    x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(1))
+    cos, sin = rope_cos_sin(7, 4, 10000.0, CPU)
+    before = _head_logits(attn, x, cos, sin)
+    clip = QKClip([attn], tau=1.0, group=None, layer_ids=[0])
+    with torch.no_grad():
+        attn(x, cos, sin)
+    measured = attn.max_logit_N.clone()
+    torch.testing.assert_close(measured, before.amax(dim=1), rtol=1e-6, atol=1e-6)  # the measurement is exact
+    tau = float(measured.sort().values[1])  # between the heads: one head stays, the others are clipped
+    clip.tau = tau
+    clip.step()
+    assert torch.isinf(attn.max_logit_N).all()  # the measurement restarts
+    after = _head_logits(attn, x, cos, sin)
+    gamma = torch.where(measured > tau, tau / measured, torch.ones_like(measured))
+    assert (gamma < 1).sum() >= 1 and (gamma == 1).sum() >= 1
+    torch.testing.assert_close(after, before * gamma[:, None], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(after.amax(dim=1), torch.minimum(measured, torch.tensor(tau)), rtol=1e-5, atol=1e-6)
+
+
+def test_causal_max_logit_chunks_match_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    import moontrain.optim.qk_clip as qk_clip
+
+    gen = torch.Generator().manual_seed(2)
+    q, k = torch.randn(2, 3, 11, 5, generator=gen), torch.randn(2, 3, 11, 5, generator=gen)
+    whole = causal_max_logit(q, k, 0.5)
+    monkeypatch.setattr(qk_clip, "_SCORES_PER_CHUNK", 2 * 3 * 11 * 2)  # 2 query rows per chunk
+    assert torch.equal(causal_max_logit(q, k, 0.5), whole)
+    s = (q @ k.transpose(-1, -2)).masked_fill(torch.triu(torch.ones(11, 11, dtype=torch.bool), 1), -math.inf)
+    torch.testing.assert_close(whole, s.amax(dim=(0, 2, 3)) * 0.5, rtol=0, atol=0)
+    # packed documents: only logits inside a query's own document count
+    doc_BT = torch.tensor([[0] * 4 + [1] * 7, [0] * 9 + [1] * 2])
+    other_B1TT = (doc_BT[:, :, None] != doc_BT[:, None, :]).unsqueeze(1)
+    s_docs = s.masked_fill(other_B1TT, -math.inf)
+    want = s_docs.amax(dim=(0, 2, 3)) * 0.5
+    assert torch.equal(causal_max_logit(q, k, 0.5, doc_BT), want)
+    assert (want < whole).any()  # the documents hide some of the largest logits here
+
+
+def _growth_run(tau: float, steps: int) -> list[float]:
+    """Max logit measured in each step's forward, with the attention logits forced to grow: high lr,
+    the same batch every step, tau tiny; QK-Clip on with tau > 0, off (measurement only) with tau = 0."""
+    torch.set_num_threads(1)
+    cfg = tiny_config("local", 1)
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name="muon", lr=LR_GROWTH, qk_clip_tau=1.0),
+                              train=dataclasses.replace(cfg.train, steps=steps))
+    trainer = Trainer(cfg, single_process_layout(CPU))
+    batch = trainer.data.batch(0)
+    trainer.data.batch = lambda step: batch
+    trainer.qk_clip.tau = tau if tau > 0 else math.inf
+    maxima = []
+    clip_step = trainer.qk_clip.step
+    trainer.qk_clip.step = lambda: maxima.append(clip_step().max().item())
+    for _ in range(steps):
+        trainer.train_step()
+    return maxima
+
+
+def test_qk_clip_holds_max_logit_at_tau() -> None:
+    """The clip rescales the weights the step's forward measured, after that step's update: the next
+    forward's max logit is tau times one update's growth at most. Bound: the largest one-step growth
+    factor of the unclipped run."""
+    steps = 30
+    free = _growth_run(0.0, steps)
+    tau = 5 * free[0]
+    assert free[-1] > 6 * tau, f"the logits should grow without QK-Clip: {free}"
+    clipped = _growth_run(tau, steps)
+    growth = max(b / a for a, b in itertools.pairwise(free))
+    assert max(clipped) <= tau * growth, (clipped, tau, growth)
+    assert min(clipped[-10:]) >= tau, clipped  # held at tau, not below it: heads clip to tau, not further
+
+
+def test_muon_groups_on_the_hybrid_stack() -> None:
+    """Muon takes the linear maps (MLA, KDA, FFN, latent projections) and the experts; AdamW the head,
+    the routers, KDA's convolution taps and everything 1-D; QK-Clip measures the MLA layers only."""
+    cfg = tiny_config("local", 1)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=2, kda_layers_per_mla=1,
+                                                             kda_head_dim=16, kda_kernel="torch"),
+                              optim=dataclasses.replace(cfg.optim, name="muon", qk_clip_tau=1.0))
+    torch.set_num_threads(1)
+    trainer = Trainer(cfg, single_process_layout(CPU))
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    groups = {g["name"]: sorted(names[id(p)] for p in g["params"]) for g in trainer.optimizer.param_groups}
+    kda = [i for i, b in enumerate(trainer.model.layers) if b.is_kda]
+    assert kda and len(kda) < len(trainer.model.layers)
+    assert f"layers.{kda[0]}.attn.wq.weight" in groups["muon"]
+    assert f"layers.{kda[0]}.attn.conv_q" in groups["adamw"]
+    assert "lm_head.weight" in groups["adamw"] and "layers.1.ffn.router.weight" in groups["adamw"]
+    assert all(".experts.master." in n for n in groups["experts"]) and len(groups["experts"]) == 6
+    want_muon = sorted(n for n, m in trainer.model.named_modules() if isinstance(m, torch.nn.Linear)
+                       and n != "lm_head")
+    assert groups["muon"] == sorted(n + ".weight" for n in want_muon)
+    assert trainer.qk_clip.layer_ids == [i for i in range(2) if i not in kda]
+
+
+# ------------------------------------------------------------------------------------------ config
+def test_optim_config_errors() -> None:
+    with pytest.raises(ValueError, match=r"optim\.name must be 'adamw' or 'muon', got 'sgd'"):
+        OptimConfig(name="sgd")
+    with pytest.raises(ValueError, match=r"optim\.write_back=true is the fused AdamW"):
+        OptimConfig(name="muon", write_back=True)
+    with pytest.raises(ValueError, match=r"optim\.qk_clip_tau must be a finite number >= 0"):
+        OptimConfig(qk_clip_tau=-1.0)
+    with pytest.raises(ValueError, match=r"optim\.muon_momentum must be in"):
+        OptimConfig(muon_momentum=1.0)
