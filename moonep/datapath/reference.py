@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 
 from moonep.activation import get_activation
-from moonep.datapath import CommViews
+from moonep.datapath.interface import CommViews
 from moonep.grouped_gemm import accumulate_wgrad
 from moonep.planner.plan import Plan
 from moonep.planner.reference import build_plan

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from moonep.activation import get_activation
-from moonep.datapath import CommViews
+from moonep.datapath.interface import CommViews
 from moonep.grouped_gemm import grouped_mm_wgrad
 from moonep.kernels import dispatch_combine, experts, route_weights, situ_glu, swiglu
 from moonep.planner.fused import FusedPlanner

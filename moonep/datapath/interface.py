@@ -1,0 +1,106 @@
+"""The interface of moonep's data paths (see moonep.datapath): what a path needs of its Buffer
+(CommViews) and what it provides (DataPath).
+
+Legend: s tokens of this rank, K top-k, H hidden, E experts, B slots, I/O an expert matrix's in/out
+features, G groups of the grouped GEMM, nvs_s rows of this call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from moonep.config import BufferOptions
+from moonep.layout import Layout
+from moonep.planner.plan import Plan
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CommViews:
+    """What a path needs of its Buffer: sizes, this rank, the symmetric comm region as views, and the
+    Buffer's barrier. `every[name]` is [R, ...] (every rank's region, peers reachable by index),
+    `mine[name]` this rank's; Buffer.destroy() empties both dicts."""
+
+    layout: Layout
+    rank: int
+    device: torch.device
+    options: BufferOptions
+    every: dict[str, torch.Tensor]
+    mine: dict[str, torch.Tensor]
+    barrier: Callable[[str], None]
+
+
+class DataPath(Protocol):
+    name: str  # "torch" or "triton"
+    # plan() counts the histogram from topk_sK itself (tokens_per_expert_E is then not read)
+    counts_topk: bool
+
+    # ------------------------------------------------------------------ Buffer
+    def plan(self, topk_sK: torch.Tensor, tokens_per_expert_E: torch.Tensor | None, total_num_tokens: int | None,
+             check_counts: Callable[[torch.Tensor], None] | None) -> Plan:
+        """Collective: exchange histograms (barrier "dispatch:histograms") and plan; `check_counts`
+        sees the gathered [R, E] histograms before anything depends on them."""
+        ...
+
+    def scatter(self, plan: Plan, x_sH: torch.Tensor, weights_sK: torch.Tensor | None) -> None:
+        """Dispatch, sender side: token rows, route weights and row metadata into the destinations'
+        receive regions (the Buffer's barrier "dispatch:rows" follows)."""
+        ...
+
+    def expand(self, plan: Plan) -> None:
+        """Dispatch, receiver side, after the barrier: recv[:nvs_s] holds every row (duplicates
+        copied from their primary row, padding rows zero, padding weights 0)."""
+        ...
+
+    def combine(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Collective: each token's K rows summed in fp32 in ascending k on its source rank ->
+        (y_sH, scalars_sK), with every barrier of the path's protocol."""
+        ...
+
+    def pooled_plans(self) -> int:
+        """Plans the planner keeps for reuse (0 where it keeps none)."""
+        ...
+
+    # ------------------------------------------------------------------ ExpertPools
+    def prefetch(self, plan: Plan, w_full: torch.Tensor) -> None:
+        """w_full [E + B, I, O]: copy the owner's row of the expert in each slot of this rank into
+        row E + slot (rows of empty slots: any value)."""
+        ...
+
+    def reduce_into_owner(self, plan: Plan, g_local: torch.Tensor, g_slots_all: torch.Tensor) -> None:
+        """g_local [epn, I, O] fp32 += every peer slot holding one of this rank's experts, ascending
+        (rank, slot): g_slots_all [R, B, I, O], every rank's reduce pool."""
+        ...
+
+    def zero_slots(self, plan: Plan, g_slots_all: torch.Tensor) -> None:
+        """Zero this rank's reduce slots that `plan` filled (the others are zero already)."""
+        ...
+
+    def accumulate_wgrad(self, g_GIO: torch.Tensor, x_rows: torch.Tensor, grad_rows: torch.Tensor,
+                         offs_G: torch.Tensor, scale: float, write_groups: int) -> None:
+        """g (fp32) += scale * x^T grad per group of rows (offs_G cumulative ends); the first
+        `write_groups` groups hold stale values and get scale * x^T grad (zero when empty) instead."""
+        ...
+
+    # ------------------------------------------------------------------ expert math (moonep.expert_glu)
+    def glu_forward(self, activation: str, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """a = f(h, u) for the registered activation (moonep.activation)."""
+        ...
+
+    def glu_backward(self, activation: str, grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(grad_h, grad_u, a) of a = f(h, u)."""
+        ...
+
+    def scale_rows(self, o: torch.Tensor, w_rows: torch.Tensor, out: torch.Tensor) -> None:
+        """out[r] = o[r] * w[r], the fp32 product rounded once to out's dtype."""
+        ...
+
+    def route_backward(self, gy: torch.Tensor, o: torch.Tensor, w_rows: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For y_rows = o * w per row: (grad_o in gy's dtype, grad_w = sum_h gy * o in fp32)."""
+        ...
