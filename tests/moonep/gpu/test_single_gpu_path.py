@@ -1,0 +1,90 @@
+"""The refactored data paths on one GPU (R = 1, a one-rank NCCL group of this process): the Triton
+path (kernels, fused planner, expert kernels, fused activations) against the PyTorch path, bitwise
+for data movement, and a whole MoE layer per activation against the dense reference with the
+derived tolerance of tests/moonep/test_moe_layer.py. At R = 1 no expert is remote (no slot is used);
+the two-GPU tests (tests/moonep/gpu, torchrun) cover the peers.
+
+    python -m pytest -q -m gpu tests/moonep/gpu/test_single_gpu_path.py
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moonep import Buffer, BufferConfig, BufferOptions, ExpertPools, expert_glu, glu_projections
+from tests.moonep import test_moe_layer as cpu_moe
+from tests.moonep.gpu import test_kernels as two_gpu
+from tests.moonep.moe_reference import reference_grads
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> dist.ProcessGroup:
+    """This process as a one-rank NCCL group (or the group already initialised, if it has one rank)."""
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            pytest.skip("a one-GPU test; the torchrun tests cover several ranks")
+        yield dist.group.WORLD
+        return
+    torch.cuda.set_device(0)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("maxvio,s,hidden", [(0.0, two_gpu.S, two_gpu.H), (2.9, two_gpu.S, two_gpu.H),
+                                             (2.0, two_gpu.S - 37, 1000)])
+def test_triton_path_bitwise_equals_torch_path_one_gpu(one_rank: dist.ProcessGroup, maxvio: float, s: int,
+                                                       hidden: int) -> None:
+    ref, fast = two_gpu._buffers(one_rank, hidden)
+    try:
+        assert (ref.kernel_path, fast.kernel_path) == ("torch", "triton")
+        inp = two_gpu._inputs(ref, 0, s, hidden, maxvio)
+        want = two_gpu._sequence(ref, inp)
+        got = two_gpu._sequence(fast, inp)
+        torch.cuda.synchronize()
+        for name in want:
+            two_gpu._bitwise(got[name], want[name], f"maxvio {maxvio} s {s} H {hidden}: {name}")
+    finally:
+        fast.destroy()
+        ref.destroy()
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("activation", ["swiglu", "situ_glu"])
+def test_moe_layer_one_gpu_matches_dense_reference(one_rank: dist.ProcessGroup, kernels: str, activation: str) -> None:
+    Hs, Fs, Ks, Ss, Es = 512, 2048, 4, 64, 16  # 512*2048*2 B = 2 MiB per expert row (one VMM granule)
+    x, w, topk, weights, grad_y = cpu_moe._problem(1, Es, 2.5, H=Hs, F=Fs, K=Ks, S=Ss)
+    buf = Buffer(BufferConfig(max_tokens=Ss, hidden=Hs, topk=Ks, num_experts=Es,
+                              options=BufferOptions(kernels=kernels)), one_rank)
+    try:
+        pools = ExpertPools(buf, glu_projections(Hs, Fs))
+        layer = pools.add_layer()
+        for p in w:
+            layer.w_local[p].copy_(w[p].cuda())
+        x_sH = x[0].cuda().requires_grad_()
+        w_sK = weights[0].cuda().requires_grad_()
+        y = expert_glu(buf, pools, layer, x_sH, w_sK, topk[0].cuda(), activation=activation)
+        (y.double() * grad_y[0].cuda().double()).sum().backward()
+        buf.wait_pending()
+        got = {"y": y.detach().cpu(), "gx": x_sH.grad.cpu(), "gw": w_sK.grad.cpu(),
+               **{p: layer.g_local[p].cpu() for p in w}}
+        args = (x[0], weights[0], topk[0], w, grad_y[0])
+        y16, gx16, gw16, gW16 = reference_grads(*args, torch.bfloat16, activation)
+        y64, gx64, gw64, gW64 = reference_grads(*args, torch.float64, activation)
+        cpu_moe._close("y", got["y"], y16, y64)
+        cpu_moe._close("grad x", got["gx"], gx16, gx64)
+        cpu_moe._close("grad route weights", got["gw"], gw16, gw64)
+        for p in w:
+            cpu_moe._close(f"grad W_{p}", got[p], gW16[p], gW64[p])
+    finally:
+        buf.destroy()
