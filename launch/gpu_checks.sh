@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go, for a 2-GPU machine (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|scatter ...]   (default: the first four, in order)
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner ...]   (default: the first four, in order)
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
-# PLANNER_TIMEOUT / SCATTER_TIMEOUT (s), COMM_ARGS (bench_comm.py arguments instead of --experts 96 384), TRAIN_ARGS
+# PLANNER_TIMEOUT (s), COMM_ARGS (bench_comm.py arguments instead of --experts 96 384), TRAIN_ARGS
 # (extra bench_train.py arguments).
 # Each rank's pytest output goes to its own log (OUT_DIR/tests_r<rank>.log), so a failure on one rank
 # is readable; every step has its own time limit so one hang cannot eat the rest.
@@ -30,7 +30,7 @@ for step in "${steps[@]}"; do
              'python -m pytest -v -s --tb=short --durations=15 -o faulthandler_timeout=$FAULT_S -m "gpu or multigpu" ${TESTS:-tests/} \
                 > "$OUT_DIR/tests_r$LOCAL_RANK.log" 2>&1'
            echo "tests rc=$?"; grep -hE "passed|failed|^FAILED" "$out"/tests_r*.log | tail -4 ;;
-    cute)  timeout 120 python -m pytest -q -m gpu tests/moonep/gpu/test_cute_planner.py -s > "$out/cute.log" 2>&1
+    cute)  timeout 120 python -m pytest -q -m gpu experiments/cute_planner/test_cute_planner_gpu.py -s > "$out/cute.log" 2>&1
            echo "cute rc=$?"; tail -3 "$out/cute.log" ;;
     comm)  timeout "${COMM_TIMEOUT:-400}" torchrun --nproc_per_node=2 benchmarks/bench_comm.py ${COMM_ARGS:---experts 96 384} \
              --iters 7 --out "$out" > "$out/comm.log" 2>&1
@@ -40,8 +40,6 @@ for step in "${steps[@]}"; do
            echo "train rc=$?"; grep -v "^\[rank" "$out/train.log" | tail -10 ;;
     planner) timeout "${PLANNER_TIMEOUT:-120}" python benchmarks/bench_planner.py --out "$out" > "$out/planner.log" 2>&1
            echo "planner rc=$?"; tail -12 "$out/planner.log" ;;
-    scatter) timeout "${SCATTER_TIMEOUT:-120}" python benchmarks/bench_scatter.py --out "$out" > "$out/scatter.log" 2>&1
-           echo "scatter rc=$?"; tail -9 "$out/scatter.log" ;;
-    *) echo "unknown step $step (tests, cute, comm, train, planner, scatter)"; exit 2 ;;
+    *) echo "unknown step $step (tests, cute, comm, train, planner)"; exit 2 ;;
   esac
 done
