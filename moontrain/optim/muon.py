@@ -53,6 +53,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as adamw_step
 
+from moontrain.model.attention import MLAttention
 from moontrain.optim.config import OptimConfig
 from moontrain.optim.schedule import lr_multiplier
 
@@ -115,11 +116,15 @@ def qkv_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
     cfg = model.cfg
     N, Dn, Dr, Dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     out = {}
-    for name, _ in model.named_parameters():
-        if name.endswith(("attn.wq.weight", "attn.wq_b.weight")):
-            out[name] = (Dn + Dr,) * N
-        elif name.endswith("attn.wkv_b.weight"):
-            out[name] = (Dn, Dv) * N
+    for module_name, module in model.named_modules():
+        if not isinstance(module, MLAttention):  # KDA layers have a wq too, not split per MLA head
+            continue
+        for name, _ in module.named_parameters():
+            full = f"{module_name}.{name}"
+            if name in ("wq.weight", "wq_b.weight"):
+                out[full] = (Dn + Dr,) * N
+            elif name == "wkv_b.weight":
+                out[full] = (Dn, Dv) * N
     return out
 
 

@@ -33,6 +33,7 @@ from moontrain.metrics.window import MetricsWindow, memory_stats
 from moontrain.model.experts import ExpertsContext
 from moontrain.model.transformer import K3Model
 from moontrain.optim.adamw import build_optimizer
+from moontrain.optim.protocol import TrainOptimizer
 from moontrain.optim.qk_clip import QKClip
 from moontrain.parallel.clip import clip_grad_norm_global
 from moontrain.parallel.fsdp import allreduce_dense_grads, apply_fsdp
@@ -83,9 +84,8 @@ class Trainer:
         self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
         write_back_targets = [(master, w.compute[name], not w.defers_zero)
                               for w in self.experts for name, master in w.master.items()]
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.train.steps,
-                                                         expert_group=layout.edp_group,
-                                                         write_back_targets=write_back_targets)
+        optimizer, scheduler = build_optimizer(self.model, cfg.optim, cfg.train.steps, expert_group=layout.edp_group,
+                                               write_back_targets=write_back_targets)
         mla_ids = [i for i, block in enumerate(self.model.layers) if not block.is_kda]  # QK-Clip: softmax layers
         self.qk_clip = (QKClip([self.model.layers[i].attn for i in mla_ids], cfg.optim.qk_clip_tau,
                                group=layout.world_group, layer_ids=mla_ids)
@@ -95,8 +95,9 @@ class Trainer:
                                  world_size=layout.world_size, device=device)
         if cfg.model.document_mask:  # packed documents: attention and KDA state stop at each EOS
             self.model.document_eos_id = self.data.eos_id
-        # what checkpoints save and restore; step, tokens_seen and wandb_run_id are read through it
-        self.state = TrainState(layout=layout, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+        # what checkpoints save and restore; optimizer, scheduler, step, tokens_seen and wandb_run_id are
+        # read and set through it (a replaced optimizer is the one checkpoints see)
+        self.state = TrainState(layout=layout, model=self.model, optimizer=optimizer, scheduler=scheduler,
                                 data=self.data, experts=self.experts, model_config=cfg.model, optim_config=cfg.optim,
                                 experts_backend=cfg.experts.backend, data_source=cfg.data.source)
         self.last_saved_step: int | None = None
@@ -110,6 +111,22 @@ class Trainer:
         moe_ids = [i for i, block in enumerate(self.model.layers) if block.is_moe]
         self.window = MetricsWindow(moe_ids, layout)
         self.evaluator = (Evaluator(cfg, layout, self.model, self.reshard_dense) if cfg.eval.every else None)
+
+    @property
+    def optimizer(self) -> TrainOptimizer:
+        return self.state.optimizer
+
+    @optimizer.setter
+    def optimizer(self, value: TrainOptimizer) -> None:
+        self.state.optimizer = value
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        return self.state.scheduler
+
+    @scheduler.setter
+    def scheduler(self, value: torch.optim.lr_scheduler.LRScheduler) -> None:
+        self.state.scheduler = value
 
     @property
     def step(self) -> int:

@@ -101,6 +101,13 @@ class ReferenceMuon(torch.optim.Optimizer):
     key and value rows of each head of wkv_b separately; torch's AdamW for the head, router weights,
     embedding and norms."""
 
+    # the training step's optimizer contract (moontrain/optim/protocol.py), as Muon keeps it
+    folds_clip = False
+    written_back = frozenset()
+
+    def clip_next_step(self, factor: torch.Tensor) -> None:
+        raise ValueError("ReferenceMuon does not fold the clip")
+
     def __init__(self, model: torch.nn.Module, cfg: OptimConfig) -> None:
         mc = model.cfg
         self.mats, decay, no_decay = [], [], []
