@@ -86,6 +86,7 @@ from moontrain.config.loader import to_dict
 from moontrain.metrics.balance import maxvio_L
 from moontrain.metrics.flops import PEAK_BF16_FLOPS
 from moontrain.metrics.window import memory_stats
+from moontrain.model.experts.moonep_backend import MoonEPRuntime
 from moontrain.parallel.layout import ParallelLayout, build_layout
 from moontrain.trainer.trainer import Trainer, resolve_compute_dtype
 from moontrain.trainer.worker import select_device
@@ -248,7 +249,7 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
         set_router_biases(trainer, bias_LE)
         apply_skew(trainer, cfg.model.router_skew, args.placement)
         flops_per_token = trainer.flops_per_token
-        buf = trainer.experts_ctx.shared.get("moonep_buffer")
+        buf = trainer.experts_runtime.buffer if isinstance(trainer.experts_runtime, MoonEPRuntime) else None
         heap_bytes = buf.heap.local_bytes if buf is not None else 0
         for _ in range(args.warmup + args.steps):
             _sync(device)

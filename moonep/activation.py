@@ -6,7 +6,8 @@ elementwise backward `backward(grad_a, h, u) -> (grad_h, grad_u, a)` (a recomput
 projection's weight gradient). The triton data path fuses each into one kernel per direction
 (moonep.datapath.triton_path.GLU_KERNELS holds one pair per name here).
 
-    swiglu   a = silu(h) * u   (silu rounded to h's dtype first, as F.silu(h) * u does)
+    swiglu     a = silu(h) * u   (silu rounded to h's dtype first, as F.silu(h) * u does)
+    situ_glu   a = 4 tanh(h/4) sigmoid(h) * 25 tanh(u/25)   (Kimi K3; moonep.situ_glu, fp32, one rounding)
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from moonep import situ_glu
 
 
 def swiglu_forward(h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -42,6 +45,7 @@ class GatedActivation:
 
 ACTIVATIONS: dict[str, GatedActivation] = {
     "swiglu": GatedActivation("swiglu", swiglu_forward, swiglu_backward),
+    "situ_glu": GatedActivation("situ_glu", situ_glu.situ_glu_forward, situ_glu.situ_glu_backward),
 }
 
 

@@ -75,22 +75,36 @@ def situ_glu_backward(grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
     return grad_h.to(h.dtype), grad_u.to(h.dtype), (situ * cap).to(h.dtype)
 
 
+def _uses_kernels(h: torch.Tensor) -> bool:
+    """The Triton kernels for bf16 CUDA tensors (what they are written for), this module elsewhere."""
+    return h.is_cuda and h.dtype == torch.bfloat16
+
+
 class _SiTUGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(h, u)
+        if _uses_kernels(h):
+            from moonep.kernels.situ_glu import situ_glu_forward as kernel_forward
+
+            return kernel_forward(h.contiguous(), u.contiguous())
         return situ_glu_forward(h, u)
 
     @staticmethod
     def backward(ctx, grad_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h, u = ctx.saved_tensors
-        grad_h, grad_u, _ = situ_glu_backward(grad_a, h, u)
+        if _uses_kernels(h):
+            from moonep.kernels.situ_glu import situ_glu_backward as kernel_backward
+
+            grad_h, grad_u, _ = kernel_backward(grad_a, h.contiguous(), u.contiguous())
+        else:
+            grad_h, grad_u, _ = situ_glu_backward(grad_a, h, u)
         return grad_h, grad_u
 
 
 def situ_glu(h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Differentiable SiTU-GLU: situ_glu_forward, with situ_glu_backward's one-pass gradients (saves
-    only h and u, like SwiGLU)."""
+    only h and u, like SwiGLU); on bf16 CUDA tensors both run as moonep.kernels.situ_glu's kernels."""
     if h.shape != u.shape or h.dtype != u.dtype:
         raise ValueError(f"situ_glu needs h and u of one shape and dtype, got {tuple(h.shape)} {h.dtype} and "
                          f"{tuple(u.shape)} {u.dtype}")

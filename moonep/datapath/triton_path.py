@@ -10,8 +10,9 @@ moonep.datapath.reference (the specification) except where a docstring below say
   rank runs the same call sequence).
 - prefetch / reduce_grad / the masked weight-gradient accumulation: moonep.kernels.experts (they
   touch occupied slots and non-empty groups only).
-- the activation and the route weights: moonep.kernels.swiglu and moonep.kernels.route_weights
-  (the route-weight gradient sums in another order than torch.sum: within a bound the tests derive).
+- the activation and the route weights: moonep.kernels.swiglu / .situ_glu and moonep.kernels.route_weights
+  (the route-weight gradient sums in another order than torch.sum: within a bound the tests derive;
+  SiTU-GLU's device exp and division are approximate: within the bound of tests/moonep/situ_glu_cases.py).
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ import torch
 from moonep.activation import get_activation
 from moonep.datapath import CommViews
 from moonep.grouped_gemm import grouped_mm_wgrad
-from moonep.kernels import dispatch_combine, experts, route_weights, swiglu
+from moonep.kernels import dispatch_combine, experts, route_weights, situ_glu, swiglu
 from moonep.planner.fused import FusedPlanner
 from moonep.planner.plan import Plan
 
 # activation name (moonep.activation) -> (forward, backward) kernels of the same signatures
 GLU_KERNELS: dict[str, tuple[Callable, Callable]] = {
     "swiglu": (swiglu.swiglu_forward, swiglu.swiglu_backward),
+    "situ_glu": (situ_glu.situ_glu_forward, situ_glu.situ_glu_backward),
 }
 
 

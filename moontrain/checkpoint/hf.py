@@ -9,9 +9,10 @@
 Names and layouts: hf_names.py. Weights are cast to `dtype` (bf16 by default; float32 keeps every bit),
 except the router weight and score-correction bias, which stay fp32 (routing runs in fp32).
 
-Export streams: the shard plan comes from the checkpoint's manifest (shapes only); tensors are read one
-at a time (expert projections one expert at a time) and a shard is written as soon as it is full, so
-the peak host memory is about one shard plus one tensor whatever the model size.
+Export streams: the shard plan and every file header come from the checkpoint's manifest (shapes only);
+tensors are then read one at a time (expert projections one expert at a time, with pread, not mmap:
+safetensors_io.py) and written straight to their shard, so the peak host memory is about one tensor
+(read + cast copy) whatever the model or shard size.
 
 Import (`checkpoint.init_from=<dir>`) reads, on every rank, only the canonical rows that rank owns under
 its own EP / DP layout, from any directory with these names: an export, or a DeepSeek-V3 / Kimi K2
@@ -31,17 +32,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import yaml
-from safetensors import safe_open
 
 from moontrain.checkpoint.hf_config import architecture_diff, hf_config, model_config
 from moontrain.checkpoint.hf_names import hf_name, rope_rows
+from moontrain.checkpoint.safetensors_io import SafetensorsReader, write_safetensors
 from moontrain.checkpoint.store import MANIFEST, load_model_tensors, open_checkpoint
 from moontrain.checkpoint.tensors import CheckpointError, TensorSource
-from moontrain.config.loader import from_dict
+from moontrain.dataclass_dict import from_dict
 from moontrain.model.config import ModelConfig
 
 if TYPE_CHECKING:
-    from moontrain.trainer.trainer import Trainer
+    from moontrain.checkpoint.state import TrainState
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -71,7 +72,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "bflo
     weight_map, total = {}, 0
     for shard, file in enumerate(names):
         entries = [entry for entry, i in zip(plan, shards, strict=True) if i == shard]
-        total += _write_safetensors(out_dir / file, entries)
+        total += write_safetensors(out_dir / file, entries)
         weight_map.update(dict.fromkeys((entry[0] for entry in entries), file))
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out_dir / INDEX).write_text(json.dumps(index, indent=1) + "\n")
@@ -108,32 +109,6 @@ def _export_plan(cfg: ModelConfig, source: TensorSource, dtype: torch.dtype
             return (t if order is None else t[order]).to(out_dtype).contiguous()
 
         yield name.name, shape, out_dtype, read
-
-
-_ST_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
-
-
-def _write_safetensors(path: Path, entries: list) -> int:
-    """Write one safetensors file tensor by tensor (the header comes from the plan's shapes, so no more
-    than one tensor is in memory); returns the data bytes written."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape, dtype, _ in entries:
-        size = torch.Size(shape).numel() * dtype.itemsize
-        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    with path.open("wb") as fh:
-        fh.write(len(head).to_bytes(8, "little"))
-        fh.write(head)
-        for name, shape, dtype, read in entries:
-            t = read()
-            if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
-                raise AssertionError(f"{name}: read {tuple(t.shape)} {t.dtype}, planned {shape} {dtype}")
-            fh.write(t.view(torch.uint8).numpy() if t.numel() else b"")
-            del t
-    return offset
 
 
 def _assign_shards(plan: list, shard_bytes: int) -> list[int]:
@@ -185,23 +160,23 @@ class HFSource:
         self.root, self.cfg, self.weight_map, self.interleaved = root, cfg, weight_map, interleaved
         self._open: dict[str, Any] = {}
 
-    def _slice(self, hf: str):
+    def _reader(self, hf: str) -> SafetensorsReader:
         if hf not in self.weight_map:
             raise CheckpointError(f"{self.root}: no tensor {hf!r} in the model directory; it does not match the model")
         file = self.weight_map[hf]
         if file not in self._open:
             try:
-                self._open[file] = safe_open(str(self.root / file), framework="pt")
-            except Exception as err:  # safetensors raises several types for unreadable files
+                self._open[file] = SafetensorsReader(self.root / file)
+            except (OSError, ValueError, KeyError, TypeError) as err:
                 raise CheckpointError(f"model file {self.root / file} is not a readable safetensors file: {err}") from err
-        return self._open[file].get_slice(hf)
+        return self._open[file]
 
     def shape(self, key: str) -> tuple[int, ...]:
         name = hf_name(key)
         if name.kind == "experts":
-            out_dim, in_dim = self._slice(name.expert(0)).get_shape()
+            out_dim, in_dim = self._reader(name.expert(0)).shape(name.expert(0))
             return (self.cfg.num_experts, in_dim, out_dim)
-        return tuple(self._slice(name.name).get_shape())
+        return self._reader(name.name).shape(name.name)
 
     def full(self, key: str) -> torch.Tensor:
         shape = self.shape(key)
@@ -212,12 +187,14 @@ class HFSource:
         if name.kind == "experts":
             if rows == 0:
                 return torch.empty(0, *self.shape(key)[1:])
-            return torch.stack([self._slice(name.expert(j))[:].t() for j in range(offset, offset + rows)])
+            return torch.stack([self._reader(name.expert(j)).tensor(name.expert(j)).t()
+                                for j in range(offset, offset + rows)])
         shape = self.shape(key)
+        reader = self._reader(name.name)
         order = rope_rows(name.kind, self.cfg, shape[0], to_hf=False) if shape and self.interleaved else None
         if order is None:
-            return self._slice(name.name)[offset:offset + rows] if shape else self._slice(name.name)[:]
-        return self._slice(name.name)[:][order[offset:offset + rows]]
+            return reader.rows(name.name, offset, offset + rows) if shape else reader.tensor(name.name)
+        return reader.tensor(name.name)[order[offset:offset + rows]]
 
 
 def read_hf(model_dir: str | Path) -> tuple[ModelConfig, HFSource]:
@@ -234,8 +211,12 @@ def read_hf(model_dir: str | Path) -> tuple[ModelConfig, HFSource]:
     if (model_dir / INDEX).is_file():
         weight_map = json.loads((model_dir / INDEX).read_text())["weight_map"]
     elif (model_dir / SINGLE).is_file():
-        with safe_open(str(model_dir / SINGLE), framework="pt") as handle:
-            weight_map = dict.fromkeys(handle.keys(), SINGLE)
+        try:
+            reader = SafetensorsReader(model_dir / SINGLE)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"model file {model_dir / SINGLE} is not a readable safetensors file: {err}") from err
+        weight_map = dict.fromkeys(reader.keys(), SINGLE)
+        reader.close()
     else:
         raise CheckpointError(f"{model_dir} holds neither {INDEX} nor {SINGLE}")
     for file in sorted(set(weight_map.values())):
@@ -244,28 +225,28 @@ def read_hf(model_dir: str | Path) -> tuple[ModelConfig, HFSource]:
     return cfg, HFSource(model_dir, cfg, weight_map, interleaved=raw.get("rope_interleave", True))
 
 
-def import_hf(trainer: Trainer, model_dir: str | Path) -> None:
-    """Load the weights of a Hugging Face model directory into a trainer whose model has the same
+def import_hf(run: TrainState, model_dir: str | Path) -> None:
+    """Load the weights of a Hugging Face model directory into a run whose model has the same
     architecture (any EP / DP layout; training settings such as init_std may differ)."""
     cfg, source = read_hf(model_dir)
-    diff = architecture_diff(cfg, trainer.cfg.model)
+    diff = architecture_diff(cfg, run.model_config)
     if diff:
         raise CheckpointError(f"{Path(model_dir) / CONFIG} describes another model than the recipe's model: section; "
                               "differing (imported vs recipe): " + ", ".join(diff))
-    load_model_tensors(trainer, source, prefix="")
+    load_model_tensors(run, source, prefix="")
 
 
-def init_weights_from(trainer: Trainer, path: str | Path) -> None:
+def init_weights_from(run: TrainState, path: str | Path) -> None:
     """checkpoint.init_from: the weights of a moontrain checkpoint (its manifest) or of an HF directory."""
     path = Path(path)
     if (path / MANIFEST).is_file():
         state, source = open_checkpoint(path)
-        diff = architecture_diff(from_dict(ModelConfig, state["model"], "model"), trainer.cfg.model)
+        diff = architecture_diff(from_dict(ModelConfig, state["model"], "model"), run.model_config)
         if diff:
             raise CheckpointError(f"checkpoint {path} holds another model than the recipe's model: section; "
                                   "differing (checkpoint vs recipe): " + ", ".join(diff))
-        load_model_tensors(trainer, source, prefix="model.")
+        load_model_tensors(run, source, prefix="model.")
         return
-    import_hf(trainer, path)
+    import_hf(run, path)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from moontrain.checkpoint.tensors import CheckpointError
-from moontrain.config.loader import from_dict, to_dict
+from moontrain.dataclass_dict import from_dict, to_dict
 from moontrain.model.config import ModelConfig, YarnConfig
 
 MODEL_TYPE = "moontrain"
@@ -20,7 +20,7 @@ IMPORTABLE = ("moontrain", "deepseek_v3", "kimi_k2")
 # ModelConfig fields that do not change what the weights compute (training and execution settings):
 # a recipe may differ from an imported model in these
 NOT_ARCHITECTURE = frozenset({"init_std", "router_bias_update_rate", "seq_aux_loss_coef", "router_skew",
-                              "overlap_shared_experts", "router_tf32", "attn_pad_head_dims"})
+                              "router_tf32", "attn_pad_head_dims"})
 
 
 def hf_config(cfg: ModelConfig, *, dtype: str, max_position_embeddings: int, extra: dict[str, Any]) -> dict[str, Any]:
@@ -62,10 +62,12 @@ def hf_config(cfg: ModelConfig, *, dtype: str, max_position_embeddings: int, ext
         "use_nope": cfg.use_nope,
         "attn_output_gate": cfg.attn_output_gate,
         "moe_latent_size": cfg.moe_latent_size,
-        "hidden_act": "silu",
+        "hidden_act": "situ_glu" if cfg.ffn_activation == "situ_glu" else "silu",
+        "attn_res_block_size": cfg.attn_res_block_size,
         "initializer_range": cfg.init_std,
         "tie_word_embeddings": False,
         "max_position_embeddings": max_position_embeddings,
+        "use_cache": False,  # the HF modeling code has no KV cache: generate() re-runs the whole sequence
         **extra,
         "moontrain_model": to_dict(cfg),
     }

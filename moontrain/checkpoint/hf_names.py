@@ -12,6 +12,9 @@ Kimi K2) convention.
     layers.i.ffn.shared.w_{gate,up,down}    ... mlp.shared_experts.{gate,up,down}_proj
     layers.i.ffn.experts.master.P [E,in,out]    ... mlp.experts.j.P_proj.weight [out, in], one per expert
     norm.weight, lm_head.weight             model.norm.weight, lm_head.weight
+    layers.i.res_{attn,ffn}.query           model.layers.i.{attn,mlp}_res.query       (AttnRes pseudo-queries)
+    layers.i.res_{attn,ffn}.key_norm.weight ... {attn,mlp}_res.key_norm.weight
+    final_res.{query, key_norm.weight}      model.final_res.{query, key_norm.weight}
 
 Layout changes: expert projections are split per expert and transposed; the rope rows of the q
 projection (the last Dr rows of every head) and of the kv-a projection (its last Dr rows) are stored
@@ -54,6 +57,10 @@ _RULES: list[tuple[str, str, Literal["plain", "rope_q", "rope_kv", "experts"]]] 
     (_LAYER + r"ffn\.latent_norm\.weight", "mlp.latent_norm.weight", "plain"),
     (_LAYER + r"ffn\.shared\.w_(gate|up|down)\.weight", "mlp.shared_experts.{}_proj.weight", "plain"),
     (_LAYER + r"ffn\.experts\.master\.(gate|up|down)", "mlp.experts.{{j}}.{}_proj.weight", "experts"),
+    (_LAYER + r"res_attn\.(query|key_norm\.weight)", "attn_res.{}", "plain"),
+    (_LAYER + r"res_ffn\.(query|key_norm\.weight)", "mlp_res.{}", "plain"),
+    (r"final_res\.query", "model.final_res.query", "plain"),
+    (r"final_res\.key_norm\.weight", "model.final_res.key_norm.weight", "plain"),
 ]
 _COMPILED = [(re.compile(pattern), target, kind) for pattern, target, kind in _RULES]
 

@@ -36,11 +36,11 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from moontrain.checkpoint.tensors import CheckpointError, Piece, TensorSource, file_sha256, local_tensor, ownership
-from moontrain.config.loader import to_dict
+from moontrain.dataclass_dict import to_dict
 from moontrain.optim.config import OptimConfig
 
 if TYPE_CHECKING:
-    from moontrain.trainer.trainer import Trainer
+    from moontrain.checkpoint.state import TrainState
 
 FORMAT = "moontrain-checkpoint-v1"
 MANIFEST = "manifest.json"
@@ -54,28 +54,28 @@ def checkpoint_name(step: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- save
-def save_checkpoint(trainer: Trainer, root: str | Path, *, keep_last: int) -> Path:
+def save_checkpoint(run: TrainState, root: str | Path, *, keep_last: int) -> Path:
     """Collective: write the train state of every rank as `<root>/step_<step>`; returns its path."""
-    layout, root = trainer.layout, Path(root)
-    final = root / checkpoint_name(trainer.step)
+    layout, root = run.layout, Path(root)
+    final = root / checkpoint_name(run.step)
     tmp = root / (final.name + _TMP)
     if layout.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(f"{_PREFIX}*{_TMP}"):
             shutil.rmtree(stale)
         tmp.mkdir()
-    _barrier(trainer)
-    tensors, pieces = _collect_tensors(trainer)
+    _barrier(run)
+    tensors, pieces = _collect_tensors(run)
     finite = all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
     file = f"rank_{layout.rank:05d}.safetensors"
     save_file(tensors, str(tmp / file), metadata={"format": "pt", "moontrain": FORMAT})
     del tensors
     _fsync_file(tmp / file)
     entry = {"file": file, "bytes": (tmp / file).stat().st_size, "sha256": file_sha256(tmp / file),
-             "pieces": pieces, "rank_state": {"data": trainer.data.state_dict()}, "finite": finite}
-    entries = _gather(trainer, entry)
+             "pieces": pieces, "rank_state": {"data": run.data.state_dict()}, "finite": finite}
+    entries = _gather(run, entry)
     if layout.rank == 0:
-        state = _train_state(trainer, [e["rank_state"] for e in entries])
+        state = _train_state(run, [e["rank_state"] for e in entries])
         state_bytes = json.dumps(state, indent=1).encode()
         _write_durable(tmp / TRAIN_STATE, state_bytes)
         files = {e["file"]: {"bytes": e["bytes"], "sha256": e["sha256"]} for e in entries}
@@ -84,7 +84,7 @@ def save_checkpoint(trainer: Trainer, root: str | Path, *, keep_last: int) -> Pa
         for e in entries:
             for name, (offset, rows, shape) in e["pieces"].items():
                 index.setdefault(name, {"shape": shape, "pieces": []})["pieces"].append([e["file"], offset, rows])
-        manifest = {"format": FORMAT, "step": trainer.step, "finite": all(e["finite"] for e in entries),
+        manifest = {"format": FORMAT, "step": run.step, "finite": all(e["finite"] for e in entries),
                     "files": files, "tensors": index}
         _write_durable(tmp / MANIFEST, json.dumps(manifest).encode())
         _fsync_dir(tmp)
@@ -93,13 +93,13 @@ def save_checkpoint(trainer: Trainer, root: str | Path, *, keep_last: int) -> Pa
         os.replace(tmp, final)
         _fsync_dir(root)
         prune(root, keep_last)
-    _barrier(trainer)
+    _barrier(run)
     return final
 
 
-def _collect_tensors(trainer: Trainer) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+def _collect_tensors(run: TrainState) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
     """This rank's share: name -> contiguous CPU tensor, and name -> [offset, rows, global shape]."""
-    layout = trainer.layout
+    layout = run.layout
     tensors: dict[str, torch.Tensor] = {}
     pieces: dict[str, list] = {}
 
@@ -113,12 +113,12 @@ def _collect_tensors(trainer: Trainer) -> tuple[dict[str, torch.Tensor], dict[st
             tensors[name] = local_tensor(t).detach().to("cpu", copy=True).contiguous()
             pieces[name] = [own.offset, own.rows, list(own.global_shape)]
 
-    for name, t in _model_tensors(trainer.model).items():
+    for name, t in _model_tensors(run.model).items():
         put(f"model.{name}", t)
-    names = {id(p): n for n, p in trainer.model.named_parameters()}
-    for group in trainer.optimizer.param_groups:
+    names = {id(p): n for n, p in run.model.named_parameters()}
+    for group in run.optimizer.param_groups:
         for p in group["params"]:
-            state = trainer.optimizer.state.get(p)
+            state = run.optimizer.state.get(p)
             if not state:
                 continue
             name = names[id(p)]
@@ -144,23 +144,23 @@ def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _train_state(trainer: Trainer, rank_states: list[dict]) -> dict[str, Any]:
-    layout = trainer.layout
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
+def _train_state(run: TrainState, rank_states: list[dict]) -> dict[str, Any]:
+    layout = run.layout
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in run.optimizer.param_groups]
     return {
         "format": FORMAT,
-        "step": trainer.step,
-        "tokens_seen": trainer.tokens_seen,
+        "step": run.step,
+        "tokens_seen": run.tokens_seen,
         "world_size": layout.world_size,
         "ep": layout.ep,
         "dp_replicate": layout.dp_replicate,
-        "experts_backend": trainer.cfg.experts.backend,
-        "data_source": trainer.cfg.data.source,
-        "wandb_run_id": trainer.wandb_run_id,
-        "scheduler": trainer.scheduler.state_dict(),
+        "experts_backend": run.experts_backend,
+        "data_source": run.data_source,
+        "wandb_run_id": run.wandb_run_id,
+        "scheduler": run.scheduler.state_dict(),
         "param_groups": groups,
-        "model": to_dict(trainer.cfg.model),
-        "optim": to_dict(trainer.cfg.optim),
+        "model": to_dict(run.model_config),
+        "optim": to_dict(run.optim_config),
         "ranks": rank_states,
     }
 
@@ -194,50 +194,50 @@ def open_checkpoint(path: str | Path) -> tuple[dict[str, Any], TensorSource]:
     return json.loads(raw), source
 
 
-def load_checkpoint(trainer: Trainer, path: str | Path) -> dict[str, Any]:
-    """Restore the whole train state into `trainer` (any EP / DP layout); returns the train state."""
+def load_checkpoint(run: TrainState, path: str | Path) -> dict[str, Any]:
+    """Restore the whole train state into `run` (any EP / DP layout); returns the train state."""
     state, source = open_checkpoint(path)
-    saved_model, model = state["model"], to_dict(trainer.cfg.model)
+    saved_model, model = state["model"], to_dict(run.model_config)
     if saved_model != model:
         diff = sorted(k for k in set(saved_model) | set(model) if saved_model.get(k) != model.get(k))
         raise CheckpointError(f"checkpoint {path} was saved with a different model config; differing keys: "
                               + ", ".join(f"model.{k} (saved {saved_model.get(k)!r}, now {model.get(k)!r})"
                                           for k in diff))
-    if state["data_source"] != trainer.cfg.data.source:
+    if state["data_source"] != run.data_source:
         raise CheckpointError(f"checkpoint {path} was saved with data.source={state['data_source']}, the run has "
-                              f"data.source={trainer.cfg.data.source}; its data position cannot be restored")
-    load_model_tensors(trainer, source, prefix="model.")
-    _load_optimizer(trainer, source, state)
-    layout = trainer.layout
+                              f"data.source={run.data_source}; its data position cannot be restored")
+    load_model_tensors(run, source, prefix="model.")
+    _load_optimizer(run, source, state)
+    layout = run.layout
     if state["world_size"] == layout.world_size:
         torch.set_rng_state(source.full(f"rng.rank{layout.rank}.cpu"))
         if layout.device.type == "cuda" and f"rng.rank{layout.rank}.cuda" in source.index:
             torch.cuda.set_rng_state(source.full(f"rng.rank{layout.rank}.cuda"), layout.device)
-    trainer.data.load_state_dict([r["data"] for r in state["ranks"]])
-    trainer.step = state["step"]
-    trainer.tokens_seen = state["tokens_seen"]
-    trainer.wandb_run_id = state["wandb_run_id"]
+    run.data.load_state_dict([r["data"] for r in state["ranks"]])
+    run.step = state["step"]
+    run.tokens_seen = state["tokens_seen"]
+    run.wandb_run_id = state["wandb_run_id"]
     return state
 
 
 @torch.no_grad()
-def load_model_tensors(trainer: Trainer, source: TensorSource, *, prefix: str) -> None:
+def load_model_tensors(run: TrainState, source: TensorSource, *, prefix: str) -> None:
     """Copy the rows this rank owns of every parameter and persistent buffer from `source`."""
-    for name, t in _model_tensors(trainer.model).items():
-        own = ownership(name, t, trainer.layout)
+    for name, t in _model_tensors(run.model).items():
+        own = ownership(name, t, run.layout)
         key = prefix + name
         if tuple(source.shape(key)) != own.global_shape:
             raise CheckpointError(f"{source.root}: {key} has shape {list(source.shape(key))}, the model "
                                   f"has {list(own.global_shape)}")
         local_tensor(t).copy_(source.rows(key, own.offset, own.rows))
-    for w in trainer.experts:
+    for w in run.experts:
         w.push_master()
 
 
 @torch.no_grad()
-def _load_optimizer(trainer: Trainer, source: TensorSource, state: dict[str, Any]) -> None:
-    opt = trainer.optimizer
-    names = {id(p): n for n, p in trainer.model.named_parameters()}
+def _load_optimizer(run: TrainState, source: TensorSource, state: dict[str, Any]) -> None:
+    opt = run.optimizer
+    names = {id(p): n for n, p in run.model.named_parameters()}
     saved_groups = {g["name"]: g for g in state["param_groups"]}
     missing = sorted(set(g["name"] for g in opt.param_groups) - set(saved_groups))
     if missing:
@@ -256,7 +256,7 @@ def _load_optimizer(trainer: Trainer, source: TensorSource, state: dict[str, Any
             keys = state_keys.get(name)
             if not keys:  # saved before the first optimizer step
                 continue
-            own = ownership(name, p, trainer.layout)
+            own = ownership(name, p, run.layout)
             entry = {}
             for key in keys:
                 if source.shape(f"optim.{name}.{key}") == ():
@@ -268,7 +268,7 @@ def _load_optimizer(trainer: Trainer, source: TensorSource, state: dict[str, Any
                     local_tensor(value).copy_(source.rows(f"optim.{name}.{key}", own.offset, own.rows))
                 entry[key] = value
             opt.state[p] = entry
-    sched = trainer.scheduler
+    sched = run.scheduler
     sched.load_state_dict(state["scheduler"])
     sched.base_lrs = [group["initial_lr"] for group in opt.param_groups]  # optim.lr of the recipe
     for group, base, factor in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
@@ -384,14 +384,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _barrier(trainer: Trainer) -> None:
-    if trainer.layout.distributed:
-        dist.barrier(group=trainer.layout.world_group)
+def _barrier(run: TrainState) -> None:
+    if run.layout.distributed:
+        dist.barrier(group=run.layout.world_group)
 
 
-def _gather(trainer: Trainer, obj: Any) -> list[Any]:
-    if not trainer.layout.distributed:
+def _gather(run: TrainState, obj: Any) -> list[Any]:
+    if not run.layout.distributed:
         return [obj]
-    out: list[Any] = [None] * trainer.layout.world_size
-    dist.all_gather_object(out, obj, group=trainer.layout.world_group)
+    out: list[Any] = [None] * run.layout.world_size
+    dist.all_gather_object(out, obj, group=run.layout.world_group)
     return out

@@ -17,14 +17,13 @@ under the new layout, so a checkpoint saved at one EP / DP degree loads at any o
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch.distributed.tensor import DTensor, Shard
 
+from moontrain.checkpoint.safetensors_io import SafetensorsReader
 from moontrain.parallel.layout import ParallelLayout
 
 
@@ -108,7 +107,7 @@ class TensorSource:
         """Canonical rows [offset, offset + rows) of `name` (the whole tensor when it is 0-d)."""
         shape, pieces = self._entry(name)
         if not shape:
-            return self._handle(pieces[0].file).get_tensor(name)
+            return self._handle(pieces[0].file).tensor(name)
         if offset + rows > shape[0]:
             raise CheckpointError(f"{self.root}: {name} has {shape[0]} rows, rows [{offset}, {offset + rows}) "
                                   "were asked for; the model does not match the checkpoint")
@@ -117,7 +116,7 @@ class TensorSource:
             lo, hi = max(covered, piece.offset), min(offset + rows, piece.offset + piece.rows)
             if lo > covered or hi <= lo:
                 continue
-            parts.append(self._handle(piece.file).get_slice(name)[lo - piece.offset:hi - piece.offset])
+            parts.append(self._handle(piece.file).rows(name, lo - piece.offset, hi - piece.offset))
             covered = hi
         if covered != offset + rows:
             raise CheckpointError(f"{self.root}: rows [{covered}, {offset + rows}) of {name} are in no file of "
@@ -131,7 +130,7 @@ class TensorSource:
             raise CheckpointError(f"{self.root}: no tensor {name!r} in the checkpoint; the model does not match it")
         return self.index[name]
 
-    def _handle(self, file: str):
+    def _handle(self, file: str) -> SafetensorsReader:
         if file not in self._open:
             path = self.root / file
             if not path.is_file():
@@ -145,7 +144,7 @@ class TensorSource:
                 if file_sha256(path) != want["sha256"]:
                     raise CheckpointError(f"checkpoint file {path} is corrupt: its sha256 differs from the manifest")
             try:
-                self._open[file] = safe_open(str(path), framework="pt")
-            except (SafetensorError, OSError, json.JSONDecodeError) as err:
+                self._open[file] = SafetensorsReader(path)
+            except (OSError, ValueError, KeyError, TypeError) as err:
                 raise CheckpointError(f"checkpoint file {path} is not a readable safetensors file: {err}") from err
         return self._open[file]

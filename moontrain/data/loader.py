@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from moontrain.data.source import TokenSource
+from moontrain.data.config import DataConfig
+from moontrain.data.source import TokenSource, build_token_source
 
 
 class BatchLoader:
@@ -117,3 +118,11 @@ def _as_rank_states(state: dict[str, Any], source: TokenSource) -> list[dict[str
     """This rank's own state in the form load_state_dict takes (a list over the ranks of the same world size;
     a source reads its own rank's entry, and from any entry only what is the same on every rank)."""
     return [state] * source.world
+
+
+def build_loader(cfg: DataConfig, *, vocab_size: int, seq_len: int, global_batch: int, rank: int, world_size: int,
+                 device: torch.device) -> BatchLoader:
+    """The trainer's batches: the token source behind a prefetching thread (data.prefetch batches ahead)."""
+    source = build_token_source(cfg, vocab_size=vocab_size, seq_len=seq_len, global_batch=global_batch, rank=rank,
+                                world_size=world_size)
+    return BatchLoader(source, prefetch=cfg.prefetch, device=device)

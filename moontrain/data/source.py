@@ -1,4 +1,4 @@
-"""The token-source protocol the trainer uses, and the factory that picks one from data.source."""
+"""The token-source protocol and the factory that picks one from data.source (the trainer's batches: loader.py)."""
 
 from __future__ import annotations
 
@@ -38,12 +38,3 @@ def build_token_source(cfg: DataConfig, *, vocab_size: int, seq_len: int, global
 
     return FileTokens(cfg, **kwargs)
 
-
-def build_loader(cfg: DataConfig, *, vocab_size: int, seq_len: int, global_batch: int, rank: int, world_size: int,
-                 device: torch.device):
-    """The trainer's batches: the token source behind a prefetching thread (data.prefetch batches ahead)."""
-    from moontrain.data.loader import BatchLoader
-
-    source = build_token_source(cfg, vocab_size=vocab_size, seq_len=seq_len, global_batch=global_batch, rank=rank,
-                                world_size=world_size)
-    return BatchLoader(source, prefetch=cfg.prefetch, device=device)

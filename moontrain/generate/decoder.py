@@ -7,7 +7,7 @@ The blocks' own modules (norms, projections, dense FFN, MoE with its router and 
 backend) run unchanged; only attention is re-expressed to read keys and values from the cache: the
 new tokens' normed kv latent and rotated rope key are appended, and k_nope / v of every position are
 expanded from the cached latents through W_kvb. With an empty cache and the whole sequence this is the
-training forward's math (tests/moontrain/test_generate.py checks greedy decoding token for token).
+training forward's math (tests/moontrain/generate/test_generate.py checks greedy decoding token for token).
 """
 
 from __future__ import annotations
@@ -64,10 +64,12 @@ def _attend(attn: MLAttention, x_BTD: torch.Tensor, cache: MLACache, start: int)
 def forward_cached(model: K3Model, tokens_BT: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
     """Logits [B, T, V] of the new tokens, which sit at positions cache.start ..; the cache advances."""
     x_BTD = model.embed(tokens_BT)
+    blocks: tuple[torch.Tensor, ...] = ()  # AttnRes: completed blocks are per token, nothing to cache
     for block, state in zip(model.layers, cache.layers, strict=True):
-        x_BTD = x_BTD + _attend(block.attn, block.attn_norm(x_BTD), state, cache.start)
-        h_BTD = block.ffn_norm(x_BTD)
-        x_BTD = x_BTD + (block.ffn(h_BTD)[0] if block.is_moe else block.ffn(h_BTD))
+        blocks, x_BTD, _ = block.residuals(
+            blocks, x_BTD, lambda h_BTD, attn=block.attn, state=state: _attend(attn, h_BTD, state, cache.start))
+    if model.final_res is not None:
+        x_BTD = model.final_res(blocks, x_BTD)
     cache.start += tokens_BT.shape[1]
     return model.lm_head(model.norm(x_BTD))
 

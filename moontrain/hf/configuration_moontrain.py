@@ -1,7 +1,9 @@
 """Hugging Face configuration of a moontrain model (loaded with trust_remote_code; needs only transformers).
 
 Fields follow the DeepSeek-V3 / Kimi K2 config names where the two models agree; the extra switches of
-moontrain's K3-like decoder are attn_output_gate, use_nope, moe_latent_size and mla_norm_eps.
+moontrain's K3-like decoder are attn_output_gate, use_nope, moe_latent_size, mla_norm_eps,
+hidden_act="situ_glu" (K3's 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25) in every FFN) and
+attn_res_block_size (Block Attention Residuals, sub-layers per block; 0: standard residuals).
 This file is copied next to the weights by `moontrain export`; it imports nothing from moontrain.
 """
 
@@ -24,7 +26,8 @@ class MoontrainConfig(PretrainedConfig):
                  rope_parameters: dict | None = None, rope_interleave: bool = True, use_nope: bool = False,
                  attn_output_gate: bool = False, moe_latent_size: int | None = None,
                  max_position_embeddings: int = 4096, hidden_act: str = "silu", initializer_range: float = 0.02,
-                 tie_word_embeddings: bool = False, **kwargs) -> None:
+                 tie_word_embeddings: bool = False, attn_res_block_size: int = 0, use_cache: bool = False,
+                 **kwargs) -> None:
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -55,4 +58,6 @@ class MoontrainConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.hidden_act = hidden_act
         self.initializer_range = initializer_range
+        self.attn_res_block_size = attn_res_block_size
+        self.use_cache = use_cache  # no KV cache in the modeling code: generate() re-runs the whole sequence
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

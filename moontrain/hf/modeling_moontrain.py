@@ -1,6 +1,8 @@
 """Hugging Face modeling code of a moontrain model: MLA attention (optional q low rank, output gate, NoPE,
-YaRN), dense SwiGLU first layers, then sigmoid-routed MoE (optional group-limited routing, latent
-projection, shared experts). Loaded with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`.
+YaRN), dense gated-FFN first layers (SwiGLU, or SiTU-GLU with hidden_act="situ_glu"), then sigmoid-routed
+MoE (optional group-limited routing, latent projection, shared experts), optionally Block Attention
+Residuals (attn_res_block_size > 0: each sub-layer's input a softmax over depth of the completed blocks,
+the embedding first, and the current block's partial sum, with a zero-initialised pseudo-query). Loaded with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`.
 
 Legend: B batch, T sequence, D hidden, N heads, Dn/Dr/Dv nope/rope/value head dims, E experts, K top-k,
 s = B*T tokens, H expert width (the latent width with moe_latent_size).
@@ -133,14 +135,34 @@ class MoontrainAttention(nn.Module):
 
 
 class MoontrainMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
+    def __init__(self, dim: int, hidden: int, act: str = "silu") -> None:
         super().__init__()
+        self.act = act
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g, u = self.gate_proj(x), self.up_proj(x)
+        if self.act == "situ_glu":  # in fp32, rounded once, as moontrain's trainer computes it
+            a = (4 * torch.tanh(g.float() / 4) * torch.sigmoid(g.float()) * (25 * torch.tanh(u.float() / 25)))
+            return self.down_proj(a.to(x.dtype))
+        return self.down_proj(F.silu(g) * u)
+
+
+class MoontrainDepthAttention(nn.Module):
+    """One AttnRes aggregation: softmax over depth of (pseudo-query . RMSNorm(value)), in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(dim))
+        self.key_norm = MoontrainRMSNorm(dim, eps)
+
+    def forward(self, values: list[torch.Tensor]) -> torch.Tensor:
+        v = torch.stack(values).float()
+        k = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.key_norm.eps) * self.key_norm.weight.float()
+        alpha = torch.einsum("d,nbtd->nbt", self.query.float(), k).softmax(0)
+        return torch.einsum("nbt,nbtd->btd", alpha, v).to(values[0].dtype)
 
 
 class MoontrainRouter(nn.Module):
@@ -182,10 +204,11 @@ class MoontrainMoE(nn.Module):
             self.latent_down_proj = nn.Linear(D, H, bias=False)
             self.latent_norm = MoontrainRMSNorm(H, config.rms_norm_eps)
             self.latent_up_proj = nn.Linear(H, D, bias=False)
-        self.experts = nn.ModuleList(MoontrainMLP(H, config.moe_intermediate_size)
+        self.experts = nn.ModuleList(MoontrainMLP(H, config.moe_intermediate_size, config.hidden_act)
                                      for _ in range(config.n_routed_experts))
         if config.n_shared_experts:
-            self.shared_experts = MoontrainMLP(D, config.n_shared_experts * config.moe_intermediate_size)
+            self.shared_experts = MoontrainMLP(D, config.n_shared_experts * config.moe_intermediate_size,
+                                               config.hidden_act)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
@@ -212,11 +235,28 @@ class MoontrainDecoderLayer(nn.Module):
         self.self_attn = MoontrainAttention(config)
         self.post_attention_layernorm = MoontrainRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = (MoontrainMoE(config) if layer_idx >= config.first_k_dense_replace
-                    else MoontrainMLP(config.hidden_size, config.intermediate_size))
+                    else MoontrainMLP(config.hidden_size, config.intermediate_size, config.hidden_act))
+        block_size = config.attn_res_block_size
+        if block_size:
+            self.attn_res = MoontrainDepthAttention(config.hidden_size, config.rms_norm_eps)
+            self.mlp_res = MoontrainDepthAttention(config.hidden_size, config.rms_norm_eps)
+            self.starts_block = layer_idx % (block_size // 2) == 0
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_attn_res(self, blocks: list[torch.Tensor], partial: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, mask: torch.Tensor | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """AttnRes: (completed blocks, partial sum) -> the same after this layer."""
+        h = self.attn_res([*blocks, partial])
+        out = self.self_attn(self.input_layernorm(h), cos, sin, mask)
+        if self.starts_block:
+            blocks, partial = [*blocks, partial], out
+        else:
+            partial = partial + out
+        h = self.mlp_res([*blocks, partial])
+        return blocks, partial + self.mlp(self.post_attention_layernorm(h))
 
 
 class MoontrainPreTrainedModel(PreTrainedModel):
@@ -242,6 +282,8 @@ class MoontrainModel(MoontrainPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(MoontrainDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = MoontrainRMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.attn_res_block_size:
+            self.final_res = MoontrainDepthAttention(config.hidden_size, config.rms_norm_eps)
         self.post_init()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -253,6 +295,11 @@ class MoontrainModel(MoontrainPreTrainedModel):
             eye = torch.eye(T, dtype=torch.bool, device=input_ids.device)  # a padding query sees itself, not NaN
             mask = (causal & attention_mask.bool()[:, None, None, :]) | eye
         x = self.embed_tokens(input_ids)
+        if self.config.attn_res_block_size:
+            blocks: list[torch.Tensor] = []
+            for layer in self.layers:
+                blocks, x = layer.forward_attn_res(blocks, x, cos, sin, mask)
+            return self.norm(self.final_res([*blocks, x]))
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
         return self.norm(x)

@@ -72,7 +72,8 @@ class MLAttention(nn.Module):
         v_BNTd = v_BNTDv
         if self.max_logit_N is not None:
             self.max_logit_N = torch.maximum(self.max_logit_N,
-                                             causal_max_logit(q_BNTd, k_BNTd, softmax_scale(cfg)))
+                                             causal_max_logit(q_BNTd, k_BNTd, softmax_scale(cfg),
+                                                              None if docs is None else docs.id_BT))
         if cfg.attn_pad_head_dims and Dn + Dr != Dv:
             d = max(Dn + Dr, Dv)
             q_BNTd, k_BNTd = F.pad(q_BNTd, (0, d - Dn - Dr)), F.pad(k_BNTd, (0, d - Dn - Dr))

@@ -95,12 +95,6 @@ class ModelConfig:
     # benchmarks: sigma of a fixed log-normal expert popularity whose log is added to the selection scores
     # (same on every rank and layer), to force a routing skew; 0 leaves routing untouched
     router_skew: float = 0.0
-    # execution (no effect on the math): on CUDA, run the shared experts on a side stream so they
-    # overlap the routed experts' communication (forward and, through autograd, backward). Off by
-    # default: on 2xH200 (k3_small_moe, 2026-11-29) the side stream's GEMMs held up moonep's device
-    # barriers (30 ms of barrier waits per step) and FSDP's all-gathers, the step got no faster and
-    # the peak memory came to depend on the routing (frees delayed by the cross-stream use)
-    overlap_shared_experts: bool = False
     # execution: on CUDA the router's logits GEMM (fp32) and its backward run on TF32 tensor cores. The
     # forward's operands are bf16 values (the compute-dtype activations and FSDP's bf16 weight copy),
     # exact in TF32, so the logits are the fp32 GEMM's up to summation order; the backward rounds the

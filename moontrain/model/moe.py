@@ -4,9 +4,9 @@ Legend: B batch, T sequence, s = B*T tokens, D hidden, L latent width (expert wi
 
 Latent MoE (K3): routed experts run at width L: x_sL = RMSNorm(x_sD W_down); y_sD = experts(x_sL) W_up.
 Shared experts see the full width D and are one gated FFN of width num_shared * F (identical to the sum
-of num_shared separate experts). With model.overlap_shared_experts on CUDA they run on a side stream,
-concurrently with the routed experts; autograd runs their backward on the same side stream. Off by
-default (see ModelConfig: it slowed moonep's barriers more than it hid).
+of num_shared separate experts). They run on the caller's stream: on a side stream, overlapping the
+routed experts' communication, their GEMMs held up moonep's device barriers and FSDP's all-gathers and
+made the peak memory depend on the routing (2xH200, k3_small_moe, 2026-11-29; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ class MoE(nn.Module):
         self.shared = (GatedFFN(cfg.hidden_size, cfg.num_shared_experts * cfg.moe_intermediate_size,
                                 cfg.ffn_activation, device=device) if cfg.num_shared_experts else None)
         self.latent = cfg.moe_latent_size is not None
-        self.overlap_shared = cfg.overlap_shared_experts
-        self._side: torch.cuda.Stream | None = None  # the shared experts' stream (CUDA, overlap on)
         self.backend: ExpertsBackend | None = None  # attached after construction (may be collective)
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -45,32 +43,9 @@ class MoE(nn.Module):
         B, T, D = x_BTD.shape
         x_sD = x_BTD.reshape(B * T, D)
         weights_sK, topk_sK, aux = self.router(x_sD, B)
-        side = self._side_stream(x_sD)
-        shared_sD = None
-        if side is not None:  # the shared experts run while the routed experts communicate
-            side.wait_stream(torch.cuda.current_stream(x_sD.device))
-            with torch.cuda.stream(side):
-                shared_sD = self.shared(x_sD)
-            x_sD.record_stream(side)
         h_sH = self.latent_norm(self.latent_down(x_sD)) if self.latent else x_sD
         y_sH = self.backend.forward(h_sH, weights_sK, topk_sK)
         y_sD = self.latent_up(y_sH) if self.latent else y_sH
-        if side is not None:
-            current = torch.cuda.current_stream(x_sD.device)
-            current.wait_stream(side)
-            shared_sD.record_stream(current)
-        elif self.shared is not None:
-            shared_sD = self.shared(x_sD)
-        if shared_sD is not None:
-            y_sD = y_sD + shared_sD
+        if self.shared is not None:
+            y_sD = y_sD + self.shared(x_sD)
         return y_sD.view(B, T, D), aux
-
-    def _side_stream(self, x_sD: torch.Tensor) -> torch.cuda.Stream | None:
-        """The shared experts' stream, or None to run them inline (CPU, overlap off, none, or
-        inside a CUDA graph capture)."""
-        if self.shared is None or not self.overlap_shared or x_sD.device.type != "cuda" \
-                or torch.cuda.is_current_stream_capturing():
-            return None
-        if self._side is None:
-            self._side = torch.cuda.Stream(x_sD.device)
-        return self._side

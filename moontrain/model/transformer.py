@@ -18,7 +18,7 @@ every attention layer stays inside them (moontrain.model.documents).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -30,7 +30,7 @@ from moontrain.model.attention import MLAttention
 from moontrain.model.attn_res import DepthAttention, starts_block
 from moontrain.model.config import ModelConfig
 from moontrain.model.documents import DocumentMask, document_mask
-from moontrain.model.experts import ExpertsContext, build_experts_backend
+from moontrain.model.experts import ExpertsContext, ExpertsRuntime, build_experts_runtime
 from moontrain.model.ffn import GatedFFN
 from moontrain.model.kda import KimiDeltaAttention
 from moontrain.model.moe import MoE
@@ -80,16 +80,23 @@ class Block(nn.Module):
 
     def _forward(self, blocks: tuple[torch.Tensor, ...], x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  docs: DocumentMask | None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor | None]:
+        return self.residuals(blocks, x_BTD, lambda h_BTD: self.attn(h_BTD, cos, sin, docs))
+
+    def residuals(self, blocks: tuple[torch.Tensor, ...], x_BTD: torch.Tensor,
+                  attend: Callable[[torch.Tensor], torch.Tensor]
+                  ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor | None]:
+        """This layer's residual wiring (standard or AttnRes) around attend(normed input) -> attention
+        output: the training forward passes its attention, decoding the cached form of it."""
         if not self.attn_res:
-            x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin, docs)
+            x_BTD = x_BTD + attend(self.attn_norm(x_BTD))
             y, aux = self._ffn(self.ffn_norm(x_BTD))
             return blocks, x_BTD + y, aux
         h_BTD = self.res_attn(blocks, x_BTD)
         if self.starts_block:  # the partial sum becomes a completed block; a new one starts here
             blocks = (*blocks, x_BTD)
-            x_BTD = self.attn(self.attn_norm(h_BTD), cos, sin, docs)
+            x_BTD = attend(self.attn_norm(h_BTD))
         else:
-            x_BTD = x_BTD + self.attn(self.attn_norm(h_BTD), cos, sin, docs)
+            x_BTD = x_BTD + attend(self.attn_norm(h_BTD))
         y, aux = self._ffn(self.ffn_norm(self.res_ffn(blocks, x_BTD)))
         return blocks, x_BTD + y, aux
 
@@ -165,9 +172,12 @@ class K3Model(nn.Module):
         for block in self.layers:
             block.activation_checkpointing = True
 
-    def attach_experts_backends(self, name: str, ctx: ExpertsContext) -> None:
+    def attach_experts_backends(self, name: str, ctx: ExpertsContext) -> ExpertsRuntime:
+        """Give every MoE layer its backend of `name`; returns the runtime that owns what they share."""
+        runtime = build_experts_runtime(name, ctx)
         for moe in self.moe_layers():
-            moe.backend = build_experts_backend(name, ctx, moe.experts)
+            moe.backend = runtime.layer(moe.experts)
+        return runtime
 
     def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (loss to backpropagate = CE + aux, CE alone for logging)."""

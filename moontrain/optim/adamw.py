@@ -5,14 +5,16 @@
 - experts: the fp32 expert masters (this rank's local rows), decayed like dense matrices
 
 Groups stay homogeneous (DTensor shards vs plain tensors) so the foreach kernels never mix the two.
-With optim.write_back the optimizer is WriteBackAdamW: the trainer registers each expert master with
-its compute tensor, and one fused pass steps it, writes the compute copy and zeroes the grad.
-build_optimizer builds Muon instead (moontrain.optim.muon) when optim.name is muon.
+With optim.write_back the optimizer is WriteBackAdamW: build_optimizer registers each expert master
+with its compute tensor (the trainer's write-back targets), and one fused pass steps it, writes the
+compute copy and zeroes the grad. build_optimizer builds Muon instead (moontrain.optim.muon) when
+optim.name is muon. Every optimizer it returns keeps the contract of moontrain/optim/protocol.py.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -20,7 +22,10 @@ from torch import nn
 
 from moontrain.optim.config import OptimConfig
 from moontrain.optim.muon import build_muon
+from moontrain.optim.protocol import TrainOptimizer
 from moontrain.optim.schedule import lr_multiplier
+from moontrain.optim.torch_adamw import AdamW
+from moontrain.optim.write_back import WriteBackAdamW
 
 
 def split_param_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
@@ -36,10 +41,13 @@ def split_param_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int,
-                    expert_group: dist.ProcessGroup | None = None
-                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """optim.name picks AdamW (here) or Muon (moontrain.optim.muon; expert_group: the expert-data-parallel
-    group, whose replicas share the expert orthogonalisation)."""
+                    expert_group: dist.ProcessGroup | None = None,
+                    write_back_targets: Iterable[tuple[torch.Tensor, torch.Tensor, bool]] = ()
+                    ) -> tuple[TrainOptimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """The optimizer and its LR schedule. optim.name picks AdamW (here) or Muon (moontrain.optim.muon;
+    expert_group: the expert-data-parallel group, whose replicas share the expert orthogonalisation).
+    write_back_targets: (expert master, its compute tensor, zero its grad) per expert projection, stepped
+    by the fused write-back pass when optim.write_back is on."""
     if cfg.name == "muon":
         return build_muon(model, cfg, total_steps, expert_group=expert_group)
     groups = split_param_groups(model)
@@ -57,12 +65,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int,
     if write_back and on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("optim.write_back=true runs a Triton kernel and needs the parameters on a GPU; set "
                          "optim.write_back=false (or leave it unset: it follows optim.fused) on the CPU")
-    if write_back:  # imports triton (CUDA machines; Triton's interpreter in the CPU tests)
-        from moontrain.optim.write_back import WriteBackAdamW
-
-        opt_cls = WriteBackAdamW
-    else:
-        opt_cls = torch.optim.AdamW
+    opt_cls = WriteBackAdamW if write_back else AdamW
     opt = opt_cls(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
+    if write_back:
+        for master, compute, zero_grad in write_back_targets:
+            opt.register_write_back(master, compute, zero_grad=zero_grad)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_multiplier(step, cfg, total_steps))
     return opt, sched

@@ -4,9 +4,10 @@ Legend: n rows (output features) and m columns of a dense matrix, W ranks of the
 experts, Hin/Hout an expert projection's widths, P matrices batched through one Newton-Schulz call.
 
 Groups (`split_muon_groups`):
-- muon: dense matrices (attention projections, dense FFN, shared experts, MoE latent projections)
+- muon: the nn.Linear weights (attention projections, dense FFN, shared experts, MoE latent projections)
 - experts: the fp32 expert masters [epn, Hin, Hout], one matrix per expert
-- adamw: the output head and the router weights (decayed), and
+- adamw: the output head and the other matrices that are not linear maps (router weights, KDA's
+  convolution taps), decayed, and
 - no_decay: norms, biases and the token embedding (AdamW, not decayed)
 
 Muon step per matrix G (its grad), momentum mu, Nesterov:
@@ -91,16 +92,20 @@ def _rows_of(n: int, world: int, rank: int) -> tuple[int, int]:
 
 
 def split_muon_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """Muon for the weights of the nn.Linear layers but the output head, and the expert masters; AdamW for
+    the rest (router weights, KDA's convolution taps and gate biases, ...; norms, biases, embedding
+    undecayed as in adamw.split_param_groups)."""
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     groups: dict[str, list[nn.Parameter]] = {"muon": [], "experts": [], "adamw": [], "no_decay": []}
     for name, p in model.named_parameters():
         if ".experts.master." in name:
             groups["experts"].append(p)
         elif p.ndim < 2 or name.endswith(".bias") or "embed" in name:
             groups["no_decay"].append(p)
-        elif name.startswith("lm_head.") or name.endswith("router.weight"):
-            groups["adamw"].append(p)
-        else:
+        elif id(p) in linear and not name.startswith("lm_head."):
             groups["muon"].append(p)
+        else:
+            groups["adamw"].append(p)
     return groups
 
 
@@ -166,6 +171,20 @@ class Muon(torch.optim.Optimizer):
         self._plans: dict[tuple[int, ...], list[_Matrix]] = {}
         self._row_scales: dict[int, torch.Tensor] = {}
 
+    # the training step's optimizer contract (moontrain/optim/protocol.py): the clip scales the grads in
+    # place before step() (Newton-Schulz normalises the Muon update anyway; the AdamW groups need it)
+    @property
+    def folds_clip(self) -> bool:
+        return False
+
+    def clip_next_step(self, factor: torch.Tensor) -> None:
+        raise ValueError("Muon does not fold the gradient clip into its step (folds_clip is False): scale the "
+                         "grads before step()")
+
+    @property
+    def written_back(self) -> frozenset[int]:
+        return frozenset()
+
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
@@ -177,16 +196,16 @@ class Muon(torch.optim.Optimizer):
             if group["kind"] == "adamw":
                 self._adamw(group, params)
                 continue
-            updates = self._momentum(group, params)
             if group["kind"] == "muon":
-                self._dense(group, params, updates)
+                self._dense(group, params, self._momentum(group, params))
             else:
-                self._experts(group, params, updates)
+                self._experts(group, params)
         return None
 
     # --------------------------------------------------------------------------------------- Muon
     def _momentum(self, group: dict, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Updates the momentum buffers; returns the (Nesterov) directions, local rows, fp32."""
+        """Updates the momentum buffers; returns the directions (local rows, fp32). Nesterov's direction
+        is written over the grads (no temporary: the grads are spent after this step)."""
         mu = group["momentum"]
         grads = [_local(p.grad) for p in params]
         bufs = []
@@ -196,7 +215,10 @@ class Muon(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             bufs.append(_local(state["momentum_buffer"]))
         torch._foreach_lerp_(bufs, grads, 1.0 - mu)
-        return torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
+        if not group["nesterov"]:
+            return bufs
+        torch._foreach_lerp_(grads, bufs, mu)
+        return grads
 
     def _apply(self, group: dict, locals_: list[torch.Tensor], orth: list[torch.Tensor],
                scales: list[torch.Tensor | float]) -> None:
@@ -205,7 +227,10 @@ class Muon(torch.optim.Optimizer):
         if wd:
             torch._foreach_mul_(locals_, 1.0 - lr * wd)
         for p, o, scale in zip(locals_, orth, scales, strict=True):
-            p.add_(o.to(p.dtype) * scale, alpha=-lr)
+            if isinstance(scale, float):
+                p.add_(o, alpha=-lr * scale)  # mixed dtypes: bf16 o is read as fp32, no temporary
+            else:
+                p.add_(o.to(p.dtype) * scale, alpha=-lr)
 
     def _dense(self, group: dict, params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
         sharded = isinstance(params[0], DTensor)
@@ -299,26 +324,26 @@ class Muon(torch.optim.Optimizer):
         dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
         return recv
 
-    def _experts(self, group: dict, params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
+    def _experts(self, group: dict, params: list[torch.Tensor]) -> None:
+        """One projection [epn, Hin, Hout] at a time: its temporaries are one projection's, not all."""
         g = self.expert_group
         replicas = dist.get_world_size(g) if g is not None else 1
         me = dist.get_rank(g) if g is not None else 0
-        orth = []
-        for u in updates:
+        for p in params:
+            (u,) = self._momentum(group, [p])
             epn = u.shape[0]
             if replicas == 1:
-                orth.append(newton_schulz(u, group["ns_steps"]))
-                continue
-            per = -(-epn // replicas)  # experts per replica; the last chunks may be short or empty
-            mine = u[min(me * per, epn):min((me + 1) * per, epn)]
-            o = torch.zeros(per, *u.shape[1:], dtype=torch.bfloat16, device=u.device)
-            if mine.shape[0]:
-                o[:mine.shape[0]] = newton_schulz(mine, group["ns_steps"])
-            gathered = torch.empty(replicas * per, *u.shape[1:], dtype=torch.bfloat16, device=u.device)
-            dist.all_gather_single(gathered, o, group=g)
-            orth.append(gathered[:epn])
-        scales = [rms_scale(p.shape[1], p.shape[2]) for p in params]
-        self._apply(group, list(params), orth, scales)
+                o = newton_schulz(u, group["ns_steps"])
+            else:
+                per = -(-epn // replicas)  # experts per replica; the last chunks may be short or empty
+                mine = u[min(me * per, epn):min((me + 1) * per, epn)]
+                o_mine = torch.zeros(per, *u.shape[1:], dtype=torch.bfloat16, device=u.device)
+                if mine.shape[0]:
+                    o_mine[:mine.shape[0]] = newton_schulz(mine, group["ns_steps"])
+                o = torch.empty(replicas * per, *u.shape[1:], dtype=torch.bfloat16, device=u.device)
+                dist.all_gather_single(o, o_mine, group=g)
+                o = o[:epn]
+            self._apply(group, [p], [o], [rms_scale(p.shape[1], p.shape[2])])
 
     # -------------------------------------------------------------------------------------- AdamW
     def _adamw(self, group: dict, params: list[torch.Tensor]) -> None:

@@ -1,11 +1,12 @@
 """QK-Clip (Kimi K2): after each optimizer step, scale back the query/key weights of every attention head
-whose maximum attention logit exceeded tau.
+whose maximum attention logit exceeded tau. Softmax (MLA) layers only: KDA layers have no logits.
 
 Legend: L full-attention layers, N heads, B batch, T sequence, d q/k head dim, Dn nope and Dr rope head
 dims, Dv value head dim, c query rows per chunk.
 
 Measurement: SDPA does not return its logits, so `causal_max_logit` is a separate pass over the same
-q and k (after rope, before SDPA): the exact causal maximum of scale * q.k per head, in chunks of
+q and k (after rope, before SDPA): the exact causal maximum of scale * q.k per head (within each
+document for packed rows with document masking, the logits the attention computes), in chunks of
 query rows (peak memory B * N * c * T scores), under no_grad. The products run in the compute dtype
 with fp32 accumulation; bf16 scores are rounded once, and rounding is monotone, so the measured
 maximum is the true one up to one bf16 rounding (relative 2^-9). Cost: the QK^T half of the
@@ -40,8 +41,10 @@ _SCORES_PER_CHUNK = 1 << 24  # scores materialised per chunk (64 MiB in fp32)
 
 
 @torch.no_grad()
-def causal_max_logit(q_BNTd: torch.Tensor, k_BNTd: torch.Tensor, scale: float) -> torch.Tensor:
-    """max over batch, query t and key s <= t of scale * q[b, h, t] . k[b, h, s], per head h (fp32 [N])."""
+def causal_max_logit(q_BNTd: torch.Tensor, k_BNTd: torch.Tensor, scale: float,
+                     doc_id_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """max over batch, query t and key s <= t (of t's document when doc_id_BT is given: the logits the
+    attention computes) of scale * q[b, h, t] . k[b, h, s], per head h (fp32 [N])."""
     B, N, T, _ = q_BNTd.shape
     chunk = max(1, min(T, _SCORES_PER_CHUNK // max(1, B * N * T)))
     out_N = torch.full((N,), -math.inf, dtype=torch.float32, device=q_BNTd.device)
@@ -49,8 +52,10 @@ def causal_max_logit(q_BNTd: torch.Tensor, k_BNTd: torch.Tensor, scale: float) -
         t1 = min(T, t0 + chunk)
         s_BNcS = torch.matmul(q_BNTd[:, :, t0:t1], k_BNTd[:, :, :t1].transpose(-1, -2)).float()
         t_c = torch.arange(t0, t1, device=q_BNTd.device)
-        future_cS = torch.arange(t1, device=q_BNTd.device)[None, :] > t_c[:, None]
-        s_BNcS.masked_fill_(future_cS, -math.inf)
+        hidden_BcS = (torch.arange(t1, device=q_BNTd.device)[None, :] > t_c[:, None]).unsqueeze(0)
+        if doc_id_BT is not None:
+            hidden_BcS = hidden_BcS | (doc_id_BT[:, t0:t1, None] != doc_id_BT[:, None, :t1])
+        s_BNcS.masked_fill_(hidden_BcS.unsqueeze(1), -math.inf)
         out_N = torch.maximum(out_N, s_BNcS.amax(dim=(0, 2, 3)) * scale)
     return out_N
 

@@ -8,7 +8,7 @@ whose next accumulation overwrites the grads: moonep.ExpertPools.defer_zero_grad
 k3_small_moe (4.25B expert parameters per rank, 2026-11-29) the three passes took ~42 + 8 + 6 ms.
 
 The math is torch's fused AdamW (ATen's fused_adam_utils, ADAMW mode), in fp32:
-    g = g / grad_scale                       (when the optimizer carries a clip factor, see clip.py)
+    g = g / grad_scale                       (when clip_next_step gave a clip factor, see clip.py)
     p = p - lr * wd * p
     m = beta1 * m + (1 - beta1) * g
     v = beta2 * v + (1 - beta2) * g * g
@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import torch
 
+from moontrain.optim.torch_adamw import AdamW
 
-class WriteBackAdamW(torch.optim.AdamW):
-    """torch's AdamW, except for parameters registered with `register_write_back`: their step is
+
+class WriteBackAdamW(AdamW):
+    """moontrain's AdamW, except for parameters registered with `register_write_back`: their step is
     `adamw_write_back_` (which also writes the registered compute tensor and zeroes the grad unless
-    registered with zero_grad=False, then drops p.grad). `last_written` holds the ids of the
-    parameters the last step wrote back."""
+    registered with zero_grad=False, then drops p.grad). `written_back` holds the ids of the
+    parameters the last step wrote back. The kernel folds a clip factor in even where torch's
+    unfused step could not, so `folds_clip` holds when every parameter is registered."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -37,7 +40,22 @@ class WriteBackAdamW(torch.optim.AdamW):
                 raise ValueError(f"WriteBackAdamW implements plain AdamW; {flag}=True is not supported")
         self._out: dict[int, torch.Tensor] = {}
         self._zero: dict[int, bool] = {}
-        self.last_written: set[int] = set()
+        self._written: frozenset[int] = frozenset()
+
+    @property
+    def folds_clip(self) -> bool:
+        registered = all(id(p) in self._out for group in self.param_groups for p in group["params"])
+        return bool(self.defaults.get("fused")) or registered
+
+    def clip_next_step(self, factor: torch.Tensor) -> None:
+        if not self.folds_clip:
+            raise ValueError("clip_next_step needs optim.fused=true: torch's foreach AdamW steps the "
+                             "parameters not written back and has no grad_scale hook")
+        self.grad_scale = factor
+
+    @property
+    def written_back(self) -> frozenset[int]:
+        return self._written
 
     def register_write_back(self, param: torch.Tensor, out: torch.Tensor, zero_grad: bool = True) -> None:
         """Step `param` with the fused pass, writing `out` and, if zero_grad, zeroing its grad."""
@@ -58,12 +76,14 @@ class WriteBackAdamW(torch.optim.AdamW):
         held = [p.grad for _, p in mine]
         for _, p in mine:  # torch's step skips parameters without a grad
             p.grad = None
+        grad_scale = self.__dict__.pop("grad_scale", None)  # this step's clip factor (clip_next_step)
+        if grad_scale is not None and self.defaults.get("fused"):
+            self.grad_scale = grad_scale  # torch's fused kernel applies it to the rest; AdamW.step drops it
         try:
             super().step()
         finally:
             for (_, p), g in zip(mine, held, strict=True):
                 p.grad = g
-        grad_scale = getattr(self, "grad_scale", None)
         for _, p in mine:
             state = self.state[p]
             if not state:
@@ -85,5 +105,5 @@ class WriteBackAdamW(torch.optim.AdamW):
                         zero_grads=zero)
         for _, p in mine:
             p.grad = None
-        self.last_written = {id(p) for _, p in mine}
+        self._written = frozenset(id(p) for _, p in mine)
         return None

@@ -7,11 +7,10 @@ rows). Unsharded dense params (no FSDP) are identical on every rank and are coun
 
 Cost: the norms are multi-tensor kernels (torch._foreach_norm, one read of every grad, no
 temporaries). The scaling either multiplies every grad in place (torch._foreach_mul_, one read and
-one write), or, for a fused torch optimizer, is folded into its step: the optimizer's `grad_scale`
-(the AMP hook of the fused Adam/AdamW kernels) divides each grad by max(1, norm / max_norm) inside
-the kernel (which also writes the divided grad back), so the separate scaling pass's read is
-saved. Against pow/sum/mul_ over each tensor that is ~40 GB less memory traffic per step at 4.4B fp32
-expert grads per rank. The caller removes `grad_scale` after the step (Trainer.train_step).
+one write), or, for an optimizer that folds the clip (TrainOptimizer.folds_clip, moontrain/optim/protocol.py),
+is given to its next step: clip_next_step(max(1, norm / max_norm)) and the step's kernel divides each
+grad by it, so the separate scaling pass's read is saved. Against pow/sum/mul_ over each tensor that is
+~40 GB less memory traffic per step at 4.4B fp32 expert grads per rank.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from moontrain.optim.protocol import TrainOptimizer
 from moontrain.parallel.layout import ParallelLayout
 
 _EPS = 1e-6
@@ -53,24 +53,17 @@ def global_grad_norm(dense: list[torch.Tensor], experts: list[torch.Tensor], lay
     return (sharded_sq + replicated_sq + expert_sq).sqrt()
 
 
-def _fused(optimizer: torch.optim.Optimizer | None) -> bool:
-    return optimizer is not None and bool(optimizer.defaults.get("fused"))
-
-
 @torch.no_grad()
 def clip_grad_norm_global(dense: list[torch.Tensor], experts: list[torch.Tensor], layout: ParallelLayout,
-                          max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+                          max_norm: float, optimizer: TrainOptimizer | None = None) -> torch.Tensor:
     """Returns the global norm before clipping and clips to max_norm (when > 0): grads scaled in
-    place by min(1, max_norm / (norm + 1e-6)), or, with a fused torch optimizer passed, the same
-    factor applied inside its next step() (its `grad_scale`: the grads are scaled by that step).
-    Call it once before every step() of such an optimizer: it also clears a stale grad_scale."""
+    place by min(1, max_norm / (norm + 1e-6)), or, with an optimizer that folds the clip passed, the
+    same factor applied by its next step() (clip_next_step)."""
     total = global_grad_norm(dense, experts, layout)
-    if _fused(optimizer) and hasattr(optimizer, "grad_scale"):
-        del optimizer.grad_scale
     if max_norm <= 0:
         return total
-    if _fused(optimizer):
-        optimizer.grad_scale = torch.clamp((total + _EPS) / max_norm, min=1.0)  # step divides grads by it
+    if optimizer is not None and optimizer.folds_clip:
+        optimizer.clip_next_step(torch.clamp((total + _EPS) / max_norm, min=1.0))  # step divides grads by it
         return total
     coef = torch.clamp(max_norm / (total + _EPS), max=1.0)
     grads = [_local(p.grad) for p in dense + experts if p.grad is not None]

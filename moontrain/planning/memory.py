@@ -12,9 +12,10 @@ L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
   blocks; experts: fp32 local rows (moonep: the grad mirror's local rows, in the heap).
 - optimizer: Adam's two fp32 moments on the master.
 - symmetric heap (moonep, beyond the local weight/grad rows above): per projection B slot rows in the
-  compute dtype and B reduce-pool rows in fp32, shared by all layers.
-- receive buffers: moonep NvS x H, NvS = S*K + 2*epn*token_padding (static); alltoall S*K*H at
-  balance (dynamic: up to R times that under full skew).
+  compute dtype and B reduce-pool rows in fp32, shared by all layers (moonep.Layout.slot_pool_bytes).
+- receive buffers: moonep's comm segment as its Layout sizes it (moonep.Layout.comm_bytes: NvS receive
+  and combine rows, the landing rows and their metadata; static); alltoall S*K*H at balance (dynamic:
+  up to R times that under full skew).
 - activations: tensors saved for backward per token per layer: the compute dtype for most, fp32 for
   routing weights, the K-way combine and the logits (a rough model, ~30%). With activation
   checkpointing: each block's input, plus one block's full activations during its recompute.
@@ -28,6 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+import moonep
 from moontrain.config.run_config import RunConfig
 from moontrain.model.attn_res import aggregation_sizes
 from moontrain.planning.params import ParamCounts
@@ -56,8 +60,6 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
     local = m.num_moe_layers * epn * 3 * H * F
     P = counts.dense
     gathered = counts.embedding + 2 * counts.max_block_dense(m)
-    moonep = cfg.experts.backend == "moonep"
-    nvs = S * K + 2 * epn * cfg.experts.token_padding
     dense = {
         "weights": gathered * compute_bytes,
         "master": 4 * P / world_size,
@@ -70,9 +72,16 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
         "master": 4 * local,
         "grads": 4 * local,
         "optimizer": 8 * local,
-        "symmetric_heap": epn * 3 * H * F * (compute_bytes + 4) if moonep else 0.0,
-        "receive_buffers": (nvs if moonep else S * K) * H * compute_bytes,
+        "symmetric_heap": 0.0,
+        "receive_buffers": S * K * H * compute_bytes,
     }
+    if cfg.experts.backend == "moonep":
+        dtype = torch.bfloat16 if compute_bytes == 2 else torch.float32
+        layout = moonep.Layout(moonep.BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=m.num_experts,
+                                                   token_padding=cfg.experts.token_padding, dtype=dtype), R)
+        projections = {"gate": (H, F), "up": (H, F), "down": (F, H)}
+        experts["symmetric_heap"] = layout.slot_pool_bytes(projections)
+        experts["receive_buffers"] = layout.comm_bytes
     return MemoryEstimate(dense=dense, experts=experts)
 
 

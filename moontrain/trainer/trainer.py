@@ -3,8 +3,9 @@
 Gradient scaling: each rank's loss is the mean over its own tokens, so the global loss is the mean of
 the per-rank losses. FSDP's reduce-scatter averages dense grads over the world. An expert's grad on
 its owner already sums the contributions of every rank of its EP group (the backend's backward sums
-them: the reversed all-to-all, or moonep's combine-backward plus reduce_grad); summing over the expert-data-parallel replicas and dividing by the world size gives the
-same mean.
+them: the reversed all-to-all, or moonep's combine-backward plus reduce_grad); the backends accumulate
+it times ExpertsContext.loss_scale = 1 / world size (the one place that factor is set), and summing
+over the expert-data-parallel replicas gives the same mean.
 
 Metrics are accumulated on device (MetricsWindow) and read once per logging step. Checkpoints
 (moontrain.checkpoint) hold the whole train state: model, optimizer, schedule, step, tokens seen, RNG,
@@ -21,8 +22,9 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from moontrain.checkpoint import load_checkpoint, save_checkpoint
+from moontrain.checkpoint.state import TrainState
 from moontrain.config.run_config import RunConfig
-from moontrain.data.source import build_loader
+from moontrain.data.loader import build_loader
 from moontrain.metrics.flops import flops_per_token, peak_flops
 from moontrain.metrics.heatmap import colorize, heatmap_path, write_png
 from moontrain.metrics.moe_stats import MoEStats
@@ -68,33 +70,32 @@ class Trainer:
             num_experts=cfg.model.num_experts, topk=cfg.model.num_experts_per_tok, ep_group=layout.ep_group,
             ep_size=layout.ep, compute_dtype=self.compute_dtype, token_padding=cfg.experts.token_padding,
             max_tokens=micro_batch * cfg.train.seq_len, device=device, activation=cfg.model.ffn_activation,
-            moonep_options=cfg.experts.moonep,
-            moonep_chain_prefetch=not cfg.train.activation_checkpointing,
+            loss_scale=1.0 / layout.world_size,
+            recomputed_in_backward=cfg.train.activation_checkpointing, moonep=cfg.experts.moonep,
         )
-        self.model.attach_experts_backends(cfg.experts.backend, self.experts_ctx)
+        self.experts_runtime = self.model.attach_experts_backends(cfg.experts.backend, self.experts_ctx)
         self.experts = [moe.experts for moe in self.model.moe_layers()]
-        for w in self.experts:  # the loss-mean factor of _reduce_grads, applied as the grads accumulate
-            w.accumulate_scale = 1.0 / layout.world_size
         self.expert_params = [p for w in self.experts for p in w.master.values()]
         expert_ids = {id(p) for p in self.expert_params}
         self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
+        write_back_targets = [(master, w.compute[name], not w.defers_zero)
+                              for w in self.experts for name, master in w.master.items()]
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.train.steps,
-                                                         expert_group=layout.edp_group)
-        self.qk_clip = (QKClip([block.attn for block in self.model.layers], cfg.optim.qk_clip_tau,
-                               group=layout.world_group, layer_ids=list(range(cfg.model.num_layers)))
+                                                         expert_group=layout.edp_group,
+                                                         write_back_targets=write_back_targets)
+        mla_ids = [i for i, block in enumerate(self.model.layers) if not block.is_kda]  # QK-Clip: softmax layers
+        self.qk_clip = (QKClip([self.model.layers[i].attn for i in mla_ids], cfg.optim.qk_clip_tau,
+                               group=layout.world_group, layer_ids=mla_ids)
                         if cfg.optim.qk_clip_tau > 0 else None)
-        if hasattr(self.optimizer, "register_write_back"):  # fused step + compute-copy write + grad zeroing
-            for w in self.experts:
-                for name, master in w.master.items():
-                    self.optimizer.register_write_back(master, w.compute[name], zero_grad=not w.defers_zero)
         self.data = build_loader(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
                                  global_batch=cfg.train.global_batch_size, rank=layout.rank,
                                  world_size=layout.world_size, device=device)
         if cfg.model.document_mask:  # packed documents: attention and KDA state stop at each EOS
             self.model.document_eos_id = self.data.eos_id
-        self.step = 0
-        self.tokens_seen = 0
-        self.wandb_run_id: str | None = None  # set by the worker (rank 0); kept in checkpoints
+        # what checkpoints save and restore; step, tokens_seen and wandb_run_id are read through it
+        self.state = TrainState(layout=layout, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                                data=self.data, experts=self.experts, model_config=cfg.model, optim_config=cfg.optim,
+                                experts_backend=cfg.experts.backend, data_source=cfg.data.source)
         self.last_saved_step: int | None = None
         self.guard = DivergenceGuard(cfg.train.max_skipped_steps)
         self.preemption: PreemptionHandler | None = None  # set by the worker (signal handlers, main thread)
@@ -106,6 +107,31 @@ class Trainer:
         moe_ids = [i for i, block in enumerate(self.model.layers) if block.is_moe]
         self.window = MetricsWindow(moe_ids, layout)
         self.evaluator = Evaluator(self) if cfg.eval.every else None
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state.step = value
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.state.tokens_seen
+
+    @tokens_seen.setter
+    def tokens_seen(self, value: int) -> None:
+        self.state.tokens_seen = value
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        """Set by the worker (rank 0); kept in checkpoints."""
+        return self.state.wandb_run_id
+
+    @wandb_run_id.setter
+    def wandb_run_id(self, value: str | None) -> None:
+        self.state.wandb_run_id = value
 
     def train_step(self) -> StepStats | None:
         """One optimizer step; returns the logged stats on a logging step (the only host read), else None."""
@@ -144,20 +170,18 @@ class Trainer:
             return self._log(lr)
         return None
 
-    def _optimizer_step(self, grad_norm: torch.Tensor) -> frozenset[int] | set[int] | None:
+    def _optimizer_step(self, grad_norm: torch.Tensor) -> frozenset[int] | None:
         """The update, unless the guard skips a non-finite step (returns None); else the ids of the masters
-        WriteBackAdamW wrote. Takes the step's one host read (see moontrain.trainer.guard)."""
+        optimizer wrote back (TrainOptimizer.written_back). Takes the step's one host read (see moontrain.trainer.guard)."""
         requested = self.preemption is not None and self.preemption.requested
         verdict = step_verdict(grad_norm, requested, self.layout)
         self.stop_requested = verdict.stop
-        written: frozenset[int] | set[int] | None = None
+        written: frozenset[int] | None = None
         if self.guard.admit(verdict.finite, self.step):
             self.optimizer.step()
             if self.qk_clip is not None:
                 self.qk_clip.step()
-            written = getattr(self.optimizer, "last_written", frozenset())
-        if hasattr(self.optimizer, "grad_scale"):  # the clip's factor is for this step only
-            del self.optimizer.grad_scale
+            written = self.optimizer.written_back
         return written
 
     def fit(self) -> list[StepStats]:
@@ -186,7 +210,7 @@ class Trainer:
     def save_checkpoint(self, root: str | Path | None = None) -> Path:
         """Collective: the whole train state as <checkpoint dir>/step_<step> (see moontrain.checkpoint)."""
         t0 = time.perf_counter()
-        path = save_checkpoint(self, root if root is not None else self.checkpoint_dir,
+        path = save_checkpoint(self.state, root if root is not None else self.checkpoint_dir,
                                keep_last=self.cfg.checkpoint.keep_last)
         self.last_saved_step, self.last_checkpoint = self.step, path
         self.window.t0 += time.perf_counter() - t0  # tokens/s counts training time only
@@ -196,7 +220,7 @@ class Trainer:
         """Collective-free: restore model, optimizer, schedule, step, RNG and data position from `path`;
         returns the checkpoint's train state."""
         self.reshard_dense()  # a gathered copy would outlive the load
-        state = load_checkpoint(self, path)
+        state = load_checkpoint(self.state, path)
         self.last_saved_step, self.last_checkpoint = self.step, Path(path)
         return state
 
@@ -244,7 +268,7 @@ class Trainer:
         """Release backend-owned memory (moonep's symmetric heap) and stop the data thread. The model is
         unusable afterwards."""
         self.data.close()
-        self.experts_ctx.close()
+        self.experts_runtime.close()
 
     def reshard_dense(self) -> None:
         """Drop FSDP's gathered dense parameters. With parallel.fsdp_reshard_after_forward=false a
@@ -258,11 +282,11 @@ class Trainer:
 
     def _reduce_grads(self) -> None:
         layout = self.layout
-        self.experts_ctx.finish_backward()  # moonep's last reduce_grad may still be queued
+        self.experts_runtime.finish_backward()  # moonep's last reduce_grad may still be queued
         if layout.distributed and not self.fsdp:
             allreduce_dense_grads(self.model, layout.world_group)
         for w in self.experts:
-            w.reduce_grads(layout.edp_group, scale=1.0 / layout.world_size)
+            w.reduce_grads(layout.edp_group)
             w.attach_grads()
 
     @torch.no_grad()

@@ -140,7 +140,7 @@ def _train(cfg: RunConfig, device: torch.device, preemption: PreemptionHandler) 
                     print(f"moontrain: checkpoint.resume=none: starting over; the earlier run's checkpoints are "
                           f"in {moved}", flush=True)
             if cfg.checkpoint.init_from is not None:
-                init_weights_from(trainer, cfg.checkpoint.init_from)
+                init_weights_from(trainer.state, cfg.checkpoint.init_from)
                 if is_main:
                     print(f"moontrain: initial weights from {cfg.checkpoint.init_from}", flush=True)
         if is_main:

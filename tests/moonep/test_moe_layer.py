@@ -33,7 +33,7 @@ def _problem(R: int, E: int, maxvio: float, H: int = H, F: int = F, K: int = K, 
     return x, w, routing.topk_RsK, weights, grad_y
 
 
-def _rank_fn(rank: int, world: int, E: int, maxvio: float) -> dict:
+def _rank_fn(rank: int, world: int, E: int, maxvio: float, activation: str = "swiglu") -> dict:
     x, w, topk, weights, grad_y = _problem(world, E, maxvio)
     buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=4))
     try:
@@ -44,7 +44,7 @@ def _rank_fn(rank: int, world: int, E: int, maxvio: float) -> dict:
             layer.w_local[p].copy_(w[p][rank * epn:(rank + 1) * epn])
         x_sH = x[rank].clone().requires_grad_()
         w_sK = weights[rank].clone().requires_grad_()
-        y = expert_glu(buf, pools, layer, x_sH, w_sK, topk[rank])
+        y = expert_glu(buf, pools, layer, x_sH, w_sK, topk[rank], activation=activation)
         (y.double() * grad_y[rank].double()).sum().backward()
         buf.wait_pending()  # reduce_grad is left queued (synchronous on the CPU)
         plan = pools.slot_plan
@@ -66,16 +66,17 @@ def _close(name: str, got: torch.Tensor, ref16: torch.Tensor, ref64: torch.Tenso
     assert err <= tol, f"{name}: max error {err:.3e} to fp64 exceeds {tol:.3e} (bf16 reference error {err_ref:.3e})"
 
 
-@pytest.mark.parametrize("R", [1, 2, 4])
-def test_moe_layer_matches_dense_reference(R: int) -> None:
+@pytest.mark.parametrize(("R", "activation"), [(1, "swiglu"), (2, "swiglu"), (4, "swiglu"), (2, "situ_glu")])
+def test_moe_layer_matches_dense_reference(R: int, activation: str) -> None:
+    """SiTU-GLU (K3's experts) through the op's activation parameter against the textbook formula."""
     E = 8 if R < 4 else 16
     maxvio = min(2.5, E / K - 1 - 0.1)
-    out = run_ranks(_rank_fn, R, E, maxvio, timeout_s=240)
+    out = run_ranks(_rank_fn, R, E, maxvio, activation, timeout_s=240)
     x, w, topk, weights, grad_y = _problem(R, E, maxvio)
     N = R * S
     args = (x.view(N, H), weights.view(N, K), topk.view(N, K), w, grad_y.view(N, H))
-    y16, gx16, gw16, gW16 = reference_grads(*args, torch.bfloat16)
-    y64, gx64, gw64, gW64 = reference_grads(*args, torch.float64)
+    y16, gx16, gw16, gW16 = reference_grads(*args, torch.bfloat16, activation)
+    y64, gx64, gw64, gW64 = reference_grads(*args, torch.float64, activation)
     cat = lambda key: torch.cat([o[key] for o in out])
     _close("y", cat("y"), y16, y64)
     _close("grad x", cat("gx"), gx16, gx64)

@@ -1,6 +1,7 @@
 """Routed experts: weight storage (master / compute / grad) and the interchangeable EP backends."""
 
-from moontrain.model.experts.backend import ExpertsBackend, ExpertsContext, build_experts_backend
+from moontrain.model.experts.backend import ExpertsBackend, ExpertsContext, ExpertsRuntime
+from moontrain.model.experts.registry import build_experts_runtime
 from moontrain.model.experts.weights import ExpertWeights
 
-__all__ = ["ExpertWeights", "ExpertsBackend", "ExpertsContext", "build_experts_backend"]
+__all__ = ["ExpertWeights", "ExpertsBackend", "ExpertsContext", "ExpertsRuntime", "build_experts_runtime"]

@@ -43,7 +43,7 @@ class AllToAllExperts:
             raise ValueError(f"the alltoall backend needs a process group for ep={ctx.ep_size}")
         self.ctx = ctx
         self.weights = weights
-        weights.bind_owned(ctx.compute_dtype)
+        weights.bind_owned(ctx.compute_dtype, ctx.loss_scale)
 
     def forward(self, x_sH: torch.Tensor, weights_sK: torch.Tensor, topk_sK: torch.Tensor) -> torch.Tensor:
         ctx, R = self.ctx, self.ctx.ep_size

@@ -18,7 +18,7 @@ class LocalExperts:
             raise ValueError(f"the local experts backend holds all experts and needs ep=1, got ep={ctx.ep_size}")
         self.ctx = ctx
         self.weights = weights
-        weights.bind_owned(ctx.compute_dtype)
+        weights.bind_owned(ctx.compute_dtype, ctx.loss_scale)
 
     def forward(self, x_sH: torch.Tensor, weights_sK: torch.Tensor, topk_sK: torch.Tensor) -> torch.Tensor:
         K = topk_sK.shape[1]

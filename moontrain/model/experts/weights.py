@@ -13,7 +13,8 @@ Per projection (gate [H,F], up [H,F], down [F,H]) a MoE layer holds three tensor
 - grad (fp32): where weight gradients land. For `moonep` it is `layer.g_local[name]` (the fp32 grad
   mirror's local rows; moonep's reduce_grad folds slot-row grads in before we read it). For the
   other backends a post-accumulate hook on the compute leaf adds its .grad (upcast) here and frees it,
-  so both paths present the same fp32 tensor to the trainer. Both accumulate accumulate_scale * grad.
+  so both paths present the same fp32 tensor to the trainer. Both accumulate loss_scale * grad
+  (ExpertsContext.loss_scale, the loss-mean factor: no pass over the grads scales them afterwards).
 
 Step protocol (trainer): backward -> reduce_grads over the expert-data-parallel group (local rows only)
 -> attach_grads (master.grad = grad) -> clip, optimizer.step -> finish_step: push_master (compute <-
@@ -52,19 +53,7 @@ class ExpertWeights(nn.Module):
         })
         self.compute: dict[str, torch.Tensor] = {}
         self.grad: dict[str, torch.Tensor] = {}
-        # backends accumulate weight grads into `grad` pre-multiplied by accumulate_scale (the trainer
-        # sets it to its loss-mean factor, so reduce_grads need not scale 4 bytes per parameter again);
-        # kept in a box that the fold hooks share without referencing this module
-        self._scale_box = [1.0]
         self._defer_zero: Callable[[str], None] | None = None  # see bind_external
-
-    @property
-    def accumulate_scale(self) -> float:
-        return self._scale_box[0]
-
-    @accumulate_scale.setter
-    def accumulate_scale(self, value: float) -> None:
-        self._scale_box[0] = float(value)
 
     @torch.no_grad()
     def init_master(self, *, seed: int, layer_idx: int, std: float) -> None:
@@ -77,12 +66,13 @@ class ExpertWeights(nn.Module):
                 gen.manual_seed(((seed * 1009 + layer_idx) * 3 + proj_idx) * 1_000_003 + e)
                 master[j].normal_(0.0, std, generator=gen)
 
-    def bind_owned(self, dtype: torch.dtype) -> None:
-        """local/alltoall: own the compute leaves and an fp32 grad buffer filled by a hook."""
+    def bind_owned(self, dtype: torch.dtype, loss_scale: float) -> None:
+        """local/alltoall: own the compute leaves and an fp32 grad buffer that a hook fills with
+        loss_scale * the compute leaf's grad."""
         for name, master in self.master.items():
             compute = torch.empty(master.shape, dtype=dtype, device=master.device, requires_grad=True)
             grad = torch.zeros(master.shape, dtype=torch.float32, device=master.device)
-            compute.register_post_accumulate_grad_hook(_make_fold_hook(grad, self._scale_box))
+            compute.register_post_accumulate_grad_hook(_make_fold_hook(grad, float(loss_scale)))
             self.compute[name], self.grad[name] = compute, grad
         self.push_master()
 
@@ -109,16 +99,13 @@ class ExpertWeights(nn.Module):
             self.compute[name].copy_(master)
 
     @torch.no_grad()
-    def reduce_grads(self, group: dist.ProcessGroup | None, scale: float) -> None:
-        """Sum this rank's local-row grads over the expert-data-parallel group, then scale (the part
-        of `scale` that accumulate_scale has not applied yet)."""
-        rest = scale / self.accumulate_scale
+    def reduce_grads(self, group: dist.ProcessGroup | None) -> None:
+        """Sum this rank's local-row grads over the expert-data-parallel group (they carry the loss
+        scale already)."""
+        if group is None or dist.get_world_size(group) == 1:
+            return
         for name in PROJECTIONS:
-            g = self.grad[name]
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
-            if rest != 1.0:
-                g.mul_(rest)
+            dist.all_reduce(self.grad[name], op=dist.ReduceOp.SUM, group=group)
 
     def attach_grads(self) -> None:
         for name, master in self.master.items():
@@ -145,12 +132,12 @@ class ExpertWeights(nn.Module):
             master.grad = None
 
 
-def _make_fold_hook(grad_fp32: torch.Tensor, scale_box: list[float]):
-    # the box, never the module: the hook lives on the compute tensor (C++), which the module holds,
-    # and a reference back to the module would be a cycle Python's collector cannot see (no trainer
-    # would ever be freed)
+def _make_fold_hook(grad_fp32: torch.Tensor, scale: float):
+    # the grad and the scale, never the module: the hook lives on the compute tensor (C++), which the
+    # module holds, and a reference back to the module would be a cycle Python's collector cannot see
+    # (no trainer would ever be freed)
     def fold(leaf: torch.Tensor) -> None:
-        grad_fp32.add_(leaf.grad, alpha=scale_box[0])
+        grad_fp32.add_(leaf.grad, alpha=scale)
         leaf.grad = None
 
     return fold

@@ -208,12 +208,12 @@ def test_latent_moe_matches_per_token_loop(activation: str) -> None:
     act = _situ_glu_reference if activation == "situ_glu" else (lambda g, u: F.silu(g) * u)
     moe = MoE(cfg, ep_rank=0, ep_size=1)
     _init(moe)
-    from moontrain.model.experts import build_experts_backend
+    from moontrain.model.experts import build_experts_runtime
 
-    moe.backend = build_experts_backend("local", ExpertsContext(
+    moe.backend = build_experts_runtime("local", ExpertsContext(
         num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep_size=1,
         compute_dtype=torch.float32, token_padding=8, max_tokens=12,
-        device=torch.device("cpu"), activation=activation), moe.experts)
+        device=torch.device("cpu"), activation=activation)).layer(moe.experts)
     x = torch.randn(2, 6, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
     y, _ = moe(x)
     x_sD = x.view(12, -1)

@@ -1,15 +1,18 @@
-"""AdamW parameter groups and the learning-rate schedules, against hand-computed values."""
+"""AdamW parameter groups and the learning-rate schedules, against hand-computed values; the optimizer
+contract of the training step (moontrain/optim/protocol.py) against torch's AdamW on pre-divided grads."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
+import torch
 
 from moontrain.model.config import ModelConfig
 from moontrain.model.transformer import K3Model
 from moontrain.optim.adamw import build_optimizer, split_param_groups
 from moontrain.optim.config import OptimConfig
+from moontrain.optim.protocol import TrainOptimizer
 from moontrain.optim.schedule import lr_multiplier
 
 
@@ -63,7 +66,7 @@ def test_scheduler_drives_optimizer_lr() -> None:
 def test_bad_optim_config() -> None:
     with pytest.raises(ValueError, match=r"optim\.min_lr_ratio must be in \[0, 1\], got 2\.0"):
         OptimConfig(min_lr_ratio=2.0)
-    with pytest.raises(ValueError, match=r"optim\.lr must be > 0, got 0\.0"):
+    with pytest.raises(ValueError, match=r"optim\.lr must be a finite number > 0, got 0\.0"):
         OptimConfig(lr=0.0)
 
 
@@ -71,3 +74,44 @@ def test_write_back_needs_a_gpu(monkeypatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"optim\.write_back=true runs a Triton kernel"):
         build_optimizer(_model(), OptimConfig(write_back=True), total_steps=10)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_muon_keeps_the_step_contract(fused: bool) -> None:
+    """Muon never folds the clip (its fused AdamW groups would take a grad_scale, its Muon groups not):
+    the clip scales the grads in place instead."""
+    opt, _ = build_optimizer(_model(), OptimConfig(name="muon", fused=fused, write_back=False), total_steps=10)
+    assert isinstance(opt, TrainOptimizer) and not opt.folds_clip and opt.written_back == frozenset()
+    with pytest.raises(ValueError, match="Muon does not fold the gradient clip"):
+        opt.clip_next_step(torch.tensor(2.0))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_optimizer_keeps_the_step_contract(fused: bool) -> None:
+    """build_optimizer's optimizer is a TrainOptimizer; a fused one divides the grads of the next step
+    (only) by the clip factor: bitwise torch's fused AdamW stepped on grads divided beforehand."""
+    torch.manual_seed(0)
+    model = _model()
+    model.init_weights(0)
+    opt, _ = build_optimizer(model, OptimConfig(fused=fused, write_back=False), total_steps=10)
+    assert isinstance(opt, TrainOptimizer) and opt.folds_clip == fused and opt.written_back == frozenset()
+    if not fused:
+        with pytest.raises(ValueError, match="clip_next_step needs a fused optimizer"):
+            opt.clip_next_step(torch.tensor(2.0))
+        return
+    ref_model = _model()
+    ref_model.load_state_dict(model.state_dict())
+    ref, _ = build_optimizer(ref_model, OptimConfig(fused=True, write_back=False), total_steps=10)
+    params, ref_params = list(model.parameters()), list(ref_model.parameters())
+    for factor in (4.0, None):
+        grads = [torch.randn_like(p) for p in params]
+        for p, r, g in zip(params, ref_params, grads, strict=True):
+            p.grad = g.clone()
+            r.grad = g / factor if factor is not None else g.clone()
+        if factor is not None:
+            opt.clip_next_step(torch.tensor(factor))
+        opt.step()
+        ref.step()
+        assert not hasattr(opt, "grad_scale"), "the clip factor outlived its step"
+        for p, r in zip(params, ref_params, strict=True):
+            assert torch.equal(p, r), f"step with clip factor {factor}: parameters differ"

@@ -55,7 +55,7 @@ def test_trainer_with_write_back_matches_plain_adamw(tmp_path) -> None:
                 assert torch.equal(w.compute[name], master.detach().to(w.compute[name].dtype))
                 assert master.grad is None and not w.grad[name].any()
         if write_back:
-            assert len(trainer.optimizer.last_written) == 3 * len(trainer.experts)
+            assert len(trainer.optimizer.written_back) == 3 * len(trainer.experts)
         trainer.close()
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     for name, ref in states[0].items():
@@ -76,7 +76,7 @@ def _train_moonep(rank: int, world: int, write_back: bool, run_dir: str) -> tupl
     trainer = Trainer(cfg, build_layout(2, torch.device("cpu")))
     losses = train(trainer, 4)
     state = full_state(trainer)
-    written = len(trainer.optimizer.last_written) if write_back else 0
+    written = len(trainer.optimizer.written_back) if write_back else 0
     trainer.close()
     return losses, {**state, "written": torch.tensor(written)}
 

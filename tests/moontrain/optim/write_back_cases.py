@@ -19,7 +19,7 @@ LR, WD, BETAS, EPS = 1e-3, 0.1, (0.9, 0.95), 1e-8
 
 def check_write_back_matches_adamw(device: str, fused: bool | None, exact_rounding: bool,
                                    torch_param: bool = True, clip: bool = True) -> None:
-    """torch_param: include the unregistered parameter; clip: set grad_scale in steps 2 and 3 (torch's
+    """torch_param: include the unregistered parameter; clip: clip_next_step in steps 2 and 3 (torch's
     unfused AdamW rejects grad_scale, so the CPU runs the two separately). exact_rounding: the bf16 write-back copy is bitwise p.to(bf16) (GPU); Triton's interpreter
     truncates fp32 -> bf16 where torch rounds to nearest, so there it is within one bf16 ulp."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -42,14 +42,13 @@ def check_write_back_matches_adamw(device: str, fused: bool | None, exact_roundi
             p.grad = g.clone()
             r.grad = g.clone() if scale is None else g / scale
         if scale is not None:
-            opt.grad_scale = torch.tensor(scale, device=device)
+            opt.clip_next_step(torch.tensor(scale, device=device))
         held = [p.grad for p in ours[:2]]
         sent = [g.clone() for g in held]
         opt.step()
         ref_opt.step()
-        if scale is not None:
-            del opt.grad_scale
-        assert opt.last_written == {id(p) for p in ours[:2]}
+        assert not hasattr(opt, "grad_scale"), "the clip factor is for one step only"
+        assert opt.written_back == {id(p) for p in ours[:2]}
         for p, g, before, out, zero in zip(ours[:2], held, sent, outs, (True, False), strict=True):
             assert p.grad is None, "the registered grads are released"
             if zero:

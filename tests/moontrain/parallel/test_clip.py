@@ -61,7 +61,7 @@ def _fold_rank(rank: int, world: int, ep: int) -> list[tuple[str, float]]:
     params = {}
     for fold in (False, True):
         cfg = tiny_config("alltoall", ep)
-        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, fused=True))
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, fused=True, write_back=False))
         trainer = Trainer(cfg, build_layout(ep, torch.device("cpu")))
         gen = torch.Generator().manual_seed(rank * 7 + 1)
         for p in trainer.dense_params + trainer.expert_params:
@@ -69,7 +69,7 @@ def _fold_rank(rank: int, world: int, ep: int) -> list[tuple[str, float]]:
             p.grad = DTensor.from_local(local, p.device_mesh, p.placements) if isinstance(p, DTensor) else local
         norm = clip_grad_norm_global(trainer.dense_params, trainer.expert_params, trainer.layout, MAX_NORM,
                                      optimizer=trainer.optimizer if fold else None)
-        assert hasattr(trainer.optimizer, "grad_scale") == fold
+        assert trainer.optimizer.folds_clip and hasattr(trainer.optimizer, "grad_scale") == fold
         trainer.optimizer.step()
         # exp_avg = (1 - beta1) * clipped grad: the parameters alone would not show a missing
         # scale (Adam's first update is nearly scale-invariant)
@@ -105,7 +105,7 @@ def test_trainer_step_clears_the_folded_clip() -> None:
     import dataclasses
 
     cfg = tiny_config("local", 1)
-    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, fused=True, grad_clip=1e-3))
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, fused=True, write_back=False, grad_clip=1e-3))
     trainer = Trainer(cfg, single_process_layout(torch.device("cpu")))
     seen = []
     trainer.optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(float(opt.grad_scale)))

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moontrain.model.experts import ExpertsContext, ExpertWeights, build_experts_backend
+from moontrain.model.experts import ExpertsContext, ExpertWeights, build_experts_runtime
 from moontrain.model.experts.grouped import group_rows
 from tests.dist_utils import run_ranks
 
@@ -76,7 +76,7 @@ def test_group_rows_matches_python_layout() -> None:
 
 def test_local_backend_matches_per_token_loop() -> None:
     w = _weights(0, 1)
-    backend = build_experts_backend("local", _ctx(1), w)
+    backend = build_experts_runtime("local", _ctx(1)).layer(w)
     x, weights, topk = _inputs(0, skewed=False)
     x.requires_grad_(True)
     weights.requires_grad_(True)
@@ -96,7 +96,7 @@ def test_local_backend_matches_per_token_loop() -> None:
 
 def _alltoall_rank(rank: int, ep: int, skewed: bool) -> dict[str, torch.Tensor]:
     w = _weights(rank, ep)
-    backend = build_experts_backend("alltoall", _ctx(ep, dist.group.WORLD), w)
+    backend = build_experts_runtime("alltoall", _ctx(ep, dist.group.WORLD)).layer(w)
     x, weights, topk = _inputs(rank, skewed)
     x.requires_grad_(True)
     weights.requires_grad_(True)
@@ -113,7 +113,7 @@ def _alltoall_rank(rank: int, ep: int, skewed: bool) -> dict[str, torch.Tensor]:
 def _check_alltoall(ep: int, skewed: bool) -> None:
     results = run_ranks(_alltoall_rank, ep, skewed, timeout_s=300)
     w = _weights(0, 1)
-    backend = build_experts_backend("local", _ctx(1), w)
+    backend = build_experts_runtime("local", _ctx(1)).layer(w)
     for rank, got in enumerate(results):
         x, weights, topk = _inputs(rank, skewed)
         x.requires_grad_(True)

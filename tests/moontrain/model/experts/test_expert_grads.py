@@ -5,8 +5,8 @@ the expert-data-parallel reduction is handed exactly this rank's local rows, nev
 [E, E+B) of a grad mirror. The mirror is emulated here as in SPEC.md section 4: one fp32 tensor
 [E+B, Hin, Hout] whose rows [r*epn, (r+1)*epn) are this rank's local grads (bound as the grad view) and
 whose rows [E, E+B) are the reduce buffer. The reduce buffer is poisoned with NaN before the reduction;
-the reduced local rows must equal the exact mean, the poison must stay where it was, and every tensor
-given to all_reduce must be exactly a local-row view.
+the reduced local rows must equal the exact sum (the grads carry the loss scale already), the poison
+must stay where it was, and every tensor given to all_reduce must be exactly a local-row view.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _rank_fn(rank: int, world: int) -> dict:
         compute[name] = torch.empty(epn, *shape, dtype=torch.bfloat16)
     w.bind_external(compute, {n: m[:epn] for n, m in mirrors.items()})
     with recorded_all_reduce() as given:
-        w.reduce_grads(dist.group.WORLD, scale=1.0 / world)
+        w.reduce_grads(dist.group.WORLD)
     w.attach_grads()
     local_ptrs = {(m[:epn].data_ptr(), tuple(m[:epn].shape)) for m in mirrors.values()}
     return {"mirrors": mirrors, "given": given, "local": local_ptrs,
@@ -74,7 +74,7 @@ def test_dp_reduction_sees_local_rows_only() -> None:
         assert res["master_grad_is_view"] and res["compute_matches_master"]
         for name, mirror in res["mirrors"].items():
             for e in range(E):
-                want = torch.full_like(mirror[e], (0 + e + 10 + e) / 2)  # mean over the two replicas
+                want = torch.full_like(mirror[e], (0 + e) + (10 + e))  # the sum over the two replicas
                 assert torch.equal(mirror[e], want), f"rank {rank} {name} row {e}: {mirror[e].flatten()[0]}"
             assert torch.isnan(mirror[E:]).all(), f"rank {rank} {name}: slot rows were touched"
 
@@ -117,20 +117,21 @@ def _moonep_rank_fn(rank: int, world: int) -> dict:
     for (i, name), g in before.items():
         parts = [torch.empty_like(g) for _ in range(dist.get_world_size(edp))]
         dist.all_gather(parts, g, group=edp)
-        # the backward accumulated the grads pre-scaled by the loss-mean factor 1 / world (ExpertWeights.
-        # accumulate_scale), so the reduction only sums the replicas
+        # the backward accumulated the grads pre-scaled by the loss-mean factor 1 / world (ExpertsContext.
+        # loss_scale), so the reduction only sums the replicas
         expected[(i, name)] = parts[0] + parts[1]
         reduced[(i, name)] = layers[i].g_local[name].clone()
         poison_kept &= bool(torch.isnan(layers[i].g_full[name][num_experts:]).all())
     local_views = {(layer.g_local[n].data_ptr(), tuple(layer.g_local[n].shape)) for layer in layers for n in layer.g_local}
     masters_plain = all(not isinstance(p, DTensor) for p in trainer.expert_params)
-    assert all(w.accumulate_scale == 1.0 / dist.get_world_size() for w in trainer.experts)
+    loss_scale = trainer.experts_ctx.loss_scale == 1.0 / dist.get_world_size() == trainer.model.moe_layers()[0].backend.pools.wgrad_scale
     master_grads_are_views = all(
         moe.experts.master[n].grad.data_ptr() == layer.g_local[n].data_ptr()
         for moe, layer in zip(trainer.model.moe_layers(), layers, strict=True) for n in layer.g_local)
     trainer.close()
     return {"given": given, "local_views": local_views, "expected": expected, "reduced": reduced,
-            "poison_kept": poison_kept, "masters_plain": masters_plain, "views": master_grads_are_views}
+            "poison_kept": poison_kept, "masters_plain": masters_plain, "views": master_grads_are_views,
+            "loss_scale": loss_scale}
 
 
 def test_moonep_reduce_pool_never_reaches_dp_reduction() -> None:
@@ -139,6 +140,7 @@ def test_moonep_reduce_pool_never_reaches_dp_reduction() -> None:
         assert res["poison_kept"], f"rank {rank}: the reduce pool was written by the DP reduction"
         assert res["masters_plain"], "expert masters must not be FSDP (DTensor) parameters"
         assert res["views"], "master.grad must be moonep's g_local view"
+        assert res["loss_scale"], "moonep's weight grads must accumulate times the context's loss scale"
         for key, want in res["expected"].items():
             got = res["reduced"][key]
             assert torch.isfinite(got).all() and torch.equal(got, want), f"rank {rank} layer/proj {key}"
@@ -152,8 +154,7 @@ def test_owned_weights_are_freed_when_dropped() -> None:
     import weakref
 
     w = ExpertWeights(num_experts=E, ep_rank=0, ep_size=1, hidden=H, intermediate=FF)
-    w.bind_owned(torch.float32)
-    w.accumulate_scale = 0.5
+    w.bind_owned(torch.float32, loss_scale=0.5)
     loss = sum((c * 1.0).sum() for c in w.compute.values())
     loss.backward()  # the hook runs: grad = 0.5 * ones
     assert all(torch.equal(g, torch.full_like(g, 0.5)) for g in w.grad.values())

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from moontrain.checkpoint import CheckpointError, export_hf, init_weights_from, read_hf
 from moontrain.config import RunConfig, from_dict, load_recipe
 from moontrain.config.loader import to_dict
+from moontrain.generate.decoder import generate
 from moontrain.model.config import ModelConfig
 from moontrain.parallel.layout import build_layout, single_process_layout
 from moontrain.trainer.trainer import Trainer
@@ -28,7 +29,7 @@ from tests.moontrain.ckpt_utils import assert_bitwise, full_state, train
 transformers = pytest.importorskip("transformers")
 
 CPU = torch.device("cpu")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FP32_ULPS = 64
 
 
@@ -64,7 +65,7 @@ def _export_tiny(tmp_path: Path) -> tuple[Trainer, Path]:
 def _import_at_ep2(rank: int, world: int, model_dir: str, run_dir: str) -> dict:
     cfg = _run_config(_tiny_model(), "alltoall", 2, run_dir, init_from=model_dir)
     trainer = Trainer(cfg, build_layout(2, CPU))
-    init_weights_from(trainer, cfg.checkpoint.init_from)
+    init_weights_from(trainer.state, cfg.checkpoint.init_from)
     state = full_state(trainer)
     trainer.close()
     return state
@@ -97,6 +98,8 @@ def test_export_transformers_parity_and_import_at_ep2(tmp_path: Path) -> None:
     with torch.no_grad():
         ref = trainer.model.logits(tokens)
         _close(model(tokens).logits, ref, "fp32 export vs moontrain")
+    hf_greedy = model.generate(tokens[:, :8], max_new_tokens=8, do_sample=False)
+    assert torch.equal(hf_greedy, generate(trainer.model, tokens[:, :8], max_new_tokens=8))
 
     # bf16 export: the weights rounded to bf16, read at fp32, compute the logits of moontrain's model
     # holding the same rounded weights
@@ -129,7 +132,7 @@ def test_import_refuses_another_architecture(tmp_path: Path) -> None:
     other = {**_tiny_model(), "num_heads": 2}
     trainer = Trainer(_run_config(other, "local", 1, str(tmp_path / "b")), single_process_layout(CPU))
     with pytest.raises(CheckpointError, match=r"model.num_heads \(4 vs 2\)"):
-        init_weights_from(trainer, out)
+        init_weights_from(trainer.state, out)
     cfg, _ = read_hf(out)
     assert to_dict(cfg) == to_dict(from_dict(ModelConfig, _tiny_model(), "model"))
 
@@ -165,7 +168,7 @@ def test_deepseek_v3_import_matches_transformers(tmp_path: Path) -> None:
     assert not cfg.attn_output_gate and cfg.moe_latent_size is None
     torch.set_num_threads(1)
     trainer = Trainer(_run_config(to_dict(cfg), "local", 1, str(tmp_path / "run")), single_process_layout(CPU))
-    init_weights_from(trainer, tmp_path / "ds")
+    init_weights_from(trainer.state, tmp_path / "ds")
     tokens = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = ds(tokens).logits

@@ -24,7 +24,7 @@ from moontrain.trainer.trainer import Trainer
 from tests.moontrain.ckpt_utils import assert_bitwise, full_state, small_config, train
 
 CPU = torch.device("cpu")
-RECIPE = Path(__file__).resolve().parents[2] / "recipes/k3_tiny.yaml"
+RECIPE = Path(__file__).resolve().parents[3] / "recipes/k3_tiny.yaml"
 
 
 @pytest.mark.parametrize("override, match", [

@@ -12,6 +12,7 @@ went through bf16 Newton-Schulz like the sharded run -- times 20 is the toleranc
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from pathlib import Path
 
@@ -29,7 +30,13 @@ from moontrain.parallel.layout import build_layout, single_process_layout
 from moontrain.trainer.trainer import Trainer
 from tests.dist_utils import run_ranks
 from tests.moontrain.ckpt_utils import assert_bitwise, full_state, small_config, train
-from tests.moontrain.test_ep_equality import _capture_first_grads, _full_state, _reverse_rows, _skew, tiny_config
+from tests.moontrain.parallel.test_ep_equality import (
+    _capture_first_grads,
+    _full_state,
+    _reverse_rows,
+    _skew,
+    tiny_config,
+)
 
 CPU = torch.device("cpu")
 LR_GROWTH = 0.02  # Muon lr that makes the tiny model's attention logits grow ~40x in 30 steps
@@ -250,7 +257,7 @@ def test_checkpoint_of_another_optimizer_is_refused(tmp_path: Path) -> None:
     train(adamw, 1)
     adamw.save_checkpoint()
     muon = Trainer(_muon_small("local", 1, str(tmp_path)), single_process_layout(CPU))
-    with pytest.raises(CheckpointError, match="another optim.name"):
+    with pytest.raises(CheckpointError, match=r"another optim\.name"):
         muon.load_checkpoint(find_latest(tmp_path / "checkpoints"))
 
 
@@ -320,6 +327,13 @@ def test_causal_max_logit_chunks_match_one_pass(monkeypatch: pytest.MonkeyPatch)
     assert torch.equal(causal_max_logit(q, k, 0.5), whole)
     s = (q @ k.transpose(-1, -2)).masked_fill(torch.triu(torch.ones(11, 11, dtype=torch.bool), 1), -math.inf)
     torch.testing.assert_close(whole, s.amax(dim=(0, 2, 3)) * 0.5, rtol=0, atol=0)
+    # packed documents: only logits inside a query's own document count
+    doc_BT = torch.tensor([[0] * 4 + [1] * 7, [0] * 9 + [1] * 2])
+    other_B1TT = (doc_BT[:, :, None] != doc_BT[:, None, :]).unsqueeze(1)
+    s_docs = s.masked_fill(other_B1TT, -math.inf)
+    want = s_docs.amax(dim=(0, 2, 3)) * 0.5
+    assert torch.equal(causal_max_logit(q, k, 0.5, doc_BT), want)
+    assert (want < whole).any()  # the documents hide some of the largest logits here
 
 
 def _growth_run(tau: float, steps: int) -> list[float]:
@@ -350,18 +364,41 @@ def test_qk_clip_holds_max_logit_at_tau() -> None:
     tau = 5 * free[0]
     assert free[-1] > 6 * tau, f"the logits should grow without QK-Clip: {free}"
     clipped = _growth_run(tau, steps)
-    growth = max(b / a for a, b in zip(free, free[1:], strict=False))
+    growth = max(b / a for a, b in itertools.pairwise(free))
     assert max(clipped) <= tau * growth, (clipped, tau, growth)
     assert min(clipped[-10:]) >= tau, clipped  # held at tau, not below it: heads clip to tau, not further
 
 
+def test_muon_groups_on_the_hybrid_stack() -> None:
+    """Muon takes the linear maps (MLA, KDA, FFN, latent projections) and the experts; AdamW the head,
+    the routers, KDA's convolution taps and everything 1-D; QK-Clip measures the MLA layers only."""
+    cfg = tiny_config("local", 1)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=2, kda_layers_per_mla=1,
+                                                             kda_head_dim=16, kda_kernel="torch"),
+                              optim=dataclasses.replace(cfg.optim, name="muon", qk_clip_tau=1.0))
+    torch.set_num_threads(1)
+    trainer = Trainer(cfg, single_process_layout(CPU))
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    groups = {g["name"]: sorted(names[id(p)] for p in g["params"]) for g in trainer.optimizer.param_groups}
+    kda = [i for i, b in enumerate(trainer.model.layers) if b.is_kda]
+    assert kda and len(kda) < len(trainer.model.layers)
+    assert f"layers.{kda[0]}.attn.wq.weight" in groups["muon"]
+    assert f"layers.{kda[0]}.attn.conv_q" in groups["adamw"]
+    assert "lm_head.weight" in groups["adamw"] and "layers.1.ffn.router.weight" in groups["adamw"]
+    assert all(".experts.master." in n for n in groups["experts"]) and len(groups["experts"]) == 6
+    want_muon = sorted(n for n, m in trainer.model.named_modules() if isinstance(m, torch.nn.Linear)
+                       and n != "lm_head")
+    assert groups["muon"] == sorted(n + ".weight" for n in want_muon)
+    assert trainer.qk_clip.layer_ids == [i for i in range(2) if i not in kda]
+
+
 # ------------------------------------------------------------------------------------------ config
 def test_optim_config_errors() -> None:
-    with pytest.raises(ValueError, match="optim.name must be 'adamw' or 'muon', got 'sgd'"):
+    with pytest.raises(ValueError, match=r"optim\.name must be 'adamw' or 'muon', got 'sgd'"):
         OptimConfig(name="sgd")
-    with pytest.raises(ValueError, match="optim.write_back=true is the fused AdamW"):
+    with pytest.raises(ValueError, match=r"optim\.write_back=true is the fused AdamW"):
         OptimConfig(name="muon", write_back=True)
-    with pytest.raises(ValueError, match="optim.qk_clip_tau must be >= 0"):
+    with pytest.raises(ValueError, match=r"optim\.qk_clip_tau must be >= 0"):
         OptimConfig(qk_clip_tau=-1.0)
-    with pytest.raises(ValueError, match="optim.muon_momentum must be in"):
+    with pytest.raises(ValueError, match=r"optim\.muon_momentum must be in"):
         OptimConfig(muon_momentum=1.0)

@@ -24,7 +24,7 @@ from moontrain.model.kda import KimiDeltaAttention, fla_available
 from moontrain.model.kda_ops import kda_gate
 from moontrain.model.rope import rope_cos_sin
 from moontrain.model.transformer import K3Model
-from tests.moontrain.test_kda_ops import recurrent_kda
+from tests.moontrain.model.test_kda_ops import recurrent_kda
 
 EOS = 63
 

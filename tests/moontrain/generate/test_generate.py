@@ -28,7 +28,7 @@ from moontrain.trainer.trainer import Trainer
 from tests.moontrain.ckpt_utils import train
 
 CPU = torch.device("cpu")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CORPUS = str(ROOT / "recipes/data/tiny_corpus.jsonl")
 
 
@@ -48,7 +48,9 @@ def _trainer(run_dir: Path, **model_over) -> Trainer:
     {},
     {"rope_yarn": {"factor": 8.0, "original_max_position": 16, "mscale": 1.0, "mscale_all_dim": 0.7},
      "num_expert_groups": 4, "topk_expert_groups": 2, "q_lora_rank": None, "attn_output_gate": False},
-], ids=["k3_tiny", "yarn_groups_fullrank_q"])
+    {"ffn_activation": "swiglu", "attn_res_block_size": 0},
+    {"attn_res_block_size": 2},
+], ids=["k3_tiny", "yarn_groups_fullrank_q", "swiglu_standard_residuals", "attn_res_block_per_layer"])
 def test_greedy_with_cache_equals_without(tmp_path: Path, variant: dict) -> None:
     trainer = _trainer(tmp_path, **variant)
     train(trainer, 3)

@@ -1,0 +1,151 @@
+"""The import graph of moonep and moontrain, read from the source with ast: no module imports another
+that imports it back, directly or through others, and moonep imports nothing from moontrain.
+
+Every import counts, wherever it stands (module level, inside a function, under TYPE_CHECKING): a
+lazy import still ties the two modules together. `import a.b.c` or `from a.b.c import x` also runs
+the packages a and a.b first, so it is an edge to them as well, except to the importer's own parent
+packages (they are already running when one of their modules is imported). `from a import x` reads
+the package a itself, so that edge counts even for a module inside a.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("moonep", "moontrain")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of `modules` that importing `name` runs or reads."""
+    is_package = path.name == "__init__.py"
+    parts = name.split(".")
+    own_parents = {".".join(parts[:i]) for i in range(1, len(parts))} | ({name} if is_package else set())
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets = [(alias.name, False) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = parts if is_package else parts[:-1]
+                base = base[:len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            # the module itself is read (its attributes); a name may also be a submodule
+            targets = [(module, True)] + [(f"{module}.{alias.name}", False) for alias in node.names]
+        else:
+            continue
+        for target, read in targets:
+            target_parts = target.split(".")
+            for i in range(1, len(target_parts) + 1):
+                candidate = ".".join(target_parts[:i])
+                if candidate == name or candidate not in modules:
+                    continue
+                if candidate in own_parents and not (read and i == len(target_parts)):
+                    continue
+                out.add(candidate)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    components.append(sorted(component))
+    return components
+
+
+def _path(graph: dict[str, set[str]], component: list[str]) -> str:
+    """One cycle inside a strongly connected component, for the failure message."""
+    members, start = set(component), component[0]
+    trail, seen, node = [start], {start}, start
+    while True:
+        node = min(n for n in graph[node] if n in members)
+        trail.append(node)
+        if node in seen:
+            return " -> ".join(trail[trail.index(node):])
+        seen.add(node)
+
+
+def test_no_import_cycles() -> None:
+    graph = _graph()
+    assert len(graph) > 50 and "moontrain.trainer.trainer" in graph and "moonep.buffer" in graph
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(_path(graph, c) for c in cycles)
+
+
+def test_moonep_imports_nothing_from_moontrain() -> None:
+    bad = {name: sorted(t for t in targets if t.split(".")[0] == "moontrain")
+           for name, targets in _graph().items() if name.split(".")[0] == "moonep"}
+    bad = {name: targets for name, targets in bad.items() if targets}
+    assert not bad, f"moonep modules importing moontrain: {bad}"
+
+
+def test_the_checker_finds_a_planted_cycle(tmp_path: Path) -> None:
+    """The checker against a known answer: a -> b -> c -> a through a function-level import, a package
+    whose __init__ imports its submodule (no cycle), and `from pkg import name` inside pkg (a cycle)."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "p": {"p.x"}, "p.x": set(), "q": {"q.y"}, "q.y": {"q"}}
+    assert sorted(_cycles(graph)) == [["a", "b", "c"], ["q", "q.y"]]
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "__init__.py").write_text("from p.x import f\n")
+    (tmp_path / "p" / "x.py").write_text("from p.y import g\ndef f():\n    from p import h\n")
+    (tmp_path / "p" / "y.py").write_text("import os\n")
+    modules = {"p": tmp_path / "p" / "__init__.py", "p.x": tmp_path / "p" / "x.py", "p.y": tmp_path / "p" / "y.py"}
+    assert _imports("p", modules["p"], modules) == {"p.x"}
+    assert _imports("p.x", modules["p.x"], modules) == {"p.y", "p"}  # p.y's parent p is running: no edge
+    assert _imports("p.y", modules["p.y"], modules) == set()
