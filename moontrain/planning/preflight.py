@@ -29,6 +29,7 @@ def check_data(cfg: RunConfig) -> list[str]:
     lines.append(f"tokenizer: {data.tokenizer} ({tokenizer.vocab_size} ids, eos {tokenizer.eos_id}; "
                  f"model.vocab_size {cfg.model.vocab_size})")
     sources = dict(data.file_sources()) if data.source == "dataset" else {}
+    mixture = len(sources) > 1
     if cfg.eval.data is not None:
         sources["eval"] = cfg.eval.data
     for name, src in sources.items():
@@ -36,7 +37,7 @@ def check_data(cfg: RunConfig) -> list[str]:
         files = [src.path] if fmt == "saved" else _data_files(src.path)
         size = sum(Path(f).stat().st_size for f in files if Path(f).is_file())
         lines.append(f"data {name}: {src.path} ({fmt}, {len(files)} file(s), {size / 2**20:.1f} MiB"
-                     + (f", weight {src.weight:g}" if len(sources) > 1 and name != "eval" else "") + ")")
+                     + (f", weight {src.weight:g}" if mixture and name != "eval" else "") + ")")
     return lines
 
 
