@@ -33,10 +33,20 @@ class WandbRun:
         )
         self.id = self.run.id
         self.sync_dir = Path(self.run.settings.sync_dir)  # what `wandb sync` uploads (offline runs)
+        self._said_no_pillow = False
 
     def log_image(self, key: str, path: str | Path, step: int) -> None:
+        """An image file at `step` (wandb.Image needs pillow; without it the image is not logged, once said)."""
         import wandb
 
+        try:
+            import PIL  # noqa: F401
+        except ImportError:
+            if not self._said_no_pillow:
+                print(f"moontrain: {key} is not logged to wandb: wandb.Image needs the pillow package (pip install "
+                      f"pillow); the PNG files are under {Path(path).parent}", flush=True)
+                self._said_no_pillow = True
+            return
         self.run.log({key: wandb.Image(str(path))}, step=step)
 
     def log(self, values: dict[str, float | int | None], step: int) -> None:
