@@ -125,7 +125,7 @@ def test_killed_run_relaunched_continues_bitwise(tmp_path: Path, capsys: pytest.
     resumed = [f for f in run_files(run_dir) if read_history(f) and read_history(f)[0]["_step"] > last_ckpt]
     assert [h["_step"] for h in read_history(resumed[0])] == list(range(last_ckpt + 2, STEPS + 1, 2))
     last = read_history(resumed[0])[-1]
-    assert last["moe/expert_load"]["_type"] == "image-file", "the expert-load heatmap is logged to wandb"
+    assert last["moe/expert_load/_type"] == "image-file", "the expert-load heatmap is logged to wandb"
     assert read_png(heatmap_path(run_dir, STEPS)).shape == (2 * CELL_PX, 8 * CELL_PX, 3)  # 2 MoE layers x 8 experts
     capsys.readouterr()
     assert print_history([str(run_dir)]) == 0
