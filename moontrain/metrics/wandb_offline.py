@@ -34,6 +34,8 @@ def _records(data: bytes) -> list[bytes]:
         if length == 0 and kind == 0:  # zero padding to the block end
             pos += room
             continue
+        if pos + _HEADER + length > len(data):  # a file cut short (a killed job): the records before it stand
+            break
         chunk = data[pos + _HEADER:pos + _HEADER + length]
         pos += _HEADER + length
         if kind == _FULL:
@@ -55,7 +57,10 @@ def read_history(run_file: str | Path) -> list[dict[str, object]]:
     rows = []
     for raw in _records(Path(run_file).read_bytes()):
         record = pb.Record()
-        record.ParseFromString(raw)
+        try:
+            record.ParseFromString(raw)
+        except Exception:  # protobuf's DecodeError: a damaged record of a killed job's file
+            continue
         if record.WhichOneof("record_type") != "history":
             continue
         row = {}

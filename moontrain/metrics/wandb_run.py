@@ -52,5 +52,20 @@ class WandbRun:
     def log(self, values: dict[str, float | int | None], step: int) -> None:
         self.run.log(values, step=step)
 
+    def backfill(self, records: list[dict[str, float | int | None]], run_dir: str | Path) -> int:
+        """Offline: log the metrics.jsonl records (steps up to the resumed checkpoint) that no earlier offline file
+        of this run holds, e.g. what a killed job had not flushed; returns how many. Online runs: nothing (the
+        server has what it received)."""
+        if not self.run.offline:
+            return 0
+        from moontrain.metrics.wandb_offline import read_history, run_files
+
+        present = {row["_step"] for f in run_files(run_dir) if f.stem == f"run-{self.id}" and f.parent != self.sync_dir
+                   for row in read_history(f)}
+        missing = [r for r in records if r["step"] not in present]
+        for r in missing:
+            self.log({k: v for k, v in r.items() if k != "step" and v is not None}, step=int(r["step"]))
+        return len(missing)
+
     def finish(self) -> None:
         self.run.finish()
