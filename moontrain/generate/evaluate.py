@@ -26,10 +26,10 @@ def evaluate(model: K3Model, data: DataConfig, *, seq_len: int, batch_size: int,
         raise ValueError(f"seq_len, batch_size and num_batches must be >= 1, got {seq_len}, {batch_size}, {num_batches}")
     device = model.embed.weight.device
     source = build_token_source(data, vocab_size=model.cfg.vocab_size, seq_len=seq_len, global_batch=batch_size,
-                                rank=0, world_size=1, device=device)
+                                rank=0, world_size=1)
     total = 0.0
     for step in range(num_batches):
-        tokens_BT, targets_BT = source.batch(step)
+        tokens_BT, targets_BT = (t.to(device) for t in source.batch(step))  # sources give CPU batches
         total += model(tokens_BT, targets_BT)[1].item()
     loss = total / num_batches
     return EvalResult(loss=loss, perplexity=math.exp(loss), tokens=num_batches * batch_size * seq_len)

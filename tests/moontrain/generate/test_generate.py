@@ -101,7 +101,7 @@ def test_cli_generate_and_eval(tmp_path: Path, capsys: pytest.CaptureFixture[str
                  "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
     data = build_token_source(DataConfig(source="dataset", path=CORPUS, shuffle=False), vocab_size=257, seq_len=32,
-                              global_batch=2, rank=0, world_size=1, device=CPU)
+                              global_batch=2, rank=0, world_size=1)
     with torch.no_grad():
         losses = []
         for step in range(3):
