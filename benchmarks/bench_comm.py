@@ -12,7 +12,7 @@ all_to_all_single, permute), forward and backward. Also reported: realised exper
 rank-level max/mean received rows, logical GB/s = s*K*H*2/t, bytes that crossed NVLink, peak
 memory, and the shapes moonep returned (identical across points for a fixed s).
 --placement concentrated renumbers the experts by popularity so the hot ones share home rank 0 (the
-case bench_train uses). --kernels picks the moonep data path (BufferConfig.kernels: torch, triton or auto), --num-sms the
+case bench_train uses). --kernels picks the moonep data path (BufferOptions.kernels: torch, triton or auto), --num-sms the
 grid of its persistent kernels.
 Writes benchmarks/results/bench_comm_R<R>_<tag>.json and prints a table.
 """

@@ -1,4 +1,4 @@
-"""End-to-end training over routing skew, moonep vs all-to-all (issue 7).
+"""End-to-end training over routing skew, moonep vs all-to-all.
 
     torchrun --nproc_per_node=2 benchmarks/bench_train.py --recipe recipes/k3_small.yaml
     torchrun --nproc_per_node=2 benchmarks/bench_train.py --recipe recipes/k3_tiny.yaml --steps 3 --warmup 1 \\

@@ -193,7 +193,7 @@ class ExpertPools:
     def previous_forward(self, layer: LayerExperts, plan: Plan, track: bool) -> tuple[LayerExperts, Plan] | None:
         """The (layer, plan) of the expert forward that ran just before this one in the same pass
         (an earlier layer: its backward runs right after this layer's), or None; then remembers
-        this one if `track` (autograd will run its backward). expert_swiglu's backward prefetches
+        this one if `track` (autograd will run its backward). expert_glu's backward prefetches
         that layer's copies as soon as its own last read of the slots is queued, so the copies
         travel during its weight-gradient GEMMs; the next backward's `ensure_async` then finds
         them in place. A wrong guess (e.g. recomputed forwards) only costs the early copy: ensure
@@ -226,7 +226,7 @@ class ExpertPools:
         """Declare layer.g_local[name] zero without writing it: the layer's next accumulate_wgrad
         overwrites it instead of adding (saves a zeroing pass and the first pass's read of the fp32
         grads). Until then its memory holds stale values: call settle_grads() before reading the grads
-        (expert_swiglu's backward of every layer normally makes it a no-op)."""
+        (expert_glu's backward of every layer normally makes it a no-op)."""
         for name in names if names is not None else tuple(self.projections):
             if name not in self.projections:
                 raise ValueError(f"defer_zero_grads: unknown projection {name!r}; the pools have "

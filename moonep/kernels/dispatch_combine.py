@@ -46,8 +46,8 @@ Memory ordering: peer stores are weak `st.global`; the following device barrier 
 store visible to kernels queued after the barrier on the peer. Local kernels need only stream order.
 
 Measured (2xH200 linked by NV18, torch 2.11, triton 3.6, 2026-11-29; benchmarks/bench_comm.py
---experts 96 --kernels triton: R=2, S=8192, H=7168, K=8, E=96; median of 5, max over ranks;
-benchmarks/results/bench_comm_R2_triton.json), in us, realised maxvio 0.00 / 0.22 / 0.98 / 9.99 / 10.84:
+--experts 96 --kernels triton: R=2, S=8192, H=7168, K=8, E=96; median of 5, max over ranks), in us,
+realised maxvio 0.00 / 0.22 / 0.98 / 9.99 / 10.84:
     dispatch, saved plan (scatter + expand + 2 barriers)  688 /  980 /  841 /  845 /  862
     NCCL all-to-all dispatch (count exchange + a2a)      3727 / 3856 / 3860 / 4015 / 4092
     combine fwd (push + reduce + 2 barriers)             1638 / 1729 / 1698 / 1539 / 1563
@@ -83,8 +83,8 @@ against 93-120 / 196-208 us per launch).
 Kernels that store to peers (scatter, push) end every thread with `fence.sc.sys`: the barrier that
 follows runs in another kernel, and its own fence orders only its own thread's stores; without a
 fence in the storing threads, NVLink writes spread over many links could in principle land after
-the barrier's signal (a rare rank-0-only bitwise failure, a stale route weight on a padding row,
-was seen twice on 2xH200 before this fence; cause not proven).
+the barrier's signal (without it, a rare stale route weight on a padding row was observed on
+2xH200; the cause is not proven).
 """
 
 from __future__ import annotations

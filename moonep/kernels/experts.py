@@ -1,6 +1,7 @@
-"""Triton kernels for the expert-weight side: prefetch_weight and reduce_grad (issue 4).
+"""Triton kernels for the expert-weight side: prefetch_weight, reduce_grad and the masked
+weight-gradient accumulation, bitwise equal to moonep.datapath.reference (the specification).
 
-The PyTorch path (moonep.pools) is sync-free, so it cannot know which slots are occupied: prefetch
+The PyTorch path is sync-free, so it cannot know which slots are occupied: prefetch
 copies all B slots (empty ones onto themselves) and reduce_grad reads every slot of every peer,
 masked. Measured on 2xH200 (2026-11-29, E=96, R=2, one expert copy of 88 MB): prefetch 4.7 ms,
 reduce_grad 17.7 ms. These kernels read the slot table on the device and skip empty slots, so the
@@ -13,7 +14,7 @@ at K3 shapes (prefetch 1.47 ms for one 88 MB copy at E=384, 2xH200, 2026-11-29).
 prefetch: program c copies chunk c of W_full[e] (the owner's row, read over NVLink) into
     W_full[E + j] for every used slot j of this rank. Stream order after dispatch's barriers makes
     the owners' rows current.
-accumulate_groups: the expert_swiglu backward's weight gradient (bf16 from the grouped GEMM) added
+accumulate_groups: the expert_glu backward's weight gradient (bf16 from the grouped GEMM) added
     into the fp32 grad mirror (W_compact rows) for groups with rows only; on k3_small_moe at low
     skew half of the groups are empty slots. The local rows of a layer whose grads were declared
     zero without clearing (ExpertPools.defer_zero_grads) are written instead of added: 6 bytes per
@@ -28,9 +29,9 @@ reduce_grad: program c adds, for d = 0..R-1 ascending (d != rank) and each used 
 
 Checked bitwise against the PyTorch path in Triton's interpreter on the CPU heap (R = 2, 4) and on
 2xH200 (tests/moonep/gpu/test_expert_kernels.py, 2026-11-29). Measured there with
-benchmarks/bench_comm.py (H=7168, F=2048, one expert copy of 88 MB, E=96 and 384, maxvio 0-20;
-benchmarks/results/bench_comm_R2_session3_20261129.json): prefetch 272-290 us and reduce_grad
-588-601 us, against 1471-1473 us and 3022-3059 us for the (chunks x slots) grids they replace.
+benchmarks/bench_comm.py (H=7168, F=2048, one expert copy of 88 MB, E=96 and 384, maxvio 0-20):
+prefetch 272-290 us and reduce_grad 588-601 us, against 1471-1473 us and 3022-3059 us for
+(chunks x slots) grids.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Triton kernels for the route weights in expert_swiglu (moonep.moe is the specification).
+"""Triton kernels for the route weights in expert_glu (moonep.datapath.reference is the specification).
 
 forward   y_rows[r] = bf16(o[r] * w[r])                   (fp32 product, one rounding)
 backward  grad_o[r] = bf16(gy[r] * w[r])                  (same)
@@ -6,7 +6,7 @@ backward  grad_o[r] = bf16(gy[r] * w[r])                  (same)
 
 Why kernels: the eager `torch.mul(o_bf16, w_fp32[:, None], out=bf16)` mixes dtypes with a broadcast
 and runs TensorIterator's generic (not vectorised) loop: 603 us per call at k3_small_moe's
-[68416, 2048] on H200 where the bytes take ~170 us (bench_train profile, session 4), 14 calls per
+[68416, 2048] on H200 where the bytes take ~170 us (bench_train profile, 2026-11-30), 14 calls per
 step; the eager grad_w takes an fp32 copy of gy, an fp32 product and a sum (~0.9 ms per layer).
 One kernel reads gy and o once and writes grad_o and grad_w.
 

@@ -1,5 +1,5 @@
-"""Triton kernels of expert_swiglu's elementwise SwiGLU, forward and backward (moonep.moe is the
-specification).
+"""Triton kernels of the "swiglu" activation of expert_glu, forward and backward (moonep.activation
+is the specification).
 
 Forward: a = bf16(silu(h)) * u in one pass (F.silu(h) * u is two: silu writes a temporary that the
 multiply reads back; ~0.45 ms per k3_small_moe layer and pass on an H200, this ~0.27 ms of HBM).

@@ -27,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -35,9 +36,13 @@ _PREFIX = "moontrain/hb/"
 
 
 class Heartbeat:
-    def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout_s: float) -> None:
+    def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout_s: float,
+                 report: Callable[[str], None] | None = None, interval_s: float | None = None) -> None:
+        """report: prints the abort line (default: to stderr as `moontrain: rank R: aborting: ...`);
+        interval_s: between beats (default timeout_s / 10, within [0.2, 5] s)."""
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
-        self.interval_s = max(0.2, min(5.0, timeout_s / 10))
+        self.report = report or (lambda line: print(f"moontrain: rank {rank}: {line}", file=sys.stderr, flush=True))
+        self.interval_s = interval_s or max(0.2, min(5.0, timeout_s / 10))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         store.set(f"{_PREFIX}pid/{rank}", f"{socket.gethostname()} {os.getpid()}")
@@ -117,7 +122,7 @@ class Heartbeat:
                     pass
 
     def _abort(self, verdict: str) -> None:
-        print(f"moontrain: rank {self.rank}: aborting: {verdict}", file=sys.stderr, flush=True)
+        self.report(f"aborting: {verdict}")
         os._exit(EXIT_CODE)
 
     def mark_left(self) -> None:

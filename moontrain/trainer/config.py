@@ -24,6 +24,9 @@ class TrainConfig:
     # divergence policy: a step with a non-finite grad norm skips its optimizer update; this many in a
     # row stop the run with an error (moontrain.trainer.guard)
     max_skipped_steps: int = 5
+    # bitwise-reproducible runs on the GPU (deterministic kernels only; moontrain.trainer.determinism);
+    # costs step time, so off by default
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "seq_len", "log_every", "max_skipped_steps"):

@@ -37,6 +37,7 @@ from moontrain.optim.qk_clip import QKClip
 from moontrain.parallel.clip import clip_grad_norm_global
 from moontrain.parallel.fsdp import allreduce_dense_grads, apply_fsdp
 from moontrain.parallel.layout import ParallelLayout
+from moontrain.trainer.determinism import enable_determinism
 from moontrain.trainer.evaluate import Evaluator
 from moontrain.trainer.guard import DivergenceGuard, step_verdict
 from moontrain.trainer.preempt import PreemptionHandler
@@ -52,6 +53,8 @@ class Trainer:
     def __init__(self, cfg: RunConfig, layout: ParallelLayout, *, log: ProgressLog | None = None) -> None:
         cfg.check_world(layout.world_size)
         self.cfg, self.layout, self.log = cfg, layout, log
+        if cfg.train.deterministic:
+            enable_determinism()
         device = layout.device
         self.compute_dtype = resolve_compute_dtype(cfg.parallel.compute_dtype, device)
         self.model = K3Model(cfg.model, ep_rank=layout.ep_rank, ep_size=layout.ep, device=device)
@@ -106,7 +109,7 @@ class Trainer:
         self.moe_stats = MoEStats(self.model.moe_layers(), ep=layout.ep)
         moe_ids = [i for i, block in enumerate(self.model.layers) if block.is_moe]
         self.window = MetricsWindow(moe_ids, layout)
-        self.evaluator = Evaluator(self) if cfg.eval.every else None
+        self.evaluator = (Evaluator(cfg, layout, self.model, self.reshard_dense) if cfg.eval.every else None)
 
     @property
     def step(self) -> int:

@@ -38,6 +38,7 @@ from moontrain.parallel.heartbeat import Heartbeat
 from moontrain.parallel.hosts import check_ep_group_hosts
 from moontrain.parallel.layout import build_layout
 from moontrain.supervisor import die_with_parent
+from moontrain.trainer.determinism import set_cublas_workspace
 from moontrain.trainer.errors import one_line
 from moontrain.trainer.preempt import PreemptionHandler
 from moontrain.trainer.trainer import Trainer
@@ -65,13 +66,16 @@ def main(argv: list[str] | None = None) -> None:
         _exit_one_line(rank, f"error: {err}")
     die_with_parent()  # torchrun gone (killed with the launcher): no rank keeps training
     preemption = PreemptionHandler(rank)
+    if cfg.train.deterministic:
+        set_cublas_workspace()  # read when CUDA initialises
     device, backend = select_device()
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
                             timeout=timedelta(seconds=cfg.parallel.timeout_s))
     heartbeat = None
     if dist.get_world_size() > 1 and cfg.parallel.heartbeat_timeout_s > 0:
         heartbeat = Heartbeat(_default_store(), dist.get_rank(), dist.get_world_size(),
-                              timeout_s=cfg.parallel.heartbeat_timeout_s).start()
+                              timeout_s=cfg.parallel.heartbeat_timeout_s,
+                              report=lambda line: _report_line(rank, line)).start()
     try:
         _train(cfg, device, preemption)
     except Exception as err:
@@ -89,8 +93,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _exit_one_line(rank: int, line: str) -> NoReturn:
-    """Print the rank's one line (and hand it to the launcher through MOONTRAIN_ERROR_FILE: the first
-    rank to fail wins, the others' lines are usually the same) and exit 1."""
+    _report_line(rank, line)
+    sys.exit(1)
+
+
+def _report_line(rank: int, line: str) -> None:
+    """Print the rank's one line and hand it to the launcher through MOONTRAIN_ERROR_FILE (the first
+    rank to fail wins, the others' lines are usually the same)."""
     text = f"moontrain: rank {rank}: {line}".replace("\n", " ")
     path = os.environ.get("MOONTRAIN_ERROR_FILE")
     if path:
@@ -100,7 +109,6 @@ def _exit_one_line(rank: int, line: str) -> NoReturn:
         except FileExistsError:
             pass
     print(text, file=sys.stderr, flush=True)
-    sys.exit(1)
 
 
 def _default_store() -> dist.Store:
@@ -116,8 +124,8 @@ def _train(cfg: RunConfig, device: torch.device, preemption: PreemptionHandler) 
     is_main = layout.rank == 0
     if is_main:
         dump_config(cfg, Path(cfg.train.run_dir) / "config.yaml")
-        print(f"moontrain: {layout.describe()}; experts backend {cfg.experts.backend}; device {device}",
-              flush=True)
+        print(f"moontrain: {layout.describe()}; experts backend {cfg.experts.backend}; device {device}"
+              + ("; deterministic kernels" if cfg.train.deterministic else ""), flush=True)
     trainer = Trainer(cfg, layout)
     trainer.preemption = preemption
     sink = None

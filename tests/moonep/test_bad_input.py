@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from moonep import Buffer, BufferConfig, BufferOptions, ExpertPools
+from moonep import Buffer, BufferConfig, BufferOptions, ExpertPools, expert_glu, glu_projections, make_plan
 from moonep.layout import Layout
 from tests.dist_utils import run_ranks
 from tests.moonep.planner_reference import reference_plan
@@ -127,6 +127,15 @@ def _single_rank(rank: int, world: int) -> dict[str, tuple[str | None, str]]:
         out["heap granularity"] = _outcome(lambda: ExpertPools(buf, {"gate": (3, 5)}))
         out["no projections"] = _outcome(lambda: ExpertPools(buf, {}))
         out["projection shape"] = _outcome(lambda: ExpertPools(buf, {"gate": (H,)}))
+        pools = ExpertPools(buf, glu_projections(H, 64))
+        layer = pools.add_layer()
+        out["unknown activation"] = _outcome(lambda: expert_glu(buf, pools, layer, x, w, topk, activation="relu"))
+        few_slots = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=PAD,
+                                        num_slots=E - 1, options=BufferOptions(timeout_s=30)))
+        try:  # training computes every remote expert from a slot: B < E // R would drop tokens' weights
+            out["pools with num_slots < E // R"] = _outcome(lambda: ExpertPools(few_slots, glu_projections(H, 64)))
+        finally:
+            few_slots.destroy()
         out["still correct"] = ("ok", _still_correct(buf, rank, [topk], [x], [w], None))
     finally:
         buf.destroy()
@@ -173,6 +182,9 @@ SINGLE_RANK = {
                         r"symmetric-heap granularity 4096 bytes",
     "no projections": r"ExpertPools needs at least one projection",
     "projection shape": r"projection 'gate' has shape \(32,\); expected \(in_features, out_features\)",
+    "unknown activation": r"unknown expert activation 'relu'; moonep has \['swiglu'",
+    "pools with num_slots < E // R": r"ExpertPools needs one prefetch slot per local expert: the buffer has "
+                                     r"num_slots=3 < E // R = 4",
 }
 
 
@@ -241,6 +253,54 @@ def test_layout_rejects_experts_not_divisible_by_ranks() -> None:
     cfg = BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=10)
     with pytest.raises(ValueError, match=r"num_experts=10 is not divisible by the EP group size R=4; use a multiple"):
         Layout(cfg, 4, 4096)
+
+
+def _make_plan_case(case: str) -> None:
+    """make_plan at R = 2 (rank 0, s = 6) with one input broken as `case` says."""
+    layout = Layout(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=PAD), 2)
+    _, _, topk, hist = _valid()
+    counts = torch.stack([hist, _valid(seed=1)[3]])
+    rank, total = 0, None
+    if case == "row sum not s*K":
+        counts[1, 0] += 1
+    elif case == "s differs across ranks":
+        counts[1, 0] += K
+    elif case == "negative count":
+        counts[1, 0] = -1
+    elif case == "own row not the histogram of topk":
+        counts[0, int(topk[0, 0])] -= 1
+        counts[0, (int(topk[0, 0]) + 1) % E] += 1
+    elif case == "rank out of range":
+        rank = 2
+    elif case == "expert id >= E":
+        topk[0, 0] = E
+    elif case == "counts shape":
+        counts = counts[:, :-1].contiguous()
+    elif case == "total_num_tokens not the sum":
+        total = 13
+    make_plan(layout, rank, topk, counts, total_num_tokens=total)
+
+
+MAKE_PLAN = {
+    "row sum not s*K": r"rank 1's histogram sums to 13, not s\*K for a whole number of tokens",
+    "s differs across ranks": r"s differs across ranks: \[6, 7\]",
+    "negative count": r"counts_RE\[1, 0\]=-1 is negative",
+    "own row not the histogram of topk": r"tokens_per_expert_E\[\d\]=\d+ but topk_sK routes \d+ tokens",
+    "rank out of range": r"rank=2 is outside \[0, 2\)",
+    "expert id >= E": r"expert id 4, outside \[0, 4\)",
+    "counts shape": r"counts_RE has shape \(2, 3\), expected \(2, 4\)",
+    "total_num_tokens not the sum": r"total_num_tokens=13 but the ranks hold \[6, 6\] tokens",
+}
+
+
+@pytest.mark.parametrize("case", list(MAKE_PLAN))
+def test_make_plan_validates_like_buffer_plan(case: str) -> None:
+    with pytest.raises(ValueError, match=MAKE_PLAN[case]):
+        _make_plan_case(case)
+
+
+def test_make_plan_accepts_the_valid_case() -> None:
+    _make_plan_case("valid")
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [

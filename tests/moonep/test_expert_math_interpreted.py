@@ -93,3 +93,11 @@ def test_situ_glu_kernels_match_specification_bitwise(monkeypatch: pytest.Monkey
         situ_glu_forward(h, u.t())
     with pytest.raises(ValueError, match="contiguous bf16 tensors of one shape"):
         situ_glu_backward(grad_a.float(), h, u)
+
+
+def test_every_activation_has_triton_kernels() -> None:
+    """moonep.activation is the registry: the triton path fuses each registered activation."""
+    from moonep.activation import ACTIVATIONS
+    from moonep.datapath.triton_path import GLU_KERNELS
+
+    assert sorted(GLU_KERNELS) == sorted(ACTIVATIONS)

@@ -1,0 +1,180 @@
+"""Preemption and quiet-resume rules, in process:
+
+- SIGTERM during fit: the step finishes, a checkpoint of that step is saved, fit returns; the handler
+  leaves SIGTERM at its default action, so a second one aborts;
+- a stop request on one rank of two: both ranks stop after the same step (the verdict is reduced);
+- resume: changed optim.* settings apply and are named; train.steps below the checkpoint's step is an
+  error; `resume: auto` names the incomplete checkpoint it passes over;
+- one-line errors: an empty corpus and a null text value (from the real data path), malformed YAML.
+
+References: the uninterrupted run's state at the same step (the preempted checkpoint must equal it bit
+for bit); LambdaLR's formula with the new base lr for the resumed learning rate.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moontrain.checkpoint.store import list_checkpoints
+from moontrain.config.loader import load_recipe
+from moontrain.data.config import DataConfig
+from moontrain.data.loader import build_loader
+from moontrain.optim.schedule import lr_multiplier
+from moontrain.parallel.layout import build_layout, single_process_layout
+from moontrain.trainer.errors import one_line
+from moontrain.trainer.preempt import PreemptionHandler
+from moontrain.trainer.trainer import Trainer
+from moontrain.trainer.worker import resolve_resume, resume_notes
+from tests.dist_utils import run_ranks
+from tests.moontrain.ckpt_utils import assert_bitwise, full_state, small_config, train
+
+CPU = torch.device("cpu")
+
+
+def _single(run_dir: Path, **kw) -> Trainer:
+    torch.set_num_threads(1)
+    return Trainer(small_config("local", 1, run_dir=str(run_dir), **kw), single_process_layout(CPU))
+
+
+def _signal_at(trainer: Trainer, step: int, action) -> None:
+    """Run `action` when the data of optimizer step `step` (0-based) is drawn, i.e. inside that step."""
+    batch = trainer.data.batch
+
+    def hooked(s: int):
+        if s == step:
+            action()
+        return batch(s)
+
+    trainer.data.batch = hooked
+
+
+def test_sigterm_finishes_the_step_saves_and_returns(tmp_path: Path) -> None:
+    reference = _single(tmp_path / "ref")
+    train(reference, 3)
+    trainer = _single(tmp_path / "run", checkpoint={"every": 0, "save_final": True})
+    handler = PreemptionHandler(rank=0)
+    try:
+        trainer.preemption = handler
+        _signal_at(trainer, 2, lambda: os.kill(os.getpid(), signal.SIGTERM))
+        trainer.fit()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # a second SIGTERM aborts
+    finally:
+        handler.uninstall()
+    assert trainer.stop_requested and trainer.step == 3 and handler.signal_name == "SIGTERM"
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step_00000003"]
+    fresh = _single(tmp_path / "run")
+    fresh.load_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000003")
+    assert_bitwise(full_state(fresh), full_state(reference), "preempted checkpoint vs uninterrupted")
+
+
+def test_a_second_signal_aborts(tmp_path: Path) -> None:
+    """A process with the handler: the first SIGTERM sets the flag, SIGUSR1 (the launcher's) never aborts,
+    the second SIGTERM kills it with the default action even while it sleeps in C."""
+    script = (
+        "import os, signal, time\n"
+        "from moontrain.trainer.preempt import PreemptionHandler\n"
+        "h = PreemptionHandler(rank=0)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "time.sleep(0.1)\n"
+        "print('requested', h.requested, h.signal_name, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(30)\n"
+        "print('survived', flush=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stdout == "requested True SIGTERM\n", proc.stdout
+    assert proc.stderr.count("SIGTERM received: finishing the current step") == 1, proc.stderr
+
+
+def _one_rank_asks(rank: int, world: int, run_dir: str) -> int:
+    trainer = Trainer(small_config("alltoall", 2, run_dir=run_dir, steps=8), build_layout(2, CPU))
+
+    class Flag:
+        requested = False
+
+    trainer.preemption = Flag()  # only the attribute is read; no signal handlers in the spawned ranks
+    if rank == 1:
+        _signal_at(trainer, 3, lambda: setattr(trainer.preemption, "requested", True))
+    trainer.fit()
+    return trainer.step
+
+
+def test_a_stop_on_one_rank_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:
+    assert run_ranks(_one_rank_asks, 2, str(tmp_path)) == [4, 4]
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000004"]
+
+
+def test_resume_applies_and_names_changed_optim_settings(tmp_path: Path) -> None:
+    trainer = _single(tmp_path)
+    train(trainer, 3)
+    ckpt = trainer.save_checkpoint()
+    cfg = small_config("local", 1, run_dir=str(tmp_path), checkpoint={"resume": "auto"})
+    cfg.optim.lr, cfg.optim.weight_decay = 1e-3, 0.05
+    resumed = Trainer(cfg, single_process_layout(CPU))
+    state = resumed.load_checkpoint(resolve_resume(cfg, resumed.checkpoint_dir))
+    notes = resume_notes(cfg, resumed.checkpoint_dir, ckpt, state)
+    assert notes == ["optim settings differ from the checkpoint's; the recipe's apply from here: optim.lr 0.003 -> "
+                     "0.001, optim.weight_decay 0.1 -> 0.05"]
+    want_lr = 1e-3 * lr_multiplier(3, cfg.optim, cfg.train.steps)
+    for group in resumed.optimizer.param_groups:
+        assert group["lr"] == want_lr and group["initial_lr"] == 1e-3
+        assert group["weight_decay"] == (0.0 if group["name"] == "no_decay" else 0.05)
+    assert resumed.scheduler.get_last_lr() == [want_lr] * len(resumed.optimizer.param_groups)
+
+    same = small_config("local", 1, run_dir=str(tmp_path), steps=3, checkpoint={"resume": "auto"})
+    assert resume_notes(same, resumed.checkpoint_dir, ckpt, state) == [
+        "checkpoint is at train.steps=3 already: nothing to train"]
+    below = small_config("local", 1, run_dir=str(tmp_path), steps=2, checkpoint={"resume": "auto"})
+    with pytest.raises(ValueError, match=r"is at step 3, past train.steps=2: raise train.steps above 3"):
+        resume_notes(below, resumed.checkpoint_dir, ckpt, state)
+
+
+def test_resume_auto_names_the_incomplete_checkpoint_it_skips(tmp_path: Path) -> None:
+    trainer = _single(tmp_path)
+    train(trainer, 1)
+    good = trainer.save_checkpoint()
+    train(trainer, 1)
+    bad = trainer.save_checkpoint()
+    (bad / "rank_00000.safetensors").unlink()
+    cfg = small_config("local", 1, run_dir=str(tmp_path), checkpoint={"resume": "auto"})
+    assert resolve_resume(cfg, trainer.checkpoint_dir) == good
+    notes = resume_notes(cfg, trainer.checkpoint_dir, good, {"step": 1, "optim": {}})
+    assert notes == [f"resume: auto passed over {bad} (incomplete: an interrupted save or missing files)"]
+
+
+@pytest.mark.parametrize("content, match", [
+    ("", r"StopIteration - no documents \(an empty corpus\?\)"),
+    ('{"text": "hello"}\n{"text": null}\n', r"AttributeError: .* - a document without text \(a null value"),
+])
+def test_data_errors_are_one_line(tmp_path: Path, content: str, match: str) -> None:
+    path = tmp_path / "corpus.jsonl"
+    path.write_text(content)
+    cfg = DataConfig(source="dataset", path=str(path))
+    with pytest.raises(Exception) as info:  # whatever the data libraries raise
+        source = build_loader(cfg, vocab_size=257, seq_len=16, global_batch=2, rank=0, world_size=1, device=CPU)
+        for step in range(4):
+            source.batch(step)
+    line = one_line(info.value, cfg)
+    assert line is not None and "\n" not in line, line
+    assert line.startswith("error: reading the training data failed: ") and f"data.path={str(path)!r}" in line
+    assert re.search(match, line), line
+
+
+def test_malformed_yaml_is_one_line(tmp_path: Path) -> None:
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("model:\n  hidden_size: 64\n num_layers: 2\n")
+    with pytest.raises(ValueError, match=rf"^recipe {recipe} is not valid YAML: line 3, column 2: ") as info:
+        load_recipe(recipe)
+    assert "\n" not in str(info.value)
+    assert one_line(info.value, DataConfig()) == f"error: {info.value}"
