@@ -34,7 +34,8 @@ from moontrain.data.tokenizer import ByteTokenizer, HFTokenizer
 
 
 class PackedStream:
-    def __init__(self, docs: Documents | TokenBlocks | StreamedFiles, tokenizer: ByteTokenizer | HFTokenizer, *, name: str,
+    def __init__(self, docs: Documents | TokenBlocks | StreamedFiles, tokenizer: ByteTokenizer | HFTokenizer, *,
+                 name: str,
                  index: int, seed: int, shuffle: bool, vocab_size: int, seq_len: int, rank: int,
                  world_size: int) -> None:
         self.docs, self.tokenizer, self.name = docs, tokenizer, name
@@ -70,7 +71,8 @@ class PackedStream:
         ids = doc.tolist() if isinstance(doc, np.ndarray) else list(doc)
         if ids and (max(ids) >= self.vocab or min(ids) < 0):
             bad = max(ids) if max(ids) >= self.vocab else min(ids)
-            raise ValueError(f"data source {self.name!r} ({self.docs.path}): document {g} holds token id {bad}, outside "
+            raise ValueError(f"data source {self.name!r} ({self.docs.path}): document {g} holds token id {bad}, "
+                             f"outside "
                              f"model.vocab_size={self.vocab}; set model.vocab_size above the tokenizer's largest id")
         return ids
 
