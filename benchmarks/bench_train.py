@@ -636,7 +636,9 @@ def print_table(result: dict) -> None:
           f"{meta['matmul_flops'] / 1e12:.2f} TFLOP/s")
     print("maxvio: calib = realised at calibration (initial weights), train = median over timed steps (max over "
           "MoE layers), rank = after planning (rows per rank); mfu989 vs 989 TFLOP/s bf16, mfu mm vs the torch.mm "
-          "rate (%); wait ms = the time a step waited for its batch (the data loader's prefetch thread; median, max over ranks); steady / mfu st = mean step ms and MFU (989) of --window steps back to back (no per-step sync); "
+          "rate (%); wait ms = the time a step waited for its batch (the data loader's prefetch thread; median, "
+          "max over ranks); steady / mfu st = mean step ms and MFU (989) of --window steps back to back (no "
+          "per-step sync); "
           "peak/resv = torch allocator, max over ranks; step pk = per-step peak allocated range over "
           "timed steps; heap = moonep symmetric heap GiB (outside the allocator); copies = redundant expert copies "
           "per step over all MoE layers (median); plans = moonep's pooled plans at the end; requested peak = the most "

@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                            rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id or rdzv_id_for(cfg.train.run_dir),
                            max_restarts=args.max_restarts,
                            log_dir=Path(cfg.train.run_dir) / "logs" if args.nnodes > 1 else None)
+    print("\n".join(f"moontrain: {line}" for line in data_lines), flush=True)
     print("moontrain: " + " ".join(cmd), flush=True)
     return run_workers(cmd)
 

@@ -5,8 +5,14 @@ packaged json / parquet / text builders read local files, a directory written by
 is opened with `load_from_disk`. A source whose rows have the `ids_field` column (`input_ids`) is
 pre-tokenized: its documents are id lists and no tokenizer runs. Text files are one document per file
 (`text_unit: file`) or per line (`line`). Map-style (the default) memory-maps an Arrow cache and gives
-random access, so every epoch can have its own order. Streaming (`data.streaming`) reads the files lazily
-in their order: large inputs start at once and use no cache.
+random access, so every epoch can have its own order.
+
+Streaming (`data.streaming`, StreamedFiles) reads jsonl / parquet / text files lazily in their order, with
+no cache, and decodes only the documents of the rank's share (every `stride`-th from a start): other
+jsonl / text lines are skipped unparsed, parquet row groups without a document of the share are not
+read, text files of other ranks are not opened. Lines are split at "\n" / "\r\n" (the map-style text
+builder also splits at the rarer Unicode line separators). A save_to_disk directory is memory-mapped,
+so it is always read by index.
 
 A flat token file (`.bin`: raw uint16/uint32, the nanoGPT / Megatron convention; `.npy`: its own dtype) is
 memory-mapped and cut into blocks of `seq_len` tokens, the "documents" of the order; a file's last block
@@ -16,6 +22,7 @@ may be shorter. Its documents already hold their end-of-document tokens, so the 
 from __future__ import annotations
 
 import glob
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,10 +64,12 @@ def _format(src: SourceConfig) -> str:
 
 
 class Documents:
-    """Documents of one source: `len()` (map-style), `get(index)` and `iter_from(index)`; `pretokenized` says
-    whether they are id lists (no tokenizer) and `has_eos` whether they carry their own end-of-document."""
+    """Documents of one source with random access: `len()` and `get(index)`; `pretokenized` says whether they
+    are id lists (no tokenizer) and `has_eos` whether they carry their own end-of-document."""
 
-    def __init__(self, src: SourceConfig, *, streaming: bool) -> None:
+    streaming = False
+
+    def __init__(self, src: SourceConfig) -> None:
         import datasets
 
         datasets.disable_progress_bars()
@@ -71,38 +80,87 @@ class Documents:
             ds = datasets.load_from_disk(src.path)
             if isinstance(ds, datasets.DatasetDict):
                 raise ValueError(f"data path {src.path!r} holds splits {list(ds)}; point it at one split's directory")
-            ds = ds.to_iterable_dataset() if streaming else ds
         else:
             kwargs = {"sample_by": "document" if src.text_unit == "file" else "line"} if fmt == "text" else {}
-            ds = datasets.load_dataset(_BUILDERS[fmt], data_files=_data_files(src.path), split="train",
-                                       streaming=streaming, **kwargs)
-        columns = ds.column_names
-        if fmt == "text":
-            field = "text"
-        elif columns is not None and src.ids_field in columns:
-            field = src.ids_field
-        else:
-            field = src.text_field
-        if columns is not None and field not in columns:
-            raise ValueError(f"text_field={field!r} is not a column of {src.path!r}; columns: {columns} (a "
-                             f"pre-tokenized source has an {src.ids_field!r} column)")
-        self.ds, self.field, self.streaming, self.path = ds, field, streaming, src.path
-        self.pretokenized = field == src.ids_field and fmt != "text"
-        self.has_eos = False
-        if not streaming and len(ds) == 0:
+            ds = datasets.load_dataset(_BUILDERS[fmt], data_files=_data_files(src.path), split="train", **kwargs)
+        self.field, self.pretokenized = _field(src, fmt, ds.column_names)
+        self.ds, self.path, self.has_eos = ds, src.path, False
+        if len(ds) == 0:
             raise ValueError(f"data path {src.path!r} holds no documents")
 
     def __len__(self) -> int:
-        assert not self.streaming, "a streaming dataset has no length"
         return len(self.ds)
 
     def get(self, index: int) -> Document:
         return self.ds[index][self.field]
 
-    def iter_from(self, index: int) -> Iterator[tuple[int, Document]]:
-        """(global index, document) from document `index` on, in file order (streaming)."""
-        for i, row in enumerate(self.ds.skip(index) if index else self.ds, start=index):
-            yield i, row[self.field]
+
+def _field(src: SourceConfig, fmt: str, columns: list[str]) -> tuple[str, bool]:
+    """(the column to read, whether it holds ids): ids_field when present, else text_field."""
+    if fmt == "text":
+        return "text", False
+    if src.ids_field in columns:
+        return src.ids_field, True
+    if src.text_field not in columns:
+        raise ValueError(f"text_field={src.text_field!r} is not a column of {src.path!r}; columns: {columns} (a "
+                         f"pre-tokenized source has an {src.ids_field!r} column)")
+    return src.text_field, False
+
+
+class StreamedFiles:
+    """jsonl / parquet / text files read lazily in file order, decoding only every stride-th document."""
+
+    streaming, has_eos = True, False
+
+    def __init__(self, src: SourceConfig, fmt: str) -> None:
+        import pyarrow.parquet as pq
+
+        self.files, self.fmt, self.path, self.per_file = _data_files(src.path), fmt, src.path, src.text_unit == "file"
+        if fmt == "parquet":
+            columns = pq.ParquetFile(self.files[0]).schema_arrow.names
+        elif fmt == "jsonl":
+            columns = list(json.loads(next(line for line in _lines(self.files[0]) if line.strip())))
+        else:
+            columns = ["text"]
+        self.field, self.pretokenized = _field(src, fmt, columns)
+
+    def iter_from(self, index: int, stride: int) -> Iterator[tuple[int, Document]]:
+        """(global index, document) for the documents index, index + stride, ... to the end of the files."""
+        g = 0  # global index of the next document of the files
+        for f in self.files:
+            if self.fmt == "parquet":
+                import pyarrow.parquet as pq
+
+                pf = pq.ParquetFile(f)
+                for rg in range(pf.num_row_groups):
+                    n = pf.metadata.row_group(rg).num_rows
+                    first = _first_of_share(max(g, index), index, stride)
+                    if first < g + n:
+                        column = pf.read_row_group(rg, columns=[self.field]).column(0)
+                        for j in range(first, g + n, stride):
+                            yield j, column[j - g].as_py()
+                    g += n
+            elif self.fmt == "text" and self.per_file:
+                if g >= index and (g - index) % stride == 0:
+                    yield g, Path(f).read_text(encoding="utf-8")
+                g += 1
+            else:
+                for line in _lines(f):
+                    if self.fmt == "jsonl" and not line.strip():
+                        continue
+                    if g >= index and (g - index) % stride == 0:
+                        yield g, json.loads(line)[self.field] if self.fmt == "jsonl" else line.rstrip("\r\n")
+                    g += 1
+
+
+def _lines(path: str) -> Iterator[str]:
+    with open(path, encoding="utf-8", newline="") as fh:
+        yield from fh
+
+
+def _first_of_share(at: int, index: int, stride: int) -> int:
+    """The first document >= at of the share index, index + stride, ..."""
+    return index + -(-(at - index) // stride) * stride
 
 
 class TokenBlocks:
@@ -134,12 +192,12 @@ class TokenBlocks:
         i = index - int(self.starts[f])
         return np.asarray(self.files[f][i * self.block:(i + 1) * self.block], dtype=np.int64)
 
-    def iter_from(self, index: int) -> Iterator[tuple[int, np.ndarray]]:
-        for i in range(index, len(self)):
-            yield i, self.get(i)
 
 
-def open_documents(src: SourceConfig, *, streaming: bool, seq_len: int) -> Documents | TokenBlocks:
-    if _format(src) == "tokens":
+def open_documents(src: SourceConfig, *, streaming: bool, seq_len: int) -> Documents | TokenBlocks | StreamedFiles:
+    fmt = _format(src)
+    if fmt == "tokens":
         return TokenBlocks(src, block=seq_len)
-    return Documents(src, streaming=streaming)
+    if streaming and fmt != "saved":
+        return StreamedFiles(src, fmt)
+    return Documents(src)

@@ -29,12 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from moontrain.data.documents import Document, Documents, TokenBlocks
+from moontrain.data.documents import Document, Documents, StreamedFiles, TokenBlocks
 from moontrain.data.tokenizer import ByteTokenizer, HFTokenizer
 
 
 class PackedStream:
-    def __init__(self, docs: Documents | TokenBlocks, tokenizer: ByteTokenizer | HFTokenizer, *, name: str,
+    def __init__(self, docs: Documents | TokenBlocks | StreamedFiles, tokenizer: ByteTokenizer | HFTokenizer, *,
+                 name: str,
                  index: int, seed: int, shuffle: bool, vocab_size: int, seq_len: int, rank: int,
                  world_size: int) -> None:
         self.docs, self.tokenizer, self.name = docs, tokenizer, name
@@ -70,7 +71,8 @@ class PackedStream:
         ids = doc.tolist() if isinstance(doc, np.ndarray) else list(doc)
         if ids and (max(ids) >= self.vocab or min(ids) < 0):
             bad = max(ids) if max(ids) >= self.vocab else min(ids)
-            raise ValueError(f"data source {self.name!r} ({self.docs.path}): document {g} holds token id {bad}, outside "
+            raise ValueError(f"data source {self.name!r} ({self.docs.path}): document {g} holds token id {bad}, "
+                             f"outside "
                              f"model.vocab_size={self.vocab}; set model.vocab_size above the tokenizer's largest id")
         return ids
 
@@ -97,11 +99,11 @@ class PackedStream:
     def _next_streamed(self) -> tuple[int, int, Document]:
         for _ in range(2):
             if self._stream is None:
-                self._stream = self.docs.iter_from(self.next_doc)
-            for g, doc in self._stream:
-                if g == self.next_doc:
-                    self.next_doc += self.world
-                    return self.epoch, g, doc
+                self._stream = self.docs.iter_from(self.next_doc, self.world)
+            for g, doc in self._stream:  # only this rank's documents are decoded
+                assert g == self.next_doc, (g, self.next_doc)
+                self.next_doc += self.world
+                return self.epoch, g, doc
             self._stream = None  # the epoch's end
             if self.next_doc == self.rank:
                 break

@@ -2,9 +2,12 @@
 
 Sentences come from a fixed little grammar (subject, verb, object, place), so a tiny model can learn
 real structure in a minute: the byte-level loss falls from log(257) towards ~1 nat. The shipped file
-recipes/data/tiny_corpus.jsonl is exactly `write_corpus(path)` (a test checks it); regenerate with
+recipes/data/tiny_corpus.jsonl is exactly `write_corpus(path)` and the held-out set
+recipes/data/tiny_heldout.jsonl is `write_corpus(path, num_docs=200, seed=1)` (a test checks both);
+regenerate with
 
     python -m moontrain.data.tiny_corpus recipes/data/tiny_corpus.jsonl
+    python -m moontrain.data.tiny_corpus recipes/data/tiny_heldout.jsonl 200 1
 """
 
 from __future__ import annotations
@@ -47,4 +50,6 @@ def write_corpus(path: str | Path, num_docs: int = 1000, seed: int = 0) -> None:
 
 
 if __name__ == "__main__":
-    write_corpus(sys.argv[1])
+    if len(sys.argv) not in (2, 4):
+        raise SystemExit("usage: python -m moontrain.data.tiny_corpus OUT.jsonl [NUM_DOCS SEED]")
+    write_corpus(sys.argv[1], *(int(a) for a in sys.argv[2:]))

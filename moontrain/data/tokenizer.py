@@ -79,7 +79,8 @@ class HFTokenizer:
                              "tokenizer directory")
         self.eos_id = eos_id if eos_id is not None else _find_eos(spec, config, lookup)
         if not 0 <= self.eos_id < self.vocab_size:
-            raise ValueError(f"data.eos_id={self.eos_id} is outside the vocabulary of {spec!r} (size {self.vocab_size})")
+            raise ValueError(f"data.eos_id={self.eos_id} is outside the vocabulary of {spec!r} "
+                             f"(size {self.vocab_size})")
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         if self._tok is not None:  # the Rust library encodes a batch in parallel, outside the GIL
@@ -126,5 +127,6 @@ def load_tokenizer(spec: str, *, eos_id: int | None = None) -> ByteTokenizer | H
 
 def check_vocab(tokenizer_spec: str, tokenizer_vocab: int, model_vocab: int) -> None:
     if tokenizer_vocab > model_vocab:
-        raise ValueError(f"data.tokenizer={tokenizer_spec} has {tokenizer_vocab} ids but model.vocab_size={model_vocab}; "
+        raise ValueError(f"data.tokenizer={tokenizer_spec} has {tokenizer_vocab} ids but "
+                         f"model.vocab_size={model_vocab}; "
                          f"set model.vocab_size >= {tokenizer_vocab}")

@@ -5,8 +5,9 @@ Legend: L MoE layers, E experts.
 
 Colour: the load relative to the uniform share 1/E (so 1 is perfect balance, and the brightest cell of a
 row is that layer's maxvio + 1), on a dark-blue -> teal -> yellow ramp clipped at 3x uniform. The image has
-no text: rows are the MoE layers in model order, columns the expert ids 0..E-1. The counts come from the routers' world-reduced token
-counts, already on the device every step; they are summed on the device and read once per heatmap.
+no text: rows are the MoE layers in model order, columns the expert ids 0..E-1. The counts are the
+routers' world-reduced token counts, on the device every step; they are summed on the device and read
+once per heatmap.
 
 The PNG writer is a few lines over zlib (8-bit RGB, no filter), so no plotting package is needed.
 """

@@ -60,9 +60,11 @@ class ProgressLog:
         self.last: StepStats | None = None
         self.best_eval: tuple[float, int] | None = None  # (loss, step) of this job's evaluations
         self.path = Path(run_dir) / "metrics.jsonl" if run_dir is not None else None
+        self.kept: list[dict] = []
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             keep = [line for line in self._records() if json.loads(line)["step"] <= start_step]
+            self.kept = [json.loads(line) for line in keep]  # the earlier jobs' records this job continues
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in keep))
             os.replace(tmp, self.path)

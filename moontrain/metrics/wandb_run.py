@@ -33,14 +33,39 @@ class WandbRun:
         )
         self.id = self.run.id
         self.sync_dir = Path(self.run.settings.sync_dir)  # what `wandb sync` uploads (offline runs)
+        self._said_no_pillow = False
 
     def log_image(self, key: str, path: str | Path, step: int) -> None:
+        """An image file at `step` (wandb.Image needs pillow; without it the image is not logged, once said)."""
         import wandb
 
+        try:
+            import PIL  # noqa: F401
+        except ImportError:
+            if not self._said_no_pillow:
+                print(f"moontrain: {key} is not logged to wandb: wandb.Image needs the pillow package (pip install "
+                      f"pillow); the PNG files are under {Path(path).parent}", flush=True)
+                self._said_no_pillow = True
+            return
         self.run.log({key: wandb.Image(str(path))}, step=step)
 
     def log(self, values: dict[str, float | int | None], step: int) -> None:
         self.run.log(values, step=step)
+
+    def backfill(self, records: list[dict[str, float | int | None]], run_dir: str | Path) -> int:
+        """Offline: log the metrics.jsonl records (steps up to the resumed checkpoint) that no earlier offline file
+        of this run holds, e.g. what a killed job had not flushed; returns how many. Online runs: nothing (the
+        server has what it received)."""
+        if not self.run.offline:
+            return 0
+        from moontrain.metrics.wandb_offline import read_history, run_files
+
+        present = {row["_step"] for f in run_files(run_dir) if f.stem == f"run-{self.id}" and f.parent != self.sync_dir
+                   for row in read_history(f)}
+        missing = [r for r in records if r["step"] not in present]
+        for r in missing:
+            self.log({k: v for k, v in r.items() if k != "step" and v is not None}, step=int(r["step"]))
+        return len(missing)
 
     def finish(self) -> None:
         self.run.finish()

@@ -22,22 +22,22 @@ def check_data(cfg: RunConfig) -> list[str]:
     from moontrain.data.tokenizer import check_vocab, load_tokenizer
 
     data, lines = cfg.data, []
-    if data.source != "dataset" and getattr(cfg, "eval", None) is None:
-        return ["data: synthetic Markov tokens (data.source=markov)"]
+    if data.source != "dataset" and cfg.eval.data is None:
+        return ["data: synthetic Markov tokens (data.source=markov; data.source=dataset data.path=... for files)"]
     tokenizer = load_tokenizer(data.tokenizer, eos_id=data.eos_id)
     check_vocab(data.tokenizer, tokenizer.vocab_size, cfg.model.vocab_size)
     lines.append(f"tokenizer: {data.tokenizer} ({tokenizer.vocab_size} ids, eos {tokenizer.eos_id}; "
                  f"model.vocab_size {cfg.model.vocab_size})")
     sources = dict(data.file_sources()) if data.source == "dataset" else {}
-    eval_cfg = getattr(cfg, "eval", None)
-    if eval_cfg is not None and eval_cfg.data is not None:
-        sources["eval"] = eval_cfg.data
+    mixture = len(sources) > 1
+    if cfg.eval.data is not None:
+        sources["eval"] = cfg.eval.data
     for name, src in sources.items():
         fmt = _format(src)
         files = [src.path] if fmt == "saved" else _data_files(src.path)
         size = sum(Path(f).stat().st_size for f in files if Path(f).is_file())
         lines.append(f"data {name}: {src.path} ({fmt}, {len(files)} file(s), {size / 2**20:.1f} MiB"
-                     + (f", weight {src.weight:g}" if len(sources) > 1 and name != "eval" else "") + ")")
+                     + (f", weight {src.weight:g}" if mixture and name != "eval" else "") + ")")
     return lines
 
 

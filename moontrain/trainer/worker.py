@@ -157,6 +157,8 @@ def _train(cfg: RunConfig, device: torch.device, preemption: PreemptionHandler) 
                                 run_id=trainer.wandb_run_id)
                 trainer.wandb_run_id = sink.id
             trainer.log = ProgressLog(cfg.train.run_dir, cfg.train.steps, sink=sink, start_step=trainer.step)
+            if sink is not None and trainer.step:  # what a killed job logged but did not flush to wandb
+                sink.backfill(trainer.log.kept, cfg.train.run_dir)
         trainer.fit()
         if trainer.log is not None:
             print(trainer.log.summary(step=trainer.step, tokens_seen=trainer.tokens_seen,

@@ -156,3 +156,5 @@ def test_shipped_tiny_corpus_is_the_generated_one(tmp_path: Path) -> None:
     shipped = REPO / "recipes" / "data" / "tiny_corpus.jsonl"
     assert (tmp_path / "c.jsonl").read_bytes() == shipped.read_bytes()
     assert len(documents()) == len(shipped.read_text().splitlines())
+    write_corpus(tmp_path / "h.jsonl", num_docs=200, seed=1)
+    assert (tmp_path / "h.jsonl").read_bytes() == (REPO / "recipes" / "data" / "tiny_heldout.jsonl").read_bytes()

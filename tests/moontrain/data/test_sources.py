@@ -285,3 +285,50 @@ def test_loader_matches_the_source(files: dict[str, Path]) -> None:
         bad = BatchLoader(_source(path=str(files["ids_jsonl"]), vocab=260, tokenizer="bytes"), prefetch=2,
                           device=torch.device("cpu"))
         bad.batch(0)
+
+
+def test_streaming_decodes_only_the_ranks_share(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 of 2 streams files whose rank-1 documents cannot be decoded (broken JSON lines, dangling text
+    files) and reads only the parquet row groups holding its documents; the stream equals map-style's."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = _texts()
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("".join((json.dumps({"text": t}) if g % 2 == 0 else "{not json") + "\n"
+                              for g, t in enumerate(texts)))
+    txt = tmp_path / "txt"
+    txt.mkdir()
+    for g, t in enumerate(texts):
+        if g % 2 == 0:
+            (txt / f"{g:02d}.txt").write_text(t)
+        else:
+            (txt / f"{g:02d}.txt").symlink_to(tmp_path / "missing")
+    parquet = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"text": texts}), parquet, row_group_size=3)
+    read_groups: list[int] = []
+    read_row_group = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group",
+                        lambda self, i, **kw: read_groups.append(i) or read_row_group(self, i, **kw))
+
+    def stream(path: Path, streaming: bool) -> list[int]:
+        return _stream(_source(0, 2, path=str(path), shuffle=False, streaming=streaming), 3)
+
+    want = stream(good, False)
+    assert stream(broken, True) == want
+    per_file = _stream(_source(0, 2, path=str(txt), shuffle=False, streaming=True), 3)
+    eos = load_tokenizer(str(SHIPPED)).eos_id
+    assert _split(per_file, eos)[:5] == _ids(texts[0:10:2])
+    with pytest.raises(json.JSONDecodeError):
+        _stream(_source(1, 2, path=str(broken), shuffle=False, streaming=True), 1)  # rank 1's share is broken
+    # 2 ranks, row groups of 3 documents: a group holds documents of both ranks, so rank 0 reads them all in
+    # order; with 4 ranks and groups of 3, rank 0 (documents 0, 4, 8, 12, 16) skips group 3 (documents 9-11)
+    assert stream(parquet, True) == want
+    assert read_groups[:4] == [0, 1, 2, 3]
+    read_groups.clear()
+    src = FileTokens(DataConfig(source="dataset", path=str(parquet), tokenizer=str(SHIPPED), shuffle=False,
+                                streaming=True), vocab_size=384, seq_len=T, global_batch=G * 4, rank=0, world_size=4)
+    src.batch(0)
+    assert 3 not in read_groups and read_groups[:3] == [0, 1, 2], read_groups

@@ -21,6 +21,8 @@ import pytest
 
 datasets = pytest.importorskip("datasets")
 
+from moontrain.metrics.heatmap import CELL_PX, heatmap_path, read_png  # noqa: E402
+from moontrain.metrics.wandb_offline import main as print_history  # noqa: E402
 from moontrain.metrics.wandb_offline import read_history, run_files  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
@@ -92,7 +94,7 @@ def _launch_and_kill(cmd: list[str], run_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_killed_run_relaunched_continues_bitwise(tmp_path: Path) -> None:
+def test_killed_run_relaunched_continues_bitwise(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     texts = [json.loads(line)["text"] for line in (REPO / "recipes" / "data" / "tiny_corpus.jsonl").read_text()
              .splitlines()]
     parquet, eval_file = tmp_path / "train.parquet", tmp_path / "heldout.jsonl"
@@ -120,8 +122,22 @@ def test_killed_run_relaunched_continues_bitwise(tmp_path: Path) -> None:
     assert f"wandb sync {run_dir / 'wandb'}" in proc.stdout
     ids = {f.stem for f in run_files(run_dir)}
     assert len(ids) == 1 and len(run_files(run_dir)) == 2, "the relaunch continues the same wandb run"
-    resumed = [f for f in run_files(run_dir) if read_history(f) and read_history(f)[0]["_step"] > last_ckpt]
-    assert [h["_step"] for h in read_history(resumed[0])] == list(range(last_ckpt + 2, STEPS + 1, 2))
+    killed_file, resumed = run_files(run_dir)  # offline-run-<time>-<id>: in launch order
+    new_steps = list(range(last_ckpt + 2, STEPS + 1, 2))
+    assert [h["_step"] for h in read_history(resumed)][-len(new_steps):] == new_steps
+    # a SIGKILLed job may not have flushed its last rows to wandb: the relaunch logs the missing ones again
+    history = {h["_step"]: h for h in read_history(killed_file) if h["_step"] <= last_ckpt}
+    history |= {h["_step"]: h for h in read_history(resumed)}
+    assert sorted(history) == [r["step"] for r in reference]
+    assert all(history[r["step"]]["loss"] == r["loss"] for r in reference)
+    last = read_history(resumed)[-1]
+    assert last["moe/expert_load/_type"] == "image-file", "the expert-load heatmap is logged to wandb"
+    assert read_png(heatmap_path(run_dir, STEPS)).shape == (2 * CELL_PX, 8 * CELL_PX, 3)  # 2 MoE layers x 8 experts
+    capsys.readouterr()
+    assert print_history([str(run_dir)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["step", "loss", "eval_loss", "wait_ms", "layer1", "layer2"]
+    assert [int(line.split()[0]) for line in table[1:]] == [r["step"] for r in reference]
 
     # starting over is explicit: the earlier run's checkpoints and metrics are moved aside, nothing deleted
     proc = _run(_command(run_dir, parquet, eval_file, "checkpoint.resume=none", "train.steps=2"))
