@@ -170,7 +170,7 @@ class MoontrainKDA(nn.Module):
             self.g_a_proj, self.g_b_proj = nn.Linear(D, r, bias=False), nn.Linear(r, H * K, bias=False)
         self.b_proj = nn.Linear(D, H, bias=False)
         self.A_log = nn.Parameter(torch.zeros(H))
-        self.dt_bias = nn.Parameter(torch.zeros(H, K))
+        self.dt_bias = nn.Parameter(torch.zeros(H * K))
         self.o_norm = MoontrainRMSNorm(K, config.rms_norm_eps)
         self.o_proj = nn.Linear(H * K, D, bias=False)
 
@@ -192,7 +192,7 @@ class MoontrainKDA(nn.Module):
         q = l2(self.q_conv(self.q_proj(x_BTD)).view(B, T, H, K))
         k = l2(self.k_conv(self.k_proj(x_BTD)).view(B, T, H, K))
         v = self.v_conv(self.v_proj(x_BTD)).view(B, T, H, K)
-        f = self._low_rank(x_BTD, "f").view(B, T, H, K).float() + self.dt_bias.float()
+        f = self._low_rank(x_BTD, "f").view(B, T, H, K).float() + self.dt_bias.float().view(H, K)
         a = self.A_log.float().exp().view(H, 1)
         bound = cfg.kda_gate_lower_bound
         g = -a * F.softplus(f) if bound is None else bound * torch.sigmoid(a * f)

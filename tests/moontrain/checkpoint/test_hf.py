@@ -57,6 +57,7 @@ def _export_tiny(tmp_path: Path) -> tuple[Trainer, Path]:
     torch.set_num_threads(1)
     trainer = Trainer(_run_config(_tiny_model(), "local", 1, str(tmp_path / "run")), single_process_layout(CPU))
     train(trainer, 2)
+    trainer.model.document_eos_id = None  # one sequence per row, as the HF model reads it
     with torch.no_grad():  # a nonzero router bias, so the exported bias is checked too
         for i, moe in enumerate(trainer.model.moe_layers()):
             moe.router.score_bias_E.copy_(torch.linspace(-0.05, 0.05, moe.router.num_experts) * (i + 1))
@@ -85,7 +86,8 @@ def test_export_transformers_parity_and_import_at_ep2(tmp_path: Path) -> None:
             assert (out / file).stat().st_size <= 64 * 1024 + 4096 or len(list(fh.keys())) == 1, file
     names = set(index["weight_map"])
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.gate_proj.weight",
-                 "model.layers.1.self_attn.q_b_proj.weight", "model.layers.1.self_attn.g_proj.weight",
+                 "model.layers.2.self_attn.q_b_proj.weight", "model.layers.2.self_attn.g_proj.weight",
+                 "model.layers.0.self_attn.q_conv.weight", "model.layers.1.self_attn.dt_bias",
                  "model.layers.2.mlp.experts.7.down_proj.weight", "model.layers.2.mlp.gate.e_score_correction_bias",
                  "model.layers.1.mlp.shared_experts.up_proj.weight", "model.layers.1.mlp.latent_down_proj.weight"):
         assert name in names, name
