@@ -15,8 +15,9 @@ Kimi K2) convention.
     layers.i.res_{attn,ffn}.query           model.layers.i.{attn,mlp}_res.query       (AttnRes pseudo-queries)
     layers.i.res_{attn,ffn}.key_norm.weight ... {attn,mlp}_res.key_norm.weight
     final_res.{query, key_norm.weight}      model.final_res.{query, key_norm.weight}
-    layers.i.attn.{q,k,v,f,f_a,f_b,b,g,g_a,g_b,o}_proj, {q,k,v}_conv1d, A_log, dt_bias, o_norm
+    layers.i.attn.{q,k,v,f,f_a,f_b,b,g,g_a,g_b,o}_proj, A_log, dt_bias, o_norm
                                             model.layers.i.self_attn.<the same>   (KDA layers, Kimi Linear's names)
+    layers.i.attn.{q,k,v}_conv1d            ... self_attn.{q,k,v}_conv1d.weight   (KDA, nn.Conv1d's layout)
 
 Layout changes: expert projections are split per expert and transposed; the rope rows of the q
 projection (the last Dr rows of every head) and of the kv-a projection (its last Dr rows) are stored
@@ -62,7 +63,8 @@ _RULES: list[tuple[str, str, Literal["plain", "rope_q", "rope_kv", "experts"]]] 
     (_LAYER + r"res_attn\.(query|key_norm\.weight)", "attn_res.{}", "plain"),
     (_LAYER + r"res_ffn\.(query|key_norm\.weight)", "mlp_res.{}", "plain"),
     (_LAYER + r"attn\.((?:[qkvfbgo]|f_[ab]|g_[ab])_proj)\.weight", "self_attn.{}.weight", "plain"),
-    (_LAYER + r"attn\.([qkv]_conv1d|A_log|dt_bias|o_norm\.weight)", "self_attn.{}", "plain"),
+    (_LAYER + r"attn\.([qkv]_conv1d)", "self_attn.{}.weight", "plain"),
+    (_LAYER + r"attn\.(A_log|dt_bias|o_norm\.weight)", "self_attn.{}", "plain"),
     (r"final_res\.query", "model.final_res.query", "plain"),
     (r"final_res\.key_norm\.weight", "model.final_res.key_norm.weight", "plain"),
 ]

@@ -2,7 +2,10 @@
 YaRN), dense gated-FFN first layers (SwiGLU, or SiTU-GLU with hidden_act="situ_glu"), then sigmoid-routed
 MoE (optional group-limited routing, latent projection, shared experts), optionally Block Attention
 Residuals (attn_res_block_size > 0: each sub-layer's input a softmax over depth of the completed blocks,
-the embedding first, and the current block's partial sum, with a zero-initialised pseudo-query). Loaded with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`.
+the embedding first, and the current block's partial sum, with a zero-initialised pseudo-query), optionally
+the hybrid stack of Kimi Delta Attention layers (kda_layers_per_mla: short convolutions, L2-normed q/k,
+per-channel decay, delta rule, gated RMSNorm; run token by token here, and without the attention_mask's
+padding: pad on the right). Loaded with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`.
 
 Legend: B batch, T sequence, D hidden, N heads, Dn/Dr/Dv nope/rope/value head dims, E experts, K top-k,
 s = B*T tokens, H expert width (the latent width with moe_latent_size).
@@ -134,6 +137,65 @@ class MoontrainAttention(nn.Module):
         return self.o_proj(o)
 
 
+class MoontrainKDA(nn.Module):
+    """Kimi Delta Attention (Kimi Linear's weight names; conv weights in nn.Conv1d's layout), as the
+    recurrence: per head, S = diag(exp g_t) S; S += beta_t k_t (v_t - S^T k_t)^T; o_t = S^T q_t / sqrt(K)."""
+
+    def __init__(self, config: MoontrainConfig) -> None:
+        super().__init__()
+        self.config = config
+        D, H, K, W, r = (config.hidden_size, config.kda_num_heads, config.kda_head_dim, config.kda_conv_size,
+                         config.kda_gate_rank)
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(D, H * K, bias=False) for _ in range(3))
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (nn.Conv1d(H * K, H * K, W, groups=H * K, bias=False)
+                                                       for _ in range(3))
+        if r is None:
+            self.f_proj, self.g_proj = nn.Linear(D, H * K, bias=False), nn.Linear(D, H * K, bias=False)
+        else:
+            self.f_a_proj, self.f_b_proj = nn.Linear(D, r, bias=False), nn.Linear(r, H * K, bias=False)
+            self.g_a_proj, self.g_b_proj = nn.Linear(D, r, bias=False), nn.Linear(r, H * K, bias=False)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.dt_bias = nn.Parameter(torch.zeros(H * K))
+        self.o_norm = MoontrainRMSNorm(K, config.rms_norm_eps)
+        self.o_proj = nn.Linear(H * K, D, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        cfg = self.config
+        B, T, _ = x_BTD.shape
+        H, K, W = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
+
+        def conv(m: nn.Conv1d, y_BTC: torch.Tensor) -> torch.Tensor:
+            y = F.conv1d(F.pad(y_BTC.transpose(1, 2), (W - 1, 0)), m.weight.to(y_BTC.dtype), groups=m.groups)
+            return F.silu(y.transpose(1, 2)).float().view(B, T, H, K)
+
+        def l2norm(y: torch.Tensor) -> torch.Tensor:
+            return y * torch.rsqrt(y.square().sum(-1, keepdim=True) + 1e-6)
+
+        q = l2norm(conv(self.q_conv1d, self.q_proj(x_BTD))) / math.sqrt(K)
+        k = l2norm(conv(self.k_conv1d, self.k_proj(x_BTD)))
+        v = conv(self.v_conv1d, self.v_proj(x_BTD))
+        low_rank = cfg.kda_gate_rank is not None
+        f = self.f_b_proj(self.f_a_proj(x_BTD)) if low_rank else self.f_proj(x_BTD)
+        gate = self.g_b_proj(self.g_a_proj(x_BTD)) if low_rank else self.g_proj(x_BTD)
+        pre = f.float().view(B, T, H, K) + self.dt_bias.float().view(H, K)
+        a = self.A_log.float().exp().view(H, 1)
+        bound = cfg.kda_gate_lower_bound
+        g = -a * F.softplus(pre) if bound is None else bound * torch.sigmoid(a * pre)
+        beta = torch.sigmoid(self.b_proj(x_BTD).float())
+        S = x_BTD.new_zeros(B, H, K, K, dtype=torch.float32)
+        outs = []
+        for t in range(T):
+            S = g[:, t].exp().unsqueeze(-1) * S
+            kt = k[:, t]
+            delta = v[:, t] - torch.einsum("bhkv,bhk->bhv", S, kt)
+            S = S + beta[:, t, :, None, None] * kt.unsqueeze(-1) * delta.unsqueeze(-2)
+            outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+        o = self.o_norm(torch.stack(outs, dim=1)) * torch.sigmoid(gate.float().view(B, T, H, K))
+        return self.o_proj(o.to(x_BTD.dtype).reshape(B, T, H * K))
+
+
 class MoontrainMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str = "silu") -> None:
         super().__init__()
@@ -232,7 +294,9 @@ class MoontrainDecoderLayer(nn.Module):
     def __init__(self, config: MoontrainConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = MoontrainRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MoontrainAttention(config)
+        n, last = config.kda_layers_per_mla, config.num_hidden_layers - 1
+        is_kda = n > 0 and (layer_idx + 1) % (n + 1) != 0 and layer_idx != last
+        self.self_attn = MoontrainKDA(config) if is_kda else MoontrainAttention(config)
         self.post_attention_layernorm = MoontrainRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = (MoontrainMoE(config) if layer_idx >= config.first_k_dense_replace
                     else MoontrainMLP(config.hidden_size, config.intermediate_size, config.hidden_act))
