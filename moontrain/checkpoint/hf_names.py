@@ -15,9 +15,11 @@ Kimi K2) convention.
     layers.i.res_{attn,ffn}.query           model.layers.i.{attn,mlp}_res.query       (AttnRes pseudo-queries)
     layers.i.res_{attn,ffn}.key_norm.weight ... {attn,mlp}_res.key_norm.weight
     final_res.{query, key_norm.weight}      model.final_res.{query, key_norm.weight}
-    layers.i.attn.{q,k,v,f,f_a,f_b,b,g,g_a,g_b,o}_proj, A_log, dt_bias, o_norm
-                                            model.layers.i.self_attn.<the same>   (KDA layers, Kimi Linear's names)
-    layers.i.attn.{q,k,v}_conv1d            ... self_attn.{q,k,v}_conv1d.weight   (KDA, nn.Conv1d's layout)
+
+KDA layers (model.kda_layers_per_mla > 0; moontrain uses Kimi Linear's names and layouts):
+    layers.i.attn.{q,k,v,f,f_a,f_b,b,g,g_a,g_b,o}_proj   model.layers.i.self_attn.<the same>
+    layers.i.attn.{q,k,v}_conv1d [C, 1, W]  ... self_attn.{q,k,v}_conv1d.weight (nn.Conv1d's layout)
+    layers.i.attn.{A_log, dt_bias, o_norm}  ... self_attn.{A_log, dt_bias, o_norm.weight}
 
 Layout changes: expert projections are split per expert and transposed; the rope rows of the q
 projection (the last Dr rows of every head) and of the kv-a projection (its last Dr rows) are stored
@@ -62,13 +64,17 @@ _RULES: list[tuple[str, str, Literal["plain", "rope_q", "rope_kv", "experts"]]] 
     (_LAYER + r"ffn\.experts\.master\.(gate|up|down)", "mlp.experts.{{j}}.{}_proj.weight", "experts"),
     (_LAYER + r"res_attn\.(query|key_norm\.weight)", "attn_res.{}", "plain"),
     (_LAYER + r"res_ffn\.(query|key_norm\.weight)", "mlp_res.{}", "plain"),
-    (_LAYER + r"attn\.((?:[qkvfbgo]|f_[ab]|g_[ab])_proj)\.weight", "self_attn.{}.weight", "plain"),
-    (_LAYER + r"attn\.([qkv]_conv1d)", "self_attn.{}.weight", "plain"),
-    (_LAYER + r"attn\.(A_log|dt_bias|o_norm\.weight)", "self_attn.{}", "plain"),
     (r"final_res\.query", "model.final_res.query", "plain"),
     (r"final_res\.key_norm\.weight", "model.final_res.key_norm.weight", "plain"),
 ]
+_KDA_RULES: list[tuple[str, str, Literal["plain"]]] = [
+    (_LAYER + r"attn\.((?:[qkvfbgo]|f_[ab]|g_[ab])_proj)\.weight", "self_attn.{}.weight", "plain"),
+    (_LAYER + r"attn\.([qkv]_conv1d)", "self_attn.{}.weight", "plain"),
+    (_LAYER + r"attn\.(A_log|dt_bias|o_norm\.weight)", "self_attn.{}", "plain"),
+]
 _COMPILED = [(re.compile(pattern), target, kind) for pattern, target, kind in _RULES]
+_KDA_COMPILED = [(re.compile(pattern), target, kind) for pattern, target, kind in _KDA_RULES]
+_LAYER_IDX = re.compile(_LAYER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,9 +88,11 @@ class HFName:
         return self.name.format(j=j)
 
 
-def hf_name(name: str) -> HFName:
+def hf_name(name: str, cfg: ModelConfig) -> HFName:
     """The HF name of moontrain tensor `name` (a canonical state-dict name, without the `model.` prefix)."""
-    for pattern, target, kind in _COMPILED:
+    layer = _LAYER_IDX.match(name)
+    kda = layer is not None and ".attn." in name and cfg.layer_is_kda(int(layer.group(1)))
+    for pattern, target, kind in _KDA_COMPILED if kda else _COMPILED:
         m = pattern.fullmatch(name)
         if m is None:
             continue

@@ -70,10 +70,9 @@ class MLAttention(nn.Module):
             k_rope_BNTDr = apply_rope(k_rope_BNTDr, cos_TDr, sin_TDr)
         k_BNTd = torch.cat([k_nope_BNTDn, k_rope_BNTDr.expand(B, N, T, Dr)], dim=-1)
         v_BNTd = v_BNTDv
-        if self.max_logit_N is not None:
-            self.max_logit_N = torch.maximum(self.max_logit_N,
-                                             causal_max_logit(q_BNTd, k_BNTd, softmax_scale(cfg),
-                                                              None if docs is None else docs.id_BT))
+        if self.max_logit_N is not None:  # in place: one tensor for the run (no recompiles under compile)
+            self.max_logit_N.copy_(torch.maximum(self.max_logit_N, causal_max_logit(
+                q_BNTd, k_BNTd, softmax_scale(cfg), None if docs is None else docs.id_BT)))
         if cfg.attn_pad_head_dims and Dn + Dr != Dv:
             d = max(Dn + Dr, Dv)
             q_BNTd, k_BNTd = F.pad(q_BNTd, (0, d - Dn - Dr)), F.pad(k_BNTd, (0, d - Dn - Dr))

@@ -89,14 +89,10 @@ class QKClip:
             raise ValueError(f"QK-Clip needs tau > 0, got {tau}")
         self.attns, self.tau, self.group, self.layer_ids = attns, tau, group, layer_ids
         device = next(attns[0].parameters()).device if attns else torch.device("cpu")
-        self._device = device
-        for attn in attns:
-            attn.max_logit_N = self._fresh(attn.cfg.num_heads)
+        for attn in attns:  # the forwards fold their maxima into these tensors in place; step() resets them
+            attn.max_logit_N = torch.full((attn.cfg.num_heads,), -math.inf, dtype=torch.float32, device=device)
         self._window_max_L = torch.full((len(attns),), -math.inf, device=device)
         self._window_clipped_L = torch.zeros(len(attns), device=device)
-
-    def _fresh(self, num_heads: int) -> torch.Tensor:
-        return torch.full((num_heads,), -math.inf, dtype=torch.float32, device=self._device)
 
     @torch.no_grad()
     def step(self) -> torch.Tensor:
@@ -110,7 +106,7 @@ class QKClip:
         gamma_LN = torch.where(max_LN > self.tau, self.tau / max_LN, 1.0)
         for attn, gamma_N in zip(self.attns, gamma_LN, strict=True):
             self._clip_layer(attn, gamma_N)
-            attn.max_logit_N = self._fresh(attn.cfg.num_heads)
+            attn.max_logit_N.fill_(-math.inf)
         self._window_max_L = torch.maximum(self._window_max_L, max_LN.amax(dim=1))
         self._window_clipped_L += (gamma_LN < 1.0).sum(dim=1)
         return max_LN

@@ -398,7 +398,7 @@ def test_optim_config_errors() -> None:
         OptimConfig(name="sgd")
     with pytest.raises(ValueError, match=r"optim\.write_back=true is the fused AdamW"):
         OptimConfig(name="muon", write_back=True)
-    with pytest.raises(ValueError, match=r"optim\.qk_clip_tau must be >= 0"):
+    with pytest.raises(ValueError, match=r"optim\.qk_clip_tau must be a finite number >= 0"):
         OptimConfig(qk_clip_tau=-1.0)
     with pytest.raises(ValueError, match=r"optim\.muon_momentum must be in"):
         OptimConfig(muon_momentum=1.0)
