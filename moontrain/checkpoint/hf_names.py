@@ -16,10 +16,9 @@ Kimi K2) convention.
     layers.i.res_{attn,ffn}.key_norm.weight ... {attn,mlp}_res.key_norm.weight
     final_res.{query, key_norm.weight}      model.final_res.{query, key_norm.weight}
 
-KDA layers (model.kda_layers_per_mla > 0; moontrain's names, no published convention is followed):
-    layers.i.attn.{wq, wk, wv, wb, wo}      ... self_attn.{q,k,v,b,o}_proj
-    layers.i.attn.conv_{q,k,v} [C, W]       ... self_attn.{q,k,v}_conv.weight [C, W] (tap s multiplies x_{t-s})
-    layers.i.attn.w{f,g}  (low rank .0/.1)  ... self_attn.{f,g}_proj  (low rank: {f,g}_a_proj, {f,g}_b_proj)
+KDA layers (model.kda_layers_per_mla > 0; moontrain uses Kimi Linear's names and layouts):
+    layers.i.attn.{q,k,v,f,f_a,f_b,b,g,g_a,g_b,o}_proj   model.layers.i.self_attn.<the same>
+    layers.i.attn.{q,k,v}_conv1d [C, 1, W]  ... self_attn.{q,k,v}_conv1d.weight (nn.Conv1d's layout)
     layers.i.attn.{A_log, dt_bias, o_norm}  ... self_attn.{A_log, dt_bias, o_norm.weight}
 
 Layout changes: expert projections are split per expert and transposed; the rope rows of the q
@@ -69,11 +68,8 @@ _RULES: list[tuple[str, str, Literal["plain", "rope_q", "rope_kv", "experts"]]] 
     (r"final_res\.key_norm\.weight", "model.final_res.key_norm.weight", "plain"),
 ]
 _KDA_RULES: list[tuple[str, str, Literal["plain"]]] = [
-    (_LAYER + r"attn\.w(q|k|v|b|o)\.weight", "self_attn.{}_proj.weight", "plain"),
-    (_LAYER + r"attn\.conv_(q|k|v)", "self_attn.{}_conv.weight", "plain"),
-    (_LAYER + r"attn\.w(f|g)\.weight", "self_attn.{}_proj.weight", "plain"),
-    (_LAYER + r"attn\.w(f|g)\.0\.weight", "self_attn.{}_a_proj.weight", "plain"),
-    (_LAYER + r"attn\.w(f|g)\.1\.weight", "self_attn.{}_b_proj.weight", "plain"),
+    (_LAYER + r"attn\.((?:[qkvfbgo]|f_[ab]|g_[ab])_proj)\.weight", "self_attn.{}.weight", "plain"),
+    (_LAYER + r"attn\.([qkv]_conv1d)", "self_attn.{}.weight", "plain"),
     (_LAYER + r"attn\.(A_log|dt_bias|o_norm\.weight)", "self_attn.{}", "plain"),
 ]
 _COMPILED = [(re.compile(pattern), target, kind) for pattern, target, kind in _RULES]

@@ -4,9 +4,11 @@ Legend: B batch, S cached positions (capacity), T new tokens, C kv latent width 
 
 An MLA layer caches what its keys and values are made from, not the keys and values: the normed kv
 latent c [B, S, C] and the rotated shared rope key [B, S, Dr] (C + Dr numbers per token and layer,
-against N * (Dn + Dr + Dv) for plain multi-head attention). A KDA (linear attention) layer caches a
-fixed-size state instead: the recurrent state S [B, H, K, V] (fp32) and the last W - 1 inputs of each
-short convolution, whatever the number of positions decoded.
+against N * (Dn + Dr + Dv) for plain multi-head attention). A layer of another kind (a linear-attention
+layer's recurrent state, for one) adds its own state class with the same two calls: `append` the new
+tokens' state and return what attention at these positions reads. A KDA layer (KDACache) keeps its
+recurrent state [B, H, K, V] (fp32) and the last W - 1 inputs of each short convolution: a fixed size,
+whatever the length.
 """
 
 from __future__ import annotations
@@ -34,19 +36,18 @@ class MLACache:
 
 
 class KDACache:
-    def __init__(self, batch: int, heads: int, head_dim: int, conv_taps: int, *, dtype: torch.dtype,
+    def __init__(self, batch: int, heads: int, head_dim: int, conv_size: int, *, dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.S_BHKV = torch.zeros(batch, heads, head_dim, head_dim, dtype=torch.float32, device=device)
-        # the last W - 1 inputs of the q, k and v convolutions (zeros before the first token: the
-        # convolution's own zero padding)
-        self.conv = {name: torch.zeros(batch, conv_taps - 1, heads * head_dim, dtype=dtype, device=device)
-                     for name in ("q", "k", "v")}
+        self.state_BHKV = torch.zeros(batch, heads, head_dim, head_dim, dtype=torch.float32, device=device)
+        # per q/k/v: the last W - 1 projections before the convolution (zeros: the start of the sequence)
+        self.tails_BWC = [torch.zeros(batch, conv_size - 1, heads * head_dim, dtype=dtype, device=device)
+                          for _ in range(3)]
 
-    def extend(self, name: str, x_BTC: torch.Tensor) -> torch.Tensor:
-        """The convolution input [B, W - 1 + T, C] ending with the new tokens; the state keeps its tail."""
-        x_BUC = torch.cat([self.conv[name], x_BTC], dim=1)
-        self.conv[name] = x_BUC[:, x_BUC.shape[1] - self.conv[name].shape[1]:]
-        return x_BUC
+    def extend(self, which: int, x_BTC: torch.Tensor) -> torch.Tensor:
+        """The cached tail followed by the new projections (the convolution's input); keeps the new tail."""
+        full = torch.cat([self.tails_BWC[which], x_BTC], dim=1)
+        self.tails_BWC[which] = full[:, full.shape[1] - self.tails_BWC[which].shape[1]:]
+        return full
 
 
 class DecodeCache:
@@ -55,3 +56,4 @@ class DecodeCache:
     def __init__(self, layers: list[MLACache | KDACache]) -> None:
         self.layers = layers
         self.start = 0
+        self.tokens_BS: torch.Tensor | None = None  # every token so far: the documents (model.document_eos_id)

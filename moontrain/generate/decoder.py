@@ -4,10 +4,9 @@ Legend: B batch, T new tokens, S positions so far (cached + new), N heads, C kv 
 Dn/Dr/Dv nope/rope/value head dims, D hidden, V vocab.
 
 The blocks' own modules (norms, projections, dense FFN, MoE with its router and the local experts
-backend) and their residual wiring (Block.residuals: standard or AttnRes) run unchanged; only attention
-is re-expressed to read from the cache. MLA: the new tokens' normed kv latent and rotated rope key are
-appended, and k_nope / v of every position are expanded from the cached latents through W_kvb. KDA: the
-short convolutions continue from their cached inputs and the delta-rule recurrence from its state. With an empty cache and the whole sequence this is the
+backend) run unchanged; only attention is re-expressed to read keys and values from the cache: the
+new tokens' normed kv latent and rotated rope key are appended, and k_nope / v of every position are
+expanded from the cached latents through W_kvb. With an empty cache and the whole sequence this is the
 training forward's math (tests/moontrain/generate/test_generate.py checks greedy decoding token for token).
 """
 
@@ -18,59 +17,30 @@ import torch.nn.functional as F
 
 from moontrain.generate.cache import DecodeCache, KDACache, MLACache
 from moontrain.model.attention import MLAttention
+from moontrain.model.documents import document_ids
 from moontrain.model.kda import KimiDeltaAttention, short_conv
-from moontrain.model.kda_ops import at_least_fp32, kda_gate, l2_normalize
+from moontrain.model.kda_ops import chunk_kda_with_state, kda_gate, l2_normalize
 from moontrain.model.rope import apply_rope, rope_cos_sin, softmax_scale
 from moontrain.model.transformer import K3Model
 
 
 def new_cache(model: K3Model, batch: int, max_len: int) -> DecodeCache:
     cfg = model.cfg
-    layers: list[MLACache | KDACache] = []
+    layers = []
     for block in model.layers:
-        dtype, device = block.attn.wo.weight.dtype, block.attn.wo.weight.device
         if isinstance(block.attn, KimiDeltaAttention):
-            layers.append(KDACache(batch, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_conv_size, dtype=dtype,
-                                   device=device))
-        elif isinstance(block.attn, MLAttention):
-            layers.append(MLACache(batch, max_len, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype=dtype,
-                                   device=device))
-        else:
+            layers.append(KDACache(batch, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_conv_size,
+                                   dtype=block.attn.q_proj.weight.dtype, device=block.attn.q_proj.weight.device))
+            continue
+        if not isinstance(block.attn, MLAttention):
             raise ValueError(f"decoding does not support attention layers of type {type(block.attn).__name__} yet")
+        layers.append(MLACache(batch, max_len, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                               dtype=block.attn.wkv_a.weight.dtype, device=block.attn.wkv_a.weight.device))
     return DecodeCache(layers)
 
 
-def _kda_attend(attn: KimiDeltaAttention, x_BTD: torch.Tensor, cache: KDACache) -> torch.Tensor:
-    """KDA's recurrence token by token from the cached state (the layer's chunked form computes the same
-    recurrence; moontrain.model.kda_ops), the convolutions continuing from their cached inputs."""
-    cfg = attn.cfg
-    B, T, _ = x_BTD.shape
-    H, K = cfg.kda_heads, cfg.kda_head_dim
-
-    def conv(name: str, proj: torch.nn.Module, w_CW: torch.Tensor) -> torch.Tensor:
-        return short_conv(cache.extend(name, proj(x_BTD)), w_CW, None)[:, -T:].reshape(B, T, H, K)
-
-    q, k = l2_normalize(conv("q", attn.wq, attn.conv_q)), l2_normalize(conv("k", attn.wk, attn.conv_k))
-    v = conv("v", attn.wv, attn.conv_v)
-    g = kda_gate(attn.wf(x_BTD).view(B, T, H, K), attn.A_log, attn.dt_bias, cfg.kda_gate_lower_bound)
-    beta = torch.sigmoid(at_least_fp32(attn.wb(x_BTD)))
-    S, scale, outs = cache.S_BHKV, K ** -0.5, []
-    for t in range(T):
-        S = g[:, t].exp().unsqueeze(-1) * S
-        k_t = k[:, t].float()
-        u = beta[:, t].float().unsqueeze(-1) * (v[:, t].float() - torch.einsum("bhk,bhkv->bhv", k_t, S))
-        S = S + k_t.unsqueeze(-1) * u.unsqueeze(-2)
-        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t].float() * scale, S))
-    cache.S_BHKV = S
-    o_BTHK = torch.stack(outs, dim=1).to(v.dtype)
-    o_BTHK = attn.o_norm(o_BTHK, attn.wg(x_BTD).view(B, T, H, K))
-    return attn.wo(o_BTHK.reshape(B, T, H * K))
-
-
-def _attend(attn: MLAttention | KimiDeltaAttention, x_BTD: torch.Tensor, cache: MLACache | KDACache,
-            start: int) -> torch.Tensor:
-    if isinstance(cache, KDACache):
-        return _kda_attend(attn, x_BTD, cache)
+def _attend(attn: MLAttention, x_BTD: torch.Tensor, cache: MLACache, start: int,
+            doc_id_BS: torch.Tensor | None = None) -> torch.Tensor:
     cfg = attn.cfg
     B, T, _ = x_BTD.shape
     N, Dn, Dr, Dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -87,10 +57,12 @@ def _attend(attn: MLAttention | KimiDeltaAttention, x_BTD: torch.Tensor, cache: 
     S = c_BSC.shape[1]
     k_nope_BNSDn, v_BNSDv = attn.wkv_b(c_BSC).view(B, S, N, Dn + Dv).transpose(1, 2).split([Dn, Dv], dim=-1)
     k_BNSd = torch.cat([k_nope_BNSDn, k_rope_BSDr.unsqueeze(1).expand(B, N, S, Dr)], dim=-1)
-    if S == T:
+    if S == T and doc_id_BS is None:
         o_BNTDv = F.scaled_dot_product_attention(q_BNTd, k_BNSd, v_BNSDv, is_causal=True, scale=softmax_scale(cfg))
-    else:  # query i sits at position start + i and sees keys 0 .. start + i
+    else:  # query i sits at position start + i and sees keys 0 .. start + i (of its own document)
         mask_TS = torch.arange(S, device=x_BTD.device) <= torch.arange(start, start + T, device=x_BTD.device)[:, None]
+        if doc_id_BS is not None:
+            mask_TS = (mask_TS & (doc_id_BS[:, start:, None] == doc_id_BS[:, None, :])).unsqueeze(1)
         o_BNTDv = F.scaled_dot_product_attention(q_BNTd, k_BNSd, v_BNSDv, attn_mask=mask_TS, scale=softmax_scale(cfg))
     o_BTNDv = o_BNTDv.transpose(1, 2).reshape(B, T, N * Dv)
     if cfg.attn_output_gate:
@@ -98,14 +70,47 @@ def _attend(attn: MLAttention | KimiDeltaAttention, x_BTD: torch.Tensor, cache: 
     return attn.wo(o_BTNDv)
 
 
+def _attend_kda(attn: KimiDeltaAttention, x_BTD: torch.Tensor, cache: KDACache, start: int,
+                docs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """KimiDeltaAttention.forward continued from the cached convolution tails and recurrent state (the
+    pure-PyTorch recurrence, chunked over the new tokens). docs: (start_BS, id_BS) of every position."""
+    cfg = attn.cfg
+    B, T, _ = x_BTD.shape
+    H, K, W = cfg.kda_heads, cfg.kda_head_dim, cfg.kda_conv_size
+    doc_start_BT = conv_id_BT = None
+    if docs is not None:  # the tails' positions before the sequence hold zeros: any document id will do
+        doc_start_BT, conv_id_BT = docs[0][:, start:], F.pad(docs[1], (W - 1, 0))[:, start:]
+    qkv = [short_conv(cache.extend(i, proj(x_BTD)), w, conv_id_BT)[:, -T:].reshape(B, T, H, K)
+           for i, (proj, w) in enumerate(((attn.q_proj, attn.q_conv1d), (attn.k_proj, attn.k_conv1d),
+                                          (attn.v_proj, attn.v_conv1d)))]
+    g = kda_gate(attn.forget(x_BTD).view(B, T, H, K), attn.A_log, attn.dt_bias, cfg.kda_gate_lower_bound)
+    beta = torch.sigmoid(attn.b_proj(x_BTD).float())
+    o_BTHK, cache.state_BHKV = chunk_kda_with_state(l2_normalize(qkv[0]), l2_normalize(qkv[1]), qkv[2], g, beta,
+                                                    scale=K ** -0.5, doc_start_BT=doc_start_BT,
+                                                    initial_state_BHKV=cache.state_BHKV)
+    o_BTHK = attn.o_norm(o_BTHK, attn.output_gate(x_BTD).view(B, T, H, K))
+    return attn.o_proj(o_BTHK.reshape(B, T, H * K))
+
+
+def _attend_any(attn: MLAttention | KimiDeltaAttention, x_BTD: torch.Tensor, cache: MLACache | KDACache,
+                start: int, docs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    if isinstance(attn, KimiDeltaAttention):
+        return _attend_kda(attn, x_BTD, cache, start, docs)
+    return _attend(attn, x_BTD, cache, start, docs[1] if docs is not None else None)
+
+
 @torch.no_grad()
 def forward_cached(model: K3Model, tokens_BT: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
     """Logits [B, T, V] of the new tokens, which sit at positions cache.start ..; the cache advances."""
+    cache.tokens_BS = tokens_BT if cache.tokens_BS is None else torch.cat([cache.tokens_BS, tokens_BT], dim=1)
+    # packed documents as in the training forward: a token after an EOS sees nothing before it
+    eos = model.document_eos_id
+    docs = document_ids(cache.tokens_BS, eos) if eos is not None else None
     x_BTD = model.embed(tokens_BT)
     blocks: tuple[torch.Tensor, ...] = ()  # AttnRes: completed blocks are per token, nothing to cache
     for block, state in zip(model.layers, cache.layers, strict=True):
         blocks, x_BTD, _ = block.residuals(
-            blocks, x_BTD, lambda h_BTD, attn=block.attn, state=state: _attend(attn, h_BTD, state, cache.start))
+            blocks, x_BTD, lambda h_BTD, attn=block.attn, state=state: _attend_any(attn, h_BTD, state, cache.start, docs))
     if model.final_res is not None:
         x_BTD = model.final_res(blocks, x_BTD)
     cache.start += tokens_BT.shape[1]

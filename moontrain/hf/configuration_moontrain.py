@@ -3,9 +3,10 @@
 Fields follow the DeepSeek-V3 / Kimi K2 config names where the two models agree; the extra switches of
 moontrain's K3-like decoder are attn_output_gate, use_nope, moe_latent_size, mla_norm_eps,
 hidden_act="situ_glu" (K3's 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25) in every FFN) and
-attn_res_block_size (Block Attention Residuals, sub-layers per block; 0: standard residuals) and the
-kda_* fields (Kimi Delta Attention layers: kda_layers_per_mla KDA layers before each MLA layer, the last
-layer MLA; 0: every layer MLA).
+attn_res_block_size (Block Attention Residuals, sub-layers per block; 0: standard residuals) and the KDA
+hybrid layout (kda_layers_per_mla KDA layers before each MLA layer, the last layer MLA; 0: all MLA) with
+kda_num_heads, kda_head_dim, kda_conv_size, kda_gate_rank (null: full-rank gates) and kda_gate_lower_bound
+(null: the softplus decay).
 This file is copied next to the weights by `moontrain export`; it imports nothing from moontrain.
 """
 
@@ -29,7 +30,7 @@ class MoontrainConfig(PretrainedConfig):
                  attn_output_gate: bool = False, moe_latent_size: int | None = None,
                  max_position_embeddings: int = 4096, hidden_act: str = "silu", initializer_range: float = 0.02,
                  tie_word_embeddings: bool = False, attn_res_block_size: int = 0, use_cache: bool = False,
-                 kda_layers_per_mla: int = 0, kda_num_heads: int | None = None, kda_head_dim: int = 128,
+                 kda_layers_per_mla: int = 0, kda_num_heads: int = 4, kda_head_dim: int = 128,
                  kda_conv_size: int = 4, kda_gate_rank: int | None = None, kda_gate_lower_bound: float | None = -5.0,
                  **kwargs) -> None:
         self.vocab_size = vocab_size
@@ -64,7 +65,7 @@ class MoontrainConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.attn_res_block_size = attn_res_block_size
         self.kda_layers_per_mla = kda_layers_per_mla
-        self.kda_num_heads = kda_num_heads or num_attention_heads
+        self.kda_num_heads = kda_num_heads
         self.kda_head_dim = kda_head_dim
         self.kda_conv_size = kda_conv_size
         self.kda_gate_rank = kda_gate_rank

@@ -33,10 +33,15 @@ class DocumentMask:
     block_mask: Any = None  # CUDA: flex_attention's BlockMask (causal and same document)
 
 
-def document_mask(tokens_BT: torch.Tensor, eos_id: int) -> DocumentMask:
+def document_ids(tokens_BT: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(start_BT, id_BT) of DocumentMask."""
     start_BT = torch.zeros_like(tokens_BT, dtype=torch.bool)
     start_BT[:, 1:] = tokens_BT[:, :-1] == eos_id
-    id_BT = start_BT.long().cumsum(1)
+    return start_BT, start_BT.long().cumsum(1)
+
+
+def document_mask(tokens_BT: torch.Tensor, eos_id: int) -> DocumentMask:
+    start_BT, id_BT = document_ids(tokens_BT, eos_id)
     block_mask = flex_block_mask(id_BT) if tokens_BT.is_cuda else None
     return DocumentMask(start_BT=start_BT, id_BT=id_BT, block_mask=block_mask)
 

@@ -8,7 +8,9 @@ Legend: B batch, T sequence, D hidden, H KDA heads, K KDA head dim (keys and val
     beta    = sigmoid(x W_b)                                                    one write strength per head
     o       = KDA(l2norm(q), l2norm(k), v, g, beta)        (moontrain.model.kda_ops: spec and fla kernel)
     out     = (RMSNorm_K(o) * sigmoid(x W_g)) W_o          per-head gated RMSNorm, output gate like W_f
-The short convolutions see no token of an earlier document (taps across a document start are zeroed),
+Parameter names and layouts are Kimi Linear's (q_proj, q_conv1d [C, 1, W] in nn.Conv1d's tap order,
+f_a_proj / f_b_proj or the full-rank f_proj, b_proj, A_log, dt_bias [H * K], g_*_proj, o_norm, o_proj), so
+the Hugging Face export maps them one to one. The short convolutions see no token of an earlier document (taps across a document start are zeroed),
 and the recurrence restarts at each document start, so nothing crosses an end-of-document.
 No positional encoding: the recurrence and the convolutions are order-aware.
 
@@ -55,10 +57,11 @@ def select_kda_kernel(cfg: ModelConfig, device: torch.device | str | None) -> Ca
     return kda_fla if on_cuda and fla_available() else kda
 
 
-def short_conv(x_BTC: torch.Tensor, w_CW: torch.Tensor, doc_id_BT: torch.Tensor | None) -> torch.Tensor:
-    """silu(sum_s w[:, s] * x_{t-s}) over taps s = 0..W-1, a tap counting only inside x_t's document."""
-    T, W = x_BTC.shape[1], w_CW.shape[1]
-    w_CW = w_CW.to(x_BTC.dtype)
+def short_conv(x_BTC: torch.Tensor, w_C1W: torch.Tensor, doc_id_BT: torch.Tensor | None) -> torch.Tensor:
+    """silu(sum_s w[:, 0, W-1-s] * x_{t-s}) over taps s = 0..W-1 (nn.Conv1d's weight with causal padding),
+    a tap counting only inside x_t's document."""
+    T, W = x_BTC.shape[1], w_C1W.shape[-1]
+    w_CW = w_C1W.to(x_BTC.dtype)[:, 0].flip(-1)  # w_CW[:, s] multiplies x_{t-s}
     y = x_BTC * w_CW[:, 0]
     for s in range(1, min(W, T)):
         x_s = F.pad(x_BTC, (0, 0, s, 0))[:, :T]
@@ -88,31 +91,31 @@ class KimiDeltaAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         D, H, K, W, r = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_conv_size, cfg.kda_gate_rank
-        self.wq = nn.Linear(D, H * K, bias=False, device=device)
-        self.wk = nn.Linear(D, H * K, bias=False, device=device)
-        self.wv = nn.Linear(D, H * K, bias=False, device=device)
-        self.conv_q = nn.Parameter(torch.empty(H * K, W, device=device))
-        self.conv_k = nn.Parameter(torch.empty(H * K, W, device=device))
-        self.conv_v = nn.Parameter(torch.empty(H * K, W, device=device))
+        self.q_proj = nn.Linear(D, H * K, bias=False, device=device)
+        self.k_proj = nn.Linear(D, H * K, bias=False, device=device)
+        self.v_proj = nn.Linear(D, H * K, bias=False, device=device)
+        self.q_conv1d = nn.Parameter(torch.empty(H * K, 1, W, device=device))
+        self.k_conv1d = nn.Parameter(torch.empty(H * K, 1, W, device=device))
+        self.v_conv1d = nn.Parameter(torch.empty(H * K, 1, W, device=device))
         if r is None:
-            self.wf = nn.Linear(D, H * K, bias=False, device=device)
-            self.wg = nn.Linear(D, H * K, bias=False, device=device)
+            self.f_proj = nn.Linear(D, H * K, bias=False, device=device)
+            self.g_proj = nn.Linear(D, H * K, bias=False, device=device)
         else:
-            self.wf = nn.Sequential(nn.Linear(D, r, bias=False, device=device),
-                                    nn.Linear(r, H * K, bias=False, device=device))
-            self.wg = nn.Sequential(nn.Linear(D, r, bias=False, device=device),
-                                    nn.Linear(r, H * K, bias=False, device=device))
-        self.wb = nn.Linear(D, H, bias=False, device=device)
+            self.f_a_proj = nn.Linear(D, r, bias=False, device=device)
+            self.f_b_proj = nn.Linear(r, H * K, bias=False, device=device)
+            self.g_a_proj = nn.Linear(D, r, bias=False, device=device)
+            self.g_b_proj = nn.Linear(r, H * K, bias=False, device=device)
+        self.b_proj = nn.Linear(D, H, bias=False, device=device)
         self.A_log = nn.Parameter(torch.zeros(H, device=device))
         self.dt_bias = nn.Parameter(torch.zeros(H * K, device=device))  # 1-D: no weight decay, like A_log
         self.o_norm = GatedRMSNorm(K, cfg.norm_eps, device=device)
-        self.wo = nn.Linear(H * K, D, bias=False, device=device)
+        self.o_proj = nn.Linear(H * K, D, bias=False, device=device)
         self.kernel = torch.compiler.disable(select_kda_kernel(cfg, device))
 
     @torch.no_grad()
     def init_parameters(self, gen: torch.Generator) -> None:
         """A_log, dt_bias and the conv taps (see the module docstring); the rest keeps the model's init."""
-        H, K, W = self.cfg.kda_heads, self.cfg.kda_head_dim, self.conv_q.shape[1]
+        H, K, W = self.cfg.kda_heads, self.cfg.kda_head_dim, self.cfg.kda_conv_size
         dev = self.A_log.device
         self.A_log.copy_(torch.empty(H, device=dev).uniform_(1.0, 16.0, generator=gen).log())
         lo, hi = DECAY_RATE_RANGE
@@ -123,7 +126,7 @@ class KimiDeltaAttention(nn.Module):
             self.dt_bias.copy_(torch.log(torch.expm1(rate_HK / a_H1)).flatten())
         else:  # rate = -bound sigmoid(a dt)
             self.dt_bias.copy_((torch.logit(rate_HK / -bound) / a_H1).flatten())
-        for w in (self.conv_q, self.conv_k, self.conv_v):
+        for w in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
             w.uniform_(-1 / math.sqrt(W), 1 / math.sqrt(W), generator=gen)
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
@@ -133,13 +136,21 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x_BTD.shape
         H, K = cfg.kda_heads, cfg.kda_head_dim
         doc_id = docs.id_BT if docs is not None else None
-        q_BTHK = short_conv(self.wq(x_BTD), self.conv_q, doc_id).view(B, T, H, K)
-        k_BTHK = short_conv(self.wk(x_BTD), self.conv_k, doc_id).view(B, T, H, K)
-        v_BTHK = short_conv(self.wv(x_BTD), self.conv_v, doc_id).view(B, T, H, K)
-        f_BTHK = self.wf(x_BTD).view(B, T, H, K)
-        beta_BTH = torch.sigmoid(at_least_fp32(self.wb(x_BTD)))
+        q_BTHK = short_conv(self.q_proj(x_BTD), self.q_conv1d, doc_id).view(B, T, H, K)
+        k_BTHK = short_conv(self.k_proj(x_BTD), self.k_conv1d, doc_id).view(B, T, H, K)
+        v_BTHK = short_conv(self.v_proj(x_BTD), self.v_conv1d, doc_id).view(B, T, H, K)
+        f_BTHK = self.forget(x_BTD).view(B, T, H, K)
+        beta_BTH = torch.sigmoid(at_least_fp32(self.b_proj(x_BTD)))
         o_BTHK = self.kernel(q_BTHK, k_BTHK, v_BTHK, f_BTHK, beta_BTH, self.A_log, self.dt_bias,
                              lower_bound=cfg.kda_gate_lower_bound, scale=K ** -0.5,
                              doc_start_BT=docs.start_BT if docs is not None else None)
-        o_BTHK = self.o_norm(o_BTHK, self.wg(x_BTD).view(B, T, H, K))
-        return self.wo(o_BTHK.reshape(B, T, H * K))
+        o_BTHK = self.o_norm(o_BTHK, self.output_gate(x_BTD).view(B, T, H, K))
+        return self.o_proj(o_BTHK.reshape(B, T, H * K))
+
+    def forget(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """The raw forget-gate input f (before dt_bias and the gate's nonlinearity)."""
+        return self.f_proj(x_BTD) if self.cfg.kda_gate_rank is None else self.f_b_proj(self.f_a_proj(x_BTD))
+
+    def output_gate(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """The output gate's input (sigmoid in o_norm)."""
+        return self.g_proj(x_BTD) if self.cfg.kda_gate_rank is None else self.g_b_proj(self.g_a_proj(x_BTD))

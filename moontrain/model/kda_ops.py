@@ -50,6 +50,16 @@ def chunk_kda_reference(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torc
     """KDA output o_BTHV (in v's dtype). q/k: L2-normalised; g: log-decay (<= 0); beta in (0, 1);
     doc_start_BT: True at the first token of each document after the first (the state resets there).
     Computes in fp32 (fp64 if v is fp64); differentiable through autograd."""
+    return chunk_kda_with_state(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale=scale, doc_start_BT=doc_start_BT,
+                                chunk_size=chunk_size)[0]
+
+
+def chunk_kda_with_state(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, g_BTHK: torch.Tensor,
+                         beta_BTH: torch.Tensor, *, scale: float, doc_start_BT: torch.Tensor | None = None,
+                         initial_state_BHKV: torch.Tensor | None = None, chunk_size: int = CHUNK
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunk_kda_reference continuing from a state (decoding): (o_BTHV, the state after the last token,
+    fp32 [B, H, K, V]). The initial state is that of the tokens before; a document start drops it."""
     B, T, H, K = q_BTHK.shape
     V = v_BTHV.shape[-1]
     L = chunk_size
@@ -93,14 +103,14 @@ def chunk_kda_reference(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torc
     decay_end = Gc_exp[..., -1, :].unsqueeze(-1)  # [B, H, N, K, 1]
     q_start = q * Gc_exp
 
-    S = q.new_zeros(B, H, K, V)
+    S = q.new_zeros(B, H, K, V) if initial_state_BHKV is None else initial_state_BHKV.to(dtype)
     outs = []
     for n in range(N):
         U = U_tilde[:, :, n] - W[:, :, n] @ S
         outs.append(q_start[:, :, n] @ S + P[:, :, n] @ U)
         S = decay_end[:, :, n] * S + k_end[:, :, n].transpose(-1, -2) @ U
     o_BHTV = torch.stack(outs, dim=2).reshape(B, H, N * L, V)[:, :, :T]
-    return o_BHTV.transpose(1, 2).to(v_BTHV.dtype)
+    return o_BHTV.transpose(1, 2).to(v_BTHV.dtype), S
 
 
 L2_EPS = 1e-6  # q / sqrt(|q|^2 + eps), as fla's l2norm

@@ -80,7 +80,12 @@ class Block(nn.Module):
 
     def _forward(self, blocks: tuple[torch.Tensor, ...], x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  docs: DocumentMask | None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor | None]:
-        return self.residuals(blocks, x_BTD, lambda h_BTD: self.attn(h_BTD, cos, sin, docs))
+        return self.residuals(blocks, x_BTD, lambda h_BTD: self._mix(h_BTD, cos, sin, docs))
+
+    def _mix(self, h_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: DocumentMask | None) -> torch.Tensor:
+        """The sequence mixing, under a profiler range naming its kind (a profile's KDA / MLA share)."""
+        with torch.profiler.record_function("mixing.kda" if self.is_kda else "mixing.mla"):
+            return self.attn(h_BTD, cos, sin, docs)
 
     def residuals(self, blocks: tuple[torch.Tensor, ...], x_BTD: torch.Tensor,
                   attend: Callable[[torch.Tensor], torch.Tensor]

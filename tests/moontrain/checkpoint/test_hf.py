@@ -87,7 +87,8 @@ def test_export_transformers_parity_and_import_at_ep2(tmp_path: Path) -> None:
     names = set(index["weight_map"])
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.gate_proj.weight",
                  "model.layers.2.self_attn.q_b_proj.weight", "model.layers.2.self_attn.g_proj.weight",
-                 "model.layers.0.self_attn.q_conv.weight", "model.layers.1.self_attn.dt_bias",
+                 "model.layers.1.self_attn.q_conv1d.weight", "model.layers.1.self_attn.A_log",
+                 "model.layers.1.self_attn.f_proj.weight",  # k3_tiny: KDA, KDA, then MLA
                  "model.layers.2.mlp.experts.7.down_proj.weight", "model.layers.2.mlp.gate.e_score_correction_bias",
                  "model.layers.1.mlp.shared_experts.up_proj.weight", "model.layers.1.mlp.latent_down_proj.weight"):
         assert name in names, name

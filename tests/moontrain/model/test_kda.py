@@ -41,24 +41,26 @@ def _layer_reference(m: KimiDeltaAttention, x: torch.Tensor, cfg: ModelConfig) -
     B, T, _ = x.shape
     H, K, W = cfg.kda_heads, cfg.kda_head_dim, cfg.kda_conv_size
 
-    def conv(w_CW: torch.Tensor, y_BTC: torch.Tensor) -> torch.Tensor:  # tap s multiplies y_{t-s}
-        y = F.conv1d(F.pad(y_BTC.transpose(1, 2), (W - 1, 0)), w_CW.flip(-1).unsqueeze(1), groups=w_CW.shape[0])
+    def conv(w_C1W: torch.Tensor, y_BTC: torch.Tensor) -> torch.Tensor:  # nn.Conv1d with causal padding
+        y = F.conv1d(F.pad(y_BTC.transpose(1, 2), (W - 1, 0)), w_C1W, groups=w_C1W.shape[0])
         return F.silu(y.transpose(1, 2))
 
     def l2norm(y: torch.Tensor) -> torch.Tensor:  # fla's: eps 1e-6 under the root
         return y / (y.square().sum(-1, keepdim=True) + 1e-6).sqrt()
 
-    q = l2norm(conv(m.conv_q, m.wq(x)).view(B, T, H, K))
-    k = l2norm(conv(m.conv_k, m.wk(x)).view(B, T, H, K))
-    v = conv(m.conv_v, m.wv(x)).view(B, T, H, K)
-    pre = m.wf(x).view(B, T, H, K) + m.dt_bias.view(H, K)
+    q = l2norm(conv(m.q_conv1d, m.q_proj(x)).view(B, T, H, K))
+    k = l2norm(conv(m.k_conv1d, m.k_proj(x)).view(B, T, H, K))
+    v = conv(m.v_conv1d, m.v_proj(x)).view(B, T, H, K)
+    f = m.f_proj(x) if cfg.kda_gate_rank is None else m.f_b_proj(m.f_a_proj(x))
+    gate = m.g_proj(x) if cfg.kda_gate_rank is None else m.g_b_proj(m.g_a_proj(x))
+    pre = f.view(B, T, H, K) + m.dt_bias.view(H, K)
     a = m.A_log.exp()[:, None]
     bound = cfg.kda_gate_lower_bound
     g = -a * F.softplus(pre) if bound is None else bound * torch.sigmoid(a * pre)
-    beta = torch.sigmoid(m.wb(x))
+    beta = torch.sigmoid(m.b_proj(x))
     o = recurrent_kda(q, k, v, g, beta, K ** -0.5)
-    o = F.rms_norm(o, (K,), m.o_norm.weight, cfg.norm_eps) * torch.sigmoid(m.wg(x).view(B, T, H, K))
-    return m.wo(o.reshape(B, T, H * K))
+    o = F.rms_norm(o, (K,), m.o_norm.weight, cfg.norm_eps) * torch.sigmoid(gate.view(B, T, H, K))
+    return m.o_proj(o.reshape(B, T, H * K))
 
 
 @pytest.mark.parametrize(("rank", "bound"), [(None, -5.0), (6, None)], ids=["k3-gates", "kimi-linear-gates"])

@@ -389,8 +389,8 @@ def test_muon_groups_on_the_hybrid_stack() -> None:
     groups = {g["name"]: sorted(names[id(p)] for p in g["params"]) for g in trainer.optimizer.param_groups}
     kda = [i for i, b in enumerate(trainer.model.layers) if b.is_kda]
     assert kda and len(kda) < len(trainer.model.layers)
-    assert f"layers.{kda[0]}.attn.wq.weight" in groups["muon"]
-    assert f"layers.{kda[0]}.attn.conv_q" in groups["adamw"]
+    assert f"layers.{kda[0]}.attn.q_proj.weight" in groups["muon"]
+    assert f"layers.{kda[0]}.attn.q_conv1d" in groups["adamw"]
     assert "lm_head.weight" in groups["adamw"] and "layers.1.ffn.router.weight" in groups["adamw"]
     assert all(".experts.master." in n for n in groups["experts"]) and len(groups["experts"]) == 6
     want_muon = sorted(n for n, m in trainer.model.named_modules() if isinstance(m, torch.nn.Linear)
