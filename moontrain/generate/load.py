@@ -57,6 +57,7 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
         for name, p in model.named_parameters():
             if ".experts.master." not in name and ".router." not in name:  # routing stays fp32
                 p.data = p.data.to(dtype)
+    model.document_eos_id = None  # one sequence per row: decoding does not restart at an EOS
     return model.eval(), tokenizer
 
 
