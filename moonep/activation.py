@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moonep import situ_glu
+from moonep.situ_glu import situ_glu_backward, situ_glu_forward
 
 
 def swiglu_forward(h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -45,7 +45,7 @@ class GatedActivation:
 
 ACTIVATIONS: dict[str, GatedActivation] = {
     "swiglu": GatedActivation("swiglu", swiglu_forward, swiglu_backward),
-    "situ_glu": GatedActivation("situ_glu", situ_glu.situ_glu_forward, situ_glu.situ_glu_backward),
+    "situ_glu": GatedActivation("situ_glu", situ_glu_forward, situ_glu_backward),
 }
 
 

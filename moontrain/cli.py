@@ -226,7 +226,7 @@ def generate_command(argv: list[str]) -> int:
 
     try:
         model, tokenizer = load_model(args.model, device=_device(args.device))
-        prompt = tokenizer.encode(args.prompt)
+        prompt = tokenizer.encode_batch([args.prompt])[0]
         if not prompt:
             raise ValueError("--prompt encodes to no tokens; give some text")
         out = generate(model, torch.tensor([prompt], device=model.embed.weight.device),
@@ -248,13 +248,14 @@ def eval_command(argv: list[str]) -> int:
     parser.add_argument("--batches", type=int, default=10)
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     args = parser.parse_args(argv)
-    from moontrain.data.config import DataConfig
+    from moontrain.data.config import SourceConfig
     from moontrain.generate.evaluate import evaluate
     from moontrain.generate.load import load_model
 
     try:
-        model, _ = load_model(args.model, device=_device(args.device), max_tokens=args.batch_size * args.seq_len)
-        result = evaluate(model, DataConfig(source="dataset", path=args.data, shuffle=False), seq_len=args.seq_len,
+        model, tokenizer = load_model(args.model, device=_device(args.device),
+                                      max_tokens=args.batch_size * args.seq_len)
+        result = evaluate(model, tokenizer, SourceConfig(path=args.data), seq_len=args.seq_len,
                           batch_size=args.batch_size, num_batches=args.batches)
     except ValueError as err:
         print(f"moontrain: error: {err}", file=sys.stderr)

@@ -54,7 +54,7 @@ def flex_block_mask(id_BT: torch.Tensor) -> Any:
 
 
 @functools.cache
-def _compiled_flex_attention() -> Any:
+def compiled_flex_attention() -> Any:
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False)
@@ -66,7 +66,7 @@ def causal_attention(q_BNTd: torch.Tensor, k_BNTd: torch.Tensor, v_BNTd: torch.T
     if docs is None:
         return F.scaled_dot_product_attention(q_BNTd, k_BNTd, v_BNTd, is_causal=True, scale=scale)
     if docs.block_mask is not None:
-        return _compiled_flex_attention()(q_BNTd, k_BNTd, v_BNTd, block_mask=docs.block_mask, scale=scale)
+        return compiled_flex_attention()(q_BNTd, k_BNTd, v_BNTd, block_mask=docs.block_mask, scale=scale)
     T = q_BNTd.shape[2]
     causal_TT = torch.ones(T, T, dtype=torch.bool, device=q_BNTd.device).tril()
     mask_B1TT = (docs.id_BT.unsqueeze(2) == docs.id_BT.unsqueeze(1)).unsqueeze(1) & causal_TT

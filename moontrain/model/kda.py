@@ -104,7 +104,7 @@ class KimiDeltaAttention(nn.Module):
                                     nn.Linear(r, H * K, bias=False, device=device))
         self.wb = nn.Linear(D, H, bias=False, device=device)
         self.A_log = nn.Parameter(torch.zeros(H, device=device))
-        self.dt_bias = nn.Parameter(torch.zeros(H, K, device=device))
+        self.dt_bias = nn.Parameter(torch.zeros(H * K, device=device))  # 1-D: no weight decay, like A_log
         self.o_norm = GatedRMSNorm(K, cfg.norm_eps, device=device)
         self.wo = nn.Linear(H * K, D, bias=False, device=device)
         self.kernel = torch.compiler.disable(select_kda_kernel(cfg, device))
@@ -112,7 +112,7 @@ class KimiDeltaAttention(nn.Module):
     @torch.no_grad()
     def init_parameters(self, gen: torch.Generator) -> None:
         """A_log, dt_bias and the conv taps (see the module docstring); the rest keeps the model's init."""
-        H, K, W = self.dt_bias.shape[0], self.dt_bias.shape[1], self.conv_q.shape[1]
+        H, K, W = self.cfg.kda_heads, self.cfg.kda_head_dim, self.conv_q.shape[1]
         dev = self.A_log.device
         self.A_log.copy_(torch.empty(H, device=dev).uniform_(1.0, 16.0, generator=gen).log())
         lo, hi = DECAY_RATE_RANGE
@@ -120,9 +120,9 @@ class KimiDeltaAttention(nn.Module):
         a_H1 = self.A_log.exp().unsqueeze(-1)
         bound = self.cfg.kda_gate_lower_bound
         if bound is None:  # rate = a softplus(dt)
-            self.dt_bias.copy_(torch.log(torch.expm1(rate_HK / a_H1)))
+            self.dt_bias.copy_(torch.log(torch.expm1(rate_HK / a_H1)).flatten())
         else:  # rate = -bound sigmoid(a dt)
-            self.dt_bias.copy_(torch.logit(rate_HK / -bound) / a_H1)
+            self.dt_bias.copy_((torch.logit(rate_HK / -bound) / a_H1).flatten())
         for w in (self.conv_q, self.conv_k, self.conv_v):
             w.uniform_(-1 / math.sqrt(W), 1 / math.sqrt(W), generator=gen)
 

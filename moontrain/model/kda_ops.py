@@ -41,10 +41,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+CHUNK = 64  # tokens per chunk (fla's default; its kernels take 32 or 64)
+
 
 def chunk_kda_reference(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, g_BTHK: torch.Tensor,
                         beta_BTH: torch.Tensor, *, scale: float, doc_start_BT: torch.Tensor | None = None,
-                        chunk_size: int = 64) -> torch.Tensor:
+                        chunk_size: int = CHUNK) -> torch.Tensor:
     """KDA output o_BTHV (in v's dtype). q/k: L2-normalised; g: log-decay (<= 0); beta in (0, 1);
     doc_start_BT: True at the first token of each document after the first (the state resets there).
     Computes in fp32 (fp64 if v is fp64); differentiable through autograd."""
@@ -115,8 +117,8 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
 
 def kda_gate(f_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor,
              lower_bound: float | None) -> torch.Tensor:
-    """Per-channel log-decay g <= 0 (fp32, or fp64 for fp64 inputs): lower_bound * sigmoid(exp(A_log) (f + dt_bias)) when bounded,
-    else -exp(A_log) * softplus(f + dt_bias)."""
+    """Per-channel log-decay g <= 0 (fp32, or fp64 for fp64 inputs): lower_bound * sigmoid(exp(A_log)
+    (f + dt_bias)) when bounded, else -exp(A_log) * softplus(f + dt_bias). dt_bias: H * K values."""
     H, K = f_BTHK.shape[-2:]
     x = at_least_fp32(f_BTHK) + at_least_fp32(dt_bias_HK).view(H, K)
     a = at_least_fp32(A_log_H).exp().view(H, 1)

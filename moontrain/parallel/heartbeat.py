@@ -37,11 +37,12 @@ _PREFIX = "moontrain/hb/"
 
 class Heartbeat:
     def __init__(self, store: dist.Store, rank: int, world_size: int, *, timeout_s: float,
-                 report: Callable[[str], None] | None = None) -> None:
-        """report: prints the abort line (default: to stderr as `moontrain: rank R: aborting: ...`)."""
+                 report: Callable[[str], None] | None = None, interval_s: float | None = None) -> None:
+        """report: prints the abort line (default: to stderr as `moontrain: rank R: aborting: ...`);
+        interval_s: between beats (default timeout_s / 10, within [0.2, 5] s)."""
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
         self.report = report or (lambda line: print(f"moontrain: rank {rank}: {line}", file=sys.stderr, flush=True))
-        self.interval_s = max(0.2, min(5.0, timeout_s / 10))
+        self.interval_s = interval_s or max(0.2, min(5.0, timeout_s / 10))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         store.set(f"{_PREFIX}pid/{rank}", f"{socket.gethostname()} {os.getpid()}")

@@ -13,7 +13,8 @@ from moontrain.model.transformer import K3Model
 @dataclass(kw_only=True, slots=True)
 class ParamCounts:
     embedding: int  # token embedding + LM head
-    attention: int
+    attention: int  # MLA and KDA layers
+    kda_attention: int  # the KDA layers' part of `attention`
     dense_ffn: int
     routed_experts: int  # all E experts of all MoE layers
     shared_experts: int
@@ -34,7 +35,9 @@ class ParamCounts:
 
     def max_block_dense(self, cfg: ModelConfig) -> int:
         """Dense parameters of the largest block (what FSDP gathers at once, per block)."""
-        per_layer = (self.attention + self.norms + self.attn_res) // max(1, cfg.num_layers)
+        mla = (self.attention - self.kda_attention) // max(1, cfg.num_mla_layers)
+        kda = self.kda_attention // max(1, cfg.num_kda_layers)
+        per_layer = max(mla, kda) + (self.norms + self.attn_res) // max(1, cfg.num_layers)
         ffn = [cfg_block_ffn(cfg, moe=False)] if cfg.num_dense_layers else []
         ffn += [cfg_block_ffn(cfg, moe=True)] if cfg.num_moe_layers else []
         return per_layer + max(ffn)
@@ -51,10 +54,13 @@ def cfg_block_ffn(cfg: ModelConfig, moe: bool) -> int:
 def count_params(cfg: ModelConfig) -> ParamCounts:
     with torch.device("meta"):
         model = K3Model(cfg, ep_rank=0, ep_size=1, device="meta")
-    buckets = {k: 0 for k in ("embedding", "attention", "dense_ffn", "routed_experts", "shared_experts",
-                              "router_and_latent", "norms", "attn_res")}
+    buckets = {k: 0 for k in ("embedding", "attention", "kda_attention", "dense_ffn", "routed_experts",
+                              "shared_experts", "router_and_latent", "norms", "attn_res")}
+    kda_prefixes = tuple(f"layers.{i}.attn." for i in range(cfg.num_layers) if cfg.layer_is_kda(i))
     for name, p in model.named_parameters():
         n = p.numel()
+        if name.startswith(kda_prefixes) and not name.endswith("norm.weight"):
+            buckets["kda_attention"] += n
         if name.startswith("final_res.") or ".res_attn." in name or ".res_ffn." in name:
             buckets["attn_res"] += n
         elif ".experts.master." in name:

@@ -24,7 +24,8 @@ specification: combine adds a token's K rows in ascending k, reduce_grad folds s
 order), integer counts (bincount without weights, index_add_ of ones), fused AdamW, torch._foreach_norm,
 RMSNorm and cross-entropy. NCCL reductions are deterministic at a fixed world size and message sizes.
 
-Cost: measured with benchmarks/check_determinism.py (see docs/determinism.md). Off by default.
+Not covered: the KDA layers' fla kernels (model.kda_*), whose chunked backward has not been audited.
+Cost and the bitwise checks on GPUs: benchmarks/check_determinism.py (docs/faults.md). Off by default.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ class StepVerdict:
 
 def step_verdict(grad_norm: torch.Tensor, stop_requested: bool, layout: ParallelLayout) -> StepVerdict:
     """Collective when distributed: one small all_reduce and one host read."""
-    flag = torch.tensor([float(stop_requested)], device=grad_norm.device)
+    flag = grad_norm.new_full((1,), float(stop_requested), dtype=torch.float32)  # a fill, no host copy
     if layout.distributed:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=layout.world_group)
     finite, stop = torch.cat([torch.isfinite(grad_norm).float().view(1), flag]).tolist()

@@ -1,4 +1,5 @@
-"""Shared helpers of the checkpoint tests: a small run config and full (canonical) views of a trainer's state."""
+"""Shared helpers of the checkpoint tests: a small run config (the hybrid KDA/MLA layout) and full (canonical)
+views of a trainer's state."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def small_config(backend: str, ep: int, *, steps: int = 6, run_dir: str = "runs/
                       num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                       v_head_dim=16, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
                       moe_intermediate_size=64, moe_latent_size=32, routed_scaling_factor=2.0,
-                      router_bias_update_rate=0.01, **(K3_BLOCK if k3_block else {})),
+                      router_bias_update_rate=0.01, kda_layers_per_mla=2, kda_num_heads=2, kda_head_dim=16,
+                      kda_kernel="torch", **(K3_BLOCK if k3_block else {})),  # KDA, KDA, MLA
         "experts": {"backend": backend},
         "parallel": {"ep": ep},
         "optim": {"lr": 3e-3, "warmup_steps": 2, "schedule": "cosine", "grad_clip": 1.0},

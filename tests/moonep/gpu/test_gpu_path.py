@@ -64,7 +64,9 @@ def test_plans_and_rows_bitwise_equal_cpu_spec(group: dist.ProcessGroup, maxvio:
         buf.destroy()
 
 
-def test_moe_layer_matches_dense_reference_on_gpu(group: dist.ProcessGroup) -> None:
+@pytest.mark.parametrize("activation", ["swiglu", "situ_glu"])
+def test_moe_layer_matches_dense_reference_on_gpu(group: dist.ProcessGroup, activation: str) -> None:
+    """The Triton path with the op's activation fused (SiTU-GLU: K3's experts) against the textbook formula."""
     rank, R = dist.get_rank(group), dist.get_world_size(group)
     Hs, Fs, Ks, Ss, Es = 512, 2048, 4, 64, 16  # 512*2048*2 B = 2 MiB per expert row
     x, w, topk, weights, grad_y = cpu_moe._problem(R, Es, 2.5, H=Hs, F=Fs, K=Ks, S=Ss)
@@ -77,7 +79,7 @@ def test_moe_layer_matches_dense_reference_on_gpu(group: dist.ProcessGroup) -> N
             layer.w_local[p].copy_(w[p][rank * epn:(rank + 1) * epn].cuda())
         x_sH = x[rank].cuda().requires_grad_()
         w_sK = weights[rank].cuda().requires_grad_()
-        y = expert_glu(buf, pools, layer, x_sH, w_sK, topk[rank].cuda())
+        y = expert_glu(buf, pools, layer, x_sH, w_sK, topk[rank].cuda(), activation=activation)
         (y.double() * grad_y[rank].cuda().double()).sum().backward()
         buf.wait_pending()  # backward leaves reduce_grad queued on the communication stream
         assert int((pools.slot_plan.slot_expert_RB >= 0).sum()) > 0, "skewed routing should use slots"
@@ -89,9 +91,9 @@ def test_moe_layer_matches_dense_reference_on_gpu(group: dist.ProcessGroup) -> N
             gathered[k] = torch.cat(parts).cpu()
         N = R * Ss
         y16, gx16, gw16, gW16 = reference_grads(x.view(N, Hs), weights.view(N, Ks), topk.view(N, Ks), w,
-                                                grad_y.view(N, Hs), torch.bfloat16)
+                                                grad_y.view(N, Hs), torch.bfloat16, activation)
         y64, gx64, gw64, gW64 = reference_grads(x.view(N, Hs), weights.view(N, Ks), topk.view(N, Ks), w,
-                                                grad_y.view(N, Hs), torch.float64)
+                                                grad_y.view(N, Hs), torch.float64, activation)
         cpu_moe._close("y", gathered["y"], y16, y64)
         cpu_moe._close("grad x", gathered["gx"], gx16, gx64)
         cpu_moe._close("grad route weights", gathered["gw"], gw16, gw64)

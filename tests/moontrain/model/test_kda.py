@@ -51,7 +51,7 @@ def _layer_reference(m: KimiDeltaAttention, x: torch.Tensor, cfg: ModelConfig) -
     q = l2norm(conv(m.conv_q, m.wq(x)).view(B, T, H, K))
     k = l2norm(conv(m.conv_k, m.wk(x)).view(B, T, H, K))
     v = conv(m.conv_v, m.wv(x)).view(B, T, H, K)
-    pre = m.wf(x).view(B, T, H, K) + m.dt_bias
+    pre = m.wf(x).view(B, T, H, K) + m.dt_bias.view(H, K)
     a = m.A_log.exp()[:, None]
     bound = cfg.kda_gate_lower_bound
     g = -a * F.softplus(pre) if bound is None else bound * torch.sigmoid(a * pre)
@@ -166,3 +166,24 @@ def test_mla_masks_documents_like_flex_attention() -> None:
     packed = m(x, cos, sin, document_mask(tokens[:1], EOS))
     first, second = m(x[:, :11], cos[:11], sin[:11]), m(x[:, 11:], cos[:29], sin[:29])
     torch.testing.assert_close(packed, torch.cat([first, second], 1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rank", [None, 6], ids=["full-rank-gates", "low-rank-gates"])
+def test_param_counts_and_flops_cover_kda(rank: int | None) -> None:
+    from moontrain.metrics.flops import flops_per_token
+    from moontrain.planning.params import count_params
+
+    cfg = _cfg(num_layers=8, kda_layers_per_mla=3, kda_gate_rank=rank)  # KDA 1-3, 5-7; MLA 4, 8
+    D, H, K, W = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_conv_size
+    gates = 2 * D * H * K if rank is None else 2 * (D * rank + rank * H * K)
+    per_kda = 3 * D * H * K + 3 * H * K * W + gates + D * H + H + H * K + H * K * D
+    counts = count_params(cfg)
+    assert (cfg.num_kda_layers, cfg.num_mla_layers) == (6, 2)
+    assert counts.kda_attention == 6 * per_kda
+    all_mla = count_params(_cfg(num_layers=8, kda_layers_per_mla=0))
+    assert counts.attention - counts.kda_attention == 2 * all_mla.attention // 8
+    # a KDA layer has its gated output norm (K) instead of MLA's q and kv latent norms
+    assert counts.norms == all_mla.norms + 6 * (K - cfg.q_lora_rank - cfg.kv_lora_rank)
+    # only the MLA layers' attention grows with the sequence: KDA is linear in it
+    grow = flops_per_token(cfg, 2048) - flops_per_token(cfg, 1024)
+    assert grow == 2 * 6 * cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * 1024 / 2

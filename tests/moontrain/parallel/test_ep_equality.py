@@ -1,4 +1,5 @@
-"""Sharded == unsharded: a 2-layer MoE model trained 3 steps on one global batch gives the same losses, grad
+"""Sharded == unsharded: a 2-layer MoE model (a KDA layer, then an MLA layer, with document masking at a
+token the Markov data uses often) trained 3 steps on one global batch gives the same losses, grad
 norms, step-1 gradients, parameters and router biases at EP = 1 (local backend, one process, no FSDP) and at
 EP = 2, EP = 4 and dp_replicate 2 x EP 2 (expert data parallel on), FSDP on, with both the alltoall and the
 moonep backend (fp32 on CPU; moonep must use redundant experts, asserted). The K3 block (SiTU-GLU
@@ -28,6 +29,7 @@ from tests.dist_utils import run_ranks
 
 STEPS = 3
 SKEW = 0.5  # initial score bias of experts 0 and 1
+EOS = 121  # the Markov data's most frequent token (data seed 1234): 15 ends of document in the 3 global batches
 
 
 K3_BLOCK = {"ffn_activation": "situ_glu", "attn_res_block_size": 2}
@@ -41,7 +43,8 @@ def tiny_config(backend: str, ep: int, activation_checkpointing: bool = False,
                       num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                       v_head_dim=16, num_experts=8, num_experts_per_tok=3, num_shared_experts=1,
                       moe_intermediate_size=64, moe_latent_size=32, routed_scaling_factor=2.0,
-                      router_bias_update_rate=0.01, seq_aux_loss_coef=0.01, **(K3_BLOCK if k3_block else {})),
+                      router_bias_update_rate=0.01, seq_aux_loss_coef=0.01, kda_layers_per_mla=1,
+                      kda_num_heads=2, kda_head_dim=16, kda_kernel="torch", **(K3_BLOCK if k3_block else {})),
         "experts": {"backend": backend},
         "parallel": {"ep": ep, "fsdp_reshard_after_forward": reshard_after_forward},
         "optim": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant", "grad_clip": 1.0},
@@ -100,6 +103,8 @@ def _capture_first_grads(trainer: Trainer, out: dict[str, torch.Tensor]) -> None
 
 def _train(trainer: Trainer) -> tuple[list[tuple[float, float]], list[float], dict[str, torch.Tensor]]:
     _skew(trainer)
+    assert trainer.model.layers[0].is_kda and not trainer.model.layers[1].is_kda
+    trainer.model.document_eos_id = EOS
     first_grads: dict[str, torch.Tensor] = {}
     _capture_first_grads(trainer, first_grads)
     stats = trainer.fit()

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,7 @@ import torch
 from moontrain.checkpoint.store import list_checkpoints
 from moontrain.config.loader import load_recipe
 from moontrain.data.config import DataConfig
-from moontrain.data.source import build_loader
+from moontrain.data.loader import build_loader
 from moontrain.optim.schedule import lr_multiplier
 from moontrain.parallel.layout import build_layout, single_process_layout
 from moontrain.trainer.errors import one_line
@@ -71,6 +73,28 @@ def test_sigterm_finishes_the_step_saves_and_returns(tmp_path: Path) -> None:
     fresh = _single(tmp_path / "run")
     fresh.load_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000003")
     assert_bitwise(full_state(fresh), full_state(reference), "preempted checkpoint vs uninterrupted")
+
+
+def test_a_second_signal_aborts(tmp_path: Path) -> None:
+    """A process with the handler: the first SIGTERM sets the flag, SIGUSR1 (the launcher's) never aborts,
+    the second SIGTERM kills it with the default action even while it sleeps in C."""
+    script = (
+        "import os, signal, time\n"
+        "from moontrain.trainer.preempt import PreemptionHandler\n"
+        "h = PreemptionHandler(rank=0)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "time.sleep(0.1)\n"
+        "print('requested', h.requested, h.signal_name, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(30)\n"
+        "print('survived', flush=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stdout == "requested True SIGTERM\n", proc.stdout
+    assert proc.stderr.count("SIGTERM received: finishing the current step") == 1, proc.stderr
 
 
 def _one_rank_asks(rank: int, world: int, run_dir: str) -> int:

@@ -1,0 +1,133 @@
+"""Sequence mixing on one GPU: KDA (fla's chunk_kda through moontrain.model.kda_ops.kda_fla) against causal
+softmax attention at MLA's head dims (q/k 192, v 128), forward + backward, with and without packed documents.
+
+    python benchmarks/bench_kda.py [--iters 20] [--warmup 5] [--doc-len 1024] [--out results/bench_kda.json]
+
+Cases (batch x seq x heads, KDA heads of 128): 4 x 4096 x 16 and 2 x 8192 x 32 by default (--cases).
+Per case:
+- kda: kda_fla (gate, L2 norm and chunked recurrence fused; bf16 q/k/v/f, fp32 beta), grads of all inputs.
+- kda docs: the same with a document start every --doc-len tokens (cu_seqlens over the flattened batch).
+- sdpa: F.scaled_dot_product_attention, causal, bf16 (the MLA layers without document masking).
+- flex docs: the compiled flex_attention with the same documents' block mask (the MLA layers' CUDA path).
+- kda torch: the pure-PyTorch specification, at the first case only (it is the reference, not a kernel).
+Median of --iters timed by CUDA events after --warmup; model TFLOP/s from moontrain.metrics.flops' per-token
+counts (KDA: the chunked recurrence; attention: causal scores and values). Table printed; JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from moontrain.model.documents import compiled_flex_attention, flex_block_mask
+from moontrain.model.kda_ops import CHUNK, kda, kda_fla
+
+DQK, DV, K = 192, 128, 128
+
+
+def median_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def kda_case(B: int, T: int, H: int, doc_len: int | None, torch_spec: bool, iters: int, warmup: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    q, k, v, f = (torch.randn(B, T, H, K, generator=gen, **bf) for _ in range(4))
+    beta = torch.rand(B, T, H, generator=gen, device="cuda")
+    A_log = torch.empty(H, device="cuda").uniform_(1, 16, generator=gen).log()
+    dt_bias = torch.randn(H, K, generator=gen, device="cuda") - 4
+    go = torch.randn(B, T, H, K, generator=gen, **bf)
+    leaves = [t.requires_grad_() for t in (q, k, v, f, beta)]
+    doc_start = None
+    if doc_len is not None:
+        doc_start = torch.zeros(B, T, dtype=torch.bool, device="cuda")
+        doc_start[:, doc_len::doc_len] = True
+    fn = kda if torch_spec else kda_fla
+
+    def run() -> tuple[torch.Tensor, ...]:
+        o = fn(*leaves, A_log, dt_bias, lower_bound=-5.0, scale=K ** -0.5, doc_start_BT=doc_start)
+        return (o, *torch.autograd.grad(o, leaves, go))
+
+    ms = median_ms(run, iters, warmup)
+    flops = 3 * B * T * H * (CHUNK * 5 * K + 6 * K * K)  # moontrain.metrics.flops.kda_mixing_flops_per_token
+    name = "kda torch" if torch_spec else "kda"
+    return {"case": name + (" docs" if doc_len else ""), "B": B, "T": T, "H": H, "ms": ms,
+            "tflops": flops / ms / 1e9}
+
+
+def attention_case(B: int, T: int, H: int, doc_len: int | None, iters: int, warmup: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    q, k = (torch.randn(B, H, T, DQK, generator=gen, **bf) for _ in range(2))
+    v = torch.randn(B, H, T, DV, generator=gen, **bf)
+    go = torch.randn(B, H, T, DV, generator=gen, **bf)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    block_mask = None
+    if doc_len is not None:
+        id_BT = (torch.arange(T, device="cuda") // doc_len).expand(B, T).contiguous()
+        block_mask = flex_block_mask(id_BT)
+    flex = compiled_flex_attention()
+
+    def run() -> tuple[torch.Tensor, ...]:
+        if block_mask is None:
+            o = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=DQK ** -0.5)
+        else:
+            o = flex(*leaves, block_mask=block_mask, scale=DQK ** -0.5)
+        return (o, *torch.autograd.grad(o, leaves, go))
+
+    ms = median_ms(run, iters, warmup)
+    visible = T / 2 if doc_len is None else doc_len / 2  # mean keys per query (causal)
+    flops = 6 * B * T * H * (DQK + DV) * visible
+    return {"case": "sdpa" if doc_len is None else "flex docs", "B": B, "T": T, "H": H, "ms": ms,
+            "tflops": flops / ms / 1e9}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="4x4096x16,2x8192x32", help="comma-separated BxTxH")
+    p.add_argument("--doc-len", type=int, default=1024)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_kda_<date>.json)")
+    args = p.parse_args()
+    rows = []
+    for i, case in enumerate(args.cases.split(",")):
+        B, T, H = (int(x) for x in case.split("x"))
+        rows.append(kda_case(B, T, H, None, False, args.iters, args.warmup))
+        rows.append(kda_case(B, T, H, args.doc_len, False, args.iters, args.warmup))
+        rows.append(attention_case(B, T, H, None, args.iters, args.warmup))
+        rows.append(attention_case(B, T, H, args.doc_len, args.iters, args.warmup))
+        if i == 0:
+            rows.append(kda_case(B, T, H, None, True, max(3, args.iters // 5), 1))
+    print(f"{'case':<12} {'B':>3} {'T':>6} {'H':>4} {'ms':>9} {'TFLOP/s':>9}")
+    for r in rows:
+        print(f"{r['case']:<12} {r['B']:>3} {r['T']:>6} {r['H']:>4} {r['ms']:>9.3f} {r['tflops']:>9.1f}")
+    out = Path(args.out or Path(__file__).parent / "results" / f"bench_kda_{time.strftime('%Y%m%d')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "doc_len": args.doc_len, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
