@@ -115,11 +115,12 @@ def qkv_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
     cfg = model.cfg
     N, Dn, Dr, Dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     out = {}
-    for name, _ in model.named_parameters():
-        if name.endswith(("attn.wq.weight", "attn.wq_b.weight")):
-            out[name] = (Dn + Dr,) * N
-        elif name.endswith("attn.wkv_b.weight"):
-            out[name] = (Dn, Dv) * N
+    for name, module in model.named_modules():
+        if not hasattr(module, "wkv_b"):  # MLA only (KDA's projections have no per-head split here)
+            continue
+        q = "wq" if hasattr(module, "wq") else "wq_b"
+        out[f"{name}.{q}.weight"] = (Dn + Dr,) * N
+        out[f"{name}.wkv_b.weight"] = (Dn, Dv) * N
     return out
 
 

@@ -39,7 +39,7 @@ from tests.moontrain.parallel.test_ep_equality import (
 )
 
 CPU = torch.device("cpu")
-LR_GROWTH = 0.02  # Muon lr that makes the tiny model's attention logits grow ~40x in 30 steps
+LR_GROWTH = 0.02  # Muon lr that makes the tiny model's attention logits grow ~25x in 30 steps
 TAU = 0.04  # below the tiny model's initial max logit (~0.05): QK-Clip clips from the first step
 
 
@@ -103,20 +103,25 @@ def _reference_orthogonalize(M: torch.Tensor) -> torch.Tensor:
 
 
 class ReferenceMuon(torch.optim.Optimizer):
-    """Single-process Muon, one matrix at a time: experts one by one, the query rows of each head and the
-    key and value rows of each head of wkv_b separately; torch's AdamW for the head, router weights,
-    embedding and norms."""
+    """Single-process Muon, one matrix at a time: experts one by one, the query rows of each MLA head and
+    the key and value rows of each head of wkv_b separately, every other linear weight whole; torch's
+    AdamW for the head, the non-linear-map matrices (routers, KDA taps), embedding and norms."""
 
     def __init__(self, model: torch.nn.Module, cfg: OptimConfig) -> None:
         mc = model.cfg
+        linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+        mla = {n for n, m in model.named_modules() if isinstance(m, MLAttention)}
         self.mats, decay, no_decay = [], [], []
         for name, p in model.named_parameters():
+            module = name.rsplit(".", 2)[0]
             if ".experts.master." in name:
                 self.mats.append((p, "experts"))
             elif p.ndim < 2 or "embed" in name:
                 no_decay.append(p)
-            elif name.startswith("lm_head") or name.endswith("router.weight"):
+            elif name.startswith("lm_head") or id(p) not in linear:
                 decay.append(p)
+            elif module not in mla:
+                self.mats.append((p, None))
             elif name.endswith("attn.wq_b.weight"):
                 self.mats.append((p, [mc.qk_nope_head_dim + mc.qk_rope_head_dim] * mc.num_heads))
             elif name.endswith("attn.wkv_b.weight"):
@@ -373,8 +378,8 @@ def test_qk_clip_holds_max_logit_at_tau() -> None:
     factor of the unclipped run."""
     steps = 30
     free = _growth_run(0.0, steps)
-    tau = 5 * free[0]
-    assert free[-1] > 6 * tau, f"the logits should grow without QK-Clip: {free}"
+    tau = 3 * free[0]
+    assert free[-1] > 4 * tau, f"the logits should grow without QK-Clip: {free}"
     clipped = _growth_run(tau, steps)
     growth = max(b / a for a, b in itertools.pairwise(free))
     assert max(clipped) <= tau * growth, (clipped, tau, growth)
