@@ -392,7 +392,8 @@ def test_muon_groups_on_the_hybrid_stack() -> None:
     cfg = tiny_config("local", 1)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=2, kda_layers_per_mla=1,
                                                              kda_head_dim=16, kda_kernel="torch"),
-                              optim=dataclasses.replace(cfg.optim, name="muon", qk_clip_tau=1.0))
+                              optim=dataclasses.replace(cfg.optim, name="muon", qk_clip_tau=1.0,
+                                                        muon_per_head_qkv=True))
     torch.set_num_threads(1)
     trainer = Trainer(cfg, single_process_layout(CPU))
     names = {id(p): n for n, p in trainer.model.named_parameters()}
@@ -407,6 +408,10 @@ def test_muon_groups_on_the_hybrid_stack() -> None:
                        and n != "lm_head")
     assert groups["muon"] == sorted(n + ".weight" for n in want_muon)
     assert trainer.qk_clip.layer_ids == [i for i in range(2) if i not in kda]
+    mla = [i for i in range(2) if i not in kda]
+    per_head = {names[i]: blocks for i, blocks in trainer.optimizer.row_blocks.items()}
+    assert per_head == {f"layers.{mla[0]}.attn.wq_b.weight": (24, 24),
+                        f"layers.{mla[0]}.attn.wkv_b.weight": (16, 16, 16, 16)}  # MLA only, per head
 
 
 # ------------------------------------------------------------------------------------------ config
