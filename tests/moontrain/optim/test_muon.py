@@ -12,7 +12,6 @@ went through bf16 Newton-Schulz like the sharded run -- times 20 is the toleranc
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from pathlib import Path
 
@@ -39,7 +38,7 @@ from tests.moontrain.parallel.test_ep_equality import (
 )
 
 CPU = torch.device("cpu")
-LR_GROWTH = 0.02  # Muon lr that makes the tiny model's attention logits grow ~40x in 30 steps
+LR_GROWTH = 0.02  # Muon lr that makes the tiny model's attention logits grow ~25x in 30 steps
 TAU = 0.04  # below the tiny model's initial max logit (~0.05): QK-Clip clips from the first step
 
 
@@ -54,22 +53,28 @@ def _ns_polynomial_fp64(G: torch.Tensor, steps: int) -> torch.Tensor:
     return U @ torch.diag(s) @ Vh
 
 
-@pytest.mark.parametrize("shape", [(24, 64), (96, 32), (48, 48)])
-def test_newton_schulz_matches_its_polynomial(shape: tuple[int, int]) -> None:
+# bf16 unit roundoff 2^-8 per rounding, ~3 roundings per iteration (A, B, X), 5 iterations, entries of X
+# bounded by its spectral norm (<= 1.25 after the first iteration)
+NS_TOL = 15 * 2.0**-8 * 1.25
+
+
+def check_newton_schulz(shape: tuple[int, int], device: str) -> None:
     gen = torch.Generator().manual_seed(0)
     G = torch.randn(3, *shape, generator=gen)
-    got = newton_schulz(G, 5)
+    got = newton_schulz(G.to(device), 5).cpu()
     assert got.dtype == torch.bfloat16 and got.shape == G.shape
-    # bf16 unit roundoff 2^-8 per rounding, ~3 roundings per iteration (A, B, X), 5 iterations, entries of
-    # X bounded by its spectral norm (<= 1.25 after the first iteration)
-    tol = 15 * 2.0**-8 * 1.25
     for i in range(3):
         want = _ns_polynomial_fp64(G[i], 5)
         diff = (got[i].double() - want).abs().max().item()
-        assert diff <= tol, f"matrix {i}: max |NS - polynomial| {diff:.3g} > {tol:.3g}"
+        assert diff <= NS_TOL, f"matrix {i}: max |NS - polynomial| {diff:.3g} > {NS_TOL:.3g}"
     # the iteration drives every singular value into the quintic's band around 1 (K. Jordan's coefficients)
     sv = torch.linalg.svdvals(got.double())
     assert sv.min() > 0.6 and sv.max() < 1.25, sv
+
+
+@pytest.mark.parametrize("shape", [(24, 64), (96, 32), (48, 48)])
+def test_newton_schulz_matches_its_polynomial(shape: tuple[int, int]) -> None:
+    check_newton_schulz(shape, "cpu")
 
 
 def test_owner_assignment_balances_cost() -> None:
@@ -97,27 +102,25 @@ def _reference_orthogonalize(M: torch.Tensor) -> torch.Tensor:
 
 
 class ReferenceMuon(torch.optim.Optimizer):
-    """Single-process Muon, one matrix at a time: experts one by one, the query rows of each head and the
-    key and value rows of each head of wkv_b separately; torch's AdamW for the head, router weights,
-    embedding and norms."""
-
-    # the training step's optimizer contract (moontrain/optim/protocol.py), as Muon keeps it
-    folds_clip = False
-    written_back = frozenset()
-
-    def clip_next_step(self, factor: torch.Tensor) -> None:
-        raise ValueError("ReferenceMuon does not fold the clip")
+    """Single-process Muon, one matrix at a time: experts one by one, the query rows of each MLA head and
+    the key and value rows of each head of wkv_b separately, every other linear weight whole; torch's
+    AdamW for the head, the non-linear-map matrices (routers, KDA taps), embedding and norms."""
 
     def __init__(self, model: torch.nn.Module, cfg: OptimConfig) -> None:
         mc = model.cfg
+        linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+        mla = {n for n, m in model.named_modules() if isinstance(m, MLAttention)}
         self.mats, decay, no_decay = [], [], []
         for name, p in model.named_parameters():
+            module = name.rsplit(".", 2)[0]
             if ".experts.master." in name:
                 self.mats.append((p, "experts"))
             elif p.ndim < 2 or "embed" in name:
                 no_decay.append(p)
-            elif name.startswith("lm_head") or name.endswith("router.weight"):
+            elif name.startswith("lm_head") or id(p) not in linear:
                 decay.append(p)
+            elif module not in mla:
+                self.mats.append((p, None))
             elif name.endswith("attn.wq_b.weight"):
                 self.mats.append((p, [mc.qk_nope_head_dim + mc.qk_rope_head_dim] * mc.num_heads))
             elif name.endswith("attn.wkv_b.weight"):
@@ -130,6 +133,12 @@ class ReferenceMuon(torch.optim.Optimizer):
                                         {"params": no_decay, "weight_decay": 0.0}],
                                        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
         self.bufs = {id(p): torch.zeros_like(p) for p, _ in self.mats}
+
+    folds_clip = False  # the training step's optimizer contract (moontrain/optim/protocol.py)
+    written_back = frozenset()
+
+    def clip_next_step(self, factor: torch.Tensor) -> None:
+        raise AssertionError("folds_clip is False")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -343,36 +352,67 @@ def test_causal_max_logit_chunks_match_one_pass(monkeypatch: pytest.MonkeyPatch)
     assert (want < whole).any()  # the documents hide some of the largest logits here
 
 
-def _growth_run(tau: float, steps: int) -> list[float]:
-    """Max logit measured in each step's forward, with the attention logits forced to grow: high lr,
-    the same batch every step, tau tiny; QK-Clip on with tau > 0, off (measurement only) with tau = 0."""
+def _growth_run(tau: float, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per step and head: the max logit of the step's forward, and (clip on) that of the updated weights
+    before the clip on the same batch; the attention logits forced to grow (high lr, the same batch every step). QK-
+    Clip on with tau > 0, measurement only with tau = 0."""
     torch.set_num_threads(1)
     cfg = tiny_config("local", 1)
+    # router biases fixed: the next forward then sees exactly the weights the extra forward measured
     cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name="muon", lr=LR_GROWTH, qk_clip_tau=1.0),
-                              train=dataclasses.replace(cfg.train, steps=steps))
+                              train=dataclasses.replace(cfg.train, steps=steps),
+                              model=dataclasses.replace(cfg.model, router_bias_update_rate=0.0))
     trainer = Trainer(cfg, single_process_layout(CPU))
     batch = trainer.data.batch(0)
     trainer.data.batch = lambda step: batch
-    trainer.qk_clip.tau = tau if tau > 0 else math.inf
-    maxima = []
-    clip_step = trainer.qk_clip.step
-    trainer.qk_clip.step = lambda: maxima.append(clip_step().max().item())
+    clip = trainer.qk_clip
+    clip.tau = tau if tau > 0 else math.inf
+    maxima, updated = [], []
+    clip_step = clip.step
+
+    def measured_step() -> torch.Tensor:
+        if tau > 0:  # an extra no-grad forward at the updated weights (its router counts discarded)
+            seen = [a.max_logit_N.clone() for a in clip.attns]
+            counts = [m.router.tokens_per_expert_E.clone() for m in trainer.model.moe_layers()]
+            for a in clip.attns:
+                a.max_logit_N.fill_(-math.inf)
+            for moe in trainer.model.moe_layers():  # the updated experts (finish_step repeats this copy)
+                moe.experts.push_master()
+            with torch.no_grad():
+                trainer.model(*batch)
+            updated.append(torch.cat([a.max_logit_N.clone() for a in clip.attns]))
+            for a, m in zip(clip.attns, seen, strict=True):
+                a.max_logit_N.copy_(m)
+            for moe, c in zip(trainer.model.moe_layers(), counts, strict=True):
+                moe.router.tokens_per_expert_E.copy_(c)
+        max_LN = clip_step()
+        maxima.append(max_LN.flatten().clone())
+        return max_LN
+
+    clip.step = measured_step
     for _ in range(steps):
         trainer.train_step()
-    return maxima
+    return maxima, updated
 
 
 def test_qk_clip_holds_max_logit_at_tau() -> None:
-    """The clip rescales the weights the step's forward measured, after that step's update: the next
-    forward's max logit is tau times one update's growth at most. Bound: the largest one-step growth
-    factor of the unclipped run."""
+    """The clip rescales the weights after the step's update by the maxima of the step's forward (Kimi
+    K2's order): every logit of a clipped head is scaled by tau / S_k, so the next forward's max logit
+    is tau times that update's growth S(W_k + dW) / S_k, measured here by an extra forward (one bf16-free
+    fp32 rounding apart)."""
     steps = 30
-    free = _growth_run(0.0, steps)
-    tau = 5 * free[0]
-    assert free[-1] > 6 * tau, f"the logits should grow without QK-Clip: {free}"
-    clipped = _growth_run(tau, steps)
-    growth = max(b / a for a, b in itertools.pairwise(free))
-    assert max(clipped) <= tau * growth, (clipped, tau, growth)
+    free_heads, _ = _growth_run(0.0, steps)
+    free = [float(m.max()) for m in free_heads]
+    tau = 3 * free[0]
+    assert free[-1] > 4 * tau, f"the logits should grow without QK-Clip: {free}"
+    clipped_heads, updated = _growth_run(tau, steps)
+    for k in range(steps - 1):  # per head: the next forward sees exactly gamma * the updated weights' logits
+        gamma = torch.where(clipped_heads[k] > tau, tau / clipped_heads[k], 1.0)
+        torch.testing.assert_close(clipped_heads[k + 1], gamma * updated[k], rtol=1e-5, atol=0)
+    clipped = [float(m.max()) for m in clipped_heads]
+    growth = max(float((u / m).max()) for u, m in zip(updated, clipped_heads, strict=True))
+    assert max(clipped) <= tau * growth * (1 + 1e-5), (clipped, tau, growth)  # one update's overshoot at most
+    assert max(clipped) < free[-1] / 3, (clipped, free)
     assert min(clipped[-10:]) >= tau, clipped  # held at tau, not below it: heads clip to tau, not further
 
 
