@@ -37,6 +37,10 @@ RECIPE = Path(__file__).resolve().parents[3] / "recipes/k3_tiny.yaml"
     ("model.router_bias_update_rate=-0.001", r"model.router_bias_update_rate must be a finite number >= 0"),
     ("model.norm_eps=-1e-6", r"model.norm_eps must be a finite number > 0"),
     ("model.norm_eps=0", r"model.norm_eps must be a finite number > 0"),
+    ("parallel.timeout_s=0", r"parallel.timeout_s must be a finite number of seconds > 0"),
+    ("parallel.heartbeat_timeout_s=900", r"parallel.heartbeat_timeout_s=900.0 must be >= 0 \(0 disables\) and below "
+                                         r"parallel.timeout_s=600.0"),
+    ("train.max_skipped_steps=0", r"train.max_skipped_steps must be >= 1"),
 ])
 def test_nonsense_settings_are_refused(override: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
