@@ -14,8 +14,9 @@ Numerics: everything in fp32 from the inputs' values, each result rounded once t
 The transcendentals are written out in terms of exp of a non-positive argument (sigmoid and
 sig (1 - sig) from exp(-|x|); tanh and 1 - tanh^2 from exp(-2|x|), with a Taylor polynomial for
 |x| < 1/16 where 1 - exp(-2|x|) would cancel), so the derivatives keep their relative accuracy in the
-saturated tails; one operation at a time, in the order the Triton kernels evaluate them: the kernels differ from this only by their
-exp (Triton's interpreter uses numpy's, the GPU its own) and, on the GPU, by fp32 division.
+saturated tails; one operation at a time, in the order the Triton kernels evaluate them. The kernels
+differ from this only by their exp (Triton's interpreter uses numpy's, the GPU its own) and, on the
+GPU, by fp32 division. The differentiable `situ_glu` runs the kernels on bf16 CUDA tensors.
 
 Rejected: torch.tanh / torch.sigmoid here and libdevice's tanh in the kernel (Triton's interpreter has
 no libdevice, so the kernel could not be checked on a CPU).

@@ -5,7 +5,8 @@ Every import counts, wherever it stands (module level, inside a function, under 
 lazy import still ties the two modules together. `import a.b.c` or `from a.b.c import x` also runs
 the packages a and a.b first, so it is an edge to them as well, except to the importer's own parent
 packages (they are already running when one of their modules is imported). `from a import x` reads
-the package a itself, so that edge counts even for a module inside a.
+the package a itself when x is a name defined there, so that edge counts even for a module inside a;
+`from a import b` with b a submodule imports a.b and reads nothing of a.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module
-            # the module itself is read (its attributes); a name may also be a submodule
-            targets = [(module, True)] + [(f"{module}.{alias.name}", False) for alias in node.names]
+            # the module itself is read for every name that is not one of its submodules
+            submodules = [f"{module}.{alias.name}" for alias in node.names]
+            reads = any(sub not in modules for sub in submodules)
+            targets = [(module, reads)] + [(sub, False) for sub in submodules]
         else:
             continue
         for target, read in targets:
@@ -143,7 +146,7 @@ def test_the_checker_finds_a_planted_cycle(tmp_path: Path) -> None:
     assert sorted(_cycles(graph)) == [["a", "b", "c"], ["q", "q.y"]]
     (tmp_path / "p").mkdir()
     (tmp_path / "p" / "__init__.py").write_text("from p.x import f\n")
-    (tmp_path / "p" / "x.py").write_text("from p.y import g\ndef f():\n    from p import h\n")
+    (tmp_path / "p" / "x.py").write_text("from p.y import g\nfrom p import y\ndef f():\n    from p import h\n")
     (tmp_path / "p" / "y.py").write_text("import os\n")
     modules = {"p": tmp_path / "p" / "__init__.py", "p.x": tmp_path / "p" / "x.py", "p.y": tmp_path / "p" / "y.py"}
     assert _imports("p", modules["p"], modules) == {"p.x"}

@@ -94,7 +94,7 @@ def _export_plan(cfg: ModelConfig, source: TensorSource, dtype: torch.dtype
     for key in source.names():
         if not key.startswith("model."):
             continue
-        name = hf_name(key[len("model."):])
+        name = hf_name(key[len("model."):], cfg)
         shape = tuple(source.shape(key))
         out_dtype = torch.float32 if name.name.endswith(FP32_ALWAYS) else dtype
         if name.kind == "experts":
@@ -154,11 +154,15 @@ def _copy_tokenizer(checkpoint: Path, out_dir: Path, tokenizer: str | Path | Non
 # ---------------------------------------------------------------------------------------------- import
 class HFSource:
     """Canonical moontrain rows read from an HF model directory (the TensorSource interface that
-    load_model_tensors uses): experts stacked and transposed back, rope rows de-interleaved."""
+    load_model_tensors uses): experts stacked and transposed back, rope rows de-interleaved, and FP8
+    weights with block scales (`<name>_scale_inv`, the DeepSeek-V3 / Kimi K2 release format) dequantized
+    to fp32: w = fp8 * scale_inv of the weight's [block_rows, block_cols] block."""
 
-    def __init__(self, root: Path, cfg: ModelConfig, weight_map: dict[str, str], interleaved: bool) -> None:
+    def __init__(self, root: Path, cfg: ModelConfig, weight_map: dict[str, str], interleaved: bool,
+                 fp8_block: tuple[int, int] = (128, 128)) -> None:
         self.root, self.cfg, self.weight_map, self.interleaved = root, cfg, weight_map, interleaved
-        self._open: dict[str, Any] = {}
+        self.fp8_block = fp8_block
+        self._open: dict[str, SafetensorsReader] = {}
 
     def _reader(self, hf: str) -> SafetensorsReader:
         if hf not in self.weight_map:
@@ -171,8 +175,24 @@ class HFSource:
                 raise CheckpointError(f"model file {self.root / file} is not a readable safetensors file: {err}") from err
         return self._open[file]
 
+    def _read(self, hf: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        """Rows [lo, hi) of an HF tensor (all of it by default), dequantized when it is stored in FP8."""
+        reader = self._reader(hf)
+        shape = reader.shape(hf)
+        lo, hi = (0, shape[0] if shape else 0) if lo is None else (lo, hi)
+        t = reader.rows(hf, lo, hi)
+        if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return t
+        scale_name = hf + "_scale_inv"
+        if scale_name not in self.weight_map or t.ndim != 2:
+            raise CheckpointError(f"{self.root}: {hf} is stored in {t.dtype} without a 2-D block scale {scale_name!r}")
+        br, bc = self.fp8_block
+        scale = self._reader(scale_name).rows(scale_name, lo // br, -(-hi // br)).float()
+        scale = scale.repeat_interleave(br, 0)[lo - lo // br * br:][:hi - lo].repeat_interleave(bc, 1)[:, :shape[1]]
+        return t.float() * scale
+
     def shape(self, key: str) -> tuple[int, ...]:
-        name = hf_name(key)
+        name = hf_name(key, self.cfg)
         if name.kind == "experts":
             out_dim, in_dim = self._reader(name.expert(0)).shape(name.expert(0))
             return (self.cfg.num_experts, in_dim, out_dim)
@@ -183,18 +203,18 @@ class HFSource:
         return self.rows(key, 0, shape[0] if shape else 0)
 
     def rows(self, key: str, offset: int, rows: int) -> torch.Tensor:
-        name = hf_name(key)
+        name = hf_name(key, self.cfg)
         if name.kind == "experts":
             if rows == 0:
                 return torch.empty(0, *self.shape(key)[1:])
-            return torch.stack([self._reader(name.expert(j)).tensor(name.expert(j)).t()
-                                for j in range(offset, offset + rows)])
+            return torch.stack([self._read(name.expert(j)).t() for j in range(offset, offset + rows)])
         shape = self.shape(key)
-        reader = self._reader(name.name)
         order = rope_rows(name.kind, self.cfg, shape[0], to_hf=False) if shape and self.interleaved else None
+        if not shape:
+            return self._read(name.name)
         if order is None:
-            return reader.rows(name.name, offset, offset + rows) if shape else reader.tensor(name.name)
-        return reader.tensor(name.name)[order[offset:offset + rows]]
+            return self._read(name.name, offset, offset + rows)
+        return self._read(name.name)[order[offset:offset + rows]]
 
 
 def read_hf(model_dir: str | Path) -> tuple[ModelConfig, HFSource]:
@@ -222,7 +242,12 @@ def read_hf(model_dir: str | Path) -> tuple[ModelConfig, HFSource]:
     for file in sorted(set(weight_map.values())):
         if not (model_dir / file).is_file():
             raise CheckpointError(f"model file {model_dir / file} is missing (named in {INDEX})")
-    return cfg, HFSource(model_dir, cfg, weight_map, interleaved=raw.get("rope_interleave", True))
+    quant = raw.get("quantization_config") or {}
+    if quant and (quant.get("quant_method") != "fp8" or len(quant.get("weight_block_size") or ()) != 2):
+        raise CheckpointError(f"{config_path}: quantization_config {quant} is not supported (moontrain reads FP8 "
+                              "with 2-D weight blocks, quant_method fp8)")
+    block = tuple(quant["weight_block_size"]) if quant else (128, 128)
+    return cfg, HFSource(model_dir, cfg, weight_map, interleaved=raw.get("rope_interleave", True), fp8_block=block)
 
 
 def import_hf(run: TrainState, model_dir: str | Path) -> None:

@@ -16,6 +16,12 @@ Kimi K2) convention.
     layers.i.res_{attn,ffn}.key_norm.weight ... {attn,mlp}_res.key_norm.weight
     final_res.{query, key_norm.weight}      model.final_res.{query, key_norm.weight}
 
+KDA layers (model.kda_layers_per_mla > 0; moontrain's names, no published convention is followed):
+    layers.i.attn.{wq, wk, wv, wb, wo}      ... self_attn.{q,k,v,b,o}_proj
+    layers.i.attn.conv_{q,k,v} [C, W]       ... self_attn.{q,k,v}_conv.weight [C, W] (tap s multiplies x_{t-s})
+    layers.i.attn.w{f,g}  (low rank .0/.1)  ... self_attn.{f,g}_proj  (low rank: {f,g}_a_proj, {f,g}_b_proj)
+    layers.i.attn.{A_log, dt_bias, o_norm}  ... self_attn.{A_log, dt_bias, o_norm.weight}
+
 Layout changes: expert projections are split per expert and transposed; the rope rows of the q
 projection (the last Dr rows of every head) and of the kv-a projection (its last Dr rows) are stored
 with rotation pairs interleaved when the HF config says rope_interleave (the DeepSeek-V3 / K2 layout),
@@ -62,7 +68,17 @@ _RULES: list[tuple[str, str, Literal["plain", "rope_q", "rope_kv", "experts"]]] 
     (r"final_res\.query", "model.final_res.query", "plain"),
     (r"final_res\.key_norm\.weight", "model.final_res.key_norm.weight", "plain"),
 ]
+_KDA_RULES: list[tuple[str, str, Literal["plain"]]] = [
+    (_LAYER + r"attn\.w(q|k|v|b|o)\.weight", "self_attn.{}_proj.weight", "plain"),
+    (_LAYER + r"attn\.conv_(q|k|v)", "self_attn.{}_conv.weight", "plain"),
+    (_LAYER + r"attn\.w(f|g)\.weight", "self_attn.{}_proj.weight", "plain"),
+    (_LAYER + r"attn\.w(f|g)\.0\.weight", "self_attn.{}_a_proj.weight", "plain"),
+    (_LAYER + r"attn\.w(f|g)\.1\.weight", "self_attn.{}_b_proj.weight", "plain"),
+    (_LAYER + r"attn\.(A_log|dt_bias|o_norm\.weight)", "self_attn.{}", "plain"),
+]
 _COMPILED = [(re.compile(pattern), target, kind) for pattern, target, kind in _RULES]
+_KDA_COMPILED = [(re.compile(pattern), target, kind) for pattern, target, kind in _KDA_RULES]
+_LAYER_IDX = re.compile(_LAYER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +92,11 @@ class HFName:
         return self.name.format(j=j)
 
 
-def hf_name(name: str) -> HFName:
+def hf_name(name: str, cfg: ModelConfig) -> HFName:
     """The HF name of moontrain tensor `name` (a canonical state-dict name, without the `model.` prefix)."""
-    for pattern, target, kind in _COMPILED:
+    layer = _LAYER_IDX.match(name)
+    kda = layer is not None and ".attn." in name and cfg.layer_is_kda(int(layer.group(1)))
+    for pattern, target, kind in _KDA_COMPILED if kda else _COMPILED:
         m = pattern.fullmatch(name)
         if m is None:
             continue

@@ -4,9 +4,9 @@ Legend: B batch, S cached positions (capacity), T new tokens, C kv latent width 
 
 An MLA layer caches what its keys and values are made from, not the keys and values: the normed kv
 latent c [B, S, C] and the rotated shared rope key [B, S, Dr] (C + Dr numbers per token and layer,
-against N * (Dn + Dr + Dv) for plain multi-head attention). A layer of another kind (a linear-attention
-layer's recurrent state, for one) adds its own state class with the same two calls: `append` the new
-tokens' state and return what attention at these positions reads.
+against N * (Dn + Dr + Dv) for plain multi-head attention). A KDA (linear attention) layer caches a
+fixed-size state instead: the recurrent state S [B, H, K, V] (fp32) and the last W - 1 inputs of each
+short convolution, whatever the number of positions decoded.
 """
 
 from __future__ import annotations
@@ -33,9 +33,25 @@ class MLACache:
         return self.c_BSC[:, :end], self.k_rope_BSDr[:, :end]
 
 
+class KDACache:
+    def __init__(self, batch: int, heads: int, head_dim: int, conv_taps: int, *, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.S_BHKV = torch.zeros(batch, heads, head_dim, head_dim, dtype=torch.float32, device=device)
+        # the last W - 1 inputs of the q, k and v convolutions (zeros before the first token: the
+        # convolution's own zero padding)
+        self.conv = {name: torch.zeros(batch, conv_taps - 1, heads * head_dim, dtype=dtype, device=device)
+                     for name in ("q", "k", "v")}
+
+    def extend(self, name: str, x_BTC: torch.Tensor) -> torch.Tensor:
+        """The convolution input [B, W - 1 + T, C] ending with the new tokens; the state keeps its tail."""
+        x_BUC = torch.cat([self.conv[name], x_BTC], dim=1)
+        self.conv[name] = x_BUC[:, x_BUC.shape[1] - self.conv[name].shape[1]:]
+        return x_BUC
+
+
 class DecodeCache:
     """Per-layer states of one batch of sequences; `start` is the position of the next token."""
 
-    def __init__(self, layers: list[MLACache]) -> None:
+    def __init__(self, layers: list[MLACache | KDACache]) -> None:
         self.layers = layers
         self.start = 0

@@ -4,9 +4,10 @@ Legend: B batch, T new tokens, S positions so far (cached + new), N heads, C kv 
 Dn/Dr/Dv nope/rope/value head dims, D hidden, V vocab.
 
 The blocks' own modules (norms, projections, dense FFN, MoE with its router and the local experts
-backend) run unchanged; only attention is re-expressed to read keys and values from the cache: the
-new tokens' normed kv latent and rotated rope key are appended, and k_nope / v of every position are
-expanded from the cached latents through W_kvb. With an empty cache and the whole sequence this is the
+backend) and their residual wiring (Block.residuals: standard or AttnRes) run unchanged; only attention
+is re-expressed to read from the cache. MLA: the new tokens' normed kv latent and rotated rope key are
+appended, and k_nope / v of every position are expanded from the cached latents through W_kvb. KDA: the
+short convolutions continue from their cached inputs and the delta-rule recurrence from its state. With an empty cache and the whole sequence this is the
 training forward's math (tests/moontrain/generate/test_generate.py checks greedy decoding token for token).
 """
 
@@ -15,24 +16,61 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moontrain.generate.cache import DecodeCache, MLACache
+from moontrain.generate.cache import DecodeCache, KDACache, MLACache
 from moontrain.model.attention import MLAttention
+from moontrain.model.kda import KimiDeltaAttention, short_conv
+from moontrain.model.kda_ops import at_least_fp32, kda_gate, l2_normalize
 from moontrain.model.rope import apply_rope, rope_cos_sin, softmax_scale
 from moontrain.model.transformer import K3Model
 
 
 def new_cache(model: K3Model, batch: int, max_len: int) -> DecodeCache:
     cfg = model.cfg
-    layers = []
+    layers: list[MLACache | KDACache] = []
     for block in model.layers:
-        if not isinstance(block.attn, MLAttention):
+        dtype, device = block.attn.wo.weight.dtype, block.attn.wo.weight.device
+        if isinstance(block.attn, KimiDeltaAttention):
+            layers.append(KDACache(batch, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_conv_size, dtype=dtype,
+                                   device=device))
+        elif isinstance(block.attn, MLAttention):
+            layers.append(MLACache(batch, max_len, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype=dtype,
+                                   device=device))
+        else:
             raise ValueError(f"decoding does not support attention layers of type {type(block.attn).__name__} yet")
-        layers.append(MLACache(batch, max_len, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                               dtype=block.attn.wkv_a.weight.dtype, device=block.attn.wkv_a.weight.device))
     return DecodeCache(layers)
 
 
-def _attend(attn: MLAttention, x_BTD: torch.Tensor, cache: MLACache, start: int) -> torch.Tensor:
+def _kda_attend(attn: KimiDeltaAttention, x_BTD: torch.Tensor, cache: KDACache) -> torch.Tensor:
+    """KDA's recurrence token by token from the cached state (the layer's chunked form computes the same
+    recurrence; moontrain.model.kda_ops), the convolutions continuing from their cached inputs."""
+    cfg = attn.cfg
+    B, T, _ = x_BTD.shape
+    H, K = cfg.kda_heads, cfg.kda_head_dim
+
+    def conv(name: str, proj: torch.nn.Module, w_CW: torch.Tensor) -> torch.Tensor:
+        return short_conv(cache.extend(name, proj(x_BTD)), w_CW, None)[:, -T:].reshape(B, T, H, K)
+
+    q, k = l2_normalize(conv("q", attn.wq, attn.conv_q)), l2_normalize(conv("k", attn.wk, attn.conv_k))
+    v = conv("v", attn.wv, attn.conv_v)
+    g = kda_gate(attn.wf(x_BTD).view(B, T, H, K), attn.A_log, attn.dt_bias, cfg.kda_gate_lower_bound)
+    beta = torch.sigmoid(at_least_fp32(attn.wb(x_BTD)))
+    S, scale, outs = cache.S_BHKV, K ** -0.5, []
+    for t in range(T):
+        S = g[:, t].exp().unsqueeze(-1) * S
+        k_t = k[:, t].float()
+        u = beta[:, t].float().unsqueeze(-1) * (v[:, t].float() - torch.einsum("bhk,bhkv->bhv", k_t, S))
+        S = S + k_t.unsqueeze(-1) * u.unsqueeze(-2)
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t].float() * scale, S))
+    cache.S_BHKV = S
+    o_BTHK = torch.stack(outs, dim=1).to(v.dtype)
+    o_BTHK = attn.o_norm(o_BTHK, attn.wg(x_BTD).view(B, T, H, K))
+    return attn.wo(o_BTHK.reshape(B, T, H * K))
+
+
+def _attend(attn: MLAttention | KimiDeltaAttention, x_BTD: torch.Tensor, cache: MLACache | KDACache,
+            start: int) -> torch.Tensor:
+    if isinstance(cache, KDACache):
+        return _kda_attend(attn, x_BTD, cache)
     cfg = attn.cfg
     B, T, _ = x_BTD.shape
     N, Dn, Dr, Dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim

@@ -44,7 +44,8 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = K3Model(cfg, device=device)
     ctx = ExpertsContext(num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep_size=1,
-                         compute_dtype=dtype, token_padding=16, max_tokens=max_tokens, device=device)
+                         compute_dtype=dtype, token_padding=16, max_tokens=max_tokens, device=device,
+                         activation=cfg.ffn_activation)
     model.attach_experts_backends("local", ctx)
     with torch.no_grad():
         for name, t in _model_tensors(model).items():
@@ -56,6 +57,7 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
         for name, p in model.named_parameters():
             if ".experts.master." not in name and ".router." not in name:  # routing stays fp32
                 p.data = p.data.to(dtype)
+    model.document_eos_id = None  # one sequence per row: decoding does not restart at an EOS
     return model.eval(), tokenizer
 
 

@@ -3,7 +3,9 @@
 Fields follow the DeepSeek-V3 / Kimi K2 config names where the two models agree; the extra switches of
 moontrain's K3-like decoder are attn_output_gate, use_nope, moe_latent_size, mla_norm_eps,
 hidden_act="situ_glu" (K3's 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25) in every FFN) and
-attn_res_block_size (Block Attention Residuals, sub-layers per block; 0: standard residuals).
+attn_res_block_size (Block Attention Residuals, sub-layers per block; 0: standard residuals) and the
+kda_* fields (Kimi Delta Attention layers: kda_layers_per_mla KDA layers before each MLA layer, the last
+layer MLA; 0: every layer MLA).
 This file is copied next to the weights by `moontrain export`; it imports nothing from moontrain.
 """
 
@@ -27,6 +29,8 @@ class MoontrainConfig(PretrainedConfig):
                  attn_output_gate: bool = False, moe_latent_size: int | None = None,
                  max_position_embeddings: int = 4096, hidden_act: str = "silu", initializer_range: float = 0.02,
                  tie_word_embeddings: bool = False, attn_res_block_size: int = 0, use_cache: bool = False,
+                 kda_layers_per_mla: int = 0, kda_num_heads: int | None = None, kda_head_dim: int = 128,
+                 kda_conv_size: int = 4, kda_gate_rank: int | None = None, kda_gate_lower_bound: float | None = -5.0,
                  **kwargs) -> None:
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -59,5 +63,11 @@ class MoontrainConfig(PretrainedConfig):
         self.hidden_act = hidden_act
         self.initializer_range = initializer_range
         self.attn_res_block_size = attn_res_block_size
+        self.kda_layers_per_mla = kda_layers_per_mla
+        self.kda_num_heads = kda_num_heads or num_attention_heads
+        self.kda_head_dim = kda_head_dim
+        self.kda_conv_size = kda_conv_size
+        self.kda_gate_rank = kda_gate_rank
+        self.kda_gate_lower_bound = kda_gate_lower_bound
         self.use_cache = use_cache  # no KV cache in the modeling code: generate() re-runs the whole sequence
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

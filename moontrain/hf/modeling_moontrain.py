@@ -2,7 +2,8 @@
 YaRN), dense gated-FFN first layers (SwiGLU, or SiTU-GLU with hidden_act="situ_glu"), then sigmoid-routed
 MoE (optional group-limited routing, latent projection, shared experts), optionally Block Attention
 Residuals (attn_res_block_size > 0: each sub-layer's input a softmax over depth of the completed blocks,
-the embedding first, and the current block's partial sum, with a zero-initialised pseudo-query). Loaded with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`.
+the embedding first, and the current block's partial sum, with a zero-initialised pseudo-query), and
+Kimi Delta Attention layers (kda_layers_per_mla > 0; recurrent form, token by token). Loaded with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`.
 
 Legend: B batch, T sequence, D hidden, N heads, Dn/Dr/Dv nope/rope/value head dims, E experts, K top-k,
 s = B*T tokens, H expert width (the latent width with moe_latent_size).
@@ -134,6 +135,82 @@ class MoontrainAttention(nn.Module):
         return self.o_proj(o)
 
 
+class MoontrainShortConv(nn.Module):
+    """Causal depthwise convolution then silu: weight [C, W], tap s multiplies x_{t-s}."""
+
+    def __init__(self, channels: int, taps: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, taps))
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        T, W = x_BTC.shape[1], self.weight.shape[1]
+        w = self.weight.to(x_BTC.dtype)
+        y = x_BTC * w[:, 0]
+        for s in range(1, min(W, T)):
+            y = y + F.pad(x_BTC, (0, 0, s, 0))[:, :T] * w[:, s]
+        return F.silu(y)
+
+
+class MoontrainKDA(nn.Module):
+    """Kimi Delta Attention, recurrent form: per head, with decay a_t = exp(g_t) per key channel and write
+    strength beta_t, S_t = diag(a_t) S_{t-1}; S_t += beta_t k_t (v_t - S_t^T k_t)^T; o_t = S_t^T q_t / sqrt(K),
+    q and k L2-normalised; out = (RMSNorm(o) * sigmoid(g_proj x)) o_proj. No positional encoding."""
+
+    def __init__(self, config: MoontrainConfig) -> None:
+        super().__init__()
+        self.config = config
+        D, H, K, W, r = (config.hidden_size, config.kda_num_heads, config.kda_head_dim, config.kda_conv_size,
+                         config.kda_gate_rank)
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(D, H * K, bias=False) for _ in range(3))
+        self.q_conv, self.k_conv, self.v_conv = (MoontrainShortConv(H * K, W) for _ in range(3))
+        if r is None:
+            self.f_proj, self.g_proj = nn.Linear(D, H * K, bias=False), nn.Linear(D, H * K, bias=False)
+        else:
+            self.f_a_proj, self.f_b_proj = nn.Linear(D, r, bias=False), nn.Linear(r, H * K, bias=False)
+            self.g_a_proj, self.g_b_proj = nn.Linear(D, r, bias=False), nn.Linear(r, H * K, bias=False)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.dt_bias = nn.Parameter(torch.zeros(H, K))
+        self.o_norm = MoontrainRMSNorm(K, config.rms_norm_eps)
+        self.o_proj = nn.Linear(H * K, D, bias=False)
+
+    def _low_rank(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if self.config.kda_gate_rank is None:
+            return getattr(self, f"{name}_proj")(x)
+        return getattr(self, f"{name}_b_proj")(getattr(self, f"{name}_a_proj")(x))
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        cfg = self.config
+        B, T, _ = x_BTD.shape
+        H, K = cfg.kda_num_heads, cfg.kda_head_dim
+
+        def l2(t: torch.Tensor) -> torch.Tensor:
+            t = t.float()
+            return t * torch.rsqrt(t.square().sum(-1, keepdim=True) + 1e-6)
+
+        q = l2(self.q_conv(self.q_proj(x_BTD)).view(B, T, H, K))
+        k = l2(self.k_conv(self.k_proj(x_BTD)).view(B, T, H, K))
+        v = self.v_conv(self.v_proj(x_BTD)).view(B, T, H, K)
+        f = self._low_rank(x_BTD, "f").view(B, T, H, K).float() + self.dt_bias.float()
+        a = self.A_log.float().exp().view(H, 1)
+        bound = cfg.kda_gate_lower_bound
+        g = -a * F.softplus(f) if bound is None else bound * torch.sigmoid(a * f)
+        beta = torch.sigmoid(self.b_proj(x_BTD).float())
+        S = x_BTD.new_zeros(B, H, K, K, dtype=torch.float32)
+        outs = []
+        for t in range(T):
+            S = g[:, t].exp().unsqueeze(-1) * S
+            u = beta[:, t].unsqueeze(-1) * (v[:, t].float() - torch.einsum("bhk,bhkv->bhv", k[:, t], S))
+            S = S + k[:, t].unsqueeze(-1) * u.unsqueeze(-2)
+            outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * K ** -0.5, S))
+        o = torch.stack(outs, dim=1)
+        gate = self._low_rank(x_BTD, "g").view(B, T, H, K)
+        o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + self.o_norm.eps) * self.o_norm.weight.float()
+        o = (o * torch.sigmoid(gate.float())).to(gate.dtype)
+        return self.o_proj(o.reshape(B, T, H * K))
+
+
 class MoontrainMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str = "silu") -> None:
         super().__init__()
@@ -232,7 +309,9 @@ class MoontrainDecoderLayer(nn.Module):
     def __init__(self, config: MoontrainConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = MoontrainRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MoontrainAttention(config)
+        n, last = config.kda_layers_per_mla, layer_idx == config.num_hidden_layers - 1
+        kda = n > 0 and (layer_idx + 1) % (n + 1) != 0 and not last
+        self.self_attn = MoontrainKDA(config) if kda else MoontrainAttention(config)
         self.post_attention_layernorm = MoontrainRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = (MoontrainMoE(config) if layer_idx >= config.first_k_dense_replace
                     else MoontrainMLP(config.hidden_size, config.intermediate_size, config.hidden_act))

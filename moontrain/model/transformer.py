@@ -174,6 +174,10 @@ class K3Model(nn.Module):
 
     def attach_experts_backends(self, name: str, ctx: ExpertsContext) -> ExpertsRuntime:
         """Give every MoE layer its backend of `name`; returns the runtime that owns what they share."""
+        if self.moe_layers() and ctx.activation != self.cfg.ffn_activation:
+            raise ValueError(f"the experts context computes {ctx.activation!r} experts, the model has "
+                             f"model.ffn_activation={self.cfg.ffn_activation!r}; build the ExpertsContext with "
+                             "activation=cfg.ffn_activation")
         runtime = build_experts_runtime(name, ctx)
         for moe in self.moe_layers():
             moe.backend = runtime.layer(moe.experts)

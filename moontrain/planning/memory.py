@@ -11,11 +11,12 @@ L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
 - grads: dense: the fp32 reduce-scatter output 4P/W plus the gathered compute-dtype grads of two
   blocks; experts: fp32 local rows (moonep: the grad mirror's local rows, in the heap).
 - optimizer: Adam's two fp32 moments on the master.
-- symmetric heap (moonep, beyond the local weight/grad rows above): per projection B slot rows in the
-  compute dtype and B reduce-pool rows in fp32, shared by all layers (moonep.Layout.slot_pool_bytes).
-- receive buffers: moonep's comm segment as its Layout sizes it (moonep.Layout.comm_bytes: NvS receive
-  and combine rows, the landing rows and their metadata; static); alltoall S*K*H at balance (dynamic:
-  up to R times that under full skew).
+- symmetric heap (moonep, beyond the local weight/grad rows above; moonep.Layout.slot_pool_bytes): per
+  projection B slot rows in the
+  compute dtype and B reduce-pool rows in fp32, shared by all layers.
+- receive buffers: moonep's comm segment (moonep.Layout.comm_bytes: receive and combine rows of NvS x H,
+  landing rows S*K x H, row metadata; static); alltoall S*K*H at
+  balance (dynamic: up to R times that under full skew).
 - activations: tensors saved for backward per token per layer: the compute dtype for most, fp32 for
   routing weights, the K-way combine and the logits (a rough model, ~30%). KDA layers (fla's kernel):
   the projections before and after the short convolutions, gate, output, fp32 decays, the chunk's two
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-import moonep
+from moonep import BufferConfig, Layout, glu_projections
 from moontrain.config.run_config import RunConfig
 from moontrain.model.attn_res import aggregation_sizes
 from moontrain.model.kda_ops import CHUNK as KDA_CHUNK
@@ -63,6 +64,7 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
     local = m.num_moe_layers * epn * 3 * H * F
     P = counts.dense
     gathered = counts.embedding + 2 * counts.max_block_dense(m)
+    moonep = cfg.experts.backend == "moonep"
     dense = {
         "weights": gathered * compute_bytes,
         "master": 4 * P / world_size,
@@ -78,12 +80,11 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
         "symmetric_heap": 0.0,
         "receive_buffers": S * K * H * compute_bytes,
     }
-    if cfg.experts.backend == "moonep":
-        dtype = torch.bfloat16 if compute_bytes == 2 else torch.float32
-        layout = moonep.Layout(moonep.BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=m.num_experts,
-                                                   token_padding=cfg.experts.token_padding, dtype=dtype), R)
-        projections = {"gate": (H, F), "up": (H, F), "down": (F, H)}
-        experts["symmetric_heap"] = layout.slot_pool_bytes(projections)
+    if moonep:  # the sizes moonep's Buffer and ExpertPools allocate, from its Layout
+        dtype = {2: torch.bfloat16, 4: torch.float32}[compute_bytes]
+        layout = Layout(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=m.num_experts,
+                                     token_padding=cfg.experts.token_padding, dtype=dtype), R)
+        experts["symmetric_heap"] = layout.slot_pool_bytes(glu_projections(H, F))
         experts["receive_buffers"] = layout.comm_bytes
     return MemoryEstimate(dense=dense, experts=experts)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,15 +30,20 @@ from moontrain.data.packed import PackedStream
 from moontrain.data.tokenizer import check_vocab, load_tokenizer
 
 if TYPE_CHECKING:
-    from moontrain.trainer.trainer import Trainer
+    from moontrain.config.run_config import RunConfig
+    from moontrain.model.transformer import K3Model
+    from moontrain.parallel.layout import ParallelLayout
 
 
 class Evaluator:
-    def __init__(self, trainer: Trainer) -> None:
-        cfg = trainer.cfg
-        ev, layout = cfg.eval, trainer.layout
+    """reshard_dense: drops FSDP's gathered blocks after the evaluation's forwards (Trainer.reshard_dense)."""
+
+    def __init__(self, cfg: RunConfig, layout: ParallelLayout, model: K3Model,
+                 reshard_dense: Callable[[], None]) -> None:
+        ev = cfg.eval
         assert ev.data is not None
-        self.trainer, self.every = trainer, ev.every
+        self.model, self.layout, self.reshard_dense = model, layout, reshard_dense
+        self.every, self.total_steps = ev.every, cfg.train.steps
         G, T, W = cfg.train.global_batch_size, cfg.train.seq_len, layout.world_size
         tokenizer = load_tokenizer(cfg.data.tokenizer, eos_id=cfg.data.eos_id)
         check_vocab(cfg.data.tokenizer, tokenizer.vocab_size, cfg.model.vocab_size)
@@ -52,14 +58,13 @@ class Evaluator:
         self.micro = cfg.train.micro_batch(W)
 
     def due(self, step: int) -> bool:
-        return bool(self.every) and (step % self.every == 0 or step == self.trainer.cfg.train.steps)
+        return bool(self.every) and (step % self.every == 0 or step == self.total_steps)
 
     @torch.no_grad()
     def run(self) -> dict[str, float]:
         """Collective: {'eval/loss', 'eval/ppl', 'eval/time_s'}."""
         t0 = time.perf_counter()
-        trainer = self.trainer
-        model, layout = trainer.model, trainer.layout
+        model, layout = self.model, self.layout
         routers = [moe.router for moe in model.moe_layers()]
         for r in routers:
             r.count_tokens = False
@@ -72,7 +77,7 @@ class Evaluator:
         finally:
             for r in routers:
                 r.count_tokens = True
-            trainer.reshard_dense()
+            self.reshard_dense()
         if layout.distributed:
             dist.all_reduce(ce_sum, group=layout.world_group)
         loss = ce_sum.item() / self.num_tokens

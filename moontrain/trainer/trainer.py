@@ -109,7 +109,7 @@ class Trainer:
         self.moe_stats = MoEStats(self.model.moe_layers(), ep=layout.ep)
         moe_ids = [i for i, block in enumerate(self.model.layers) if block.is_moe]
         self.window = MetricsWindow(moe_ids, layout)
-        self.evaluator = Evaluator(self) if cfg.eval.every else None
+        self.evaluator = (Evaluator(cfg, layout, self.model, self.reshard_dense) if cfg.eval.every else None)
 
     @property
     def step(self) -> int:

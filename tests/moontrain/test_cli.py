@@ -25,6 +25,7 @@ def _moontrain(*args: str, timeout: float) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, check=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["moonep", "alltoall"])
 def test_launch_k3_tiny_loss_falls(tmp_path: Path, backend: str) -> None:
     run_dir = tmp_path / "run"

@@ -60,6 +60,7 @@ def _resume_and_finish(rank: int, world: int, run_dir: str, k3_block: bool) -> t
     return losses, state, trainer.wandb_run_id
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k3_block", [False, True], ids=["standard", "situ_attnres"])
 def test_exact_resume_ep2_new_process(tmp_path: Path, k3_block: bool) -> None:
     """With the K3 block too (SiTU-GLU experts on moonep, AttnRes queries and key norms in the state)."""
@@ -89,7 +90,7 @@ def _forward_then_resume(rank: int, world: int, run_dir: str) -> tuple[list[floa
 
 
 def test_resume_after_a_forward_with_gathered_blocks(tmp_path: Path) -> None:
-    straight_losses, straight_state, _ = run_ranks(_straight_then_save, 2, str(tmp_path))[0]
+    straight_losses, straight_state, _ = run_ranks(_straight_then_save, 2, str(tmp_path), False)[0]
     losses, state = run_ranks(_forward_then_resume, 2, str(tmp_path))[0]
     assert losses == straight_losses[3:], (losses, straight_losses)
     assert_bitwise(state, straight_state, "3 + forward + resume + 3 (blocks kept gathered) vs 6")

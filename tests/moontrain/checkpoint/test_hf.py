@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from moontrain.checkpoint import CheckpointError, export_hf, init_weights_from, read_hf
 from moontrain.config import RunConfig, from_dict, load_recipe
@@ -187,3 +188,66 @@ def test_group_limited_routing_config_errors() -> None:
         from_dict(ModelConfig, {**_tiny_model(), "num_expert_groups": 4, "topk_expert_groups": 5}, "model")
     with pytest.raises(ValueError, match=r"model\.rope_yarn\.factor"):
         from_dict(ModelConfig, {**_tiny_model(), "rope_yarn": {"factor": 0.5, "original_max_position": 64}}, "model")
+
+
+def test_deepseek_v3_fp8_import(tmp_path: Path) -> None:
+    """The FP8 release format (e4m3 weights, fp32 `_scale_inv` per 16x16 block here, partial blocks at the
+    edges) imports as the dequantized weights: bitwise the parameters imported from a directory holding
+    fp8 * scale computed here in fp32."""
+    _deepseek(tmp_path)
+    weights = load_file(str(tmp_path / "ds" / "model.safetensors"))
+    config = json.loads((tmp_path / "ds" / "config.json").read_text())
+    quantized, dequantized = {}, {}
+    for name, w in weights.items():
+        if w.ndim != 2 or not name.startswith("model.layers.") or name.endswith("mlp.gate.weight"):
+            quantized[name] = dequantized[name] = w
+            continue
+        rows, cols = -(-w.shape[0] // 16), -(-w.shape[1] // 16)
+        padded = torch.zeros(rows * 16, cols * 16)
+        padded[:w.shape[0], :w.shape[1]] = w.float()
+        blocks = padded.view(rows, 16, cols, 16)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+        full_scale = scale.repeat_interleave(16, 0).repeat_interleave(16, 1)[:w.shape[0], :w.shape[1]]
+        q = (w.float() / full_scale).to(torch.float8_e4m3fn)
+        quantized[name], quantized[name + "_scale_inv"] = q, scale
+        dequantized[name] = q.float() * full_scale
+    for directory, tensors, quant in (("fp8", quantized, True), ("deq", dequantized, False)):
+        (tmp_path / directory).mkdir()
+        save_file(tensors, str(tmp_path / directory / "model.safetensors"))
+        extra = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16],
+                                         "activation_scheme": "dynamic"}} if quant else {}
+        (tmp_path / directory / "config.json").write_text(json.dumps({**config, **extra}))
+    assert any(t.dtype == torch.float8_e4m3fn for t in quantized.values())
+    cfg, _ = read_hf(tmp_path / "fp8")
+    states = []
+    for directory in ("fp8", "deq"):
+        trainer = Trainer(_run_config(to_dict(cfg), "local", 1, str(tmp_path / f"run_{directory}")),
+                          single_process_layout(CPU))
+        init_weights_from(trainer.state, tmp_path / directory)
+        states.append({k: v for k, v in full_state(trainer).items() if "exp_avg" not in k})
+    assert_bitwise(states[0], states[1], "FP8 import vs the dequantized weights")
+
+
+@pytest.mark.parametrize("gate_rank", [8, None], ids=["low_rank_gates", "full_rank_gates"])
+def test_kda_hybrid_export_parity_and_import(tmp_path: Path, gate_rank: int | None) -> None:
+    """A KDA/MLA hybrid (KDA layers 0 and 2 of 4, MLA 1 and 3): the transformers-loaded export (recurrent
+    KDA) gives moontrain's logits (chunked KDA) within fp32 rounding; the import is bitwise."""
+    torch.set_num_threads(1)
+    model = {**_tiny_model(), "num_layers": 4, "kda_layers_per_mla": 1, "kda_num_heads": 2, "kda_head_dim": 16,
+             "kda_gate_rank": gate_rank, "kda_kernel": "torch"}
+    trainer = Trainer(_run_config(model, "local", 1, str(tmp_path / "run")), single_process_layout(CPU))
+    train(trainer, 2)
+    assert [b.is_kda for b in trainer.model.layers] == [True, False, True, False]
+    ckpt = trainer.save_checkpoint()
+    out = export_hf(ckpt, tmp_path / "hf", dtype="float32")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True)
+    tokens = torch.randint(0, 257, (2, 40), generator=torch.Generator().manual_seed(2))
+    trainer.model.document_eos_id = None  # one sequence per row, as the HF model reads it
+    with torch.no_grad():
+        _close(hf(tokens).logits, trainer.model.logits(tokens), "KDA hybrid export vs moontrain")
+    fresh = Trainer(_run_config(model, "local", 1, str(tmp_path / "fresh")), single_process_layout(CPU))
+    init_weights_from(fresh.state, out)
+    drop = ("exp_avg", ".step")
+    assert_bitwise({k: v for k, v in full_state(fresh).items() if not any(d in k for d in drop)},
+                   {k: v for k, v in full_state(trainer).items() if not any(d in k for d in drop)},
+                   "KDA hybrid export -> import")

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from moontrain.metrics.wandb_offline import read_history, run_files
 
 REPO = Path(__file__).resolve().parents[3]
@@ -34,6 +36,7 @@ def _check_same_scalars(history: list[dict], records: list[dict]) -> None:
             assert h[key] == value, (r["step"], key, h[key], value)
 
 
+@pytest.mark.slow
 def test_offline_wandb_run_holds_the_maxvio_series(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     _launch(run_dir, "train.steps=8")

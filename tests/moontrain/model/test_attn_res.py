@@ -112,11 +112,12 @@ def naive_forward(model: K3Model, tokens_BT: torch.Tensor, block_size: int,
     return model.lm_head(model.norm(aggregate(model.final_res, [*blocks, partial])))
 
 
-@pytest.mark.parametrize("block_size", [2, 4, 12])
-def test_model_matches_naive_block_attn_res(block_size: int) -> None:
+@pytest.mark.parametrize(("block_size", "kda"), [(2, 0), (4, 0), (12, 0), (4, 1)],
+                         ids=["bs2", "bs4", "bs12", "bs4_hybrid_kda"])
+def test_model_matches_naive_block_attn_res(block_size: int, kda: int) -> None:
     """Block sizes 2 (a block per layer), 4 (blocks start at layers 0, 2, 4 of 5) and 12 (one block:
-    the embedding and one partial sum)."""
-    cfg = _cfg(attn_res_block_size=block_size)
+    the embedding and one partial sum); with the hybrid KDA/MLA layout too (the full K3 block)."""
+    cfg = _cfg(attn_res_block_size=block_size, kda_layers_per_mla=kda, kda_head_dim=16)
     model = _model(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
     targets = tokens.roll(-1, 1)
@@ -150,3 +151,7 @@ def test_init_zeroes_the_queries_and_block_size_is_validated() -> None:
         _cfg(attn_res_block_size=3)
     with pytest.raises(ValueError, match="ffn_activation must be 'swiglu' or 'situ_glu'"):
         _cfg(ffn_activation="gelu")
+    with pytest.raises(ValueError, match=r"computes 'swiglu' experts, the model has model\.ffn_activation='situ_glu'"):
+        model.attach_experts_backends("local", ExpertsContext(
+            num_experts=8, topk=3, ep_group=None, ep_size=1, compute_dtype=torch.float32, token_padding=8,
+            max_tokens=18, device=torch.device("cpu")))
