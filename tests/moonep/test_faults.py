@@ -2,8 +2,9 @@
 naming the call, in bounded time, and leaves no shared memory behind.
 
 Two spawns (each costs one process start plus one 5 s timeout):
-- R = 3: rank 1 passes an invalid expert id to dispatch (ValueError before any barrier) while
-  ranks 0 and 2 pass valid input; both must time out in "dispatch:histograms". Rank 1 stays
+- R = 3: rank 1 fails inside dispatch after the ranks agreed its input is valid (an injected error
+  before the histogram exchange; invalid input itself makes every rank raise at once, see
+  test_bad_input_one_rank.py) while ranks 0 and 2 go on; both must time out in "dispatch:histograms". Rank 1 stays
   alive until its peers are done, so they see a real timeout rather than a closed connection.
 - R = 2: rank 1 writes its rows and then dies with os._exit before the "dispatch:rows" barrier;
   rank 0 must fail there. The parent's run_ranks reports rank 1's exit code as an error, so
@@ -90,9 +91,11 @@ def _raising_peer(rank: int, world: int, tmp: str) -> dict:
     healthy = first.plan.num_tokens == S
     done = Path(tmp) / f"done{rank}"
     if rank == 1:
-        bad = topk.clone()
-        bad[5, 1] = E + 3
-        outcome = _failing_call(buf, lambda: buf.dispatch(x, w, bad))
+        def crash(*args: object) -> None:
+            raise RuntimeError("injected fault before the histogram exchange")
+
+        buf._plan_collective = crash  # type: ignore[method-assign]
+        outcome = _failing_call(buf, lambda: buf.dispatch(x, w, topk))
         done.touch()
         # stay alive (no barrier) until the peers have timed out, so they see a timeout, not a close
         outcome["peers_done"] = _wait_for([Path(tmp) / f"done{r}" for r in range(world) if r != 1], 60)
@@ -126,7 +129,7 @@ def test_rank_raising_mid_call_times_out_its_peers(tmp_path: Path) -> None:
     start = time.monotonic()
     out = run_ranks(_raising_peer, 3, str(tmp_path), timeout_s=120, error_grace_s=30)
     elapsed = time.monotonic() - start
-    assert out[1]["type"] == "ValueError" and "expert id 9, outside [0, 6)" in out[1]["msg"], out[1]
+    assert out[1]["type"] == "RuntimeError" and "injected fault" in out[1]["msg"], out[1]
     assert out[1]["peers_done"], "rank 1's peers never finished their failing call"
     for rank in (0, 2):
         o = out[rank]
