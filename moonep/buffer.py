@@ -27,6 +27,7 @@ Legend: s tokens of this rank, K top-k, H hidden, E experts, R ranks, nvs_s rows
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -90,6 +91,7 @@ class Buffer:
         # True from the end of plan() until the next barrier: a peer may still have to read its
         # histograms of that plan, so a second plan() in a row must not write new ones yet
         self._hist_unsettled = False
+        self._made: weakref.WeakSet[Plan] = weakref.WeakSet()  # plans of this buffer (see _check_own)
         self._comm_stream = CommStream(self.device)  # dispatch_async / combine_async
         self.path: DataPath = build_path(kind, CommViews(self.layout, self.rank, self.device, config.options,
                                                          self._all, self._mine, self.barrier))
@@ -162,6 +164,7 @@ class Buffer:
             else:
                 if topk_sK is not None or tokens_per_expert_E is not None:
                     raise ValueError("dispatch got both plan= and routing; pass one of them")
+                self._check_own(plan, "dispatch")
                 if plan.num_tokens != s:
                     raise ValueError(f"the saved plan was made for s={plan.num_tokens} tokens but x_sH has {s} "
                                      "rows; reuse a plan only with the same tokens (as in backward)")
@@ -246,9 +249,18 @@ class Buffer:
         check = (lambda counts_RE: check_gathered_counts(self.layout, counts_RE, s, total_num_tokens)) \
             if self.check_values else None
         try:
-            return self.path.plan(topk_sK, tokens_per_expert_E, total_num_tokens, check)
+            plan = self.path.plan(topk_sK, tokens_per_expert_E, total_num_tokens, check)
         finally:
             self._hist_unsettled = True
+        self._made.add(plan)
+        return plan
+
+    def _check_own(self, plan: Plan, call: str) -> None:
+        """A plan describes this buffer's rows and slots: one from another Buffer (or from make_plan)
+        would read and write rows this buffer's last exchange never set up."""
+        if plan not in self._made:
+            raise ValueError(f"{call}: the plan was not made by this Buffer (another Buffer's, or make_plan's); "
+                             "pass the plan of this buffer's dispatch() or plan()")
 
     def _histogram(self, topk_sK: torch.Tensor) -> torch.Tensor:
         counts = torch.zeros(self.config.num_experts, dtype=torch.int32, device=self.device)
@@ -259,6 +271,7 @@ class Buffer:
     def combine_input(self, plan: Plan) -> torch.Tensor:
         """[nvs_s, H] symmetric rows; writing y rows here makes combine copy nothing."""
         self._check_alive("combine_input")
+        self._check_own(plan, "combine_input")
         return self._mine["comb"][: plan.nvs_s]
 
     def combine(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None = None
@@ -268,6 +281,7 @@ class Buffer:
         `row_scalars` [nvs_s] fp32 (optional) are gathered per (token, k), e.g. the gradient of
         the route weights in dispatch's backward."""
         self._check_alive("combine")
+        self._check_own(plan, "combine")
         H = self.config.hidden
         check_tensor("y_rows", y_rows, shape=(plan.nvs_s, H), dtype=self.config.dtype, device=self.device)
         if row_scalars is not None:
@@ -283,11 +297,13 @@ class Buffer:
     def prefetch_weight(self, plan: Plan, layer) -> None:
         """Copy every planned remote expert of `layer` into this rank's slots."""
         self._check_alive("prefetch_weight")
+        self._check_own(plan, "prefetch_weight")
         layer.pools.prefetch(plan, layer)
 
     def reduce_grad(self, plan: Plan, layer) -> None:
         """Fold every slot's fp32 weight gradient into its owner's grad rows; zero the slots."""
         self._check_alive("reduce_grad")
+        self._check_own(plan, "reduce_grad")
         layer.pools.reduce_grad(plan, layer)
 
     def reduce_grad_async(self, plan: Plan, layer) -> CommEvent:

@@ -3,10 +3,14 @@ the peer "another rank ... rejected its input"), nothing moves, and the next val
 is correct. Before the ranks agreed on the verdict, the bad rank raised alone, its peer waited in the
 histogram exchange and the retry was paired with the peer's first call.
 
+A plan made by another Buffer is refused by combine and dispatch(plan=).
+
 Reference: reference_plan's rows for the valid retry (via test_bad_input._still_correct), bitwise.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -58,3 +62,27 @@ def test_every_rank_raises_when_one_rank_rejects(outcomes: list[dict], rank: int
 @pytest.mark.parametrize("rank", [0, 1])
 def test_the_retry_is_correct_on_every_rank(outcomes: list[dict], rank: int) -> None:
     assert outcomes[rank]["still correct"] == ("ok", "ok")
+
+
+def _foreign_plan(rank: int, world: int) -> dict[str, tuple[str | None, str]]:
+    cfg = BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=PAD,
+                       options=BufferOptions(timeout_s=30))
+    a, b = Buffer(cfg), Buffer(cfg)
+    try:
+        x, w, topk, _ = _valid(6, seed=3)
+        res = a.dispatch(x, w, topk)
+        b.dispatch(x, w, topk)
+        return {"combine": _outcome(lambda: b.combine(res.plan, res.x_rows.clone())),
+                "dispatch(plan=)": _outcome(lambda: b.dispatch(x, w, plan=res.plan)),
+                "own plan still works": _outcome(lambda: a.combine(res.plan, res.x_rows.clone()))}
+    finally:
+        a.destroy()
+        b.destroy()
+
+
+def test_a_plan_of_another_buffer_is_refused() -> None:
+    (out,) = run_ranks(_foreign_plan, 1, timeout_s=120)
+    for call in ("combine", "dispatch(plan=)"):
+        with pytest.raises(ValueError, match=rf"{re.escape(call.split('(')[0])}: the plan was not made by this Buffer"):
+            _reraise(out[call])
+    assert out["own plan still works"] == (None, "")
