@@ -22,6 +22,12 @@ Returned rows are zero-copy views into symmetric memory, valid until the next ca
 clone what must outlive it (autograd saves). No call synchronises with the host unless value checks
 are on (BufferOptions.check_values).
 
+Bad input: with value checks on, plan and dispatch run every rank-local input check first and the
+ranks agree on the verdict (one all_reduce of a flag) before anything moves, so one rank's invalid
+input makes every rank raise in that call and leaves nothing half-done (a rank raising alone would
+leave its peers in the exchange, paired with its retry). A plan is accepted only by the Buffer that
+made it.
+
 Legend: s tokens of this rank, K top-k, H hidden, E experts, R ranks, nvs_s rows of this call.
 """
 
