@@ -28,6 +28,12 @@ Returned rows are zero-copy views into symmetric memory, valid until the next ca
 clone what must outlive it (autograd saves). No call synchronises with the host unless value checks
 are on (BufferOptions.check_values).
 
+Bad input: with value checks on, plan and dispatch run every rank-local input check first and the
+ranks agree on the verdict (one all_reduce of a flag) before anything moves, so one rank's invalid
+input makes every rank raise in that call and leaves nothing half-done (a rank raising alone would
+leave its peers in the exchange, paired with its retry). A plan is accepted only by the Buffer that
+made it.
+
 Legend: s tokens of this rank, K top-k, H hidden, E experts, R ranks, nvs_s rows of this call.
 """
 
@@ -173,25 +179,34 @@ class Buffer:
         plan, as in backward). Weights travel per (token, k)."""
         self._check_alive("dispatch")
         cfg, layout = self.config, self.layout
-        s = x_sH.shape[0] if isinstance(x_sH, torch.Tensor) and x_sH.dim() == 2 else -1
-        check_tensor("x_sH", x_sH, shape=(max(s, 0), cfg.hidden), dtype=cfg.dtype, device=self.device)
-        check_num_tokens(layout, s)
-        if weights_sK is not None:
-            check_tensor("weights_sK", weights_sK, shape=(s, cfg.topk), dtype=(torch.float32, cfg.dtype),
-                         device=self.device)
+        rejected = None
+        try:
+            s = x_sH.shape[0] if isinstance(x_sH, torch.Tensor) and x_sH.dim() == 2 else -1
+            check_tensor("x_sH", x_sH, shape=(max(s, 0), cfg.hidden), dtype=cfg.dtype, device=self.device)
+            check_num_tokens(layout, s)
+            if weights_sK is not None:
+                check_tensor("weights_sK", weights_sK, shape=(s, cfg.topk), dtype=(torch.float32, cfg.dtype),
+                             device=self.device)
+            if plan is None:
+                if topk_sK is None:
+                    raise ValueError("dispatch needs topk_sK for a fresh plan, or plan= a saved plan")
+                # one topk row per row of x: plan() alone would plan topk's s and drop x's extra rows
+                check_tensor("topk_sK", topk_sK, shape=(s, cfg.topk), dtype=(torch.int32, torch.int64),
+                             device=self.device)
+                tokens_per_expert_E = self._check_plan_inputs(topk_sK, tokens_per_expert_E, total_num_tokens)
+            else:
+                if topk_sK is not None or tokens_per_expert_E is not None:
+                    raise ValueError("dispatch got both plan= and routing; pass one of them")
+                self._check_plan("dispatch", plan)
+                if plan.num_tokens != s:
+                    raise ValueError(f"the saved plan was made for s={plan.num_tokens} tokens but x_sH has {s} "
+                                     "rows; reuse a plan only with the same tokens (as in backward)")
+        except ValueError as err:
+            rejected = err
+        self._agree_on_inputs(rejected, "dispatch")
         if plan is None:
-            if topk_sK is None:
-                raise ValueError("dispatch needs topk_sK for a fresh plan, or plan= a saved plan")
-            # one topk row per row of x: plan() alone would plan topk's s and drop x's extra rows
-            check_tensor("topk_sK", topk_sK, shape=(s, cfg.topk), dtype=(torch.int32, torch.int64), device=self.device)
-            plan = self.plan(topk_sK, tokens_per_expert_E, total_num_tokens=total_num_tokens)
+            plan = self._plan_collective(topk_sK, tokens_per_expert_E, total_num_tokens)
         else:
-            if topk_sK is not None or tokens_per_expert_E is not None:
-                raise ValueError("dispatch got both plan= and routing; pass one of them")
-            self._check_plan("dispatch", plan)
-            if plan.num_tokens != s:
-                raise ValueError(f"the saved plan was made for s={plan.num_tokens} tokens but x_sH has {s} rows; "
-                                 "reuse a plan only with the same tokens (as in backward)")
             self.barrier("dispatch:enter")
         self.path.scatter(plan, x_sH, weights_sK)
         self.barrier("dispatch:rows")
@@ -215,6 +230,31 @@ class Buffer:
         """Exchange histograms and plan (collective) without moving tokens; pass the result to
         dispatch(plan=...). `dispatch` with routing does both."""
         self._check_alive("plan")
+        rejected = None
+        try:
+            tokens_per_expert_E = self._check_plan_inputs(topk_sK, tokens_per_expert_E, total_num_tokens)
+        except ValueError as err:
+            rejected = err
+        self._agree_on_inputs(rejected, "plan")
+        return self._plan_collective(topk_sK, tokens_per_expert_E, total_num_tokens)
+
+    def _agree_on_inputs(self, rejected: ValueError | None, call: str) -> None:
+        """With check_values: one all_reduce tells every rank whether any rank rejected its input, before
+        anything moves, so all ranks raise together and a retry starts from a clean state on every rank
+        (a rank raising alone would leave its peers in the histogram exchange, paired with its retry).
+        Without check_values (the GPU default) inputs are trusted to be valid on every rank."""
+        if self.check_values and self.num_ranks > 1:
+            flag = torch.tensor([int(rejected is not None)], dtype=torch.int32, device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            if rejected is None and flag.item():
+                raise ValueError(f"{call}: another rank of the EP group rejected its input (its error says why); "
+                                 "nothing was sent on any rank, so the call can be retried on every rank")
+        if rejected is not None:
+            raise rejected
+
+    def _check_plan_inputs(self, topk_sK: torch.Tensor, tokens_per_expert_E: torch.Tensor | None,
+                           total_num_tokens: int | None) -> torch.Tensor | None:
+        """The rank-local checks of plan(); returns the histogram to plan with (None: the path counts)."""
         cfg = self.config
         s = topk_sK.shape[0] if isinstance(topk_sK, torch.Tensor) and topk_sK.dim() == 2 else -1
         check_num_tokens(self.layout, s)
@@ -225,31 +265,28 @@ class Buffer:
         if total_num_tokens is not None and not s <= total_num_tokens <= self.num_ranks * cfg.max_tokens:
             raise ValueError(f"total_num_tokens={total_num_tokens} must lie in [{s}, R*S="
                              f"{self.num_ranks * cfg.max_tokens}]")
-        try:
-            if tokens_per_expert_E is None:
-                if self.check_values:  # an id outside [0, E) is a ValueError, not an out-of-bounds scatter
-                    check_expert_ids(self.layout, topk_sK)
-                if not self.path.counts_topk or self.check_values:
-                    tokens_per_expert_E = self._histogram(topk_sK)
-            if self.check_values:
-                check_routing_values(self.layout, topk_sK, tokens_per_expert_E)
-        except ValueError as err:
-            # data-dependent: this rank may be the only one rejecting its input, while its peers go
-            # on into the histogram exchange and time out; a retry here would pair this rank's
-            # barriers with the peers' earlier ones, so the buffer refuses every later call
-            if self.num_ranks > 1:
-                self._poison(f"plan rejected this rank's routing: {err}")
-            raise
+        if tokens_per_expert_E is None:
+            if self.check_values:  # an id outside [0, E) is a ValueError, not an out-of-bounds scatter
+                check_expert_ids(self.layout, topk_sK)
+            if not self.path.counts_topk or self.check_values:
+                tokens_per_expert_E = self._histogram(topk_sK)
+        if self.check_values:
+            check_routing_values(self.layout, topk_sK, tokens_per_expert_E)
+        return tokens_per_expert_E
+
+    def _plan_collective(self, topk_sK: torch.Tensor, tokens_per_expert_E: torch.Tensor | None,
+                         total_num_tokens: int | None) -> Plan:
+        s = topk_sK.shape[0]
         if self._hist_unsettled:  # plan() right after plan(): let every peer read the last histograms
             self.barrier("plan:enter")
         check = (lambda counts_RE: check_gathered_counts(self.layout, counts_RE, s, total_num_tokens)) \
             if self.check_values else None
         try:
             plan = self.path.plan(topk_sK, tokens_per_expert_E, total_num_tokens, check)
-            self._plans.add(plan)
-            return plan
         finally:
             self._hist_unsettled = True
+        self._plans.add(plan)
+        return plan
 
     def _histogram(self, topk_sK: torch.Tensor) -> torch.Tensor:
         counts = torch.zeros(self.config.num_experts, dtype=torch.int32, device=self.device)

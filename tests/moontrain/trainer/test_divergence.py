@@ -18,9 +18,10 @@ from safetensors.torch import load_file
 from moontrain.checkpoint import store
 from moontrain.checkpoint.store import list_checkpoints
 from moontrain.config import RunConfig, from_dict, load_recipe
-from moontrain.parallel.layout import single_process_layout
+from moontrain.parallel.layout import build_layout, single_process_layout
 from moontrain.trainer.guard import DivergenceError
 from moontrain.trainer.trainer import Trainer
+from tests.dist_utils import run_ranks
 from tests.moontrain.ckpt_utils import assert_bitwise, full_state, small_config, train
 
 CPU = torch.device("cpu")
@@ -36,6 +37,10 @@ RECIPE = Path(__file__).resolve().parents[3] / "recipes/k3_tiny.yaml"
     ("model.router_bias_update_rate=-0.001", r"model.router_bias_update_rate must be a finite number >= 0"),
     ("model.norm_eps=-1e-6", r"model.norm_eps must be a finite number > 0"),
     ("model.norm_eps=0", r"model.norm_eps must be a finite number > 0"),
+    ("parallel.timeout_s=0", r"parallel.timeout_s must be a finite number of seconds > 0"),
+    ("parallel.heartbeat_timeout_s=900", r"parallel.heartbeat_timeout_s=900.0 must be >= 0 \(0 disables\) and below "
+                                         r"parallel.timeout_s=600.0"),
+    ("train.max_skipped_steps=0", r"train.max_skipped_steps must be >= 1"),
 ])
 def test_nonsense_settings_are_refused(override: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -65,6 +70,36 @@ def test_non_finite_step_is_skipped_and_counted(tmp_path: Path) -> None:
     logged = trainer.train_step()
     assert logged is not None and logged.scalars["skipped_steps"] == 1.0
     assert trainer.guard.consecutive == 0 and logged.loss == logged.loss  # finite again
+
+
+def _poisoned_vs_forced_skip(rank: int, world: int, run_dir: str) -> None:
+    """Step 3 skipped twice: once because its loss is NaN (so every gradient is, moonep's deferred-zero
+    grads and slot grads included), once forced with finite grads. Nothing of the NaN step may leak into
+    the later steps: the two runs end bitwise equal."""
+    states = []
+    for poison in (True, False):
+        trainer = Trainer(small_config("moonep", 2, run_dir=run_dir, steps=5), build_layout(2, CPU))
+        train(trainer, 2)
+        if poison:
+            handle = trainer.model.register_forward_hook(lambda m, args, out: (out[0] * float("nan"), out[1]))
+        else:
+            admit = trainer.guard.admit
+            trainer.guard.admit = lambda finite, step, admit=admit: admit(False, step)
+        train(trainer, 1)
+        if poison:
+            handle.remove()
+        else:
+            trainer.guard.admit = admit
+        assert trainer.guard.total == 1
+        train(trainer, 2)
+        states.append(full_state(trainer))
+        trainer.close()
+    assert_bitwise(states[0], states[1], f"rank {rank}: NaN-skipped vs force-skipped step 3")
+
+
+@pytest.mark.slow
+def test_a_nan_step_leaves_nothing_behind_ep2_moonep(tmp_path: Path) -> None:
+    run_ranks(_poisoned_vs_forced_skip, 2, str(tmp_path))
 
 
 def test_divergence_stops_and_keeps_the_newest_finite_checkpoint(tmp_path: Path) -> None:
