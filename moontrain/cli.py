@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         from moontrain.planning.preflight import check_data, host_memory_line
 
         data_lines = check_data(cfg)
-        cpu_run = args.device == "cpu" or (args.device is None and not on_gpu)
+        cpu_run = args.device == "cpu" or (args.device is None and not on_gpu and not args.dry_run)
         memory_line, fits = host_memory_line(cfg, world, nproc) if cpu_run else ("", True)
         if not args.dry_run and not fits and not args.no_memory_check:
             raise ValueError(f"{memory_line}; make the model or batch smaller (model.*, train.global_batch_size, "

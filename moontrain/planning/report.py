@@ -1,10 +1,12 @@
-"""The --dry-run report: parallel layout, parameter counts, per-rank memory estimate."""
+"""The --dry-run report: parallel layout, parameter counts, per-rank memory estimate, and on GPU a predicted
+step time (moontrain.planning.step_time)."""
 
 from __future__ import annotations
 
 from moontrain.config.run_config import RunConfig
 from moontrain.planning.memory import ROWS, estimate_memory
 from moontrain.planning.params import count_params
+from moontrain.planning.step_time import step_time_lines
 
 H200_BYTES = 141e9
 
@@ -43,6 +45,8 @@ def dry_run_report(cfg: RunConfig, world_size: int, device: str) -> str:
     recompute = "with" if cfg.train.activation_checkpointing else "without"
     lines.append(f"  (activations {recompute} recomputation; an H200 has {_bytes(H200_BYTES)}: "
                  f"{'fits' if mem.total <= H200_BYTES else 'does NOT fit'})")
+    if device == "cuda":
+        lines += step_time_lines(cfg, world_size)
     return "\n".join(lines)
 
 
