@@ -42,9 +42,9 @@ def _model(device: str) -> K3Model:
     cfg = ModelConfig(vocab_size=64, hidden_size=64, num_layers=2, dense_intermediate_size=128, num_heads=2,
                       q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                       num_experts=4, num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=64)
-    model = K3Model(cfg, device=device)
-    model.init_weights(0)
-    return model
+    model = K3Model(cfg, device="cpu")
+    model.init_weights(0)  # on the CPU: a CUDA generator draws other values from the same seed
+    return model.to(device)
 
 
 def test_muon_step_cuda_matches_cpu() -> None:
