@@ -35,7 +35,16 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from moontrain.checkpoint.tensors import CheckpointError, Piece, TensorSource, file_sha256, local_tensor, ownership
+from moontrain.checkpoint.tensors import (
+    CheckpointError,
+    Ownership,
+    Piece,
+    TensorSource,
+    expert_shard_ownership,
+    file_sha256,
+    local_tensor,
+    ownership,
+)
 from moontrain.dataclass_dict import to_dict
 from moontrain.optim.config import OptimConfig
 
@@ -107,15 +116,16 @@ def _collect_tensors(run: TrainState) -> tuple[dict[str, torch.Tensor], dict[str
         tensors[name] = t.detach().to("cpu", copy=True).contiguous()
         pieces[name] = [0, t.shape[0] if t.ndim else 0, list(t.shape)]
 
-    def put(name: str, t: torch.Tensor, owner_of: torch.Tensor | None = None) -> None:
-        own = ownership(name, owner_of if owner_of is not None else t, layout)
+    def put(name: str, t: torch.Tensor, owner_of: torch.Tensor | None = None, own: Ownership | None = None) -> None:
+        if own is None:
+            own = ownership(name, owner_of if owner_of is not None else t, layout)
         if own.writes:
             tensors[name] = local_tensor(t).detach().to("cpu", copy=True).contiguous()
             pieces[name] = [own.offset, own.rows, list(own.global_shape)]
 
     for name, t in _model_tensors(run.model).items():
         put(f"model.{name}", t)
-    names = {id(p): n for n, p in run.model.named_parameters()}
+    names, shard_ids = _optimizer_param_names(run)
     for group in run.optimizer.param_groups:
         for p in group["params"]:
             state = run.optimizer.state.get(p)
@@ -127,7 +137,8 @@ def _collect_tensors(run: TrainState) -> tuple[dict[str, torch.Tensor], dict[str
                     if layout.rank == 0:
                         whole(f"optim.{name}.{key}", value)
                 else:  # moments (Adam's exp_avg / exp_avg_sq, Muon's momentum_buffer) follow the parameter
-                    put(f"optim.{name}.{key}", value, owner_of=p)
+                    own = expert_shard_ownership(p, layout) if id(p) in shard_ids else None
+                    put(f"optim.{name}.{key}", value, owner_of=p, own=own)
     whole(f"rng.rank{layout.rank}.cpu", torch.get_rng_state())
     if layout.device.type == "cuda":
         whole(f"rng.rank{layout.rank}.cuda", torch.cuda.get_rng_state(layout.device))
@@ -235,9 +246,21 @@ def load_model_tensors(run: TrainState, source: TensorSource, *, prefix: str) ->
 
 
 @torch.no_grad()
+def _optimizer_param_names(run: TrainState) -> tuple[dict[int, str], set[int]]:
+    """id(optimizer parameter) -> its canonical name, and the ids of expert master shards (sharded expert
+    state: a shard's moments are saved under its master's name, as canonical rows)."""
+    names = {id(p): n for n, p in run.model.named_parameters()}
+    shard_ids: set[int] = set()
+    for w in run.experts:
+        for proj, shard in w.shards.items():
+            names[id(shard)] = names[id(w.master[proj])]
+            shard_ids.add(id(shard))
+    return names, shard_ids
+
+
 def _load_optimizer(run: TrainState, source: TensorSource, state: dict[str, Any]) -> None:
     opt = run.optimizer
-    names = {id(p): n for n, p in run.model.named_parameters()}
+    names, shard_ids = _optimizer_param_names(run)
     saved_groups = {g["name"]: g for g in state["param_groups"]}
     missing = sorted(set(g["name"] for g in opt.param_groups) - set(saved_groups))
     if missing:
@@ -256,7 +279,7 @@ def _load_optimizer(run: TrainState, source: TensorSource, state: dict[str, Any]
             keys = state_keys.get(name)
             if not keys:  # saved before the first optimizer step
                 continue
-            own = ownership(name, p, run.layout)
+            own = expert_shard_ownership(p, run.layout) if id(p) in shard_ids else ownership(name, p, run.layout)
             entry = {}
             for key in keys:
                 if source.shape(f"optim.{name}.{key}") == ():

@@ -2,7 +2,8 @@
 
 - decay: dense matrices (attention, FFN, router, latent projections, LM head)
 - no_decay: norms, biases and the token embedding (decaying them hurts and buys nothing)
-- experts: the fp32 expert masters (this rank's local rows), decayed like dense matrices
+- experts: the fp32 expert masters (this rank's local rows), decayed like dense matrices; with
+  parallel.shard_expert_state, each master's shard (ExpertWeights.shard_state) in its place
 
 Groups stay homogeneous (DTensor shards vs plain tensors) so the foreach kernels never mix the two.
 With optim.write_back the optimizer is WriteBackAdamW: build_optimizer registers each expert master
@@ -28,11 +29,13 @@ from moontrain.optim.torch_adamw import AdamW
 from moontrain.optim.write_back import WriteBackAdamW
 
 
-def split_param_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+def split_param_groups(model: nn.Module, expert_shards: dict[int, nn.Parameter] | None = None
+                       ) -> dict[str, list[nn.Parameter]]:
+    """expert_shards: id(expert master) -> the parameter the optimizer steps instead (sharded expert state)."""
     groups: dict[str, list[nn.Parameter]] = {"decay": [], "no_decay": [], "experts": []}
     for name, p in model.named_parameters():
         if ".experts.master." in name:
-            groups["experts"].append(p)
+            groups["experts"].append(expert_shards[id(p)] if expert_shards else p)
         elif p.ndim < 2 or name.endswith(".bias") or "embed" in name:
             groups["no_decay"].append(p)
         else:
@@ -42,15 +45,18 @@ def split_param_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int,
                     expert_group: dist.ProcessGroup | None = None,
-                    write_back_targets: Iterable[tuple[torch.Tensor, torch.Tensor, bool]] = ()
-                    ) -> tuple[TrainOptimizer, torch.optim.lr_scheduler.LambdaLR]:
+                    write_back_targets: Iterable[tuple[torch.Tensor, torch.Tensor, bool]] = (),
+                    expert_shards: dict[int, nn.Parameter] | None = None) -> tuple[TrainOptimizer, torch.optim.lr_scheduler.LambdaLR]:
     """The optimizer and its LR schedule. optim.name picks AdamW (here) or Muon (moontrain.optim.muon;
     expert_group: the expert-data-parallel group, whose replicas share the expert orthogonalisation).
     write_back_targets: (expert master, its compute tensor, zero its grad) per expert projection, stepped
-    by the fused write-back pass when optim.write_back is on."""
+    by the fused write-back pass when optim.write_back is on. expert_shards: see split_param_groups."""
+    if expert_shards and cfg.name == "muon":
+        raise ValueError("parallel.shard_expert_state=true is built for AdamW only: Muon orthogonalises whole expert "
+                         "matrices over the replicas; set optim.name=adamw or parallel.shard_expert_state=false")
     if cfg.name == "muon":
         return build_muon(model, cfg, total_steps, expert_group=expert_group)
-    groups = split_param_groups(model)
+    groups = split_param_groups(model, expert_shards)
     param_groups = [
         {"params": groups["decay"], "weight_decay": cfg.weight_decay, "name": "decay"},
         {"params": groups["no_decay"], "weight_decay": 0.0, "name": "no_decay"},
@@ -65,6 +71,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int,
     if write_back and on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("optim.write_back=true runs a Triton kernel and needs the parameters on a GPU; set "
                          "optim.write_back=false (or leave it unset: it follows optim.fused) on the CPU")
+    if write_back and expert_shards:
+        raise ValueError("parallel.shard_expert_state=true is not built for the fused write-back AdamW "
+                         "(optim.write_back=true, the default with optim.fused on a GPU); set optim.write_back=false "
+                         "or parallel.shard_expert_state=false")
     opt_cls = WriteBackAdamW if write_back else AdamW
     opt = opt_cls(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
     if write_back:

@@ -21,6 +21,14 @@ Step protocol (trainer): backward -> reduce_grads over the expert-data-parallel 
 master) and zero the grads, or nothing for the projections a WriteBackAdamW step already wrote back;
 moonep's grads are declared zero instead (its next accumulation overwrites them). Rows of other ranks
 or slot rows never pass through any reduction issued here.
+
+Sharded expert state (parallel.shard_expert_state, after shard_state): the optimizer sees, per
+projection, `shards[name]`, a parameter viewing rows [lo, lo + epn / dp_replicate) of the master, with
+the matching rows of the reduced grad as its grad, so its moments cover 1/dp_replicate of the experts.
+finish_step all-gathers the updated shards over the expert-data-parallel group into every replica's
+master before the compute copy. The grads are still all-reduced (whole local rows), which keeps the
+global grad norm bitwise the unsharded one; a reduce-scatter would save that traffic but change the
+norm's summation order.
 """
 
 from __future__ import annotations
@@ -54,6 +62,23 @@ class ExpertWeights(nn.Module):
         self.compute: dict[str, torch.Tensor] = {}
         self.grad: dict[str, torch.Tensor] = {}
         self._defer_zero: Callable[[str], None] | None = None  # see bind_external
+        self.shards: dict[str, nn.Parameter] = {}  # see shard_state; not registered (checkpoints save masters)
+        self._shard_group: dist.ProcessGroup | None = None
+        self._shard_size = 1
+        self._shard_lo = 0
+
+    def shard_state(self, rank: int, size: int, group: dist.ProcessGroup | None) -> None:
+        """Give the optimizer only rows [rank * epn / size, (rank + 1) * epn / size) of each master."""
+        if self.num_local % size:
+            raise ValueError(
+                f"parallel.shard_expert_state=true splits the {self.num_local} local experts per EP rank over "
+                f"dp_replicate={size} replicas, which does not divide them; choose parallel.ep so that "
+                f"num_experts / ep is a multiple of dp_replicate = world / ep, or set parallel.shard_expert_state=false"
+            )
+        rows = self.num_local // size
+        self._shard_group, self._shard_size, self._shard_lo = group, size, rank * rows
+        self.shards = {name: nn.Parameter(master.detach()[rank * rows:(rank + 1) * rows])
+                       for name, master in self.master.items()}
 
     @torch.no_grad()
     def init_master(self, *, seed: int, layer_idx: int, std: float) -> None:
@@ -110,6 +135,9 @@ class ExpertWeights(nn.Module):
     def attach_grads(self) -> None:
         for name, master in self.master.items():
             master.grad = self.grad[name]
+            if self.shards:
+                shard = self.shards[name]
+                shard.grad = self.grad[name][self._shard_lo:self._shard_lo + shard.shape[0]]
 
     @property
     def defers_zero(self) -> bool:
@@ -121,8 +149,14 @@ class ExpertWeights(nn.Module):
         """After optimizer.step: push_master and zero the grads, except for the projections whose
         master's id is in `written` (WriteBackAdamW's fused step already wrote their compute rows, and
         zeroed their grads unless the backend defers zeroing). With a deferring backend the grads are
-        declared zero instead of written."""
+        declared zero instead of written. Sharded state: the updated shards are all-gathered first."""
         for name, master in self.master.items():
+            if self.shards:
+                shard = self.shards[name]
+                shard.grad = None
+                if self._shard_size > 1:
+                    dist.all_gather(list(master.detach().chunk(self._shard_size)), shard.detach().clone(),
+                                    group=self._shard_group)
             if id(master) not in written:
                 self.compute[name].copy_(master)
                 if self._defer_zero is None:
