@@ -67,14 +67,14 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int,
     if fused is None:  # one multi-tensor kernel per group instead of foreach's chain of ops (GPU only)
         fused = all(p.device.type == "cuda" for g in param_groups for p in g["params"])
     write_back = fused if cfg.write_back is None else cfg.write_back
-    on_cpu = any(p.device.type != "cuda" for g in param_groups for p in g["params"])
-    if write_back and on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("optim.write_back=true runs a Triton kernel and needs the parameters on a GPU; set "
-                         "optim.write_back=false (or leave it unset: it follows optim.fused) on the CPU")
     if write_back and expert_shards:
         raise ValueError("parallel.shard_expert_state=true is not built for the fused write-back AdamW "
                          "(optim.write_back=true, the default with optim.fused on a GPU); set optim.write_back=false "
                          "or parallel.shard_expert_state=false")
+    on_cpu = any(p.device.type != "cuda" for g in param_groups for p in g["params"])
+    if write_back and on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("optim.write_back=true runs a Triton kernel and needs the parameters on a GPU; set "
+                         "optim.write_back=false (or leave it unset: it follows optim.fused) on the CPU")
     opt_cls = WriteBackAdamW if write_back else AdamW
     opt = opt_cls(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
     if write_back:

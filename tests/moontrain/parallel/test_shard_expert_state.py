@@ -1,6 +1,6 @@
 """Expert optimizer state sharded over the dp_replicate replicas (parallel.shard_expert_state) == unsharded,
 bitwise: losses, parameters, router biases and Adam state after a few steps, at world 4 = dp_replicate 2 x
-EP 2 (alltoall) and world 2 = dp_replicate 2 x EP 1 (local); checkpoints saved sharded resume unsharded and
+EP 2 (alltoall and moonep) and world 2 = dp_replicate 2 x EP 1 (local); checkpoints saved sharded resume unsharded and
 the reverse, bitwise against a run without interruption (the sharded Adam moments are saved as canonical rows
 under their master's name). A layout whose local experts the replicas cannot split is rejected.
 
@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from moontrain.model.experts.weights import ExpertWeights
+from moontrain.optim.adamw import build_optimizer
+from moontrain.optim.config import OptimConfig
 from moontrain.parallel.layout import build_layout
 from moontrain.trainer.trainer import Trainer
 from tests.dist_utils import run_ranks
@@ -73,7 +75,7 @@ def _sharded_vs_unsharded(rank: int, world: int, backend: str, ep: int, run_dir:
         trainer.close()
 
 
-@pytest.mark.parametrize(("world", "backend", "ep"), [(4, "alltoall", 2), (2, "local", 1)])
+@pytest.mark.parametrize(("world", "backend", "ep"), [(4, "alltoall", 2), (4, "moonep", 2), (2, "local", 1)])
 def test_sharded_equals_unsharded_and_resumes(tmp_path: Path, world: int, backend: str, ep: int) -> None:
     run_ranks(_sharded_vs_unsharded, world, backend, ep, str(tmp_path), timeout_s=600.0)
 
@@ -82,3 +84,11 @@ def test_rejects_indivisible_local_experts() -> None:
     w = ExpertWeights(num_experts=6, ep_rank=0, ep_size=2, hidden=4, intermediate=8)
     with pytest.raises(ValueError, match=r"3 local experts per EP rank over dp_replicate=2"):
         w.shard_state(0, 2, None)
+
+
+@pytest.mark.parametrize(("optim", "match"), [({"name": "muon"}, "built for AdamW only"),
+                                               ({"write_back": True}, "not built for the fused write-back AdamW")])
+def test_refuses_unbuilt_optimizers(optim: dict, match: str) -> None:
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=match):
+        build_optimizer(model, OptimConfig(**optim), 4, expert_shards={id(model.weight): model.weight})
