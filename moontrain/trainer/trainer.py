@@ -33,7 +33,6 @@ from moontrain.metrics.window import MetricsWindow, memory_stats
 from moontrain.model.experts import ExpertsContext
 from moontrain.model.transformer import K3Model
 from moontrain.optim.adamw import build_optimizer
-from moontrain.optim.protocol import TrainOptimizer
 from moontrain.optim.qk_clip import QKClip
 from moontrain.parallel.clip import clip_grad_norm_global
 from moontrain.parallel.fsdp import allreduce_dense_grads, apply_fsdp
@@ -48,6 +47,11 @@ def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def _in_state(name: str) -> property:
+    """The trainer's attribute `name`, stored in its TrainState."""
+    return property(lambda self: getattr(self.state, name), lambda self, value: setattr(self.state, name, value))
 
 
 class Trainer:
@@ -117,46 +121,12 @@ class Trainer:
         self.window = MetricsWindow(moe_ids, layout)
         self.evaluator = (Evaluator(cfg, layout, self.model, self.reshard_dense) if cfg.eval.every else None)
 
-    @property
-    def optimizer(self) -> TrainOptimizer:
-        return self.state.optimizer
-
-    @optimizer.setter
-    def optimizer(self, value: TrainOptimizer) -> None:
-        self.state.optimizer = value
-
-    @property
-    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
-        return self.state.scheduler
-
-    @scheduler.setter
-    def scheduler(self, value: torch.optim.lr_scheduler.LRScheduler) -> None:
-        self.state.scheduler = value
-
-    @property
-    def step(self) -> int:
-        return self.state.step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.state.step = value
-
-    @property
-    def tokens_seen(self) -> int:
-        return self.state.tokens_seen
-
-    @tokens_seen.setter
-    def tokens_seen(self, value: int) -> None:
-        self.state.tokens_seen = value
-
-    @property
-    def wandb_run_id(self) -> str | None:
-        """Set by the worker (rank 0); kept in checkpoints."""
-        return self.state.wandb_run_id
-
-    @wandb_run_id.setter
-    def wandb_run_id(self, value: str | None) -> None:
-        self.state.wandb_run_id = value
+    # kept in the TrainState (what checkpoints save and restore), read and set through the trainer
+    optimizer = _in_state("optimizer")
+    scheduler = _in_state("scheduler")
+    step = _in_state("step")
+    tokens_seen = _in_state("tokens_seen")
+    wandb_run_id = _in_state("wandb_run_id")  # set by the worker (rank 0)
 
     def train_step(self) -> StepStats | None:
         """One optimizer step; returns the logged stats on a logging step (the only host read), else None."""
