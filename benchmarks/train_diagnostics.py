@@ -78,6 +78,8 @@ def _gpu_kernels(prof) -> list[tuple[int, int, int, str]]:
 KERNEL_CLASSES = (
     ("nccl", r"nccl"),
     ("attention", r"fmha|flash|sdpa|attention"),
+    ("kda (fla)", r"kda|delta_rule|wy_repr|recompute_w_u|chunk_fwd_kernel_o|chunk_bwd_kernel|l2norm|"
+                  r"chunk_local_cumsum|kkt|solve_tril|merge_16x16|inverse_kernel"),
     ("moonep comm", r"_scatter_kernel|_expand_kernel|_push_kernel|_reduce_kernel|_barrier_kernel|_signal|"
                     r"_wait_kernel|plan|_prefix|_histogram"),
     ("gemm", r"gemm|cutlass|nvjet|xmma|wgmma|_grouped_mm|splitK"),

@@ -36,50 +36,84 @@ fused only if a profile shows it matters.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from moontrain.model.norm import RMSNorm
 
 
+def depth_forward(q: torch.Tensor, eps: float, values: tuple[torch.Tensor, ...]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The aggregation in fp32 (q: the query times the key-norm weight, fp32): (h in the values' dtype,
+    rsqrt factors [N, B, T], weights [N, B, T]). Per value one pass over D for both row reductions
+    (mean square and the dot with q, written as a product and a sum so that a compiler fuses them), then
+    one weighted sum over all values."""
+    rs, logits = [], []
+    for v in values:
+        vf = v.to(q.dtype)
+        r = torch.rsqrt(vf.pow(2).mean(-1) + eps)
+        rs.append(r)
+        logits.append((vf * q).sum(-1) * r)
+    p_NBT = torch.softmax(torch.stack(logits), dim=0)
+    h = p_NBT[0].unsqueeze(-1) * values[0].to(q.dtype)
+    for p, v in zip(p_NBT[1:], values[1:], strict=True):
+        h = h + p.unsqueeze(-1) * v.to(q.dtype)
+    return h.to(values[0].dtype), torch.stack(rs), p_NBT
+
+
+def depth_backward(q: torch.Tensor, r_NBT: torch.Tensor, p_NBT: torch.Tensor, grad_h: torch.Tensor,
+                   values: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Gradients of depth_forward's h with respect to q and every value; the logits' dot products are
+    recomputed (one pass over each value for them and the weights' gradient)."""
+    gh = grad_h.to(q.dtype)
+    dim = q.shape[0]
+    grad_p, dots = [], []
+    for v in values:
+        vf = v.to(q.dtype)
+        grad_p.append((gh * vf).sum(-1))
+        dots.append((vf * q).sum(-1))
+    grad_p_NBT = torch.stack(grad_p)
+    grad_logit = p_NBT * (grad_p_NBT - (p_NBT * grad_p_NBT).sum(0, keepdim=True))
+    grad_q = torch.zeros_like(q)
+    grad_values = []
+    for v, s, r, p, gl in zip(values, dots, r_NBT, p_NBT, grad_logit, strict=True):
+        vf = v.to(q.dtype)
+        # logit = (v . q) r, r = rsqrt(mean(v^2) + eps): d logit / dv = r q - (v . q) r^3 v / D
+        gv = gh * p.unsqueeze(-1) + (gl * r).unsqueeze(-1) * q - (gl * s * r.pow(3) / dim).unsqueeze(-1) * vf
+        grad_values.append(gv.to(v.dtype))
+        grad_q = grad_q + ((gl * r).unsqueeze(-1) * vf).flatten(0, -2).sum(0)
+    return grad_q, grad_values
+
+
+EAGER = (depth_forward, depth_backward)
+
+
+@functools.cache
+def compiled_math() -> tuple[Callable, Callable]:
+    """depth_forward and depth_backward through torch.compile (one graph per number of values: at most
+    num_layers / (block_size / 2) + 2 of them, so the recompile limit is raised to hold them all)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(depth_forward, dynamic=False), torch.compile(depth_backward, dynamic=False)
+
+
 class _DepthAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_D: torch.Tensor, eps: float, *values: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, q_D: torch.Tensor, eps: float, math: tuple[Callable, Callable], *values: torch.Tensor
+                ) -> torch.Tensor:
         dtype = torch.promote_types(values[0].dtype, torch.float32)
-        q = q_D.to(dtype)
-        rs, logits = [], []
-        for v in values:
-            vf = v.to(dtype)
-            r = torch.rsqrt(vf.pow(2).mean(-1) + eps)
-            rs.append(r)
-            logits.append((vf @ q) * r)
-        p_NBT = torch.softmax(torch.stack(logits), dim=0)
-        h = torch.zeros(values[0].shape, dtype=dtype, device=values[0].device)
-        for p, v in zip(p_NBT, values, strict=True):
-            h.addcmul_(p.unsqueeze(-1), v.to(dtype))
-        ctx.save_for_backward(q_D, torch.stack(rs), p_NBT, *values)
-        ctx.dtype = dtype
-        return h.to(values[0].dtype)
+        h, r_NBT, p_NBT = math[0](q_D.to(dtype), eps, values)
+        ctx.save_for_backward(q_D, r_NBT, p_NBT, *values)
+        ctx.backward_math = math[1]
+        return h
 
     @staticmethod
     def backward(ctx, grad_h: torch.Tensor):
         q_D, r_NBT, p_NBT, *values = ctx.saved_tensors
-        dtype = ctx.dtype
-        q = q_D.to(dtype)
-        gh = grad_h.to(dtype)
-        dim = q.shape[0]
-        grad_p = torch.stack([(gh * v.to(dtype)).sum(-1) for v in values])
-        grad_logit = p_NBT * (grad_p - (p_NBT * grad_p).sum(0, keepdim=True))
-        grad_q = torch.zeros_like(q)
-        grad_values = []
-        for v, r, p, gl in zip(values, r_NBT, p_NBT, grad_logit, strict=True):
-            vf = v.to(dtype)
-            # logit = (v . q) r, r = rsqrt(mean(v^2) + eps): d logit / dv = r q - (v . q) r^3 v / D
-            s = vf @ q
-            gv = gh * p.unsqueeze(-1) + (gl * r).unsqueeze(-1) * q - (gl * s * r.pow(3) / dim).unsqueeze(-1) * vf
-            grad_values.append(gv.to(v.dtype))
-            grad_q += ((gl * r).unsqueeze(-1) * vf).flatten(0, -2).sum(0)
-        return grad_q.to(q_D.dtype), None, *grad_values
+        grad_q, grad_values = ctx.backward_math(q_D.to(r_NBT.dtype), r_NBT, p_NBT, grad_h, tuple(values))
+        return grad_q.to(q_D.dtype), None, None, *grad_values
 
 
 class DepthAttention(nn.Module):
@@ -89,12 +123,17 @@ class DepthAttention(nn.Module):
         super().__init__()
         self.query = nn.Parameter(torch.zeros(dim, device=device))
         self.key_norm = RMSNorm(dim, eps, device=device)  # only its weight and eps are used
+        self.math = EAGER
+
+    def compile_math(self) -> None:
+        """Run the aggregation's forward and backward math through torch.compile (train.compile)."""
+        self.math = compiled_math()
 
     def forward(self, blocks: tuple[torch.Tensor, ...], partial: torch.Tensor) -> torch.Tensor:
         """softmax-weighted sum of (*blocks, partial), each [B, T, D]."""
         dtype = torch.promote_types(self.query.dtype, torch.float32)  # fp32 also from FSDP's bf16 copies
         q_D = self.query.to(dtype) * self.key_norm.weight.to(dtype)
-        return _DepthAttention.apply(q_D, self.key_norm.eps, *blocks, partial)
+        return _DepthAttention.apply(q_D, self.key_norm.eps, self.math, *blocks, partial)
 
 
 def aggregation_sizes(num_layers: int, block_size: int) -> list[int]:

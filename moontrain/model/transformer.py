@@ -157,8 +157,11 @@ class K3Model(nn.Module):
     def compile_dense_parts(self) -> None:
         """torch.compile (in place) what runs between the routed experts: per block the norms (the
         MoE's latent norm included), the attention and the dense FFN or the shared experts; the
-        final norm and the loss. The routed experts (custom autograd functions around
+        AttnRes aggregations' math; the final norm and the loss. The routed experts (custom autograd functions around
         communication) stay eager."""
+        for module in self.modules():
+            if isinstance(module, DepthAttention):
+                module.compile_math()
         for block in self.layers:
             block.attn_norm.compile()
             block.attn.compile()

@@ -10,6 +10,8 @@ the same parameters and sub-modules, only the aggregation's arithmetic order dif
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -29,13 +31,19 @@ def naive_aggregate(values: list[torch.Tensor], query: torch.Tensor, norm_weight
     return torch.einsum("nbt,nbtd->btd", alpha_NBT, v_NBTD)
 
 
-@pytest.mark.parametrize("num_values", [1, 2, 5])
-def test_depth_attention_matches_naive_formulation(num_values: int) -> None:
+@pytest.mark.parametrize("num_values,compiled", [(1, False), (2, False), (5, False), (3, True)])
+def test_depth_attention_matches_naive_formulation(num_values: int, compiled: bool) -> None:
+    """Forward and every gradient against the naive fp64 formulation; also the torch.compile'd math
+    (train.compile), whose fused reductions only reorder fp64 sums."""
+    if compiled and shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("torch.compile on CPU needs a C compiler")
     g = torch.Generator().manual_seed(num_values)
     D = 24
     values = [(torch.randn(2, 7, D, generator=g, dtype=torch.float64) * (1 + i)).requires_grad_()
               for i in range(num_values)]
     m = DepthAttention(D, eps=1e-6).double()
+    if compiled:
+        m.compile_math()
     with torch.no_grad():
         m.query.copy_(torch.randn(D, generator=g, dtype=torch.float64))
         m.key_norm.weight.copy_(1 + 0.3 * torch.randn(D, generator=g, dtype=torch.float64))
@@ -155,3 +163,29 @@ def test_init_zeroes_the_queries_and_block_size_is_validated() -> None:
         model.attach_experts_backends("local", ExpertsContext(
             num_experts=8, topk=3, ep_group=None, ep_size=1, compute_dtype=torch.float32, token_padding=8,
             max_tokens=18, device=torch.device("cpu")))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_math_matches_eager_gpu() -> None:
+    """train.compile's fused aggregation on the GPU against the eager op, bf16 values as in training:
+    both accumulate in fp32 and round h once, so they differ by the fp32 summation order plus at most
+    one bf16 rounding step of h (2^-8 relative); the gradients likewise."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    D = 2048
+    values = [torch.randn(2, 512, D, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+              for _ in range(4)]
+    grad_h = torch.randn(2, 512, D, generator=g, device="cuda").to(torch.bfloat16)
+    results = []
+    for compiled in (False, True):
+        m = DepthAttention(D).cuda()
+        with torch.no_grad():
+            m.query.copy_(torch.randn(D, generator=g, device="cuda") * 0.05 if not results else results[0][-1])
+        if compiled:
+            m.compile_math()
+        h = m(tuple(values[:-1]), values[-1])
+        grads = torch.autograd.grad(h, [*values, m.query], grad_h)
+        results.append((h, *grads, m.query.detach().clone()))
+    for name, a, b in zip(["h", "v0", "v1", "v2", "partial", "query"], results[1][:-1], results[0][:-1], strict=True):
+        diff, scale = (a.float() - b.float()).abs().max().item(), b.float().abs().max().item()
+        assert diff <= 2.0**-8 * scale, f"{name}: max |diff| {diff:.3g} vs max |value| {scale:.3g}"
