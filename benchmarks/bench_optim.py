@@ -126,7 +126,7 @@ def main() -> None:
     if args.show:
         print_table(json.loads(Path(args.show).read_text()))
         return
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     base = from_dict(RunConfig, load_recipe(args.recipe, [*args.overrides, "metrics.wandb=false",
