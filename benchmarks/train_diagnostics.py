@@ -77,7 +77,7 @@ def _gpu_kernels(prof) -> list[tuple[int, int, int, str]]:
 # kernel classes of the timeline, first match wins (names of cuBLAS/CUTLASS, cuDNN, NCCL, Triton, ATen)
 KERNEL_CLASSES = (
     ("nccl", r"nccl"),
-    ("attention", r"fmha|flash|sdpa|attention"),
+    ("attention", r"fmha|flash|sdpa|attention|^triton_tem_"),  # inductor templates here: flex_attention
     ("moonep comm", r"_scatter_kernel|_expand_kernel|_push_kernel|_reduce_kernel|_barrier_kernel|_signal|"
                     r"_wait_kernel|plan|_prefix|_histogram"),
     ("gemm", r"gemm|cutlass|nvjet|xmma|wgmma|_grouped_mm|splitK"),
