@@ -45,11 +45,12 @@ def check_fla_autotune_cache() -> None:
                          "reuses the same KDA kernel configurations")
 
 
-def enable_determinism(device: torch.device, *, strict: bool = False) -> None:
+def enable_determinism(device: torch.device, *, kda_fla: bool = False, strict: bool = False) -> None:
     """Process-wide switches of deterministic mode for a run on `device` (the model's attention path is
-    K3Model.deterministic_attention). strict: also torch's deterministic algorithms on CUDA (slow; raises
-    on an op without a deterministic implementation)."""
-    check_fla_autotune_cache()
+    K3Model.deterministic_attention). kda_fla: the model runs fla's KDA kernels. strict: also torch's
+    deterministic algorithms on CUDA (slow; raises on an op without a deterministic implementation)."""
+    if kda_fla:
+        check_fla_autotune_cache()
     set_cublas_workspace()
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False

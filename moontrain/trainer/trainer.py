@@ -31,6 +31,7 @@ from moontrain.metrics.moe_stats import MoEStats
 from moontrain.metrics.progress import ProgressLog, StepStats
 from moontrain.metrics.window import MetricsWindow, memory_stats
 from moontrain.model.experts import ExpertsContext
+from moontrain.model.kda import uses_fla
 from moontrain.model.transformer import K3Model
 from moontrain.optim.adamw import build_optimizer
 from moontrain.optim.qk_clip import QKClip
@@ -60,7 +61,7 @@ class Trainer:
         self.cfg, self.layout, self.log = cfg, layout, log
         device = layout.device
         if cfg.train.deterministic:
-            enable_determinism(device)
+            enable_determinism(device, kda_fla=uses_fla(cfg.model, device))
         self.compute_dtype = resolve_compute_dtype(cfg.parallel.compute_dtype, device)
         self.model = K3Model(cfg.model, ep_rank=layout.ep_rank, ep_size=layout.ep, device=device)
         self.model.init_weights(cfg.train.seed)
