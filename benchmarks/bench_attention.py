@@ -1,11 +1,13 @@
-"""MLA attention core on one GPU: SDPA at unequal head dims vs zero-padded to one head dim, and the
-router's logits GEMMs in IEEE fp32 vs TF32.
+"""MLA attention core on one GPU: SDPA at unequal head dims vs zero-padded to one head dim, SDPA vs the
+compiled flex_attention with a causal block mask (train.deterministic's path), and the router's logits
+GEMMs in IEEE fp32 vs TF32.
 
     python benchmarks/bench_attention.py [--batch 4] [--seq 4096]      (one GPU; k3_small_moe shapes)
 
 Attention: forward + backward of F.scaled_dot_product_attention (causal, bf16) as MLAttention calls
 it with model.attn_pad_head_dims off (q/k 192, v 128) and on (all 192), plus which SDPA backend ran
-(from the profiler's kernel names). Router: logits = x W^T with its two backward GEMMs, fp32 operands
+(from the profiler's kernel names), and whether two runs give the same bits ("repeatable": the
+output and every gradient; flex_attention's backward has no atomics, SDPA's usually do). Router: logits = x W^T with its two backward GEMMs, fp32 operands
 holding bf16 values, through moontrain.model.router.RouterLogits (TF32) and F.linear (IEEE fp32, on
 FFMA). Median of --iters timed by CUDA events after --warmup; the outputs of each pair are compared
 (max abs difference printed). Table printed; JSON to --out.
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from moontrain.model.documents import causal_flex_mask, compiled_flex_attention
 from moontrain.model.router import RouterLogits
 
 
@@ -59,26 +62,33 @@ def kernels_of(fn: Callable[[], object]) -> str:
     return "+".join(sorted({t for t in map(tag, names) if t})) or "math"
 
 
-def attention_case(B: int, N: int, T: int, dqk: int, dv: int, pad: bool, iters: int, warmup: int) -> dict:
+def attention_case(B: int, N: int, T: int, dqk: int, dv: int, kind: str, iters: int, warmup: int) -> dict:
+    """kind: "padded" / "unpadded" (SDPA, as MLAttention with model.attn_pad_head_dims on / off) or "flex"
+    (compiled flex_attention with causal_flex_mask, as MLAttention under train.deterministic)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k = (torch.randn(B, N, T, dqk, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
     v = torch.randn(B, N, T, dv, device="cuda", generator=gen, dtype=torch.bfloat16)
     go = torch.randn(B, N, T, dv, device="cuda", generator=gen, dtype=torch.bfloat16)
     leaves = [t.requires_grad_() for t in (q, k, v)]
+    block_mask = causal_flex_mask(T, q.device).block_mask if kind == "flex" else None
 
     def run() -> tuple[torch.Tensor, ...]:
         qq, kk, vv = leaves
-        if pad:
-            d = max(dqk, dv)
-            qq, kk, vv = F.pad(qq, (0, d - dqk)), F.pad(kk, (0, d - dqk)), F.pad(vv, (0, d - dv))
-        o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=dqk ** -0.5)[..., :dv]
+        if kind == "flex":
+            o = compiled_flex_attention()(qq, kk, vv, block_mask=block_mask, scale=dqk ** -0.5)
+        else:
+            if kind == "padded":
+                d = max(dqk, dv)
+                qq, kk, vv = F.pad(qq, (0, d - dqk)), F.pad(kk, (0, d - dqk)), F.pad(vv, (0, d - dv))
+            o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=dqk ** -0.5)[..., :dv]
         grads = torch.autograd.grad(o, leaves, go)
         return (o, *grads)
 
     ms = median_ms(run, iters, warmup)
     flops = 3 * B * N * T * T * (dqk + dv)  # model FLOPs (forward 2 T^2 (dqk + dv) / 2 causal, x3 with backward)
-    return {"case": f"attention {'padded' if pad else 'unpadded'}", "ms": ms, "backend": kernels_of(run),
-            "tflops": flops / ms / 1e9, "out": run()}
+    first, second = run(), run()
+    return {"case": f"attention {kind}", "ms": ms, "backend": "flex" if kind == "flex" else kernels_of(run),
+            "tflops": flops / ms / 1e9, "repeatable": all(map(torch.equal, first, second)), "out": first}
 
 
 def router_case(s: int, D: int, E: int, tf32: bool, iters: int, warmup: int) -> dict:
@@ -112,23 +122,21 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention needs a CUDA GPU")
     B, N, T = args.batch, args.heads, args.seq
-    pairs = [
-        [attention_case(B, N, T, args.qk_head_dim, args.v_head_dim, pad, args.iters, args.warmup)
-         for pad in (True, False)],
-        [router_case(B * T, args.hidden, args.experts, tf32, args.iters, args.warmup) for tf32 in (False, True)],
-    ]
-    rows = []
-    for base, new in pairs:
-        diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(base.pop("out"), new.pop("out"),
-                                                                                strict=True))
+    padded, unpadded, flex = (attention_case(B, N, T, args.qk_head_dim, args.v_head_dim, kind, args.iters, args.warmup)
+                              for kind in ("padded", "unpadded", "flex"))
+    ieee, tf32 = (router_case(B * T, args.hidden, args.experts, on, args.iters, args.warmup) for on in (False, True))
+    for base, new in ((padded, unpadded), (unpadded, flex), (ieee, tf32)):  # each row against the one before
+        diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(base["out"], new["out"], strict=True))
         new["max_abs_diff_vs_" + base["case"].split()[-1]] = diff
         new["speedup"] = base["ms"] / new["ms"]
-        rows += [base, new]
-    print(f"{'case':<22} {'ms':>8} {'TFLOP/s':>8} {'backend':<16} {'speedup':>8} max|diff|")
+    rows = [padded, unpadded, flex, ieee, tf32]
+    for r in rows:
+        r.pop("out")
+    print(f"{'case':<22} {'ms':>8} {'TFLOP/s':>8} {'backend':<16} {'speedup':>8} {'repeatable':>10}  max|diff|")
     for r in rows:
         diff = next((v for k, v in r.items() if k.startswith("max_abs_diff")), None)
         print(f"{r['case']:<22} {r['ms']:8.3f} {r['tflops']:8.1f} {r['backend']:<16} "
-              f"{r.get('speedup', 1.0):8.2f} {'' if diff is None else f'{diff:.3g}'}")
+              f"{r.get('speedup', 1.0):8.2f} {r.get('repeatable', '')!s:>10}  {'' if diff is None else f'{diff:.3g}'}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"bench_attention_{time.strftime('%Y%m%d')}.json"

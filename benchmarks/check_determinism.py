@@ -1,9 +1,10 @@
 """train.deterministic end to end through `moontrain launch`: two runs bitwise equal, a stop/resume bitwise
-equal to the uninterrupted run, and the step-time cost against train.deterministic=false.
+equal to the uninterrupted run, and the step-time cost against train.deterministic=false; or (--profile)
+where the cost goes.
 
     python benchmarks/check_determinism.py [--recipe recipes/k3_small.yaml] [--nproc 1] [--steps 10]
                                            [--work runs/determinism] [--out FILE.json] [--only A,B,D]
-                                           [key=value ...]
+                                           [--profile] [key=value ...]
 
 Runs (each a fresh `moontrain launch`, log_every=1, no wandb, no checkpoint unless said):
   A  deterministic
@@ -17,6 +18,11 @@ Step time: the median over steps 3.. (the first steps compile and warm up). Exit
 check fails. Extra key=value arguments go to every run (e.g. parallel.ep=1 train.micro_batch_size=2);
 --only runs a subset, the others' metrics are read back from --work (so the checks can be split over
 several commands).
+
+--profile (instead of the runs): benchmarks/profile_determinism.py under torchrun, once with
+train.deterministic=false and once with true (3 warm-up steps, 3 timed, one profiled), then the step times
+and the kernel classes of both side by side, and the --top kernels whose CUDA time differs most between
+the two modes (what deterministic mode still costs, or what it replaced).
 """
 
 from __future__ import annotations
@@ -75,6 +81,60 @@ def _mismatch(got: dict[int, dict], want: dict[int, dict], steps: range) -> str 
     return None
 
 
+def _profile(args: argparse.Namespace, work: Path) -> dict:
+    results = {}
+    for det in ("false", "true"):
+        out = work / f"profile_deterministic_{det}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+               str(Path(__file__).with_name("profile_determinism.py")), "--out", str(out), args.recipe,
+               f"train.run_dir={work / f'profile_{det}'}", "metrics.wandb=false", *args.overrides,
+               f"train.deterministic={det}"]
+        print("+ " + " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+        results[det] = json.loads(out.read_text())
+    comparison = compare_profiles(results["false"], results["true"], args.top)
+    print_comparison(comparison)
+    return comparison
+
+
+def compare_profiles(default: dict, det: dict, top: int) -> dict:
+    """Two profile_determinism.py results -> step times, cost, classes and the `top` kernels by |CUDA time
+    difference| (deterministic - default), in ms."""
+    def per_name(result: dict) -> dict[str, dict]:
+        return {row["name"]: row for row in result["kernels"]}
+
+    a, b = per_name(default), per_name(det)
+    kernels = [{"name": name, "class": (a.get(name) or b[name])["class"],
+                "default_ms": a[name]["total_us"] / 1e3 if name in a else 0.0,
+                "deterministic_ms": b[name]["total_us"] / 1e3 if name in b else 0.0}
+               for name in a.keys() | b.keys()]
+    for row in kernels:
+        row["delta_ms"] = row["deterministic_ms"] - row["default_ms"]
+    kernels.sort(key=lambda row: (-abs(row["delta_ms"]), row["name"]))
+    classes = [{"class": name, "default_ms": default["classes"].get(name, 0.0) / 1e3,
+                "deterministic_ms": det["classes"].get(name, 0.0) / 1e3}
+               for name in default["classes"].keys() | det["classes"].keys()]
+    for row in classes:
+        row["delta_ms"] = row["deterministic_ms"] - row["default_ms"]
+    classes.sort(key=lambda row: (-row["delta_ms"], row["class"]))
+    step = {"default": default["step_time_s"], "deterministic": det["step_time_s"]}
+    cost = step["deterministic"] / step["default"] - 1 if step["default"] and step["deterministic"] else None
+    return {"median_step_time_s": step, "deterministic_cost": cost, "classes": classes, "kernels": kernels[:top]}
+
+
+def print_comparison(c: dict) -> None:
+    step = c["median_step_time_s"]
+    if c["deterministic_cost"] is not None:
+        print(f"\nstep time: deterministic {step['deterministic'] * 1e3:.1f} ms, default {step['default'] * 1e3:.1f} ms "
+              f"({c['deterministic_cost']:+.1%})")
+    print(f"\n{'kernel class':<24}{'default ms':>12}{'determ. ms':>12}{'delta ms':>10}")
+    for row in c["classes"]:
+        print(f"{row['class']:<24}{row['default_ms']:>12.2f}{row['deterministic_ms']:>12.2f}{row['delta_ms']:>+10.2f}")
+    print(f"\n{'default ms':>10}{'determ. ms':>12}{'delta ms':>10}  kernel (largest |delta| first)")
+    for row in c["kernels"]:
+        print(f"{row['default_ms']:>10.2f}{row['deterministic_ms']:>12.2f}{row['delta_ms']:>+10.2f}  {row['name'][:100]}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="recipes/k3_small.yaml")
@@ -83,8 +143,16 @@ def main() -> int:
     parser.add_argument("--work", default="runs/determinism")
     parser.add_argument("--out", default=None, help="write the summary JSON here")
     parser.add_argument("--only", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of the runs: one profiled step per mode and the kernels that differ")
+    parser.add_argument("--top", type=int, default=25, help="--profile: kernels listed")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.profile:
+        comparison = _profile(args, Path(args.work))
+        if args.out:
+            Path(args.out).write_text(json.dumps(comparison, indent=1) + "\n")
+        return 0
     if args.steps < 6:
         parser.error("--steps must be >= 6 (a stop near the middle, and steps after the warm-up to time)")
     work, half = Path(args.work), args.steps // 2

@@ -3,11 +3,12 @@ parameter's gradient compared bitwise. Localises a non-deterministic kernel when
 benchmarks/check_determinism.py reports a difference (attention weights: SDPA backward; expert masters:
 the grouped GEMM or the EP path; router weights: the score gather; the embedding: its backward).
 
-    python -m torch.distributed.run --nproc-per-node 1 benchmarks/determinism_grads.py RECIPE [key=value ...]
+    python -m torch.distributed.run --nproc-per-node 1 benchmarks/determinism_grads.py RECIPE [--strict] [key=value ...]
 
 Runs on every rank of the launch (each compares its own gradients; rank 0 prints its list). Pass
 train.deterministic=true or false to compare the two modes; the data of step 0 is used, split into the
-recipe's micro-batches.
+recipe's micro-batches. --strict also turns on torch.use_deterministic_algorithms (torch then raises on an
+op without a deterministic implementation, naming it).
 """
 
 from __future__ import annotations
@@ -51,9 +52,13 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__, file=sys.stderr)
         return 2
+    strict = "--strict" in argv
+    argv = [a for a in argv if a != "--strict"]
     cfg = from_dict(RunConfig, load_recipe(argv[0], argv[1:]))
-    if cfg.train.deterministic:
+    if cfg.train.deterministic or strict:
         set_cublas_workspace()
+    if strict:
+        torch.use_deterministic_algorithms(True)
     device, backend = select_device()
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.parallel.timeout_s),
                             device_id=device if device.type == "cuda" else None)

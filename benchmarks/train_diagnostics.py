@@ -77,7 +77,7 @@ def _gpu_kernels(prof) -> list[tuple[int, int, int, str]]:
 # kernel classes of the timeline, first match wins (names of cuBLAS/CUTLASS, cuDNN, NCCL, Triton, ATen)
 KERNEL_CLASSES = (
     ("nccl", r"nccl"),
-    ("attention", r"fmha|flash|sdpa|attention"),
+    ("attention", r"fmha|flash|sdpa|attention|^triton_tem_"),  # inductor templates here: flex_attention
     ("kda (fla)", r"kda|delta_rule|wy_repr|recompute_w_u|chunk_fwd_kernel_o|chunk_bwd_kernel|l2norm|"
                   r"chunk_local_cumsum|kkt|solve_tril|merge_16x16|inverse_kernel"),
     ("moonep comm", r"_scatter_kernel|_expand_kernel|_push_kernel|_reduce_kernel|_barrier_kernel|_signal|"

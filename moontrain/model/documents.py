@@ -11,7 +11,12 @@ Attention paths, one per device kind, same math:
 - CPU: SDPA with a boolean [B, 1, T, T] mask (causal and same document). The T x T mask is fine at CPU
   sizes.
 - CUDA: flex_attention with a block mask built once per forward (shared by every MLA layer), compiled:
-  no T x T tensor, fully masked blocks skipped. It takes qk and v at their own head dims.
+  no T x T tensor, fully masked blocks skipped. It takes qk and v at their own head dims. Its Triton
+  backward has no atomics (dQ per query block, dK/dV per key block), so it is deterministic.
+- No documents: SDPA with is_causal (cuDNN or memory-efficient attention on CUDA, whose backward
+  accumulates dQ with atomics), or, in deterministic mode (train.deterministic), flex_attention with the
+  plain causal block mask of causal_flex_mask: a DocumentMask without document ids, which the KDA layers
+  and QK-Clip read as "one document per row".
 Rejected: torch's varlen attention (needs the batch flattened and equal qk/v head dims; MLA's are
 192/128); an additive -inf float mask on CUDA (a T x T tensor per row and no block skipping).
 """
@@ -28,8 +33,9 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True, slots=True)
 class DocumentMask:
-    start_BT: torch.Tensor  # bool: the first token of a document that is not the row's first
-    id_BT: torch.Tensor  # long: the document's index within the row (0 for the row's first)
+    # None for both: one document per row (causal_flex_mask)
+    start_BT: torch.Tensor | None  # bool: the first token of a document that is not the row's first
+    id_BT: torch.Tensor | None  # long: the document's index within the row (0 for the row's first)
     block_mask: Any = None  # CUDA: flex_attention's BlockMask (causal and same document)
 
 
@@ -58,6 +64,19 @@ def flex_block_mask(id_BT: torch.Tensor) -> Any:
     return create_block_mask(same_document_causal, B, None, T, T, device=id_BT.device)
 
 
+@functools.lru_cache(maxsize=8)
+def causal_flex_mask(seq_len: int, device: torch.device) -> DocumentMask:
+    """One document per row, attended through flex_attention: the plain causal block mask (broadcast over
+    batch and heads; cached per length and device, it does not depend on the tokens)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return q_idx >= kv_idx
+
+    block_mask = create_block_mask(causal, None, None, seq_len, seq_len, device=device)
+    return DocumentMask(start_BT=None, id_BT=None, block_mask=block_mask)
+
+
 @functools.cache
 def compiled_flex_attention() -> Any:
     from torch.nn.attention.flex_attention import flex_attention
@@ -72,6 +91,7 @@ def causal_attention(q_BNTd: torch.Tensor, k_BNTd: torch.Tensor, v_BNTd: torch.T
         return F.scaled_dot_product_attention(q_BNTd, k_BNTd, v_BNTd, is_causal=True, scale=scale)
     if docs.block_mask is not None:
         return compiled_flex_attention()(q_BNTd, k_BNTd, v_BNTd, block_mask=docs.block_mask, scale=scale)
+    assert docs.id_BT is not None, "a DocumentMask without document ids carries a flex block mask"
     T = q_BNTd.shape[2]
     causal_TT = torch.ones(T, T, dtype=torch.bool, device=q_BNTd.device).tril()
     mask_B1TT = (docs.id_BT.unsqueeze(2) == docs.id_BT.unsqueeze(1)).unsqueeze(1) & causal_TT

@@ -57,6 +57,11 @@ def select_kda_kernel(cfg: ModelConfig, device: torch.device | str | None) -> Ca
     return kda_fla if on_cuda and fla_available() else kda
 
 
+def uses_fla(cfg: ModelConfig, device: torch.device | str | None) -> bool:
+    """Whether the model's KDA layers (if any) run fla's kernels on `device`."""
+    return cfg.kda_layers_per_mla > 0 and select_kda_kernel(cfg, device) is kda_fla
+
+
 def short_conv(x_BTC: torch.Tensor, w_C1W: torch.Tensor, doc_id_BT: torch.Tensor | None) -> torch.Tensor:
     """silu(sum_s w[:, 0, W-1-s] * x_{t-s}) over taps s = 0..W-1 (nn.Conv1d's weight with causal padding),
     a tap counting only inside x_t's document."""

@@ -13,7 +13,9 @@ could stop inside a collective call). The router does not count tokens again whi
 Hybrid layout: model.kda_layers_per_mla picks, per block, Kimi Delta Attention or MLA (ModelConfig.
 layer_is_kda). Documents: with document_eos_id set (the trainer sets the token source's EOS when
 model.document_mask is on), every forward derives the packed documents from the input ids once and
-every attention layer stays inside them (moontrain.model.documents).
+every attention layer stays inside them (moontrain.model.documents). With deterministic_attention (set by
+the trainer under train.deterministic) causal attention on CUDA goes through flex_attention, whose
+backward is deterministic, also without documents.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from moontrain.model.attention import MLAttention
 from moontrain.model.attn_res import DepthAttention, starts_block
 from moontrain.model.config import ModelConfig
-from moontrain.model.documents import DocumentMask, document_mask
+from moontrain.model.documents import DocumentMask, causal_flex_mask, document_mask
 from moontrain.model.experts import ExpertsContext, ExpertsRuntime, build_experts_runtime
 from moontrain.model.ffn import GatedFFN
 from moontrain.model.kda import KimiDeltaAttention
@@ -127,6 +129,7 @@ class K3Model(nn.Module):
                           if cfg.attn_res_block_size else None)
         self._loss = _cross_entropy
         self.document_eos_id: int | None = None  # packed documents end with this id (None: one sequence per row)
+        self.deterministic_attention = False  # CUDA: causal attention through flex_attention, documents or not
 
     def moe_layers(self) -> list[MoE]:
         return [block.ffn for block in self.layers if block.is_moe]
@@ -206,6 +209,8 @@ class K3Model(nn.Module):
         T = tokens_BT.shape[1]
         cos, sin = rope_cos_sin(T, cfg.qk_rope_head_dim, cfg.rope_theta, tokens_BT.device, yarn=cfg.rope_yarn)
         docs = document_mask(tokens_BT, self.document_eos_id) if self.document_eos_id is not None else None
+        if docs is None and self.deterministic_attention and tokens_BT.is_cuda:
+            docs = causal_flex_mask(T, tokens_BT.device)
         x_BTD = self.embed(tokens_BT)
         aux_total = x_BTD.new_zeros((), dtype=torch.float32)
         blocks: tuple[torch.Tensor, ...] = ()

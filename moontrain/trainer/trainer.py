@@ -31,6 +31,7 @@ from moontrain.metrics.moe_stats import MoEStats
 from moontrain.metrics.progress import ProgressLog, StepStats
 from moontrain.metrics.window import MetricsWindow, memory_stats
 from moontrain.model.experts import ExpertsContext
+from moontrain.model.kda import uses_fla
 from moontrain.model.transformer import K3Model
 from moontrain.optim.adamw import build_optimizer
 from moontrain.optim.qk_clip import QKClip
@@ -58,12 +59,13 @@ class Trainer:
     def __init__(self, cfg: RunConfig, layout: ParallelLayout, *, log: ProgressLog | None = None) -> None:
         cfg.check_world(layout.world_size)
         self.cfg, self.layout, self.log = cfg, layout, log
-        if cfg.train.deterministic:
-            enable_determinism()
         device = layout.device
+        if cfg.train.deterministic:
+            enable_determinism(device, kda_fla=uses_fla(cfg.model, device))
         self.compute_dtype = resolve_compute_dtype(cfg.parallel.compute_dtype, device)
         self.model = K3Model(cfg.model, ep_rank=layout.ep_rank, ep_size=layout.ep, device=device)
         self.model.init_weights(cfg.train.seed)
+        self.model.deterministic_attention = cfg.train.deterministic
         if cfg.train.activation_checkpointing:
             self.model.enable_activation_checkpointing()
         if cfg.train.compile:  # before FSDP wraps the blocks (compiled parts live inside them)
