@@ -53,7 +53,7 @@ def _configs() -> list[triton.Config]:
     # smem per stage: x [BM, BK] + two weight tiles [BK, BN], bf16 (128/128/64: 48 KiB)
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
             for m, n, k, w, s in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4),
-                                  (64, 128, 64, 4, 4), (128, 256, 64, 8, 3))]
+                                  (64, 128, 64, 4, 4))]
 
 
 @triton.jit
