@@ -51,3 +51,23 @@ def test_grouped_gemm_bad_input() -> None:
         grouped_wgrad_accumulate(g, x, torch.zeros(8, 16, dtype=torch.bfloat16), offs)
     with pytest.raises(ValueError, match=r"write_groups must be in \[0, 2\]"):
         grouped_wgrad_accumulate(g, x, torch.zeros(8, 32, dtype=torch.bfloat16), offs, write_groups=3)
+
+
+def _fused_moe_rank(rank: int, world: int, E: int, maxvio: float, activation: str) -> dict:
+    import moonep.buffer as buffer_module
+    from moonep import BufferOptions
+    from tests.moonep.test_moe_layer import _rank_fn
+
+    # the triton path is CUDA-only by design; force it onto the CPU heap for the interpreter
+    buffer_module.resolve_kernels = lambda kernels, device: "triton"
+    return _rank_fn(rank, world, E, maxvio, activation, BufferOptions(fused_expert_gemm=True, num_sms=3))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "situ_glu"])
+def test_moe_layer_with_fused_expert_gemms_matches_dense_reference(activation: str) -> None:
+    """expert_glu on the triton path with BufferOptions.fused_expert_gemm, 2 ranks with redundant experts,
+    within the derived tolerance of tests/moonep/test_moe_layer.py."""
+    from tests.moonep.test_moe_layer import check_against_dense_reference
+
+    check_against_dense_reference(_fused_moe_rank, 2, activation)
+

@@ -59,13 +59,13 @@ def test_triton_path_bitwise_equals_torch_path_one_gpu(one_rank: dist.ProcessGro
         ref.destroy()
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("kernels", ["torch", "triton", "triton+fused"])  # fused: BufferOptions.fused_expert_gemm
 @pytest.mark.parametrize("activation", ["swiglu", "situ_glu"])
 def test_moe_layer_one_gpu_matches_dense_reference(one_rank: dist.ProcessGroup, kernels: str, activation: str) -> None:
     Hs, Fs, Ks, Ss, Es = 512, 2048, 4, 64, 16  # 512*2048*2 B = 2 MiB per expert row (one VMM granule)
     x, w, topk, weights, grad_y = cpu_moe._problem(1, Es, 2.5, H=Hs, F=Fs, K=Ks, S=Ss)
-    buf = Buffer(BufferConfig(max_tokens=Ss, hidden=Hs, topk=Ks, num_experts=Es,
-                              options=BufferOptions(kernels=kernels)), one_rank)
+    options = BufferOptions(kernels=kernels.removesuffix("+fused"), fused_expert_gemm=kernels.endswith("+fused"))
+    buf = Buffer(BufferConfig(max_tokens=Ss, hidden=Hs, topk=Ks, num_experts=Es, options=options), one_rank)
     try:
         pools = ExpertPools(buf, glu_projections(Hs, Fs))
         layer = pools.add_layer()
