@@ -12,8 +12,9 @@ moonep pads them; the slot groups stay empty (a balanced step: no copies), as in
 
 Cases, each timed with CUDA events (median of --iters after --warmup; Triton's autotuning runs first):
   glu forward   torch._grouped_mm gate, up (each), the activation kernel (moonep.kernels.swiglu /
-                .situ_glu), their sum; moonep.kernels.grouped_glu saving h and u (what training needs),
-                and writing a only.
+                .situ_glu), their sum; one torch._grouped_mm over gate|up concatenated ([G, H, 2F], what
+                a merged projection would allow; no activation); moonep.kernels.grouped_glu saving h and
+                u (what training needs), and writing a only.
   wgrad         for gate/up ([G, H, F] from x and grad_h) and down ([G, F, H] from a and grad_o):
                 torch._grouped_mm's bf16 wgrad, the masked accumulation into the fp32 grads
                 (moonep.kernels.experts.accumulate_groups), their sum; torch._grouped_mm with an fp32
@@ -73,8 +74,9 @@ def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def best_config(kernel) -> str:
+    """The tile config triton.autotune chose (its last choice)."""
     cfg = getattr(kernel, "best_config", None)
-    return "" if cfg is None else f"{cfg.all_kwargs()}"
+    return "" if cfg is None else str(cfg)
 
 
 def glu_rows(name: str, H: int, F: int, offs: torch.Tensor, N: int, act: str, args) -> list[dict]:
@@ -99,6 +101,10 @@ def glu_rows(name: str, H: int, F: int, offs: torch.Tensor, N: int, act: str, ar
         f"{act} kernel": (median_ms(lambda: act_kernel(h, u), args.iters, args.warmup), 0),
     }
     t["baseline: gate + up + act"] = (sum(ms for ms, _ in t.values()), 2 * gemm)
+    w_merged = torch.cat([wg, wu], dim=2)  # what a merged gate|up projection [G, H, 2F] would allow
+    t["torch gate|up as one GEMM [G, H, 2F]"] = (median_ms(lambda: grouped_mm(x, w_merged, offs), args.iters,
+                                                           args.warmup), 2 * gemm)
+    del w_merged
     t["fused grouped_glu (a, h, u)"] = (median_ms(lambda: grouped_glu.grouped_glu_forward(x, wg, wu, offs, act),
                                                   args.iters, args.warmup), 2 * gemm)
     t["fused grouped_glu (a only)"] = (median_ms(

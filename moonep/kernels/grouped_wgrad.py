@@ -41,8 +41,7 @@ def _configs() -> list[triton.Config]:
     if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU interpreter: small tiles, no tuning
         return [triton.Config({"BLOCK_I": 16, "BLOCK_O": 16, "BLOCK_K": 16})]
     return [triton.Config({"BLOCK_I": i, "BLOCK_O": o, "BLOCK_K": k}, num_warps=w, num_stages=s)
-            for i, o, k, w, s in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
-                                  (64, 128, 64, 4, 4))]
+            for i, o, k, w, s in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3))]
 
 
 @triton.autotune(configs=_configs(), key=["I", "O"], restore_value=["g_ptr"])
