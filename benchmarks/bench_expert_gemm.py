@@ -102,7 +102,7 @@ def glu_rows(name: str, H: int, F: int, offs: torch.Tensor, N: int, act: str, ar
     }
     t["baseline: gate + up + act"] = (sum(ms for ms, _ in t.values()), 2 * gemm)
     w_merged = torch.cat([wg, wu], dim=2)  # what a merged gate|up projection [G, H, 2F] would allow
-    t["torch gate|up as one GEMM [G, H, 2F]"] = (median_ms(lambda: grouped_mm(x, w_merged, offs), args.iters,
+    t["torch gate|up as one GEMM [G, H, 2F]"] = (median_ms(lambda w=w_merged: grouped_mm(x, w, offs), args.iters,
                                                            args.warmup), 2 * gemm)
     del w_merged
     t["fused grouped_glu (a, h, u)"] = (median_ms(lambda: grouped_glu.grouped_glu_forward(x, wg, wu, offs, act),
@@ -145,7 +145,7 @@ def wgrad_rows(name: str, I: int, O: int, label: str, offs: torch.Tensor, N: int
     w_bf16 = grouped_mm_wgrad(x, d, offs)
     t = {
         "torch wgrad GEMM (bf16 out)": (median_ms(lambda: grouped_mm_wgrad(x, d, offs), args.iters, args.warmup), gemm),
-        "accumulate into fp32 (skips empty)": (median_ms(lambda: accumulate_groups(g, w_bf16, offs, scale),
+        "accumulate into fp32 (skips empty)": (median_ms(lambda w=w_bf16: accumulate_groups(g, w, offs, scale),
                                                          args.iters, args.warmup), 0),
     }
     del w_bf16

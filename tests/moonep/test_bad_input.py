@@ -353,7 +353,8 @@ def _fused_on_torch_path(rank: int, world: int) -> str:
 
 def test_fused_expert_gemm_needs_the_triton_path() -> None:
     msg = run_ranks(_fused_on_torch_path, 1)[0]
-    assert re.search(r"fused_expert_gemm needs the triton data path \(CUDA\), this buffer's is 'torch' on cpu", msg), msg
+    assert re.search(r"fused_expert_gemm needs the triton data path \(CUDA\), this buffer's is 'torch' on cpu",
+                     msg), msg
 
 
 @pytest.mark.parametrize(("shape", "dtype"), [((3, 5), torch.bfloat16), ((3000, 7), torch.bfloat16),
