@@ -73,10 +73,17 @@ def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
 
 
-def best_config(kernel) -> str:
-    """The tile config triton.autotune chose (its last choice)."""
-    cfg = getattr(kernel, "best_config", None)
-    return "" if cfg is None else str(cfg)
+def autotuned(kernel, call: Callable[[], object]) -> dict:
+    """Run `call` (its first launch of the autotuned `kernel` at a new key tunes it): the chosen config,
+    and each config's median ms with the tuning time when this call tuned."""
+    before = len(getattr(kernel, "cache", {}))
+    call()
+    out = {"config": str(getattr(kernel, "best_config", ""))}
+    if len(getattr(kernel, "cache", {})) > before and hasattr(kernel, "configs_timings"):
+        out["autotune_ms"] = {str(c): (t[0] if isinstance(t, list | tuple) else t)
+                              for c, t in kernel.configs_timings.items()}
+        out["autotune_s"] = getattr(kernel, "bench_time", None)
+    return out
 
 
 def glu_rows(name: str, H: int, F: int, offs: torch.Tensor, N: int, act: str, args) -> list[dict]:
@@ -92,7 +99,8 @@ def glu_rows(name: str, H: int, F: int, offs: torch.Tensor, N: int, act: str, ar
     act_kernel = GLU_KERNELS[act][0]
     h, u = grouped_mm(x, wg, offs), grouped_mm(x, wu, offs)
     a_base = act_kernel(h, u)
-    a_fused, h_fused, _ = grouped_glu.grouped_glu_forward(x, wg, wu, offs, act)  # autotunes
+    tuned = autotuned(grouped_glu._grouped_glu_kernel, lambda: grouped_glu.grouped_glu_forward(x, wg, wu, offs, act))
+    a_fused, h_fused, _ = grouped_glu.grouped_glu_forward(x, wg, wu, offs, act)
     diff = {"a": rel_diff(a_fused[:n], a_base[:n]), "h": rel_diff(h_fused[:n], h[:n])}
     gemm = 2 * n * H * F
     t = {
@@ -116,7 +124,7 @@ def glu_rows(name: str, H: int, F: int, offs: torch.Tensor, N: int, act: str, ar
              "speedup_vs_baseline": base_ms / ms if case.startswith("fused") else None}
             for case, (ms, flops) in t.items()]
     rows[-2]["rel_diff_vs_baseline"] = diff
-    rows[-2]["config"] = best_config(grouped_glu._grouped_glu_kernel)
+    rows[-2].update(tuned)
     return rows
 
 
@@ -136,8 +144,11 @@ def wgrad_rows(name: str, I: int, O: int, label: str, offs: torch.Tensor, N: int
     g.zero_()
     accumulate_groups(g, grouped_mm_wgrad(x, d, offs), offs, scale)
     base = g[: G // 2 + 1].clone()  # the local groups (and one slot) suffice for the comparison
+    # tuning restores g between its trials
+    tuned = autotuned(grouped_wgrad._grouped_wgrad_kernel, lambda: grouped_wgrad.grouped_wgrad_accumulate(
+        g, x, d, offs, scale))
     g.zero_()
-    grouped_wgrad.grouped_wgrad_accumulate(g, x, d, offs, scale)  # autotunes (restoring g between trials)
+    grouped_wgrad.grouped_wgrad_accumulate(g, x, d, offs, scale)
     diff = rel_diff(g[: G // 2 + 1], base)
     del base
 
@@ -167,7 +178,7 @@ def wgrad_rows(name: str, I: int, O: int, label: str, offs: torch.Tensor, N: int
              "speedup_vs_baseline": base_ms / ms if case.startswith(("fused", "torch wgrad GEMM (fp32")) else None}
             for case, (ms, flops) in t.items()]
     rows[-1]["rel_diff_vs_baseline"] = diff
-    rows[-1]["config"] = best_config(grouped_wgrad._grouped_wgrad_kernel)
+    rows[-1].update(tuned)
     return rows
 
 
@@ -182,6 +193,8 @@ def print_rows(rows: list[dict]) -> None:
               flush=True)
         if r.get("config"):
             print(f"{'':>13} {'':<26} config {r['config']}", flush=True)
+        for cfg, ms in r.get("autotune_ms", {}).items():
+            print(f"{'':>13} {'':<26}   tried {ms:8.3f} ms  {cfg}", flush=True)
 
 
 def main() -> None:
