@@ -1,7 +1,8 @@
 """The refactored data paths on one GPU (R = 1, a one-rank NCCL group of this process): the Triton
 path (kernels, fused planner, expert kernels, fused activations) against the PyTorch path, bitwise
-for data movement, and a whole MoE layer per activation against the dense reference with the
-derived tolerance of tests/moonep/test_moe_layer.py. At R = 1 no expert is remote (no slot is used);
+for data movement, and a whole MoE layer per activation (torch path, triton path, triton path with
+BufferOptions.fused_expert_gemm) against the dense reference with the derived tolerance of
+tests/moonep/test_moe_layer.py. At R = 1 no expert is remote (no slot is used);
 the two-GPU tests (tests/moonep/gpu, torchrun) cover the peers.
 
     python -m pytest -q -m gpu tests/moonep/gpu/test_single_gpu_path.py
