@@ -18,13 +18,14 @@ but summed in another order (not bitwise equal; within the bound tests/moonep/gr
 derives). a is bitwise equal to the activation kernel applied to the returned h and u: the same
 function of the same bf16 values.
 
-Schedule: one program per (row tile, column tile); the row tiles of all groups are numbered in group
-order (a group of r rows has ceil(r / BLOCK_M) of them), column tiles fastest, so consecutive programs
-share x's rows and a group's weights are read by its row tiles close together in time. The grid is
-sized for the worst case (ceil(N / BLOCK_M) + G row tiles: each group adds at most one partial tile)
-and programs past the last tile exit, so no host sync is needed to learn the group sizes. A program
-finds its group from one vector load of offs. Rows past offs[-1] (padding no caller reads) are
-neither read nor written.
+Schedule: one program per (row tile, column tile), numbered group by group (a group of r rows has
+ceil(r / BLOCK_M) row tiles), within a group column tile by column tile, row tiles fastest: the
+programs running together share a group's weight columns (read from HBM about once per group: K3's
+gate and up weights are 44 MB per expert, an L2's worth) and its rows (8 MB at K3). The grid is sized
+for the worst case (ceil(N / BLOCK_M) + G row tiles: each group adds at most one partial tile) and
+programs past the last tile exit, so no host sync is needed to learn the group sizes. A program finds
+its tile from one vector load of offs. Rows past offs[-1] (padding no caller reads) are neither read
+nor written.
 
 Tile configs: a short triton.autotune list (keyed on H, F), one small config under TRITON_INTERPRET.
 Measured TFLOP/s against torch._grouped_mm + the activation kernel: benchmarks/bench_expert_gemm.py.
@@ -57,19 +58,22 @@ def _configs() -> list[triton.Config]:
 
 
 @triton.jit
-def group_tile(offs_ptr, t, N, G: tl.constexpr, G_P: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Row tile t of the groups in `offs` (row tiles numbered in group order): (group, first row, end
-    row of the group). Past the last tile: first row >= end (the caller skips it)."""
+def group_tile(offs_ptr, pid, num_n, N, G: tl.constexpr, G_P: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program pid's tile: (group, first row, end row of the group, column tile). Programs are numbered
+    group by group, each group's num_n column tiles in turn, each over the group's ceil(rows / BLOCK_M)
+    row tiles. Past the last tile: first row >= end (the caller skips it)."""
     g_G = tl.arange(0, G_P)
     valid = g_G < G
     ends = tl.minimum(tl.load(offs_ptr + g_G, mask=valid, other=0), N)
     starts = tl.minimum(tl.load(offs_ptr + g_G - 1, mask=valid & (g_G > 0), other=0), N)
     tiles = tl.where(valid, (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M, 0)
-    grp = tl.sum((tl.cumsum(tiles, axis=0) <= t).to(tl.int32), axis=0)  # groups whose tiles all precede t
-    before = tl.sum(tl.where(g_G < grp, tiles, 0), axis=0)
+    progs = tiles * num_n
+    grp = tl.sum((tl.cumsum(progs, axis=0) <= pid).to(tl.int32), axis=0)  # groups whose programs all precede pid
+    local = pid - tl.sum(tl.where(g_G < grp, progs, 0), axis=0)
+    m_tiles = tl.maximum(tl.sum(tl.where(g_G == grp, tiles, 0), axis=0), 1)
     start = tl.sum(tl.where(g_G == grp, starts, 0), axis=0)
     end = tl.sum(tl.where(g_G == grp, ends, 0), axis=0)
-    return grp, start + (t - before) * BLOCK_M, end
+    return grp, start + (local % m_tiles) * BLOCK_M, end, local // m_tiles
 
 
 @triton.autotune(configs=_configs(), key=["H", "F"])
@@ -77,12 +81,10 @@ def group_tile(offs_ptr, t, N, G: tl.constexpr, G_P: tl.constexpr, BLOCK_M: tl.c
 def _grouped_glu_kernel(x_ptr, wg_ptr, wu_ptr, offs_ptr, a_ptr, h_ptr, u_ptr, N, H: tl.constexpr, F: tl.constexpr,
                         G: tl.constexpr, G_P: tl.constexpr, ACT: tl.constexpr, SAVE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(F, BLOCK_N)
-    grp, row0, end = group_tile(offs_ptr, pid // num_n, N, G, G_P, BLOCK_M)
+    grp, row0, end, n_idx = group_tile(offs_ptr, tl.program_id(0), tl.cdiv(F, BLOCK_N), N, G, G_P, BLOCK_M)
     if row0 < end:
         rm = row0 + tl.arange(0, BLOCK_M)
-        rn = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = n_idx * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         row_ok = rm < end
         col_ok = rn < F

@@ -60,15 +60,17 @@ def _grouped_wgrad_kernel(g_ptr, x_ptr, d_ptr, offs_ptr, scale, write_n, N, I: t
         rk = tl.arange(0, BLOCK_K)
         i_ok = ri < I
         o_ok = ro < O
+        rows = (start + rk).to(tl.int64)
+        x_ptrs = x_ptr + rows[:, None] * I + ri[None, :]
+        d_ptrs = d_ptr + rows[:, None] * O + ro[None, :]
         acc = tl.zeros((BLOCK_I, BLOCK_O), dtype=tl.float32)
         for r0 in range(start, end, BLOCK_K):
-            rows = r0 + rk
-            r_ok = rows < end
-            xt = tl.load(x_ptr + rows[:, None].to(tl.int64) * I + ri[None, :], mask=r_ok[:, None] & i_ok[None, :],
-                         other=0.0)
-            dt = tl.load(d_ptr + rows[:, None].to(tl.int64) * O + ro[None, :], mask=r_ok[:, None] & o_ok[None, :],
-                         other=0.0)
+            r_ok = (r0 + rk) < end
+            xt = tl.load(x_ptrs, mask=r_ok[:, None] & i_ok[None, :], other=0.0)
+            dt = tl.load(d_ptrs, mask=r_ok[:, None] & o_ok[None, :], other=0.0)
             acc = tl.dot(tl.trans(xt), dt, acc)
+            x_ptrs += BLOCK_K * I
+            d_ptrs += BLOCK_K * O
         g_ptrs = g_ptr + grp.to(tl.int64) * (I * O) + ri[:, None] * O + ro[None, :]
         mask = i_ok[:, None] & o_ok[None, :]
         if write:
