@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go, for a 2-GPU machine (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner ...]   (default: the first four, in order)
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm ...]   (default: the first four, in order)
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
-# PLANNER_TIMEOUT (s), COMM_ARGS (bench_comm.py arguments instead of --experts 96 384), TRAIN_ARGS
+# PLANNER_TIMEOUT / GEMM_TIMEOUT (s), COMM_ARGS (bench_comm.py arguments instead of --experts 96 384), TRAIN_ARGS
 # (extra bench_train.py arguments).
 # Each rank's pytest output goes to its own log (OUT_DIR/tests_r<rank>.log), so a failure on one rank
 # is readable; every step has its own time limit so one hang cannot eat the rest.
@@ -40,6 +40,8 @@ for step in "${steps[@]}"; do
            echo "train rc=$?"; grep -v "^\[rank" "$out/train.log" | tail -10 ;;
     planner) timeout "${PLANNER_TIMEOUT:-120}" python benchmarks/bench_planner.py --out "$out" > "$out/planner.log" 2>&1
            echo "planner rc=$?"; tail -12 "$out/planner.log" ;;
-    *) echo "unknown step $step (tests, cute, comm, train, planner)"; exit 2 ;;
+    gemm)  timeout "${GEMM_TIMEOUT:-300}" python benchmarks/bench_expert_gemm.py --out "$out" > "$out/expert_gemm.log" 2>&1
+           echo "gemm rc=$?"; tail -40 "$out/expert_gemm.log" ;;
+    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm)"; exit 2 ;;
   esac
 done

@@ -87,6 +87,9 @@ class Buffer:
         self.device = torch.device(device)
         self.check_values = config.options.checks_values(self.device)
         kind = resolve_kernels(config.options.kernels, self.device)
+        if config.options.fused_expert_gemm and kind != "triton":
+            raise ValueError(f"BufferOptions.fused_expert_gemm needs the triton data path (CUDA), this buffer's "
+                             f"is {kind!r} on {self.device}; set fused_expert_gemm=False")
         self.heap: SymmetricHeap = create_heap(self.group, self.device, timeout_s=config.options.timeout_s)
         try:
             self.layout = Layout(config, self.num_ranks, self.heap.granularity)

@@ -15,7 +15,7 @@ KERNEL_CHOICES: tuple[str, ...] = ("auto", "torch", "triton")
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class BufferOptions:
-    """How a Buffer runs; none of it changes a result.
+    """How a Buffer runs; none of it changes a result, except fused_expert_gemm (a summation order).
 
     kernels: data-path implementation, chosen once when the Buffer is built: "torch" (the pure-PyTorch
         specification, moonep.datapath.reference, any device), "triton" (moonep.datapath.triton_path:
@@ -28,6 +28,12 @@ class BufferOptions:
     scatter_tile: elements of x one program of the dispatch scatter moves per step (a power of two
         >= 256; 16384 = 32 KiB in bf16 keeps every SM's NVLink stores in flight, benchmarks/bench_comm.py
         --scatter-tile sweeps it).
+    fused_expert_gemm: the triton path's expert GEMMs with fused epilogues: gate and up as one grouped
+        GEMM with the activation in its epilogue (moonep.kernels.grouped_glu), and the weight gradients
+        accumulated straight into the fp32 grads (moonep.kernels.grouped_wgrad). Other summation orders
+        than torch._grouped_mm's (within bounds tests/moonep/grouped_gemm_cases.py derives) and no bf16
+        rounding of the weight gradient. Off until measured (benchmarks/bench_expert_gemm.py); needs
+        the triton path.
     """
 
     kernels: KernelsChoice = "auto"
@@ -35,6 +41,7 @@ class BufferOptions:
     timeout_s: float = 120.0
     num_sms: int | None = None
     scatter_tile: int = 16384
+    fused_expert_gemm: bool = False
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNEL_CHOICES:
@@ -50,6 +57,8 @@ class BufferOptions:
         tile = self.scatter_tile
         if not isinstance(tile, int) or tile < 256 or tile & (tile - 1):
             raise ValueError(f"BufferOptions.scatter_tile must be a power of two >= 256, got {tile!r}")
+        if not isinstance(self.fused_expert_gemm, bool):
+            raise ValueError(f"BufferOptions.fused_expert_gemm must be True or False, got {self.fused_expert_gemm!r}")
 
     def checks_values(self, device: torch.device) -> bool:
         """check_values resolved for a buffer on `device`."""

@@ -1,8 +1,9 @@
 """expert_glu: the routed-expert half of an MoE layer on moonep, as one autograd op.
 
 forward:  plan -> prefetch (side stream, overlapping the dispatch of token rows) -> dispatch ->
-          h = x W_gate, u = x W_up (grouped over W_compact) ->
-          o = f(h, u) W_down -> y_rows = o * route weight -> combine
+          h = x W_gate, u = x W_up (grouped over W_compact), a = f(h, u) (the path's gate_up: one
+          fused kernel with BufferOptions.fused_expert_gemm) ->
+          o = a W_down -> y_rows = o * route weight -> combine
 backward: re-prefetch if another layer used the slots (side stream) -> dispatch(grad_y) with the
           saved plan -> grads of rows (the last read of the slots; then the previous layer's
           copies start on the side stream, ExpertPools.previous_forward) -> weight grads (fp32
@@ -52,12 +53,12 @@ class _ExpertGLU(torch.autograd.Function):
         w_rows = res.weights_rows.clone()
         layer.pools.wait_prefetch()
         w = layer.w_compact
-        h = grouped_mm(res.x_rows, w["gate"], offs)
-        u = grouped_mm(res.x_rows, w["up"], offs)
+        path = buffer.path
+        a, h, u = path.gate_up(activation, res.x_rows, w["gate"], w["up"], offs)
         layer.pools.wait_copy()
         y_in = buffer.combine_input(plan)
-        path = buffer.path
-        o = grouped_mm(path.glu_forward(activation, h, u), w["down"], offs)
+        o = grouped_mm(a, w["down"], offs)
+        del a  # not saved: backward recomputes it from h and u
         path.scale_rows(o, w_rows, y_in)  # fp32 product, rounded once into the symmetric rows
         y_sH, _ = buffer.combine(plan, y_in)
         ctx.save_for_backward(x_rows, w_rows, h, u, o)

@@ -87,6 +87,12 @@ class DataPath(Protocol):
         ...
 
     # ------------------------------------------------------------------ expert math (moonep.expert_glu)
+    def gate_up(self, activation: str, x_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                offs_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(a, h, u) with h = x W_gate[g], u = x W_up[g] on the rows of group g (grouped GEMMs, bf16) and
+        a = f(h, u) (glu_forward); rows past offs_G[-1]: any value."""
+        ...
+
     def glu_forward(self, activation: str, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """a = f(h, u) for the registered activation (moonep.activation)."""
         ...

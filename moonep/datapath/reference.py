@@ -38,7 +38,7 @@ import torch
 
 from moonep.activation import get_activation
 from moonep.datapath.interface import CommViews
-from moonep.grouped_gemm import accumulate_wgrad
+from moonep.grouped_gemm import accumulate_wgrad, grouped_mm
 from moonep.planner.plan import Plan
 from moonep.planner.reference import build_plan
 
@@ -159,6 +159,11 @@ class ReferencePath:
         accumulate_wgrad(g_GIO, x_rows, grad_rows, offs_G, scale)
 
     # ------------------------------------------------------------------ expert math
+    def gate_up(self, activation: str, x_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                offs_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h, u = grouped_mm(x_rows, w_gate, offs_G), grouped_mm(x_rows, w_up, offs_G)
+        return self.glu_forward(activation, h, u), h, u
+
     def glu_forward(self, activation: str, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return get_activation(activation).forward(h, u)
 

@@ -10,6 +10,9 @@ moonep.datapath.reference (the specification) except where a docstring below say
   rank runs the same call sequence).
 - prefetch / reduce_grad / the masked weight-gradient accumulation: moonep.kernels.experts (they
   touch occupied slots and non-empty groups only).
+- the expert GEMMs: torch._grouped_mm, or with BufferOptions.fused_expert_gemm the fused kernels
+  moonep.kernels.grouped_glu (gate, up and the activation) and .grouped_wgrad (the weight gradient into
+  the fp32 grads): other summation orders, within the bounds of tests/moonep/grouped_gemm_cases.py.
 - the activation and the route weights: moonep.kernels.swiglu / .situ_glu and moonep.kernels.route_weights
   (the route-weight gradient sums in another order than torch.sum: within a bound the tests derive;
   SiTU-GLU's device exp and division are approximate: within the bound of tests/moonep/situ_glu_cases.py).
@@ -23,8 +26,8 @@ import torch
 
 from moonep.activation import get_activation
 from moonep.datapath.interface import CommViews
-from moonep.grouped_gemm import grouped_mm_wgrad
-from moonep.kernels import dispatch_combine, experts, route_weights, situ_glu, swiglu
+from moonep.grouped_gemm import grouped_mm, grouped_mm_wgrad
+from moonep.kernels import dispatch_combine, experts, grouped_glu, grouped_wgrad, route_weights, situ_glu, swiglu
 from moonep.planner.fused import FusedPlanner
 from moonep.planner.plan import Plan
 
@@ -107,10 +110,20 @@ class TritonPath:
 
     def accumulate_wgrad(self, g_GIO: torch.Tensor, x_rows: torch.Tensor, grad_rows: torch.Tensor,
                          offs_G: torch.Tensor, scale: float, write_groups: int) -> None:
+        if self.comm.options.fused_expert_gemm:
+            grouped_wgrad.grouped_wgrad_accumulate(g_GIO, x_rows, grad_rows, offs_G, scale, write_groups)
+            return
         experts.accumulate_groups(g_GIO, grouped_mm_wgrad(x_rows, grad_rows, offs_G), offs_G, scale,
                                   write_groups=write_groups)
 
     # ------------------------------------------------------------------ expert math
+    def gate_up(self, activation: str, x_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                offs_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.comm.options.fused_expert_gemm:
+            return grouped_glu.grouped_glu_forward(x_rows, w_gate, w_up, offs_G, activation)
+        h, u = grouped_mm(x_rows, w_gate, offs_G), grouped_mm(x_rows, w_up, offs_G)
+        return self.glu_forward(activation, h, u), h, u
+
     def glu_forward(self, activation: str, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return _glu_kernels(activation)[0](h, u)
 

@@ -44,11 +44,20 @@ def _sigmoid_dsigmoid(x):
 
 
 @triton.jit
-def _to_bf16(x):
+def to_bf16(x):
     """fp32 -> bf16 bits, round to nearest even (what torch's .to(bfloat16) does for finite values)."""
     bits = x.to(tl.uint32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def situ_glu_value(hf, uf):
+    """a = situ(h) * cap(u) in bf16 from fp32 h, u; also the epilogue of moonep.kernels.grouped_glu."""
+    t, _ = _tanh_sech2(hf / 4.0)
+    sig, _ = _sigmoid_dsigmoid(hf)
+    c, _ = _tanh_sech2(uf / 25.0)
+    return to_bf16((4.0 * t * sig) * (25.0 * c))
 
 
 @triton.jit
@@ -57,10 +66,7 @@ def _situ_glu_fwd_kernel(h_ptr, u_ptr, a_ptr, n, BLOCK: tl.constexpr):
     m = offs < n
     hf = tl.load(h_ptr + offs, mask=m, other=0.0).to(tl.float32)
     uf = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    t, _ = _tanh_sech2(hf / 4.0)
-    sig, _ = _sigmoid_dsigmoid(hf)
-    c, _ = _tanh_sech2(uf / 25.0)
-    tl.store(a_ptr + offs, _to_bf16((4.0 * t * sig) * (25.0 * c)), mask=m)
+    tl.store(a_ptr + offs, situ_glu_value(hf, uf), mask=m)
 
 
 @triton.jit
@@ -76,9 +82,9 @@ def _situ_glu_bwd_kernel(ga_ptr, h_ptr, u_ptr, gh_ptr, gu_ptr, a_ptr, n, BLOCK: 
     situ = 4.0 * t * sig
     cap = 25.0 * c
     dsitu = sech2_t * sig + 4.0 * t * dsig
-    tl.store(gh_ptr + offs, _to_bf16(ga * cap * dsitu), mask=m)
-    tl.store(gu_ptr + offs, _to_bf16(ga * situ * sech2_c), mask=m)
-    tl.store(a_ptr + offs, _to_bf16(situ * cap), mask=m)
+    tl.store(gh_ptr + offs, to_bf16(ga * cap * dsitu), mask=m)
+    tl.store(gu_ptr + offs, to_bf16(ga * situ * sech2_c), mask=m)
+    tl.store(a_ptr + offs, to_bf16(situ * cap), mask=m)
 
 
 def situ_glu_forward(h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -24,14 +24,20 @@ from moonep.kernels.glu_launch import launch_backward, launch_forward
 
 
 @triton.jit
+def swiglu_value(hf, uf, dtype: tl.constexpr):
+    """a = silu(h) * u in `dtype` from fp32 h, u (silu rounded to `dtype` first, as F.silu(h) * u does);
+    also the epilogue of moonep.kernels.grouped_glu."""
+    silu = hf / (1.0 + tl.exp(-hf))
+    return (silu.to(dtype).to(tl.float32) * uf).to(dtype)
+
+
+@triton.jit
 def _swiglu_fwd_kernel(h_ptr, u_ptr, a_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     hf = tl.load(h_ptr + offs, mask=m, other=0.0).to(tl.float32)
     uf = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    silu = hf / (1.0 + tl.exp(-hf))
-    a = silu.to(a_ptr.dtype.element_ty).to(tl.float32) * uf
-    tl.store(a_ptr + offs, a.to(a_ptr.dtype.element_ty), mask=m)
+    tl.store(a_ptr + offs, swiglu_value(hf, uf, a_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit

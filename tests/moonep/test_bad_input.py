@@ -335,10 +335,26 @@ def test_buffer_config_rejects_bad_sizes(kwargs: dict, match: str) -> None:
     ({"check_values": "yes"}, r"BufferOptions.check_values must be None \(on for CPU buffers\), True or False"),
     ({"num_sms": 0}, r"BufferOptions.num_sms must be None \(every SM\) or an int >= 1, got 0"),
     ({"scatter_tile": 1000}, r"BufferOptions.scatter_tile must be a power of two >= 256, got 1000"),
+    ({"fused_expert_gemm": 1}, r"BufferOptions.fused_expert_gemm must be True or False, got 1"),
 ])
 def test_buffer_options_reject_bad_values(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         BufferOptions(**kwargs)
+
+
+def _fused_on_torch_path(rank: int, world: int) -> str:
+    try:
+        Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E,
+                            options=BufferOptions(fused_expert_gemm=True)))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_fused_expert_gemm_needs_the_triton_path() -> None:
+    msg = run_ranks(_fused_on_torch_path, 1)[0]
+    assert re.search(r"fused_expert_gemm needs the triton data path \(CUDA\), this buffer's is 'torch' on cpu",
+                     msg), msg
 
 
 @pytest.mark.parametrize(("shape", "dtype"), [((3, 5), torch.bfloat16), ((3000, 7), torch.bfloat16),

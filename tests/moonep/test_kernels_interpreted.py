@@ -46,6 +46,21 @@ def _create_histogram_int32(self, data, bins, mask):
 
 
 _interpreter.InterpreterBuilder.create_histogram = _create_histogram_int32
+_create_dot = _interpreter.InterpreterBuilder.create_dot
+
+
+def _create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """triton 3.5's interpreter stores bf16 as its uint16 bits and multiplies those; give tl.dot the
+    fp32 values (exact: a bf16 value is an fp32 value with its low 16 bits zero)."""
+    def as_fp32(x):
+        if x.dtype.scalar != _interpreter.tl.bfloat16:
+            return x
+        return _interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), _interpreter.tl.float32)
+
+    return _create_dot(self, as_fp32(a), as_fp32(b), d, input_precision, max_num_imprecise_acc)
+
+
+_interpreter.InterpreterBuilder.create_dot = _create_dot_bf16
 
 def test_fused_planner_matches_make_plan() -> None:
     g = torch.Generator().manual_seed(2)

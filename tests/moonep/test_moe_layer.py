@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moonep import Buffer, BufferConfig, ExpertPools, expert_glu, glu_projections
+from moonep import Buffer, BufferConfig, BufferOptions, ExpertPools, expert_glu, glu_projections
 from moonep.routing import generate_routing
 from tests.dist_utils import run_ranks
 from tests.moonep.moe_reference import reference_grads
@@ -33,9 +33,11 @@ def _problem(R: int, E: int, maxvio: float, H: int = H, F: int = F, K: int = K, 
     return x, w, routing.topk_RsK, weights, grad_y
 
 
-def _rank_fn(rank: int, world: int, E: int, maxvio: float, activation: str = "swiglu") -> dict:
+def _rank_fn(rank: int, world: int, E: int, maxvio: float, activation: str = "swiglu",
+             options: BufferOptions | None = None) -> dict:
     x, w, topk, weights, grad_y = _problem(world, E, maxvio)
-    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=4))
+    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=4,
+                              options=options or BufferOptions()))
     try:
         pools = ExpertPools(buf, glu_projections(H, F))
         layer = pools.add_layer()
@@ -69,9 +71,14 @@ def _close(name: str, got: torch.Tensor, ref16: torch.Tensor, ref64: torch.Tenso
 @pytest.mark.parametrize(("R", "activation"), [(1, "swiglu"), (2, "swiglu"), (4, "swiglu"), (2, "situ_glu")])
 def test_moe_layer_matches_dense_reference(R: int, activation: str) -> None:
     """SiTU-GLU (K3's experts) through the op's activation parameter against the textbook formula."""
+    check_against_dense_reference(_rank_fn, R, activation)
+
+
+def check_against_dense_reference(rank_fn, R: int, activation: str, *args) -> None:
+    """rank_fn(rank, world, E, maxvio, activation, *args) (as _rank_fn) on R ranks against the dense reference."""
     E = 8 if R < 4 else 16
     maxvio = min(2.5, E / K - 1 - 0.1)
-    out = run_ranks(_rank_fn, R, E, maxvio, activation, timeout_s=240)
+    out = run_ranks(rank_fn, R, E, maxvio, activation, *args, timeout_s=240)
     x, w, topk, weights, grad_y = _problem(R, E, maxvio)
     N = R * S
     args = (x.view(N, H), weights.view(N, K), topk.view(N, K), w, grad_y.view(N, H))

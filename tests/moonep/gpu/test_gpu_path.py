@@ -64,13 +64,16 @@ def test_plans_and_rows_bitwise_equal_cpu_spec(group: dist.ProcessGroup, maxvio:
         buf.destroy()
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["grouped_mm", "fused_expert_gemm"])
 @pytest.mark.parametrize("activation", ["swiglu", "situ_glu"])
-def test_moe_layer_matches_dense_reference_on_gpu(group: dist.ProcessGroup, activation: str) -> None:
-    """The Triton path with the op's activation fused (SiTU-GLU: K3's experts) against the textbook formula."""
+def test_moe_layer_matches_dense_reference_on_gpu(group: dist.ProcessGroup, activation: str, fused: bool) -> None:
+    """The Triton path with the op's activation fused (SiTU-GLU: K3's experts), and with the fused expert
+    GEMMs (BufferOptions.fused_expert_gemm), against the textbook formula."""
     rank, R = dist.get_rank(group), dist.get_world_size(group)
     Hs, Fs, Ks, Ss, Es = 512, 2048, 4, 64, 16  # 512*2048*2 B = 2 MiB per expert row
     x, w, topk, weights, grad_y = cpu_moe._problem(R, Es, 2.5, H=Hs, F=Fs, K=Ks, S=Ss)
-    buf = Buffer(BufferConfig(max_tokens=Ss, hidden=Hs, topk=Ks, num_experts=Es), group)
+    buf = Buffer(BufferConfig(max_tokens=Ss, hidden=Hs, topk=Ks, num_experts=Es,
+                              options=BufferOptions(fused_expert_gemm=fused)), group)
     try:
         pools = ExpertPools(buf, glu_projections(Hs, Fs))
         layer = pools.add_layer()

@@ -1,7 +1,8 @@
 """The refactored data paths on one GPU (R = 1, a one-rank NCCL group of this process): the Triton
 path (kernels, fused planner, expert kernels, fused activations) against the PyTorch path, bitwise
-for data movement, and a whole MoE layer per activation against the dense reference with the
-derived tolerance of tests/moonep/test_moe_layer.py. At R = 1 no expert is remote (no slot is used);
+for data movement, and a whole MoE layer per activation (torch path, triton path, triton path with
+BufferOptions.fused_expert_gemm) against the dense reference with the derived tolerance of
+tests/moonep/test_moe_layer.py. At R = 1 no expert is remote (no slot is used);
 the two-GPU tests (tests/moonep/gpu, torchrun) cover the peers.
 
     python -m pytest -q -m gpu tests/moonep/gpu/test_single_gpu_path.py
@@ -59,13 +60,13 @@ def test_triton_path_bitwise_equals_torch_path_one_gpu(one_rank: dist.ProcessGro
         ref.destroy()
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("kernels", ["torch", "triton", "triton+fused"])  # fused: BufferOptions.fused_expert_gemm
 @pytest.mark.parametrize("activation", ["swiglu", "situ_glu"])
 def test_moe_layer_one_gpu_matches_dense_reference(one_rank: dist.ProcessGroup, kernels: str, activation: str) -> None:
     Hs, Fs, Ks, Ss, Es = 512, 2048, 4, 64, 16  # 512*2048*2 B = 2 MiB per expert row (one VMM granule)
     x, w, topk, weights, grad_y = cpu_moe._problem(1, Es, 2.5, H=Hs, F=Fs, K=Ks, S=Ss)
-    buf = Buffer(BufferConfig(max_tokens=Ss, hidden=Hs, topk=Ks, num_experts=Es,
-                              options=BufferOptions(kernels=kernels)), one_rank)
+    options = BufferOptions(kernels=kernels.removesuffix("+fused"), fused_expert_gemm=kernels.endswith("+fused"))
+    buf = Buffer(BufferConfig(max_tokens=Ss, hidden=Hs, topk=Ks, num_experts=Es, options=options), one_rank)
     try:
         pools = ExpertPools(buf, glu_projections(Hs, Fs))
         layer = pools.add_layer()

@@ -1,0 +1,244 @@
+"""The fused expert GEMMs against torch._grouped_mm plus the separate passes they replace, on one GPU.
+
+    python benchmarks/bench_expert_gemm.py [--shapes k3_small_moe k3] [--iters 10] [--out DIR]
+
+Shapes per rank (one pass of one MoE layer):
+    k3_small_moe   H 2048 (latent = hidden), F 1024, E 192 at EP 2: 96 local groups + 96 slot groups,
+                   4096 x 4 sequences x top-8 = 131072 rows, swiglu
+    k3             H 3584 (latent), F 3072, E 896 at EP 8: 112 local + 112 slot groups,
+                   8192 tokens x top-16 = 131072 rows, situ_glu
+The rows go to the local groups (equal sizes, or log-normal with --spread sigma), each padded to 16 as
+moonep pads them; the slot groups stay empty (a balanced step: no copies), as in W_compact.
+
+Cases, each timed with CUDA events (median of --iters after --warmup; Triton's autotuning runs first):
+  glu forward   torch._grouped_mm gate, up (each), the activation kernel (moonep.kernels.swiglu /
+                .situ_glu), their sum; one torch._grouped_mm over gate|up concatenated ([G, H, 2F], what
+                a merged projection would allow; no activation); moonep.kernels.grouped_glu saving h and
+                u (what training needs), and writing a only.
+  wgrad         for gate/up ([G, H, F] from x and grad_h) and down ([G, F, H] from a and grad_o):
+                torch._grouped_mm's bf16 wgrad, the masked accumulation into the fp32 grads
+                (moonep.kernels.experts.accumulate_groups), their sum; torch._grouped_mm with an fp32
+                output plus an fp32 add where this torch supports it; moonep.kernels.grouped_wgrad.
+TFLOP/s counts 2 n I O per GEMM (n rows in groups); a fused or summed row counts the GEMMs it covers.
+Each fused result is compared with its baseline (max |diff| relative to max |baseline|). Table printed;
+JSON (rows, chosen tile configs, device) written to --out after every shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from moonep.grouped_gemm import grouped_mm, grouped_mm_wgrad
+
+SHAPES = {  # name -> (H, F, local groups, slot groups, rows, activation)
+    "k3_small_moe": (2048, 1024, 96, 96, 4096 * 4 * 8, "swiglu"),
+    "k3": (3584, 3072, 112, 112, 8192 * 16, "situ_glu"),
+}
+PADDING = 16
+
+
+def median_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def group_offs(local: int, slots: int, rows: int, spread: float, gen: torch.Generator) -> torch.Tensor:
+    """int32 cumulative ends: `rows` split over the local groups (padded to PADDING, total <= rows), slots empty."""
+    share = torch.ones(local) if spread == 0 else torch.exp(torch.randn(local, generator=gen) * spread)
+    sizes = (share / share.sum() * rows / PADDING).floor().long() * PADDING
+    sizes = torch.cat([sizes, torch.zeros(slots, dtype=torch.long)])
+    return torch.cumsum(sizes, 0).to(torch.int32).cuda()
+
+
+def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+
+
+def autotuned(kernel, call: Callable[[], object]) -> dict:
+    """Run `call` (its first launch of the autotuned `kernel` at a new key tunes it): the chosen config,
+    and each config's median ms with the tuning time when this call tuned."""
+    before = len(getattr(kernel, "cache", {}))
+    call()
+    out = {"config": str(getattr(kernel, "best_config", ""))}
+    if len(getattr(kernel, "cache", {})) > before and hasattr(kernel, "configs_timings"):
+        out["autotune_ms"] = {str(c): (t[0] if isinstance(t, list | tuple) else t)
+                              for c, t in kernel.configs_timings.items()}
+        out["autotune_s"] = getattr(kernel, "bench_time", None)
+    return out
+
+
+def glu_rows(name: str, H: int, F: int, offs: torch.Tensor, N: int, act: str, args) -> list[dict]:
+    from moonep.datapath.triton_path import GLU_KERNELS
+    from moonep.kernels import grouped_glu
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    G = offs.numel()
+    n = int(offs[-1])
+    x = torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16)
+    wg = (torch.randn(G, H, F, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16)
+    wu = (torch.randn(G, H, F, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16)
+    act_kernel = GLU_KERNELS[act][0]
+    h, u = grouped_mm(x, wg, offs), grouped_mm(x, wu, offs)
+    a_base = act_kernel(h, u)
+    tuned = autotuned(grouped_glu._grouped_glu_kernel, lambda: grouped_glu.grouped_glu_forward(x, wg, wu, offs, act))
+    a_fused, h_fused, _ = grouped_glu.grouped_glu_forward(x, wg, wu, offs, act)
+    diff = {"a": rel_diff(a_fused[:n], a_base[:n]), "h": rel_diff(h_fused[:n], h[:n])}
+    gemm = 2 * n * H * F
+    t = {
+        "torch gate GEMM": (median_ms(lambda: grouped_mm(x, wg, offs), args.iters, args.warmup), gemm),
+        "torch up GEMM": (median_ms(lambda: grouped_mm(x, wu, offs), args.iters, args.warmup), gemm),
+        f"{act} kernel": (median_ms(lambda: act_kernel(h, u), args.iters, args.warmup), 0),
+    }
+    t["baseline: gate + up + act"] = (sum(ms for ms, _ in t.values()), 2 * gemm)
+    w_merged = torch.cat([wg, wu], dim=2)  # what a merged gate|up projection [G, H, 2F] would allow
+    t["torch gate|up as one GEMM [G, H, 2F]"] = (median_ms(lambda w=w_merged: grouped_mm(x, w, offs), args.iters,
+                                                           args.warmup), 2 * gemm)
+    del w_merged
+    t["fused grouped_glu (a, h, u)"] = (median_ms(lambda: grouped_glu.grouped_glu_forward(x, wg, wu, offs, act),
+                                                  args.iters, args.warmup), 2 * gemm)
+    t["fused grouped_glu (a only)"] = (median_ms(
+        lambda: grouped_glu.grouped_glu_forward(x, wg, wu, offs, act, save_preact=False), args.iters, args.warmup),
+        2 * gemm)
+    base_ms = t["baseline: gate + up + act"][0]
+    rows = [{"shape": name, "op": f"glu forward {H}x{F}", "case": case, "ms": ms,
+             "tflops": flops / ms / 1e9 if flops else None,
+             "speedup_vs_baseline": base_ms / ms if case.startswith("fused") else None}
+            for case, (ms, flops) in t.items()]
+    rows[-2]["rel_diff_vs_baseline"] = diff
+    rows[-2].update(tuned)
+    return rows
+
+
+def wgrad_rows(name: str, I: int, O: int, label: str, offs: torch.Tensor, N: int, g: torch.Tensor,
+               args) -> list[dict]:
+    from moonep.kernels import grouped_wgrad
+    from moonep.kernels.experts import accumulate_groups
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    G = offs.numel()
+    n = int(offs[-1])
+    g = g.view(G, I, O)
+    x = torch.randn(N, I, device="cuda", generator=gen).to(torch.bfloat16)
+    d = torch.randn(N, O, device="cuda", generator=gen).to(torch.bfloat16)
+    scale = 0.5
+
+    g.zero_()
+    accumulate_groups(g, grouped_mm_wgrad(x, d, offs), offs, scale)
+    base = g[: G // 2 + 1].clone()  # the local groups (and one slot) suffice for the comparison
+    # tuning restores g between its trials
+    tuned = autotuned(grouped_wgrad._grouped_wgrad_kernel, lambda: grouped_wgrad.grouped_wgrad_accumulate(
+        g, x, d, offs, scale))
+    g.zero_()
+    grouped_wgrad.grouped_wgrad_accumulate(g, x, d, offs, scale)
+    diff = rel_diff(g[: G // 2 + 1], base)
+    del base
+
+    gemm = 2 * n * I * O
+    w_bf16 = grouped_mm_wgrad(x, d, offs)
+    t = {
+        "torch wgrad GEMM (bf16 out)": (median_ms(lambda: grouped_mm_wgrad(x, d, offs), args.iters, args.warmup), gemm),
+        "accumulate into fp32 (skips empty)": (median_ms(lambda w=w_bf16: accumulate_groups(g, w, offs, scale),
+                                                         args.iters, args.warmup), 0),
+    }
+    del w_bf16
+    t["baseline: wgrad + accumulate"] = (sum(ms for ms, _ in t.values()), gemm)
+    try:
+        torch._grouped_mm(x.t(), d, offs=offs, out_dtype=torch.float32)
+
+        def fp32_out() -> None:
+            g.add_(torch._grouped_mm(x.t(), d, offs=offs, out_dtype=torch.float32), alpha=scale)
+
+        t["torch wgrad GEMM (fp32 out) + add"] = (median_ms(fp32_out, args.iters, args.warmup), gemm)
+    except (RuntimeError, TypeError) as e:  # torch versions whose CUDA kernel writes only the input dtype
+        print(f"  [{name} {label}] torch._grouped_mm with fp32 out unavailable: {str(e).splitlines()[0][:100]}")
+    t["fused grouped_wgrad (beta = 1)"] = (median_ms(
+        lambda: grouped_wgrad.grouped_wgrad_accumulate(g, x, d, offs, scale), args.iters, args.warmup), gemm)
+    base_ms = t["baseline: wgrad + accumulate"][0]
+    rows = [{"shape": name, "op": f"wgrad {label} [G, {I}, {O}]", "case": case, "ms": ms,
+             "tflops": flops / ms / 1e9 if flops else None,
+             "speedup_vs_baseline": base_ms / ms if case.startswith(("fused", "torch wgrad GEMM (fp32")) else None}
+            for case, (ms, flops) in t.items()]
+    rows[-1]["rel_diff_vs_baseline"] = diff
+    rows[-1].update(tuned)
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    for r in rows:
+        tf = "" if r["tflops"] is None else f"{r['tflops']:8.1f}"
+        diff = r.get("rel_diff_vs_baseline")
+        diff = "" if diff is None else (f"{diff:.2e}" if isinstance(diff, float)
+                                        else " ".join(f"{k} {v:.2e}" for k, v in diff.items()))
+        speedup = "" if r["speedup_vs_baseline"] is None else f"{r['speedup_vs_baseline']:7.2f}"
+        print(f"{r['shape']:<13} {r['op']:<26} {r['case']:<38} {r['ms']:8.3f} {tf:>8} {speedup:>7}  {diff}",
+              flush=True)
+        if r.get("config"):
+            print(f"{'':>13} {'':<26} config {r['config']}", flush=True)
+        for cfg, ms in r.get("autotune_ms", {}).items():
+            print(f"{'':>13} {'':<26}   tried {ms:8.3f} ms  {cfg}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--activation", choices=["swiglu", "situ_glu"], default=None,
+                   help="instead of each shape's recipe activation")
+    p.add_argument("--spread", type=float, default=0.0, help="log-normal sigma of the local groups' sizes")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", default=None, help="directory for bench_expert_gemm_<date>.json")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_expert_gemm needs a CUDA GPU")
+    began = time.perf_counter()
+    rows: list[dict] = []
+    print(f"{'shape':<13} {'op':<26} {'case':<38} {'ms':>8} {'TFLOP/s':>8} {'speedup':>7}  rel diff vs baseline",
+          flush=True)
+    for name in args.shapes:
+        H, F, local, slots, N, act = SHAPES[name]
+        act = args.activation or act
+        offs = group_offs(local, slots, N, args.spread, torch.Generator().manual_seed(0))
+        shape_rows = glu_rows(name, H, F, offs, N, act, args)
+        print_rows(shape_rows)
+        g = torch.empty(local + slots, H, F, device="cuda")  # the fp32 grad mirror, reused for [G, F, H]
+        for I, O, label in ((H, F, "gate/up"), (F, H, "down")):
+            more = wgrad_rows(name, I, O, label, offs, N, g, args)
+            print_rows(more)
+            shape_rows += more
+        del g
+        torch.cuda.empty_cache()
+        for r in shape_rows:
+            r.update(rows_in_groups=int(offs[-1]), groups=local + slots, activation=act)
+        rows += shape_rows
+        if args.out:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            path = out / f"bench_expert_gemm_{time.strftime('%Y%m%d')}.json"
+            path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                        "triton": __import__("triton").__version__, "config": vars(args),
+                                        "rows": rows}, indent=1))
+            print(f"wrote {path}", flush=True)
+    print(f"total {time.perf_counter() - began:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
