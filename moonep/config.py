@@ -68,6 +68,12 @@ class BufferConfig:
         every remote expert a rank computes must have a slot.
     token_padding: every non-empty expert group on a rank is padded to a multiple of this.
     dtype: dtype of token rows and expert weights (grads are always fp32).
+    entries: entries mode: each of the s rows of a call carries 0 to K (row, expert) entries, an absent
+        entry marked by expert id -1 in topk_sK (the host stage of moonep.hierarchical, where a row
+        forwarded from another host names only this host's experts). Receive caps split the group's
+        total entries T: floor(T/R) + (1 if d < T mod R), computed on the device from the gathered
+        histograms (no host sync); every rank passes the same s; the receive shapes stay those of s*K
+        entries per rank. PyTorch data path only (BufferOptions.kernels='torch' on CUDA).
     options: how the buffer runs (BufferOptions).
     """
 
@@ -78,6 +84,7 @@ class BufferConfig:
     num_slots: int | None = None
     token_padding: int = 16
     dtype: torch.dtype = torch.bfloat16
+    entries: bool = False
     options: BufferOptions = field(default_factory=BufferOptions)
 
     def __post_init__(self) -> None:
@@ -90,5 +97,7 @@ class BufferConfig:
                              "each token needs topk distinct experts")
         if self.num_slots is not None and (not isinstance(self.num_slots, int) or self.num_slots < 1):
             raise ValueError(f"BufferConfig.num_slots must be None (= E // R) or an int >= 1, got {self.num_slots!r}")
+        if not isinstance(self.entries, bool):
+            raise ValueError(f"BufferConfig.entries must be True or False, got {self.entries!r}")
         if not isinstance(self.options, BufferOptions):
             raise ValueError(f"BufferConfig.options must be a moonep.BufferOptions, got {type(self.options).__name__}")

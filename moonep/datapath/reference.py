@@ -119,10 +119,15 @@ class ReferencePath:
         c.barrier("combine:rows")
         idx = (plan.dst_rank_sK.long(), plan.dst_row_sK.long())
         rows_sKH = c.every["comb"][idx]
+        scalars_sK = c.every["row_scalar"][idx].clone() if row_scalars is not None else None
+        if c.layout.config.entries:  # absent entries point at the trash row: they add zero
+            present_sK = plan.dst_row_sK != c.layout.trash_row
+            rows_sKH = torch.where(present_sK[:, :, None], rows_sKH, 0)
+            if scalars_sK is not None:
+                scalars_sK = torch.where(present_sK, scalars_sK, 0.0)
         y_sH = rows_sKH[:, 0].float()
         for k in range(1, plan.topk):
             y_sH += rows_sKH[:, k].float()
-        scalars_sK = c.every["row_scalar"][idx].clone() if row_scalars is not None else None
         c.barrier("combine:done")
         return y_sH.to(c.layout.config.dtype), scalars_sK
 
