@@ -87,7 +87,9 @@ class Buffer:
                 else torch.device("cpu")
         self.device = torch.device(device)
         self.check_values = config.options.checks_values(self.device)
-        kind = resolve_kernels(config.options.kernels, self.device)
+        # entries mode runs on the PyTorch data path: 'auto' picks it there, an explicit 'triton' is refused
+        kind = "torch" if config.entries and config.options.kernels == "auto" else \
+            resolve_kernels(config.options.kernels, self.device)
         if config.entries and kind != "torch":
             raise ValueError("BufferConfig.entries=True runs on the PyTorch data path only (the Triton kernels and "
                              "the fused planner take s*K entries per rank); build the buffer with "

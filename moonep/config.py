@@ -73,7 +73,8 @@ class BufferConfig:
         forwarded from another host names only this host's experts). Receive caps split the group's
         total entries T: floor(T/R) + (1 if d < T mod R), computed on the device from the gathered
         histograms (no host sync); every rank passes the same s; the receive shapes stay those of s*K
-        entries per rank. PyTorch data path only (BufferOptions.kernels='torch' on CUDA).
+        entries per rank. PyTorch data path only (BufferOptions.kernels 'auto' picks it; 'triton' is
+        refused).
     options: how the buffer runs (BufferOptions).
     """
 

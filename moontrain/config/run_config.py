@@ -57,5 +57,9 @@ class RunConfig:
                 f"(global_batch_size={self.train.global_batch_size} over {world_size} ranks); use a divisor of "
                 f"{per_rank}"
             )
+        if self.parallel.ep_hosts > 1 and self.experts.backend != "moonep":
+            raise ValueError(f"parallel.ep_hosts={self.parallel.ep_hosts} is hierarchical expert parallelism, built on "
+                             f"the moonep backend; set experts.backend=moonep, or parallel.ep_hosts=1 for "
+                             f"experts.backend={self.experts.backend}")
         if self.experts.backend == "local" and ep != 1:
             raise ValueError(f"experts.backend=local holds all experts on each rank and needs parallel.ep=1, got {ep}")
