@@ -93,7 +93,7 @@ class BufferConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"BufferConfig.{name} must be a positive int, got {value!r}")
-        if self.topk > self.num_experts:
+        if self.topk > self.num_experts and not self.entries:  # entries mode: a row names <= E of its K
             raise ValueError(f"BufferConfig.topk={self.topk} exceeds num_experts={self.num_experts}; "
                              "each token needs topk distinct experts")
         if self.num_slots is not None and (not isinstance(self.num_slots, int) or self.num_slots < 1):
