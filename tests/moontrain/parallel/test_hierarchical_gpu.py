@@ -113,12 +113,25 @@ def test_hierarchical_one_rank_equals_one_level(one_rank: dist.ProcessGroup) -> 
 def test_shard_expert_state_one_gpu(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    device = torch.device("cuda", 0)
+    losses, states = {}, {}
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        _train_both(tmp_path, device, losses, states)
+    finally:  # train.deterministic switches it on process-wide; the session's other tests run as before
+        torch.use_deterministic_algorithms(deterministic)
+    assert losses[True] == losses[False], losses
+    assert states[True].keys() == states[False].keys(), sorted(states[True].keys() ^ states[False].keys())
+    assert any(k.endswith("exp_avg_sq") for k in states[False])
+    for key, ref in states[False].items():
+        assert torch.equal(states[True][key], ref), f"sharded expert state differs from unsharded at {key}"
+
+
+def _train_both(tmp_path: Path, device: torch.device, losses: dict, states: dict) -> None:
     from moontrain.parallel.layout import single_process_layout
     from moontrain.trainer.trainer import Trainer
     from tests.moontrain.ckpt_utils import full_state, small_config, train
 
-    device = torch.device("cuda", 0)
-    losses, states = {}, {}
     for shard in (False, True):
         cfg = small_config("local", 1, steps=3, run_dir=str(tmp_path / str(shard)))
         cfg.parallel.shard_expert_state = shard
@@ -134,8 +147,3 @@ def test_shard_expert_state_one_gpu(tmp_path: Path) -> None:
                 for key, value in trainer.optimizer.state[param].items():
                     states[shard][f"experts.{i}.{proj}.{key}"] = value.cpu()
         trainer.close()
-    assert losses[True] == losses[False], losses
-    assert states[True].keys() == states[False].keys(), sorted(states[True].keys() ^ states[False].keys())
-    assert any(k.endswith("exp_avg_sq") for k in states[False])
-    for key, ref in states[False].items():
-        assert torch.equal(states[True][key], ref), f"sharded expert state differs from unsharded at {key}"
