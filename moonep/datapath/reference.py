@@ -23,7 +23,8 @@ combine
     1. y rows land in the comb region (no copy when the caller wrote into Buffer.combine_input)
     2. barrier "combine:rows"
     3. each source pulls its K rows per token from the destinations and sums them in fp32 in
-       ascending k; optional per-row scalars (route-weight grads) likewise
+       ascending k; optional per-row scalars (route-weight grads) likewise; an absent entry (entries
+       mode, BufferConfig.entries) points at the trash row and adds zero (its scalar is 0)
     4. barrier "combine:done" so the comb region may be rewritten
 
 Legend: s tokens, K top-k, H hidden, E experts, R ranks, B slots, epn = E / R, nvs_s rows of this

@@ -7,6 +7,10 @@ number of masked iterations (R - 1 for receiver filling, epn + R - 1 for the quo
 of data-dependent `.item()` checks, so the same function runs on CUDA tensors without a sync.
 GPU kernels must produce identical integer outputs.
 
+Entries mode (BufferConfig.entries, the host stage of moonep.hierarchical): expert id -1 marks an absent
+entry; the histograms count only present entries, the caps split their total (entry_caps), and an absent
+entry gets no destination (this rank's trash row, not sent, outside every token's dedup).
+
 Legend: R ranks, E experts, epn = E / R, B slots per rank, G = E + B groups (rows of W_full),
 s tokens of this rank, K top-k.
 """
@@ -133,7 +137,8 @@ def group_offsets(alloc_ER: torch.Tensor, group_ER: torch.Tensor, num_slots: int
 
 def token_destinations(topk_sK: torch.Tensor, counts_RE: torch.Tensor, rank: int, alloc_ER: torch.Tensor,
                        group_ER: torch.Tensor, group_rows_RG: torch.Tensor, offs_RG: torch.Tensor,
-                       token_padding: int, absent_row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       token_padding: int, absent_row: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """SPEC 5.5: (dst_rank, dst_row, copy_row, sent) for each of this rank's entries.
 
     Within an expert, entries are ordered by (source rank, flat index t*K + k); the first

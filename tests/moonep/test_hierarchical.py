@@ -106,7 +106,8 @@ def _rank_fn(rank: int, world: int) -> dict:
 
 def _first_mismatch(name: str, got: torch.Tensor, want: torch.Tensor) -> str:
     bad = torch.nonzero(got != want)
-    return f"{name}: {len(bad)} elements differ, first at {bad[0].tolist()}: {got[tuple(bad[0])]} vs {want[tuple(bad[0])]}"
+    first = tuple(bad[0])
+    return f"{name}: {len(bad)} elements differ, first at {list(first)}: {got[first]} vs {want[first]}"
 
 
 def _bitwise(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
