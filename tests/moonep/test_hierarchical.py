@@ -1,12 +1,13 @@
-"""Hierarchical EP (moonep.hierarchical) on 2 "hosts" x 4 ranks over gloo equals the one-level result.
+"""Hierarchical EP (moonep.hierarchical) on 2 "hosts" x 4 ranks (and 4 x 2: tokens with three and four
+partial sums) over gloo equals the one-level result.
 
 World 8 on one machine; each host group builds its own CPU symmetric heap over its 4 ranks, and rows
 cross "hosts" through all-to-alls over the rail groups. The same 8 ranks also run the one-level layer
 (one moonep Buffer over all 8), with the same expert weights at the same EP ranks:
 
 - bitwise: route-weight grads of every token; y and grad_x of every token whose K experts lie on one
-  host; y and grad_x of every token against the one-level group run once per host with the other host's
-  entries absent (entries mode) and the two partials summed in fp32 in host order, which is the
+  host; y and grad_x of every token against the one-level group run once per host with the other hosts'
+  entries absent (entries mode) and the partials summed in fp32 in ascending host order, which is the
   hierarchical summation order (moonep.hierarchical's docstring);
 - weight grads: the same sums of the same bf16 products, but each expert's rows are grouped and split
   over ranks differently, so the fp32 summation order differs: within 2x the bf16 dense reference's own
@@ -28,14 +29,13 @@ from moonep.routing import generate_routing
 from tests.dist_utils import run_ranks
 from tests.moonep.moe_reference import reference_grads
 
-N, G = 2, 4
-R = N * G
+R = 8
 E, H, F, K, S = 16, 32, 64, 4, 24
 EPN = E // R
 BF16_EPS = 2.0**-8
 
 
-def problem():
+def problem(N: int):
     g = torch.Generator().manual_seed(4321)
     x = torch.randn(R, S, H, generator=g).to(torch.bfloat16)
     w = {"gate": torch.randn(E, H, F, generator=g) / H**0.5, "up": torch.randn(E, H, F, generator=g) / H**0.5,
@@ -66,8 +66,9 @@ def _load(layer, w, ep_rank):
         layer.w_local[p].copy_(w[p][ep_rank * EPN:(ep_rank + 1) * EPN])
 
 
-def _rank_fn(rank: int, world: int) -> dict:
-    x, w, topk, weights, grad_y = problem()
+def _rank_fn(rank: int, world: int, N: int) -> dict:
+    G = R // N
+    x, w, topk, weights, grad_y = problem(N)
     cfg = BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=4)
     proj = glu_projections(H, F)
     host, rail = host_groups([list(range(R))], G)
@@ -121,15 +122,18 @@ def _close(name: str, got: torch.Tensor, ref16: torch.Tensor, ref64: torch.Tenso
     assert err <= tol, f"{name}: max error {err:.3e} to fp64 exceeds {tol:.3e} (bf16 reference error {err_ref:.3e})"
 
 
-@pytest.fixture(scope="module")
-def ranks() -> list[dict]:
-    return run_ranks(_rank_fn, R, timeout_s=300)
+@pytest.fixture(scope="module", params=[2, 4], ids=["2x4", "4x2"])
+def ranks(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
+    return request.param, run_ranks(_rank_fn, R, request.param, timeout_s=300)
 
 
-def test_hierarchical_equals_one_level_bitwise(ranks: list[dict]) -> None:
-    x, w, topk, weights, grad_y = problem()
+def test_hierarchical_equals_one_level_bitwise(ranks: tuple[int, list[dict]]) -> None:
+    N, ranks = ranks
+    x, w, topk, weights, grad_y = problem(N)
     hosts_per_token = torch.stack([(topk // (E // N) == h).any(-1) for h in range(N)]).sum(0)  # [R, S]
-    assert (hosts_per_token == 1).any() and (hosts_per_token == 2).any(), "need one-host and two-host tokens"
+    assert (hosts_per_token == 1).any() and (hosts_per_token > 1).any(), "need one-host and multi-host tokens"
+    if N > 2:
+        assert (hosts_per_token > 2).any(), "need tokens on three or more hosts"
     for r, out in enumerate(ranks):
         y, gx, gw = out["hier"]
         y_plain, gx_plain, gw_plain = out["plain"]
@@ -147,8 +151,9 @@ def test_hierarchical_equals_one_level_bitwise(ranks: list[dict]) -> None:
     assert sum(o["host_slots"] for o in ranks) > 0, "the skewed routing should need redundant experts in a host"
 
 
-def test_hierarchical_weight_grads_match_reference(ranks: list[dict]) -> None:
-    x, w, topk, weights, grad_y = problem()
+def test_hierarchical_weight_grads_match_reference(ranks: tuple[int, list[dict]]) -> None:
+    N, ranks = ranks
+    x, w, topk, weights, grad_y = problem(N)
     args = (x.view(R * S, H), weights.view(R * S, K), topk.view(R * S, K), w, grad_y.view(R * S, H))
     _, _, _, gW16 = reference_grads(*args, torch.bfloat16)
     _, _, _, gW64 = reference_grads(*args, torch.float64)
