@@ -63,6 +63,10 @@ def test_bad_hierarchical_layouts_are_rejected() -> None:
         _run_config(ep_hosts=0)
     with pytest.raises(ValueError, match=r"hierarchical expert parallelism, built on the moonep backend"):
         _run_config(ep_hosts=2, backend="alltoall").check_world(8)
+    with pytest.raises(ValueError, match=r"no Triton kernels yet; set experts.moonep.kernels=auto"):
+        cfg = _run_config(ep_hosts=2)
+        cfg.experts.moonep = dataclasses.replace(cfg.experts.moonep, kernels="triton")
+        cfg.check_world(8)
     _run_config(ep_hosts=2).check_world(8)
     check_ep_domain("moonep", 16, 8, ep_hosts=2)  # 8 ranks per host: fits H200 hosts
     check_ep_domain("moonep", 16, 4, ep_hosts=4)
