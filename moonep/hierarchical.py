@@ -35,7 +35,7 @@ per host with the other hosts' entries absent (entries mode), the partials summe
 
 Memory: the host stage takes the worst case, n = N s rows per rank (every token of every rail peer may
 visit this host), so the host Buffer's receive rows are N times a one-level buffer's; docs/scale.md says
-why that does not scale to K3's host count and what bounds it.
+why that does not scale to K3's host count and what would bound it.
 
 Legend: s tokens of this rank, K top-k, H hidden, N hosts, G ranks per host, E experts of the group,
 n = N s host-stage rows, m rows this rank sends to remote hosts, r rows it receives.
