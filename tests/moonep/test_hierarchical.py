@@ -23,7 +23,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moonep.hierarchical import host_groups
+from moonep import Buffer, ExpertPools, glu_projections
+from moonep.hierarchical import HierarchicalBuffer, hierarchical_expert_glu, host_groups
 from tests.dist_utils import run_ranks
 from tests.moonep.hierarchical_case import Case, check_rank, hosts_per_token, problem, run_case
 from tests.moonep.moe_reference import reference_grads
@@ -79,3 +80,42 @@ def test_host_groups_reject_a_group_that_does_not_split_into_hosts() -> None:
         host_groups([list(range(6))], 4)
     with pytest.raises(ValueError, match="ranks_per_host must be >= 1"):
         host_groups([list(range(4))], 0)
+
+
+def _bad_input(rank: int, world: int) -> list[str]:
+    case = Case(R=1, N=1)
+    host, rail = host_groups([[0]], 1)
+    errors = []
+    try:
+        HierarchicalBuffer(case.config(entries=True), host, rail)
+    except ValueError as err:
+        errors.append(str(err))
+    with HierarchicalBuffer(case.config(), host, rail) as hbuf, Buffer(case.config(), host) as other:
+        pools = hbuf.make_pools(glu_projections(case.H, case.F))
+        layer = pools.add_layer()
+        x = torch.zeros(case.S, case.H, dtype=torch.bfloat16)
+        w = torch.zeros(case.S, case.K)
+        topk = torch.arange(case.K, dtype=torch.int32).repeat(case.S, 1)
+        calls = [
+            lambda: hierarchical_expert_glu(hbuf, ExpertPools(other, glu_projections(case.H, case.F)),
+                                            layer, x, w, topk),
+            lambda: hierarchical_expert_glu(hbuf, pools, layer, torch.zeros(case.S + 1, case.H), w, topk),
+            lambda: hierarchical_expert_glu(hbuf, pools, layer, x, w, topk[:, :2]),
+            lambda: hierarchical_expert_glu(hbuf, pools, layer, x, w, topk + case.E - 1),
+        ]
+        for call in calls:
+            try:
+                call()
+            except ValueError as err:
+                errors.append(str(err))
+    return errors
+
+
+def test_bad_input_is_a_value_error_naming_the_fix() -> None:
+    errors = run_ranks(_bad_input, 1, timeout_s=120)[0]
+    want = ["takes the EP group's one-level BufferConfig", "pools do not belong to this HierarchicalBuffer",
+            "this call has s=25 tokens", "topk_sK must be int32/int64 of shape (24, 4)",
+            "expert ids outside [0, 16)"]
+    assert len(errors) == len(want), errors
+    for got, text in zip(errors, want, strict=True):
+        assert text in got, (text, got)
