@@ -4,7 +4,8 @@ Every EP rank receives exactly s*K token slots per call, whatever the routing, b
 redundant experts online. See SPEC.md for the contract; `Buffer` is the communication object,
 `ExpertPools` owns expert weights in symmetric memory, `expert_glu` is the autograd op (its gated
 activation a parameter: moonep.activation), `BufferOptions` how a buffer runs, `Layout` the sizes of
-its symmetric memory (usable without a process group, e.g. to size a job).
+its symmetric memory (usable without a process group, e.g. to size a job); `HierarchicalBuffer` and
+`hierarchical_expert_glu` run one EP group over several hosts (moonep.hierarchical).
 """
 
 from moonep.activation import ACTIVATIONS
@@ -12,6 +13,7 @@ from moonep.buffer import Buffer, DispatchResult
 from moonep.comm_stream import CommEvent
 from moonep.config import BufferConfig, BufferOptions
 from moonep.errors import MoonEPTimeoutError
+from moonep.hierarchical import HierarchicalBuffer, hierarchical_expert_glu, host_groups
 from moonep.layout import Layout, receive_rows
 from moonep.moe import expert_glu, glu_projections
 from moonep.planner import Plan, make_plan
@@ -25,12 +27,15 @@ __all__ = [
     "CommEvent",
     "DispatchResult",
     "ExpertPools",
+    "HierarchicalBuffer",
     "LayerExperts",
     "Layout",
     "MoonEPTimeoutError",
     "Plan",
     "expert_glu",
     "glu_projections",
+    "hierarchical_expert_glu",
+    "host_groups",
     "make_plan",
     "receive_rows",
 ]

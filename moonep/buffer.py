@@ -53,6 +53,7 @@ from moonep.heap import Piece, SymmetricHeap, create_heap, strided_view
 from moonep.layout import Layout
 from moonep.planner.plan import Plan
 from moonep.validate import (
+    ENTRIES_TOTAL,
     check_expert_ids,
     check_gathered_counts,
     check_num_tokens,
@@ -86,7 +87,13 @@ class Buffer:
                 else torch.device("cpu")
         self.device = torch.device(device)
         self.check_values = config.options.checks_values(self.device)
-        kind = resolve_kernels(config.options.kernels, self.device)
+        # entries mode runs on the PyTorch data path: 'auto' picks it there, an explicit 'triton' is refused
+        kind = "torch" if config.entries and config.options.kernels == "auto" else \
+            resolve_kernels(config.options.kernels, self.device)
+        if config.entries and kind != "torch":
+            raise ValueError("BufferConfig.entries=True runs on the PyTorch data path only (the Triton kernels and "
+                             "the fused planner take s*K entries per rank); build the buffer with "
+                             "BufferOptions(kernels='torch')")
         if config.options.fused_expert_gemm and kind != "triton":
             raise ValueError(f"BufferOptions.fused_expert_gemm needs the triton data path (CUDA), this buffer's "
                              f"is {kind!r} on {self.device}; set fused_expert_gemm=False")
@@ -265,6 +272,8 @@ class Buffer:
         if tokens_per_expert_E is not None:
             check_tensor("tokens_per_expert_E", tokens_per_expert_E, shape=(cfg.num_experts,),
                          dtype=(torch.int32, torch.int64), device=self.device)
+        if total_num_tokens is not None and cfg.entries:
+            raise ValueError(ENTRIES_TOTAL)
         if total_num_tokens is not None and not s <= total_num_tokens <= self.num_ranks * cfg.max_tokens:
             raise ValueError(f"total_num_tokens={total_num_tokens} must lie in [{s}, R*S="
                              f"{self.num_ranks * cfg.max_tokens}]")
@@ -293,8 +302,11 @@ class Buffer:
 
     def _histogram(self, topk_sK: torch.Tensor) -> torch.Tensor:
         counts = torch.zeros(self.config.num_experts, dtype=torch.int32, device=self.device)
-        return counts.scatter_add_(0, topk_sK.reshape(-1).long(),
-                                   torch.ones(topk_sK.numel(), dtype=torch.int32, device=self.device))
+        ids = topk_sK.reshape(-1).long()
+        if self.config.entries:  # absent entries (-1) count nowhere: index 0 with weight 0, no host sync
+            present = ids >= 0
+            return counts.scatter_add_(0, ids.clamp(min=0), present.to(torch.int32))
+        return counts.scatter_add_(0, ids, torch.ones(topk_sK.numel(), dtype=torch.int32, device=self.device))
 
     # ------------------------------------------------------------------ combine
     def combine_input(self, plan: Plan) -> torch.Tensor:

@@ -77,6 +77,13 @@ class BufferConfig:
         every remote expert a rank computes must have a slot.
     token_padding: every non-empty expert group on a rank is padded to a multiple of this.
     dtype: dtype of token rows and expert weights (grads are always fp32).
+    entries: entries mode: each of the s rows of a call carries 0 to K (row, expert) entries, an absent
+        entry marked by expert id -1 in topk_sK (the host stage of moonep.hierarchical, where a row
+        forwarded from another host names only this host's experts). Receive caps split the group's
+        total entries T: floor(T/R) + (1 if d < T mod R), computed on the device from the gathered
+        histograms (no host sync); every rank passes the same s; the receive shapes stay those of s*K
+        entries per rank. PyTorch data path only (BufferOptions.kernels 'auto' picks it; 'triton' is
+        refused).
     options: how the buffer runs (BufferOptions).
     """
 
@@ -87,6 +94,7 @@ class BufferConfig:
     num_slots: int | None = None
     token_padding: int = 16
     dtype: torch.dtype = torch.bfloat16
+    entries: bool = False
     options: BufferOptions = field(default_factory=BufferOptions)
 
     def __post_init__(self) -> None:
@@ -94,10 +102,12 @@ class BufferConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"BufferConfig.{name} must be a positive int, got {value!r}")
-        if self.topk > self.num_experts:
+        if self.topk > self.num_experts and not self.entries:  # entries mode: a row names <= E of its K
             raise ValueError(f"BufferConfig.topk={self.topk} exceeds num_experts={self.num_experts}; "
                              "each token needs topk distinct experts")
         if self.num_slots is not None and (not isinstance(self.num_slots, int) or self.num_slots < 1):
             raise ValueError(f"BufferConfig.num_slots must be None (= E // R) or an int >= 1, got {self.num_slots!r}")
+        if not isinstance(self.entries, bool):
+            raise ValueError(f"BufferConfig.entries must be True or False, got {self.entries!r}")
         if not isinstance(self.options, BufferOptions):
             raise ValueError(f"BufferConfig.options must be a moonep.BufferOptions, got {type(self.options).__name__}")

@@ -29,13 +29,25 @@ def check_num_tokens(layout: Layout, s: int) -> None:
                          f"1 <= s <= {S}; split the batch or build the buffer with a larger max_tokens")
 
 
+ENTRIES_TOTAL = ("total_num_tokens does not apply to an entries-mode buffer (BufferConfig.entries): its receive caps "
+                 "come from the gathered entry counts; pass the same number of rows on every rank and no total")
+
+
 def check_expert_ids(layout: Layout, topk_sK: torch.Tensor) -> None:
-    """Data-dependent (host sync): every expert id in [0, E)."""
+    """Data-dependent (host sync): every expert id in [0, E) ([-1, E) in entries mode: -1 is no entry)."""
     E = layout.config.num_experts
+    low = -1 if layout.config.entries else 0
     lo, hi = int(topk_sK.min()), int(topk_sK.max())
-    if lo < 0 or hi >= E:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"topk_sK holds expert id {bad}, outside [0, {E}); routing must pick ids in [0, E)")
+    if lo < low or hi >= E:
+        bad = lo if lo < low else hi
+        allowed = "[-1, E) (-1: no entry)" if layout.config.entries else "[0, E)"
+        raise ValueError(f"topk_sK holds expert id {bad}, outside [{low}, {E}); routing must pick ids in {allowed}")
+
+
+def entry_histogram(topk_sK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [E]: entries per expert, absent entries (-1) not counted."""
+    ids = topk_sK.reshape(-1).long()
+    return torch.bincount(ids[ids >= 0], minlength=num_experts)
 
 
 def check_routing_values(layout: Layout, topk_sK: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> None:
@@ -43,12 +55,12 @@ def check_routing_values(layout: Layout, topk_sK: torch.Tensor, tokens_per_exper
     E = layout.config.num_experts
     check_expert_ids(layout, topk_sK)
     sorted_sK = torch.sort(topk_sK, dim=1).values
-    dup = (sorted_sK[:, 1:] == sorted_sK[:, :-1]).any(dim=1)
+    dup = ((sorted_sK[:, 1:] == sorted_sK[:, :-1]) & (sorted_sK[:, 1:] >= 0)).any(dim=1)
     if bool(dup.any()):
         t = int(torch.nonzero(dup)[0, 0])
         raise ValueError(f"token {t} routes to the same expert twice: {topk_sK[t].tolist()}; "
                          "each token needs topk distinct experts")
-    expected = torch.bincount(topk_sK.reshape(-1).long(), minlength=E)
+    expected = entry_histogram(topk_sK, E)
     if not torch.equal(expected, tokens_per_expert_E.long()):
         e = int(torch.nonzero(expected != tokens_per_expert_E.long())[0, 0])
         raise ValueError(f"tokens_per_expert_E[{e}]={int(tokens_per_expert_E[e])} but topk_sK routes "
@@ -57,13 +69,13 @@ def check_routing_values(layout: Layout, topk_sK: torch.Tensor, tokens_per_exper
 
 def check_counts(layout: Layout, counts_RE: torch.Tensor) -> None:
     """Data-dependent (host sync): every rank's histogram is non-negative, sums to a multiple of K
-    (s tokens times K) and to at most S * K."""
+    (s tokens times K; any count in entries mode) and to at most S * K."""
     K, S = layout.config.topk, layout.config.max_tokens
     if bool((counts_RE < 0).any()):
         r, e = torch.nonzero(counts_RE < 0)[0].tolist()
         raise ValueError(f"counts_RE[{r}, {e}]={int(counts_RE[r, e])} is negative; a histogram counts tokens")
     for r, total in enumerate(counts_RE.long().sum(1).tolist()):
-        if total % K or total > S * K:
+        if (total % K and not layout.config.entries) or total > S * K:
             raise ValueError(f"rank {r}'s histogram sums to {total}, not s*K for a whole number of tokens "
                              f"1 <= s <= S={S} (K={K}); pass the bincount of every rank's topk_sK")
 
@@ -71,6 +83,12 @@ def check_counts(layout: Layout, counts_RE: torch.Tensor) -> None:
 def check_gathered_counts(layout: Layout, counts_RE: torch.Tensor, s: int, total_num_tokens: int | None) -> None:
     """After the histogram exchange every rank sees every s; the same error is raised on all ranks."""
     K = layout.config.topk
+    if layout.config.entries:  # every rank has s rows of at most K entries each
+        totals = counts_RE.long().sum(1).tolist()
+        if max(totals) > s * K:
+            raise ValueError(f"entries-mode ranks hold {totals} entries, more than s*K={s * K} for the s={s} rows "
+                             "of this call; every rank must pass the same number of rows, each with at most K entries")
+        return
     per_rank = (counts_RE.long().sum(1) // K).tolist()
     if total_num_tokens is None:
         if any(n != per_rank[0] for n in per_rank):

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             check_dry_run_host(args.device or "cuda", nproc)
         world = nproc * args.nnodes
         cfg.check_world(world)
-        check_ep_domain(cfg.experts.backend, cfg.parallel.ep, nproc)
+        check_ep_domain(cfg.experts.backend, cfg.parallel.ep, nproc, cfg.parallel.ep_hosts)
         if args.nnodes > 1 and args.rdzv_endpoint is None and not args.dry_run:
             raise ValueError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)")
         from moontrain.planning.preflight import check_data, host_memory_line

@@ -23,7 +23,8 @@ combine
     1. y rows land in the comb region (no copy when the caller wrote into Buffer.combine_input)
     2. barrier "combine:rows"
     3. each source pulls its K rows per token from the destinations and sums them in fp32 in
-       ascending k; optional per-row scalars (route-weight grads) likewise
+       ascending k; optional per-row scalars (route-weight grads) likewise; an absent entry (entries
+       mode, BufferConfig.entries) points at the trash row and adds zero (its scalar is 0)
     4. barrier "combine:done" so the comb region may be rewritten
 
 Legend: s tokens, K top-k, H hidden, E experts, R ranks, B slots, epn = E / R, nvs_s rows of this
@@ -119,10 +120,15 @@ class ReferencePath:
         c.barrier("combine:rows")
         idx = (plan.dst_rank_sK.long(), plan.dst_row_sK.long())
         rows_sKH = c.every["comb"][idx]
+        scalars_sK = c.every["row_scalar"][idx].clone() if row_scalars is not None else None
+        if c.layout.config.entries:  # absent entries point at the trash row: they add zero
+            present_sK = plan.dst_row_sK != c.layout.trash_row
+            rows_sKH = torch.where(present_sK[:, :, None], rows_sKH, 0)
+            if scalars_sK is not None:
+                scalars_sK = torch.where(present_sK, scalars_sK, 0.0)
         y_sH = rows_sKH[:, 0].float()
         for k in range(1, plan.topk):
             y_sH += rows_sKH[:, k].float()
-        scalars_sK = c.every["row_scalar"][idx].clone() if row_scalars is not None else None
         c.barrier("combine:done")
         return y_sH.to(c.layout.config.dtype), scalars_sK
 

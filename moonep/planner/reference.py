@@ -7,6 +7,10 @@ number of masked iterations (R - 1 for receiver filling, epn + R - 1 for the quo
 of data-dependent `.item()` checks, so the same function runs on CUDA tensors without a sync.
 GPU kernels must produce identical integer outputs.
 
+Entries mode (BufferConfig.entries, the host stage of moonep.hierarchical): expert id -1 marks an absent
+entry; the histograms count only present entries, the caps split their total (entry_caps), and an absent
+entry gets no destination (this rank's trash row, not sent, outside every token's dedup).
+
 Legend: R ranks, E experts, epn = E / R, B slots per rank, G = E + B groups (rows of W_full),
 s tokens of this rank, K top-k.
 """
@@ -17,7 +21,14 @@ import torch
 
 from moonep.layout import Layout
 from moonep.planner.plan import Plan
-from moonep.validate import check_counts, check_gathered_counts, check_num_tokens, check_routing_values, check_tensor
+from moonep.validate import (
+    ENTRIES_TOTAL,
+    check_counts,
+    check_gathered_counts,
+    check_num_tokens,
+    check_routing_values,
+    check_tensor,
+)
 
 _I64 = torch.int64
 
@@ -32,6 +43,14 @@ def receive_caps(num_ranks: int, topk: int, *, num_tokens: int | None, total_num
     total = total_num_tokens * topk
     base, rem = divmod(total, num_ranks)
     return base + (torch.arange(num_ranks, device=device) < rem).to(_I64)
+
+
+def entry_caps(counts_RE: torch.Tensor) -> torch.Tensor:
+    """SPEC 5.1 in entries mode (BufferConfig.entries): the group's T entries (the gathered histograms'
+    sum) split as evenly as possible, the remainder to the lowest ranks; on the device, no host sync."""
+    R = counts_RE.shape[0]
+    total = counts_RE.to(_I64).sum()
+    return total // R + (torch.arange(R, device=counts_RE.device) < total % R).to(_I64)
 
 
 def fill_receivers(group_R: torch.Tensor, cap_R: torch.Tensor) -> torch.Tensor:
@@ -118,36 +137,46 @@ def group_offsets(alloc_ER: torch.Tensor, group_ER: torch.Tensor, num_slots: int
 
 def token_destinations(topk_sK: torch.Tensor, counts_RE: torch.Tensor, rank: int, alloc_ER: torch.Tensor,
                        group_ER: torch.Tensor, group_rows_RG: torch.Tensor, offs_RG: torch.Tensor,
-                       token_padding: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       token_padding: int, absent_row: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """SPEC 5.5: (dst_rank, dst_row, copy_row, sent) for each of this rank's entries.
 
     Within an expert, entries are ordered by (source rank, flat index t*K + k); the first
     alloc[e, 0] go to rank 0, the next alloc[e, 1] to rank 1, and so on. A token whose entries
-    share a destination rank is sent once (its lowest k) and copied locally on arrival."""
+    share a destination rank is sent once (its lowest k) and copied locally on arrival. An absent
+    entry (expert id -1, entries mode) goes nowhere: (this rank, `absent_row`), copy_row `absent_row`,
+    not sent; it never takes part in a token's dedup."""
     s, K = topk_sK.shape
     device = topk_sK.device
+    E = counts_RE.shape[1]
     expert = topk_sK.reshape(-1).to(_I64)  # [sK]
-    order = torch.sort(expert, stable=True).indices
+    valid = expert >= 0
+    key = torch.where(valid, expert, E)  # absent entries sort after every expert
+    e_safe = torch.where(valid, expert, 0)
+    order = torch.sort(key, stable=True).indices
     local_counts = counts_RE[rank].to(_I64)
     local_start = torch.cumsum(local_counts, 0) - local_counts
+    local_start = torch.cat([local_start, local_counts.sum().view(1)])  # [E + 1]: absent entries last
     rank_in_expert = torch.empty_like(expert)
-    rank_in_expert[order] = torch.arange(s * K, device=device) - local_start[expert[order]]
+    rank_in_expert[order] = torch.arange(s * K, device=device) - local_start[key[order]]
     before_me = torch.cumsum(counts_RE.to(_I64), 0)[rank] - counts_RE[rank].to(_I64)  # [E]
-    pos = before_me[expert] + rank_in_expert  # position in expert's global entry list
+    pos = before_me[e_safe] + rank_in_expert  # position in expert's global entry list
     alloc_end = torch.cumsum(alloc_ER.to(_I64), 1)  # [E, R]
-    dst_rank = (alloc_end[expert] <= pos[:, None]).sum(1)  # first d with pos < end
-    chunk_start = alloc_end[expert, dst_rank] - alloc_ER[expert, dst_rank].to(_I64)
-    group = group_ER[expert, dst_rank]
+    dst_rank = (alloc_end[e_safe] <= pos[:, None]).sum(1)  # first d with pos < end
+    dst_rank = torch.where(valid, dst_rank, rank)
+    chunk_start = alloc_end[e_safe, dst_rank] - alloc_ER[e_safe, dst_rank].to(_I64)
+    group = group_ER[e_safe, dst_rank]
     padded_RG = (group_rows_RG.to(_I64) + token_padding - 1) // token_padding * token_padding
     group_start = offs_RG.to(_I64)[dst_rank, group] - padded_RG[dst_rank, group]
-    dst_row = group_start + pos - chunk_start
+    dst_row = torch.where(valid, group_start + pos - chunk_start, absent_row)
     # dedup: the first k of a token going to a given rank carries the row
+    valid_sK = valid.view(s, K)
     dst_rank_sK = dst_rank.view(s, K)
     dst_row_sK = dst_row.view(s, K)
-    same = dst_rank_sK[:, :, None] == dst_rank_sK[:, None, :]  # [s, K, K']
+    same = (dst_rank_sK[:, :, None] == dst_rank_sK[:, None, :]) & valid_sK[:, :, None] & valid_sK[:, None, :]
     first_k = torch.argmax(same.to(torch.int8), dim=2)  # lowest k' with the same rank
-    sent = first_k == torch.arange(K, device=device)[None, :]
-    copy_row = torch.gather(dst_row_sK, 1, first_k)
+    sent = (first_k == torch.arange(K, device=device)[None, :]) & valid_sK
+    copy_row = torch.where(valid_sK, torch.gather(dst_row_sK, 1, first_k), absent_row)
     return dst_rank_sK.to(torch.int32), dst_row_sK.to(torch.int32), copy_row.to(torch.int32), sent
 
 
@@ -172,10 +201,13 @@ def build_plan(layout: Layout, rank: int, topk_sK: torch.Tensor, counts_RE: torc
     pad = layout.config.token_padding
     s = topk_sK.shape[0]
     device = topk_sK.device
-    cap_R = receive_caps(R, K, num_tokens=s, total_num_tokens=total_num_tokens, device=device)
+    if layout.config.entries:
+        cap_R = entry_caps(counts_RE)
+    else:
+        cap_R = receive_caps(R, K, num_tokens=s, total_num_tokens=total_num_tokens, device=device)
     quota, alloc, slot_expert, group_ER, group_rows, offs = plan_shared(counts_RE, cap_R, B, pad)
     dst_rank, dst_row, copy_row, sent = token_destinations(topk_sK, counts_RE, rank, alloc, group_ER,
-                                                           group_rows, offs, pad)
+                                                           group_rows, offs, pad, layout.trash_row)
     return Plan(
         rank=rank, num_ranks=R, num_experts=layout.config.num_experts, num_slots=B, topk=K, num_tokens=s,
         nvs_s=layout.call_rows(s, total_num_tokens), counts_RE=counts_RE.to(torch.int32), cap_R=cap_R, quota_RR=quota,
@@ -200,6 +232,8 @@ def make_plan(layout: Layout, rank: int, topk_sK: torch.Tensor, counts_RE: torch
                  device=topk_sK.device)
     if total_num_tokens is not None and not s <= total_num_tokens <= R * S:
         raise ValueError(f"total_num_tokens={total_num_tokens} must lie in [{s}, R*S={R * S}]")
+    if total_num_tokens is not None and layout.config.entries:
+        raise ValueError(ENTRIES_TOTAL)
     check_counts(layout, counts_RE)
     check_routing_values(layout, topk_sK, counts_RE[rank])
     check_gathered_counts(layout, counts_RE, s, total_num_tokens)

@@ -57,5 +57,12 @@ class RunConfig:
                 f"(global_batch_size={self.train.global_batch_size} over {world_size} ranks); use a divisor of "
                 f"{per_rank}"
             )
+        if self.parallel.ep_hosts > 1 and self.experts.backend != "moonep":
+            raise ValueError(f"parallel.ep_hosts={self.parallel.ep_hosts} is hierarchical expert parallelism, built on "
+                             f"the moonep backend; set experts.backend=moonep, or parallel.ep_hosts=1 for "
+                             f"experts.backend={self.experts.backend}")
+        if self.parallel.ep_hosts > 1 and self.experts.moonep.kernels == "triton":
+            raise ValueError("parallel.ep_hosts > 1 runs moonep's host stage in entries mode, which has no Triton "
+                             "kernels yet; set experts.moonep.kernels=auto (or torch)")
         if self.experts.backend == "local" and ep != 1:
             raise ValueError(f"experts.backend=local holds all experts on each rank and needs parallel.ep=1, got {ep}")

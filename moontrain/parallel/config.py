@@ -10,6 +10,9 @@ from typing import Literal
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
     ep: int = 1  # expert-parallel degree; dp_replicate = world_size // ep is derived, never set
+    # hosts one EP group spans (hierarchical EP, experts.backend=moonep only): ep / ep_hosts ranks per host
+    # run moonep among themselves, rows cross hosts through all-to-alls (moonep.hierarchical, docs/scale.md)
+    ep_hosts: int = 1
     fsdp: bool = True  # shard dense parameters with FSDP2 over the whole world (when world > 1)
     # False keeps each block's gathered (bf16) dense parameters from forward to backward, and, with
     # gradient accumulation, from one pass to the next: one all-gather per block per optimizer step
@@ -30,6 +33,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.ep < 1:
             raise ValueError(f"parallel.ep must be >= 1, got {self.ep}")
+        if self.ep_hosts < 1 or self.ep % self.ep_hosts:
+            raise ValueError(f"parallel.ep_hosts={self.ep_hosts} must be >= 1 and divide parallel.ep={self.ep} (the EP "
+                             f"group spans ep_hosts hosts of ep / ep_hosts ranks each); use a divisor of {self.ep}")
         if not 0 < self.timeout_s < math.inf:
             raise ValueError(f"parallel.timeout_s must be a finite number of seconds > 0, got {self.timeout_s}")
         if not 0 <= self.heartbeat_timeout_s < self.timeout_s:

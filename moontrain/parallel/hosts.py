@@ -5,8 +5,8 @@ device memory that every rank of the group maps over NVLink, so one moonep EP gr
 ranks of one host (one NVLink domain). Ranks are placed host by host (torchrun's node-major order) and
 an EP group is a contiguous run of ep ranks (parallel/layout.py), so the group lies inside a host exactly
 when ep divides the processes per host. The all-to-all backend goes through NCCL and may span hosts.
-Experts spread over several hosts with moonep balancing inside each host is the hierarchical layout of
-docs/scale.md, not built yet.
+With parallel.ep_hosts = N > 1 the EP group spans N hosts (hierarchical EP, moonep.hierarchical): the
+moonep group is each host's ep / N ranks, and the rows cross hosts through NCCL all-to-alls.
 """
 
 from __future__ import annotations
@@ -18,15 +18,24 @@ import torch.distributed as dist
 H200_HOST_GPUS = 8  # an HGX H200 host: one NVLink domain of 8 GPUs (the --dry-run target)
 
 
-def check_ep_domain(backend: str, ep: int, procs_per_host: int) -> None:
-    """Config-time check (launch and --dry-run): a moonep EP group must fit inside one host."""
-    if backend != "moonep" or ep == 1:
+def check_ep_domain(backend: str, ep: int, procs_per_host: int, ep_hosts: int = 1) -> None:
+    """Config-time check (launch and --dry-run): a moonep group (the whole EP group, or with ep_hosts > 1
+    each host's ep / ep_hosts ranks of it) must fit inside one host."""
+    local = ep // ep_hosts
+    if backend != "moonep" or local == 1:
         return
-    if ep > procs_per_host or procs_per_host % ep:
+    if local > procs_per_host or procs_per_host % local:
+        if ep_hosts > 1:
+            raise ValueError(
+                f"parallel.ep={ep} over parallel.ep_hosts={ep_hosts} hosts puts {local} ranks of the EP group on each "
+                f"host, which does not divide the {procs_per_host} processes per host; choose ep / ep_hosts among "
+                f"the divisors of {procs_per_host} (e.g. parallel.ep={procs_per_host * ep_hosts})"
+            )
         raise ValueError(
             f"experts.backend=moonep needs its EP group inside one host (NVLink domain), but parallel.ep={ep} "
             f"does not divide the {procs_per_host} processes per host; use a parallel.ep that divides "
-            f"{procs_per_host}, or experts.backend=alltoall for expert parallelism across hosts"
+            f"{procs_per_host}, set parallel.ep_hosts to the hosts it spans (ep / ep_hosts dividing {procs_per_host}: "
+            f"hierarchical EP), or experts.backend=alltoall"
         )
 
 

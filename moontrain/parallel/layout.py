@@ -1,7 +1,10 @@
 """The parallel layout: world = dp_replicate * ep, EP ranks borrowed from data parallel (torchtitan efsdp).
 
 Rank r sits at (dp_replicate index r // ep, ep index r % ep): the ranks of one EP group are contiguous
-(on one host when ep <= GPUs per host, so the symmetric heap can use NVLink). Dense parameters are
+(on one host when ep <= GPUs per host, so the symmetric heap can use NVLink). With ep_hosts = N > 1
+(hierarchical EP) EP index i is rank i % (ep / N) of host i // (ep / N): the host groups (moonep's
+groups, contiguous ranks, one host each) and the rail groups (one rank per host) come from
+moonep.hierarchical.host_groups. Dense parameters are
 sharded with FSDP over the whole world; expert local rows are replicated over the dp_replicate axis
 (the expert-data-parallel group: same ep index, every replica) and reduced there explicitly.
 
@@ -17,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from moonep.hierarchical import host_groups
+
 
 @dataclass(kw_only=True)
 class ParallelLayout:
@@ -29,6 +34,9 @@ class ParallelLayout:
     ep_group: dist.ProcessGroup | None = None
     edp_group: dist.ProcessGroup | None = None
     world_group: dist.ProcessGroup | None = None
+    ep_hosts: int = 1
+    ep_host_group: dist.ProcessGroup | None = None  # hierarchical EP: this host's ep / ep_hosts ranks
+    ep_rail_group: dist.ProcessGroup | None = None  # hierarchical EP: the same host rank on every host
 
     @property
     def dp_replicate(self) -> int:
@@ -47,8 +55,10 @@ class ParallelLayout:
         return self.world_group is not None
 
     def describe(self) -> str:
+        hier = (f" over {self.ep_hosts} hosts of {self.ep // self.ep_hosts} (hierarchical)"
+                if self.ep_hosts > 1 else "")
         return (f"world={self.world_size} = dp_replicate {self.dp_replicate} x ep {self.ep}; "
-                f"dense params: FSDP over {self.world_size} ranks; experts: {self.ep}-way EP, "
+                f"dense params: FSDP over {self.world_size} ranks; experts: {self.ep}-way EP{hier}, "
                 f"expert-data-parallel over {self.dp_replicate} replicas")
 
 
@@ -57,13 +67,21 @@ def single_process_layout(device: torch.device) -> ParallelLayout:
     return ParallelLayout(world_size=1, rank=0, ep=1, device=device)
 
 
-def build_layout(ep: int, device: torch.device) -> ParallelLayout:
-    """Collective: builds the meshes over the already-initialised default process group."""
+def build_layout(ep: int, device: torch.device, ep_hosts: int = 1) -> ParallelLayout:
+    """Collective: builds the meshes (and with ep_hosts > 1 the host and rail groups) over the
+    already-initialised default process group."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % ep:
         raise ValueError(f"world size {world} is not divisible by parallel.ep={ep}; use a multiple of {ep} ranks")
+    if ep % ep_hosts:
+        raise ValueError(f"parallel.ep_hosts={ep_hosts} does not divide parallel.ep={ep}")
     mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp_replicate", "ep"))
     fsdp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
+    host_group = rail_group = None
+    if ep_hosts > 1:
+        ep_groups = [list(range(d * ep, (d + 1) * ep)) for d in range(world // ep)]
+        host_group, rail_group = host_groups(ep_groups, ep // ep_hosts)
     return ParallelLayout(world_size=world, rank=rank, ep=ep, device=device, mesh=mesh, fsdp_mesh=fsdp_mesh,
                           ep_group=mesh.get_group("ep"), edp_group=mesh.get_group("dp_replicate"),
-                          world_group=dist.group.WORLD)
+                          world_group=dist.group.WORLD, ep_hosts=ep_hosts, ep_host_group=host_group,
+                          ep_rail_group=rail_group)

@@ -16,7 +16,10 @@ L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
   compute dtype and B reduce-pool rows in fp32, shared by all layers.
 - receive buffers: moonep's comm segment (moonep.Layout.comm_bytes: receive and combine rows of NvS x H,
   landing rows S*K x H, row metadata; static); alltoall S*K*H at
-  balance (dynamic: up to R times that under full skew).
+  balance (dynamic: up to R times that under full skew). Hierarchical EP (parallel.ep_hosts = N > 1): the
+  host Buffer's segment (N*S rows of up to K entries per rank, E/N experts over R/N ranks: the worst case
+  of every rail peer's tokens visiting this host), and the routed experts' saved rows (static, NvS of the
+  host Buffer) N times the one-level ones.
 - activations: tensors saved for backward per token per layer: the compute dtype for most, fp32 for
   routing weights, the K-way combine and the logits (a rough model, ~30%). KDA layers (fla's kernel):
   the projections before and after the short convolutions, gate, output, fp32 decays, the chunk's two
@@ -82,8 +85,9 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
     }
     if moonep:  # the sizes moonep's Buffer and ExpertPools allocate, from its Layout
         dtype = {2: torch.bfloat16, 4: torch.float32}[compute_bytes]
-        layout = Layout(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=m.num_experts,
-                                     token_padding=cfg.experts.token_padding, dtype=dtype), R)
+        N = cfg.parallel.ep_hosts  # hierarchical EP: the host Buffer of moonep.HierarchicalBuffer
+        layout = Layout(BufferConfig(max_tokens=N * S, hidden=H, topk=K, num_experts=m.num_experts // N,
+                                     token_padding=cfg.experts.token_padding, dtype=dtype, entries=N > 1), R // N)
         experts["symmetric_heap"] = layout.slot_pool_bytes(glu_projections(H, F))
         experts["receive_buffers"] = layout.comm_bytes
     return MemoryEstimate(dense=dense, experts=experts)
@@ -99,7 +103,8 @@ def _activation_bytes_per_token(cfg: RunConfig, c: int, checkpointed: bool) -> f
     dense_ffn = (2 * D + 3 * m.dense_intermediate_size) * c
     H, F = m.expert_width, m.moe_intermediate_size
     latent = 2 * H + D if m.moe_latent_size is not None else 0
-    routed = K * (2 * H + 3 * F) * c + K * H * 4 + m.num_experts * 8
+    rows = K * cfg.parallel.ep_hosts  # hierarchical EP: the host stage's static rows (see the module docstring)
+    routed = rows * (2 * H + 3 * F) * c + rows * H * 4 + m.num_experts * 8
     shared = (3 * m.num_shared_experts * F + D) * c
     moe = (2 * D + latent) * c + routed + shared
     HK, L = m.kda_heads * m.kda_head_dim, KDA_CHUNK

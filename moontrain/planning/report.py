@@ -23,6 +23,9 @@ def dry_run_report(cfg: RunConfig, world_size: int, device: str) -> str:
         "== layout ==",
         (f"world {world_size} = dp_replicate {world_size // R} x ep {R}; experts backend {cfg.experts.backend}; "
          f"compute {'bf16' if compute_bytes == 2 else 'fp32'} on {device}"),
+        *([f"hierarchical EP: the EP group spans {cfg.parallel.ep_hosts} hosts of {R // cfg.parallel.ep_hosts} "
+           f"ranks (moonep inside each host, all-to-alls between hosts; host stage sized for "
+           f"{cfg.parallel.ep_hosts} x the tokens per rank)"] if cfg.parallel.ep_hosts > 1 else []),
         f"experts: E={m.num_experts}, epn={epn} per rank"
         + (f", B={epn} prefetch slots per projection (training needs B = epn)" if cfg.experts.backend == "moonep" else "")
         + f", top-{m.num_experts_per_tok}, expert shape {m.expert_width}x{m.moe_intermediate_size}",

@@ -3,7 +3,8 @@ network at an assumed bandwidth (docs/scale.md has the model and where it could 
 
 Compute per rank per step: flops_per_token (6 x active matmul parameters + attention mixing) x tokens per
 rank, plus one more forward (a third of that) under activation checkpointing, at `mfu` of the bf16 peak.
-Network, when the EP group spans hosts (the all-to-all backend; moonep stays inside a host): every MoE layer
+Network, when the EP group spans hosts (the all-to-all backend over ep / GPUs-per-host hosts; moonep over
+parallel.ep_hosts hosts, hierarchical EP, moonep.hierarchical): every MoE layer
 sends each token once to every remote host holding one of its experts and receives the partial sums back,
 at the expert width in bf16, in each pass (forward, backward, and the recomputed forward). Remote hosts per
 token: with K distinct experts drawn uniformly over G hosts, (G - 1)(1 - C(E - E/G, K) / C(E, K)); group-limited routing with
@@ -62,7 +63,7 @@ def predict_step_time(cfg: RunConfig, world_size: int, a: StepTimeAssumptions) -
     passes = 3 if tr.activation_checkpointing else 2
     recompute = 4 / 3 if tr.activation_checkpointing else 1.0  # one more forward: 2 of the 6 FLOPs per parameter
     compute_s = flops_per_token(m, tr.seq_len) * tokens * recompute / (a.peak_flops * a.mfu)
-    hosts = max(1, cfg.parallel.ep // a.gpus_per_host) if cfg.experts.backend != "moonep" else 1
+    hosts = max(1, cfg.parallel.ep // a.gpus_per_host) if cfg.experts.backend != "moonep" else cfg.parallel.ep_hosts
     remote = remote_hosts_per_token(hosts, m.num_experts, m.num_experts_per_tok, m.num_expert_groups,
                                     m.topk_expert_groups)
     per_layer_pass = tokens * remote * m.expert_width * 2 * 2  # rows out and partial sums back, bf16

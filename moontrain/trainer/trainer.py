@@ -82,6 +82,7 @@ class Trainer:
             max_tokens=micro_batch * cfg.train.seq_len, device=device, activation=cfg.model.ffn_activation,
             loss_scale=1.0 / layout.world_size,
             recomputed_in_backward=cfg.train.activation_checkpointing, moonep=cfg.experts.moonep,
+            ep_host_group=layout.ep_host_group, ep_rail_group=layout.ep_rail_group,
         )
         self.experts_runtime = self.model.attach_experts_backends(cfg.experts.backend, self.experts_ctx)
         self.experts = [moe.experts for moe in self.model.moe_layers()]

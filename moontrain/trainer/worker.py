@@ -118,9 +118,10 @@ def _default_store() -> dist.Store:
 
 
 def _train(cfg: RunConfig, device: torch.device, preemption: PreemptionHandler) -> None:
-    layout = build_layout(cfg.parallel.ep, device)
+    layout = build_layout(cfg.parallel.ep, device, cfg.parallel.ep_hosts)
     cfg.check_world(layout.world_size)
-    check_ep_group_hosts(layout.ep_group, cfg.experts.backend)
+    moonep_group = layout.ep_host_group if layout.ep_host_group is not None else layout.ep_group
+    check_ep_group_hosts(moonep_group, cfg.experts.backend)
     is_main = layout.rank == 0
     if is_main:
         dump_config(cfg, Path(cfg.train.run_dir) / "config.yaml")

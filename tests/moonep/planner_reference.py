@@ -61,8 +61,12 @@ def reference_caps(num_ranks: int, topk: int, s_R: list[int], total_num_tokens: 
 
 
 def reference_plan(topk_R: list[list[list[int]]], num_experts: int, num_slots: int, token_padding: int,
-                   total_num_tokens: int | None = None) -> RefPlan:
-    """The whole plan of every rank from every rank's routing topk_R[r][t][k]."""
+                   total_num_tokens: int | None = None, absent_row: int | None = None) -> RefPlan:
+    """The whole plan of every rank from every rank's routing topk_R[r][t][k].
+
+    Entries mode (absent_row given): -1 marks an absent entry; the caps split the T present entries,
+    T // R + (1 if d < T % R); nvs_s stays that of s*K entries (every rank has the same s rows); an
+    absent entry goes to (its own rank, absent_row), copy_row absent_row, not sent."""
     R, E, B, pad = len(topk_R), num_experts, num_slots, token_padding
     epn = E // R
     K = len(topk_R[0][0])
@@ -70,14 +74,21 @@ def reference_plan(topk_R: list[list[list[int]]], num_experts: int, num_slots: i
     G = E + B
 
     # 5.1 receive caps
-    cap = reference_caps(R, K, s_R, total_num_tokens)
+    entries = absent_row is not None
+    if entries:
+        assert total_num_tokens is None and all(s == s_R[0] for s in s_R)
+        T = sum(e >= 0 for r in range(R) for tok in topk_R[r] for e in tok)
+        cap = [T // R + (1 if d < T % R else 0) for d in range(R)]
+    else:
+        cap = reference_caps(R, K, s_R, total_num_tokens)
 
     # 5.2 receiver filling
     count = [0] * E
     for r in range(R):
         for tok in topk_R[r]:
             for e in tok:
-                count[e] += 1
+                if e >= 0:
+                    count[e] += 1
     group = [sum(count[h * epn:(h + 1) * epn]) for h in range(R)]
     balance = [group[h] - cap[h] for h in range(R)]
     assert sum(balance) == 0
@@ -131,7 +142,7 @@ def reference_plan(topk_R: list[list[list[int]]], num_experts: int, num_slots: i
             acc += round_up(group_rows[d][g], pad)
             ends.append(acc)
         offs.append(ends)
-    max_cap = max(cap)
+    max_cap = s_R[0] * K if entries else max(cap)
     nvs_s = round_up(max_cap + 2 * epn * (pad - 1), pad)
 
     # 5.5 token destinations: per expert, entries in (source rank, t*K + k) order
@@ -142,6 +153,9 @@ def reference_plan(topk_R: list[list[list[int]]], num_experts: int, num_slots: i
         for flat in range(s_R[r] * K):
             t, k = divmod(flat, K)
             e = topk_R[r][t][k]
+            if e < 0:  # absent entry (entries mode)
+                dst_rank[r][t][k], dst_row[r][t][k] = r, absent_row
+                continue
             pos = seen[e]
             seen[e] += 1
             start = 0
@@ -160,13 +174,19 @@ def reference_plan(topk_R: list[list[list[int]]], num_experts: int, num_slots: i
     for r in range(R):
         for t in range(s_R[r]):
             for k in range(K):
-                first = min(kk for kk in range(K) if dst_rank[r][t][kk] == dst_rank[r][t][k])
+                if topk_R[r][t][k] < 0:
+                    copy_row[r][t][k] = absent_row
+                    continue
+                first = min(kk for kk in range(K)
+                            if topk_R[r][t][kk] >= 0 and dst_rank[r][t][kk] == dst_rank[r][t][k])
                 sent[r][t][k] = first == k
                 copy_row[r][t][k] = dst_row[r][t][first]
     row_entry: list[list[tuple[int, int, int] | None]] = [[None] * nvs_s for _ in range(R)]
     for r in range(R):
         for t in range(s_R[r]):
             for k in range(K):
+                if topk_R[r][t][k] < 0:
+                    continue
                 d, row = dst_rank[r][t][k], dst_row[r][t][k]
                 assert row < nvs_s and row_entry[d][row] is None, (d, row)
                 row_entry[d][row] = (r, t, k)

@@ -50,13 +50,16 @@ def assert_same(name: str, got: torch.Tensor | list, ref: list, context: str) ->
     assert m is None, f"{context}: {name} differs from the SPEC reference at {name}{m}"
 
 
-def layout_for(R: int, E: int, K: int, S: int, pad: int, num_slots: int | None = None) -> Layout:
-    cfg = BufferConfig(max_tokens=S, hidden=8, topk=K, num_experts=E, token_padding=pad, num_slots=num_slots)
+def layout_for(R: int, E: int, K: int, S: int, pad: int, num_slots: int | None = None, entries: bool = False
+               ) -> Layout:
+    cfg = BufferConfig(max_tokens=S, hidden=8, topk=K, num_experts=E, token_padding=pad, num_slots=num_slots,
+                       entries=entries)
     return Layout(cfg, R, GRANULARITY)
 
 
 def histograms(topk_R: list[torch.Tensor], E: int) -> torch.Tensor:
-    return torch.stack([torch.bincount(t.reshape(-1).long(), minlength=E) for t in topk_R]).to(torch.int32)
+    ids = [t.reshape(-1).long() for t in topk_R]  # -1 (an absent entry, entries mode) counts nowhere
+    return torch.stack([torch.bincount(i[i >= 0], minlength=E) for i in ids]).to(torch.int32)
 
 
 def plans_for_all_ranks(layout: Layout, topk_R: list[torch.Tensor], total: int | None) -> list[Plan]:
@@ -131,28 +134,35 @@ def check_properties(layout: Layout, plans: list[Plan], topk_R: list[torch.Tenso
             valid[d].update(range(start, start + int(rows[d, g])))
             start = int(offs[d, g])
     seen: list[set[int]] = [set() for _ in range(R)]
-    for p in plans:
-        for dr, row in zip(p.dst_rank_sK.reshape(-1).tolist(), p.dst_row_sK.reshape(-1).tolist(), strict=True):
+    for p, topk in zip(plans, topk_R, strict=True):
+        for dr, row, e in zip(p.dst_rank_sK.reshape(-1).tolist(), p.dst_row_sK.reshape(-1).tolist(),
+                              topk.reshape(-1).tolist(), strict=True):
+            if e < 0:  # absent entry: nowhere (this rank's trash row)
+                assert (dr, row) == (p.rank, layout.trash_row), f"{ctx}: absent entry sent to ({dr}, {row})"
+                continue
             assert row not in seen[dr], f"{ctx}: (rank {dr}, row {row}) is the destination of two entries"
             seen[dr].add(row)
     for d in range(R):
         assert seen[d] == valid[d], (f"{ctx}: rank {d} destinations {sorted(seen[d] ^ valid[d])[:8]} "
                                      "are not exactly its valid rows")
     # dedup: `sent` = lowest k per (token, destination rank); copy_row = that entry's row
-    for p in plans:
+    for p, topk in zip(plans, topk_R, strict=True):
         dr, row = p.dst_rank_sK.long(), p.dst_row_sK.long()
-        same = dr[:, :, None] == dr[:, None, :]
+        present = topk >= 0
+        same = (dr[:, :, None] == dr[:, None, :]) & present[:, :, None] & present[:, None, :]
         lower = torch.arange(K)[None, :] < torch.arange(K)[:, None]  # [k, k']: k' < k
         has_lower = (same & lower[None]).any(2)
-        assert torch.equal(p.sent_sK, ~has_lower), f"{ctx}: rank {p.rank} sent {p.sent_sK.tolist()}"
+        assert torch.equal(p.sent_sK, ~has_lower & present), f"{ctx}: rank {p.rank} sent {p.sent_sK.tolist()}"
         first = torch.argmax(same.to(torch.int8), dim=2)
-        assert torch.equal(p.copy_row_sK.long(), row.gather(1, first)), f"{ctx}: rank {p.rank} copy_row"
+        want = torch.where(present, row.gather(1, first), layout.trash_row)
+        assert torch.equal(p.copy_row_sK.long(), want), f"{ctx}: rank {p.rank} copy_row"
 
 
 def check_against_reference(layout: Layout, plans: list[Plan], topk_R: list[torch.Tensor], total: int | None,
                             ctx: str) -> RefPlan:
     E, B, pad = layout.config.num_experts, layout.num_slots, layout.config.token_padding
-    ref = reference_plan([t.tolist() for t in topk_R], E, B, pad, total)
+    absent_row = layout.trash_row if layout.config.entries else None
+    ref = reference_plan([t.tolist() for t in topk_R], E, B, pad, total, absent_row)
     p0 = plans[0]
     assert p0.nvs_s == ref.nvs_s, f"{ctx}: nvs_s {p0.nvs_s} != reference {ref.nvs_s}"
     assert_same("cap_R", p0.cap_R, ref.cap, ctx)
@@ -315,6 +325,67 @@ def test_per_rank_s_caps_and_nvs_in_the_plan() -> None:
     assert plans[0].cap_R.tolist() == [6, 5, 5, 5]
     layout = layout_for(R, E, K, max(s_R), 4)
     assert all(p.nvs_s == layout.nvs_rows(6) == round_up(6 + 2 * 2 * 3, 4) for p in plans)
+
+
+def entries_routing(gen: torch.Generator, R: int, s: int, E: int, K: int, sigma: float, absent: float
+                    ) -> list[torch.Tensor]:
+    """Skewed routing with each entry absent (-1) with probability `absent`, and the last row of every rank
+    without any entry (a padding row of the hierarchical host stage)."""
+    out = []
+    for topk in skewed_routing(gen, [s] * R, E, K, sigma):
+        drop = torch.rand(topk.shape, generator=gen) < absent
+        drop[-1] = True
+        out.append(torch.where(drop, -1, topk).to(torch.int32).contiguous())
+    return out
+
+
+@pytest.mark.parametrize("R", [1, 2, 4, 8])
+def test_entries_mode_matches_reference_and_properties(R: int) -> None:
+    """Entries mode (BufferConfig.entries): rows with 0 to K entries, caps split the total entries T
+    (floor(T/R), the remainder to the lowest ranks), every field bitwise the SPEC reference's."""
+    rng = random.Random(3000 + R)
+    gen = torch.Generator().manual_seed(4000 + R)
+    uneven = slot_use = 0
+    for case in range(NUM_RANDOM // 2):
+        epn = rng.choice([1, 2, 3, 4])
+        E = R * epn
+        K = rng.randint(1, min(E, 6))
+        pad = rng.choice([1, 4, 8])
+        sigma = rng.choice([0.0, 1.0, 4.0])
+        s = rng.randint(1, 30)
+        absent = rng.choice([0.0, 0.3, 0.7, 1.0])
+        topk_R = entries_routing(gen, R, s, E, K, sigma, absent)
+        ctx = f"R={R} entries case {case} (E={E}, K={K}, pad={pad}, sigma={sigma}, s={s}, absent={absent})"
+        layout = layout_for(R, E, K, s, pad, entries=True)
+        plans = plans_for_all_ranks(layout, topk_R, None)
+        check_properties(layout, plans, topk_R, ctx)
+        check_against_reference(layout, plans, topk_R, None, ctx)
+        T = sum(int((t >= 0).sum()) for t in topk_R)
+        assert plans[0].cap_R.tolist() == [T // R + (d < T % R) for d in range(R)], ctx
+        assert all(p.nvs_s == layout.call_rows(s, None) for p in plans), ctx
+        uneven += T % R != 0
+        slot_use += int((plans[0].slot_expert_RB >= 0).any())
+    assert uneven > 0 or R == 1, "no case had T % R != 0: the remainder rule went untested"
+    if R > 1:
+        assert slot_use > NUM_RANDOM // 8, f"only {slot_use} entries-mode routings used a slot"
+
+
+def test_entries_mode_rejects_bad_input() -> None:
+    layout = layout_for(2, 4, 2, 3, 4, entries=True)
+    topk = torch.tensor([[0, -1], [-1, -1], [3, 1]], dtype=torch.int32)
+    counts = histograms([topk, topk], 4)
+    assert counts.sum().item() == 6
+    with pytest.raises(ValueError, match="does not apply to an entries-mode buffer"):
+        make_plan(layout, 0, topk, counts, total_num_tokens=6)
+    with pytest.raises(ValueError, match=r"outside \[-1, 4\)"):
+        make_plan(layout, 0, torch.where(topk < 0, -2, topk), counts)
+    with pytest.raises(ValueError, match="routes to the same expert twice"):
+        make_plan(layout, 0, torch.tensor([[1, 1], [-1, -1], [3, 1]], dtype=torch.int32), counts)
+    with pytest.raises(ValueError, match=r"more than s\*K=4"):  # rank 1 claims 5 entries on 2 rows of K=2
+        make_plan(layout, 0, topk[:2], torch.tensor([[1, 0, 0, 0], [2, 1, 1, 1]], dtype=torch.int32))
+    plain = layout_for(2, 4, 2, 3, 4)  # outside entries mode a row has K entries
+    with pytest.raises(ValueError, match=r"not s\*K for a whole number of tokens"):
+        make_plan(plain, 0, topk, counts)
 
 
 def test_plan_is_frozen_and_printable() -> None:

@@ -64,3 +64,7 @@ class ExpertsContext:
     # state from one layer's forward to the next one's (moonep's chained prefetch)
     recomputed_in_backward: bool = False
     moonep: BufferOptions = field(default_factory=BufferOptions)  # how the moonep backend's Buffer runs
+    # hierarchical EP (parallel.ep_hosts > 1, moonep only): this host's ranks of the EP group and the rail
+    # group (one rank per host); None: one level
+    ep_host_group: dist.ProcessGroup | None = None
+    ep_rail_group: dist.ProcessGroup | None = None
