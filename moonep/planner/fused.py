@@ -86,6 +86,7 @@ from moonep.planner.plan import Plan
 CHUNK = 512  # flat entries per histogram program (a power of two for tl.sort); benchmarks/bench_planner.py sweeps it
 _DEST_ENTRIES = 1024  # entries per destination program (whole tokens, K padded to a power of two)
 _PREFIX_EXPERTS = 16  # experts per program of the prefix kernel
+_SHARED_WARPS = 4  # warps per program of the shared pass (benchmarks/bench_planner.py sweeps them)
 _DEDUP_TILE = 8192  # elements of the destination program's [tokens, K_P, K_P] dedup tile (registers)
 
 
@@ -159,123 +160,196 @@ def _prefix_kernel(chunk_hist_ptr, hist_ptr, num_chunks, rank, hist_rank_stride,
         tl.store(row + ee, carry, mask=e_ok)
 
 
-@triton.jit(do_not_specialize=["rank", "cap_base", "cap_rem"])
-def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr, rows_ptr, offs_ptr,
-                   base_ptr, end_ptr, rowbase_ptr, rank, cap_base, cap_rem,
-                   R: tl.constexpr, EPN: tl.constexpr, B: tl.constexpr, PAD: tl.constexpr,
-                   R_P: tl.constexpr, EPN_P: tl.constexpr, G_P: tl.constexpr, B_P: tl.constexpr):
-    E: tl.constexpr = R * EPN
-    G: tl.constexpr = E + B
-    BIG: tl.constexpr = 2**30
-    h_R = tl.arange(0, R_P)
-    i_I = tl.arange(0, EPN_P)
-    ok_R = h_R < R
-    ok_HI = (h_R[:, None] < R) & (i_I[None, :] < EPN)
-    e_HI = h_R[:, None] * EPN + i_I[None, :]
-    # 1. counts (copied out), tokens per expert, tokens of each expert on ranks below this one
-    count_HI = tl.zeros([R_P, EPN_P], dtype=tl.int32)
-    base_HI = tl.zeros([R_P, EPN_P], dtype=tl.int32)
-    for r in tl.static_range(R):
-        c_HI = tl.load(hist_ptr + r * E + e_HI, mask=ok_HI, other=0)
-        tl.store(counts_ptr + r * E + e_HI, c_HI, mask=ok_HI)
-        count_HI += c_HI
-        base_HI += tl.where(r < rank, c_HI, 0)
-    tl.store(base_ptr + e_HI, base_HI, mask=ok_HI)
-    group_R = tl.sum(count_HI, axis=1)
-    cap_R = cap_base + (h_R < cap_rem).to(tl.int32)
-    tl.store(cap_ptr + h_R, cap_R.to(tl.int64), mask=ok_R)
-    bal = group_R - cap_R
-    # 2. receiver filling (SPEC 5.2)
-    d_RR = tl.arange(0, R_P)[None, :]
-    hrow_RR = h_R[:, None]
-    quota = tl.zeros([R_P, R_P], dtype=tl.int32)
-    for _ in tl.static_range(R - 1):
-        h = tl.argmax(tl.where(ok_R, bal, -BIG), axis=0)
-        u = tl.argmin(tl.where(ok_R, bal, BIG), axis=0)
-        bal_h = tl.sum(tl.where(h_R == h, bal, 0), axis=0)
-        bal_u = tl.sum(tl.where(h_R == u, bal, 0), axis=0)
-        active = bal_h > 0
-        quota += tl.where((hrow_RR == h) & (d_RR == u) & active, -bal_u, 0)
-        new_h = bal_h + tl.where(active, bal_u, 0)
-        new_u = tl.where(active, 0, bal_u)
-        bal = tl.where(h_R == u, new_u, bal)
-        bal = tl.where(h_R == h, new_h, bal)
-    tl.store(quota_ptr + hrow_RR * R + d_RR, quota.to(tl.int64), mask=(hrow_RR < R) & (d_RR < R))
-    # 3. quota -> experts (SPEC 5.3), all donors at once, until every quota is closed
-    q_tile = tl.where(d_RR < R, quota, -1)
-    q_tile = tl.where(hrow_RR < R, q_tile, 0)
-    m_tile = tl.where(i_I[None, :] < EPN, count_HI, -1)
-    m_tile = tl.where(h_R[:, None] < R, m_tile, 0)
-    i_3 = i_I[None, :, None]
-    d_3 = tl.arange(0, R_P)[None, None, :]
-    alloc = tl.zeros([R_P, EPN_P, R_P], dtype=tl.int32)
-    step = 0
-    open_quota = tl.max(tl.max(q_tile, axis=1), axis=0)
-    while (step < EPN + R - 1) & (open_quota > 0):
-        d = tl.argmax(q_tile, axis=1)  # [R_P]
-        q = tl.sum(tl.where(d_RR == d[:, None], q_tile, 0), axis=1)
-        le = tl.argmax(m_tile, axis=1)
-        rem = tl.sum(tl.where(i_I[None, :] == le[:, None], m_tile, 0), axis=1)
-        take = tl.minimum(q, rem)
-        q_tile -= tl.where(d_RR == d[:, None], take[:, None], 0)
-        m_tile -= tl.where(i_I[None, :] == le[:, None], take[:, None], 0)
-        alloc += tl.where((i_3 == le[:, None, None]) & (d_3 == d[:, None, None]), take[:, None, None], 0)
-        open_quota = tl.max(tl.max(q_tile, axis=1), axis=0)
-        step += 1
-    home_rest = tl.where(i_I[None, :] < EPN, m_tile, 0)
-    alloc += tl.where(d_3 == h_R[:, None, None], home_rest[:, :, None], 0)
-    # 4. slots (SPEC 5.4): remote experts with tokens, ascending expert id per receiving rank
-    e_3 = h_R[:, None, None] * EPN + i_3
-    ok_3 = (h_R[:, None, None] < R) & (i_3 < EPN) & (d_3 < R)
-    remote = ok_3 & (alloc > 0) & (h_R[:, None, None] != d_3)
-    remote_flat = tl.reshape(remote.to(tl.int32), [R_P * EPN_P, R_P])
-    slot_3 = tl.reshape(tl.cumsum(remote_flat, axis=0) - 1, [R_P, EPN_P, R_P])
-    in_slot = remote & (slot_3 < B)
-    group_3 = tl.where(in_slot, E + slot_3, e_3)
-    tl.store(alloc_ptr + e_3 * R + d_3, alloc, mask=ok_3)
-    # empty slots: expert -1 and 0 rows; the CTA barrier orders these stores before the scatter
-    j_B = tl.arange(0, B_P)[None, :]
-    ok_RB = (hrow_RR < R) & (j_B < B)
-    tl.store(slot_ptr + hrow_RR * B + j_B, tl.full([R_P, B_P], -1, tl.int32), mask=ok_RB)
-    tl.store(rows_ptr + hrow_RR * G + E + j_B, tl.zeros([R_P, B_P], dtype=tl.int32), mask=ok_RB)
-    tl.debug_barrier()
-    tl.store(slot_ptr + d_3 * B + slot_3, e_3, mask=in_slot)
-    # 5. rows per W_full row on each rank, then padded cumulative ends
-    tl.store(rows_ptr + d_3 * G + e_3, tl.where(in_slot, 0, alloc), mask=ok_3)
-    tl.store(rows_ptr + d_3 * G + E + slot_3, alloc, mask=in_slot)
-    tl.debug_barrier()
-    g_G = tl.arange(0, G_P)[None, :]
-    ok_RG = (hrow_RR < R) & (g_G < G)
-    rows = tl.load(rows_ptr + hrow_RR * G + g_G, mask=ok_RG, other=0)
-    padded = (rows + PAD - 1) // PAD * PAD
-    tl.store(offs_ptr + hrow_RR * G + g_G, tl.cumsum(padded, axis=1), mask=ok_RG)
-    tl.debug_barrier()
-    # 6. per (e, d) for the destinations: end of d's share of e's entries, and the receive row of
-    #    e's entry 0 if it went to d (group start on d minus the entries of e on lower ranks)
-    end_3 = tl.cumsum(alloc, axis=2)
-    g_rows = tl.load(rows_ptr + d_3 * G + group_3, mask=ok_3, other=0)
-    g_end = tl.load(offs_ptr + d_3 * G + group_3, mask=ok_3, other=0)
-    start = g_end - (g_rows + PAD - 1) // PAD * PAD
-    tl.store(end_ptr + e_3 * R + d_3, end_3, mask=ok_3)
-    tl.store(rowbase_ptr + e_3 * R + d_3, start - (end_3 - alloc), mask=ok_3)
+@triton.jit
+def _key_max(value, idx, ok, IDX_BITS: tl.constexpr):
+    """(index, value) of the largest `value` over the `ok` lanes of a 1-D block, the lowest index on
+    ties (torch.argmax's rule), in one reduction: value in the high bits of an int64 key, the
+    complement of the index in the low IDX_BITS bits."""
+    LOW: tl.constexpr = (1 << IDX_BITS) - 1
+    key = tl.max(tl.where(ok, (value.to(tl.int64) << IDX_BITS) | (LOW - idx).to(tl.int64), -(2**62)), axis=0)
+    return (LOW - (key & LOW)).to(tl.int32), (key >> IDX_BITS).to(tl.int32)
 
 
 @triton.jit
-def _dest_kernel(topk_ptr, rank_ptr, prefix_ptr, base_ptr, end_ptr, rowbase_ptr,
+def _key_min(value, idx, ok, IDX_BITS: tl.constexpr):
+    """(index, value) of the smallest `value` over the `ok` lanes, the lowest index on ties."""
+    LOW: tl.constexpr = (1 << IDX_BITS) - 1
+    key = tl.min(tl.where(ok, (value.to(tl.int64) << IDX_BITS) | idx.to(tl.int64), 2**62), axis=0)
+    return (key & LOW).to(tl.int32), (key >> IDX_BITS).to(tl.int32)
+
+
+@triton.jit
+def _row(tile, rows, r):
+    """Row r of a 2-D tile whose row indices are `rows` (a masked sum: no data-dependent indexing)."""
+    return tl.sum(tl.where(rows[:, None] == r, tile, 0), axis=0)
+
+
+@triton.jit
+def _col(tile, cols, c):
+    return tl.sum(tl.where(cols[None, :] == c, tile, 0), axis=1)
+
+
+@triton.jit
+def _pad(rows, PAD: tl.constexpr):
+    return (rows + PAD - 1) // PAD * PAD
+
+
+@triton.jit(do_not_specialize=["rank", "cap_base", "cap_rem"])
+def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr, rows_ptr, offs_ptr,
+                   end_ptr, rowbase_ptr, rank, cap_base, cap_rem,
+                   R: tl.constexpr, EPN: tl.constexpr, B: tl.constexpr, PAD: tl.constexpr,
+                   R_P: tl.constexpr, EPN_P: tl.constexpr, G_P: tl.constexpr, B_P: tl.constexpr,
+                   LOG_R_P: tl.constexpr, LOG_EPN_P: tl.constexpr):
+    """Program d: the shared plan's rows of rank d and of home group d's experts (SPEC 5.1-5.4).
+
+    Every program repeats the receiver filling (R - 1 steps on [R] vectors); program d then splits
+    the quotas of its own group d and of its donor h (the one group with quota[h, d] > 0, SPEC 5.2),
+    which gives every token count rank d's rows depend on. Writes: counts_RE[d], group_rows_RG[d],
+    offs_RG[d], slot_expert_RB[d], alloc_ER and end_ER of group d's experts, rowbase_ER[:, d] of
+    the experts with tokens on d; program 0 also cap_R and quota_RR. end and rowbase are relative
+    to this rank's entries: the tokens of e on lower ranks are subtracted (end) or added (rowbase),
+    so that the destination pass needs no per-expert base."""
+    E: tl.constexpr = R * EPN
+    G: tl.constexpr = E + B
+    d = tl.program_id(0)
+    g_R = tl.arange(0, R_P)
+    i_I = tl.arange(0, EPN_P)
+    ok_R = g_R < R
+    ok_I = i_I < EPN
+    ok_GI = ok_R[:, None] & ok_I[None, :]
+    e_GI = g_R[:, None] * EPN + i_I[None, :]
+    # 1. tokens per expert (over all ranks) and on ranks below this one, counts_RE row d copied out
+    count_GI = tl.zeros([R_P, EPN_P], dtype=tl.int32)
+    base_GI = tl.zeros([R_P, EPN_P], dtype=tl.int32)
+    for r in tl.static_range(R):
+        c_GI = tl.load(hist_ptr + r * E + e_GI, mask=ok_GI, other=0)
+        count_GI += c_GI
+        base_GI += tl.where(r < rank, c_GI, 0)
+    tl.store(counts_ptr + d * E + e_GI, tl.load(hist_ptr + d * E + e_GI, mask=ok_GI, other=0), mask=ok_GI)
+    group_R = tl.sum(count_GI, axis=1)
+    cap_R = cap_base + (g_R < cap_rem).to(tl.int32)
+    # 2. receiver filling (SPEC 5.2), identical in every program
+    hrow = g_R[:, None]
+    ucol = g_R[None, :]
+    quota = tl.zeros([R_P, R_P], dtype=tl.int32)
+    bal = group_R - cap_R
+    for _ in tl.static_range(R - 1):
+        h, bal_h = _key_max(bal, g_R, ok_R, LOG_R_P)
+        u, bal_u = _key_min(bal, g_R, ok_R, LOG_R_P)
+        active = bal_h > 0
+        quota += tl.where((hrow == h) & (ucol == u) & active, -bal_u, 0)
+        new_h = bal_h + tl.where(active, bal_u, 0)
+        new_u = tl.where(active, 0, bal_u)
+        bal = tl.where(g_R == u, new_u, bal)
+        bal = tl.where(g_R == h, new_h, bal)
+    ok_RR = (hrow < R) & (ucol < R)
+    tl.store(cap_ptr + g_R, cap_R.to(tl.int64), mask=ok_R & (d == 0))
+    tl.store(quota_ptr + hrow * R + ucol, quota.to(tl.int64), mask=ok_RR & (d == 0))
+    # 3. quota split (SPEC 5.3) of group d and of d's donor h, the two chains interleaved; each
+    #    stops once its quotas are closed (the specification's remaining steps move 0 tokens)
+    h, q_dh = _key_max(_col(quota, g_R, d), g_R, ok_R, LOG_R_P)
+    has_donor = q_dh > 0
+    q_own = tl.where(ok_R, _row(quota, g_R, d), -1)  # padded receivers: never the largest quota
+    q_don = tl.where(ok_R & has_donor, _row(quota, g_R, h), -1)
+    m_own = tl.where(ok_I, _row(count_GI, g_R, d), -1)  # padded experts: never the fullest
+    m_don = tl.where(ok_I, _row(count_GI, g_R, h), -1)
+    i2 = i_I[:, None]
+    d2 = g_R[None, :]
+    a_own = tl.zeros([EPN_P, R_P], dtype=tl.int32)  # alloc[d * EPN + i, rank]
+    a_don = tl.zeros([EPN_P, R_P], dtype=tl.int32)  # alloc[h * EPN + i, rank]
+    to_o, qv_o = _key_max(q_own, g_R, ok_R, LOG_R_P)
+    to_d, qv_d = _key_max(q_don, g_R, ok_R, LOG_R_P)
+    step = 0
+    while (step < EPN + R - 1) & ((qv_o > 0) | (qv_d > 0)):
+        from_o, mv_o = _key_max(m_own, i_I, ok_I, LOG_EPN_P)
+        from_d, mv_d = _key_max(m_don, i_I, ok_I, LOG_EPN_P)
+        take_o = tl.maximum(tl.minimum(qv_o, mv_o), 0)
+        take_d = tl.maximum(tl.minimum(qv_d, mv_d), 0)
+        q_own = tl.where(g_R == to_o, q_own - take_o, q_own)
+        q_don = tl.where(g_R == to_d, q_don - take_d, q_don)
+        m_own = tl.where(i_I == from_o, m_own - take_o, m_own)
+        m_don = tl.where(i_I == from_d, m_don - take_d, m_don)
+        a_own += tl.where((i2 == from_o) & (d2 == to_o), take_o, 0)
+        a_don += tl.where((i2 == from_d) & (d2 == to_d), take_d, 0)
+        to_o, qv_o = _key_max(q_own, g_R, ok_R, LOG_R_P)
+        to_d, qv_d = _key_max(q_don, g_R, ok_R, LOG_R_P)
+        step += 1
+    a_own += tl.where(d2 == d, tl.where(ok_I, m_own, 0)[:, None], 0)  # the rest stays home
+    a_don += tl.where(d2 == h, tl.where(ok_I, m_don, 0)[:, None], 0)
+    ok_IR = (i2 < EPN) & (d2 < R)
+    e_own = d * EPN + i_I
+    tl.store(alloc_ptr + e_own[:, None] * R + d2, a_own, mask=ok_IR)
+    base_own = _row(base_GI, g_R, d)
+    base_don = _row(base_GI, g_R, h)
+    tl.store(end_ptr + e_own[:, None] * R + d2, tl.cumsum(a_own, axis=1) - base_own[:, None], mask=ok_IR)
+    # 4. rank d's groups: its local experts, the donor's experts (their home rows, or slots in
+    #    ascending expert id while B lasts: SPEC 5.4), nothing else; rows and padded cumulative ends
+    local_I = _col(a_own, g_R, d)
+    remote_I = tl.where(has_donor, _col(a_don, g_R, d), 0)
+    got = ok_I & (remote_I > 0)
+    slot_I = tl.cumsum(got.to(tl.int32), axis=0) - 1
+    in_slot = got & (slot_I < B)
+    num_used = tl.sum(in_slot.to(tl.int32), axis=0)
+    home_I = tl.where(in_slot, 0, remote_I)  # remote tokens on the expert's home row (slots ran out)
+    loc_pad = _pad(local_I, PAD)
+    home_pad = _pad(home_I, PAD)
+    slot_pad = tl.where(in_slot, _pad(remote_I, PAD), 0)
+    loc_tot = tl.sum(loc_pad, axis=0)
+    home_tot = tl.sum(home_pad, axis=0)
+    slot_tot = tl.sum(slot_pad, axis=0)
+    loc_start = d * EPN
+    don_start = h * EPN
+    before_loc = tl.where(has_donor & (don_start < loc_start), home_tot, 0)
+    before_don = tl.where(loc_start < don_start, loc_tot, 0)
+    homes_tot = loc_tot + home_tot
+    loc_end = tl.cumsum(loc_pad, axis=0) + before_loc
+    don_end = tl.cumsum(home_pad, axis=0) + before_don
+    slot_end = tl.cumsum(slot_pad, axis=0) + homes_tot
+    g_G = tl.arange(0, G_P)
+    in_loc = (g_G >= loc_start) & (g_G < loc_start + EPN)
+    in_don = has_donor & (g_G >= don_start) & (g_G < don_start + EPN)
+    in_used = (g_G >= E) & (g_G < E + num_used)
+    rest = (g_G < G) & ~in_loc & ~in_don & ~in_used  # empty groups: 0 rows, the end of what precedes
+    rest_end = (tl.where(g_G >= loc_start + EPN, loc_tot, 0) + tl.where(has_donor & (g_G >= don_start + EPN), home_tot, 0)
+                + tl.where(g_G >= E + num_used, slot_tot, 0))
+    tl.store(rows_ptr + d * G + g_G, tl.zeros([G_P], dtype=tl.int32), mask=rest)
+    tl.store(offs_ptr + d * G + g_G, rest_end, mask=rest)
+    tl.store(rows_ptr + d * G + loc_start + i_I, local_I, mask=ok_I)
+    tl.store(offs_ptr + d * G + loc_start + i_I, loc_end, mask=ok_I)
+    tl.store(rows_ptr + d * G + don_start + i_I, home_I, mask=ok_I & has_donor)
+    tl.store(offs_ptr + d * G + don_start + i_I, don_end, mask=ok_I & has_donor)
+    tl.store(rows_ptr + d * G + E + slot_I, remote_I, mask=in_slot)
+    tl.store(offs_ptr + d * G + E + slot_I, slot_end, mask=in_slot)
+    tl.store(slot_ptr + d * B + slot_I, don_start + i_I, mask=in_slot)
+    j_B = tl.arange(0, B_P)
+    tl.store(slot_ptr + d * B + j_B, tl.full([B_P], -1, tl.int32), mask=(j_B >= num_used) & (j_B < B))
+    # 5. rowbase[e, d] for the experts with tokens on d: the receive row of e's entry number 0 if it
+    #    went to d (group start minus e's entries on lower ranks), plus the tokens of e on lower
+    #    source ranks
+    tl.store(rowbase_ptr + e_own * R + d, loc_end - loc_pad - tl.sum(tl.where(d2 < d, a_own, 0), axis=1) + base_own,
+             mask=ok_I)
+    don_start_row = tl.where(in_slot, slot_end - slot_pad, don_end - home_pad)
+    tl.store(rowbase_ptr + (don_start + i_I) * R + d,
+             don_start_row - tl.sum(tl.where(d2 < d, a_don, 0), axis=1) + base_don, mask=got)
+
+
+@triton.jit
+def _dest_kernel(topk_ptr, rank_ptr, prefix_ptr, end_ptr, rowbase_ptr,
                  dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_ptr, num_tokens, E, K,
-                 R: tl.constexpr, K_P: tl.constexpr,
+                 R: tl.constexpr, R_P: tl.constexpr, K_P: tl.constexpr,
                  BLOCK_T: tl.constexpr, CHUNK: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
     k = tl.arange(0, K_P)[None, :]
     ok = (t < num_tokens) & (k < K)
     entry = t * K + k
     expert = tl.load(topk_ptr + entry, mask=ok, other=0).to(tl.int32)
-    pos = (tl.load(base_ptr + expert, mask=ok, other=0)
-           + tl.load(prefix_ptr + (entry // CHUNK) * E + expert, mask=ok, other=0)
+    # position among this rank's entries of the expert (end and rowbase are relative to them)
+    pos = (tl.load(prefix_ptr + (entry // CHUNK) * E + expert, mask=ok, other=0)
            + tl.load(rank_ptr + entry, mask=ok, other=0))
-    dst = tl.zeros([BLOCK_T, K_P], dtype=tl.int32)
-    for d in tl.static_range(R):  # ranks whose share of the expert ends at or before pos
-        dst += (tl.load(end_ptr + expert * R + d, mask=ok, other=0) <= pos).to(tl.int32)
+    # ranks whose share of the expert ends at or before pos: one contiguous [R] row per entry
+    d3 = tl.arange(0, R_P)[None, None, :]
+    end = tl.load(end_ptr + expert[:, :, None] * R + d3, mask=ok[:, :, None] & (d3 < R), other=2**30)
+    dst = tl.sum((end <= pos[:, :, None]).to(tl.int32), axis=2)
     row = tl.load(rowbase_ptr + expert * R + dst, mask=ok & (dst < R), other=0) + pos
     tl.store(dst_rank_ptr + entry, dst, mask=ok)
     tl.store(dst_row_ptr + entry, row, mask=ok)
@@ -329,16 +403,16 @@ class _PlanLayout:
 class _Workspace:
     """Intermediate buffers of one shape, reused by every call (one plan at a time per buffer)."""
 
-    def __init__(self, layout: Layout, s: int, device: torch.device, chunk: int = CHUNK, chunk_warps: int = 4) -> None:
+    def __init__(self, layout: Layout, s: int, device: torch.device, chunk: int = CHUNK, chunk_warps: int = 4,
+                 shared_warps: int = _SHARED_WARPS) -> None:
         R, E, K = layout.num_ranks, layout.config.num_experts, layout.config.topk
         if chunk < 16 or chunk & (chunk - 1):
             raise ValueError(f"chunk={chunk} must be a power of two >= 16 (tl.sort's block)")
-        self.chunk, self.chunk_warps = chunk, chunk_warps
+        self.chunk, self.chunk_warps, self.shared_warps = chunk, chunk_warps, shared_warps
         self.num_chunks = triton.cdiv(s * K, chunk)
         i32 = {"dtype": torch.int32, "device": device}
         self.rank_in_chunk = torch.empty(s * K, **i32)
         self.chunk_hist = torch.empty(self.num_chunks, E, **i32)  # histograms, then prefixes
-        self.base_E = torch.empty(E, **i32)
         self.end_ER = torch.empty(E, R, **i32)
         self.rowbase_ER = torch.empty(E, R, **i32)
 
@@ -363,18 +437,20 @@ def plan_pass(topk_sK: torch.Tensor, rank: int, hist_RE: torch.Tensor, work: _Wo
     R, E, B = layout.num_ranks, layout.config.num_experts, layout.num_slots
     epn, pad = E // R, layout.config.token_padding
     assert hist_RE.is_contiguous()
-    _shared_kernel[(1,)](
+    r_p, epn_p = triton.next_power_of_2(R), triton.next_power_of_2(epn)
+    _shared_kernel[(R,)](
         hist_RE, out["counts_RE"], out["cap_R"], out["quota_RR"], out["alloc_ER"], out["slot_expert_RB"],
-        out["group_rows_RG"], out["offs_RG"], work.base_E, work.end_ER, work.rowbase_ER, rank, cap_base, cap_rem,
-        R=R, EPN=epn, B=B, PAD=pad, R_P=triton.next_power_of_2(R), EPN_P=triton.next_power_of_2(epn),
-        G_P=triton.next_power_of_2(E + B), B_P=triton.next_power_of_2(B), num_warps=8)
+        out["group_rows_RG"], out["offs_RG"], work.end_ER, work.rowbase_ER, rank, cap_base, cap_rem,
+        R=R, EPN=epn, B=B, PAD=pad, R_P=r_p, EPN_P=epn_p, G_P=triton.next_power_of_2(E + B),
+        B_P=triton.next_power_of_2(B), LOG_R_P=r_p.bit_length() - 1, LOG_EPN_P=epn_p.bit_length() - 1,
+        num_warps=work.shared_warps)
     s, K = topk_sK.shape
     k_p = triton.next_power_of_2(K)
     block_t = max(1, min(_DEST_ENTRIES // k_p, _DEDUP_TILE // (k_p * k_p)))  # large K: fewer tokens
     _dest_kernel[(triton.cdiv(s, block_t),)](
-        topk_sK, work.rank_in_chunk, work.chunk_hist, work.base_E, work.end_ER, work.rowbase_ER,
+        topk_sK, work.rank_in_chunk, work.chunk_hist, work.end_ER, work.rowbase_ER,
         out["dst_rank_sK"], out["dst_row_sK"], out["copy_row_sK"], out["sent_sK"].view(torch.uint8), s, E, K,
-        R=R, K_P=k_p, BLOCK_T=block_t, CHUNK=work.chunk, num_warps=4)
+        R=R, R_P=r_p, K_P=k_p, BLOCK_T=block_t, CHUNK=work.chunk, num_warps=4)
 
 
 def receive_cap_args(num_ranks: int, topk: int, s: int, total_num_tokens: int | None) -> tuple[int, int]:
