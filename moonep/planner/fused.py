@@ -85,9 +85,10 @@ from moonep.planner.plan import Plan
 
 CHUNK = 512  # flat entries per histogram program (a power of two for tl.sort); benchmarks/bench_planner.py sweeps it
 _DEST_ENTRIES = 1024  # entries per destination program (whole tokens, K padded to a power of two)
-_PREFIX_EXPERTS = 16  # experts per program of the prefix kernel
+_PREFIX_CHUNKS = 256  # chunks per tile of the prefix kernel: up to s*K = 131072 entries in one step
+_PREFIX_TILE = 2048  # elements of a prefix tile ([chunks, experts]; at most 16 experts per program)
 _SHARED_WARPS = 4  # warps per program of the shared pass (benchmarks/bench_planner.py sweeps them)
-_DEDUP_TILE = 8192  # elements of the destination program's [tokens, K_P, K_P] dedup tile (registers)
+_DEST_TILE = 4096  # elements of the destination program's [tokens, K_P, R_P] tile (registers)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -353,13 +354,16 @@ def _dest_kernel(topk_ptr, rank_ptr, prefix_ptr, end_ptr, rowbase_ptr,
     row = tl.load(rowbase_ptr + expert * R + dst, mask=ok & (dst < R), other=0) + pos
     tl.store(dst_rank_ptr + entry, dst, mask=ok)
     tl.store(dst_row_ptr + entry, row, mask=ok)
-    # dedup: the lowest k' of the token with the same destination carries the row
-    k2 = tl.arange(0, K_P)[None, None, :]
-    same = (dst[:, :, None] == dst[:, None, :]) & (k2 < K)
-    first = tl.min(tl.where(same, k2, K_P), axis=2)
-    copy = tl.sum(tl.where(k2 == first[:, :, None], row[:, None, :], 0), axis=2)
+    # dedup: the lowest k of the token on each destination rank carries the row (per token and
+    # rank in the [R] tile of the ends: its first k, then that k's row); rows on a rank are
+    # distinct per entry, so an entry is the carrier exactly when its copy row is its own row
+    k3 = tl.arange(0, K_P)[None, :, None]
+    on_d = (dst[:, :, None] == d3) & (k3 < K)
+    first_TR = tl.min(tl.where(on_d, k3, K_P), axis=1)
+    row_TR = tl.sum(tl.where(on_d & (k3 == first_TR[:, None, :]), row[:, :, None], 0), axis=1)
+    copy = tl.sum(tl.where(on_d, row_TR[:, None, :], 0), axis=2)
     tl.store(copy_row_ptr + entry, copy, mask=ok)
-    tl.store(sent_ptr + entry, (first == k).to(tl.uint8), mask=ok)
+    tl.store(sent_ptr + entry, (copy == row).to(tl.uint8), mask=ok)
 
 
 # ---------------------------------------------------------------------------------------------- host side
@@ -426,9 +430,11 @@ def chunk_pass(topk_sK: torch.Tensor, rank: int, hist_all: torch.Tensor, work: _
     _chunk_kernel[(C,)](topk_sK, work.rank_in_chunk, work.chunk_hist, topk_sK.numel(), E, CHUNK=work.chunk,
                         LOG_CHUNK=work.chunk.bit_length() - 1, E_BINS=triton.next_power_of_2(E + 1),
                         num_warps=work.chunk_warps)
-    _prefix_kernel[(triton.cdiv(E, _PREFIX_EXPERTS),)](
+    block_c = min(_PREFIX_CHUNKS, triton.next_power_of_2(C))
+    block_e = max(1, min(16, _PREFIX_TILE // block_c))
+    _prefix_kernel[(triton.cdiv(E, block_e),)](
         work.chunk_hist, hist_all, C, rank, hist_all.stride(0), hist_all.stride(1), E, R=R,
-        BLOCK_C=min(64, triton.next_power_of_2(C)), BLOCK_E=_PREFIX_EXPERTS, num_warps=4)
+        BLOCK_C=block_c, BLOCK_E=block_e, num_warps=4)
 
 
 def plan_pass(topk_sK: torch.Tensor, rank: int, hist_RE: torch.Tensor, work: _Workspace, out: dict[str, torch.Tensor],
@@ -446,7 +452,7 @@ def plan_pass(topk_sK: torch.Tensor, rank: int, hist_RE: torch.Tensor, work: _Wo
         num_warps=work.shared_warps)
     s, K = topk_sK.shape
     k_p = triton.next_power_of_2(K)
-    block_t = max(1, min(_DEST_ENTRIES // k_p, _DEDUP_TILE // (k_p * k_p)))  # large K: fewer tokens
+    block_t = max(1, min(_DEST_ENTRIES // k_p, _DEST_TILE // (k_p * r_p)))  # large K * R: fewer tokens
     _dest_kernel[(triton.cdiv(s, block_t),)](
         topk_sK, work.rank_in_chunk, work.chunk_hist, work.end_ER, work.rowbase_ER,
         out["dst_rank_sK"], out["dst_row_sK"], out["copy_row_sK"], out["sent_sK"].view(torch.uint8), s, E, K,
