@@ -424,12 +424,22 @@ class _Workspace:
 def chunk_pass(topk_sK: torch.Tensor, rank: int, hist_all: torch.Tensor, work: _Workspace) -> None:
     """Step 1: chunk ranks and prefixes into `work`; the local histogram into row `rank` of every
     rank's region of hist_all ([R, R, E] int32, region r = hist_all[r], any strides)."""
+    count_step(topk_sK, hist_all.shape[2], work)
+    prefix_step(rank, hist_all, work)
+
+
+def count_step(topk_sK: torch.Tensor, E: int, work: _Workspace) -> None:
+    """`_chunk_kernel`: per-chunk histograms and ranks inside the chunk."""
+    _chunk_kernel[(work.num_chunks,)](topk_sK, work.rank_in_chunk, work.chunk_hist, topk_sK.numel(), E,
+                                      CHUNK=work.chunk, LOG_CHUNK=work.chunk.bit_length() - 1,
+                                      E_BINS=triton.next_power_of_2(E + 1), num_warps=work.chunk_warps)
+
+
+def prefix_step(rank: int, hist_all: torch.Tensor, work: _Workspace) -> None:
+    """`_prefix_kernel`: prefixes over chunks, the local histogram into every rank's region."""
     R, _, E = hist_all.shape
     C = work.num_chunks
     assert hist_all.stride(2) == 1
-    _chunk_kernel[(C,)](topk_sK, work.rank_in_chunk, work.chunk_hist, topk_sK.numel(), E, CHUNK=work.chunk,
-                        LOG_CHUNK=work.chunk.bit_length() - 1, E_BINS=triton.next_power_of_2(E + 1),
-                        num_warps=work.chunk_warps)
     block_c = min(_PREFIX_CHUNKS, triton.next_power_of_2(C))
     block_e = max(1, min(16, _PREFIX_TILE // block_c))
     _prefix_kernel[(triton.cdiv(E, block_e),)](
@@ -440,18 +450,30 @@ def chunk_pass(topk_sK: torch.Tensor, rank: int, hist_all: torch.Tensor, work: _
 def plan_pass(topk_sK: torch.Tensor, rank: int, hist_RE: torch.Tensor, work: _Workspace, out: dict[str, torch.Tensor],
               layout: Layout, cap_base: int, cap_rem: int) -> None:
     """Steps 3-4 from this rank's gathered hist region [R, E] into the Plan tensors `out`."""
+    shared_step(rank, hist_RE, work, out, layout, cap_base, cap_rem)
+    dest_step(topk_sK, work, out, layout)
+
+
+def shared_step(rank: int, hist_RE: torch.Tensor, work: _Workspace, out: dict[str, torch.Tensor], layout: Layout,
+                cap_base: int, cap_rem: int) -> None:
+    """`_shared_kernel`, one program per rank: the shared fields and the per-(expert, rank) tables."""
     R, E, B = layout.num_ranks, layout.config.num_experts, layout.num_slots
-    epn, pad = E // R, layout.config.token_padding
+    epn = E // R
     assert hist_RE.is_contiguous()
     r_p, epn_p = triton.next_power_of_2(R), triton.next_power_of_2(epn)
     _shared_kernel[(R,)](
         hist_RE, out["counts_RE"], out["cap_R"], out["quota_RR"], out["alloc_ER"], out["slot_expert_RB"],
         out["group_rows_RG"], out["offs_RG"], work.end_ER, work.rowbase_ER, rank, cap_base, cap_rem,
-        R=R, EPN=epn, B=B, PAD=pad, R_P=r_p, EPN_P=epn_p, G_P=triton.next_power_of_2(E + B),
-        B_P=triton.next_power_of_2(B), LOG_R_P=r_p.bit_length() - 1, LOG_EPN_P=epn_p.bit_length() - 1,
-        num_warps=work.shared_warps)
+        R=R, EPN=epn, B=B, PAD=layout.config.token_padding, R_P=r_p, EPN_P=epn_p,
+        G_P=triton.next_power_of_2(E + B), B_P=triton.next_power_of_2(B), LOG_R_P=r_p.bit_length() - 1,
+        LOG_EPN_P=epn_p.bit_length() - 1, num_warps=work.shared_warps)
+
+
+def dest_step(topk_sK: torch.Tensor, work: _Workspace, out: dict[str, torch.Tensor], layout: Layout) -> None:
+    """`_dest_kernel`: this rank's (dst_rank, dst_row, copy_row, sent)."""
+    R, E = layout.num_ranks, layout.config.num_experts
     s, K = topk_sK.shape
-    k_p = triton.next_power_of_2(K)
+    r_p, k_p = triton.next_power_of_2(R), triton.next_power_of_2(K)
     block_t = max(1, min(_DEST_ENTRIES // k_p, _DEST_TILE // (k_p * r_p)))  # large K * R: fewer tokens
     _dest_kernel[(triton.cdiv(s, block_t),)](
         topk_sK, work.rank_in_chunk, work.chunk_hist, work.end_ER, work.rowbase_ER,
