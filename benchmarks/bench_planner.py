@@ -144,7 +144,7 @@ def main() -> None:
     print(f"\nfused planner kernels, R={R} simulated, E={E}, s={S}, K={K}, maxvio {routing.realised_maxvio:.2f}, "
           f"{torch.cuda.get_device_name()}: GPU us per CUDA-graph replay (median of {args.iters}); "
           f"floor (one tiny kernel) {floor:.1f} us")
-    head = ("chunk", "warps", "sh.warps") + COLUMNS
+    head = ("chunk", "warps", "sh.warps", *COLUMNS)
     print(" ".join(f"{h:>11}" for h in head))
     for r in rows:
         cells = [str(r["chunk"]), str(r["warps"]), str(r["shared_warps"])] + [f"{r[c + '_us']:.1f}" for c in COLUMNS]
