@@ -6,29 +6,39 @@ Protocol of one plan (every rank; s tokens, K top-k, flat entry index i = t*K + 
     1. `_chunk_kernel`, one program per chunk of CHUNK consecutive flat entries: the chunk's
        expert histogram, and each entry's rank among the chunk's entries of the same expert in flat
        order (tl.sort on the key expert*CHUNK + i, then a scan over runs of equal experts). Then
-       `_prefix_kernel`, one program per 16 experts, turns the per-chunk histograms into exclusive
-       prefixes over chunks and writes the local histogram (their sum) into row `rank` of every
-       peer's hist region (plain peer stores).
+       `_prefix_kernel`, one program per 8-16 experts (one [256 chunks, experts] tile per step),
+       turns the per-chunk histograms into exclusive prefixes over chunks and writes the local
+       histogram (their sum) into row `rank` of every peer's hist region (plain peer stores).
     2. the heap barrier "dispatch:histograms" (moonep.heap.device_barrier on CUDA: its
        fence.sc.sys + st.release.sys / ld.acquire.sys and stream order make the peer stores of 1
        visible to 3 and 4 on every rank).
-    3. `_shared_kernel`, one program: counts_RE (copied out of the own hist region), receive caps,
-       receiver filling, quota split, slots, group rows and offs (SPEC 5.1-5.4 with the
-       specification's tie rules: tl.argmax / tl.argmin keep the lowest index, as torch does),
-       plus per (expert e, rank d) the end of d's share of e's entry list and the receive row of
-       e's entry number 0 on d, so that step 4 needs two lookups per entry. The quota-split loop
-       stops once every quota is 0 (the specification's remaining masked steps move 0 tokens).
+    3. `_shared_kernel`, one program per rank d (SPEC 5.1-5.4 with the specification's tie rules,
+       lowest index first): every program sums the gathered histograms and repeats the receiver
+       filling (R - 1 steps on [R] vectors); program d then runs the quota split of its own home
+       group and of its donor h, the one group with quota[h, d] > 0 (SPEC 5.2: a rank receives
+       from at most one remote group), two interleaved chains that stop once their quotas are
+       closed (the specification's remaining masked steps move 0 tokens). That gives every count
+       rank d's rows depend on: slots are the donor's experts with tokens on d in ascending id
+       (the specification's cumsum over all experts counts no other group on d), group rows and
+       offs of rank d are three segments (local experts, the donor's home rows, the slots) whose
+       padded cumulative ends are written directly. Program d writes counts_RE[d], the rank-d rows
+       of slot_expert / group_rows / offs, alloc of its group's experts, and per (expert e, rank d)
+       the end of d's share of e's entry list and the receive row of e's entry number 0 on d, both
+       relative to this rank's entries (the tokens of e on lower source ranks taken out), so that
+       step 4 needs no per-expert base. Program 0 writes cap_R and quota_RR.
     4. `_dest_kernel`, one program per BLOCK_T whole tokens: SPEC 5.5 for this rank's entries,
-       pos = (tokens of e on lower ranks) + (e's entries in earlier chunks) + (rank inside the
-       chunk); dst_rank = number of ranks whose share of e ends at or before pos; dst_row = the
-       row of e's entry 0 on dst + pos; dedup over the token's K entries in registers.
+       pos = (e's entries in earlier chunks) + (rank inside the chunk); dst_rank = number of ranks
+       whose share of e ends at or before pos (the [R] ends of e as one contiguous load); dst_row
+       = the row of e's entry 0 on dst + pos; dedup in registers over the same [tokens, K, R] tile:
+       per token and rank the lowest k and its row, which every entry on that rank copies (rows of
+       distinct entries differ, so the carrier is the entry whose copy row is its own row).
 All outputs of a plan live in one flat byte buffer (int64 fields, then int32, then bool) that
 `_PlanLayout` cuts into the Plan's tensors.
 
-The shared kernel holds the whole problem in registers as small tiles: R ranks (padded to a power
-of two R_P), epn experts per home group (EPN_P), G = E + B groups (G_P). Padded lanes: quota and
-remaining get -1 in padded columns so argmax never picks them, 0 in padded rows so their `take` is
-0; balance gets the dtype's extreme values for argmax/argmin.
+The shared kernel's tiles are per rank: [epn, R] allocations of two groups, [R, R] quotas, [G]
+rows of one rank (R padded to a power of two R_P, epn to EPN_P, G = E + B to G_P). An argmax is one
+max-reduction of an int64 key (value in the high bits, the index's complement in the low bits);
+padded lanes never win (quota and remaining -1, balance masked).
 
 On CUDA the four launches of one shape are captured in CUDA graphs, each writing into its own
 pooled Plan (`_PlanPool`); a call copies topk into the graphs' input and replays a graph whose Plan
@@ -54,21 +64,24 @@ Race note (as on the PyTorch path): the hist region is single-buffered. A peer m
 histogram only after a barrier that follows this rank's step 3; Buffer.plan passes barrier
 "plan:enter" first when two plans follow each other with nothing collective in between.
 
-Measured (2xH200 NV18, torch 2.11, 2026-11-29/30; R=2, S=8192, K=8):
-- kernels alone (benchmarks/bench_planner.py, E=384, every rank simulated on one GPU, one CUDA graph
-  replay, median of 50): chunk 512 x 4 warps 25.6 us, of which the chunk pass (with the prefix
-  launch) 17.2 us and the shared + destination pass 17.5 us (the parts overlap a little in one
-  graph). Other chunks: 1024 x 4 29.6, 256 x 4 27.8, 2048 x 4 49.2, 2048 x 8 40.2 us.
-- Buffer.plan on 2 GPUs (benchmarks/bench_comm.py), with the barrier: 29-32 us of GPU time per plan
-  in a run of 8 at E=96 and E=384; one call alone, host launch and the ranks' host skew included,
-  54-122 us.
+Measured: this layout of the shared, prefix and destination kernels is not yet timed on a GPU
+(benchmarks/bench_planner.py --experts 896 --topk 16 --ranks 8 prints each kernel; the target is
+<= 35 us per plan there). Static sm90 code (Triton 3.5 + ptxas, E=896, R=8, K=16): the shared kernel
+2.7k instructions and 50 CTA barriers per program, 6 of them in the quota-split loop (5 steps at
+maxvio 1); the destination kernel 1.8k instructions, 192 shuffles per 32 tokens.
+The chunk kernel (H200, 2026-11-29, R=2, E=384, K=8, S=8192): the chunk pass 17.2 us at chunk 512 x 4
+warps (1024 x 4: slower by 4 us, 256 x 4 by 2 us, 2048 by 15-24 us in total).
 
 Rejected: the prefixes over chunks in the last chunk program to finish (a ticket counter; 36.2 us
 at chunk 512); counting ranks with a [CHUNK, E] one-hot cumsum (E times more work and registers
 than the sort); a single persistent kernel with an in-kernel grid barrier (needs all programs
 co-resident and spins inside the interpreter's sequential programs); launching eagerly on CUDA (3
 Triton launches + the barrier cost the host ~100 us); the PyTorch planner replayed from a CUDA
-graph (~400 small kernels per plan); a CuTe DSL kernel of the shared part (experiments/cute_planner).
+graph (~400 small kernels per plan); a CuTe DSL kernel of the shared part (experiments/cute_planner);
+one shared program holding the whole [R, epn, R] problem (7.4k instructions and 139 barriers at
+E=896, R=8; its shared + destination pass took 34 us at R=8 against 17 us at R=2 on an H200); the
+dedup over [tokens, K, K] pairs (twice the tile of [tokens, K, R] at K=16, R=8, its reductions
+across lanes).
 """
 
 from __future__ import annotations
