@@ -200,6 +200,7 @@ def _row(tile, rows, r):
 
 @triton.jit
 def _col(tile, cols, c):
+    """Column c of a 2-D tile whose column indices are `cols`."""
     return tl.sum(tl.where(cols[None, :] == c, tile, 0), axis=1)
 
 
@@ -324,8 +325,8 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
     in_don = has_donor & (g_G >= don_start) & (g_G < don_start + EPN)
     in_used = (g_G >= E) & (g_G < E + num_used)
     rest = (g_G < G) & ~in_loc & ~in_don & ~in_used  # empty groups: 0 rows, the end of what precedes
-    rest_end = (tl.where(g_G >= loc_start + EPN, loc_tot, 0) + tl.where(has_donor & (g_G >= don_start + EPN), home_tot, 0)
-                + tl.where(g_G >= E + num_used, slot_tot, 0))
+    rest_end = (tl.where(g_G >= loc_start + EPN, loc_tot, 0) + tl.where(g_G >= E + num_used, slot_tot, 0)
+                + tl.where(has_donor & (g_G >= don_start + EPN), home_tot, 0))
     tl.store(rows_ptr + d * G + g_G, tl.zeros([G_P], dtype=tl.int32), mask=rest)
     tl.store(offs_ptr + d * G + g_G, rest_end, mask=rest)
     tl.store(rows_ptr + d * G + loc_start + i_I, local_I, mask=ok_I)
@@ -342,9 +343,9 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
     #    source ranks
     tl.store(rowbase_ptr + e_own * R + d, loc_end - loc_pad - tl.sum(tl.where(d2 < d, a_own, 0), axis=1) + base_own,
              mask=ok_I)
-    don_start_row = tl.where(in_slot, slot_end - slot_pad, don_end - home_pad)
+    don_group_start = tl.where(in_slot, slot_end - slot_pad, don_end - home_pad)
     tl.store(rowbase_ptr + (don_start + i_I) * R + d,
-             don_start_row - tl.sum(tl.where(d2 < d, a_don, 0), axis=1) + base_don, mask=got)
+             don_group_start - tl.sum(tl.where(d2 < d, a_don, 0), axis=1) + base_don, mask=got)
 
 
 @triton.jit
