@@ -1,6 +1,14 @@
 """moonep vs the all-to-all baseline: communication per op over routing skew (SPEC section 9).
 
     torchrun --nproc_per_node=2 benchmarks/bench_comm.py --experts 96 384 --maxvio 0 0.2 1 10 20
+    torchrun --nproc_per_node=2 benchmarks/bench_comm.py --shapes k3 --maxvio 0 0.2 1 10
+
+--shapes picks a preset of (experts, topk, hidden, ffn, pools); explicit flags override it:
+    default  E = 96 and 384, K = 8,  H = 7168, F = 2048, with ExpertPools
+    k3       E = 896,        K = 16, H = 7168, F = 3072 (recipes/k3.yaml; K3's latent MoE dispatches
+             at 3584: add --hidden 3584), without ExpertPools: one layer's expert weights, grads,
+             slots and reduce pools at E = 896 would take ~330 GiB per rank at R = 2, so prefetch,
+             reduce_grad and dispatch + prefetch are not measured (--pools forces them).
 
 Per (E, target maxvio) point and backend: median over --iters timed iterations (CUDA events,
 after warm-up; ranks aligned before each op), max over ranks. moonep ops: plan; dispatch fwd
@@ -98,7 +106,7 @@ def max_over_ranks(x: float, group: dist.ProcessGroup) -> float:
     return float(t)
 
 
-def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, pools: ExpertPools, layer,
+def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, pools: ExpertPools | None, layer,
                 a2a: AllToAllDispatcher, group: dist.ProcessGroup) -> dict:
     rank, R = dist.get_rank(group), dist.get_world_size(group)
     S, H, K = args.tokens, args.hidden, args.topk
@@ -140,7 +148,8 @@ def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, po
     # the skew between the ranks' hosts at its barrier, which the run spreads over 8 calls
     m["plan_gpu"] = timed(lambda: [buf.plan(topk, hist) for _ in range(_PLAN_RUN)], it, wu, group,
                           setup=lambda: buf.barrier("bench:plan"), hide_host=True) / _PLAN_RUN
-    m["dispatch_fwd"] = timed(lambda: pools.prefetch(buf.dispatch(x, w, topk, hist).plan, layer), it, wu, group)
+    if pools is not None:
+        m["dispatch_fwd"] = timed(lambda: pools.prefetch(buf.dispatch(x, w, topk, hist).plan, layer), it, wu, group)
     m["dispatch_only"] = timed(lambda: buf.dispatch(x, w, topk, hist), it, wu, group)
     m["dispatch_saved"] = timed(lambda: buf.dispatch(x, w, plan=plan), it, wu, group)
     # the phase in which dispatch's bytes cross NVLink: the sender's scatter and the barrier that
@@ -156,11 +165,13 @@ def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, po
         m["scatter_meta"] = timed(lambda: (buf.path.scatter(plan, x, w, rows=False), buf.barrier("dispatch:rows")),
                                   it, wu, group, hide_host=True, align=enter)
     m["scatter_barrier"] = timed(lambda: buf.barrier("dispatch:rows"), it, wu, group, hide_host=True, align=enter)
-    m["prefetch"] = timed(lambda: pools.prefetch(plan, layer), it, wu, group)
+    if pools is not None:
+        m["prefetch"] = timed(lambda: pools.prefetch(plan, layer), it, wu, group)
     m["combine_fwd"] = timed(lambda: buf.combine(plan, y_rows), it, wu, group)
     m["dispatch_bwd"] = timed(lambda: buf.combine(plan, grad_rows, row_scalars=grad_scal), it, wu, group)
     m["combine_bwd"] = timed(lambda: buf.dispatch(grad_y, plan=plan), it, wu, group)
-    m["reduce_grad"] = timed(lambda: pools.reduce_grad(plan, layer), it, wu, group)
+    if pools is not None:
+        m["reduce_grad"] = timed(lambda: pools.reduce_grad(plan, layer), it, wu, group)
     y_sH, _ = buf.combine(plan, y_rows)
     shapes["y_sH"] = list(y_sH.shape)
     remote = (plan.dst_rank_sK != rank) & plan.sent_sK
@@ -179,7 +190,7 @@ def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, po
         scatter_nvlink_GBps=max_over_ranks(sent_bytes, group) / (m["dispatch_scatter"] * 1e-6) / 1e9,
         peer_copy_GBps=peer_bw,
         expert_copies=slot_copies,
-        prefetch_bytes_per_rank=max_over_ranks(int(pools.prefetch_bytes(plan)), group),
+        prefetch_bytes_per_rank=max_over_ranks(int(pools.prefetch_bytes(plan)), group) if pools is not None else float("nan"),
         peak_allocated_bytes=max_over_ranks(torch.cuda.max_memory_allocated(), group),
         symmetric_heap_bytes=buf.heap.local_bytes,
         shapes=shapes,
@@ -213,14 +224,54 @@ def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, po
     return out
 
 
-def main() -> None:
+SHAPES = {  # --shapes presets: (experts, topk, hidden, ffn, pools)
+    "default": {"experts": [96, 384], "topk": 8, "hidden": 7168, "ffn": 2048, "pools": True},
+    "k3": {"experts": [896], "topk": 16, "hidden": 7168, "ffn": 3072, "pools": False},
+}
+
+
+def resolve_shapes(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the flags left unset from the --shapes preset."""
+    for name, value in SHAPES[args.shapes].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def projections(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
+    return {"gate_up": (args.hidden, 2 * args.ffn), "down": (args.ffn, args.hidden)}
+
+
+def rank_bytes(args: argparse.Namespace, E: int, R: int) -> dict[str, int]:
+    """Per-rank bytes of one point: the Buffer's symmetric memory, and ExpertPools' one layer
+    (bf16 weights + fp32 grads of the epn local experts, bf16 slots + fp32 reduce pool of B slots)."""
+    from moonep.layout import Layout
+
+    layout = Layout(BufferConfig(max_tokens=args.tokens, hidden=args.hidden, topk=args.topk, num_experts=E), R)
+    per_expert = sum(i * o for i, o in projections(args).values())
+    return {"buffer": layout.comm_bytes, "pools": (layout.epn + layout.num_slots) * per_expert * (2 + 4)}
+
+
+def print_plan(args: argparse.Namespace) -> None:
+    num_ranks = int(os.environ.get("WORLD_SIZE", "2"))
+    for E in args.experts:
+        b = rank_bytes(args, E, num_ranks)
+        print(f"E={E} K={args.topk} H={args.hidden} F={args.ffn} s={args.tokens} R={num_ranks}: maxvio {args.maxvio}; "
+              f"per rank: buffer {b['buffer'] / 2**30:.1f} GiB, ExpertPools {b['pools'] / 2**30:.1f} GiB "
+              f"({'on' if args.pools else 'off'})")
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--experts", type=int, nargs="+", default=[96, 384])
+    p.add_argument("--shapes", default="default", choices=sorted(SHAPES), help="preset of the flags below")
+    p.add_argument("--experts", type=int, nargs="+", default=None)
     p.add_argument("--maxvio", type=float, nargs="+", default=[0.0, 0.2, 1.0, 10.0, 20.0])
     p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--ffn", type=int, default=2048)
-    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--ffn", type=int, default=None)
+    p.add_argument("--topk", type=int, default=None)
+    p.add_argument("--pools", action=argparse.BooleanOptionalAction, default=None,
+                   help="ExpertPools for prefetch / reduce_grad (one layer's expert weights and grads)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -234,9 +285,14 @@ def main() -> None:
     p.add_argument("--scatter-tile", type=int, default=BufferOptions().scatter_tile,
                    help="BufferOptions.scatter_tile: elements per scatter tile, a power of two")
     p.add_argument("--show", metavar="JSON", help="print the table of a saved result and exit (no GPU needed)")
-    args = p.parse_args()
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the points and each rank's memory for them, and exit (no GPU needed)")
+    args = resolve_shapes(p.parse_args(argv))
     if args.show:
         print_table(json.loads(Path(args.show).read_text())["points"])
+        return
+    if args.dry_run:
+        print_plan(args)
         return
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
@@ -249,10 +305,12 @@ def main() -> None:
                            options=BufferOptions(check_values=False, timeout_s=60.0, kernels=args.kernels,
                                                  num_sms=args.num_sms, scatter_tile=args.scatter_tile))
         buf = Buffer(cfg, group)
-        pools = ExpertPools(buf, {"gate_up": (args.hidden, 2 * args.ffn), "down": (args.ffn, args.hidden)})
-        layer = pools.add_layer()
-        for w in layer.w_local.values():
-            w.copy_(torch.randn(w.shape, device="cuda").to(w.dtype))
+        pools, layer = None, None
+        if args.pools:
+            pools = ExpertPools(buf, projections(args))
+            layer = pools.add_layer()
+            for w in layer.w_local.values():
+                w.copy_(torch.randn(w.shape, device="cuda").to(w.dtype))
         a2a = AllToAllDispatcher(group, E)
         for target in args.maxvio:
             t0 = time.time()
@@ -261,7 +319,7 @@ def main() -> None:
             if rank == 0:
                 mo, ba = point["moonep"], point["alltoall"]
                 print(f"E={E} maxvio {target} (realised {point['realised_maxvio']:.2f}): moonep dispatch "
-                      f"{mo['dispatch_fwd_us']:.0f} us combine {mo['combine_fwd_us']:.0f} us | a2a dispatch "
+                      f"{mo.get('dispatch_fwd_us', mo['dispatch_only_us']):.0f} us combine {mo['combine_fwd_us']:.0f} us | a2a dispatch "
                       f"{ba['dispatch_fwd_us']:.0f} us combine {ba['combine_fwd_us']:.0f} us [{time.time() - t0:.0f} s]",
                       flush=True)
         buf.destroy()
@@ -272,7 +330,8 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         tag = args.tag or f"{args.kernels}_{time.strftime('%Y%m%d')}"
         path = out / f"bench_comm_R{R}_{tag}.json"
-        meta = {"R": R, "S": args.tokens, "placement": args.placement, "H": args.hidden, "K": args.topk, "ffn": args.ffn, "iters": args.iters,
+        meta = {"R": R, "S": args.tokens, "placement": args.placement, "shapes": args.shapes, "H": args.hidden,
+                "K": args.topk, "ffn": args.ffn, "pools": args.pools, "iters": args.iters,
                 "kernels": args.kernels, "num_sms": args.num_sms, "scatter_tile": args.scatter_tile,
                 "device": torch.cuda.get_device_name(), "torch": torch.__version__}
         path.write_text(json.dumps({"config": meta, "points": results}, indent=1))
@@ -295,10 +354,10 @@ def print_table(results: list[dict]) -> None:
         m, b = r["moonep"], r["alltoall"]
         print(f"{r['E']:>4} {r['target_maxvio']:>6.1f} {r['realised_maxvio']:>6.2f} | {m['plan_us']:>6.0f} "
               f"{m.get('plan_gpu_us', nan):>5.0f} "
-              f"{m['dispatch_fwd_us']:>8.0f} {m['dispatch_only_us']:>7.0f} {m.get('dispatch_saved_us', nan):>7.0f} "
-              f"{m['prefetch_us']:>6.0f} {m.get('expert_copies', -1):>3} "
+              f"{m.get('dispatch_fwd_us', nan):>8.0f} {m['dispatch_only_us']:>7.0f} {m.get('dispatch_saved_us', nan):>7.0f} "
+              f"{m.get('prefetch_us', nan):>6.0f} {m.get('expert_copies', -1):>3} "
               f"{m['combine_fwd_us']:>7.0f} {m['dispatch_bwd_us']:>7.0f} {m['combine_bwd_us']:>7.0f} "
-              f"{m['reduce_grad_us']:>7.0f} {m['rank_load_max_over_mean']:>5.2f} "
+              f"{m.get('reduce_grad_us', nan):>7.0f} {m['rank_load_max_over_mean']:>5.2f} "
               f"{m.get('dispatch_saved_nvlink_GBps', nan):>8.0f} {m.get('dispatch_scatter_us', nan):>5.0f} "
               f"{m.get('scatter_nvlink_GBps', nan):>6.0f} {m.get('peer_copy_GBps', nan):>5.0f} | "
               f"{b['dispatch_fwd_us']:>7.0f} {b['combine_fwd_us']:>7.0f} {b['dispatch_bwd_us']:>7.0f} "

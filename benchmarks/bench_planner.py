@@ -1,13 +1,19 @@
-"""GPU time of the fused planner's kernels (moonep.planner.fused) per chunk size and warps.
+"""GPU time of the fused planner's kernels (moonep.planner.fused) per variant, pass by pass.
 
-    python benchmarks/bench_planner.py [--experts 384] [--tokens 8192] [--ranks 2]     (one GPU)
+    python benchmarks/bench_planner.py [--experts 384] [--topk 8] [--ranks 2] [--tokens 8192]   (one GPU)
+    python benchmarks/bench_planner.py --experts 896 --topk 16 --ranks 8 --tokens 8192           (K3)
 
 Every rank of an R-rank problem is simulated on one GPU (as tests/moonep/planner_cases.py does: the
 chunk passes of all ranks fill one [R, R, E] histogram region, program order stands in for the
-barrier). For each (chunk, warps) variant: the plans of every rank are checked bitwise against
-moonep.planner.make_plan on the CPU, then rank 0's kernels are captured in CUDA graphs and
-replayed: the chunk pass alone, the shared + destination pass alone, and both. Median of --iters
-replays, timed by CUDA events around each replay (GPU time; the host only launches one graph).
+barrier). A variant is (chunk, warps of the chunk kernel, warps of the shared kernel). For each:
+the plans of every rank are checked bitwise against moonep.planner.make_plan on the CPU, then rank
+0's launches are captured in CUDA graphs and replayed: each kernel alone (count, prefix, shared,
+dest), the chunk pass (count + prefix), the shared + destination pass, and all four (`total`, the
+number a plan costs). Median of --iters replays, timed by CUDA events around each replay (GPU time;
+the host only launches one graph). `floor` is the same timing of a graph holding one tiny kernel:
+every column includes it once, so a kernel's own time is roughly its column minus the floor.
+--baseline also times the planner with one shared program (experiments/planner_baseline, chunk 512 x 4
+warps) in the same run, checked the same way: its chunk pass, shared + destination pass and total.
 Table printed; JSON to --out.
 """
 
@@ -31,8 +37,9 @@ from moonep.planner import make_plan
 from moonep.routing import generate_routing
 from tests.moonep.planner_cases import PLAN_FIELDS, assert_same_plan
 
-# (chunk, warps) of the chunk pass
-VARIANTS = ((1024, 4), (512, 4), (256, 4), (2048, 4), (2048, 8))
+# (chunk, chunk-kernel warps, shared-kernel warps); the first is the library's default
+VARIANTS = ((pf.CHUNK, 4, pf._SHARED_WARPS), (1024, 4, 4), (256, 4, 4), (2048, 8, 4), (512, 4, 2), (512, 4, 8))
+COLUMNS = ("count", "prefix", "shared", "dest", "chunk_pass", "shared_dest", "total")
 
 
 def graph_us(fn, iters: int) -> float:
@@ -53,40 +60,111 @@ def graph_us(fn, iters: int) -> float:
     return statistics.median(times[3:])
 
 
-def bench_variant(layout: Layout, topk_R: list[torch.Tensor], counts_RE: torch.Tensor, chunk: int, warps: int,
-                  iters: int) -> dict:
+def check_variant(layout: Layout, topk_R: list[torch.Tensor], counts_RE: torch.Tensor, work: list, name: str
+                  ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """Plans of every rank with these workspaces, bitwise against make_plan; returns (hist_all, outs)."""
     R, E = layout.num_ranks, layout.config.num_experts
     dev = topk_R[0].device
     s = topk_R[0].shape[0]
     hist_all = torch.zeros(R, R, E, dtype=torch.int32, device=dev)
-    work = [pf._Workspace(layout, s, dev, chunk, warps) for _ in range(R)]
     plan_layout = [pf._PlanLayout(layout, r, s, None) for r in range(R)]
-    flats = [pl.empty(dev) for pl in plan_layout]
+    flats = [pl.empty(dev).fill_(0x5A5A5A5A) for pl in plan_layout]  # garbage: the kernels write every field
     outs = [pl.views(f) for pl, f in zip(plan_layout, flats, strict=True)]
     cap_base, cap_rem = pf.receive_cap_args(R, layout.config.topk, s, None)
     for r in range(R):
         pf.chunk_pass(topk_R[r], r, hist_all, work[r])
     for r in range(R):
         pf.plan_pass(topk_R[r], r, hist_all[r], work[r], outs[r], layout, cap_base, cap_rem)
-    torch.cuda.synchronize()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
     for r in range(R):  # correctness of this variant before its time means anything
         got = plan_layout[r].plan(flats[r])
         got = type(got)(**{**vars(got), **{n: getattr(got, n).cpu() for n in PLAN_FIELDS}})
-        assert_same_plan(got, make_plan(layout, r, topk_R[r].cpu(), counts_RE),
-                         f"chunk={chunk} warps={warps} rank {r}")
+        assert_same_plan(got, make_plan(layout, r, topk_R[r].cpu(), counts_RE), f"{name} rank {r}")
+    return hist_all, outs
+
+
+def bench_variant(layout: Layout, topk_R: list[torch.Tensor], counts_RE: torch.Tensor, chunk: int, warps: int,
+                  shared_warps: int, iters: int) -> dict:
+    R = layout.num_ranks
+    E = layout.config.num_experts
+    s = topk_R[0].shape[0]
+    work = [pf._Workspace(layout, s, topk_R[0].device, chunk, warps, shared_warps) for _ in range(R)]
+    hist_all, outs = check_variant(layout, topk_R, counts_RE, work,
+                                   f"chunk={chunk} warps={warps} shared_warps={shared_warps}")
+    cap_base, cap_rem = pf.receive_cap_args(R, layout.config.topk, s, None)
+    topk, w, out = topk_R[0], work[0], outs[0]
+    steps = {
+        "count": lambda: pf.count_step(topk, E, w),
+        "prefix": lambda: pf.prefix_step(0, hist_all, w),
+        "shared": lambda: pf.shared_step(0, hist_all[0], w, out, layout, cap_base, cap_rem),
+        "dest": lambda: pf.dest_step(topk, w, out, layout),
+    }
+    steps["chunk_pass"] = lambda: pf.chunk_pass(topk, 0, hist_all, w)
+    steps["shared_dest"] = lambda: pf.plan_pass(topk, 0, hist_all[0], w, out, layout, cap_base, cap_rem)
+
+    def total() -> None:
+        steps["chunk_pass"]()
+        steps["shared_dest"]()
+
+    steps["total"] = total
+    row = {"chunk": chunk, "warps": warps, "shared_warps": shared_warps}
+    row.update({f"{name}_us": graph_us(fn, iters) for name, fn in steps.items()})
+    return row
+
+
+def bench_baseline(layout: Layout, topk_R: list[torch.Tensor], counts_RE: torch.Tensor, iters: int) -> dict:
+    """The single-program planner of experiments/planner_baseline, chunk 512 x 4 warps."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "planner_baseline" / "fused_single_program.py"
+    spec = importlib.util.spec_from_file_location("fused_single_program", path)
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    R, E = layout.num_ranks, layout.config.num_experts
+    dev, s = topk_R[0].device, topk_R[0].shape[0]
+    hist_all = torch.zeros(R, R, E, dtype=torch.int32, device=dev)
+    work = [old._Workspace(layout, s, dev, 512, 4) for _ in range(R)]
+    plan_layout = [old._PlanLayout(layout, r, s, None) for r in range(R)]
+    flats = [pl.empty(dev).fill_(0x5A5A5A5A) for pl in plan_layout]
+    outs = [pl.views(f) for pl, f in zip(plan_layout, flats, strict=True)]
+    cap_base, cap_rem = old.receive_cap_args(R, layout.config.topk, s, None)
+    for r in range(R):
+        old.chunk_pass(topk_R[r], r, hist_all, work[r])
+    for r in range(R):
+        old.plan_pass(topk_R[r], r, hist_all[r], work[r], outs[r], layout, cap_base, cap_rem)
+    torch.cuda.synchronize()
+    for r in range(R):
+        got = plan_layout[r].plan(flats[r])
+        got = type(got)(**{**vars(got), **{n: getattr(got, n).cpu() for n in PLAN_FIELDS}})
+        assert_same_plan(got, make_plan(layout, r, topk_R[r].cpu(), counts_RE), f"baseline rank {r}")
 
     def chunk_only() -> None:
-        pf.chunk_pass(topk_R[0], 0, hist_all, work[0])
+        old.chunk_pass(topk_R[0], 0, hist_all, work[0])
 
     def plan_only() -> None:
-        pf.plan_pass(topk_R[0], 0, hist_all[0], work[0], outs[0], layout, cap_base, cap_rem)
+        old.plan_pass(topk_R[0], 0, hist_all[0], work[0], outs[0], layout, cap_base, cap_rem)
 
     def both() -> None:
         chunk_only()
         plan_only()
 
-    return {"chunk": chunk, "warps": warps, "chunk_pass_us": graph_us(chunk_only, iters),
-            "shared_dest_us": graph_us(plan_only, iters), "total_us": graph_us(both, iters)}
+    return {"impl": "baseline: one shared program", "chunk": 512, "warps": 4,
+            "chunk_pass_us": graph_us(chunk_only, iters), "shared_dest_us": graph_us(plan_only, iters),
+            "total_us": graph_us(both, iters)}
+
+
+def format_table(rows: list[dict], baseline: dict | None) -> str:
+    head = ("chunk", "warps", "sh.warps", *COLUMNS)
+    lines = [" ".join(f"{h:>11}" for h in head)]
+    for r in rows:
+        cells = [str(r["chunk"]), str(r["warps"]), str(r["shared_warps"])] + [f"{r[c + '_us']:.1f}" for c in COLUMNS]
+        lines.append(" ".join(f"{c:>11}" for c in cells))
+    if baseline is not None:
+        cells = ["base 512", "4", "", "", "", "", ""] + [f"{baseline[c + '_us']:.1f}"
+                                                          for c in ("chunk_pass", "shared_dest", "total")]
+        lines.append(" ".join(f"{c:>11}" for c in cells))
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -97,33 +175,58 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--maxvio", type=float, default=1.0)
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--variants", type=int, default=len(VARIANTS), help="measure the first N variants only")
+    p.add_argument("--baseline", action="store_true", help="also time the single-program planner (experiments/)")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     R, E, K, S = args.ranks, args.experts, args.topk, args.tokens
+    if E % R:
+        raise ValueError(f"--experts {E} must be a multiple of --ranks {R}")
     layout = Layout(BufferConfig(max_tokens=S, hidden=8, topk=K, num_experts=E), R, 4096)
+    t0 = time.time()
     routing = generate_routing(num_ranks=R, tokens_per_rank=S, num_experts=E, topk=K, target_maxvio=args.maxvio,
                                seed=0)
+    print(f"routing: R={R} E={E} K={K} s={S} maxvio {routing.realised_maxvio:.2f} [{time.time() - t0:.0f} s]",
+          flush=True)
     topk_R = [routing.topk_RsK[r].cuda() for r in range(R)]
     counts = routing.tokens_per_expert_RE.to(torch.int32)
-    rows = []
-    for chunk, warps in VARIANTS:
+    floor_buf = torch.zeros(1, device="cuda")
+    floor = graph_us(lambda: floor_buf.add_(1), args.iters)
+    rows, failed = [], []
+    for chunk, warps, shared_warps in VARIANTS[: args.variants]:
         t0 = time.time()
-        rows.append(bench_variant(layout, topk_R, counts, chunk, warps, args.iters))
-        print(f"chunk {chunk} warps {warps}: bitwise equal to make_plan on {R} ranks, "
-              f"{rows[-1]['total_us']:.1f} us [{time.time() - t0:.0f} s]", flush=True)
+        name = f"chunk {chunk} warps {warps} shared warps {shared_warps}"
+        try:  # one failing variant (a compile or bitwise mismatch) must not hide the others' numbers
+            rows.append(bench_variant(layout, topk_R, counts, chunk, warps, shared_warps, args.iters))
+        except Exception as exc:  # reported, recorded and turned into the exit status
+            failed.append({"variant": name, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+            print(f"{name}: FAILED {failed[-1]['error']}", flush=True)
+            continue
+        print(f"{name}: bitwise equal to make_plan on {R} ranks, {rows[-1]['total_us']:.1f} us "
+              f"[{time.time() - t0:.0f} s]", flush=True)
+    baseline = None
+    if args.baseline:
+        t0 = time.time()
+        try:
+            baseline = bench_baseline(layout, topk_R, counts, args.iters)
+            print(f"baseline (one shared program): bitwise equal to make_plan on {R} ranks, "
+                  f"{baseline['total_us']:.1f} us [{time.time() - t0:.0f} s]", flush=True)
+        except Exception as exc:
+            failed.append({"variant": "baseline", "error": f"{type(exc).__name__}: {exc}"[:2000]})
+            print(f"baseline: FAILED {failed[-1]['error']}", flush=True)
     print(f"\nfused planner kernels, R={R} simulated, E={E}, s={S}, K={K}, maxvio {routing.realised_maxvio:.2f}, "
-          f"{torch.cuda.get_device_name()}: GPU us per CUDA-graph replay (median of {args.iters})")
-    print(f"{'chunk':>6} {'warps':>5} {'chunk pass':>10} {'shared+dest':>11} {'total':>7}")
-    for r in rows:
-        print(f"{r['chunk']:>6} {r['warps']:>5} {r['chunk_pass_us']:>10.1f} {r['shared_dest_us']:>11.1f} "
-              f"{r['total_us']:>7.1f}")
+          f"{torch.cuda.get_device_name()}: GPU us per CUDA-graph replay (median of {args.iters}); "
+          f"floor (one tiny kernel) {floor:.1f} us")
+    print(format_table(rows, baseline))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"bench_planner_R{R}_E{E}_{time.strftime('%Y%m%d')}.json"
+    path = out / f"bench_planner_R{R}_E{E}_K{K}_{time.strftime('%Y%m%d')}.json"
     meta = {"R": R, "E": E, "S": S, "K": K, "maxvio": routing.realised_maxvio, "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "iters": args.iters}
-    path.write_text(json.dumps({"config": meta, "variants": rows}, indent=1))
+            "torch": torch.__version__, "iters": args.iters, "floor_us": floor}
+    path.write_text(json.dumps({"config": meta, "variants": rows, "baseline": baseline, "failed": failed}, indent=1))
     print(f"wrote {path}")
+    if failed:
+        sys.exit(f"{len(failed)} variant(s) failed: {[f['variant'] for f in failed]}")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 # The GPU tiers and benchmarks in one go, for a 2-GPU machine (run from the repository root):
 #   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm ...]   (default: the first four, in order)
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
-# PLANNER_TIMEOUT / GEMM_TIMEOUT (s), COMM_ARGS (bench_comm.py arguments instead of --experts 96 384), TRAIN_ARGS
-# (extra bench_train.py arguments).
+# PLANNER_TIMEOUT / GEMM_TIMEOUT (s), COMM_ARGS (bench_comm.py arguments instead of --experts 96 384, e.g.
+# --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
+# --experts 896 --topk 16 --ranks 8).
 # Each rank's pytest output goes to its own log (OUT_DIR/tests_r<rank>.log), so a failure on one rank
 # is readable; every step has its own time limit so one hang cannot eat the rest.
 set -uo pipefail
@@ -38,7 +39,7 @@ for step in "${steps[@]}"; do
     train) timeout "${TRAIN_TIMEOUT:-400}" torchrun --nproc_per_node=2 benchmarks/bench_train.py --recipe recipes/k3_small_moe.yaml \
              --steps 5 --warmup 2 --out "$out" ${TRAIN_ARGS:-} > "$out/train.log" 2>&1
            echo "train rc=$?"; grep -v "^\[rank" "$out/train.log" | tail -10 ;;
-    planner) timeout "${PLANNER_TIMEOUT:-120}" python benchmarks/bench_planner.py --out "$out" > "$out/planner.log" 2>&1
+    planner) timeout "${PLANNER_TIMEOUT:-300}" python benchmarks/bench_planner.py ${PLANNER_ARGS:-} --out "$out" > "$out/planner.log" 2>&1
            echo "planner rc=$?"; tail -12 "$out/planner.log" ;;
     gemm)  timeout "${GEMM_TIMEOUT:-300}" python benchmarks/bench_expert_gemm.py --out "$out" > "$out/expert_gemm.log" 2>&1
            echo "gemm rc=$?"; tail -40 "$out/expert_gemm.log" ;;

@@ -6,29 +6,39 @@ Protocol of one plan (every rank; s tokens, K top-k, flat entry index i = t*K + 
     1. `_chunk_kernel`, one program per chunk of CHUNK consecutive flat entries: the chunk's
        expert histogram, and each entry's rank among the chunk's entries of the same expert in flat
        order (tl.sort on the key expert*CHUNK + i, then a scan over runs of equal experts). Then
-       `_prefix_kernel`, one program per 16 experts, turns the per-chunk histograms into exclusive
-       prefixes over chunks and writes the local histogram (their sum) into row `rank` of every
-       peer's hist region (plain peer stores).
+       `_prefix_kernel`, one program per 8-16 experts (one [256 chunks, experts] tile per step),
+       turns the per-chunk histograms into exclusive prefixes over chunks and writes the local
+       histogram (their sum) into row `rank` of every peer's hist region (plain peer stores).
     2. the heap barrier "dispatch:histograms" (moonep.heap.device_barrier on CUDA: its
        fence.sc.sys + st.release.sys / ld.acquire.sys and stream order make the peer stores of 1
        visible to 3 and 4 on every rank).
-    3. `_shared_kernel`, one program: counts_RE (copied out of the own hist region), receive caps,
-       receiver filling, quota split, slots, group rows and offs (SPEC 5.1-5.4 with the
-       specification's tie rules: tl.argmax / tl.argmin keep the lowest index, as torch does),
-       plus per (expert e, rank d) the end of d's share of e's entry list and the receive row of
-       e's entry number 0 on d, so that step 4 needs two lookups per entry. The quota-split loop
-       stops once every quota is 0 (the specification's remaining masked steps move 0 tokens).
+    3. `_shared_kernel`, one program per rank d (SPEC 5.1-5.4 with the specification's tie rules,
+       lowest index first): every program sums the gathered histograms and repeats the receiver
+       filling (R - 1 steps on [R] vectors); program d then runs the quota split of its own home
+       group and of its donor h, the one group with quota[h, d] > 0 (SPEC 5.2: a rank receives
+       from at most one remote group), two interleaved chains that stop once their quotas are
+       closed (the specification's remaining masked steps move 0 tokens). That gives every count
+       rank d's rows depend on: slots are the donor's experts with tokens on d in ascending id
+       (the specification's cumsum over all experts counts no other group on d), group rows and
+       offs of rank d are three segments (local experts, the donor's home rows, the slots) whose
+       padded cumulative ends are written directly. Program d writes counts_RE[d], the rank-d rows
+       of slot_expert / group_rows / offs, alloc of its group's experts, and per (expert e, rank d)
+       the end of d's share of e's entry list and the receive row of e's entry number 0 on d, both
+       relative to this rank's entries (the tokens of e on lower source ranks taken out), so that
+       step 4 needs no per-expert base. Program 0 writes cap_R and quota_RR.
     4. `_dest_kernel`, one program per BLOCK_T whole tokens: SPEC 5.5 for this rank's entries,
-       pos = (tokens of e on lower ranks) + (e's entries in earlier chunks) + (rank inside the
-       chunk); dst_rank = number of ranks whose share of e ends at or before pos; dst_row = the
-       row of e's entry 0 on dst + pos; dedup over the token's K entries in registers.
+       pos = (e's entries in earlier chunks) + (rank inside the chunk); dst_rank = number of ranks
+       whose share of e ends at or before pos (the [R] ends of e as one contiguous load); dst_row
+       = the row of e's entry 0 on dst + pos; dedup in registers over the same [tokens, K, R] tile:
+       per token and rank the lowest k and its row, which every entry on that rank copies (rows of
+       distinct entries differ, so the carrier is the entry whose copy row is its own row).
 All outputs of a plan live in one flat byte buffer (int64 fields, then int32, then bool) that
 `_PlanLayout` cuts into the Plan's tensors.
 
-The shared kernel holds the whole problem in registers as small tiles: R ranks (padded to a power
-of two R_P), epn experts per home group (EPN_P), G = E + B groups (G_P). Padded lanes: quota and
-remaining get -1 in padded columns so argmax never picks them, 0 in padded rows so their `take` is
-0; balance gets the dtype's extreme values for argmax/argmin.
+The shared kernel's tiles are per rank: [epn, R] allocations of two groups, [R, R] quotas, [G]
+rows of one rank (R padded to a power of two R_P, epn to EPN_P, G = E + B to G_P). An argmax is one
+max-reduction of an int64 key (value in the high bits, the index's complement in the low bits);
+padded lanes never win (quota and remaining -1, balance masked).
 
 On CUDA the four launches of one shape are captured in CUDA graphs, each writing into its own
 pooled Plan (`_PlanPool`); a call copies topk into the graphs' input and replays a graph whose Plan
@@ -54,21 +64,24 @@ Race note (as on the PyTorch path): the hist region is single-buffered. A peer m
 histogram only after a barrier that follows this rank's step 3; Buffer.plan passes barrier
 "plan:enter" first when two plans follow each other with nothing collective in between.
 
-Measured (2xH200 NV18, torch 2.11, 2026-11-29/30; R=2, S=8192, K=8):
-- kernels alone (benchmarks/bench_planner.py, E=384, every rank simulated on one GPU, one CUDA graph
-  replay, median of 50): chunk 512 x 4 warps 25.6 us, of which the chunk pass (with the prefix
-  launch) 17.2 us and the shared + destination pass 17.5 us (the parts overlap a little in one
-  graph). Other chunks: 1024 x 4 29.6, 256 x 4 27.8, 2048 x 4 49.2, 2048 x 8 40.2 us.
-- Buffer.plan on 2 GPUs (benchmarks/bench_comm.py), with the barrier: 29-32 us of GPU time per plan
-  in a run of 8 at E=96 and E=384; one call alone, host launch and the ranks' host skew included,
-  54-122 us.
+Measured: this layout of the shared, prefix and destination kernels is not yet timed on a GPU
+(benchmarks/bench_planner.py --experts 896 --topk 16 --ranks 8 prints each kernel; the target is
+<= 35 us per plan there). Static sm90 code (Triton 3.5 + ptxas, E=896, R=8, K=16): the shared kernel
+2.7k instructions and 50 CTA barriers per program, 6 of them in the quota-split loop (5 steps at
+maxvio 1); the destination kernel 1.8k instructions, 192 shuffles per 32 tokens.
+The chunk kernel (H200, 2026-11-29, R=2, E=384, K=8, S=8192): the chunk pass 17.2 us at chunk 512 x 4
+warps (1024 x 4: slower by 4 us, 256 x 4 by 2 us, 2048 by 15-24 us in total).
 
 Rejected: the prefixes over chunks in the last chunk program to finish (a ticket counter; 36.2 us
 at chunk 512); counting ranks with a [CHUNK, E] one-hot cumsum (E times more work and registers
 than the sort); a single persistent kernel with an in-kernel grid barrier (needs all programs
 co-resident and spins inside the interpreter's sequential programs); launching eagerly on CUDA (3
 Triton launches + the barrier cost the host ~100 us); the PyTorch planner replayed from a CUDA
-graph (~400 small kernels per plan); a CuTe DSL kernel of the shared part (experiments/cute_planner).
+graph (~400 small kernels per plan); a CuTe DSL kernel of the shared part (experiments/cute_planner);
+one shared program holding the whole [R, epn, R] problem (7.4k instructions and 139 barriers at
+E=896, R=8; its shared + destination pass took 34 us at R=8 against 17 us at R=2 on an H200); the
+dedup over [tokens, K, K] pairs (twice the tile of [tokens, K, R] at K=16, R=8, its reductions
+across lanes).
 """
 
 from __future__ import annotations
@@ -85,8 +98,10 @@ from moonep.planner.plan import Plan
 
 CHUNK = 512  # flat entries per histogram program (a power of two for tl.sort); benchmarks/bench_planner.py sweeps it
 _DEST_ENTRIES = 1024  # entries per destination program (whole tokens, K padded to a power of two)
-_PREFIX_EXPERTS = 16  # experts per program of the prefix kernel
-_DEDUP_TILE = 8192  # elements of the destination program's [tokens, K_P, K_P] dedup tile (registers)
+_PREFIX_CHUNKS = 256  # chunks per tile of the prefix kernel: up to s*K = 131072 entries in one step
+_PREFIX_TILE = 2048  # elements of a prefix tile ([chunks, experts]; at most 16 experts per program)
+_SHARED_WARPS = 4  # warps per program of the shared pass (benchmarks/bench_planner.py sweeps them)
+_DEST_TILE = 4096  # elements of the destination program's [tokens, K_P, R_P] tile (registers)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -159,133 +174,210 @@ def _prefix_kernel(chunk_hist_ptr, hist_ptr, num_chunks, rank, hist_rank_stride,
         tl.store(row + ee, carry, mask=e_ok)
 
 
-@triton.jit(do_not_specialize=["rank", "cap_base", "cap_rem"])
-def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr, rows_ptr, offs_ptr,
-                   base_ptr, end_ptr, rowbase_ptr, rank, cap_base, cap_rem,
-                   R: tl.constexpr, EPN: tl.constexpr, B: tl.constexpr, PAD: tl.constexpr,
-                   R_P: tl.constexpr, EPN_P: tl.constexpr, G_P: tl.constexpr, B_P: tl.constexpr):
-    E: tl.constexpr = R * EPN
-    G: tl.constexpr = E + B
-    BIG: tl.constexpr = 2**30
-    h_R = tl.arange(0, R_P)
-    i_I = tl.arange(0, EPN_P)
-    ok_R = h_R < R
-    ok_HI = (h_R[:, None] < R) & (i_I[None, :] < EPN)
-    e_HI = h_R[:, None] * EPN + i_I[None, :]
-    # 1. counts (copied out), tokens per expert, tokens of each expert on ranks below this one
-    count_HI = tl.zeros([R_P, EPN_P], dtype=tl.int32)
-    base_HI = tl.zeros([R_P, EPN_P], dtype=tl.int32)
-    for r in tl.static_range(R):
-        c_HI = tl.load(hist_ptr + r * E + e_HI, mask=ok_HI, other=0)
-        tl.store(counts_ptr + r * E + e_HI, c_HI, mask=ok_HI)
-        count_HI += c_HI
-        base_HI += tl.where(r < rank, c_HI, 0)
-    tl.store(base_ptr + e_HI, base_HI, mask=ok_HI)
-    group_R = tl.sum(count_HI, axis=1)
-    cap_R = cap_base + (h_R < cap_rem).to(tl.int32)
-    tl.store(cap_ptr + h_R, cap_R.to(tl.int64), mask=ok_R)
-    bal = group_R - cap_R
-    # 2. receiver filling (SPEC 5.2)
-    d_RR = tl.arange(0, R_P)[None, :]
-    hrow_RR = h_R[:, None]
-    quota = tl.zeros([R_P, R_P], dtype=tl.int32)
-    for _ in tl.static_range(R - 1):
-        h = tl.argmax(tl.where(ok_R, bal, -BIG), axis=0)
-        u = tl.argmin(tl.where(ok_R, bal, BIG), axis=0)
-        bal_h = tl.sum(tl.where(h_R == h, bal, 0), axis=0)
-        bal_u = tl.sum(tl.where(h_R == u, bal, 0), axis=0)
-        active = bal_h > 0
-        quota += tl.where((hrow_RR == h) & (d_RR == u) & active, -bal_u, 0)
-        new_h = bal_h + tl.where(active, bal_u, 0)
-        new_u = tl.where(active, 0, bal_u)
-        bal = tl.where(h_R == u, new_u, bal)
-        bal = tl.where(h_R == h, new_h, bal)
-    tl.store(quota_ptr + hrow_RR * R + d_RR, quota.to(tl.int64), mask=(hrow_RR < R) & (d_RR < R))
-    # 3. quota -> experts (SPEC 5.3), all donors at once, until every quota is closed
-    q_tile = tl.where(d_RR < R, quota, -1)
-    q_tile = tl.where(hrow_RR < R, q_tile, 0)
-    m_tile = tl.where(i_I[None, :] < EPN, count_HI, -1)
-    m_tile = tl.where(h_R[:, None] < R, m_tile, 0)
-    i_3 = i_I[None, :, None]
-    d_3 = tl.arange(0, R_P)[None, None, :]
-    alloc = tl.zeros([R_P, EPN_P, R_P], dtype=tl.int32)
-    step = 0
-    open_quota = tl.max(tl.max(q_tile, axis=1), axis=0)
-    while (step < EPN + R - 1) & (open_quota > 0):
-        d = tl.argmax(q_tile, axis=1)  # [R_P]
-        q = tl.sum(tl.where(d_RR == d[:, None], q_tile, 0), axis=1)
-        le = tl.argmax(m_tile, axis=1)
-        rem = tl.sum(tl.where(i_I[None, :] == le[:, None], m_tile, 0), axis=1)
-        take = tl.minimum(q, rem)
-        q_tile -= tl.where(d_RR == d[:, None], take[:, None], 0)
-        m_tile -= tl.where(i_I[None, :] == le[:, None], take[:, None], 0)
-        alloc += tl.where((i_3 == le[:, None, None]) & (d_3 == d[:, None, None]), take[:, None, None], 0)
-        open_quota = tl.max(tl.max(q_tile, axis=1), axis=0)
-        step += 1
-    home_rest = tl.where(i_I[None, :] < EPN, m_tile, 0)
-    alloc += tl.where(d_3 == h_R[:, None, None], home_rest[:, :, None], 0)
-    # 4. slots (SPEC 5.4): remote experts with tokens, ascending expert id per receiving rank
-    e_3 = h_R[:, None, None] * EPN + i_3
-    ok_3 = (h_R[:, None, None] < R) & (i_3 < EPN) & (d_3 < R)
-    remote = ok_3 & (alloc > 0) & (h_R[:, None, None] != d_3)
-    remote_flat = tl.reshape(remote.to(tl.int32), [R_P * EPN_P, R_P])
-    slot_3 = tl.reshape(tl.cumsum(remote_flat, axis=0) - 1, [R_P, EPN_P, R_P])
-    in_slot = remote & (slot_3 < B)
-    group_3 = tl.where(in_slot, E + slot_3, e_3)
-    tl.store(alloc_ptr + e_3 * R + d_3, alloc, mask=ok_3)
-    # empty slots: expert -1 and 0 rows; the CTA barrier orders these stores before the scatter
-    j_B = tl.arange(0, B_P)[None, :]
-    ok_RB = (hrow_RR < R) & (j_B < B)
-    tl.store(slot_ptr + hrow_RR * B + j_B, tl.full([R_P, B_P], -1, tl.int32), mask=ok_RB)
-    tl.store(rows_ptr + hrow_RR * G + E + j_B, tl.zeros([R_P, B_P], dtype=tl.int32), mask=ok_RB)
-    tl.debug_barrier()
-    tl.store(slot_ptr + d_3 * B + slot_3, e_3, mask=in_slot)
-    # 5. rows per W_full row on each rank, then padded cumulative ends
-    tl.store(rows_ptr + d_3 * G + e_3, tl.where(in_slot, 0, alloc), mask=ok_3)
-    tl.store(rows_ptr + d_3 * G + E + slot_3, alloc, mask=in_slot)
-    tl.debug_barrier()
-    g_G = tl.arange(0, G_P)[None, :]
-    ok_RG = (hrow_RR < R) & (g_G < G)
-    rows = tl.load(rows_ptr + hrow_RR * G + g_G, mask=ok_RG, other=0)
-    padded = (rows + PAD - 1) // PAD * PAD
-    tl.store(offs_ptr + hrow_RR * G + g_G, tl.cumsum(padded, axis=1), mask=ok_RG)
-    tl.debug_barrier()
-    # 6. per (e, d) for the destinations: end of d's share of e's entries, and the receive row of
-    #    e's entry 0 if it went to d (group start on d minus the entries of e on lower ranks)
-    end_3 = tl.cumsum(alloc, axis=2)
-    g_rows = tl.load(rows_ptr + d_3 * G + group_3, mask=ok_3, other=0)
-    g_end = tl.load(offs_ptr + d_3 * G + group_3, mask=ok_3, other=0)
-    start = g_end - (g_rows + PAD - 1) // PAD * PAD
-    tl.store(end_ptr + e_3 * R + d_3, end_3, mask=ok_3)
-    tl.store(rowbase_ptr + e_3 * R + d_3, start - (end_3 - alloc), mask=ok_3)
+@triton.jit
+def _key_max(value, idx, ok, IDX_BITS: tl.constexpr):
+    """(index, value) of the largest `value` over the `ok` lanes of a 1-D block, the lowest index on
+    ties (torch.argmax's rule), in one reduction: value in the high bits of an int64 key, the
+    complement of the index in the low IDX_BITS bits."""
+    LOW: tl.constexpr = (1 << IDX_BITS) - 1
+    key = tl.max(tl.where(ok, (value.to(tl.int64) << IDX_BITS) | (LOW - idx).to(tl.int64), -(2**62)), axis=0)
+    return (LOW - (key & LOW)).to(tl.int32), (key >> IDX_BITS).to(tl.int32)
 
 
 @triton.jit
-def _dest_kernel(topk_ptr, rank_ptr, prefix_ptr, base_ptr, end_ptr, rowbase_ptr,
+def _key_min(value, idx, ok, IDX_BITS: tl.constexpr):
+    """(index, value) of the smallest `value` over the `ok` lanes, the lowest index on ties."""
+    LOW: tl.constexpr = (1 << IDX_BITS) - 1
+    key = tl.min(tl.where(ok, (value.to(tl.int64) << IDX_BITS) | idx.to(tl.int64), 2**62), axis=0)
+    return (key & LOW).to(tl.int32), (key >> IDX_BITS).to(tl.int32)
+
+
+@triton.jit
+def _row(tile, rows, r):
+    """Row r of a 2-D tile whose row indices are `rows` (a masked sum: no data-dependent indexing)."""
+    return tl.sum(tl.where(rows[:, None] == r, tile, 0), axis=0)
+
+
+@triton.jit
+def _col(tile, cols, c):
+    """Column c of a 2-D tile whose column indices are `cols`."""
+    return tl.sum(tl.where(cols[None, :] == c, tile, 0), axis=1)
+
+
+@triton.jit
+def _pad(rows, PAD: tl.constexpr):
+    return (rows + PAD - 1) // PAD * PAD
+
+
+@triton.jit(do_not_specialize=["rank", "cap_base", "cap_rem"])
+def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr, rows_ptr, offs_ptr,
+                   end_ptr, rowbase_ptr, rank, cap_base, cap_rem,
+                   R: tl.constexpr, EPN: tl.constexpr, B: tl.constexpr, PAD: tl.constexpr,
+                   R_P: tl.constexpr, EPN_P: tl.constexpr, G_P: tl.constexpr, B_P: tl.constexpr,
+                   LOG_R_P: tl.constexpr, LOG_EPN_P: tl.constexpr):
+    """Program d: the shared plan's rows of rank d and of home group d's experts (SPEC 5.1-5.4).
+
+    Every program repeats the receiver filling (R - 1 steps on [R] vectors); program d then splits
+    the quotas of its own group d and of its donor h (the one group with quota[h, d] > 0, SPEC 5.2),
+    which gives every token count rank d's rows depend on. Writes: counts_RE[d], group_rows_RG[d],
+    offs_RG[d], slot_expert_RB[d], alloc_ER and end_ER of group d's experts, rowbase_ER[:, d] of
+    the experts with tokens on d; program 0 also cap_R and quota_RR. end and rowbase are relative
+    to this rank's entries: the tokens of e on lower ranks are subtracted (end) or added (rowbase),
+    so that the destination pass needs no per-expert base."""
+    E: tl.constexpr = R * EPN
+    G: tl.constexpr = E + B
+    d = tl.program_id(0)
+    g_R = tl.arange(0, R_P)
+    i_I = tl.arange(0, EPN_P)
+    ok_R = g_R < R
+    ok_I = i_I < EPN
+    ok_GI = ok_R[:, None] & ok_I[None, :]
+    e_GI = g_R[:, None] * EPN + i_I[None, :]
+    # 1. tokens per expert (over all ranks) and on ranks below this one, counts_RE row d copied out
+    count_GI = tl.zeros([R_P, EPN_P], dtype=tl.int32)
+    base_GI = tl.zeros([R_P, EPN_P], dtype=tl.int32)
+    for r in tl.static_range(R):
+        c_GI = tl.load(hist_ptr + r * E + e_GI, mask=ok_GI, other=0)
+        count_GI += c_GI
+        base_GI += tl.where(r < rank, c_GI, 0)
+    tl.store(counts_ptr + d * E + e_GI, tl.load(hist_ptr + d * E + e_GI, mask=ok_GI, other=0), mask=ok_GI)
+    group_R = tl.sum(count_GI, axis=1)
+    cap_R = cap_base + (g_R < cap_rem).to(tl.int32)
+    # 2. receiver filling (SPEC 5.2), identical in every program
+    hrow = g_R[:, None]
+    ucol = g_R[None, :]
+    quota = tl.zeros([R_P, R_P], dtype=tl.int32)
+    bal = group_R - cap_R
+    for _ in tl.static_range(R - 1):
+        h, bal_h = _key_max(bal, g_R, ok_R, LOG_R_P)
+        u, bal_u = _key_min(bal, g_R, ok_R, LOG_R_P)
+        active = bal_h > 0
+        quota += tl.where((hrow == h) & (ucol == u) & active, -bal_u, 0)
+        new_h = bal_h + tl.where(active, bal_u, 0)
+        new_u = tl.where(active, 0, bal_u)
+        bal = tl.where(g_R == u, new_u, bal)
+        bal = tl.where(g_R == h, new_h, bal)
+    ok_RR = (hrow < R) & (ucol < R)
+    tl.store(cap_ptr + g_R, cap_R.to(tl.int64), mask=ok_R & (d == 0))
+    tl.store(quota_ptr + hrow * R + ucol, quota.to(tl.int64), mask=ok_RR & (d == 0))
+    # 3. quota split (SPEC 5.3) of group d and of d's donor h, the two chains interleaved; each
+    #    stops once its quotas are closed (the specification's remaining steps move 0 tokens)
+    h, q_dh = _key_max(_col(quota, g_R, d), g_R, ok_R, LOG_R_P)
+    has_donor = q_dh > 0
+    q_own = tl.where(ok_R, _row(quota, g_R, d), -1)  # padded receivers: never the largest quota
+    q_don = tl.where(ok_R & has_donor, _row(quota, g_R, h), -1)
+    m_own = tl.where(ok_I, _row(count_GI, g_R, d), -1)  # padded experts: never the fullest
+    m_don = tl.where(ok_I, _row(count_GI, g_R, h), -1)
+    i2 = i_I[:, None]
+    d2 = g_R[None, :]
+    a_own = tl.zeros([EPN_P, R_P], dtype=tl.int32)  # alloc[d * EPN + i, rank]
+    a_don = tl.zeros([EPN_P, R_P], dtype=tl.int32)  # alloc[h * EPN + i, rank]
+    to_o, qv_o = _key_max(q_own, g_R, ok_R, LOG_R_P)
+    to_d, qv_d = _key_max(q_don, g_R, ok_R, LOG_R_P)
+    step = 0
+    while (step < EPN + R - 1) & ((qv_o > 0) | (qv_d > 0)):
+        from_o, mv_o = _key_max(m_own, i_I, ok_I, LOG_EPN_P)
+        from_d, mv_d = _key_max(m_don, i_I, ok_I, LOG_EPN_P)
+        take_o = tl.maximum(tl.minimum(qv_o, mv_o), 0)
+        take_d = tl.maximum(tl.minimum(qv_d, mv_d), 0)
+        q_own = tl.where(g_R == to_o, q_own - take_o, q_own)
+        q_don = tl.where(g_R == to_d, q_don - take_d, q_don)
+        m_own = tl.where(i_I == from_o, m_own - take_o, m_own)
+        m_don = tl.where(i_I == from_d, m_don - take_d, m_don)
+        a_own += tl.where((i2 == from_o) & (d2 == to_o), take_o, 0)
+        a_don += tl.where((i2 == from_d) & (d2 == to_d), take_d, 0)
+        to_o, qv_o = _key_max(q_own, g_R, ok_R, LOG_R_P)
+        to_d, qv_d = _key_max(q_don, g_R, ok_R, LOG_R_P)
+        step += 1
+    a_own += tl.where(d2 == d, tl.where(ok_I, m_own, 0)[:, None], 0)  # the rest stays home
+    a_don += tl.where(d2 == h, tl.where(ok_I, m_don, 0)[:, None], 0)
+    ok_IR = (i2 < EPN) & (d2 < R)
+    e_own = d * EPN + i_I
+    tl.store(alloc_ptr + e_own[:, None] * R + d2, a_own, mask=ok_IR)
+    base_own = _row(base_GI, g_R, d)
+    base_don = _row(base_GI, g_R, h)
+    tl.store(end_ptr + e_own[:, None] * R + d2, tl.cumsum(a_own, axis=1) - base_own[:, None], mask=ok_IR)
+    # 4. rank d's groups: its local experts, the donor's experts (their home rows, or slots in
+    #    ascending expert id while B lasts: SPEC 5.4), nothing else; rows and padded cumulative ends
+    local_I = _col(a_own, g_R, d)
+    remote_I = tl.where(has_donor, _col(a_don, g_R, d), 0)
+    got = ok_I & (remote_I > 0)
+    slot_I = tl.cumsum(got.to(tl.int32), axis=0) - 1
+    in_slot = got & (slot_I < B)
+    num_used = tl.sum(in_slot.to(tl.int32), axis=0)
+    home_I = tl.where(in_slot, 0, remote_I)  # remote tokens on the expert's home row (slots ran out)
+    loc_pad = _pad(local_I, PAD)
+    home_pad = _pad(home_I, PAD)
+    slot_pad = tl.where(in_slot, _pad(remote_I, PAD), 0)
+    loc_tot = tl.sum(loc_pad, axis=0)
+    home_tot = tl.sum(home_pad, axis=0)
+    slot_tot = tl.sum(slot_pad, axis=0)
+    loc_start = d * EPN
+    don_start = h * EPN
+    before_loc = tl.where(has_donor & (don_start < loc_start), home_tot, 0)
+    before_don = tl.where(loc_start < don_start, loc_tot, 0)
+    homes_tot = loc_tot + home_tot
+    loc_end = tl.cumsum(loc_pad, axis=0) + before_loc
+    don_end = tl.cumsum(home_pad, axis=0) + before_don
+    slot_end = tl.cumsum(slot_pad, axis=0) + homes_tot
+    g_G = tl.arange(0, G_P)
+    in_loc = (g_G >= loc_start) & (g_G < loc_start + EPN)
+    in_don = has_donor & (g_G >= don_start) & (g_G < don_start + EPN)
+    in_used = (g_G >= E) & (g_G < E + num_used)
+    rest = (g_G < G) & ~in_loc & ~in_don & ~in_used  # empty groups: 0 rows, the end of what precedes
+    rest_end = (tl.where(g_G >= loc_start + EPN, loc_tot, 0) + tl.where(g_G >= E + num_used, slot_tot, 0)
+                + tl.where(has_donor & (g_G >= don_start + EPN), home_tot, 0))
+    tl.store(rows_ptr + d * G + g_G, tl.zeros([G_P], dtype=tl.int32), mask=rest)
+    tl.store(offs_ptr + d * G + g_G, rest_end, mask=rest)
+    tl.store(rows_ptr + d * G + loc_start + i_I, local_I, mask=ok_I)
+    tl.store(offs_ptr + d * G + loc_start + i_I, loc_end, mask=ok_I)
+    tl.store(rows_ptr + d * G + don_start + i_I, home_I, mask=ok_I & has_donor)
+    tl.store(offs_ptr + d * G + don_start + i_I, don_end, mask=ok_I & has_donor)
+    tl.store(rows_ptr + d * G + E + slot_I, remote_I, mask=in_slot)
+    tl.store(offs_ptr + d * G + E + slot_I, slot_end, mask=in_slot)
+    tl.store(slot_ptr + d * B + slot_I, don_start + i_I, mask=in_slot)
+    j_B = tl.arange(0, B_P)
+    tl.store(slot_ptr + d * B + j_B, tl.full([B_P], -1, tl.int32), mask=(j_B >= num_used) & (j_B < B))
+    # 5. rowbase[e, d] for the experts with tokens on d: the receive row of e's entry number 0 if it
+    #    went to d (group start minus e's entries on lower ranks), plus the tokens of e on lower
+    #    source ranks
+    tl.store(rowbase_ptr + e_own * R + d, loc_end - loc_pad - tl.sum(tl.where(d2 < d, a_own, 0), axis=1) + base_own,
+             mask=ok_I)
+    don_group_start = tl.where(in_slot, slot_end - slot_pad, don_end - home_pad)
+    tl.store(rowbase_ptr + (don_start + i_I) * R + d,
+             don_group_start - tl.sum(tl.where(d2 < d, a_don, 0), axis=1) + base_don, mask=got)
+
+
+@triton.jit
+def _dest_kernel(topk_ptr, rank_ptr, prefix_ptr, end_ptr, rowbase_ptr,
                  dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_ptr, num_tokens, E, K,
-                 R: tl.constexpr, K_P: tl.constexpr,
+                 R: tl.constexpr, R_P: tl.constexpr, K_P: tl.constexpr,
                  BLOCK_T: tl.constexpr, CHUNK: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
     k = tl.arange(0, K_P)[None, :]
     ok = (t < num_tokens) & (k < K)
     entry = t * K + k
     expert = tl.load(topk_ptr + entry, mask=ok, other=0).to(tl.int32)
-    pos = (tl.load(base_ptr + expert, mask=ok, other=0)
-           + tl.load(prefix_ptr + (entry // CHUNK) * E + expert, mask=ok, other=0)
+    # position among this rank's entries of the expert (end and rowbase are relative to them)
+    pos = (tl.load(prefix_ptr + (entry // CHUNK) * E + expert, mask=ok, other=0)
            + tl.load(rank_ptr + entry, mask=ok, other=0))
-    dst = tl.zeros([BLOCK_T, K_P], dtype=tl.int32)
-    for d in tl.static_range(R):  # ranks whose share of the expert ends at or before pos
-        dst += (tl.load(end_ptr + expert * R + d, mask=ok, other=0) <= pos).to(tl.int32)
+    # ranks whose share of the expert ends at or before pos: one contiguous [R] row per entry
+    d3 = tl.arange(0, R_P)[None, None, :]
+    end = tl.load(end_ptr + expert[:, :, None] * R + d3, mask=ok[:, :, None] & (d3 < R), other=2**30)
+    dst = tl.sum((end <= pos[:, :, None]).to(tl.int32), axis=2)
     row = tl.load(rowbase_ptr + expert * R + dst, mask=ok & (dst < R), other=0) + pos
     tl.store(dst_rank_ptr + entry, dst, mask=ok)
     tl.store(dst_row_ptr + entry, row, mask=ok)
-    # dedup: the lowest k' of the token with the same destination carries the row
-    k2 = tl.arange(0, K_P)[None, None, :]
-    same = (dst[:, :, None] == dst[:, None, :]) & (k2 < K)
-    first = tl.min(tl.where(same, k2, K_P), axis=2)
-    copy = tl.sum(tl.where(k2 == first[:, :, None], row[:, None, :], 0), axis=2)
+    # dedup: the lowest k of the token on each destination rank carries the row (per token and
+    # rank in the [R] tile of the ends: its first k, then that k's row); rows on a rank are
+    # distinct per entry, so an entry is the carrier exactly when its copy row is its own row
+    k3 = tl.arange(0, K_P)[None, :, None]
+    on_d = (dst[:, :, None] == d3) & (k3 < K)
+    first_TR = tl.min(tl.where(on_d, k3, K_P), axis=1)
+    row_TR = tl.sum(tl.where(on_d & (k3 == first_TR[:, None, :]), row[:, :, None], 0), axis=1)
+    copy = tl.sum(tl.where(on_d, row_TR[:, None, :], 0), axis=2)
     tl.store(copy_row_ptr + entry, copy, mask=ok)
-    tl.store(sent_ptr + entry, (first == k).to(tl.uint8), mask=ok)
+    tl.store(sent_ptr + entry, (copy == row).to(tl.uint8), mask=ok)
 
 
 # ---------------------------------------------------------------------------------------------- host side
@@ -329,16 +421,16 @@ class _PlanLayout:
 class _Workspace:
     """Intermediate buffers of one shape, reused by every call (one plan at a time per buffer)."""
 
-    def __init__(self, layout: Layout, s: int, device: torch.device, chunk: int = CHUNK, chunk_warps: int = 4) -> None:
+    def __init__(self, layout: Layout, s: int, device: torch.device, chunk: int = CHUNK, chunk_warps: int = 4,
+                 shared_warps: int = _SHARED_WARPS) -> None:
         R, E, K = layout.num_ranks, layout.config.num_experts, layout.config.topk
         if chunk < 16 or chunk & (chunk - 1):
             raise ValueError(f"chunk={chunk} must be a power of two >= 16 (tl.sort's block)")
-        self.chunk, self.chunk_warps = chunk, chunk_warps
+        self.chunk, self.chunk_warps, self.shared_warps = chunk, chunk_warps, shared_warps
         self.num_chunks = triton.cdiv(s * K, chunk)
         i32 = {"dtype": torch.int32, "device": device}
         self.rank_in_chunk = torch.empty(s * K, **i32)
         self.chunk_hist = torch.empty(self.num_chunks, E, **i32)  # histograms, then prefixes
-        self.base_E = torch.empty(E, **i32)
         self.end_ER = torch.empty(E, R, **i32)
         self.rowbase_ER = torch.empty(E, R, **i32)
 
@@ -346,35 +438,61 @@ class _Workspace:
 def chunk_pass(topk_sK: torch.Tensor, rank: int, hist_all: torch.Tensor, work: _Workspace) -> None:
     """Step 1: chunk ranks and prefixes into `work`; the local histogram into row `rank` of every
     rank's region of hist_all ([R, R, E] int32, region r = hist_all[r], any strides)."""
+    count_step(topk_sK, hist_all.shape[2], work)
+    prefix_step(rank, hist_all, work)
+
+
+def count_step(topk_sK: torch.Tensor, E: int, work: _Workspace) -> None:
+    """`_chunk_kernel`: per-chunk histograms and ranks inside the chunk."""
+    _chunk_kernel[(work.num_chunks,)](topk_sK, work.rank_in_chunk, work.chunk_hist, topk_sK.numel(), E,
+                                      CHUNK=work.chunk, LOG_CHUNK=work.chunk.bit_length() - 1,
+                                      E_BINS=triton.next_power_of_2(E + 1), num_warps=work.chunk_warps)
+
+
+def prefix_step(rank: int, hist_all: torch.Tensor, work: _Workspace) -> None:
+    """`_prefix_kernel`: prefixes over chunks, the local histogram into every rank's region."""
     R, _, E = hist_all.shape
     C = work.num_chunks
     assert hist_all.stride(2) == 1
-    _chunk_kernel[(C,)](topk_sK, work.rank_in_chunk, work.chunk_hist, topk_sK.numel(), E, CHUNK=work.chunk,
-                        LOG_CHUNK=work.chunk.bit_length() - 1, E_BINS=triton.next_power_of_2(E + 1),
-                        num_warps=work.chunk_warps)
-    _prefix_kernel[(triton.cdiv(E, _PREFIX_EXPERTS),)](
+    block_c = min(_PREFIX_CHUNKS, triton.next_power_of_2(C))
+    block_e = max(1, min(16, _PREFIX_TILE // block_c))
+    _prefix_kernel[(triton.cdiv(E, block_e),)](
         work.chunk_hist, hist_all, C, rank, hist_all.stride(0), hist_all.stride(1), E, R=R,
-        BLOCK_C=min(64, triton.next_power_of_2(C)), BLOCK_E=_PREFIX_EXPERTS, num_warps=4)
+        BLOCK_C=block_c, BLOCK_E=block_e, num_warps=4)
 
 
 def plan_pass(topk_sK: torch.Tensor, rank: int, hist_RE: torch.Tensor, work: _Workspace, out: dict[str, torch.Tensor],
               layout: Layout, cap_base: int, cap_rem: int) -> None:
     """Steps 3-4 from this rank's gathered hist region [R, E] into the Plan tensors `out`."""
+    shared_step(rank, hist_RE, work, out, layout, cap_base, cap_rem)
+    dest_step(topk_sK, work, out, layout)
+
+
+def shared_step(rank: int, hist_RE: torch.Tensor, work: _Workspace, out: dict[str, torch.Tensor], layout: Layout,
+                cap_base: int, cap_rem: int) -> None:
+    """`_shared_kernel`, one program per rank: the shared fields and the per-(expert, rank) tables."""
     R, E, B = layout.num_ranks, layout.config.num_experts, layout.num_slots
-    epn, pad = E // R, layout.config.token_padding
+    epn = E // R
     assert hist_RE.is_contiguous()
-    _shared_kernel[(1,)](
+    r_p, epn_p = triton.next_power_of_2(R), triton.next_power_of_2(epn)
+    _shared_kernel[(R,)](
         hist_RE, out["counts_RE"], out["cap_R"], out["quota_RR"], out["alloc_ER"], out["slot_expert_RB"],
-        out["group_rows_RG"], out["offs_RG"], work.base_E, work.end_ER, work.rowbase_ER, rank, cap_base, cap_rem,
-        R=R, EPN=epn, B=B, PAD=pad, R_P=triton.next_power_of_2(R), EPN_P=triton.next_power_of_2(epn),
-        G_P=triton.next_power_of_2(E + B), B_P=triton.next_power_of_2(B), num_warps=8)
+        out["group_rows_RG"], out["offs_RG"], work.end_ER, work.rowbase_ER, rank, cap_base, cap_rem,
+        R=R, EPN=epn, B=B, PAD=layout.config.token_padding, R_P=r_p, EPN_P=epn_p,
+        G_P=triton.next_power_of_2(E + B), B_P=triton.next_power_of_2(B), LOG_R_P=r_p.bit_length() - 1,
+        LOG_EPN_P=epn_p.bit_length() - 1, num_warps=work.shared_warps)
+
+
+def dest_step(topk_sK: torch.Tensor, work: _Workspace, out: dict[str, torch.Tensor], layout: Layout) -> None:
+    """`_dest_kernel`: this rank's (dst_rank, dst_row, copy_row, sent)."""
+    R, E = layout.num_ranks, layout.config.num_experts
     s, K = topk_sK.shape
-    k_p = triton.next_power_of_2(K)
-    block_t = max(1, min(_DEST_ENTRIES // k_p, _DEDUP_TILE // (k_p * k_p)))  # large K: fewer tokens
+    r_p, k_p = triton.next_power_of_2(R), triton.next_power_of_2(K)
+    block_t = max(1, min(_DEST_ENTRIES // k_p, _DEST_TILE // (k_p * r_p)))  # large K * R: fewer tokens
     _dest_kernel[(triton.cdiv(s, block_t),)](
-        topk_sK, work.rank_in_chunk, work.chunk_hist, work.base_E, work.end_ER, work.rowbase_ER,
+        topk_sK, work.rank_in_chunk, work.chunk_hist, work.end_ER, work.rowbase_ER,
         out["dst_rank_sK"], out["dst_row_sK"], out["copy_row_sK"], out["sent_sK"].view(torch.uint8), s, E, K,
-        R=R, K_P=k_p, BLOCK_T=block_t, CHUNK=work.chunk, num_warps=4)
+        R=R, R_P=r_p, K_P=k_p, BLOCK_T=block_t, CHUNK=work.chunk, num_warps=4)
 
 
 def receive_cap_args(num_ranks: int, topk: int, s: int, total_num_tokens: int | None) -> tuple[int, int]:

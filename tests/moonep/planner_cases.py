@@ -99,13 +99,27 @@ def check_fused_cases(cases: list[FusedCase], g: torch.Generator, device: str = 
     for i, (R, E, K, s_R, B, pad, sigma, per_rank) in enumerate(cases):
         if device != "cpu":  # on a GPU each new shape compiles: say which case runs (pytest -s)
             print(f"fused case {i + 1}/{len(cases)}: R={R} E={E} K={K} s={s_R[:2]} B={B} pad={pad}", flush=True)
-        layout = Layout(BufferConfig(max_tokens=max(s_R), hidden=8, topk=K, num_experts=E, token_padding=pad,
-                                     num_slots=B), R, 4096)
         topk_R = [random_topk(s, E, K, sigma, g) for s in s_R]
-        total = sum(s_R) if per_rank else None
-        counts = torch.stack([torch.bincount(t.reshape(-1).long(), minlength=E) for t in topk_R]).to(torch.int32)
-        for r, got in enumerate(simulate_fused(layout, [t.to(device) for t in topk_R], total, chunk)):
-            want = make_plan(layout, r, topk_R[r], counts, total_num_tokens=total)
-            got = dataclasses.replace(got, **{n: getattr(got, n).cpu() for n in PLAN_FIELDS})
-            assert_same_plan(got, want, f"rank {r} of R={R} E={E} K={K} s={s_R} B={B} pad={pad} sigma={sigma:.2f} "
-                                        f"total={total}")
+        check_fused_topk(topk_R, E, B, pad, per_rank, f"sigma={sigma:.2f}", device, chunk)
+
+
+def check_fused_topk(topk_R: list[torch.Tensor], E: int, B: int, pad: int, per_rank: bool, context: str = "",
+                     device: str = "cpu", chunk: int | None = None) -> None:
+    """simulate_fused for the given routing of every rank, bitwise against make_plan on the CPU."""
+    R, s_R, K = len(topk_R), [t.shape[0] for t in topk_R], topk_R[0].shape[1]
+    layout = Layout(BufferConfig(max_tokens=max(s_R), hidden=8, topk=K, num_experts=E, token_padding=pad,
+                                 num_slots=B), R, 4096)
+    total = sum(s_R) if per_rank else None
+    counts = torch.stack([torch.bincount(t.reshape(-1).long(), minlength=E) for t in topk_R]).to(torch.int32)
+    for r, got in enumerate(simulate_fused(layout, [t.to(device) for t in topk_R], total, chunk)):
+        want = make_plan(layout, r, topk_R[r], counts, total_num_tokens=total)
+        got = dataclasses.replace(got, **{n: getattr(got, n).cpu() for n in PLAN_FIELDS})
+        assert_same_plan(got, want, f"rank {r} of R={R} E={E} K={K} s={s_R} B={B} pad={pad} {context} total={total}")
+
+
+def group_skewed_topk(s: int, E: int, K: int, num_groups: int, epn: int, g: torch.Generator) -> torch.Tensor:
+    """int32 [s, K]: K distinct experts per token, uniform over the experts of the first num_groups
+    home groups only: those groups donate to every other rank, each receiver takes many experts of
+    similar size, so slots run out (remote experts keep their home rows) when B is small."""
+    gumbel = -torch.log(-torch.log(torch.rand(s, num_groups * epn, generator=g)))
+    return torch.topk(gumbel, K, dim=1).indices.to(torch.int32)

@@ -17,9 +17,16 @@ import pytest
 import torch
 
 from moonep import BufferConfig, BufferOptions
+from moonep.layout import Layout
 from moonep.planner import make_plan
 from tests.dist_utils import run_ranks
-from tests.moonep.planner_cases import assert_same_plan, check_fused_cases, planner_cases
+from tests.moonep.planner_cases import (
+    assert_same_plan,
+    check_fused_cases,
+    check_fused_topk,
+    group_skewed_topk,
+    planner_cases,
+)
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates any kernel; inherited by spawned ranks
 _interpreter = pytest.importorskip("triton.runtime.interpreter")
@@ -71,8 +78,25 @@ def test_fused_planner_matches_make_plan() -> None:
     # several chunks of 512 entries, K not a power of two, the benchmark's E
     cases += [(2, 384, 8, [512, 512], 192, 16, 3.0, False), (2, 384, 8, [700, 333], 96, 16, 1.0, True),
               (4, 64, 6, [400] * 4, 16, 4, 0.0, False), (2, 8, 1, [2100, 2100], 2, 2, 2.0, False),
-              (8, 384, 8, [130] * 8, 48, 16, 3.0, False)]
+              (8, 384, 8, [130] * 8, 48, 16, 3.0, False), (8, 112, 16, [64] * 8, 14, 16, 3.0, False)]
     check_fused_cases(cases, g)
+
+
+def test_fused_planner_slots_run_out() -> None:
+    """Routings on the lowest home groups only: every receiver takes many experts of similar size, so
+    with few slots remote experts keep their home rows (SPEC 5.4), and a donor may become a receiver;
+    the last two at K3's ratios (E / R = 14, K = 16, R = 8)."""
+    g = torch.Generator().manual_seed(5)
+    for R, E, K, s, groups, B, pad in ((2, 16, 4, 40, 1, 2, 4), (8, 112, 16, 48, 3, 3, 16), (8, 112, 16, 64, 3, 14, 1)):
+        epn = E // R
+        topk_R = [group_skewed_topk(s, E, K, groups, epn, g) for _ in range(R)]
+        check_fused_topk(topk_R, E, B, pad, False, f"{groups} donor groups")
+        counts = torch.stack([torch.bincount(t.reshape(-1).long(), minlength=E) for t in topk_R]).to(torch.int32)
+        plan = make_plan(Layout(BufferConfig(max_tokens=s, hidden=8, topk=K, num_experts=E, token_padding=pad,
+                                             num_slots=B), R, 4096), 0, topk_R[0], counts)
+        home_rows_R = plan.group_rows_RG[:, :E].view(R, R, epn).sum(2)  # [rank, home group]
+        remote_home_rows = int(home_rows_R.sum() - home_rows_R.diagonal().sum())
+        assert (remote_home_rows > 0) == (B < epn), f"B={B}: {remote_home_rows} remote rows on home rows"
 
 
 @pytest.mark.parametrize("chunk", [16, 256, 1024])

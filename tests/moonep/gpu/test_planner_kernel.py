@@ -16,6 +16,8 @@ from tests.moonep.planner_cases import (
     PLAN_FIELDS,
     assert_same_plan,
     check_fused_cases,
+    check_fused_topk,
+    group_skewed_topk,
     planner_cases,
 )
 
@@ -37,6 +39,17 @@ def test_fused_planner_bitwise_equals_make_plan() -> None:
     cases += [(2, 384, 8, [8192, 8192], 192, 16, sigma, False) for sigma in (0.0, 1.0, 3.0)]
     cases += [(2, 384, 8, [8192, 5000], 192, 16, 2.0, True), (8, 384, 8, [4096] * 8, 48, 16, 3.0, False)]
     check_fused_cases(cases, g, device="cuda")
+
+
+def test_fused_planner_k3_shapes() -> None:
+    """K3's planner shapes (E = 896, K = 16, s = 8192) at R = 8 and 2 simulated on one GPU, and a
+    routing on three home groups with 8 slots (slots run out, a donor may turn receiver), vs
+    make_plan on the CPU; three shapes to compile (~1 min)."""
+    g = torch.Generator().manual_seed(6)
+    check_fused_cases([(8, 896, 16, [8192] * 8, 112, 16, 1.0, False), (2, 896, 16, [8192] * 2, 448, 16, 3.0, False)],
+                      g, device="cuda")
+    topk_R = [group_skewed_topk(2048, 896, 16, 3, 112, g) for _ in range(8)]
+    check_fused_topk(topk_R, 896, 8, 16, False, "3 donor groups", device="cuda")
 
 
 @pytest.mark.multigpu
