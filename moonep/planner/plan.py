@@ -55,8 +55,11 @@ class Plan:
     @property
     def cu_seqlens(self) -> torch.Tensor:
         """int32 [epn + B]: offs over W_compact (local experts, then slots), used in training
-        where every remote expert has a slot (B = epn)."""
+        where every remote expert has a slot (B = epn). The last rank's local rows end where the
+        slots start (one rank: always), so its offs are a view of offs_RG, no copy."""
         lo = self.rank * self.epn
+        if lo + self.epn == self.num_experts:
+            return self.offs_RG[self.rank, lo:]
         return torch.cat([self.offs_RG[self.rank, lo : lo + self.epn], self.offs_RG[self.rank, self.num_experts :]])
 
     def shared(self) -> dict[str, torch.Tensor]:
