@@ -81,6 +81,9 @@ class ExpertPools:
         # so the early copy (made with the first forward's plan) would be copied once more
         self.chain_prefetch = True
         self._path = buffer.path
+        # one rank has no remote expert, so its plans fill no slot (SPEC 5.2): prefetch and reduce_grad
+        # have nothing to copy, fold or zero, and skip their launches
+        self._uses_slots = buffer.num_ranks > 1
         heap, R = buffer.heap, buffer.num_ranks
         B = layout.num_slots
         self.w_slots_all: dict[str, torch.Tensor] = {}
@@ -138,8 +141,9 @@ class ExpertPools:
     def prefetch(self, plan: Plan, layer: LayerExperts) -> None:
         """Pull each planned remote expert's rows from its owner into this rank's slots (local
         stream order; the owners' rows were published by the barriers of the dispatch before)."""
-        for name in self.projections:
-            self._path.prefetch(plan, layer.w_full[name])
+        if self._uses_slots:
+            for name in self.projections:
+                self._path.prefetch(plan, layer.w_full[name])
         self._owner = (layer.index, plan)
 
     def prefetch_async(self, plan: Plan, layer: LayerExperts) -> None:
@@ -147,8 +151,8 @@ class ExpertPools:
         token dispatch); `wait_prefetch()` orders them before the slots are read. The side stream
         first waits for the current stream: earlier readers of the slots (the previous layer's
         GEMMs) are done and the owners' rows are the ones published by the last barrier. On the CPU
-        this is prefetch()."""
-        if self.buffer.device.type != "cuda":
+        this is prefetch(), and so it is where no slot is used."""
+        if self.buffer.device.type != "cuda" or not self._uses_slots:
             self.prefetch(plan, layer)
             return
         side = self._side_after_current(self.buffer.device)
@@ -259,6 +263,8 @@ class ExpertPools:
         for name in self.projections:  # the owners add into g_local: it must hold values, not a declaration
             if self._claim_stale(layer, name):
                 layer.g_local[name].zero_()
+        if not self._uses_slots:
+            return
         buf.barrier("reduce_grad:ready")
         for name in self.projections:
             self._path.reduce_into_owner(plan, layer.g_local[name], self.g_slots_all[name])

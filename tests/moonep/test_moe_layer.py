@@ -106,3 +106,71 @@ def test_two_layers_early_prefetch_and_async_reduce_grad_change_no_bit(chain: bo
     (tests/moonep/two_layer_case.py)."""
     for out in run_ranks(_two_layers, 2, chain, timeout_s=240):
         check_two_layers(out)
+
+
+def _one_rank_slots(rank: int, world: int, use_slots: bool) -> dict:
+    """Two layers, forward and backward, on one rank; use_slots forces the slot work (prefetch, the
+    slot reduction and zeroing) that ExpertPools skips on one rank. Returns the results and the calls
+    of the data path's slot operations."""
+    E = 8
+    x, ws, topks, route, grad_y = _two_layer_inputs(E)
+    buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, token_padding=4))
+    try:
+        pools = ExpertPools(buf, glu_projections(H, F))
+        pools._uses_slots = use_slots
+        calls = {"prefetch": 0, "reduce_into_owner": 0, "zero_slots": 0}
+        for name in calls:
+            setattr(pools._path, name, _counted(calls, name, getattr(pools._path, name)))
+        layers = [pools.add_layer(), pools.add_layer()]
+        for layer, w in zip(layers, ws, strict=True):
+            for p in w:
+                layer.w_local[p].copy_(w[p])
+        x0 = x.clone().requires_grad_()
+        w0, w1 = route[0].clone().requires_grad_(), route[1].clone().requires_grad_()
+        y0 = expert_glu(buf, pools, layers[0], x0, w0, topks[0])
+        plan0 = pools.slot_plan
+        y1 = expert_glu(buf, pools, layers[1], y0, w1, topks[1])
+        y1.backward(grad_y)
+        buf.wait_pending()
+        return {"y": y1.detach(), "gx": x0.grad, "gw0": w0.grad, "gw1": w1.grad, "calls": calls,
+                "g": [{p: layer.g_local[p].clone() for p in layer.g_local} for layer in layers],
+                "slots_used": [int((p.slot_expert_RB >= 0).sum()) for p in (plan0, pools.slot_plan)]}
+    finally:
+        buf.destroy()
+
+
+def _counted(calls: dict[str, int], name: str, fn):
+    def counted(*args, **kwargs):
+        calls[name] += 1
+        return fn(*args, **kwargs)
+
+    return counted
+
+
+def _two_layer_inputs(E: int):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(S, H, generator=g).to(torch.bfloat16)
+    ws = [{"gate": (torch.randn(E, H, F, generator=g) / H**0.5).to(torch.bfloat16),
+           "up": (torch.randn(E, H, F, generator=g) / H**0.5).to(torch.bfloat16),
+           "down": (torch.randn(E, F, H, generator=g) / F**0.5).to(torch.bfloat16)} for _ in range(2)]
+    # skewed routings (as skewed as E / K allows): one rank still fills no slot
+    topks = [generate_routing(num_ranks=1, tokens_per_rank=S, num_experts=E, topk=K, target_maxvio=E / K - 1.1,
+                              seed=3 + i).topk_RsK[0] for i in range(2)]
+    route = [torch.rand(S, K, generator=g) for _ in range(2)]
+    return x, ws, topks, route, torch.randn(S, H, generator=g).to(torch.bfloat16)
+
+
+def test_one_rank_skips_the_slot_work_and_changes_no_bit() -> None:
+    """One rank has no remote expert, so its plans fill no slot: ExpertPools skips prefetch and the
+    slot reduction (no data-path call), and every output and gradient equals the run that does them."""
+    skipped = run_ranks(_one_rank_slots, 1, False, timeout_s=120)[0]
+    full = run_ranks(_one_rank_slots, 1, True, timeout_s=120)[0]
+    assert full["slots_used"] == [0, 0] and skipped["slots_used"] == [0, 0], "one rank planned a slot"
+    assert skipped["calls"] == {"prefetch": 0, "reduce_into_owner": 0, "zero_slots": 0}, skipped["calls"]
+    assert all(n > 0 for n in full["calls"].values()), f"the forced run must do the slot work: {full['calls']}"
+    for key in ("y", "gx", "gw0", "gw1"):
+        assert torch.equal(skipped[key], full[key]), f"{key} differs when the slot work is skipped"
+    for i in range(2):
+        for p, g in full["g"][i].items():
+            assert torch.equal(skipped["g"][i][p], g), f"grad of layer {i} {p} differs"
+            assert bool(g.abs().sum() > 0), f"grad of layer {i} {p} is zero: the test checks nothing"
