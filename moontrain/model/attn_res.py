@@ -20,7 +20,9 @@ Numerics and memory: DepthAttention is one autograd function. It upcasts each va
 fly, accumulates h in fp32 and rounds it once to the values' dtype, and saves only references to its
 inputs plus two [N, B, T] fp32 tensors (the rsqrt factors and the weights); backward recomputes the
 rest one value at a time. Autograd through the formula would save an fp32 copy (or a stacked [N, B, T,
-D] copy) of every value per aggregation, 2L times per step.
+D] copy) of every value per aggregation, 2L times per step. The pseudo-query and the key-norm weight
+enter the op as they are (FSDP's bf16 copies): their fp32 product and the product rule's gradients are
+made inside the math, so train.compile fuses them (seven eager casts and multiplies per call otherwise).
 
 Activation checkpointing: a block's recompute re-runs its two aggregations from the same tuple of
 completed blocks (tuples: never mutated after a layer read them) and the partial sum it received; the
@@ -45,8 +47,8 @@ from torch import nn
 from moontrain.model.norm import RMSNorm
 
 
-def depth_forward(q: torch.Tensor, eps: float, values: tuple[torch.Tensor, ...]
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def aggregate_forward(q: torch.Tensor, eps: float, values: tuple[torch.Tensor, ...]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The aggregation in fp32 (q: the query times the key-norm weight, fp32): (h in the values' dtype,
     rsqrt factors [N, B, T], weights [N, B, T]). Per value one pass over D for both row reductions
     (mean square and the dot with q, written as a product and a sum so that a compiler fuses them), then
@@ -64,9 +66,9 @@ def depth_forward(q: torch.Tensor, eps: float, values: tuple[torch.Tensor, ...]
     return h.to(values[0].dtype), torch.stack(rs), p_NBT
 
 
-def depth_backward(q: torch.Tensor, r_NBT: torch.Tensor, p_NBT: torch.Tensor, grad_h: torch.Tensor,
-                   values: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Gradients of depth_forward's h with respect to q and every value; the logits' dot products are
+def aggregate_backward(q: torch.Tensor, r_NBT: torch.Tensor, p_NBT: torch.Tensor, grad_h: torch.Tensor,
+                       values: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Gradients of aggregate_forward's h with respect to q and every value; the logits' dot products are
     recomputed (one pass over each value for them and the weights' gradient)."""
     gh = grad_h.to(q.dtype)
     dim = q.shape[0]
@@ -88,6 +90,24 @@ def depth_backward(q: torch.Tensor, r_NBT: torch.Tensor, p_NBT: torch.Tensor, gr
     return grad_q, grad_values
 
 
+def depth_forward(query: torch.Tensor, key_weight: torch.Tensor, eps: float, values: tuple[torch.Tensor, ...]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """aggregate_forward with its q = query * key-norm weight (both upcast to fp32) made here, inside
+    what train.compile fuses: the parameters arrive in their own dtype (FSDP's bf16 copies)."""
+    dtype = torch.promote_types(values[0].dtype, torch.float32)
+    return aggregate_forward(query.to(dtype) * key_weight.to(dtype), eps, values)
+
+
+def depth_backward(query: torch.Tensor, key_weight: torch.Tensor, r_NBT: torch.Tensor, p_NBT: torch.Tensor,
+                   grad_h: torch.Tensor, values: tuple[torch.Tensor, ...]
+                   ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Gradients of depth_forward's h with respect to the query, the key-norm weight and every value;
+    the parameters' gradients are the product rule's, rounded once to their dtype."""
+    qf, wf = query.to(r_NBT.dtype), key_weight.to(r_NBT.dtype)
+    grad_q, grad_values = aggregate_backward(qf * wf, r_NBT, p_NBT, grad_h, values)
+    return (grad_q * wf).to(query.dtype), (grad_q * qf).to(key_weight.dtype), grad_values
+
+
 EAGER = (depth_forward, depth_backward)
 
 
@@ -101,19 +121,19 @@ def compiled_math() -> tuple[Callable, Callable]:
 
 class _DepthAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_D: torch.Tensor, eps: float, math: tuple[Callable, Callable], *values: torch.Tensor
-                ) -> torch.Tensor:
-        dtype = torch.promote_types(values[0].dtype, torch.float32)
-        h, r_NBT, p_NBT = math[0](q_D.to(dtype), eps, values)
-        ctx.save_for_backward(q_D, r_NBT, p_NBT, *values)
+    def forward(ctx, query: torch.Tensor, key_weight: torch.Tensor, eps: float, math: tuple[Callable, Callable],
+                *values: torch.Tensor) -> torch.Tensor:
+        h, r_NBT, p_NBT = math[0](query, key_weight, eps, values)
+        ctx.save_for_backward(query, key_weight, r_NBT, p_NBT, *values)
         ctx.backward_math = math[1]
         return h
 
     @staticmethod
     def backward(ctx, grad_h: torch.Tensor):
-        q_D, r_NBT, p_NBT, *values = ctx.saved_tensors
-        grad_q, grad_values = ctx.backward_math(q_D.to(r_NBT.dtype), r_NBT, p_NBT, grad_h, tuple(values))
-        return grad_q.to(q_D.dtype), None, None, *grad_values
+        query, key_weight, r_NBT, p_NBT, *values = ctx.saved_tensors
+        grad_query, grad_weight, grad_values = ctx.backward_math(query, key_weight, r_NBT, p_NBT, grad_h,
+                                                                 tuple(values))
+        return grad_query, grad_weight, None, None, *grad_values
 
 
 class DepthAttention(nn.Module):
@@ -131,9 +151,7 @@ class DepthAttention(nn.Module):
 
     def forward(self, blocks: tuple[torch.Tensor, ...], partial: torch.Tensor) -> torch.Tensor:
         """softmax-weighted sum of (*blocks, partial), each [B, T, D]."""
-        dtype = torch.promote_types(self.query.dtype, torch.float32)  # fp32 also from FSDP's bf16 copies
-        q_D = self.query.to(dtype) * self.key_norm.weight.to(dtype)
-        return _DepthAttention.apply(q_D, self.key_norm.eps, self.math, *blocks, partial)
+        return _DepthAttention.apply(self.query, self.key_norm.weight, self.key_norm.eps, self.math, *blocks, partial)
 
 
 def aggregation_sizes(num_layers: int, block_size: int) -> list[int]:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moontrain.metrics.flops import flops_per_token
-from moontrain.model.attn_res import DepthAttention, aggregation_sizes
+from moontrain.model.attn_res import DepthAttention, aggregate_backward, aggregate_forward, aggregation_sizes
 from moontrain.model.config import ModelConfig
 from moontrain.model.experts import ExpertsContext
 from moontrain.model.transformer import K3Model
@@ -189,3 +189,67 @@ def test_compiled_math_matches_eager_gpu() -> None:
     for name, a, b in zip(["h", "v0", "v1", "v2", "partial", "query"], results[1][:-1], results[0][:-1], strict=True):
         diff, scale = (a.float() - b.float()).abs().max().item(), b.float().abs().max().item()
         assert diff <= 2.0**-8 * scale, f"{name}: max |diff| {diff:.3g} vs max |value| {scale:.3g}"
+
+
+class _ProductOutside(torch.autograd.Function):
+    """The aggregation with q = query * key-norm weight made outside the op, by autograd (the
+    formulation DepthAttention folds in): the reference its results must equal bit for bit."""
+
+    @staticmethod
+    def forward(ctx, q_D, eps, math, *values):
+        h, r_NBT, p_NBT = math[0](q_D, eps, values)
+        ctx.save_for_backward(q_D, r_NBT, p_NBT, *values)
+        ctx.backward_math = math[1]
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        q_D, r_NBT, p_NBT, *values = ctx.saved_tensors
+        grad_q, grad_values = ctx.backward_math(q_D, r_NBT, p_NBT, grad_h, tuple(values))
+        return grad_q, None, None, *grad_values
+
+
+def _fold_case(device: str, compiled: bool) -> None:
+    """bf16 parameters (FSDP's compute copies) and bf16 values: h and every gradient of DepthAttention
+    equal the product-outside formulation's, bitwise (both through torch.compile when `compiled`)."""
+    g = torch.Generator(device=device).manual_seed(3)
+    D = 256 if device == "cuda" else 32
+    values = [torch.randn(2, 64, D, generator=g, device=device).to(torch.bfloat16).requires_grad_()
+              for _ in range(4)]
+    grad_h = torch.randn(2, 64, D, generator=g, device=device).to(torch.bfloat16)
+    m = DepthAttention(D, device=device).to(torch.bfloat16)
+    with torch.no_grad():
+        m.query.copy_(torch.randn(D, generator=g, device=device) * 0.3)
+        m.key_norm.weight.copy_(1 + 0.3 * torch.randn(D, generator=g, device=device))
+    math = (aggregate_forward, aggregate_backward)
+    if compiled:
+        m.compile_math()
+        math = (torch.compile(aggregate_forward, dynamic=False), torch.compile(aggregate_backward, dynamic=False))
+    inputs = [*values, m.query, m.key_norm.weight]
+    got = m(tuple(values[:-1]), values[-1])
+    got_grads = torch.autograd.grad(got, inputs, grad_h)
+    q_D = m.query.float() * m.key_norm.weight.float()
+    want = _ProductOutside.apply(q_D, m.key_norm.eps, math, *values)
+    want_grads = torch.autograd.grad(want, inputs, grad_h)
+    names = ["h", *(f"value {i}" for i in range(len(values))), "query", "key norm weight"]
+    for name, a, b in zip(names, [got, *got_grads], [want, *want_grads], strict=True):
+        assert a.dtype == b.dtype, f"{name}: dtype {a.dtype} vs {b.dtype}"
+        assert torch.equal(a, b), f"{name}: max |diff| {(a.float() - b.float()).abs().max().item():.3g}"
+        assert bool(a.abs().sum() > 0), f"{name} is zero: the test checks nothing"
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_parameters_fold_into_the_op_bitwise(compiled: bool) -> None:
+    """The query * key-norm weight product and its gradients made inside the op (where train.compile
+    fuses them) change no bit, eager or through torch.compile (inductor's CPU code)."""
+    if compiled and shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("torch.compile on CPU needs a C compiler")
+    _fold_case("cpu", compiled=compiled)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_parameters_fold_into_the_compiled_op_bitwise_gpu() -> None:
+    """train.compile: the product and the parameters' gradients fused into the compiled math give the
+    bits of the product made outside it (eager casts and multiplies around the compiled aggregation)."""
+    _fold_case("cuda", compiled=True)
