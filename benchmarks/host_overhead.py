@@ -81,7 +81,8 @@ PATH_CALLS = ("plan", "scatter", "expand", "combine", "prefetch", "reduce_into_o
               "accumulate_wgrad", "gate_up", "glu_forward", "glu_backward", "scale_rows", "route_backward")
 # ops that launch no kernel on the GPU besides the views (op.is_view): allocation, profiler ranges, host reads
 NO_KERNEL = {"empty", "empty_strided", "empty_like", "_record_function_enter_new", "_record_function_exit",
-             "_local_scalar_dense", "lift_fresh", "set_", "resize_", "is_nonzero", "is_same_size"}
+             "_local_scalar_dense", "lift_fresh", "set_", "resize_", "is_nonzero", "is_same_size", "promote_types",
+             "result_type"}
 
 
 class Regions:
