@@ -107,7 +107,8 @@ class Regions:
         i = bisect.bisect_right(self.changes, (node._sequence_nr(), "~")) - 1
         return self.changes[i][1]
 
-    def _mark(self, label: str, fn: Callable) -> Callable:
+    def mark(self, label: str, fn: Callable) -> Callable:
+        """fn, its calls (and the autograd nodes they create) labelled `label`."""
         @functools.wraps(fn)
         def region(*args, **kwargs):
             if not self.stack:
@@ -128,10 +129,10 @@ class Regions:
         compile_, disable = torch.compile, torch.compiler.disable
 
         def fake_compile(fn=None, **kwargs):
-            return (lambda f: self._mark("compiled", f)) if fn is None else self._mark("compiled", fn)
+            return (lambda f: self.mark("compiled", f)) if fn is None else self.mark("compiled", fn)
 
         def fake_disable(fn=None, **kwargs):
-            return (lambda f: self._mark("kda", f)) if fn is None else self._mark("kda", fn)
+            return (lambda f: self.mark("kda", f)) if fn is None else self.mark("kda", fn)
 
         torch.compile, torch.compiler.disable = fake_compile, fake_disable
         try:
@@ -196,7 +197,7 @@ def build_trainer(overrides: list[str], run_dir: str, regions: Regions) -> Train
     if buffer is not None:  # moonep: its data path's calls are Triton kernels on the GPU
         path = buffer.path
         for name in PATH_CALLS:
-            setattr(path, name, regions._mark("moonep path", getattr(path, name)))
+            setattr(path, name, regions.mark("moonep path", getattr(path, name)))
     return trainer
 
 
