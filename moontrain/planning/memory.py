@@ -10,7 +10,8 @@ L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
 - master: fp32, dense 4P/W, experts 4 bytes per local parameter.
 - grads: dense: the fp32 reduce-scatter output 4P/W plus the gathered compute-dtype grads of two
   blocks; experts: fp32 local rows (moonep: the grad mirror's local rows, in the heap).
-- optimizer: Adam's two fp32 moments on the master.
+- optimizer: Adam's two fp32 moments on the master; experts with parallel.shard_expert_state: on the
+  replica's 1/dp_replicate of the local rows (dp_replicate = W / R; master and grads stay whole).
 - symmetric heap (moonep, beyond the local weight/grad rows above; moonep.Layout.slot_pool_bytes): per
   projection B slot rows in the
   compute dtype and B reduce-pool rows in fp32, shared by all layers.
@@ -79,7 +80,7 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
         "weights": local * compute_bytes,
         "master": 4 * local,
         "grads": 4 * local,
-        "optimizer": 8 * local,
+        "optimizer": 8 * local / (world_size // R if cfg.parallel.shard_expert_state else 1),
         "symmetric_heap": 0.0,
         "receive_buffers": S * K * H * compute_bytes,
     }

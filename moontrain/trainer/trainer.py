@@ -92,6 +92,9 @@ class Trainer:
                 w.shard_state(layout.dp_replicate_rank, layout.dp_replicate, layout.edp_group)
                 expert_shards.update({id(w.master[name]): shard for name, shard in w.shards.items()})
         self.expert_params = [p for w in self.experts for p in w.master.values()]
+        # what carries the reduced expert grads, for the clip: the masters, or with the state sharded their shards
+        self.expert_grad_params = [w.shards[name] if w.shards else p
+                                   for w in self.experts for name, p in w.master.items()]
         expert_ids = {id(p) for p in self.expert_params}
         self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
         write_back_targets = [(master, w.compute[name], not w.defers_zero)
@@ -152,8 +155,9 @@ class Trainer:
                 # pass's forward: that would hold two passes' plans at once
                 del loss, ce_i
         self._reduce_grads()
-        grad_norm = clip_grad_norm_global(self.dense_params, self.expert_params, self.layout,
-                                          self.cfg.optim.grad_clip, optimizer=self.optimizer)
+        grad_norm = clip_grad_norm_global(self.dense_params, self.expert_grad_params, self.layout,
+                                          self.cfg.optim.grad_clip, optimizer=self.optimizer,
+                                          experts_sharded=self.cfg.parallel.shard_expert_state)
         lr = self.scheduler.get_last_lr()[0]
         written = self._optimizer_step(grad_norm)  # None: a non-finite step, skipped
         self.scheduler.step()

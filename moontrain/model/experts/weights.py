@@ -22,13 +22,22 @@ master) and zero the grads, or nothing for the projections a WriteBackAdamW step
 moonep's grads are declared zero instead (its next accumulation overwrites them). Rows of other ranks
 or slot rows never pass through any reduction issued here.
 
-Sharded expert state (parallel.shard_expert_state, after shard_state): the optimizer sees, per
-projection, `shards[name]`, a parameter viewing rows [lo, lo + epn / dp_replicate) of the master, with
-the matching rows of the reduced grad as its grad, so its moments cover 1/dp_replicate of the experts.
-finish_step all-gathers the updated shards over the expert-data-parallel group into every replica's
-master before the compute copy. The grads are still all-reduced (whole local rows), which keeps the
-global grad norm bitwise the unsharded one; a reduce-scatter would save that traffic but change the
-norm's summation order.
+Sharded expert state (parallel.shard_expert_state, after shard_state): replica d of the D =
+dp_replicate replicas owns rows [lo, lo + epn / D), lo = d * epn / D, of every projection. reduce_grads
+reduce-scatters the grads over the expert-data-parallel group, in place: the owner's rows receive the
+sum over the replicas, the other rows are left unreduced (never read; finish_step clears them).
+attach_grads gives the grad rows to `shards[name]`, a parameter viewing the same rows of the master,
+and leaves master.grad unset: the clip and the optimizer see the shards, so the Adam moments cover 1/D
+of the experts. finish_step all-gathers the updated fp32 shards over the group into every replica's
+master before the compute copy. The fp32 masters themselves stay whole on every replica (checkpoints,
+init and the compute copy read them).
+
+Sharded == unsharded bitwise: each grad element is the same sum when the group's reduce-scatter and
+all-reduce add the D contributions in one order: always for D = 2 (a + b == b + a), and on gloo at
+D = 4 too (tested); NCCL's all-reduce may pick a tree where its reduce-scatter is a ring, so past D = 2
+on GPUs the elements may differ in the last bit while the norm's summation order below stays pinned.
+The global grad norm sums the expert squares per row block in both modes (moontrain.parallel.clip);
+AdamW is elementwise, so the shard's step equals the whole tensor's rows bit for bit.
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from moontrain.parallel.collectives import reduce_scatter_single
 
 PROJECTIONS = ("gate", "up", "down")
 
@@ -126,18 +137,26 @@ class ExpertWeights(nn.Module):
     @torch.no_grad()
     def reduce_grads(self, group: dist.ProcessGroup | None) -> None:
         """Sum this rank's local-row grads over the expert-data-parallel group (they carry the loss
-        scale already)."""
+        scale already): all of them, or, with the state sharded, only this replica's rows (an in-place
+        reduce-scatter: the output is the input's own block, which NCCL runs in place)."""
         if group is None or dist.get_world_size(group) == 1:
             return
         for name in PROJECTIONS:
-            dist.all_reduce(self.grad[name], op=dist.ReduceOp.SUM, group=group)
+            grad = self.grad[name]
+            if self.shards:
+                reduce_scatter_single(grad[self._shard_lo:self._shard_lo + self.shards[name].shape[0]], grad,
+                                      op=dist.ReduceOp.SUM, group=group)
+            else:
+                dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
 
     def attach_grads(self) -> None:
+        """The reduced grads as .grad: of the masters, or of the shards only (their rows alone are reduced)."""
         for name, master in self.master.items():
-            master.grad = self.grad[name]
             if self.shards:
                 shard = self.shards[name]
                 shard.grad = self.grad[name][self._shard_lo:self._shard_lo + shard.shape[0]]
+            else:
+                master.grad = self.grad[name]
 
     @property
     def defers_zero(self) -> bool:
