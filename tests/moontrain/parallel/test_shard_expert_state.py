@@ -1,8 +1,11 @@
-"""Expert optimizer state sharded over the dp_replicate replicas (parallel.shard_expert_state) == unsharded,
-bitwise: losses, parameters, router biases and Adam state after a few steps, at world 4 = dp_replicate 2 x
-EP 2 (alltoall and moonep) and world 2 = dp_replicate 2 x EP 1 (local); checkpoints saved sharded resume unsharded and
-the reverse, bitwise against a run without interruption (the sharded Adam moments are saved as canonical rows
-under their master's name). A layout whose local experts the replicas cannot split is rejected.
+"""Expert state sharded over the dp_replicate replicas (parallel.shard_expert_state) == unsharded, bitwise:
+losses, grad norms, parameters, router biases and Adam state after a few steps, at world 4 = dp_replicate 2 x
+EP 2 (alltoall and moonep) and world 2 = dp_replicate 2 x EP 1 (local); checkpoints saved sharded resume
+unsharded and the reverse, bitwise against a run without interruption (the sharded Adam moments are saved as
+canonical rows under their master's name). At dp_replicate 4 (gloo): the reduce-scatter gives each replica the
+all-reduce's sums of its rows, bitwise, without any all-reduce of the expert grads, and the global grad norm
+from the shards equals the one from the whole grads bitwise and a float64 reference within fp32 rounding. A
+layout whose local experts the replicas cannot split is rejected; the dry-run counts the sharded moments.
 
 Reference: the same run unsharded (each element's AdamW update is elementwise, so the shard's step must equal
 the whole tensor's rows bit for bit).
@@ -16,13 +19,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moontrain.model.experts.weights import ExpertWeights
+from moontrain.model.experts.weights import PROJECTIONS, ExpertWeights
 from moontrain.optim.adamw import build_optimizer
 from moontrain.optim.config import OptimConfig
+from moontrain.parallel.clip import global_grad_norm
 from moontrain.parallel.layout import build_layout
+from moontrain.planning.memory import estimate_memory
+from moontrain.planning.params import count_params
 from moontrain.trainer.trainer import Trainer
 from tests.dist_utils import run_ranks
-from tests.moontrain.ckpt_utils import _full, assert_bitwise, full_state, small_config, train
+from tests.moontrain.ckpt_utils import _full, assert_bitwise, full_state, small_config
 
 CPU = torch.device("cpu")
 
@@ -52,6 +58,16 @@ def _canonical(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
+def train(trainer: Trainer, steps: int) -> list[tuple[float, float]]:
+    """(loss, grad norm) of each step."""
+    out = []
+    for _ in range(steps):
+        stats = trainer.train_step()
+        assert stats is not None  # log_every=1
+        out.append((stats.loss, stats.grad_norm))
+    return out
+
+
 def _sharded_vs_unsharded(rank: int, world: int, backend: str, ep: int, run_dir: str) -> None:
     torch.set_num_threads(1)
     states, losses = {}, {}
@@ -64,6 +80,7 @@ def _sharded_vs_unsharded(rank: int, world: int, backend: str, ep: int, run_dir:
         states[shard] = _canonical(trainer)
         trainer.close()
     assert losses[True] == losses[False], losses
+    assert max(norm for _, norm in losses[False]) > 1.0, losses  # optim.grad_clip acts: the step reads the norm
     assert any(k.endswith("experts.master.up.exp_avg_sq") for k in states[False])
     assert_bitwise(states[True], states[False], "sharded expert state vs unsharded")
     for shard in (False, True):  # resume the other setting's checkpoint
@@ -92,3 +109,66 @@ def test_refuses_unbuilt_optimizers(optim: dict, match: str) -> None:
     model = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match=match):
         build_optimizer(model, OptimConfig(**optim), 4, expert_shards={id(model.weight): model.weight})
+
+
+def _reduce_at_four_replicas(rank: int, world: int) -> None:
+    """dp_replicate 4 x EP 1: the same per-rank grads reduced unsharded and sharded."""
+    layout = build_layout(1, CPU)
+    assert layout.dp_replicate == world == 4
+    weights = {}
+    for shard in (False, True):
+        w = ExpertWeights(num_experts=8, ep_rank=0, ep_size=1, hidden=6, intermediate=10)
+        w.bind_owned(torch.float32, 1.0)
+        gen = torch.Generator().manual_seed(100 + rank)  # each replica its own grads, wide magnitudes
+        for name in PROJECTIONS:
+            w.grad[name].copy_(torch.randn(w.grad[name].shape, generator=gen)
+                               * torch.logspace(-4, 4, w.grad[name].shape[-1]))
+        if shard:
+            w.shard_state(layout.dp_replicate_rank, layout.dp_replicate, layout.edp_group)
+        weights[shard] = w
+    whole = {name: weights[False].grad[name].clone() for name in PROJECTIONS}
+    parts = {name: [torch.empty_like(g) for _ in range(world)] for name, g in whole.items()}
+    for name, g in whole.items():
+        dist.all_gather(parts[name], g)
+
+    all_reduce = dist.all_reduce
+    dist.all_reduce = None  # sharded: the expert grads must not be all-reduced
+    try:
+        weights[True].reduce_grads(layout.edp_group)
+    finally:
+        dist.all_reduce = all_reduce
+    weights[False].reduce_grads(layout.edp_group)
+    norms = {}
+    for shard, w in weights.items():
+        w.attach_grads()
+        params = list(w.shards.values()) if shard else list(w.master.values())
+        assert all(p.grad is not None for p in params) and (not shard or all(m.grad is None for m in w.master.values()))
+        norms[shard] = global_grad_norm([], params, layout, experts_sharded=shard)
+    rows = slice(rank * 2, rank * 2 + 2)  # epn 8 over 4 replicas
+    for name in PROJECTIONS:
+        got, want = weights[True].shards[name].grad, weights[False].grad[name][rows]
+        assert torch.equal(got, want), (name, (got != want).nonzero()[0].tolist())
+        terms = torch.stack(parts[name]).double()[:, rows]
+        bound = (world - 1) * 2.0**-24 * terms.abs().sum(0)  # fp32 sum of `world` terms, any order
+        assert ((got.double() - terms.sum(0)).abs() <= bound).all(), name
+    assert torch.equal(norms[True], norms[False]), (norms[True].item(), norms[False].item())
+    reduced = [weights[False].grad[n].double() for n in PROJECTIONS]  # the fp32 sums, checked above
+    exact = sum(g.square().sum() for g in reduced).sqrt()
+    numel = sum(g.numel() for g in reduced)  # fp32 sum of numel squares, worst-case order
+    assert abs(norms[True].double() - exact) <= numel * 2.0**-24 * exact, (norms[True].item(), exact.item())
+
+
+def test_reduce_scatter_and_grad_norm_at_four_replicas() -> None:
+    run_ranks(_reduce_at_four_replicas, 4, timeout_s=120.0)
+
+
+def test_dry_run_counts_sharded_moments() -> None:
+    cfg = small_config("alltoall", 2)
+    counts = count_params(cfg.model)
+    whole = estimate_memory(cfg, counts, 8, 4)
+    cfg.parallel.shard_expert_state = True
+    sharded = estimate_memory(cfg, counts, 8, 4)
+    local = cfg.model.num_moe_layers * (cfg.model.num_experts // 2) * 3 * cfg.model.expert_width * cfg.model.moe_intermediate_size
+    assert whole.experts["optimizer"] == 8 * local and sharded.experts["optimizer"] == 8 * local / 4
+    for row in ("weights", "master", "grads"):
+        assert sharded.experts[row] == whole.experts[row]
