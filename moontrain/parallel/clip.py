@@ -47,7 +47,7 @@ def _local(g: torch.Tensor) -> torch.Tensor:
 
 def _expert_sq(grads: list[torch.Tensor], layout: ParallelLayout, sharded: bool) -> torch.Tensor:
     """Sum of squares of this EP rank's expert grads over its local rows, per replica row block (see the
-    module docstring). sharded: grads are this replica's block only (ExpertWeights.shards)."""
+    module docstring). sharded: grads are this replica's block only (ExpertWeights.shard_state)."""
     blocks = layout.dp_replicate
     if sharded and blocks > 1:
         partials_D = torch.empty(blocks, device=layout.device, dtype=torch.float32)
@@ -62,7 +62,7 @@ def _expert_sq(grads: list[torch.Tensor], layout: ParallelLayout, sharded: bool)
 def global_grad_norm(dense: list[torch.Tensor], experts: list[torch.Tensor], layout: ParallelLayout,
                      experts_sharded: bool = False) -> torch.Tensor:
     """The L2 norm of every gradient of the model, each parameter counted once (fp32 scalar).
-    experts_sharded: `experts` are the expert masters' shards (parallel.shard_expert_state), not the masters."""
+    experts_sharded: the expert masters hold their replica's rows only (parallel.shard_expert_state)."""
     dev = layout.device
     sharded = [p.grad.to_local() for p in dense if isinstance(p.grad, DTensor)]
     replicated = [p.grad for p in dense if p.grad is not None and not isinstance(p.grad, DTensor)]

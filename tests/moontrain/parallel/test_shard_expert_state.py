@@ -1,11 +1,13 @@
 """Expert state sharded over the dp_replicate replicas (parallel.shard_expert_state) == unsharded, bitwise:
-losses, grad norms, parameters, router biases and Adam state after a few steps, at world 4 = dp_replicate 2 x
-EP 2 (alltoall and moonep) and world 2 = dp_replicate 2 x EP 1 (local); checkpoints saved sharded resume
-unsharded and the reverse, bitwise against a run without interruption (the sharded Adam moments are saved as
-canonical rows under their master's name). At dp_replicate 4 (gloo): the reduce-scatter gives each replica the
-all-reduce's sums of its rows, bitwise, without any all-reduce of the expert grads, and the global grad norm
-from the shards equals the one from the whole grads bitwise and a float64 reference within fp32 rounding. A
-layout whose local experts the replicas cannot split is rejected; the dry-run counts the sharded moments.
+losses, grad norms, parameters (the sharded fp32 masters gathered), expert compute copies, router biases and
+Adam state after a few steps, at world 4 = dp_replicate 2 x EP 2 (alltoall and moonep) and world 2 =
+dp_replicate 2 x EP 1 (local); checkpoints saved sharded resume unsharded and the reverse, bitwise against a run
+without interruption (the sharded masters and moments are saved as canonical rows under the master's name). At dp_replicate 4 (gloo): the reduce-scatter gives each replica the
+all-reduce's sums of its rows, bitwise, without any all-reduce of the expert grads; the global grad norm
+from the shards equals the one from the whole grads bitwise and a float64 reference within fp32 rounding; the
+sharded masters init their own rows and the compute rows all-gathered from them equal the unsharded ones. A
+layout whose local experts the replicas cannot split is rejected; the dry-run counts the sharded masters
+and moments.
 
 Reference: the same run unsharded (each element's AdamW update is elementwise, so the shard's step must equal
 the whole tensor's rows bit for bit).
@@ -40,21 +42,23 @@ def _trainer(backend: str, ep: int, shard: bool, run_dir: str) -> Trainer:
 
 
 def _canonical(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """full_state plus the sharded experts' Adam state, gathered over the replicas, under the master's name."""
+    """full_state, the sharded masters and their Adam moments gathered over the replicas into canonical rows,
+    and every expert compute copy (the rows the GEMMs read)."""
     out = full_state(trainer)
     layout = trainer.layout
-    masters = {id(p): n for n, p in trainer.model.named_parameters()}
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
     for w in trainer.experts:
-        for proj, shard in w.shards.items():
-            name = masters[id(w.master[proj])]
-            for key, value in trainer.optimizer.state.get(shard, {}).items():
-                if value.ndim == 0:
-                    out[f"{name}.{key}"] = value.clone()
-                    continue
-                assert value.shape[0] == w.num_local // layout.dp_replicate == shard.shape[0], (key, value.shape)
+        for proj, master in w.master.items():
+            name = names[id(master)]
+            out[f"{name}.compute"] = _full(trainer, name, w.compute[proj])
+            if not w.sharded:
+                continue
+            state = trainer.optimizer.state.get(master, {})
+            for key, value in {name: master.detach(), **{f"{name}.{k}": v for k, v in state.items() if v.ndim}}.items():
+                assert value.shape[0] == w.num_local // layout.dp_replicate, (key, value.shape)
                 parts = [torch.empty_like(value) for _ in range(layout.dp_replicate)]
                 dist.all_gather(parts, value.contiguous(), group=layout.edp_group)
-                out[f"{name}.{key}"] = _full(trainer, name, torch.cat(parts))
+                out[key] = _full(trainer, name, torch.cat(parts))
     return out
 
 
@@ -73,7 +77,8 @@ def _sharded_vs_unsharded(rank: int, world: int, backend: str, ep: int, run_dir:
     states, losses = {}, {}
     for shard in (False, True):
         trainer = _trainer(backend, ep, shard, f"{run_dir}/{shard}")
-        assert bool(trainer.experts[0].shards) == shard
+        assert trainer.experts[0].sharded == shard
+        assert trainer.experts[0].master["up"].shape[0] == trainer.experts[0].num_local // (2 if shard else 1)
         losses[shard] = train(trainer, 2)
         trainer.save_checkpoint()
         losses[shard] += train(trainer, 1)
@@ -108,7 +113,7 @@ def test_rejects_indivisible_local_experts() -> None:
 def test_refuses_unbuilt_optimizers(optim: dict, match: str) -> None:
     model = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match=match):
-        build_optimizer(model, OptimConfig(**optim), 4, expert_shards={id(model.weight): model.weight})
+        build_optimizer(model, OptimConfig(**optim), 4, shard_expert_state=True)
 
 
 def _reduce_at_four_replicas(rank: int, world: int) -> None:
@@ -141,17 +146,21 @@ def _reduce_at_four_replicas(rank: int, world: int) -> None:
     norms = {}
     for shard, w in weights.items():
         w.attach_grads()
-        params = list(w.shards.values()) if shard else list(w.master.values())
-        assert all(p.grad is not None for p in params) and (not shard or all(m.grad is None for m in w.master.values()))
-        norms[shard] = global_grad_norm([], params, layout, experts_sharded=shard)
+        norms[shard] = global_grad_norm([], list(w.master.values()), layout, experts_sharded=shard)
     rows = slice(rank * 2, rank * 2 + 2)  # epn 8 over 4 replicas
     for name in PROJECTIONS:
-        got, want = weights[True].shards[name].grad, weights[False].grad[name][rows]
+        got, want = weights[True].master[name].grad, weights[False].grad[name][rows]
         assert torch.equal(got, want), (name, (got != want).nonzero()[0].tolist())
         terms = torch.stack(parts[name]).double()[:, rows]
         bound = (world - 1) * 2.0**-24 * terms.abs().sum(0)  # fp32 sum of `world` terms, any order
         assert ((got.double() - terms.sum(0)).abs() <= bound).all(), name
     assert torch.equal(norms[True], norms[False]), (norms[True].item(), norms[False].item())
+    for w in weights.values():  # the sharded masters init their own rows; push_master all-gathers the compute rows
+        w.init_master(seed=3, layer_idx=1, std=0.02)
+        w.push_master()
+    for name in PROJECTIONS:
+        assert torch.equal(weights[True].master[name], weights[False].master[name][rows]), name
+        assert torch.equal(weights[True].compute[name], weights[False].compute[name]), name
     reduced = [weights[False].grad[n].double() for n in PROJECTIONS]  # the fp32 sums, checked above
     exact = sum(g.square().sum() for g in reduced).sqrt()
     numel = sum(g.numel() for g in reduced)  # fp32 sum of numel squares, worst-case order
@@ -170,5 +179,6 @@ def test_dry_run_counts_sharded_moments() -> None:
     sharded = estimate_memory(cfg, counts, 8, 4)
     local = cfg.model.num_moe_layers * (cfg.model.num_experts // 2) * 3 * cfg.model.expert_width * cfg.model.moe_intermediate_size
     assert whole.experts["optimizer"] == 8 * local and sharded.experts["optimizer"] == 8 * local / 4
-    for row in ("weights", "master", "grads"):
+    assert whole.experts["master"] == 4 * local and sharded.experts["master"] == 4 * local / 4
+    for row in ("weights", "grads"):
         assert sharded.experts[row] == whole.experts[row]
