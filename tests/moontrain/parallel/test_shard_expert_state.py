@@ -1,13 +1,13 @@
 """Expert state sharded over the dp_replicate replicas (parallel.shard_expert_state) == unsharded, bitwise:
 losses, grad norms, parameters (the sharded fp32 masters gathered), expert compute copies, router biases and
 Adam state after a few steps, at world 4 = dp_replicate 2 x EP 2 (alltoall and moonep) and world 2 =
-dp_replicate 2 x EP 1 (local); checkpoints saved sharded resume unsharded and the reverse, bitwise against a run
-without interruption (the sharded masters and moments are saved as canonical rows under the master's name). At dp_replicate 4 (gloo): the reduce-scatter gives each replica the
-all-reduce's sums of its rows, bitwise, without any all-reduce of the expert grads; the global grad norm
-from the shards equals the one from the whole grads bitwise and a float64 reference within fp32 rounding; the
-sharded masters init their own rows and the compute rows all-gathered from them equal the unsharded ones. A
-layout whose local experts the replicas cannot split is rejected; the dry-run counts the sharded masters
-and moments.
+dp_replicate 2 x EP 1 (local); checkpoints saved sharded resume unsharded and the reverse, bitwise against a
+run without interruption (the sharded masters and moments are saved as canonical rows under the master's
+name). At dp_replicate 4 (gloo): the reduce-scatter gives each replica the all-reduce's sums of its rows,
+bitwise, without any all-reduce of the expert grads; the global grad norm from the shards equals the one from
+the whole grads bitwise and a float64 reference within fp32 rounding; the sharded masters init their own rows
+and the compute rows all-gathered from them equal the unsharded ones. A layout whose local experts the
+replicas cannot split is rejected; the dry-run counts the sharded masters and moments.
 
 Reference: the same run unsharded (each element's AdamW update is elementwise, so the shard's step must equal
 the whole tensor's rows bit for bit).
@@ -177,7 +177,8 @@ def test_dry_run_counts_sharded_moments() -> None:
     whole = estimate_memory(cfg, counts, 8, 4)
     cfg.parallel.shard_expert_state = True
     sharded = estimate_memory(cfg, counts, 8, 4)
-    local = cfg.model.num_moe_layers * (cfg.model.num_experts // 2) * 3 * cfg.model.expert_width * cfg.model.moe_intermediate_size
+    m = cfg.model
+    local = m.num_moe_layers * (m.num_experts // 2) * 3 * m.expert_width * m.moe_intermediate_size
     assert whole.experts["optimizer"] == 8 * local and sharded.experts["optimizer"] == 8 * local / 4
     assert whole.experts["master"] == 4 * local and sharded.experts["master"] == 4 * local / 4
     for row in ("weights", "grads"):
