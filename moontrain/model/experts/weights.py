@@ -117,8 +117,9 @@ class ExpertWeights(nn.Module):
         """local/alltoall: own the compute leaves and an fp32 grad buffer that a hook fills with
         loss_scale * the compute leaf's grad."""
         for name, master in self.master.items():
-            compute = torch.empty(master.shape, dtype=dtype, device=master.device, requires_grad=True)
-            grad = torch.zeros(master.shape, dtype=torch.float32, device=master.device)
+            shape = (self.num_local, *self.shapes[name])  # every local row, whether or not the master is sharded
+            compute = torch.empty(shape, dtype=dtype, device=master.device, requires_grad=True)
+            grad = torch.zeros(shape, dtype=torch.float32, device=master.device)
             compute.register_post_accumulate_grad_hook(_make_fold_hook(grad, float(loss_scale)))
             self.compute[name], self.grad[name] = compute, grad
         self.push_master()
@@ -128,11 +129,12 @@ class ExpertWeights(nn.Module):
         """moonep: compute and grad are views into memory the EP library owns. `defer_zero(name)`, when
         given, declares grad[name] zero without writing it (the library's next accumulation overwrites
         it; see moonep.ExpertPools.defer_zero_grads): finish_step then never zeroes these grads."""
-        for name, master in self.master.items():
-            if tuple(compute[name].shape) != tuple(master.shape) or tuple(grad[name].shape) != tuple(master.shape):
+        for name in self.master:
+            shape = (self.num_local, *self.shapes[name])
+            if tuple(compute[name].shape) != shape or tuple(grad[name].shape) != shape:
                 raise ValueError(
                     f"expert projection {name!r}: backend views {tuple(compute[name].shape)} / "
-                    f"{tuple(grad[name].shape)} do not match the master shape {tuple(master.shape)}"
+                    f"{tuple(grad[name].shape)} do not match the local rows' shape {shape}"
                 )
             if grad[name].dtype != torch.float32:
                 raise ValueError(f"expert projection {name!r}: grad view must be float32, got {grad[name].dtype}")
@@ -176,7 +178,7 @@ class ExpertWeights(nn.Module):
         """master.grad = the master's rows of the reduced grad (all local rows, or the shard's)."""
         lo, rows = self.master_rows
         for name, master in self.master.items():
-            master.grad = self.grad[name][lo:lo + rows]
+            master.grad = self.grad[name][lo:lo + rows] if self.sharded else self.grad[name]
 
     @property
     def defers_zero(self) -> bool:
