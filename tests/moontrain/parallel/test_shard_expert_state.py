@@ -35,10 +35,12 @@ from tests.moontrain.ckpt_utils import _full, assert_bitwise, full_state, small_
 CPU = torch.device("cpu")
 
 
-def _trainer(backend: str, ep: int, shard: bool, run_dir: str) -> Trainer:
+def _trainer(backend: str, ep: int, shard: bool, run_dir: str, device: torch.device) -> Trainer:
     cfg = small_config(backend, ep, steps=4, run_dir=run_dir)
     cfg.parallel.shard_expert_state = shard
-    return Trainer(cfg, build_layout(ep, CPU))
+    cfg.optim.write_back = False  # the sharded state is built for plain AdamW (write_back follows fused on a GPU)
+    cfg.train.deterministic = device.type == "cuda"
+    return Trainer(cfg, build_layout(ep, device))
 
 
 def _canonical(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -72,13 +74,16 @@ def train(trainer: Trainer, steps: int) -> list[tuple[float, float]]:
     return out
 
 
-def _sharded_vs_unsharded(rank: int, world: int, backend: str, ep: int, run_dir: str) -> None:
+def sharded_vs_unsharded(rank: int, world: int, backend: str, ep: int, run_dir: str,
+                         device: torch.device = CPU) -> None:
+    """The whole comparison on one rank (every rank calls it; run_dir shared by the ranks)."""
     torch.set_num_threads(1)
     states, losses = {}, {}
     for shard in (False, True):
-        trainer = _trainer(backend, ep, shard, f"{run_dir}/{shard}")
+        trainer = _trainer(backend, ep, shard, f"{run_dir}/{shard}", device)
         assert trainer.experts[0].sharded == shard
-        assert trainer.experts[0].master["up"].shape[0] == trainer.experts[0].num_local // (2 if shard else 1)
+        rows = trainer.experts[0].num_local // (trainer.layout.dp_replicate if shard else 1)
+        assert trainer.experts[0].master["up"].shape[0] == rows
         losses[shard] = train(trainer, 2)
         trainer.save_checkpoint()
         losses[shard] += train(trainer, 1)
@@ -89,7 +94,7 @@ def _sharded_vs_unsharded(rank: int, world: int, backend: str, ep: int, run_dir:
     assert any(k.endswith("experts.master.up.exp_avg_sq") for k in states[False])
     assert_bitwise(states[True], states[False], "sharded expert state vs unsharded")
     for shard in (False, True):  # resume the other setting's checkpoint
-        trainer = _trainer(backend, ep, shard, f"{run_dir}/resume{shard}")
+        trainer = _trainer(backend, ep, shard, f"{run_dir}/resume{shard}", device)
         trainer.load_checkpoint(sorted(Path(f"{run_dir}/{not shard}/checkpoints").iterdir())[-1])
         resumed = train(trainer, 1)
         assert resumed == losses[False][2:], (shard, resumed, losses[False])
@@ -99,7 +104,7 @@ def _sharded_vs_unsharded(rank: int, world: int, backend: str, ep: int, run_dir:
 
 @pytest.mark.parametrize(("world", "backend", "ep"), [(4, "alltoall", 2), (4, "moonep", 2), (2, "local", 1)])
 def test_sharded_equals_unsharded_and_resumes(tmp_path: Path, world: int, backend: str, ep: int) -> None:
-    run_ranks(_sharded_vs_unsharded, world, backend, ep, str(tmp_path), timeout_s=600.0)
+    run_ranks(sharded_vs_unsharded, world, backend, ep, str(tmp_path), timeout_s=600.0)
 
 
 def test_rejects_indivisible_local_experts() -> None:
