@@ -123,9 +123,9 @@ def _collect_tensors(run: TrainState) -> tuple[dict[str, torch.Tensor], dict[str
             tensors[name] = local_tensor(t).detach().to("cpu", copy=True).contiguous()
             pieces[name] = [own.offset, own.rows, list(own.global_shape)]
 
+    names, shard_ids = _param_names(run)
     for name, t in _model_tensors(run.model).items():
-        put(f"model.{name}", t)
-    names, shard_ids = _optimizer_param_names(run)
+        put(f"model.{name}", t, own=expert_shard_ownership(t, layout) if id(t) in shard_ids else None)
     for group in run.optimizer.param_groups:
         for p in group["params"]:
             state = run.optimizer.state.get(p)
@@ -233,34 +233,37 @@ def load_checkpoint(run: TrainState, path: str | Path) -> dict[str, Any]:
 
 @torch.no_grad()
 def load_model_tensors(run: TrainState, source: TensorSource, *, prefix: str) -> None:
-    """Copy the rows this rank owns of every parameter and persistent buffer from `source`."""
+    """Copy the rows this rank owns of every parameter and persistent buffer from `source`. Sharded expert
+    masters: the compute copies are read whole from `source` too (no collective)."""
+    names, shard_ids = _param_names(run)
     for name, t in _model_tensors(run.model).items():
-        own = ownership(name, t, run.layout)
+        own = expert_shard_ownership(t, run.layout) if id(t) in shard_ids else ownership(name, t, run.layout)
         key = prefix + name
         if tuple(source.shape(key)) != own.global_shape:
             raise CheckpointError(f"{source.root}: {key} has shape {list(source.shape(key))}, the model "
                                   f"has {list(own.global_shape)}")
         local_tensor(t).copy_(source.rows(key, own.offset, own.rows))
     for w in run.experts:
-        w.push_master()
+        if w.sharded:
+            offset = run.layout.ep_rank * w.num_local
+            w.push_master({proj: source.rows(prefix + names[id(master)], offset, w.num_local)
+                           for proj, master in w.master.items()})
+        else:
+            w.push_master()
 
 
 @torch.no_grad()
-def _optimizer_param_names(run: TrainState) -> tuple[dict[int, str], set[int]]:
-    """id(optimizer parameter) -> its canonical name, and the ids of expert master shards (sharded expert
-    state: a shard's moments are saved under its master's name, as canonical rows)."""
+def _param_names(run: TrainState) -> tuple[dict[int, str], set[int]]:
+    """id(parameter) -> its canonical name, and the ids of the sharded expert masters (parallel.shard_expert_state:
+    they and their moments hold their replica's canonical rows, expert_shard_ownership)."""
     names = {id(p): n for n, p in run.model.named_parameters()}
-    shard_ids: set[int] = set()
-    for w in run.experts:
-        for proj, shard in w.shards.items():
-            names[id(shard)] = names[id(w.master[proj])]
-            shard_ids.add(id(shard))
+    shard_ids = {id(p) for w in run.experts if w.sharded for p in w.master.values()}
     return names, shard_ids
 
 
 def _load_optimizer(run: TrainState, source: TensorSource, state: dict[str, Any]) -> None:
     opt = run.optimizer
-    names, shard_ids = _optimizer_param_names(run)
+    names, shard_ids = _param_names(run)
     saved_groups = {g["name"]: g for g in state["param_groups"]}
     missing = sorted(set(g["name"] for g in opt.param_groups) - set(saved_groups))
     if missing:

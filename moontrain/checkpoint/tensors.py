@@ -8,8 +8,9 @@ EP degree. A rank stores the rows [offset, offset + rows) of it that it owns:
   rows [r * ceil(n / W), ...) clipped to n (a rank past the end holds none and writes nothing);
 - expert masters: the EP rank's canonical experts [ep_rank * epn, (ep_rank + 1) * epn), written by
   the first data-parallel replica only (the other replicas hold the same rows);
-- expert optimizer moments under parallel.shard_expert_state: replica d of EP rank r holds (and writes)
-  rows [r * epn + d * epn / dp_replicate, ...) of them, epn / dp_replicate rows (expert_shard_ownership);
+- expert masters and their optimizer moments under parallel.shard_expert_state: replica d of EP rank r
+  holds (and writes) rows [r * epn + d * epn / dp_replicate, ...) of them, epn / dp_replicate rows
+  (expert_shard_ownership);
 - replicated tensors (unsharded dense params, router biases, Adam's step): rank 0, all rows.
 
 Optimizer moments follow their parameter. Loading asks a `TensorSource` for the rows this rank owns
@@ -69,7 +70,7 @@ def ownership(name: str, t: torch.Tensor, layout: ParallelLayout) -> Ownership:
 
 
 def expert_shard_ownership(t: torch.Tensor, layout: ParallelLayout) -> Ownership:
-    """The canonical rows of an expert master's shard (ExpertWeights.shards) or of its optimizer moments."""
+    """The canonical rows of a sharded expert master (ExpertWeights.shard_state) or of its optimizer moments."""
     rows = t.shape[0]
     epn = rows * layout.dp_replicate
     return Ownership(offset=layout.ep_rank * epn + layout.dp_replicate_rank * rows, rows=rows,

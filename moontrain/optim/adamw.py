@@ -2,8 +2,8 @@
 
 - decay: dense matrices (attention, FFN, router, latent projections, LM head)
 - no_decay: norms, biases and the token embedding (decaying them hurts and buys nothing)
-- experts: the fp32 expert masters (this rank's local rows), decayed like dense matrices; with
-  parallel.shard_expert_state, each master's shard (ExpertWeights.shard_state) in its place
+- experts: the fp32 expert masters (this rank's local rows, or with parallel.shard_expert_state this
+  replica's shard of them, ExpertWeights.shard_state), decayed like dense matrices
 
 Groups stay homogeneous (DTensor shards vs plain tensors) so the foreach kernels never mix the two.
 With optim.write_back the optimizer is WriteBackAdamW: build_optimizer registers each expert master
@@ -29,13 +29,11 @@ from moontrain.optim.torch_adamw import AdamW
 from moontrain.optim.write_back import WriteBackAdamW
 
 
-def split_param_groups(model: nn.Module, expert_shards: dict[int, nn.Parameter] | None = None
-                       ) -> dict[str, list[nn.Parameter]]:
-    """expert_shards: id(expert master) -> the parameter the optimizer steps instead (sharded expert state)."""
+def split_param_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     groups: dict[str, list[nn.Parameter]] = {"decay": [], "no_decay": [], "experts": []}
     for name, p in model.named_parameters():
         if ".experts.master." in name:
-            groups["experts"].append(expert_shards[id(p)] if expert_shards else p)
+            groups["experts"].append(p)
         elif p.ndim < 2 or name.endswith(".bias") or "embed" in name:
             groups["no_decay"].append(p)
         else:
@@ -46,17 +44,18 @@ def split_param_groups(model: nn.Module, expert_shards: dict[int, nn.Parameter] 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int,
                     expert_group: dist.ProcessGroup | None = None,
                     write_back_targets: Iterable[tuple[torch.Tensor, torch.Tensor, bool]] = (),
-                    expert_shards: dict[int, nn.Parameter] | None = None) -> tuple[TrainOptimizer, torch.optim.lr_scheduler.LambdaLR]:
+                    shard_expert_state: bool = False) -> tuple[TrainOptimizer, torch.optim.lr_scheduler.LambdaLR]:
     """The optimizer and its LR schedule. optim.name picks AdamW (here) or Muon (moontrain.optim.muon;
     expert_group: the expert-data-parallel group, whose replicas share the expert orthogonalisation).
     write_back_targets: (expert master, its compute tensor, zero its grad) per expert projection, stepped
-    by the fused write-back pass when optim.write_back is on. expert_shards: see split_param_groups."""
-    if expert_shards and cfg.name == "muon":
+    by the fused write-back pass when optim.write_back is on. shard_expert_state: the expert masters are
+    their replica's shards (parallel.shard_expert_state), which only plain AdamW steps."""
+    if shard_expert_state and cfg.name == "muon":
         raise ValueError("parallel.shard_expert_state=true is built for AdamW only: Muon orthogonalises whole expert "
                          "matrices over the replicas; set optim.name=adamw or parallel.shard_expert_state=false")
     if cfg.name == "muon":
         return build_muon(model, cfg, total_steps, expert_group=expert_group)
-    groups = split_param_groups(model, expert_shards)
+    groups = split_param_groups(model)
     param_groups = [
         {"params": groups["decay"], "weight_decay": cfg.weight_decay, "name": "decay"},
         {"params": groups["no_decay"], "weight_decay": 0.0, "name": "no_decay"},
@@ -67,7 +66,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int,
     if fused is None:  # one multi-tensor kernel per group instead of foreach's chain of ops (GPU only)
         fused = all(p.device.type == "cuda" for g in param_groups for p in g["params"])
     write_back = fused if cfg.write_back is None else cfg.write_back
-    if write_back and expert_shards:
+    if write_back and shard_expert_state:
         raise ValueError("parallel.shard_expert_state=true is not built for the fused write-back AdamW "
                          "(optim.write_back=true, the default with optim.fused on a GPU); set optim.write_back=false "
                          "or parallel.shard_expert_state=false")

@@ -56,6 +56,7 @@ from torch.optim.adamw import adamw as adamw_step
 from moontrain.model.attention import MLAttention
 from moontrain.optim.config import OptimConfig
 from moontrain.optim.schedule import lr_multiplier
+from moontrain.parallel.collectives import all_gather_single
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 _NS_EPS = 1e-7
@@ -346,7 +347,7 @@ class Muon(torch.optim.Optimizer):
                 if mine.shape[0]:
                     o_mine[:mine.shape[0]] = newton_schulz(mine, group["ns_steps"])
                 o = torch.empty(replicas * per, *u.shape[1:], dtype=torch.bfloat16, device=u.device)
-                dist.all_gather_single(o, o_mine, group=g)
+                all_gather_single(o, o_mine, group=g)
                 o = o[:epn]
             self._apply(group, [p], [o], [rms_scale(p.shape[1], p.shape[2])])
 

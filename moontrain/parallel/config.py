@@ -26,8 +26,9 @@ class ParallelConfig:
     # seconds without a heartbeat after which a rank is named as dead or frozen and the job aborts
     # (moontrain.parallel.heartbeat); 0 disables the heartbeat
     heartbeat_timeout_s: float = 120.0
-    # split each EP rank's expert optimizer state over the dp_replicate replicas (each steps epn / dp_replicate
-    # experts and all-gathers the result); needs epn % dp_replicate == 0, plain AdamW (not write_back, not muon)
+    # split each EP rank's expert fp32 masters and optimizer state over the dp_replicate replicas (the expert
+    # grads are reduce-scattered to them, each steps epn / dp_replicate experts and all-gathers the compute
+    # rows); needs epn % dp_replicate == 0, plain AdamW (not write_back, not muon)
     shard_expert_state: bool = False
 
     def __post_init__(self) -> None:

@@ -7,10 +7,12 @@ Each row is split into the dense part (FSDP over W) and the expert part (this ra
 L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
 - weights: compute-dtype copies. Dense: the gathered root (embedding, head) plus two blocks (current
   and prefetched). Experts: the local rows (for moonep they live in the symmetric heap).
-- master: fp32, dense 4P/W, experts 4 bytes per local parameter.
+- master: fp32, dense 4P/W, experts 4 bytes per local parameter (with parallel.shard_expert_state: per
+  parameter of the replica's 1/dp_replicate of the local rows, dp_replicate = W / R).
 - grads: dense: the fp32 reduce-scatter output 4P/W plus the gathered compute-dtype grads of two
   blocks; experts: fp32 local rows (moonep: the grad mirror's local rows, in the heap).
-- optimizer: Adam's two fp32 moments on the master.
+- optimizer: Adam's two fp32 moments on the master (sharded as the master; the expert grads and
+  compute rows stay whole).
 - symmetric heap (moonep, beyond the local weight/grad rows above; moonep.Layout.slot_pool_bytes): per
   projection B slot rows in the
   compute dtype and B reduce-pool rows in fp32, shared by all layers.
@@ -75,11 +77,12 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
         "optimizer": 8 * P / world_size,
         "activations": S * _activation_bytes_per_token(cfg, compute_bytes, cfg.train.activation_checkpointing),
     }
+    shards = world_size // R if cfg.parallel.shard_expert_state else 1  # the replicas the expert state splits over
     experts = {
         "weights": local * compute_bytes,
-        "master": 4 * local,
+        "master": 4 * local / shards,
         "grads": 4 * local,
-        "optimizer": 8 * local,
+        "optimizer": 8 * local / shards,
         "symmetric_heap": 0.0,
         "receive_buffers": S * K * H * compute_bytes,
     }

@@ -86,18 +86,17 @@ class Trainer:
         )
         self.experts_runtime = self.model.attach_experts_backends(cfg.experts.backend, self.experts_ctx)
         self.experts = [moe.experts for moe in self.model.moe_layers()]
-        expert_shards: dict[int, torch.nn.Parameter] = {}
         if cfg.parallel.shard_expert_state:
             for w in self.experts:
                 w.shard_state(layout.dp_replicate_rank, layout.dp_replicate, layout.edp_group)
-                expert_shards.update({id(w.master[name]): shard for name, shard in w.shards.items()})
         self.expert_params = [p for w in self.experts for p in w.master.values()]
         expert_ids = {id(p) for p in self.expert_params}
         self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
         write_back_targets = [(master, w.compute[name], not w.defers_zero)
                               for w in self.experts for name, master in w.master.items()]
         optimizer, scheduler = build_optimizer(self.model, cfg.optim, cfg.train.steps, expert_group=layout.edp_group,
-                                               write_back_targets=write_back_targets, expert_shards=expert_shards)
+                                               write_back_targets=write_back_targets,
+                                               shard_expert_state=cfg.parallel.shard_expert_state)
         mla_ids = [i for i, block in enumerate(self.model.layers) if not block.is_kda]  # QK-Clip: softmax layers
         self.qk_clip = (QKClip([self.model.layers[i].attn for i in mla_ids], cfg.optim.qk_clip_tau,
                                group=layout.world_group, layer_ids=mla_ids)
@@ -153,7 +152,8 @@ class Trainer:
                 del loss, ce_i
         self._reduce_grads()
         grad_norm = clip_grad_norm_global(self.dense_params, self.expert_params, self.layout,
-                                          self.cfg.optim.grad_clip, optimizer=self.optimizer)
+                                          self.cfg.optim.grad_clip, optimizer=self.optimizer,
+                                          experts_sharded=self.cfg.parallel.shard_expert_state)
         lr = self.scheduler.get_last_lr()[0]
         written = self._optimizer_step(grad_norm)  # None: a non-finite step, skipped
         self.scheduler.step()

@@ -6,7 +6,8 @@ Per projection (gate [H,F], up [H,F], down [F,H]) a MoE layer holds three tensor
 [epn, Hin, Hout] for this rank's local expert rows (global experts [ep_rank*epn, (ep_rank+1)*epn)):
 
 - master (fp32 nn.Parameter): what the optimizer sees and updates. Never used in forward, so FSDP is
-  told to ignore it (expert data parallelism is done explicitly, below).
+  told to ignore it (expert data parallelism is done explicitly, below). With the state sharded it
+  holds only this replica's rows (below).
 - compute (compute dtype, bf16 on GPU): what the grouped GEMM reads. For `local`/`alltoall` it is a
   plain leaf tensor owned here; for `moonep` it is `layer.w_local[name]`, a view into moonep's
   symmetric memory (rows [E, E+B) of that memory are prefetch slots and are never seen here).
@@ -17,18 +18,30 @@ Per projection (gate [H,F], up [H,F], down [F,H]) a MoE layer holds three tensor
   (ExpertsContext.loss_scale, the loss-mean factor: no pass over the grads scales them afterwards).
 
 Step protocol (trainer): backward -> reduce_grads over the expert-data-parallel group (local rows only)
--> attach_grads (master.grad = grad) -> clip, optimizer.step -> finish_step: push_master (compute <-
-master) and zero the grads, or nothing for the projections a WriteBackAdamW step already wrote back;
-moonep's grads are declared zero instead (its next accumulation overwrites them). Rows of other ranks
-or slot rows never pass through any reduction issued here.
+-> attach_grads (master.grad = the master's rows of grad) -> clip, optimizer.step -> finish_step:
+push_master (compute <- master) and zero the grads, or nothing for the projections a WriteBackAdamW step
+already wrote back; moonep's grads are declared zero instead (its next accumulation overwrites them).
+Rows of other ranks or slot rows never pass through any reduction issued here.
 
-Sharded expert state (parallel.shard_expert_state, after shard_state): the optimizer sees, per
-projection, `shards[name]`, a parameter viewing rows [lo, lo + epn / dp_replicate) of the master, with
-the matching rows of the reduced grad as its grad, so its moments cover 1/dp_replicate of the experts.
-finish_step all-gathers the updated shards over the expert-data-parallel group into every replica's
-master before the compute copy. The grads are still all-reduced (whole local rows), which keeps the
-global grad norm bitwise the unsharded one; a reduce-scatter would save that traffic but change the
-norm's summation order.
+Sharded expert state (parallel.shard_expert_state, after shard_state): replica d of the D =
+dp_replicate replicas owns rows [lo, lo + epn / D), lo = d * epn / D, of every projection, and its
+master holds those rows only (the same Parameter object, its data replaced, so FSDP's ignored set and
+the optimizer's groups still name it), so the fp32 master, the Adam moments and the optimizer step
+cover 1/D of the experts. reduce_grads reduce-scatters the grads over the expert-data-parallel group in
+place: the owner's rows of the whole grad buffer receive the sum over the replicas, the other rows are
+left unreduced (never read; finish_step clears them). push_master writes the compute copy of the own
+rows and all-gathers the compute rows over the group in place (compute dtype: bf16 on GPU). The compute
+copy and the grad buffers stay whole (backward reads and accumulates every local row). Checkpoints
+store the masters as canonical rows, so a checkpoint loads at either setting
+(moontrain.checkpoint.tensors.expert_shard_ownership).
+
+Sharded == unsharded bitwise: each grad element is the same sum when the group's reduce-scatter and
+all-reduce add the D contributions in one order: always for D = 2 (a + b == b + a), and on gloo at
+D = 4 too (tested); NCCL's all-reduce may pick a tree where its reduce-scatter is a ring, so past D = 2
+on GPUs the elements may differ in the last bit while the norm's summation order below stays pinned.
+The global grad norm sums the expert squares per row block in both modes (moontrain.parallel.clip);
+AdamW is elementwise, so the shard's step equals the whole tensor's rows bit for bit, and the compute
+rows are the same cast of the same masters.
 """
 
 from __future__ import annotations
@@ -38,6 +51,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from moontrain.parallel.collectives import all_gather_single, reduce_scatter_single
 
 PROJECTIONS = ("gate", "up", "down")
 
@@ -62,13 +77,15 @@ class ExpertWeights(nn.Module):
         self.compute: dict[str, torch.Tensor] = {}
         self.grad: dict[str, torch.Tensor] = {}
         self._defer_zero: Callable[[str], None] | None = None  # see bind_external
-        self.shards: dict[str, nn.Parameter] = {}  # see shard_state; not registered (checkpoints save masters)
+        self.sharded = False  # see shard_state
         self._shard_group: dist.ProcessGroup | None = None
         self._shard_size = 1
         self._shard_lo = 0
 
+    @torch.no_grad()
     def shard_state(self, rank: int, size: int, group: dist.ProcessGroup | None) -> None:
-        """Give the optimizer only rows [rank * epn / size, (rank + 1) * epn / size) of each master."""
+        """Keep only rows [rank * epn / size, (rank + 1) * epn / size) of each master: the optimizer steps
+        those, and the replicas of the group exchange the rest (module docstring)."""
         if self.num_local % size:
             raise ValueError(
                 f"parallel.shard_expert_state=true splits the {self.num_local} local experts per EP rank over "
@@ -76,17 +93,22 @@ class ExpertWeights(nn.Module):
                 f"num_experts / ep is a multiple of dp_replicate = world / ep, or set parallel.shard_expert_state=false"
             )
         rows = self.num_local // size
-        self._shard_group, self._shard_size, self._shard_lo = group, size, rank * rows
-        self.shards = {name: nn.Parameter(master.detach()[rank * rows:(rank + 1) * rows])
-                       for name, master in self.master.items()}
+        self.sharded, self._shard_group, self._shard_size, self._shard_lo = True, group, size, rank * rows
+        for master in self.master.values():
+            master.data = master.data[rank * rows:(rank + 1) * rows].clone()
+
+    @property
+    def master_rows(self) -> tuple[int, int]:
+        """(first local row, rows) the masters hold: (0, epn), or this replica's shard."""
+        return self._shard_lo, next(iter(self.master.values())).shape[0]
 
     @torch.no_grad()
     def init_master(self, *, seed: int, layer_idx: int, std: float) -> None:
         """Each global expert gets its own generator, so the values do not depend on the EP layout."""
         for proj_idx, name in enumerate(PROJECTIONS):
             master = self.master[name]
-            for j in range(self.num_local):
-                e = self.expert_offset + j
+            for j in range(master.shape[0]):
+                e = self.expert_offset + self._shard_lo + j
                 gen = torch.Generator(device=master.device)
                 gen.manual_seed(((seed * 1009 + layer_idx) * 3 + proj_idx) * 1_000_003 + e)
                 master[j].normal_(0.0, std, generator=gen)
@@ -95,8 +117,9 @@ class ExpertWeights(nn.Module):
         """local/alltoall: own the compute leaves and an fp32 grad buffer that a hook fills with
         loss_scale * the compute leaf's grad."""
         for name, master in self.master.items():
-            compute = torch.empty(master.shape, dtype=dtype, device=master.device, requires_grad=True)
-            grad = torch.zeros(master.shape, dtype=torch.float32, device=master.device)
+            shape = (self.num_local, *self.shapes[name])  # every local row, whether or not the master is sharded
+            compute = torch.empty(shape, dtype=dtype, device=master.device, requires_grad=True)
+            grad = torch.zeros(shape, dtype=torch.float32, device=master.device)
             compute.register_post_accumulate_grad_hook(_make_fold_hook(grad, float(loss_scale)))
             self.compute[name], self.grad[name] = compute, grad
         self.push_master()
@@ -106,11 +129,12 @@ class ExpertWeights(nn.Module):
         """moonep: compute and grad are views into memory the EP library owns. `defer_zero(name)`, when
         given, declares grad[name] zero without writing it (the library's next accumulation overwrites
         it; see moonep.ExpertPools.defer_zero_grads): finish_step then never zeroes these grads."""
-        for name, master in self.master.items():
-            if tuple(compute[name].shape) != tuple(master.shape) or tuple(grad[name].shape) != tuple(master.shape):
+        for name in self.master:
+            shape = (self.num_local, *self.shapes[name])
+            if tuple(compute[name].shape) != shape or tuple(grad[name].shape) != shape:
                 raise ValueError(
                     f"expert projection {name!r}: backend views {tuple(compute[name].shape)} / "
-                    f"{tuple(grad[name].shape)} do not match the master shape {tuple(master.shape)}"
+                    f"{tuple(grad[name].shape)} do not match the local rows' shape {shape}"
                 )
             if grad[name].dtype != torch.float32:
                 raise ValueError(f"expert projection {name!r}: grad view must be float32, got {grad[name].dtype}")
@@ -119,25 +143,42 @@ class ExpertWeights(nn.Module):
         self.push_master()
 
     @torch.no_grad()
-    def push_master(self) -> None:
-        for name, master in self.master.items():
-            self.compute[name].copy_(master)
+    def push_master(self, whole: dict[str, torch.Tensor] | None = None) -> None:
+        """compute <- master for every projection (collective over the replicas when sharded), or, given
+        `whole` (projection -> this EP rank's epn canonical rows), compute <- whole without a collective."""
+        for name in self.master:
+            if whole is not None:
+                self.compute[name].copy_(whole[name])
+            else:
+                self._push(name)
+
+    def _push(self, name: str) -> None:
+        lo, rows = self.master_rows
+        compute = self.compute[name]
+        compute[lo:lo + rows].copy_(self.master[name])
+        if self._shard_size > 1:  # in place: the input is the output's own block (NCCL runs it in place)
+            all_gather_single(compute, compute[lo:lo + rows], group=self._shard_group)
 
     @torch.no_grad()
     def reduce_grads(self, group: dist.ProcessGroup | None) -> None:
         """Sum this rank's local-row grads over the expert-data-parallel group (they carry the loss
-        scale already)."""
+        scale already): all of them, or, with the state sharded, only this replica's rows (an in-place
+        reduce-scatter: the output is the input's own block, which NCCL runs in place)."""
         if group is None or dist.get_world_size(group) == 1:
             return
+        lo, rows = self.master_rows
         for name in PROJECTIONS:
-            dist.all_reduce(self.grad[name], op=dist.ReduceOp.SUM, group=group)
+            grad = self.grad[name]
+            if self.sharded:
+                reduce_scatter_single(grad[lo:lo + rows], grad, op=dist.ReduceOp.SUM, group=group)
+            else:
+                dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
 
     def attach_grads(self) -> None:
+        """master.grad = the master's rows of the reduced grad (all local rows, or the shard's)."""
+        lo, rows = self.master_rows
         for name, master in self.master.items():
-            master.grad = self.grad[name]
-            if self.shards:
-                shard = self.shards[name]
-                shard.grad = self.grad[name][self._shard_lo:self._shard_lo + shard.shape[0]]
+            master.grad = self.grad[name][lo:lo + rows] if self.sharded else self.grad[name]
 
     @property
     def defers_zero(self) -> bool:
@@ -149,16 +190,10 @@ class ExpertWeights(nn.Module):
         """After optimizer.step: push_master and zero the grads, except for the projections whose
         master's id is in `written` (WriteBackAdamW's fused step already wrote their compute rows, and
         zeroed their grads unless the backend defers zeroing). With a deferring backend the grads are
-        declared zero instead of written. Sharded state: the updated shards are all-gathered first."""
+        declared zero instead of written."""
         for name, master in self.master.items():
-            if self.shards:
-                shard = self.shards[name]
-                shard.grad = None
-                if self._shard_size > 1:
-                    dist.all_gather(list(master.detach().chunk(self._shard_size)), shard.detach().clone(),
-                                    group=self._shard_group)
             if id(master) not in written:
-                self.compute[name].copy_(master)
+                self._push(name)
                 if self._defer_zero is None:
                     self.grad[name].zero_()
             if self._defer_zero is not None:

@@ -84,7 +84,7 @@ def test_bind_external_rejects_wrong_views() -> None:
     good = {n: torch.zeros(2, *s) for n, s in w.shapes.items()}
     bad = dict(good, up=torch.zeros(3, H, FF))
     with pytest.raises(ValueError, match=r"'up': backend views \(2, 16, 32\) / \(3, 16, 32\) do not match the "
-                                         r"master shape \(2, 16, 32\)"):
+                                         r"local rows' shape \(2, 16, 32\)"):
         w.bind_external(good, bad)
 
 
