@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go, for a 2-GPU machine (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm ...]   (default: the first four, in order)
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|kda|optim|determinism ...]
+#   (default: the first four, in order; kda, optim and determinism run on one GPU)
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
-# PLANNER_TIMEOUT / GEMM_TIMEOUT (s), COMM_ARGS (bench_comm.py arguments instead of --experts 96 384, e.g.
-# --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
+# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT (s), COMM_ARGS (bench_comm.py
+# arguments instead of --experts 96 384, e.g. --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
 # --experts 896 --topk 16 --ranks 8).
 # Each rank's pytest output goes to its own log (OUT_DIR/tests_r<rank>.log), so a failure on one rank
 # is readable; every step has its own time limit so one hang cannot eat the rest.
@@ -44,6 +45,18 @@ for step in "${steps[@]}"; do
            echo "planner rc=$?"; tail -12 "$out/planner.log" ;;
     gemm)  timeout "${GEMM_TIMEOUT:-300}" python benchmarks/bench_expert_gemm.py --out "$out" > "$out/expert_gemm.log" 2>&1
            echo "gemm rc=$?"; tail -40 "$out/expert_gemm.log" ;;
-    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm)"; exit 2 ;;
+    kda)   timeout "${KDA_TIMEOUT:-600}" python -m pytest -v -m gpu tests/moontrain/model/test_kda_gpu.py > "$out/kda.log" 2>&1
+           echo "kda rc=$?"; grep -hE "PASSED|FAILED|passed|failed" "$out/kda.log" | tail -6
+           timeout "${KDA_TIMEOUT:-600}" python benchmarks/bench_kda.py --out "$out/bench_kda.json" > "$out/bench_kda.log" 2>&1
+           echo "bench_kda rc=$?"; tail -10 "$out/bench_kda.log" ;;
+    optim) timeout "${OPTIM_TIMEOUT:-400}" python benchmarks/bench_optim.py --recipe recipes/k3_small.yaml --steps 5 --warmup 2 \
+             --out "$out/bench_optim_k3_small.json" parallel.ep=1 experts.backend=local train.micro_batch_size=1 > "$out/optim.log" 2>&1
+           echo "optim rc=$?"; tail -6 "$out/optim.log" ;;
+    determinism)  # checkpoints (~44 GB for k3_small) in RAM when /dev/shm holds them
+           work=/tmp/moontrain_det; [ "$(df -k --output=avail /dev/shm | tail -1)" -gt 62000000 ] && work=/dev/shm/moontrain_det
+           timeout "${DET_TIMEOUT:-900}" python benchmarks/check_determinism.py --recipe recipes/k3_small.yaml --steps 6 --work "$work" \
+             --out "$out/determinism_k3_small.json" parallel.ep=1 train.micro_batch_size=1 train.compile=false > "$out/determinism.log" 2>&1
+           echo "determinism rc=$?"; grep -E "bitwise|differ|step time" "$out/determinism.log" | tail -6; rm -rf "$work" ;;
+    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, kda, optim, determinism)"; exit 2 ;;
   esac
 done
