@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from benchmarks.timing import median_ms
 from moonep.grouped_gemm import grouped_mm, grouped_mm_wgrad
 
 SHAPES = {  # name -> (H, F, local groups, slot groups, rows, activation)
@@ -45,20 +45,6 @@ SHAPES = {  # name -> (H, F, local groups, slot groups, rows, activation)
     "k3": (3584, 3072, 112, 112, 8192 * 16, "situ_glu"),
 }
 PADDING = 16
-
-
-def median_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def group_offs(local: int, slots: int, rows: int, spread: float, gen: torch.Generator) -> torch.Tensor:

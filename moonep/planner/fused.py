@@ -41,7 +41,7 @@ max-reduction of an int64 key (value in the high bits, the index's complement in
 padded lanes never win (quota and remaining -1, balance masked).
 
 On CUDA the four launches of one shape are captured in CUDA graphs, each writing into its own
-pooled Plan (`_PlanPool`); a call copies topk into the graphs' input and replays a graph whose Plan
+pooled Plan (`PlanPool`); a call copies topk into the graphs' input and replays a graph whose Plan
 nothing outside the pool holds any more (no Python reference to the Plan or its tensors, no
 autograd save, no view), capturing a new one when every pooled Plan is held. A plan thus outlives
 later calls (it is saved for backward) at the cost of one copy and one replay. The pool's contract
@@ -86,7 +86,6 @@ across lanes).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import torch
@@ -95,6 +94,7 @@ import triton.language as tl
 
 from moonep.layout import Layout
 from moonep.planner.plan import Plan
+from moonep.planner.plan_pool import PlanPool, PooledPlan
 
 CHUNK = 512  # flat entries per histogram program (a power of two for tl.sort); benchmarks/bench_planner.py sweeps it
 _DEST_ENTRIES = 1024  # entries per destination program (whole tokens, K padded to a power of two)
@@ -519,7 +519,7 @@ class FusedPlanner:
         self.graph = hist_all.device.type == "cuda"
         self._work: dict[int, _Workspace] = {}
         self._layouts: dict[tuple[int, int | None], _PlanLayout] = {}
-        self._graphs: dict[tuple, _PlanPool] = {}
+        self._graphs: dict[tuple, PlanPool] = {}
 
     def __call__(self, topk_sK: torch.Tensor, total_num_tokens: int | None) -> Plan:
         if self.graph and not torch.cuda.is_current_stream_capturing():
@@ -539,7 +539,7 @@ class FusedPlanner:
         return plan_layout.plan(flat)
 
     def pooled_plans(self) -> int:
-        """Plans in the graph pools over all shapes (see _PlanPool)."""
+        """Plans in the graph pools over all shapes (see PlanPool)."""
         return sum(len(pool.entries) for pool in self._graphs.values())
 
     def _plan_layout(self, s: int, total: int | None) -> _PlanLayout:
@@ -565,11 +565,11 @@ class FusedPlanner:
         plan_layout = self._plan_layout(topk_sK.shape[0], total)
         flat = plan_layout.empty(topk_sK.device)
         self._launch(topk_sK, plan_layout.views(flat), total)
-        pool = self._graphs[key] = _PlanPool(topk_sK.clone(), plan_layout)
+        pool = self._graphs[key] = PlanPool(topk_sK.clone(), plan_layout)
         pool.release(self._capture(pool, total))
         return plan_layout.plan(flat)
 
-    def _capture(self, pool: _PlanPool, total: int | None) -> _PooledPlan:
+    def _capture(self, pool: PlanPool, total: int | None) -> PooledPlan:
         """A new pool entry: a graph of the plan's launches that writes into the entry's own Plan."""
         flat = pool.layout.empty(pool.topk_in.device)
         out = pool.layout.views(flat)
@@ -578,53 +578,6 @@ class FusedPlanner:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self._launch(pool.topk_in, out, total)
         del out  # the graph writes into flat's memory; the entry's Plan gets views of its own
-        entry = _PooledPlan(graph, flat, pool.layout.plan(flat))
+        entry = PooledPlan(graph, flat, pool.layout.plan(flat))
         pool.entries.append(entry)
         return entry
-
-
-class _PooledPlan:
-    """One graph of a pool and the Plan its replay writes (views of `flat`)."""
-
-    def __init__(self, graph: torch.cuda.CUDAGraph, flat: torch.Tensor, plan: Plan) -> None:
-        self.graph, self.flat, self.plan = graph, flat, plan
-        self.tensors = tuple(v for v in vars(plan).values() if isinstance(v, torch.Tensor))
-        self.free_holds = self._holds()  # the pool's own references (nothing else exists yet)
-
-    def _holds(self) -> int:
-        """References to the plan's tensors: Python references, C++ references (autograd saves),
-        and other tensors on the same storage (views)."""
-        return _storage_uses(self.flat) + sum(sys.getrefcount(t) + t._use_count() for t in self.tensors)
-
-    def is_free(self) -> bool:
-        """Nothing outside the pool holds the Plan (getrefcount: the attribute and its own
-        argument), one of its tensors, or a view of them."""
-        return sys.getrefcount(self.plan) <= 2 and self._holds() <= self.free_holds
-
-
-class _PlanPool:
-    """Graphs of one shape whose replays write into pooled Plans, reused once the caller has
-    dropped every reference to a Plan and its tensors (so a held plan, e.g. saved for backward, is
-    never overwritten). A call then costs one input copy and one replay: no clone, no views."""
-
-    def __init__(self, topk_in: torch.Tensor, layout: _PlanLayout) -> None:
-        self.topk_in, self.layout = topk_in, layout
-        self.entries: list[_PooledPlan] = []
-
-    def take(self) -> _PooledPlan | None:
-        for i, entry in enumerate(self.entries):  # least recently used first: the likeliest free
-            if entry.is_free():
-                self.entries.append(self.entries.pop(i))
-                return entry
-        return None
-
-    def release(self, entry: _PooledPlan) -> None:
-        """An entry that was captured but not handed out (it stays first in line)."""
-        self.entries.remove(entry)
-        self.entries.insert(0, entry)
-
-
-def _storage_uses(t: torch.Tensor) -> int:
-    """How many tensors share t's storage (views included; the temporary storage object of this
-    call is not counted)."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1

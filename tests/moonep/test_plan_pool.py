@@ -1,4 +1,4 @@
-"""The fused planner's pool of graph-written Plans (moonep.planner.fused._PlanPool) hands an
+"""The fused planner's pool of graph-written Plans (moonep.planner.plan_pool.PlanPool) hands an
 entry out again only when nothing outside the pool holds its Plan or any of its tensors."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 from moonep import BufferConfig
 from moonep.layout import Layout
 from moonep.planner import fused as plan_fused
+from moonep.planner import plan_pool
 
 
 class _SaveIndex(torch.autograd.Function):
@@ -26,13 +27,13 @@ class _SaveIndex(torch.autograd.Function):
         return g * 2, None
 
 
-def _pool(entries: int) -> plan_fused._PlanPool:
+def _pool(entries: int) -> plan_pool.PlanPool:
     layout = plan_fused._PlanLayout(Layout(BufferConfig(max_tokens=16, hidden=8, topk=2, num_experts=8), 2, 4096),
                                     0, 16, None)
-    pool = plan_fused._PlanPool(torch.zeros(16, 2, dtype=torch.int32), layout)
+    pool = plan_pool.PlanPool(torch.zeros(16, 2, dtype=torch.int32), layout)
     for _ in range(entries):
         flat = layout.empty(torch.device("cpu"))
-        pool.entries.append(plan_fused._PooledPlan(None, flat, layout.plan(flat)))
+        pool.entries.append(plan_pool.PooledPlan(None, flat, layout.plan(flat)))
     return pool
 
 
