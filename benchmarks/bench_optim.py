@@ -72,16 +72,19 @@ def _wrap(obj, attr: str, timer: _Timer) -> None:
     setattr(obj, attr, timed)
 
 
-def run_variant(cfg: RunConfig, device: torch.device, args: argparse.Namespace) -> dict:
+def run_variant(name: str, cfg: RunConfig, device: torch.device, args: argparse.Namespace) -> dict:
+    began = time.perf_counter()
     trainer = Trainer(cfg, single_process_layout(device))
+    print(f"{name}: trainer built in {time.perf_counter() - began:.1f} s", flush=True)
     step_t, opt_t, clip_t = _Timer(device), _Timer(device), _Timer(device)
     _wrap(trainer.optimizer, "step", opt_t)
     if trainer.qk_clip is not None:
         _wrap(trainer.qk_clip, "step", clip_t)
-    for _ in range(args.warmup + args.steps):
+    for i in range(args.warmup + args.steps):
         t = step_t.start()
         trainer.train_step()
         step_t.stop(t)
+        print(f"{name}: step {i + 1}/{args.warmup + args.steps} done at {time.perf_counter() - began:.1f} s", flush=True)
     steps, opts, clips = (x.seconds()[args.warmup:] for x in (step_t, opt_t, clip_t))
     out = {"step_s": statistics.median(steps), "optimizer_s": statistics.median(opts),
            "clip_s": statistics.median(clips) if clips else 0.0, "steps_s": steps, "optimizer_steps_s": opts}
@@ -138,7 +141,7 @@ def main() -> None:
         optim = dataclasses.replace(base.optim, name=optim_name, qk_clip_tau=tau,
                                     write_back=None if optim_name == "adamw" else False)
         cfg = dataclasses.replace(base, optim=optim)
-        result["variants"][name] = run_variant(cfg, device, args)
+        result["variants"][name] = run_variant(name, cfg, device, args)
         print(name, {k: v for k, v in result["variants"][name].items() if not k.endswith("steps_s")}, flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -55,14 +55,21 @@ def _torchrun_preexec() -> None:
 
 
 def child_pids(pid: int) -> list[int]:
-    """The direct children of `pid` (from /proc/<pid>/task/*/children)."""
-    out: list[int] = []
+    """The direct children of `pid`: /proc/<pid>/task/*/children (which lists a thread's children and may
+    miss some while they change) united with a scan of every process's parent pid in /proc/*/stat."""
+    out: set[int] = set()
     for children in Path(f"/proc/{pid}/task").glob("*/children"):
         try:
-            out += [int(c) for c in children.read_text().split()]
+            out.update(int(c) for c in children.read_text().split())
         except (OSError, ValueError):
             continue
-    return out
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.add(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return sorted(out)
 
 
 def _start_time(pid: int) -> str | None:
@@ -127,9 +134,11 @@ class Supervisor:
         self._refresh_ranks()
         name = signal.Signals(signum).name
         if self.signals_seen == 1:
-            print(f"moontrain: {name}: asking the ranks to finish the step, save a checkpoint and exit "
+            ranks = self._live_ranks()
+            who = f"rank processes {', '.join(map(str, ranks))}" if ranks else "the ranks (none started yet)"
+            print(f"moontrain: {name}: asking {who} to finish the step, save a checkpoint and exit "
                   "(send it again to abort without saving)", file=sys.stderr, flush=True)
-            self._send(self._live_ranks(), FORWARDED_SIGNAL)
+            self._send(ranks, FORWARDED_SIGNAL)
         else:
             print(f"moontrain: {name} again: aborting (SIGKILL to torchrun and the ranks)", file=sys.stderr,
                   flush=True)
