@@ -1,12 +1,12 @@
 """Optimizer cost inside a training step: AdamW vs Muon (and QK-Clip), one process.
 
-    python benchmarks/bench_optim.py --recipe recipes/k3_small.yaml parallel.ep=1 experts.backend=local
-    python benchmarks/bench_optim.py --recipe recipes/k3_tiny.yaml parallel.ep=1 experts.backend=local \\
-        --steps 3 --warmup 1                                                   # CPU check
+    python benchmarks/bench_optim.py --recipe recipes/k3_small.yaml parallel.ep=1
+    python benchmarks/bench_optim.py --recipe recipes/k3_tiny.yaml parallel.ep=1 --steps 3 --warmup 1   # CPU check
     python benchmarks/bench_optim.py --show benchmarks/results/bench_optim_<tag>.json
 
-Per variant (--variants, default: adamw, muon, muon+qkclip) a fresh single-process Trainer (same seed)
-runs --warmup + --steps optimizer steps through Trainer.train_step. Timed with CUDA events (wall clock on
+Per variant (--variants, default: adamw, muon, muon+qkclip) a fresh Trainer (same seed) in a one-rank
+process group, built as `moontrain launch` builds it (FSDP2 with its bf16 compute, the recipe's experts
+backend), runs --warmup + --steps optimizer steps through Trainer.train_step. Timed with CUDA events (wall clock on
 CPU) around each whole step, around optimizer.step() and around QK-Clip's clip (its max-logit pass runs
 inside the forward: it shows in the step time of muon+qkclip against muon). Reported: median step time,
 median optimizer time and its share of the step, the clip's time, and the step time against AdamW's.
@@ -16,6 +16,7 @@ median optimizer time and its share of the step, the clip's time, and the step t
 from __future__ import annotations
 
 import argparse
+import os
 import dataclasses
 import json
 import statistics
@@ -23,9 +24,10 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from moontrain.config import RunConfig, from_dict, load_recipe
-from moontrain.parallel.layout import single_process_layout
+from moontrain.parallel.layout import build_layout
 from moontrain.trainer.trainer import Trainer
 
 VARIANTS = {"adamw": ("adamw", 0.0), "muon": ("muon", 0.0), "muon+qkclip": ("muon", 100.0)}
@@ -74,7 +76,7 @@ def _wrap(obj, attr: str, timer: _Timer) -> None:
 
 def run_variant(name: str, cfg: RunConfig, device: torch.device, args: argparse.Namespace) -> dict:
     began = time.perf_counter()
-    trainer = Trainer(cfg, single_process_layout(device))
+    trainer = Trainer(cfg, build_layout(cfg.parallel.ep, device))
     print(f"{name}: trainer built in {time.perf_counter() - began:.1f} s", flush=True)
     step_t, opt_t, clip_t = _Timer(device), _Timer(device), _Timer(device)
     _wrap(trainer.optimizer, "step", opt_t)
@@ -132,6 +134,11 @@ def main() -> None:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if not dist.is_initialized():  # one rank, as `moontrain launch --nproc 1` runs it
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29531")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
+                                device_id=device if device.type == "cuda" else None)
     base = from_dict(RunConfig, load_recipe(args.recipe, [*args.overrides, "metrics.wandb=false",
                                                           "checkpoint.save_final=false", "train.log_every=1000000"]))
     result = {"recipe": args.recipe, "overrides": args.overrides, "device": str(device),
@@ -150,6 +157,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print_table(result)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

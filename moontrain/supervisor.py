@@ -11,6 +11,8 @@
   rank when torchrun dies (the worker sets the same on itself, see die_with_parent). Nothing keeps
   training or writing checkpoints that a relaunch would race.
 - When torchrun exits for any reason, ranks it left behind are killed.
+- The request is also written to a stop file the ranks check once per step (MOONTRAIN_STOP_FILE, see
+  moontrain.trainer.preempt), so it does not depend on the rank's SIGUSR1 handler running.
 
 The ranks are found as torchrun's child processes (/proc, Linux only, like torchrun's multi-process
 launch itself).
@@ -23,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +35,7 @@ from types import FrameType
 _PR_SET_PDEATHSIG = 1
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 FORWARDED_SIGNAL = signal.SIGUSR1  # what moontrain.trainer.preempt treats as the launcher's stop request
+STOP_FILE_ENV = "MOONTRAIN_STOP_FILE"  # moontrain.trainer.preempt.STOP_FILE_ENV (no trainer import here)
 _POLL_S = 0.2
 
 
@@ -90,9 +94,12 @@ class Supervisor:
         self.signals_seen = 0
         self.ranks: dict[int, str | None] = {}  # pid -> start time (a pid can be reused once it exits)
         self.proc: subprocess.Popen | None = None
+        fd, self.stop_file = tempfile.mkstemp(prefix="moontrain_stop_")
+        os.close(fd)
+        os.unlink(self.stop_file)  # its existence is the request
 
     def run(self) -> int:
-        env = {**os.environ, **self.env, "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGQUIT"}
+        env = {**os.environ, **self.env, "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGQUIT", STOP_FILE_ENV: self.stop_file}
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         reader = None
         try:
@@ -111,6 +118,8 @@ class Supervisor:
             return self.proc.returncode
         finally:
             self._kill_leftovers()
+            if os.path.exists(self.stop_file):
+                os.unlink(self.stop_file)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
@@ -138,6 +147,8 @@ class Supervisor:
             who = f"rank processes {', '.join(map(str, ranks))}" if ranks else "the ranks (none started yet)"
             print(f"moontrain: {name}: asking {who} to finish the step, save a checkpoint and exit "
                   "(send it again to abort without saving)", file=sys.stderr, flush=True)
+            with open(self.stop_file, "w") as fh:
+                fh.write(name)
             self._send(ranks, FORWARDED_SIGNAL)
         else:
             print(f"moontrain: {name} again: aborting (SIGKILL to torchrun and the ranks)", file=sys.stderr,

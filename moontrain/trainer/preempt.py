@@ -8,17 +8,23 @@ it is blocked in a collective, where a Python handler would not run).
 
 SIGUSR1 is the launcher's forwarded request (moontrain.supervisor): a stop request like the first
 SIGTERM, but it never aborts, because a scheduler that signals every process delivers its own SIGTERM
-to the rank as well and the two are one request.
+to the rank as well and the two are one request. The launcher also writes its request to the file named
+by MOONTRAIN_STOP_FILE, which `requested` checks once per step: on an H200 a rank was seen not to run its
+SIGUSR1 handler (the signal was sent to the right pid and the run went on to the end), so the request
+does not depend on signal delivery alone.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+from pathlib import Path
 from types import FrameType
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 FORWARDED_SIGNAL = signal.SIGUSR1
+STOP_FILE_ENV = "MOONTRAIN_STOP_FILE"
 
 
 class PreemptionHandler:
@@ -26,18 +32,33 @@ class PreemptionHandler:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.requested = False
+        self._requested = False
         self.signal_name: str | None = None
+        self._stop_file = os.environ.get(STOP_FILE_ENV) or None
         self._previous = {sig: signal.signal(sig, self._on_stop) for sig in (*STOP_SIGNALS, FORWARDED_SIGNAL)}
+
+    @property
+    def requested(self) -> bool:
+        """Whether a stop was asked for: a signal, or the launcher's stop file (one stat per call)."""
+        if not self._requested and self._stop_file is not None and os.path.exists(self._stop_file):
+            try:
+                name = Path(self._stop_file).read_text().strip()
+            except OSError:
+                name = ""
+            self._request(f"{name or 'a stop request'} to the launcher")
+        return self._requested
 
     def _on_stop(self, signum: int, frame: FrameType | None) -> None:
         if signum != FORWARDED_SIGNAL:  # a second SIGTERM / SIGINT takes the default action: abort
             for sig in STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_DFL)
-        if not self.requested:
-            self.requested = True
-            self.signal_name = signal.Signals(signum).name
-            print(f"moontrain: rank {self.rank}: {self.signal_name} received: finishing the current step, then "
+        self._request(signal.Signals(signum).name)
+
+    def _request(self, name: str) -> None:
+        if not self._requested:
+            self._requested = True
+            self.signal_name = name
+            print(f"moontrain: rank {self.rank}: {name} received: finishing the current step, then "
                   "saving a checkpoint and exiting (send it again to abort without saving)",
                   file=sys.stderr, flush=True)
 

@@ -97,6 +97,27 @@ def test_a_second_signal_aborts(tmp_path: Path) -> None:
     assert proc.stderr.count("SIGTERM received: finishing the current step") == 1, proc.stderr
 
 
+def test_the_launchers_stop_file_stops_without_a_signal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's request reaches the rank through MOONTRAIN_STOP_FILE even when no signal is handled
+    (seen on an H200: SIGUSR1 sent to the rank's pid, its handler never ran, the run went on)."""
+    stop_file = tmp_path / "stop"
+    monkeypatch.setenv("MOONTRAIN_STOP_FILE", str(stop_file))
+    reference = _single(tmp_path / "ref")
+    train(reference, 3)
+    trainer = _single(tmp_path / "run")
+    handler = PreemptionHandler(rank=0)
+    try:
+        trainer.preemption = handler
+        assert not handler.requested
+        _signal_at(trainer, 2, lambda: stop_file.write_text("SIGTERM"))
+        trainer.fit()
+    finally:
+        handler.uninstall()
+    assert trainer.stop_requested and trainer.step == 3 and handler.signal_name == "SIGTERM to the launcher"
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step_00000003"]
+    assert_bitwise(full_state(trainer), full_state(reference), "stopped by the file vs uninterrupted")
+
+
 def _one_rank_asks(rank: int, world: int, run_dir: str) -> int:
     trainer = Trainer(small_config("alltoall", 2, run_dir=run_dir, steps=8), build_layout(2, CPU))
 
