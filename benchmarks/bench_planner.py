@@ -12,8 +12,6 @@ dest), the chunk pass (count + prefix), the shared + destination pass, and all f
 number a plan costs). Median of --iters replays, timed by CUDA events around each replay (GPU time;
 the host only launches one graph). `floor` is the same timing of a graph holding one tiny kernel:
 every column includes it once, so a kernel's own time is roughly its column minus the floor.
---baseline also times the planner with one shared program (experiments/planner_baseline, chunk 512 x 4
-warps) in the same run, checked the same way: its chunk pass, shared + destination pass and total.
 Table printed; JSON to --out.
 """
 
@@ -38,7 +36,7 @@ from moonep.routing import generate_routing
 from tests.moonep.planner_cases import PLAN_FIELDS, assert_same_plan
 
 # (chunk, chunk-kernel warps, shared-kernel warps); the first is the library's default
-VARIANTS = ((pf.CHUNK, 4, pf._SHARED_WARPS), (1024, 4, 4), (256, 4, 4), (2048, 8, 4), (512, 4, 2), (512, 4, 8))
+VARIANTS = ((pf.CHUNK, 4, pf._SHARED_WARPS), (1024, 4, 2), (256, 4, 2), (2048, 8, 2), (512, 4, 4), (512, 4, 8))
 COLUMNS = ("count", "prefix", "shared", "dest", "chunk_pass", "shared_dest", "total")
 
 
@@ -113,56 +111,11 @@ def bench_variant(layout: Layout, topk_R: list[torch.Tensor], counts_RE: torch.T
     return row
 
 
-def bench_baseline(layout: Layout, topk_R: list[torch.Tensor], counts_RE: torch.Tensor, iters: int) -> dict:
-    """The single-program planner of experiments/planner_baseline, chunk 512 x 4 warps."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "experiments" / "planner_baseline" / "fused_single_program.py"
-    spec = importlib.util.spec_from_file_location("fused_single_program", path)
-    old = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(old)
-    R, E = layout.num_ranks, layout.config.num_experts
-    dev, s = topk_R[0].device, topk_R[0].shape[0]
-    hist_all = torch.zeros(R, R, E, dtype=torch.int32, device=dev)
-    work = [old._Workspace(layout, s, dev, 512, 4) for _ in range(R)]
-    plan_layout = [old._PlanLayout(layout, r, s, None) for r in range(R)]
-    flats = [pl.empty(dev).fill_(0x5A5A5A5A) for pl in plan_layout]
-    outs = [pl.views(f) for pl, f in zip(plan_layout, flats, strict=True)]
-    cap_base, cap_rem = old.receive_cap_args(R, layout.config.topk, s, None)
-    for r in range(R):
-        old.chunk_pass(topk_R[r], r, hist_all, work[r])
-    for r in range(R):
-        old.plan_pass(topk_R[r], r, hist_all[r], work[r], outs[r], layout, cap_base, cap_rem)
-    torch.cuda.synchronize()
-    for r in range(R):
-        got = plan_layout[r].plan(flats[r])
-        got = type(got)(**{**vars(got), **{n: getattr(got, n).cpu() for n in PLAN_FIELDS}})
-        assert_same_plan(got, make_plan(layout, r, topk_R[r].cpu(), counts_RE), f"baseline rank {r}")
-
-    def chunk_only() -> None:
-        old.chunk_pass(topk_R[0], 0, hist_all, work[0])
-
-    def plan_only() -> None:
-        old.plan_pass(topk_R[0], 0, hist_all[0], work[0], outs[0], layout, cap_base, cap_rem)
-
-    def both() -> None:
-        chunk_only()
-        plan_only()
-
-    return {"impl": "baseline: one shared program", "chunk": 512, "warps": 4,
-            "chunk_pass_us": graph_us(chunk_only, iters), "shared_dest_us": graph_us(plan_only, iters),
-            "total_us": graph_us(both, iters)}
-
-
-def format_table(rows: list[dict], baseline: dict | None) -> str:
+def format_table(rows: list[dict]) -> str:
     head = ("chunk", "warps", "sh.warps", *COLUMNS)
     lines = [" ".join(f"{h:>11}" for h in head)]
     for r in rows:
         cells = [str(r["chunk"]), str(r["warps"]), str(r["shared_warps"])] + [f"{r[c + '_us']:.1f}" for c in COLUMNS]
-        lines.append(" ".join(f"{c:>11}" for c in cells))
-    if baseline is not None:
-        cells = ["base 512", "4", "", "", "", "", ""] + [f"{baseline[c + '_us']:.1f}"
-                                                          for c in ("chunk_pass", "shared_dest", "total")]
         lines.append(" ".join(f"{c:>11}" for c in cells))
     return "\n".join(lines)
 
@@ -176,7 +129,6 @@ def main() -> None:
     p.add_argument("--maxvio", type=float, default=1.0)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--variants", type=int, default=len(VARIANTS), help="measure the first N variants only")
-    p.add_argument("--baseline", action="store_true", help="also time the single-program planner (experiments/)")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     R, E, K, S = args.ranks, args.experts, args.topk, args.tokens
@@ -204,26 +156,16 @@ def main() -> None:
             continue
         print(f"{name}: bitwise equal to make_plan on {R} ranks, {rows[-1]['total_us']:.1f} us "
               f"[{time.time() - t0:.0f} s]", flush=True)
-    baseline = None
-    if args.baseline:
-        t0 = time.time()
-        try:
-            baseline = bench_baseline(layout, topk_R, counts, args.iters)
-            print(f"baseline (one shared program): bitwise equal to make_plan on {R} ranks, "
-                  f"{baseline['total_us']:.1f} us [{time.time() - t0:.0f} s]", flush=True)
-        except Exception as exc:
-            failed.append({"variant": "baseline", "error": f"{type(exc).__name__}: {exc}"[:2000]})
-            print(f"baseline: FAILED {failed[-1]['error']}", flush=True)
     print(f"\nfused planner kernels, R={R} simulated, E={E}, s={S}, K={K}, maxvio {routing.realised_maxvio:.2f}, "
           f"{torch.cuda.get_device_name()}: GPU us per CUDA-graph replay (median of {args.iters}); "
           f"floor (one tiny kernel) {floor:.1f} us")
-    print(format_table(rows, baseline))
+    print(format_table(rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"bench_planner_R{R}_E{E}_K{K}_{time.strftime('%Y%m%d')}.json"
     meta = {"R": R, "E": E, "S": S, "K": K, "maxvio": routing.realised_maxvio, "device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "iters": args.iters, "floor_us": floor}
-    path.write_text(json.dumps({"config": meta, "variants": rows, "baseline": baseline, "failed": failed}, indent=1))
+    path.write_text(json.dumps({"config": meta, "variants": rows, "failed": failed}, indent=1))
     print(f"wrote {path}")
     if failed:
         sys.exit(f"{len(failed)} variant(s) failed: {[f['variant'] for f in failed]}")

@@ -100,7 +100,7 @@ CHUNK = 512  # flat entries per histogram program (a power of two for tl.sort); 
 _DEST_ENTRIES = 1024  # entries per destination program (whole tokens, K padded to a power of two)
 _PREFIX_CHUNKS = 256  # chunks per tile of the prefix kernel: up to s*K = 131072 entries in one step
 _PREFIX_TILE = 2048  # elements of a prefix tile ([chunks, experts]; at most 16 experts per program)
-_SHARED_WARPS = 4  # warps per program of the shared pass (benchmarks/bench_planner.py sweeps them)
+_SHARED_WARPS = 2  # warps per program of the shared pass (benchmarks/bench_planner.py sweeps them; 2 was fastest at K3's shape)
 _DEST_TILE = 4096  # elements of the destination program's [tokens, K_P, R_P] tile (registers)
 
 
