@@ -44,6 +44,10 @@ class RunConfig:
                 f"model.num_experts={self.model.num_experts} is not divisible by parallel.ep={ep}; "
                 f"choose ep among the divisors of {self.model.num_experts}"
             )
+        if self.parallel.dense == "plain" and world_size > 1:
+            raise ValueError(f"parallel.dense=plain holds every dense parameter unsharded on one rank and reduces no "
+                             f"grads: it runs at world size 1 only, got {world_size} ranks; use parallel.dense=fsdp "
+                             f"(the default) for {world_size} ranks, or one rank")
         if self.train.global_batch_size % world_size:
             raise ValueError(
                 f"train.global_batch_size={self.train.global_batch_size} is not divisible by the world size "

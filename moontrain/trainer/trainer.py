@@ -38,6 +38,7 @@ from moontrain.optim.qk_clip import QKClip
 from moontrain.parallel.clip import clip_grad_norm_global
 from moontrain.parallel.fsdp import allreduce_dense_grads, apply_fsdp
 from moontrain.parallel.layout import ParallelLayout
+from moontrain.parallel.plain_dense import PlainDense
 from moontrain.trainer.determinism import enable_determinism
 from moontrain.trainer.evaluate import Evaluator
 from moontrain.trainer.guard import DivergenceGuard, step_verdict
@@ -70,7 +71,9 @@ class Trainer:
             self.model.enable_activation_checkpointing()
         if cfg.train.compile:  # before FSDP wraps the blocks (compiled parts live inside them)
             self.model.compile_dense_parts()
-        self.fsdp = layout.distributed and cfg.parallel.fsdp
+        self.fsdp = layout.distributed and cfg.parallel.fsdp and cfg.parallel.dense == "fsdp"
+        # parallel.dense=plain (one rank): FSDP's mixed precision without FSDP (moontrain.parallel.plain_dense)
+        self.plain_dense = PlainDense(self.model, self.compute_dtype) if cfg.parallel.dense == "plain" else None
         if self.fsdp:
             apply_fsdp(self.model, layout, param_dtype=self.compute_dtype,
                        reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward)
@@ -137,6 +140,7 @@ class Trainer:
         if n == 1:
             loss, ce = self.model(tokens_BT, targets_BT)
             loss.backward()
+            self._accumulate_dense_grads()
         else:  # gradient accumulation: equal micro-batches, each loss weighted 1/n (the step's mean)
             ce = torch.zeros((), device=self.layout.device)
             for i, (tok_bT, tgt_bT) in enumerate(zip(tokens_BT.chunk(n), targets_BT.chunk(n), strict=True)):
@@ -146,6 +150,7 @@ class Trainer:
                         self.model.set_reshard_after_backward(i == n - 1)
                 loss, ce_i = self.model(tok_bT, tgt_bT)
                 (loss / n).backward()
+                self._accumulate_dense_grads()
                 ce += ce_i.detach() / n
                 # the graph (and what its nodes keep, e.g. moonep's plans) goes now, not after the next
                 # pass's forward: that would hold two passes' plans at once
@@ -269,19 +274,28 @@ class Trainer:
         self.experts_runtime.close()
 
     def reshard_dense(self) -> None:
-        """Drop FSDP's gathered dense parameters. With parallel.fsdp_reshard_after_forward=false a
-        forward without backward (evaluation, calibration) leaves the blocks gathered, and the next
-        forward would reuse them: call this after such a forward when the sharded parameters change
-        before the next one (load_checkpoint does)."""
+        """Drop FSDP's gathered dense parameters (parallel.dense=plain: register the fp32 masters again). With
+        parallel.fsdp_reshard_after_forward=false a forward without backward (evaluation, calibration) leaves
+        the blocks gathered, and the next forward would reuse them: call this after such a forward when the
+        sharded parameters change before the next one (load_checkpoint does)."""
+        if self.plain_dense is not None:
+            self.plain_dense.reshard()
         if self.fsdp:
             for module in self.model.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
 
+    def _accumulate_dense_grads(self) -> None:
+        """parallel.dense=plain: this pass's compute-dtype dense grads into fp32 (FSDP accumulates in its hooks)."""
+        if self.plain_dense is not None:
+            self.plain_dense.accumulate_grads()
+
     def _reduce_grads(self) -> None:
         layout = self.layout
         self.experts_runtime.finish_backward()  # moonep's last reduce_grad may still be queued
-        if layout.distributed and not self.fsdp:
+        if self.plain_dense is not None:  # the fp32 masters back on the model, with their accumulated grads
+            self.plain_dense.reshard()
+        if layout.distributed and not self.fsdp and self.plain_dense is None:
             allreduce_dense_grads(self.model, layout.world_group)
         for w in self.experts:
             w.reduce_grads(layout.edp_group)

@@ -1,0 +1,179 @@
+"""Dense parameters at world size 1 without FSDP (parallel.dense=plain): FSDP2's mixed precision, bit for bit.
+
+At one rank FSDP2 shards nothing; what it does to the numbers is mixed precision, and this module does
+exactly that with a few multi-tensor ops per pass instead of FSDP's per-parameter work and hooks:
+
+- the fp32 masters stay plain tensors registered on the model (what the optimizer, clipping, QK-Clip and
+  checkpoints see between steps, as after FSDP at world 1, where the grads are fp32 too);
+- the first forward after the masters were installed (a step's first pass, an evaluation) casts them into
+  persistent compute-dtype copies with one torch._foreach_copy_ (round to nearest even, FSDP's
+  `sharded.to(param_dtype)` before its all-gather) and registers the copies in their place; autograd then
+  gives each copy its pass's grad in the compute dtype, as it gives FSDP's unsharded parameters;
+- after each backward pass, accumulate_grads adds those grads into fp32 accumulators: the first pass a
+  cast (one foreach copy), later passes a cast into a scratch buffer and one foreach add, which is FSDP's
+  `unsharded_accumulated_grad += grad` (fp32 plus the exactly widened bf16 grad, rounded once);
+- reshard registers the masters again and hands over the accumulated grads (FSDP's reduce-scatter at
+  world 1 is a copy: no division, reduce_dtype fp32), adding them to a grad the master still holds.
+
+Two effects of FSDP's module hooks on the values are reproduced by the same hooks here, on the same
+modules (each block and the root): the floating-point forward inputs are cast to the compute dtype
+(MixedPrecisionPolicy.cast_forward_inputs: the rope tables arrive in fp32), and a block's inputs that
+require grad pass through one identity autograd node (FSDP's RegisterPostBackwardFunction), which sets the
+order in which their grads are summed in backward (the AttnRes block states are read by every later
+block). Inputs that need no grad are cast once per forward and reused by every block (same values, no
+autograd node), where FSDP casts them again per block.
+
+With the compute dtype equal to the masters' (fp32, the CPU default) nothing is copied: the masters run
+and autograd accumulates their grads across passes in place, as it does FSDP's unsharded fp32 parameters.
+parallel.fsdp_reshard_after_forward is moot (the copies live from the first forward to the end of the step
+and stay allocated between steps); the expert masters are left alone, as FSDP ignores them.
+
+Memory, next to FSDP at world 1 with the blocks kept gathered: the same bf16 copies and fp32 grads, plus an
+fp32 scratch the size of the dense grads from the second pass on (FSDP's fp32 reduce buffer is that size).
+Rejected: casting inside the autograd graph per pass (n casts per step, and grads of masters used by
+several modules summed differently than FSDP does); foreach adds of bf16 into fp32 (mixed dtypes take the
+per-tensor path: one kernel per parameter and pass).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.utils import _apply_to_tensors
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from moontrain.model.transformer import K3Model
+from moontrain.parallel.fsdp import expert_master_params
+
+
+class _PassThrough(torch.autograd.Function):
+    """Identity over a module's inputs that require grad: one autograd node, as FSDP's
+    RegisterPostBackwardFunction, so that their grads are summed in FSDP's order."""
+
+    @staticmethod
+    def forward(ctx: Any, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return grads
+
+
+class PlainDense:
+    """The dense parameters of `model` (every parameter but the expert masters) at one rank: fp32 masters,
+    compute_dtype copies for forward and backward, grads accumulated in fp32 (module docstring)."""
+
+    def __init__(self, model: K3Model, compute_dtype: torch.dtype) -> None:
+        ignored = expert_master_params(model)
+        slots: dict[int, list[tuple[nn.Module, str]]] = {}  # every registration of a master (shared ones too)
+        masters: list[nn.Parameter] = []
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is None or p in ignored:
+                    continue
+                if id(p) not in slots:
+                    slots[id(p)] = []
+                    masters.append(p)
+                slots[id(p)].append((module, name))
+        self.masters = masters
+        self.slots = [slots[id(p)] for p in masters]
+        self.compute_dtype = compute_dtype
+        self.cast = any(p.dtype != compute_dtype for p in masters)
+        self.compute = ([nn.Parameter(torch.empty_like(p, dtype=compute_dtype), requires_grad=p.requires_grad)
+                         for p in masters] if self.cast else masters)
+        self.acc: list[torch.Tensor] = [torch.empty_like(p) for p in masters] if self.cast else []
+        self.scratch: list[torch.Tensor] | None = None  # fp32, from the second pass of a step on
+        self.pending = [False] * len(masters)  # acc[i] holds this step's grad of masters[i]
+        self.unsharded = False  # the compute copies are current and registered
+        self._casts: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # this forward's casts of grad-free inputs
+        self.root = model
+        for module in (*model.layers, model):  # the modules FSDP wraps (moontrain.parallel.fsdp.apply_fsdp)
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if module is self.root:
+            self.unshard()
+            self._casts.clear()
+        args, kwargs = _apply_to_tensors(self._cast_input, (args, kwargs))
+        if not torch.is_grad_enabled():
+            return args, kwargs
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if idx:
+            for i, x in zip(idx, _PassThrough.apply(*[flat[i] for i in idx]), strict=True):
+                flat[i] = x
+        return tree_unflatten(flat, spec)
+
+    def _cast_input(self, x: torch.Tensor) -> torch.Tensor:
+        """FSDP's _cast_fp_tensor; a grad-free input is cast once per forward (the same values every block)."""
+        if not torch.is_floating_point(x) or x.dtype == self.compute_dtype:
+            return x
+        if x.requires_grad:
+            return x.to(self.compute_dtype)
+        hit = self._casts.get(id(x))
+        if hit is None or hit[0] is not x or hit[0]._version != hit[2]:
+            hit = (x, x.to(self.compute_dtype), x._version)
+            self._casts[id(x)] = hit
+        return hit[1]
+
+    def _register(self, params: list[nn.Parameter]) -> None:
+        for p, slots in zip(params, self.slots, strict=True):
+            for module, name in slots:
+                module._parameters[name] = p
+
+    @torch.no_grad()
+    def unshard(self) -> None:
+        """Cast the masters into the compute copies and register the copies (once until the next reshard)."""
+        if self.unsharded:
+            return
+        if self.cast:
+            torch._foreach_copy_(self.compute, self.masters)
+            self._register(self.compute)
+        self.unsharded = True
+
+    @torch.no_grad()
+    def accumulate_grads(self) -> None:
+        """After a backward pass: its compute-dtype grads into the fp32 accumulators, which reshard hands to
+        the masters (with compute dtype == fp32 autograd has accumulated them on the masters already)."""
+        if not self.cast:
+            return
+        first_acc, first_grads, later, later_grads = [], [], [], []
+        for i, c in enumerate(self.compute):
+            g = c.grad
+            if g is None:
+                continue
+            c.grad = None
+            if self.pending[i]:
+                later.append(i)
+                later_grads.append(g)
+                continue
+            if self.masters[i].grad is self.acc[i]:  # handed over last step and not cleared: keep it
+                self.acc[i] = torch.empty_like(self.acc[i])
+            first_acc.append(self.acc[i])
+            first_grads.append(g)
+            self.pending[i] = True
+        if first_acc:
+            torch._foreach_copy_(first_acc, first_grads)
+        if later:
+            if self.scratch is None:
+                self.scratch = [torch.empty_like(a) for a in self.acc]
+            scratch = [self.scratch[i] for i in later]
+            torch._foreach_copy_(scratch, later_grads)
+            torch._foreach_add_([self.acc[i] for i in later], scratch)
+
+    @torch.no_grad()
+    def reshard(self) -> None:
+        """Register the masters again (after a step's last backward, an evaluation, before a checkpoint load)
+        and give them the grads accumulated since the step's first pass."""
+        if self.cast and self.unsharded:
+            self._register(self.masters)
+        self.unsharded = False
+        for i in [i for i, pending in enumerate(self.pending) if pending]:
+            m = self.masters[i]
+            if m.grad is None:
+                m.grad = self.acc[i]
+            else:
+                m.grad += self.acc[i]
+            self.pending[i] = False
