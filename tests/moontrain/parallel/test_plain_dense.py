@@ -1,10 +1,13 @@
 """parallel.dense=plain against FSDP2 at world size 1: the same training, bit for bit.
 
-The K3 block (KDA, MLA, AttnRes, SiTU-GLU, latent MoE on moonep) in bf16 compute on the CPU, 2 accumulated
-passes per step, global-norm clipping and QK-Clip active: losses, grad norms and every parameter, router
-bias and optimizer state tensor equal after 3 steps, for AdamW and Muon. Checkpoints cross-load bitwise
-between the two (world 1 both ways, and a plain checkpoint into FSDP at world 2). Each FSDP run needs a
-process group: one spawned gloo rank (tests/dist_utils.run_ranks).
+The K3 block (KDA, MLA, AttnRes, SiTU-GLU, latent MoE on moonep) in bf16 compute on the CPU (and once in
+fp32, where nothing is cast), 2 accumulated passes per step, global-norm clipping and QK-Clip active, an
+evaluation after every step: losses, grad norms, eval losses and every parameter, router bias and
+optimizer state tensor equal after 3 steps, for AdamW and Muon. Checkpoints cross-load bitwise between the
+two (world 1 both ways, and world 2 FSDP both ways), and training on from a loaded checkpoint stays equal.
+A toy model pins the two effects of FSDP's module hooks on the values (input casts, one autograd node per
+block's inputs). Each FSDP run needs a process group: spawned gloo ranks (tests/dist_utils.run_ranks).
+The GPU test (train.compile, deterministic mode, NCCL) is the same comparison on one H200.
 """
 
 from __future__ import annotations
@@ -16,57 +19,144 @@ import pytest
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from moontrain.config import RunConfig
+from moontrain.checkpoint import find_latest
+from moontrain.config import RunConfig, from_dict
+from moontrain.dataclass_dict import to_dict
 from moontrain.parallel.layout import build_layout
 from moontrain.parallel.plain_dense import PlainDense
+from moontrain.trainer.eval_config import EvalConfig
 from moontrain.trainer.trainer import Trainer
 from tests.dist_utils import run_ranks
 from tests.moontrain.ckpt_utils import assert_bitwise, full_state, small_config
 
 CPU = torch.device("cpu")
+CORPUS = str(Path(__file__).resolve().parents[3] / "recipes" / "data" / "tiny_corpus.jsonl")
 
 
-def _config(dense: str, optim: str, run_dir: str, *, compile_: bool = False) -> RunConfig:
+def _config(dense: str, run_dir: str, *, optim: str = "adamw", dtype: str = "bfloat16",
+            evaluate: bool = False) -> RunConfig:
     cfg = small_config("moonep", 1, run_dir=run_dir, k3_block=True)
     return dataclasses.replace(
         cfg,
-        parallel=dataclasses.replace(cfg.parallel, dense=dense, compute_dtype="bfloat16"),
-        # grad_clip well under the grad norm (~1), QK-Clip's tau under the max logits: both clip every step
-        optim=dataclasses.replace(cfg.optim, name=optim, grad_clip=0.05, qk_clip_tau=0.04),
-        train=dataclasses.replace(cfg.train, micro_batch_size=2, compile=compile_),
+        parallel=dataclasses.replace(cfg.parallel, dense=dense, compute_dtype=dtype),
+        # grad_clip well under the grad norm (~4), QK-Clip's tau under the max logits (~0.05): both clip
+        optim=dataclasses.replace(cfg.optim, name=optim, grad_clip=0.05, qk_clip_tau=0.03),
+        train=dataclasses.replace(cfg.train, micro_batch_size=2),
+        eval=from_dict(EvalConfig, {"every": 1, "steps": 1, "data": {"path": CORPUS}} if evaluate else {}, "eval"),
     )
 
 
-def _run(dense: str, optim: str, run_dir: str, steps: int = 3) -> tuple[list[float], list[float], dict, float]:
-    torch.manual_seed(0)
-    trainer = Trainer(_config(dense, optim, run_dir), build_layout(1, CPU))
-    assert trainer.accumulation_steps == 2
-    losses, norms, clipped_heads = [], [], 0.0
+def _train(trainer: Trainer, steps: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"loss": [], "grad_norm": [], "qk_clipped": [], "eval": []}
     for _ in range(steps):
         stats = trainer.train_step()
-        losses.append(stats.loss)
-        norms.append(stats.grad_norm)
-        clipped_heads += stats.scalars["qk/clipped_heads/total"]
+        out["loss"].append(stats.loss)
+        out["grad_norm"].append(stats.grad_norm)
+        out["qk_clipped"].append(stats.scalars["qk/clipped_heads/total"])
+        out["eval"].append(stats.scalars.get("eval/loss"))
+    return out
+
+
+def _run(cfg: RunConfig) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
+    trainer = Trainer(cfg, build_layout(1, CPU))
+    assert trainer.accumulation_steps == 2 and (trainer.plain_dense is None) == (cfg.parallel.dense == "fsdp")
+    try:
+        return _train(trainer, 3), full_state(trainer)
+    finally:
+        trainer.close()
+
+
+def _plain_vs_fsdp(rank: int, world: int, run_dir: str, optim: str, dtype: str) -> tuple:
+    torch.set_num_threads(1)
+    return tuple(_run(_config(dense, run_dir, optim=optim, dtype=dtype, evaluate=True)) for dense in ("fsdp", "plain"))
+
+
+@pytest.mark.parametrize("optim,dtype", [("adamw", "bfloat16"), ("muon", "bfloat16"), ("adamw", "float32")])
+def test_plain_equals_fsdp_at_world_1(tmp_path: Path, optim: str, dtype: str) -> None:
+    (f_log, f_state), (p_log, p_state) = run_ranks(_plain_vs_fsdp, 1, str(tmp_path), optim, dtype)[0]
+    assert sum(f_log["qk_clipped"]) > 0, f"QK-Clip must clip heads: {f_log}"
+    assert min(f_log["grad_norm"]) > 0.05, f"clipping must be active (grad_clip 0.05): {f_log}"
+    assert None not in f_log["eval"], f_log
+    assert p_log == f_log, (p_log, f_log)
+    assert_bitwise(p_state, f_state, f"plain vs fsdp ({optim}, {dtype})")
+
+
+def _save_load_world_1(rank: int, world: int, run_dir: str) -> None:
+    """Each of plain and fsdp saves after 2 steps; a trainer of the other kind that has trained 1 step of its
+    own (so its bf16 copies are stale) loads it: the state is bitwise the saved one, and one more step on
+    either side of the load gives the same state."""
+    torch.set_num_threads(1)
+    for saver, loader in (("plain", "fsdp"), ("fsdp", "plain")):
+        root = Path(run_dir) / f"{saver}_to_{loader}"
+        a = Trainer(_config(saver, str(root / "a")), build_layout(1, CPU))
+        _train(a, 2)
+        ckpt = a.save_checkpoint()
+        saved = full_state(a)
+        b = Trainer(_config(loader, str(root / "b")), build_layout(1, CPU))
+        _train(b, 1)
+        b.load_checkpoint(ckpt)
+        assert_bitwise(full_state(b), saved, f"{saver} -> {loader} at world 1")
+        a_log, b_log = _train(a, 1), _train(b, 1)
+        assert b_log == a_log, (saver, loader, b_log, a_log)
+        assert_bitwise(full_state(b), full_state(a), f"{saver} -> {loader}: the step after loading")
+        a.close()
+        b.close()
+
+
+def test_checkpoints_cross_load_at_world_1(tmp_path: Path) -> None:
+    run_ranks(_save_load_world_1, 1, str(tmp_path))
+
+
+def _plain_save(rank: int, world: int, run_dir: str) -> dict[str, torch.Tensor]:
+    torch.set_num_threads(1)
+    trainer = Trainer(_config("plain", run_dir), build_layout(1, CPU))
+    _train(trainer, 2)
+    trainer.save_checkpoint()
     state = full_state(trainer)
     trainer.close()
-    return losses, norms, state, clipped_heads
+    return state
 
 
-def _plain_vs_fsdp(rank: int, world: int, optim: str, run_dir: str) -> tuple:
+def _fsdp2_load_and_save(rank: int, world: int, ckpt: str, run_dir: str) -> tuple[dict, dict]:
     torch.set_num_threads(1)
-    return _run("fsdp", optim, run_dir), _run("plain", optim, run_dir)
+    trainer = Trainer(_config("fsdp", run_dir), build_layout(1, CPU))
+    trainer.load_checkpoint(ckpt)
+    loaded = full_state(trainer)
+    _train(trainer, 1)
+    trainer.save_checkpoint()
+    state = full_state(trainer)
+    trainer.close()
+    return loaded, state
 
 
-@pytest.mark.parametrize("optim", ["adamw", "muon"])
-def test_plain_equals_fsdp_at_world_1(tmp_path: Path, optim: str) -> None:
-    fsdp, plain = run_ranks(_plain_vs_fsdp, 1, optim, str(tmp_path))[0]
-    f_losses, f_norms, f_state, f_clipped = fsdp
-    p_losses, p_norms, p_state, p_clipped = plain
-    assert f_clipped > 0 and p_clipped == f_clipped, f"QK-Clip must clip heads: {p_clipped}, {f_clipped}"
-    assert min(f_norms) > 0.05, f"clipping must be active (grad_clip 0.05), grad norms {f_norms}"
-    assert p_losses == f_losses, (p_losses, f_losses)
-    assert p_norms == f_norms, (p_norms, f_norms)
-    assert_bitwise(p_state, f_state, f"plain vs fsdp ({optim})")
+def _plain_load(rank: int, world: int, ckpt: str, run_dir: str) -> dict[str, torch.Tensor]:
+    torch.set_num_threads(1)
+    trainer = Trainer(_config("plain", run_dir), build_layout(1, CPU))
+    trainer.load_checkpoint(ckpt)
+    state = full_state(trainer)
+    trainer.close()
+    return state
+
+
+def test_checkpoints_cross_load_with_fsdp_at_world_2(tmp_path: Path) -> None:
+    """plain (world 1) -> FSDP over 2 ranks -> plain: each load bitwise the saved state."""
+    saved = run_ranks(_plain_save, 1, str(tmp_path / "a"))[0]
+    loaded, state_2 = run_ranks(_fsdp2_load_and_save, 2, str(find_latest(tmp_path / "a" / "checkpoints")),
+                                str(tmp_path / "b"))[0]
+    assert_bitwise(loaded, saved, "plain at world 1 -> fsdp at world 2")
+    reloaded = run_ranks(_plain_load, 1, str(find_latest(tmp_path / "b" / "checkpoints")), str(tmp_path / "c"))[0]
+    assert_bitwise(reloaded, state_2, "fsdp at world 2 -> plain at world 1")
+
+
+def test_plain_needs_world_1_and_fsdp_on() -> None:
+    cfg = _config("plain", "runs/test")
+    with pytest.raises(ValueError, match=r"parallel.dense=plain .* world size 1 only, got 2 ranks; use parallel.dense="):
+        cfg.check_world(2)
+    cfg.check_world(1)
+    with pytest.raises(ValueError, match=r"parallel.dense=plain .* needs parallel.fsdp=true"):
+        from_dict(RunConfig, {**to_dict(cfg), "parallel": {**to_dict(cfg.parallel), "fsdp": False}})
+    with pytest.raises(ValueError, match=r"parallel\.dense"):
+        from_dict(RunConfig, {**to_dict(cfg), "parallel": {**to_dict(cfg.parallel), "dense": "replicate"}})
 
 
 class _Block(torch.nn.Module):
