@@ -3,6 +3,7 @@
     python benchmarks/host_overhead.py                       # k3_small's layer structure, tiny widths
     python benchmarks/host_overhead.py --out host.json --steps 3 experts.backend=local
     python benchmarks/host_overhead.py --show host.json      # the table of a written JSON
+    python benchmarks/host_overhead.py parallel.dense=plain  # dense params without FSDP (moontrain.parallel.plain_dense)
 
 On one H200, k3_small's step keeps the GPU busy for well under half its wall time: the host launches
 ~4,450 kernels per forward/backward pass and cannot keep up. Every aten op the dispatcher runs below

@@ -33,14 +33,15 @@ CPU = torch.device("cpu")
 CORPUS = str(Path(__file__).resolve().parents[3] / "recipes" / "data" / "tiny_corpus.jsonl")
 
 
-def _config(dense: str, run_dir: str, *, optim: str = "adamw", dtype: str = "bfloat16",
+def _config(dense: str, run_dir: str, *, optim: str = "adamw", dtype: str = "bfloat16", fused: bool = False,
             evaluate: bool = False) -> RunConfig:
     cfg = small_config("moonep", 1, run_dir=run_dir, k3_block=True)
     return dataclasses.replace(
         cfg,
         parallel=dataclasses.replace(cfg.parallel, dense=dense, compute_dtype=dtype),
         # grad_clip well under the grad norm (~4), QK-Clip's tau under the max logits (~0.05): both clip
-        optim=dataclasses.replace(cfg.optim, name=optim, grad_clip=0.05, qk_clip_tau=0.03),
+        optim=dataclasses.replace(cfg.optim, name=optim, grad_clip=0.05, qk_clip_tau=0.03, fused=fused or None,
+                                  write_back=False),
         train=dataclasses.replace(cfg.train, micro_batch_size=2),
         eval=from_dict(EvalConfig, {"every": 1, "steps": 1, "data": {"path": CORPUS}} if evaluate else {}, "eval"),
     )
@@ -66,14 +67,17 @@ def _run(cfg: RunConfig) -> tuple[dict[str, list[float]], dict[str, torch.Tensor
         trainer.close()
 
 
-def _plain_vs_fsdp(rank: int, world: int, run_dir: str, optim: str, dtype: str) -> tuple:
+def _plain_vs_fsdp(rank: int, world: int, run_dir: str, optim: str, dtype: str, fused: bool) -> tuple:
     torch.set_num_threads(1)
-    return tuple(_run(_config(dense, run_dir, optim=optim, dtype=dtype, evaluate=True)) for dense in ("fsdp", "plain"))
+    return tuple(_run(_config(dense, run_dir, optim=optim, dtype=dtype, fused=fused, evaluate=True))
+                 for dense in ("fsdp", "plain"))
 
 
-@pytest.mark.parametrize("optim,dtype", [("adamw", "bfloat16"), ("muon", "bfloat16"), ("adamw", "float32")])
-def test_plain_equals_fsdp_at_world_1(tmp_path: Path, optim: str, dtype: str) -> None:
-    (f_log, f_state), (p_log, p_state) = run_ranks(_plain_vs_fsdp, 1, str(tmp_path), optim, dtype)[0]
+@pytest.mark.parametrize("optim,dtype,fused", [("adamw", "bfloat16", True), ("muon", "bfloat16", False),
+                                               ("adamw", "float32", False)])
+def test_plain_equals_fsdp_at_world_1(tmp_path: Path, optim: str, dtype: str, fused: bool) -> None:
+    """fused: torch's fused AdamW (the GPU's; its write-back variant is the GPU test's)."""
+    (f_log, f_state), (p_log, p_state) = run_ranks(_plain_vs_fsdp, 1, str(tmp_path), optim, dtype, fused)[0]
     assert sum(f_log["qk_clipped"]) > 0, f"QK-Clip must clip heads: {f_log}"
     assert min(f_log["grad_norm"]) > 0.05, f"clipping must be active (grad_clip 0.05): {f_log}"
     assert None not in f_log["eval"], f_log
