@@ -11,6 +11,9 @@ L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
   parameter of the replica's 1/dp_replicate of the local rows, dp_replicate = W / R).
 - grads: dense: the fp32 reduce-scatter output 4P/W plus the gathered compute-dtype grads of two
   blocks; experts: fp32 local rows (moonep: the grad mirror's local rows, in the heap).
+- parallel.dense=plain (one rank, moontrain.parallel.plain_dense): the dense weights are compute-dtype
+  copies of all P, the grads one pass's compute-dtype grads plus the fp32 accumulators, and from the
+  second accumulated pass on an fp32 scratch of the same size.
 - optimizer: Adam's two fp32 moments on the master (sharded as the master; the expert grads and
   compute rows stay whole).
 - symmetric heap (moonep, beyond the local weight/grad rows above; moonep.Layout.slot_pool_bytes): per
@@ -69,11 +72,15 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
     local = m.num_moe_layers * epn * 3 * H * F
     P = counts.dense
     gathered = counts.embedding + 2 * counts.max_block_dense(m)
+    dense_grads = 4 * P / world_size + 2 * counts.max_block_dense(m) * compute_bytes
+    if cfg.parallel.dense == "plain":  # world 1: every dense weight's copy, fp32 accumulators (+ scratch)
+        gathered = P
+        dense_grads = P * compute_bytes + 4 * P * (2 if cfg.train.accumulation_steps(world_size) > 1 else 1)
     moonep = cfg.experts.backend == "moonep"
     dense = {
         "weights": gathered * compute_bytes,
         "master": 4 * P / world_size,
-        "grads": 4 * P / world_size + 2 * counts.max_block_dense(m) * compute_bytes,
+        "grads": dense_grads,
         "optimizer": 8 * P / world_size,
         "activations": S * _activation_bytes_per_token(cfg, compute_bytes, cfg.train.activation_checkpointing),
     }
