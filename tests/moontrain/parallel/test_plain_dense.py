@@ -2,7 +2,7 @@
 
 The K3 block (KDA, MLA, AttnRes, SiTU-GLU, latent MoE on moonep) in bf16 compute on the CPU (and once in
 fp32, where nothing is cast), 2 accumulated passes per step, global-norm clipping and QK-Clip active, an
-evaluation after every step: losses, grad norms, eval losses and every parameter, router bias and
+evaluation after every step, once with activation checkpointing: losses, grad norms, eval losses and every parameter, router bias and
 optimizer state tensor equal after 3 steps, for AdamW and Muon. Checkpoints cross-load bitwise between the
 two (world 1 both ways, and world 2 FSDP both ways), and training on from a loaded checkpoint stays equal.
 A toy model pins the two effects of FSDP's module hooks on the values (input casts, one autograd node per
@@ -34,7 +34,7 @@ CORPUS = str(Path(__file__).resolve().parents[3] / "recipes" / "data" / "tiny_co
 
 
 def _config(dense: str, run_dir: str, *, optim: str = "adamw", dtype: str = "bfloat16", fused: bool = False,
-            evaluate: bool = False) -> RunConfig:
+            recompute: bool = False, evaluate: bool = False) -> RunConfig:
     cfg = small_config("moonep", 1, run_dir=run_dir, k3_block=True)
     return dataclasses.replace(
         cfg,
@@ -42,7 +42,7 @@ def _config(dense: str, run_dir: str, *, optim: str = "adamw", dtype: str = "bfl
         # grad_clip well under the grad norm (~4), QK-Clip's tau under the max logits (~0.05): both clip
         optim=dataclasses.replace(cfg.optim, name=optim, grad_clip=0.05, qk_clip_tau=0.03, fused=fused or None,
                                   write_back=False),
-        train=dataclasses.replace(cfg.train, micro_batch_size=2),
+        train=dataclasses.replace(cfg.train, micro_batch_size=2, activation_checkpointing=recompute),
         eval=from_dict(EvalConfig, {"every": 1, "steps": 1, "data": {"path": CORPUS}} if evaluate else {}, "eval"),
     )
 
@@ -67,17 +67,22 @@ def _run(cfg: RunConfig) -> tuple[dict[str, list[float]], dict[str, torch.Tensor
         trainer.close()
 
 
-def _plain_vs_fsdp(rank: int, world: int, run_dir: str, optim: str, dtype: str, fused: bool) -> tuple:
+def _plain_vs_fsdp(rank: int, world: int, run_dir: str, optim: str, dtype: str, fused: bool, recompute: bool
+                   ) -> tuple:
     torch.set_num_threads(1)
-    return tuple(_run(_config(dense, run_dir, optim=optim, dtype=dtype, fused=fused, evaluate=True))
+    return tuple(_run(_config(dense, run_dir, optim=optim, dtype=dtype, fused=fused, recompute=recompute,
+                              evaluate=True))
                  for dense in ("fsdp", "plain"))
 
 
-@pytest.mark.parametrize("optim,dtype,fused", [("adamw", "bfloat16", True), ("muon", "bfloat16", False),
-                                               ("adamw", "float32", False)])
-def test_plain_equals_fsdp_at_world_1(tmp_path: Path, optim: str, dtype: str, fused: bool) -> None:
-    """fused: torch's fused AdamW (the GPU's; its write-back variant is the GPU test's)."""
-    (f_log, f_state), (p_log, p_state) = run_ranks(_plain_vs_fsdp, 1, str(tmp_path), optim, dtype, fused)[0]
+@pytest.mark.parametrize("optim,dtype,fused,recompute", [("adamw", "bfloat16", True, False),
+                                                         ("muon", "bfloat16", False, True),
+                                                         ("adamw", "float32", False, False)])
+def test_plain_equals_fsdp_at_world_1(tmp_path: Path, optim: str, dtype: str, fused: bool, recompute: bool) -> None:
+    """fused: torch's fused AdamW (the GPU's; its write-back variant is the GPU test's). recompute:
+    activation checkpointing (each block's forward runs again in backward, on the bf16 copies)."""
+    (f_log, f_state), (p_log, p_state) = run_ranks(_plain_vs_fsdp, 1, str(tmp_path), optim, dtype, fused,
+                                                   recompute)[0]
     assert sum(f_log["qk_clipped"]) > 0, f"QK-Clip must clip heads: {f_log}"
     assert min(f_log["grad_norm"]) > 0.05, f"clipping must be active (grad_clip 0.05): {f_log}"
     assert None not in f_log["eval"], f_log
