@@ -54,11 +54,14 @@ class ParallelLayout:
     def distributed(self) -> bool:
         return self.world_group is not None
 
-    def describe(self) -> str:
+    def describe(self, dense: str = "fsdp") -> str:
+        """One line for the startup log; `dense` is parallel.dense (plain: bf16 copies, no FSDP, world 1)."""
+        dense_line = (f"FSDP over {self.world_size} ranks" if dense == "fsdp"
+                      else "plain (bf16 copies cast once per step, no FSDP)")
         hier = (f" over {self.ep_hosts} hosts of {self.ep // self.ep_hosts} (hierarchical)"
                 if self.ep_hosts > 1 else "")
         return (f"world={self.world_size} = dp_replicate {self.dp_replicate} x ep {self.ep}; "
-                f"dense params: FSDP over {self.world_size} ranks; experts: {self.ep}-way EP{hier}, "
+                f"dense params: {dense_line}; experts: {self.ep}-way EP{hier}, "
                 f"expert-data-parallel over {self.dp_replicate} replicas")
 
 

@@ -125,7 +125,7 @@ def _train(cfg: RunConfig, device: torch.device, preemption: PreemptionHandler) 
     is_main = layout.rank == 0
     if is_main:
         dump_config(cfg, Path(cfg.train.run_dir) / "config.yaml")
-        print(f"moontrain: {layout.describe()}; experts backend {cfg.experts.backend}; device {device}"
+        print(f"moontrain: {layout.describe(cfg.parallel.dense)}; experts backend {cfg.experts.backend}; device {device}"
               + ("; deterministic kernels" if cfg.train.deterministic else ""), flush=True)
     trainer = Trainer(cfg, layout)
     trainer.preemption = preemption
