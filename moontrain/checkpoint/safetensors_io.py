@@ -1,12 +1,18 @@
-"""safetensors files read and written with plain file I/O, one tensor (or row range) at a time.
+"""safetensors files read and written with plain file I/O, one tensor (or row range, or chunk) at a time.
 
 The safetensors library maps a file into memory; the pages a read touches stay resident, and counted
 in the process's RSS, for as long as the file is open. Checkpoint loads and the HF export read files
-of many GB, so they read with pread into a fresh tensor instead (only that tensor is resident), and
-the export writes a file tensor by tensor from a header planned from the shapes alone.
+of many GB, so they read with pread straight into the destination tensor instead (a CUDA one through
+two pinned chunk buffers), and saves and the export write a file from a header planned from the shapes
+alone, then tensor by tensor in chunks: a contiguous CPU tensor from its own memory, any other through
+two reused staging buffers (pinned, filled on a side CUDA stream, for CUDA tensors) so the next chunk's
+copy to the host overlaps the write of this one. The extra host memory of a save or a load is the
+staging buffers (2 x CHUNK_BYTES), not the state. The writer's bytes equal
+safetensors.torch.save_file's for the same tensors and metadata (the same order, JSON and padding).
 
-Format: 8 bytes little-endian header length N, N bytes of JSON {name: {dtype, shape, data_offsets:
-[begin, end)} relative to the data start, "__metadata__": {...}}, then the data, C order.
+Format: 8 bytes little-endian header length N, N bytes of JSON {"__metadata__": {...}, name: {dtype,
+shape, data_offsets: [begin, end)} relative to the data start}, padded with spaces to a multiple of 8,
+then the data, C order.
 """
 
 from __future__ import annotations

@@ -10,6 +10,12 @@ A checkpoint is a directory `<dir>/step_<step:08d>/`:
     manifest.json              written last: every file with its size and sha256, every tensor's
                                canonical shape and the (file, offset, rows) pieces that hold it
 
+Saving streams: each rank writes its tensors straight from the model and optimizer into its file, chunk by
+chunk through reused staging buffers (safetensors_io.write_safetensors), hashing the bytes (sha256, in a
+thread) while they are written; its extra host memory is the staging buffers, not the state. The sha256
+(one core, ~1.3-2 GB/s with SHA-NI) bounds a rank's save throughput; ranks save in parallel. A save longer
+than REPORT_AFTER_S prints its size, time and GB/s on rank 0.
+
 Atomicity: every rank writes into `step_<step>.tmp/` and fsyncs its file; after a barrier rank 0 writes
 train_state.json and manifest.json, fsyncs them and the directory, renames it to `step_<step>` and
 fsyncs the parent. A directory is a checkpoint only when it has that name and its manifest: a save
@@ -17,8 +23,9 @@ killed at any point leaves at most a `.tmp` directory, which is ignored and remo
 All ranks must see one shared filesystem.
 
 Loading verifies every file it reads against the manifest (size and sha256), so a missing or damaged
-file is reported by name. Parameters and optimizer moments are read as canonical rows, so the EP and
-DP degree may differ from the save. RNG states are restored when the world size is unchanged (rank r
+file is reported by name, then reads each tensor's rows straight into the model / optimizer tensor.
+Parameters and optimizer moments are read as canonical rows, so the EP and DP degree may differ from the
+save. RNG states are restored when the world size is unchanged (rank r
 gets rank r's); the data position is restored by the data source (exactly at the same world size).
 """
 

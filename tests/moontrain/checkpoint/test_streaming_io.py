@@ -20,7 +20,6 @@ from safetensors.torch import save_file
 
 from moontrain.checkpoint import store
 from moontrain.checkpoint.safetensors_io import SafetensorsReader, host_chunks, write_safetensors
-from moontrain.checkpoint.store import load_checkpoint
 from moontrain.parallel.layout import single_process_layout
 from moontrain.trainer.trainer import Trainer
 from tests.moontrain.ckpt_utils import assert_bitwise, full_state, small_config, train
@@ -174,7 +173,10 @@ def test_cuda_trainer_save_and_load_bitwise(tmp_path: Path) -> None:
     trainer = Trainer(cfg, single_process_layout(torch.device("cuda")))
     train(trainer, 2)
     ckpt = trainer.save_checkpoint()
-    want = full_state(trainer)
+    want = {k: v.cpu() for k, v in full_state(trainer).items()}
+    trainer.close()
     fresh = Trainer(cfg, single_process_layout(torch.device("cuda")))
-    load_checkpoint(fresh.state, ckpt)
-    assert_bitwise(full_state(fresh), want, "CUDA save -> load")
+    fresh.load_checkpoint(ckpt)
+    assert fresh.step == 2
+    assert_bitwise({k: v.cpu() for k, v in full_state(fresh).items()}, want, "CUDA save -> load")
+    fresh.close()
