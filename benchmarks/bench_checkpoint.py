@@ -95,6 +95,14 @@ def _reset_peak() -> bool:
         return False
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -224,7 +232,7 @@ def main() -> None:
     if not peak_resettable:
         print("note: /proc/self/clear_refs could not be written: peak RSS is the process's peak so far")
     if args.out:
-        info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
                 "cpus": os.cpu_count(), "torch": torch.__version__, "dir": args.dir, "gb": args.gb,
                 "tensor_mb": args.tensor_mb, "repeats": args.repeats, "num_tensors": len(state),
                 "date": time.strftime("%Y-%m-%d")}
