@@ -95,6 +95,11 @@ def _reset_peak() -> bool:
         return False
 
 
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as fh:
@@ -166,8 +171,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gb", type=float, default=4.0, help="state size in GB (1e9 bytes)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else "/tmp",
-                        help="where the file is written (a RAM-backed dir measures the copies, not a disk)")
+    parser.add_argument("--dir", help="where the file is written (default /dev/shm when it has room, else /tmp; "
+                        "a RAM-backed dir measures the copies, not a disk)")
     parser.add_argument("--tensor-mb", type=int, default=256, help="size of the large fp32 tensors")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-baseline", action="store_true", help="leave out the whole-copy save and the copy load")
@@ -176,6 +181,12 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch.cuda.is_available() is False")
+    need = int(args.gb * 1e9 * 1.05) + (64 << 20)
+    if args.dir is None:
+        args.dir = next((d for d in ("/dev/shm", "/tmp") if Path(d).is_dir() and _free_bytes(d) > need), "/tmp")
+    if _free_bytes(args.dir) < need:
+        raise SystemExit(f"--dir {args.dir} has {_free_bytes(args.dir) / 1e9:.1f} GB free, the file needs "
+                         f"{need / 1e9:.1f} GB: pass a --dir with room or a smaller --gb")
     work = Path(args.dir) / f"bench_checkpoint_{os.getpid()}"
     work.mkdir(parents=True)
     path = work / FILE
