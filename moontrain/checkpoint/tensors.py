@@ -20,6 +20,7 @@ under the new layout, so a checkpoint saved at one EP / DP degree loads at any o
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,12 +78,20 @@ def expert_shard_ownership(t: torch.Tensor, layout: ParallelLayout) -> Ownership
                      global_shape=(epn * layout.ep, *t.shape[1:]), writes=True)
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: Path, block_bytes: int = 1 << 24) -> str:
+    """The sha256 of a file; the read of the next block overlaps the hash of this one (hashlib releases the GIL)."""
     h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
+    blocks = [bytearray(block_bytes), bytearray(block_bytes)]
+    with path.open("rb", buffering=0) as fh, ThreadPoolExecutor(1) as pool:
+        hashing, k = None, 0
+        while True:
+            n = fh.readinto(blocks[k % 2])  # this block was last hashed two rounds ago: done
+            if hashing is not None:
+                hashing.result()
+            if not n:
+                return h.hexdigest()
+            hashing = pool.submit(h.update, memoryview(blocks[k % 2])[:n])
+            k += 1
 
 
 @dataclass(frozen=True, slots=True)

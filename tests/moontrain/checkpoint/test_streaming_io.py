@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from moontrain.checkpoint import store
 from moontrain.checkpoint.safetensors_io import SafetensorsReader, host_chunks, write_safetensors
+from moontrain.checkpoint.tensors import file_sha256
 from moontrain.parallel.layout import single_process_layout
 from moontrain.trainer.trainer import Trainer
 from tests.moontrain.ckpt_utils import assert_bitwise, full_state, small_config, train
@@ -108,6 +109,13 @@ def test_host_chunks_views_contiguous_cpu_tensors_and_stages_the_rest() -> None:
     view = torch.arange(40, dtype=torch.int64).view(8, 5).t()  # [5, 8], rows of 64 bytes
     got = b"".join(bytes(c) for c in host_chunks([view], chunk_bytes=100))
     assert got == view.contiguous().numpy().tobytes()
+
+
+@pytest.mark.parametrize("size", [0, 5, 64, 1000])
+def test_file_sha256_is_hashlibs(tmp_path: Path, size: int) -> None:
+    data = bytes(range(256)) * 4
+    (tmp_path / "f").write_bytes(data[:size])
+    assert file_sha256(tmp_path / "f", block_bytes=64) == hashlib.sha256(data[:size]).hexdigest()
 
 
 def _rss_kib(field: str) -> int:
