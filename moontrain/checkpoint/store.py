@@ -25,8 +25,8 @@ All ranks must see one shared filesystem.
 Loading verifies every file it reads against the manifest (size and sha256), so a missing or damaged
 file is reported by name, then reads each tensor's rows straight into the model / optimizer tensor.
 Parameters and optimizer moments are read as canonical rows, so the EP and DP degree may differ from the
-save. RNG states are restored when the world size is unchanged (rank r
-gets rank r's); the data position is restored by the data source (exactly at the same world size).
+save. RNG states are restored when the world size is unchanged (rank r gets rank r's); the data position
+is restored by the data source (exactly at the same world size).
 """
 
 from __future__ import annotations
