@@ -216,6 +216,9 @@ class HFSource:
             return self._read(name.name, offset, offset + rows)
         return self._read(name.name)[order[offset:offset + rows]]
 
+    def read_into(self, key: str, offset: int, rows: int, out: torch.Tensor) -> None:
+        out.copy_(self.rows(key, offset, rows))  # converted rows: built on the host, then copied
+
 
 def read_hf(model_dir: str | Path) -> tuple[ModelConfig, HFSource]:
     """The model config and the weights (read on demand) of a Hugging Face model directory."""

@@ -1,19 +1,28 @@
-"""safetensors files read and written with plain file I/O, one tensor (or row range) at a time.
+"""safetensors files read and written with plain file I/O, one tensor (or row range, or chunk) at a time.
 
 The safetensors library maps a file into memory; the pages a read touches stay resident, and counted
 in the process's RSS, for as long as the file is open. Checkpoint loads and the HF export read files
-of many GB, so they read with pread into a fresh tensor instead (only that tensor is resident), and
-the export writes a file tensor by tensor from a header planned from the shapes alone.
+of many GB, so they read with pread straight into the destination tensor instead (a CUDA one through
+two pinned chunk buffers), and saves and the export write a file from a header planned from the shapes
+alone, then tensor by tensor in chunks: a contiguous CPU tensor from its own memory, any other through
+two reused staging buffers (pinned, filled on a side CUDA stream, for CUDA tensors) so the next chunk's
+copy to the host overlaps the write of this one. The extra host memory of a save or a load is the
+staging buffers (2 x CHUNK_BYTES), not the state. The writer's bytes equal
+safetensors.torch.save_file's for the same tensors and metadata (the same order, JSON and padding).
 
-Format: 8 bytes little-endian header length N, N bytes of JSON {name: {dtype, shape, data_offsets:
-[begin, end)} relative to the data start, "__metadata__": {...}}, then the data, C order.
+Format: 8 bytes little-endian header length N, N bytes of JSON {"__metadata__": {...}, name: {dtype,
+shape, data_offsets: [begin, end)} relative to the data start}, padded with spaces to a multiple of 8,
+then the data, C order.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +32,11 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# safetensors' Dtype enum order (the dtypes it has that torch has too); its writer sorts by it, widest first
+_DTYPE_RANK = {name: i for i, name in enumerate(
+    ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "F16", "BF16", "I32", "F32", "F64", "I64"])}
+CHUNK_BYTES = 64 << 20  # staging buffer size: large enough that per-chunk costs vanish next to the copies
+_HASH_INLINE_BYTES = 1 << 20  # below this a chunk is hashed on the writing thread
 
 
 class SafetensorsReader:
@@ -59,22 +73,57 @@ class SafetensorsReader:
         return self.entries[name][1]
 
     def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        dtype, shape, _ = self.entries[name]
+        out = torch.empty((hi - lo, *shape[1:]) if shape else (), dtype=dtype)
+        self.read_into(name, lo, hi, out)
+        return out
+
+    def read_into(self, name: str, lo: int, hi: int, out: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> None:
+        """Rows [lo, hi) of `name` into `out` (their shape, any device). A contiguous CPU `out` of the file's dtype
+        is read into directly; a CUDA one through two reused pinned buffers, the copy of one chunk to the device
+        (on a side stream) overlapping the read of the next; any other through a CPU tensor and `copy_`."""
         dtype, shape, begin = self.entries[name]
-        if not shape:
-            lo, hi, shape = 0, 1, (1,)
-            out_shape: tuple[int, ...] = ()
-        else:
-            out_shape = (hi - lo, *shape[1:])
+        want = (hi - lo, *shape[1:]) if shape else ()
+        if tuple(out.shape) != want:
+            raise AssertionError(f"{self.path}: {name} rows [{lo}, {hi}) have shape {want}, out has {tuple(out.shape)}")
+        if out.dtype != dtype or not out.is_contiguous() or out.device.type not in ("cpu", "cuda"):
+            out.copy_(self.rows(name, lo, hi))
+            return
         row_bytes = torch.Size(shape[1:]).numel() * dtype.itemsize
-        out = torch.empty(out_shape, dtype=dtype)
-        buf = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
-        offset, done = self.data_start + begin + lo * row_bytes, 0
+        offset, nbytes = self.data_start + begin + lo * row_bytes, out.numel() * dtype.itemsize
+        if nbytes == 0:
+            return
+        flat = out.detach().reshape(-1).view(torch.uint8)
+        if out.device.type == "cpu":
+            self._pread(name, memoryview(flat.numpy()), offset)
+            return
+        stream = torch.cuda.Stream(out.device)
+        stream.wait_stream(torch.cuda.current_stream(out.device))  # `out` may be in use by earlier work
+        bufs: list[torch.Tensor] = []
+        events: list[torch.cuda.Event | None] = [None, None]
+        for k, lo_b in enumerate(range(0, nbytes, chunk_bytes)):
+            n = min(chunk_bytes, nbytes - lo_b)
+            if len(bufs) < 2:
+                bufs.append(torch.empty(min(chunk_bytes, nbytes), dtype=torch.uint8, pin_memory=True))
+            if events[k % 2] is not None:
+                events[k % 2].synchronize()  # this buffer's previous copy to the device is done
+            self._pread(name, memoryview(bufs[k % 2].numpy())[:n], offset + lo_b)
+            with torch.cuda.stream(stream):
+                flat[lo_b:lo_b + n].copy_(bufs[k % 2][:n], non_blocking=True)
+                events[k % 2] = torch.cuda.Event()
+                events[k % 2].record()
+        torch.cuda.current_stream(out.device).wait_stream(stream)
+        for event in events:
+            if event is not None:
+                event.synchronize()  # the pinned buffers are freed on return
+
+    def _pread(self, name: str, buf: memoryview, offset: int) -> None:
+        done = 0
         while done < len(buf):
             n = os.preadv(self.fd, [buf[done:]], offset + done)
             if n <= 0:
                 raise ValueError(f"{self.path}: short read of {name!r}")
             done += n
-        return out
 
     def tensor(self, name: str) -> torch.Tensor:
         shape = self.shape(name)
@@ -85,25 +134,111 @@ class SafetensorsReader:
 
 
 def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype, Callable[[], torch.Tensor]]],
-                      metadata: dict[str, str] | None = None) -> int:
+                      metadata: dict[str, str] | None = None, *, sha256: Any = None,
+                      chunk_bytes: int = CHUNK_BYTES) -> int:
     """Write (name, shape, dtype, read) entries: the header from the planned shapes, then each tensor as
-    `read()` returns it (one in memory at a time). Returns the data bytes written."""
+    `read()` returns it, streamed in chunks (see `host_chunks`), in safetensors' own order (see `save_order`).
+    `sha256`: a hashlib object fed every byte of the file, hashed in a thread while the bytes are written.
+    Returns the data bytes written."""
+    entries = sorted(entries, key=lambda e: save_order(e[0], e[2]))
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
     for name, shape, dtype, _ in entries:
         size = torch.Size(shape).numel() * dtype.itemsize
         header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
-    head = json.dumps(header, separators=(",", ":")).encode()
+    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     head += b" " * (-len(head) % 8)
-    with path.open("wb") as fh:
-        fh.write(len(head).to_bytes(8, "little"))
-        fh.write(head)
+
+    def tensors() -> Iterator[torch.Tensor]:
         for name, shape, dtype, read in entries:
             t = read()
-            if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            if tuple(t.shape) != shape or t.dtype != dtype:
                 raise AssertionError(f"{name}: read {tuple(t.shape)} {t.dtype}, planned {shape} {dtype}")
-            if t.numel():
-                fh.write(t.view(-1).view(torch.uint8).numpy())
-            del t
+            yield t
+
+    with path.open("wb") as fh, ThreadPoolExecutor(1) if sha256 is not None else nullcontext() as hasher:
+        for data in itertools.chain([memoryview(len(head).to_bytes(8, "little") + head)],
+                                    host_chunks(tensors(), chunk_bytes)):
+            hashed = None
+            if sha256 is not None:
+                if len(data) < _HASH_INLINE_BYTES:
+                    sha256.update(data)
+                else:  # hashlib releases the GIL: hashing a chunk overlaps writing it
+                    hashed = hasher.submit(sha256.update, data)
+            fh.write(data)
+            if hashed is not None:
+                hashed.result()
     return offset
+
+
+def save_order(name: str, dtype: torch.dtype) -> tuple[int, str]:
+    """safetensors' order: dtypes from the widest down (its Dtype enum, reversed), then names. Every tensor's
+    data offset is then a multiple of its element size, and the file equals safetensors.torch.save_file's."""
+    return (-_DTYPE_RANK[NAMES[dtype]], name)
+
+
+def host_chunks(tensors: Iterable[torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> Iterator[memoryview]:
+    """The bytes of each tensor, C order, as host memoryviews of at most `chunk_bytes` (more only for a single row
+    of a non-contiguous tensor that is larger). A contiguous CPU tensor is viewed, not copied. Any other tensor
+    is copied in row blocks through two reused host buffers, pinned for CUDA tensors, whose copies run on a side
+    stream: block k + 1 is on its way to the host while the caller consumes block k. A view is valid until the
+    caller asks for the next one after it."""
+    buffers: dict[bool, list[torch.Tensor | None]] = {}  # pinned? -> two staging buffers
+    streams: dict[torch.device, torch.cuda.Stream] = {}
+    pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+    k = 0
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        if t.device.type == "cpu" and t.is_contiguous():
+            if pending is not None:
+                yield _ready(*pending)
+                pending = None
+            flat = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            for lo in range(0, len(flat), chunk_bytes):
+                yield flat[lo:lo + chunk_bytes]
+            continue
+        cuda = t.device.type == "cuda"
+        if cuda and t.device not in streams:
+            streams[t.device] = torch.cuda.Stream(t.device)
+            streams[t.device].wait_stream(torch.cuda.current_stream(t.device))
+        for block in _blocks(t, chunk_bytes):
+            nbytes = block.numel() * block.dtype.itemsize
+            pair = buffers.setdefault(cuda, [None, None])
+            buf = pair[k % 2]
+            if buf is None or buf.numel() < nbytes:  # the other buffer may still be in use: replace this one only
+                buf = pair[k % 2] = torch.empty(max(nbytes, chunk_bytes), dtype=torch.uint8, pin_memory=cuda)
+            dst = buf[:nbytes].view(block.dtype).view(block.shape)
+            event = None
+            if cuda:
+                with torch.cuda.stream(streams[t.device]):
+                    dst.copy_(block, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record()
+            else:
+                dst.copy_(block)
+            k += 1
+            if pending is not None:
+                yield _ready(*pending)
+            pending = (buf[:nbytes], event)
+    if pending is not None:
+        yield _ready(*pending)
+
+
+def _blocks(t: torch.Tensor, chunk_bytes: int) -> Iterator[torch.Tensor]:
+    """Views of `t` in C order of at most chunk_bytes each: element ranges when contiguous, else dim-0 row ranges."""
+    if t.is_contiguous():
+        flat, step = t.reshape(-1), max(1, chunk_bytes // t.dtype.itemsize)
+        for lo in range(0, flat.numel(), step):
+            yield flat[lo:lo + step]
+        return
+    step = max(1, chunk_bytes // (t[0].numel() * t.dtype.itemsize))
+    for lo in range(0, t.shape[0], step):
+        yield t[lo:lo + step]
+
+
+def _ready(buf: torch.Tensor, event: torch.cuda.Event | None) -> memoryview:
+    if event is not None:
+        event.synchronize()
+    return memoryview(buf.numpy())

@@ -20,6 +20,7 @@ under the new layout, so a checkpoint saved at one EP / DP degree loads at any o
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,12 +78,20 @@ def expert_shard_ownership(t: torch.Tensor, layout: ParallelLayout) -> Ownership
                      global_shape=(epn * layout.ep, *t.shape[1:]), writes=True)
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: Path, block_bytes: int = 1 << 24) -> str:
+    """The sha256 of a file; the read of the next block overlaps the hash of this one (hashlib releases the GIL)."""
     h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
+    blocks = [bytearray(block_bytes), bytearray(block_bytes)]
+    with path.open("rb", buffering=0) as fh, ThreadPoolExecutor(1) as pool:
+        hashing, k = None, 0
+        while True:
+            n = fh.readinto(blocks[k % 2])  # this block was last hashed two rounds ago: done
+            if hashing is not None:
+                hashing.result()
+            if not n:
+                return h.hexdigest()
+            hashing = pool.submit(h.update, memoryview(blocks[k % 2])[:n])
+            k += 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,26 +124,35 @@ class TensorSource:
         return self.rows(name, 0, shape[0] if shape else 0)
 
     def rows(self, name: str, offset: int, rows: int) -> torch.Tensor:
-        """Canonical rows [offset, offset + rows) of `name` (the whole tensor when it is 0-d)."""
+        """Canonical rows [offset, offset + rows) of `name` (the whole tensor when it is 0-d), in the saved dtype."""
+        shape, pieces = self._entry(name)
+        dtype = self._handle(pieces[0].file).entries[name][0] if pieces else torch.get_default_dtype()
+        out = torch.empty((rows, *shape[1:]) if shape else (), dtype=dtype)
+        self.read_into(name, offset, rows, out)
+        return out
+
+    def read_into(self, name: str, offset: int, rows: int, out: torch.Tensor) -> None:
+        """Canonical rows [offset, offset + rows) of `name` (the whole tensor when it is 0-d) into `out`, a tensor
+        of their shape on any device: each piece is read straight into its rows of `out`
+        (SafetensorsReader.read_into)."""
         shape, pieces = self._entry(name)
         if not shape:
-            return self._handle(pieces[0].file).tensor(name)
+            self._handle(pieces[0].file).read_into(name, 0, 0, out)
+            return
         if offset + rows > shape[0]:
             raise CheckpointError(f"{self.root}: {name} has {shape[0]} rows, rows [{offset}, {offset + rows}) "
                                   "were asked for; the model does not match the checkpoint")
-        parts, covered = [], offset
+        covered = offset
         for piece in sorted(pieces, key=lambda p: p.offset):
             lo, hi = max(covered, piece.offset), min(offset + rows, piece.offset + piece.rows)
             if lo > covered or hi <= lo:
                 continue
-            parts.append(self._handle(piece.file).rows(name, lo - piece.offset, hi - piece.offset))
+            self._handle(piece.file).read_into(name, lo - piece.offset, hi - piece.offset,
+                                               out[lo - offset:hi - offset])
             covered = hi
         if covered != offset + rows:
             raise CheckpointError(f"{self.root}: rows [{covered}, {offset + rows}) of {name} are in no file of "
                                   f"the checkpoint (pieces {[(p.file, p.offset, p.rows) for p in pieces]})")
-        if not parts:
-            return torch.empty(0, *shape[1:])
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _entry(self, name: str) -> tuple[tuple[int, ...], list[Piece]]:
         if name not in self.index:

@@ -167,30 +167,46 @@ def test_reshard_dp2xep2_to_1(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------ failures
-def _save_then_die_mid_save(rank: int, world: int, run_dir: str) -> None:
+def _save_then_die_mid_save(rank: int, world: int, run_dir: str, when: str) -> None:
     import moontrain.checkpoint.store as store
 
     trainer = Trainer(small_config("alltoall", 1, run_dir=run_dir), build_layout(1, CPU))
     train(trainer, 2)
     trainer.save_checkpoint()
     train(trainer, 1)
-    write = store._write_durable
+    write, stream = store._write_durable, store.write_safetensors
 
     def die_before_manifest(path: Path, data: bytes) -> None:
         if path.name == store.MANIFEST:
             os._exit(9)  # killed: the shard files of step 3 are written, its manifest and rename never happen
         write(path, data)
 
-    store._write_durable = die_before_manifest
+    def die_mid_file(path: Path, entries: list, *args, **kw) -> int:
+        def read_then_die(i: int, read):
+            def inner():
+                if i == len(entries) // 2:
+                    os._exit(9)  # killed with half of the rank file streamed
+                return read()
+            return inner
+        return stream(path, [(n, s, d, read_then_die(i, r)) for i, (n, s, d, r) in enumerate(entries)], *args, **kw)
+
+    if when == "before_manifest":
+        store._write_durable = die_before_manifest
+    else:
+        store.write_safetensors = die_mid_file
     trainer.save_checkpoint()
 
 
-def test_killed_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("when", ["before_manifest", "mid_file"])
+def test_killed_save_keeps_previous_checkpoint(tmp_path: Path, when: str) -> None:
     with pytest.raises(AssertionError, match="exited with code 9"):
-        run_ranks(_save_then_die_mid_save, 1, str(tmp_path))
+        run_ranks(_save_then_die_mid_save, 1, str(tmp_path), when)
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000003.tmp"]
-    assert (root / "step_00000003.tmp" / "rank_00000.safetensors").is_file()
+    shard = root / "step_00000003.tmp" / "rank_00000.safetensors"
+    assert shard.is_file()
+    if when == "mid_file":  # cut short: step 2's file has the same tensors
+        assert shard.stat().st_size < (root / "step_00000002" / "rank_00000.safetensors").stat().st_size
     cfg = small_config("local", 1, run_dir=str(tmp_path), checkpoint={"resume": "auto"})
     assert resolve_resume(cfg, root) == root / "step_00000002"
     trainer = _single(tmp_path)
