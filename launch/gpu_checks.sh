@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go, for a 2-GPU machine (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|kda|optim|determinism ...]
-#   (default: the first four, in order; kda, optim and determinism run on one GPU)
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|kda|optim|determinism|ckpt|dense ...]
+#   (default: the first four, in order; kda, optim, determinism, ckpt and dense run on one GPU)
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
-# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT (s), COMM_ARGS (bench_comm.py
+# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT (s), DET_ONLY (runs of check_determinism, default A,B,P,C,D), COMM_ARGS (bench_comm.py
 # arguments instead of --experts 96 384, e.g. --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
 # --experts 896 --topk 16 --ranks 8).
 # Each rank's pytest output goes to its own log (OUT_DIR/tests_r<rank>.log), so a failure on one rank
@@ -55,8 +55,22 @@ for step in "${steps[@]}"; do
     determinism)  # checkpoints (~44 GB for k3_small) in RAM when /dev/shm holds them
            work=/tmp/moontrain_det; [ "$(df -k --output=avail /dev/shm | tail -1)" -gt 62000000 ] && work=/dev/shm/moontrain_det
            timeout "${DET_TIMEOUT:-900}" python benchmarks/check_determinism.py --recipe recipes/k3_small.yaml --steps 6 --work "$work" \
-             --out "$out/determinism_k3_small.json" parallel.ep=1 train.micro_batch_size=1 train.compile=false > "$out/determinism.log" 2>&1
+             --only "${DET_ONLY:-A,B,P,C,D}" --out "$out/determinism_k3_small.json" parallel.ep=1 train.micro_batch_size=1 train.compile=false > "$out/determinism.log" 2>&1
            echo "determinism rc=$?"; grep -E "bitwise|differ|step time" "$out/determinism.log" | tail -6; rm -rf "$work" ;;
-    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, kda, optim, determinism)"; exit 2 ;;
+    ckpt)  timeout "${CKPT_TIMEOUT:-590}" python -m pytest -q -m gpu tests/moontrain/checkpoint/test_streaming_io.py > "$out/ckpt_tests.log" 2>&1
+           echo "ckpt tests rc=$?"; tail -2 "$out/ckpt_tests.log"
+           timeout "${CKPT_TIMEOUT:-590}" python benchmarks/bench_checkpoint.py --device cuda --gb 20 --repeats 2 \
+             --out "$out/bench_checkpoint_1xh200.json" > "$out/bench_checkpoint.log" 2>&1
+           echo "bench_checkpoint rc=$?"; tail -8 "$out/bench_checkpoint.log" ;;
+    dense) timeout "${DENSE_TIMEOUT:-400}" python -m pytest -q -m gpu tests/moontrain/parallel/test_plain_dense_gpu.py > "$out/dense_tests.log" 2>&1
+           echo "dense tests rc=$?"; tail -2 "$out/dense_tests.log"
+           for d in fsdp plain; do
+             timeout "${DENSE_TIMEOUT:-400}" torchrun --nproc_per_node=1 benchmarks/bench_train.py --recipe recipes/k3_small.yaml \
+               --backends moonep --targets 0.2 --steps 3 --warmup 2 --window 3 --tag "k3_small_dense_$d" --out "$out" \
+               parallel.ep=1 train.micro_batch_size=1 train.compile=true parallel.fsdp_reshard_after_forward=false \
+               parallel.dense=$d > "$out/dense_$d.log" 2>&1
+             echo "bench_train dense=$d rc=$?"; grep -v "^\[rank" "$out/dense_$d.log" | tail -4
+           done ;;
+    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, kda, optim, determinism, ckpt, dense)"; exit 2 ;;
   esac
 done
