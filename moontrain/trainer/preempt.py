@@ -9,9 +9,11 @@ it is blocked in a collective, where a Python handler would not run).
 SIGUSR1 is the launcher's forwarded request (moontrain.supervisor): a stop request like the first
 SIGTERM, but it never aborts, because a scheduler that signals every process delivers its own SIGTERM
 to the rank as well and the two are one request. The launcher also writes its request to the file named
-by MOONTRAIN_STOP_FILE, which `requested` checks once per step: on an H200 a rank was seen not to run its
-SIGUSR1 handler (the signal was sent to the right pid and the run went on to the end), so the request
-does not depend on signal delivery alone.
+by MOONTRAIN_STOP_FILE, which `requested` checks once per step, because SIGUSR1 alone is not reliable on
+the GPU: when Triton compiles a kernel in the process, LLVM installs its own signal handlers, SIGUSR1
+among its "info" signals, and its SIGUSR1 handler does not chain to the one installed before it (SIGTERM
+and SIGINT it does pass on, restoring the earlier handlers and raising again). A rank that compiled
+kernels in its first step then never sees the launcher's SIGUSR1.
 """
 
 from __future__ import annotations
