@@ -200,9 +200,11 @@ def host_chunks(tensors: Iterable[torch.Tensor], chunk_bytes: int = CHUNK_BYTES)
                 yield flat[lo:lo + chunk_bytes]
             continue
         cuda = t.device.type == "cuda"
-        if cuda and t.device not in streams:
-            streams[t.device] = torch.cuda.Stream(t.device)
+        if cuda:  # the side stream copies only after the work that produced `t`, which stays alive until then
+            if t.device not in streams:
+                streams[t.device] = torch.cuda.Stream(t.device)
             streams[t.device].wait_stream(torch.cuda.current_stream(t.device))
+            t.record_stream(streams[t.device])
         for block in _blocks(t, chunk_bytes):
             nbytes = block.numel() * block.dtype.itemsize
             pair = buffers.setdefault(cuda, [None, None])
