@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go, for a 2-GPU machine (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|kda|optim|determinism|ckpt|dense ...]
-#   (default: the first four, in order; kda, optim, determinism, ckpt and dense run on one GPU)
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|kda|optim|determinism|ckpt|dense|mfu ...]
+#   (default: the first four, in order; kda, optim, determinism, ckpt, dense and mfu run on one GPU)
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
-# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT (s), DET_ONLY (runs of check_determinism, default A,B,P,C,D), COMM_ARGS (bench_comm.py
+# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT (s), MFU_ARGS (extra overrides for the mfu step), DET_ONLY (runs of check_determinism, default A,B,P,C,D), COMM_ARGS (bench_comm.py
 # arguments instead of --experts 96 384, e.g. --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
 # --experts 896 --topk 16 --ranks 8).
 # Each rank's pytest output goes to its own log (OUT_DIR/tests_r<rank>.log), so a failure on one rank
@@ -71,6 +71,13 @@ for step in "${steps[@]}"; do
                parallel.dense=$d > "$out/dense_$d.log" 2>&1
              echo "bench_train dense=$d rc=$?"; grep -v "^\[rank" "$out/dense_$d.log" | tail -4
            done ;;
-    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, kda, optim, determinism, ckpt, dense)"; exit 2 ;;
+    mfu)   # issue 23's one-GPU point: k3_small_moe's widths with 64 experts (dry run: 97.5 GiB at EP = 1), 131k tokens per step
+           for d in fsdp plain; do
+             timeout "${MFU_TIMEOUT:-400}" torchrun --nproc_per_node=1 benchmarks/bench_train.py --recipe recipes/k3_small_moe.yaml \
+               --backends moonep --targets 0.2 --steps 3 --warmup 2 --tag "k3_small_moe_E64_R1_$d" --out "$out" --profile moonep \
+               parallel.ep=1 model.num_experts=64 parallel.dense=$d ${MFU_ARGS:-} > "$out/mfu_$d.log" 2>&1
+             echo "mfu dense=$d rc=$?"; grep -v "^\[rank" "$out/mfu_$d.log" | tail -4
+           done ;;
+    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, kda, optim, determinism, ckpt, dense, mfu)"; exit 2 ;;
   esac
 done
