@@ -8,7 +8,7 @@ block size; blocks are hashed by a thread pool (hashlib and pread release the GI
 - BlockSha256 is fed the file's bytes in order while they are written (write_safetensors' `digest`). The
   pieces of one update that fall in different blocks are hashed in parallel and the update returns when all
   are done, so the caller may reuse its buffer afterwards (a 64 MiB write chunk is 4-5 blocks of 16 MiB).
-- file_block_sha256 reads a file back block by block on the pool, at most `threads` blocks in memory.
+- file_block_sha256 reads a file back block by block on the pool, `threads` x 4 MiB of buffers.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 BLOCK_BYTES = 16 << 20  # a quarter of the writer's 64 MiB chunk: one chunk spreads over 4-5 threads
 THREADS = min(8, os.cpu_count() or 1)
 _INLINE_BYTES = 1 << 20  # an update smaller than this is hashed on the calling thread
+_READ_BYTES = 4 << 20  # file_block_sha256 reads a block in pieces of this size: threads x 4 MiB in memory
 
 
 def _check(block_bytes: int, threads: int) -> None:
@@ -97,14 +98,15 @@ def file_block_sha256(path: Path, block_bytes: int | None = None, threads: int |
 
         def block(k: int) -> str:
             if not hasattr(local, "buf"):
-                local.buf = memoryview(bytearray(block_bytes))
-            n, done = min(block_bytes, size - k * block_bytes), 0
-            while done < n:
-                got = os.preadv(fd, [local.buf[done:n]], k * block_bytes + done)
+                local.buf = memoryview(bytearray(min(block_bytes, _READ_BYTES)))
+            h, lo, hi = hashlib.sha256(), k * block_bytes, min((k + 1) * block_bytes, size)
+            while lo < hi:
+                got = os.preadv(fd, [local.buf[:hi - lo]], lo)
                 if got <= 0:
-                    raise OSError(f"{path}: short read at byte {k * block_bytes + done} of {size}")
-                done += got
-            return hashlib.sha256(local.buf[:n]).hexdigest()
+                    raise OSError(f"{path}: short read at byte {lo} of {size}")
+                h.update(local.buf[:got])
+                lo += got
+            return h.hexdigest()
 
         count = -(-size // block_bytes)
         if threads == 1 or count <= 1:

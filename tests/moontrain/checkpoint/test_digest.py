@@ -42,6 +42,13 @@ def test_block_digests_are_hashlibs_over_the_blocks(tmp_path: Path, size: int, t
     assert file_block_sha256(tmp_path / "f", block_bytes=64, threads=threads) == _reference(data, 64)
 
 
+def test_file_blocks_read_in_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(digest, "_READ_BYTES", 24)  # each 64-byte block read in 3 pieces, the last one short
+    data = random.Random(7).randbytes(1000)
+    (tmp_path / "f").write_bytes(data)
+    assert file_block_sha256(tmp_path / "f", block_bytes=64, threads=3) == _reference(data, 64)
+
+
 def test_large_updates_are_hashed_on_the_pool() -> None:
     data = random.Random(0).randbytes(3 << 20)  # over the inline limit: its 3 pieces go to the threads
     with BlockSha256(block_bytes=1 << 20, threads=4) as h:
