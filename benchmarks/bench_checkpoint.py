@@ -7,19 +7,23 @@ A synthetic train state of --gb GB on --device, shaped like a rank's share of a 
 --tensor-mb MB (masters and Adam moments, most of the bytes), bf16 tensors of an eighth of that, a few hundred
 small fp32 vectors (router biases, norms) and int64 / 0-d scalars. Each save writes
 `<dir>/rank_00000.safetensors` (default /dev/shm, where a RAM-backed save measures the copies, not a disk),
-fsyncs it and computes its sha256, as moontrain.checkpoint.save_checkpoint does:
+fsyncs it and computes its digest, as moontrain.checkpoint.save_checkpoint does (the sha256 of each 16 MiB
+block on --threads threads, moontrain.checkpoint.digest; format v1 checkpoints have one whole-file sha256):
 
 - save / whole-copy (the baseline, kept here only): every tensor copied to host memory (`.to("cpu", copy=True)`,
   pageable), safetensors.torch.save_file (which serializes the whole file in memory first), fsync, then the
   sha256 read back from the file;
 - save / stream: moontrain's write_safetensors: header, then chunks through two reused staging buffers (pinned,
-  filled on a side CUDA stream, for CUDA tensors; none for contiguous CPU tensors), each chunk hashed in a
-  thread while it is written; fsync;
-- save / stream-no-hash: the same without the sha256, to show what the hash costs;
-- load / copy: the sha256 check (as TensorSource does before reading), then each tensor read into a fresh host
-  tensor and copied into the destination tensor;
-- load / read-into: the sha256 check, then SafetensorsReader.read_into: a CPU destination is read into
-  directly, a CUDA one through two pinned buffers (the copy of one chunk overlapping the read of the next).
+  filled on a side CUDA stream, for CUDA tensors; none for contiguous CPU tensors), each chunk's blocks hashed
+  on the digest threads while it is written; fsync;
+- save / stream-sha256: the same with one whole-file sha256 (format v1), hashed on one thread;
+- save / stream-no-hash: the same without a digest, to show what the hash costs;
+- load / copy: the whole-file sha256 check (format v1), then each tensor read into a fresh host tensor and
+  copied into the destination tensor;
+- load / read-into: the block digest check (as TensorSource does before reading, blocks read and hashed on
+  the digest threads), then SafetensorsReader.read_into: a CPU destination is read into directly, a CUDA one
+  through two pinned buffers (the copy of one chunk overlapping the read of the next);
+- load / read-into-sha256: the same after a whole-file sha256 check (format v1).
 
 Loads read into the state's own tensors (zeroed first; checked afterwards against checksums taken before the
 first save). Reported: median seconds over --repeats, GB/s (1e9 bytes) and the peak extra host RSS of the
@@ -43,10 +47,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from moontrain.checkpoint import digest
+from moontrain.checkpoint.digest import BlockSha256, file_block_sha256
 from moontrain.checkpoint.safetensors_io import SafetensorsReader, write_safetensors
+from moontrain.checkpoint.store import FORMAT
 from moontrain.checkpoint.tensors import file_sha256
 
-METADATA = {"format": "pt", "moontrain": "moontrain-checkpoint-v1"}
+METADATA = {"format": "pt", "moontrain": FORMAT}
 FILE = "rank_00000.safetensors"
 
 
@@ -128,30 +135,36 @@ def save_whole_copy(state: dict[str, torch.Tensor], path: Path) -> str:
     return file_sha256(path)
 
 
-def save_stream(state: dict[str, torch.Tensor], path: Path, *, hashed: bool = True) -> str:
-    sha = hashlib.sha256() if hashed else None
-    write_safetensors(path, [(n, tuple(t.shape), t.dtype, lambda t=t: t) for n, t in state.items()],
-                      metadata=METADATA, sha256=sha)
+def save_stream(state: dict[str, torch.Tensor], path: Path, *, hashed: str = "blocks") -> str:
+    """hashed: "blocks" (the block digests, joined by commas), "sha256" (one whole-file sha256) or "" (none)."""
+    entries = [(n, tuple(t.shape), t.dtype, lambda t=t: t) for n, t in state.items()]
+    if hashed == "blocks":
+        with BlockSha256() as blocks:
+            write_safetensors(path, entries, metadata=METADATA, digest=blocks)
+        _fsync(path)
+        return ",".join(blocks.hexdigests())
+    sha = hashlib.sha256() if hashed == "sha256" else None
+    write_safetensors(path, entries, metadata=METADATA, digest=sha)
     _fsync(path)
     return sha.hexdigest() if sha is not None else ""
 
 
 def load_copy(state: dict[str, torch.Tensor], path: Path) -> str:
-    digest = file_sha256(path)
+    checksum = file_sha256(path)
     reader = SafetensorsReader(path)
     for name, t in state.items():
         t.copy_(reader.rows(name, 0, t.shape[0] if t.ndim else 0))
     reader.close()
-    return digest
+    return checksum
 
 
-def load_read_into(state: dict[str, torch.Tensor], path: Path) -> str:
-    digest = file_sha256(path)
+def load_read_into(state: dict[str, torch.Tensor], path: Path, *, blocks: bool = True) -> str:
+    checksum = ",".join(file_block_sha256(path)) if blocks else file_sha256(path)
     reader = SafetensorsReader(path)
     for name, t in state.items():
         reader.read_into(name, 0, t.shape[0] if t.ndim else 0, t)
     reader.close()
-    return digest
+    return checksum
 
 
 def measure(fn: Callable[[], str], device: torch.device, before: Callable[[], None]) -> tuple[float, float, str]:
@@ -161,10 +174,10 @@ def measure(fn: Callable[[], str], device: torch.device, before: Callable[[], No
     rss0 = _rss_kib("VmRSS")
     _reset_peak()
     t0 = time.perf_counter()
-    digest = fn()
+    result = fn()
     _sync(device)
     seconds = time.perf_counter() - t0
-    return seconds, (_rss_kib("VmHWM") - rss0) * 1024 / 1e9, digest
+    return seconds, (_rss_kib("VmHWM") - rss0) * 1024 / 1e9, result
 
 
 def main() -> None:
@@ -176,9 +189,14 @@ def main() -> None:
     parser.add_argument("--tensor-mb", type=int, default=256, help="size of the large fp32 tensors")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-baseline", action="store_true", help="leave out the whole-copy save and the copy load")
+    parser.add_argument("--threads", type=int, default=digest.THREADS,
+                        help=f"threads of the block digests (default min(8, cpus) = {digest.THREADS})")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.threads < 1:
+        raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+    digest.THREADS = args.threads
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch.cuda.is_available() is False")
     need = int(args.gb * 1e9 * 1.05) + (64 << 20)
@@ -204,8 +222,10 @@ def main() -> None:
             t.zero_()
 
     saves = {"whole-copy": save_whole_copy, "stream": save_stream,
-             "stream-no-hash": lambda s, p: save_stream(s, p, hashed=False)}
-    loads = {"copy": load_copy, "read-into": load_read_into}
+             "stream-sha256": lambda s, p: save_stream(s, p, hashed="sha256"),
+             "stream-no-hash": lambda s, p: save_stream(s, p, hashed="")}
+    loads = {"copy": load_copy, "read-into": load_read_into,
+             "read-into-sha256": lambda s, p: load_read_into(s, p, blocks=False)}
     if args.skip_baseline:
         del saves["whole-copy"], loads["copy"]
     rows = []
@@ -216,11 +236,13 @@ def main() -> None:
                 for rep in range(args.repeats):
                     if op == "load" and not path.exists():
                         save_stream(state, path)
-                    seconds, peak, digest = measure(lambda fn=fn: fn(state, path), device, before)
+                    seconds, peak, got = measure(lambda fn=fn: fn(state, path), device, before)
                     times.append(seconds)
                     peaks.append(peak)
-                    if variant == "stream" and digest != file_sha256(path):
-                        raise SystemExit("save stream: the sha256 hashed while writing is not the file's")
+                    if variant == "stream" and got != ",".join(file_block_sha256(path)):
+                        raise SystemExit("save stream: the block digests hashed while writing are not the file's")
+                    if variant == "stream-sha256" and got != file_sha256(path):
+                        raise SystemExit("save stream-sha256: the sha256 hashed while writing is not the file's")
                     print(f"  {op} {variant} repeat {rep}: {seconds:.2f} s, peak extra RSS {peak:.2f} GB",
                           file=sys.stderr, flush=True)
                     if op == "load":
@@ -235,16 +257,18 @@ def main() -> None:
     finally:
         remove()
         work.rmdir()
-    print(f"\n{args.gb} GB state on {device}, {len(state)} tensors, file in {args.dir}, median of {args.repeats}")
-    print(f"{'op':<6}{'variant':<16}{'GB':>7}{'median s':>10}{'GB/s':>8}{'peak extra RSS GB':>19}")
+    print(f"\n{args.gb} GB state on {device}, {len(state)} tensors, file in {args.dir}, median of {args.repeats}, "
+          f"{args.threads} digest threads")
+    print(f"{'op':<6}{'variant':<18}{'GB':>7}{'median s':>10}{'GB/s':>8}{'peak extra RSS GB':>19}")
     for r in rows:
-        print(f"{r['op']:<6}{r['variant']:<16}{r['gb']:>7.2f}{r['median_s']:>10.2f}{r['gb_per_s']:>8.2f}"
+        print(f"{r['op']:<6}{r['variant']:<18}{r['gb']:>7.2f}{r['median_s']:>10.2f}{r['gb_per_s']:>8.2f}"
               f"{r['peak_extra_rss_gb']:>19.2f}")
     if not peak_resettable:
         print("note: /proc/self/clear_refs could not be written: peak RSS is the process's peak so far")
     if args.out:
         info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
-                "cpus": os.cpu_count(), "torch": torch.__version__, "dir": args.dir, "gb": args.gb,
+                "cpus": os.cpu_count(), "digest_threads": args.threads, "block_bytes": digest.BLOCK_BYTES,
+                "torch": torch.__version__, "dir": args.dir, "gb": args.gb,
                 "tensor_mb": args.tensor_mb, "repeats": args.repeats, "num_tensors": len(state),
                 "date": time.strftime("%Y-%m-%d")}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -134,11 +134,12 @@ class SafetensorsReader:
 
 
 def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype, Callable[[], torch.Tensor]]],
-                      metadata: dict[str, str] | None = None, *, sha256: Any = None,
+                      metadata: dict[str, str] | None = None, *, digest: Any = None,
                       chunk_bytes: int = CHUNK_BYTES) -> int:
     """Write (name, shape, dtype, read) entries: the header from the planned shapes, then each tensor as
     `read()` returns it, streamed in chunks (see `host_chunks`), in safetensors' own order (see `save_order`).
-    `sha256`: a hashlib object fed every byte of the file, hashed in a thread while the bytes are written.
+    `digest`: fed every byte of the file in order (`digest.update(data)`, a hashlib object or a
+    digest.BlockSha256), on a side thread while the bytes are written; `data` is reused after the update returns.
     Returns the data bytes written."""
     entries = sorted(entries, key=lambda e: save_order(e[0], e[2]))
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
@@ -157,15 +158,15 @@ def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], torc
                 raise AssertionError(f"{name}: read {tuple(t.shape)} {t.dtype}, planned {shape} {dtype}")
             yield t
 
-    with path.open("wb") as fh, ThreadPoolExecutor(1) if sha256 is not None else nullcontext() as hasher:
+    with path.open("wb") as fh, ThreadPoolExecutor(1) if digest is not None else nullcontext() as hasher:
         for data in itertools.chain([memoryview(len(head).to_bytes(8, "little") + head)],
                                     host_chunks(tensors(), chunk_bytes)):
             hashed = None
-            if sha256 is not None:
+            if digest is not None:
                 if len(data) < _HASH_INLINE_BYTES:
-                    sha256.update(data)
+                    digest.update(data)
                 else:  # hashlib releases the GIL: hashing a chunk overlaps writing it
-                    hashed = hasher.submit(sha256.update, data)
+                    hashed = hasher.submit(digest.update, data)
             fh.write(data)
             if hashed is not None:
                 hashed.result()

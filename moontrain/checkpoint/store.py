@@ -7,14 +7,15 @@ A checkpoint is a directory `<dir>/step_<step:08d>/`:
                                rng.rank<r>.cpu / .cuda
     train_state.json           step, tokens seen, LR schedule, optimizer hyperparameters, the layout it
                                was saved at, the model config, the wandb run id, per-rank data position
-    manifest.json              written last: every file with its size and sha256, every tensor's
-                               canonical shape and the (file, offset, rows) pieces that hold it
+    manifest.json              written last: every file with its size and digest (a rank file: the sha256
+                               of each of its blocks, see digest.py; train_state.json: one sha256), every
+                               tensor's canonical shape and the (file, offset, rows) pieces that hold it
 
 Saving streams: each rank writes its tensors straight from the model and optimizer into its file, chunk by
-chunk through reused staging buffers (safetensors_io.write_safetensors), hashing the bytes (sha256, in a
-thread) while they are written; its extra host memory is the staging buffers, not the state. The sha256
-(one core, ~1.3-2 GB/s with SHA-NI) bounds a rank's save throughput; ranks save in parallel. A save longer
-than REPORT_AFTER_S prints its size, time and GB/s on rank 0.
+chunk through reused staging buffers (safetensors_io.write_safetensors), hashing the bytes (the sha256 of
+each 16 MiB block, on up to digest.THREADS threads) while they are written; its extra host memory is the
+staging buffers, not the state. Ranks save in parallel. A save longer than REPORT_AFTER_S prints its size,
+time and GB/s on rank 0.
 
 Atomicity: every rank writes into `step_<step>.tmp/` and fsyncs its file; after a barrier rank 0 writes
 train_state.json and manifest.json, fsyncs them and the directory, renames it to `step_<step>` and
@@ -22,8 +23,9 @@ fsyncs the parent. A directory is a checkpoint only when it has that name and it
 killed at any point leaves at most a `.tmp` directory, which is ignored and removed by the next save.
 All ranks must see one shared filesystem.
 
-Loading verifies every file it reads against the manifest (size and sha256), so a missing or damaged
-file is reported by name, then reads each tensor's rows straight into the model / optimizer tensor.
+Loading verifies every file it reads against the manifest (size, then its block digests on several
+threads, or its one sha256 for a checkpoint of format v1), so a missing or damaged file is reported by
+name before any of its values is read, then reads each tensor's rows straight into the model / optimizer tensor.
 Parameters and optimizer moments are read as canonical rows, so the EP and DP degree may differ from the
 save. RNG states are restored when the world size is unchanged (rank r gets rank r's); the data position
 is restored by the data source (exactly at the same world size).
@@ -43,8 +45,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from moontrain.checkpoint.digest import BlockSha256
 from moontrain.checkpoint.safetensors_io import CHUNK_BYTES, write_safetensors
 from moontrain.checkpoint.tensors import (
+    RESTORE,
     CheckpointError,
     Ownership,
     Piece,
@@ -59,7 +63,8 @@ from moontrain.optim.config import OptimConfig
 if TYPE_CHECKING:
     from moontrain.checkpoint.state import TrainState
 
-FORMAT = "moontrain-checkpoint-v1"
+FORMAT = "moontrain-checkpoint-v2"  # v2: rank files carry block digests (digest.py); v1: one sha256 per file
+READABLE_FORMATS = ("moontrain-checkpoint-v1", FORMAT)
 MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.json"
 _PREFIX = "step_"
@@ -87,19 +92,20 @@ def save_checkpoint(run: TrainState, root: str | Path, *, keep_last: int) -> Pat
     tensors, pieces = _collect_tensors(run)
     finite = _all_finite(tensors.values())
     file = f"rank_{layout.rank:05d}.safetensors"
-    sha256 = hashlib.sha256()
-    write_safetensors(tmp / file, [(name, tuple(t.shape), t.dtype, lambda t=t: t) for name, t in tensors.items()],
-                      metadata={"format": "pt", "moontrain": FORMAT}, sha256=sha256)
+    with BlockSha256() as digest:
+        write_safetensors(tmp / file, [(name, tuple(t.shape), t.dtype, lambda t=t: t) for name, t in tensors.items()],
+                          metadata={"format": "pt", "moontrain": FORMAT}, digest=digest)
     del tensors
     _fsync_file(tmp / file)
-    entry = {"file": file, "bytes": (tmp / file).stat().st_size, "sha256": sha256.hexdigest(),
+    entry = {"file": file, "digest": {"bytes": (tmp / file).stat().st_size, "block_bytes": digest.block_bytes,
+                                      "block_sha256": digest.hexdigests()},
              "pieces": pieces, "rank_state": {"data": run.data.state_dict()}, "finite": finite}
     entries = _gather(run, entry)
     if layout.rank == 0:
         state = _train_state(run, [e["rank_state"] for e in entries])
         state_bytes = json.dumps(state, indent=1).encode()
         _write_durable(tmp / TRAIN_STATE, state_bytes)
-        files = {e["file"]: {"bytes": e["bytes"], "sha256": e["sha256"]} for e in entries}
+        files = {e["file"]: e["digest"] for e in entries}
         files[TRAIN_STATE] = {"bytes": len(state_bytes), "sha256": hashlib.sha256(state_bytes).hexdigest()}
         index: dict[str, dict[str, Any]] = {}
         for e in entries:
@@ -221,9 +227,9 @@ def open_checkpoint(path: str | Path) -> tuple[dict[str, Any], TensorSource]:
         manifest = json.loads(manifest_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"checkpoint file {manifest_path} is corrupt: {err}") from err
-    if manifest.get("format") != FORMAT:
+    if manifest.get("format") not in READABLE_FORMATS:
         raise CheckpointError(f"checkpoint file {manifest_path} has format {manifest.get('format')!r}, "
-                              f"expected {FORMAT!r}")
+                              f"expected one of {READABLE_FORMATS}")
     index = {name: (tuple(e["shape"]), [Piece(f, o, r) for f, o, r in e["pieces"]])
              for name, e in manifest["tensors"].items()}
     source = TensorSource(path, index, expected=manifest["files"])
@@ -232,7 +238,8 @@ def open_checkpoint(path: str | Path) -> tuple[dict[str, Any], TensorSource]:
         raise CheckpointError(f"checkpoint file {state_path} is missing")
     raw = state_path.read_bytes()
     if hashlib.sha256(raw).hexdigest() != manifest["files"][TRAIN_STATE]["sha256"]:
-        raise CheckpointError(f"checkpoint file {state_path} is corrupt: its sha256 differs from the manifest")
+        raise CheckpointError(f"checkpoint file {state_path} is corrupt: its sha256 differs from the manifest; "
+                              f"{RESTORE}")
     return json.loads(raw), source
 
 

@@ -27,12 +27,17 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
+from moontrain.checkpoint.digest import first_bad_block
 from moontrain.checkpoint.safetensors_io import SafetensorsReader
 from moontrain.parallel.layout import ParallelLayout
 
 
 class CheckpointError(ValueError):
     """A checkpoint (or exported model) that cannot be used; the message names the file."""
+
+
+RESTORE = ("restore the file from a copy of this checkpoint, or load an earlier checkpoint "
+           "(checkpoint.resume=<its directory>)")
 
 
 def dim0_rows(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -104,8 +109,9 @@ class Piece:
 class TensorSource:
     """Row ranges of canonical tensors spread over safetensors files of one directory.
 
-    index: name -> (global shape, pieces). Files are checked against `expected` (bytes, sha256) on
-    first use, so a missing, truncated or altered file is reported by name before any value is read.
+    index: name -> (global shape, pieces). Files are checked against `expected` (the manifest's entries:
+    bytes, and block_bytes with block_sha256 or one whole-file sha256) on first use, so a missing, truncated
+    or altered file is reported by name before any value is read.
     """
 
     def __init__(self, root: Path, index: dict[str, tuple[tuple[int, ...], list[Piece]]],
@@ -170,10 +176,22 @@ class TensorSource:
                 if size != want["bytes"]:
                     raise CheckpointError(f"checkpoint file {path} is corrupt: {size} bytes, the manifest says "
                                           f"{want['bytes']}")
-                if file_sha256(path) != want["sha256"]:
-                    raise CheckpointError(f"checkpoint file {path} is corrupt: its sha256 differs from the manifest")
+                _verify(path, want)
             try:
                 self._open[file] = SafetensorsReader(path)
             except (OSError, ValueError, KeyError, TypeError) as err:
                 raise CheckpointError(f"checkpoint file {path} is not a readable safetensors file: {err}") from err
         return self._open[file]
+
+
+def _verify(path: Path, want: dict) -> None:
+    """Check a file against its manifest entry: its block digests (on several threads), or one sha256."""
+    if "block_sha256" in want:
+        bad = first_bad_block(path, want["block_sha256"], want["block_bytes"])
+        if bad is not None:
+            lo = bad * want["block_bytes"]
+            raise CheckpointError(f"checkpoint file {path} is corrupt: block {bad} (bytes [{lo}, "
+                                  f"{min(lo + want['block_bytes'], want['bytes'])})) differs from the manifest's "
+                                  f"sha256; {RESTORE}")
+    elif file_sha256(path) != want["sha256"]:
+        raise CheckpointError(f"checkpoint file {path} is corrupt: its sha256 differs from the manifest; {RESTORE}")

@@ -75,7 +75,7 @@ def test_streamed_file_is_save_files_bytes(tmp_path: Path, chunk_bytes: int) -> 
     state = _state()
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
     sha = hashlib.sha256()
-    data_bytes = write_safetensors(tmp_path / "ours.safetensors", _entries(state), sha256=sha, chunk_bytes=chunk_bytes)
+    data_bytes = write_safetensors(tmp_path / "ours.safetensors", _entries(state), digest=sha, chunk_bytes=chunk_bytes)
     ref, ours = (tmp_path / "ref.safetensors").read_bytes(), (tmp_path / "ours.safetensors").read_bytes()
     assert ours == ref, _first_mismatch(ours, ref)
     assert sha.hexdigest() == hashlib.sha256(ours).hexdigest()
@@ -183,8 +183,14 @@ def test_save_reports_size_time_and_throughput(tmp_path: Path, capsys: pytest.Ca
     total = sum(f.stat().st_size for f in ckpt.iterdir() if f.name != store.MANIFEST)
     assert match.group(1) == f"{total / 1e9:.1f}"
     manifest = json.loads((ckpt / store.MANIFEST).read_text())
-    for file, entry in manifest["files"].items():  # the sha256 hashed while writing is the file's
-        assert entry["sha256"] == hashlib.sha256((ckpt / file).read_bytes()).hexdigest(), file
+    for file, entry in manifest["files"].items():  # the digests hashed while writing are the file's
+        data = (ckpt / file).read_bytes()
+        if file == store.TRAIN_STATE:
+            assert entry["sha256"] == hashlib.sha256(data).hexdigest(), file
+        else:
+            block = entry["block_bytes"]
+            assert entry["block_sha256"] == [hashlib.sha256(data[lo:lo + block]).hexdigest()
+                                             for lo in range(0, len(data), block)], file
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -196,7 +202,7 @@ def test_cuda_state_through_pinned_staging(tmp_path: Path) -> None:
     save_file({k: v.cpu().contiguous() for k, v in state.items()}, str(tmp_path / "ref.safetensors"),
               metadata={"format": "pt"})
     sha = hashlib.sha256()
-    write_safetensors(tmp_path / "ours.safetensors", _entries(state), sha256=sha, chunk_bytes=1 << 20)
+    write_safetensors(tmp_path / "ours.safetensors", _entries(state), digest=sha, chunk_bytes=1 << 20)
     ref, ours = (tmp_path / "ref.safetensors").read_bytes(), (tmp_path / "ours.safetensors").read_bytes()
     assert ours == ref, _first_mismatch(ours, ref)
     assert sha.hexdigest() == hashlib.sha256(ours).hexdigest()
