@@ -16,7 +16,6 @@ median optimizer time and its share of the step, the clip's time, and the step t
 from __future__ import annotations
 
 import argparse
-import os
 import dataclasses
 import json
 import statistics
@@ -135,10 +134,8 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():  # one rank, as `moontrain launch --nproc 1` runs it
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29531")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1, device_id=device if device.type == "cuda" else None)
     base = from_dict(RunConfig, load_recipe(args.recipe, [*args.overrides, "metrics.wandb=false",
                                                           "checkpoint.save_final=false", "train.log_every=1000000"]))
     result = {"recipe": args.recipe, "overrides": args.overrides, "device": str(device),

@@ -59,14 +59,16 @@ def _torchrun_preexec() -> None:
 
 
 def child_pids(pid: int) -> list[int]:
-    """The direct children of `pid`: /proc/<pid>/task/*/children (which lists a thread's children and may
-    miss some while they change) united with a scan of every process's parent pid in /proc/*/stat."""
+    """The direct children of `pid`: /proc/<pid>/task/*/children, or, where the kernel has no such file
+    (CONFIG_PROC_CHILDREN off) or it lists none, a scan of every process's parent pid in /proc/*/stat."""
     out: set[int] = set()
     for children in Path(f"/proc/{pid}/task").glob("*/children"):
         try:
             out.update(int(c) for c in children.read_text().split())
         except (OSError, ValueError):
             continue
+    if out:
+        return sorted(out)
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:

@@ -9,13 +9,10 @@ difference is the strategy's: losses, grad norms and every state tensor must be 
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from moontrain.config import RunConfig, from_dict
 from moontrain.model.kda import fla_available
@@ -23,27 +20,11 @@ from moontrain.parallel.layout import build_layout
 from moontrain.trainer.trainer import Trainer
 from tests.moontrain.ckpt_utils import assert_bitwise, full_state
 from tests.moontrain.trainer.test_determinism import restore_switches  # noqa: F401 (fixture)
+from tests.moontrain.trainer.test_determinism_gpu import one_rank  # noqa: F401 (fixture: a one-rank NCCL group)
 
 pytestmark = pytest.mark.gpu
 
 CUDA = torch.device("cuda", 0)
-
-
-@pytest.fixture(scope="module")
-def one_rank() -> Iterator[None]:
-    """This process as a one-rank NCCL group (FSDP and moonep need a process group)."""
-    if dist.is_initialized():
-        if dist.get_world_size() != 1:
-            pytest.skip("a one-GPU test")
-        yield
-        return
-    torch.cuda.set_device(0)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, device_id=CUDA)
-    yield
-    dist.destroy_process_group()
 
 
 def _config(dense: str, optim: str, run_dir: Path) -> RunConfig:
@@ -81,8 +62,8 @@ def _run(dense: str, optim: str, run_dir: Path) -> tuple[dict[str, list[float]],
 
 
 @pytest.mark.parametrize("optim", ["adamw", "muon"])
-def test_plain_equals_fsdp_compiled_on_one_gpu(optim: str, tmp_path: Path, one_rank: None,
-                                               restore_switches: None) -> None:  # noqa: F811
+@pytest.mark.usefixtures("one_rank", "restore_switches")
+def test_plain_equals_fsdp_compiled_on_one_gpu(optim: str, tmp_path: Path) -> None:
     f_log, f_state = _run("fsdp", optim, tmp_path)
     p_log, p_state = _run("plain", optim, tmp_path)
     assert min(f_log["grad_norm"]) > 0.05, f"clipping must be active (grad_clip 0.05): {f_log}"
