@@ -74,8 +74,8 @@ for step in "${steps[@]}"; do
     mfu)   # issue 23's one-GPU point: k3_small_moe's widths with 64 experts (dry run: 97.5 GiB at EP = 1), 131k tokens per step
            for d in fsdp plain; do
              timeout "${MFU_TIMEOUT:-400}" torchrun --nproc_per_node=1 benchmarks/bench_train.py --recipe recipes/k3_small_moe.yaml \
-               --backends moonep --targets 0.2 --steps 3 --warmup 2 --tag "k3_small_moe_E64_R1_$d" --out "$out" --profile moonep \
-               parallel.ep=1 model.num_experts=64 parallel.dense=$d ${MFU_ARGS:-} > "$out/mfu_$d.log" 2>&1
+               --backends moonep --targets 0.2 --steps 3 --warmup 2 --tag "k3_small_moe_E64_R1_$d" --out "$out" \
+               parallel.ep=1 model.num_experts=64 parallel.dense=$d ${MFU_ARGS:-} --profile moonep > "$out/mfu_$d.log" 2>&1
              echo "mfu dense=$d rc=$?"; grep -v "^\[rank" "$out/mfu_$d.log" | tail -4
            done ;;
     *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, kda, optim, determinism, ckpt, dense, mfu)"; exit 2 ;;
