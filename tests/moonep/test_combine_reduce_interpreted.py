@@ -9,7 +9,9 @@ Checks, on 1 and 2 gloo ranks over the CPU heap:
 - the Triton kernels == the PyTorch path (bitwise) for both settings: plain rows, row scalars,
   route weights folded in (row_weights), two row tensors added (add_rows), and the refresh branch
   (a plan that is not the last dispatch's);
-- "destination" against "source" within the bound `_order_bound` derives; at R = 1 bit for bit.
+- "destination" against "source" (fed each row's value rounded once, as the old path with a
+  separate route-weight scale and dgrad add does) within the bound `_order_bound` derives; at R = 1
+  and plain rows bit for bit.
 
 The interpreter casts fp32 -> bf16 by truncation where the GPU rounds to nearest even; this module
 makes it round (`_cast_rtne`), so the bits compare as on the GPU.
@@ -82,34 +84,40 @@ def _naive(rank: int, world: int, plans_R: list, vals_R: list[torch.Tensor], sca
     return y, scal
 
 
-def _order_bound(plan, vals_R: list[torch.Tensor]) -> torch.Tensor:
-    """Bound on |y_destination - y_source| per element (float64).
+def _order_bound(plan, vals_R: list[torch.Tensor], src_vals_R: list[torch.Tensor]) -> torch.Tensor:
+    """Bound on |y_destination - y_source| per element (float64), where "destination" sums the fp32
+    row values vals_R and "source" the values src_vals_R (the same, or the old path's per-row bf16
+    roundings of them: o * w rounded before combine, the two dgrad halves added in bf16).
 
-    Let v_k be the K fp32 row values of a token, P_j the fp32 sums of those on rank j (its partials)
-    and X = sum_k v_k exactly. "source" returns round(S_s), "destination" round(S_d) with S_s an fp32
-    sum of the v_k and S_d an fp32 sum of round(P_j). Rounding to bf16 moves a value x by at most
-    u|x|, u = 2^-8; an fp32 sum of n terms differs from the exact sum by at most (n-1) 2^-24 sum|terms|.
-    Hence |round(P_j) - P_j| <= u|P_j|, |S_s - X| <= K 2^-24 sum|v_k|, and |S_d - X| <= sum_j u|P_j|
-    + K 2^-24 (sum|v_k| + sum_j |P_j|) (the partials' own fp32 error included), so
-      |y_d - y_s| <= |S_d - S_s| + u (|S_d| + |S_s|)
-                  <= sum_j u|P_j| + 2 K 2^-24 (sum|v_k| + sum_j|P_j|) (1 + u) + 2u (|X| + that).
+    For one token let v_k be the K fp32 values "destination" sums, P_j their fp32 sums on rank j (its
+    partials), X_d = sum_k v_k and X_s = sum_k v'_k exactly (v' the values "source" sums). "source"
+    returns round(S_s), "destination" round(S_d), S_s an fp32 sum of the v'_k, S_d one of round(P_j).
+    Rounding to bf16 moves x by at most u|x|, u = 2^-8; an fp32 sum of n terms is within
+    (n - 1) 2^-24 sum|terms| of the exact sum (a partial's own fp32 sum included: n <= K). So
+      |S_d - X_d| <= D = sum_j u|P_j| + K 2^-24 (sum_k|v_k| + sum_j|P_j|) (1 + u),
+      |S_s - X_s| <= C = K 2^-24 sum_k|v'_k|,
+      |y_d - y_s| <= D + |X_d - X_s| + C + u (|X_d| + D + |X_s| + C),
+    with |X_d - X_s| computed exactly in float64 (0 when the values are the same).
     """
     u, e = 2.0**-8, 2.0**-24
     s = plan.num_tokens
     bound = torch.zeros(s, H, dtype=torch.float64)
     for t in range(s):
         parts: dict[int, torch.Tensor] = {}
-        abs_v = torch.zeros(H, dtype=torch.float64)
-        exact = torch.zeros(H, dtype=torch.float64)
+        abs_v, abs_src = torch.zeros(H, dtype=torch.float64), torch.zeros(H, dtype=torch.float64)
+        x_d, x_s = torch.zeros(H, dtype=torch.float64), torch.zeros(H, dtype=torch.float64)
         for k in range(K):
             d, row = int(plan.dst_rank_sK[t, k]), int(plan.dst_row_sK[t, k])
-            v = vals_R[d][row].double()
+            v, v_src = vals_R[d][row].double(), src_vals_R[d][row].double()
             parts[d] = parts.get(d, torch.zeros(H, dtype=torch.float64)) + v
             abs_v += v.abs()
-            exact += v
+            abs_src += v_src.abs()
+            x_d += v
+            x_s += v_src
         abs_p = sum(p.abs() for p in parts.values())
-        sum_err = 2 * K * e * (abs_v + abs_p) * (1 + u)
-        bound[t] = u * abs_p + sum_err + 2 * u * (exact.abs() + u * abs_p + sum_err)
+        dest_err = u * abs_p + K * e * (abs_v + abs_p) * (1 + u)
+        src_err = K * e * abs_src
+        bound[t] = dest_err + (x_d - x_s).abs() + src_err + u * (x_d.abs() + dest_err + x_s.abs() + src_err)
     return bound
 
 
@@ -188,11 +196,18 @@ def _combine_rank(rank: int, world: int) -> list[str]:
                         if with_scal:
                             errors.append(_mismatch(f"case {case} naive scalars {name}", out["scal"], want_sc))
                     errors.append(_mismatch(f"case {case} naive y_stale", out["y_stale"], out["y"]))
-                    bound = _order_bound(plan, [v.float() for v in y_R])
+                    # against "source" fed as the old path feeds it: each row's value rounded once
+                    for name, vals_R in (
+                            ("y", [v.float() for v in y_R]),
+                            ("y_w", [row_values(v, wt, None) for v, wt in zip(y_R, wt_R, strict=True)]),
+                            ("y_add", [row_values(v, wt, a) for v, wt, a in zip(y_R, wt_R, add_R, strict=True)])):
+                        src_vals_R = [v.to(torch.bfloat16).float() for v in vals_R]
+                        bound = _order_bound(plan, vals_R, src_vals_R)
+                        diff = (out[name].double() - outs["torch", "source"][name].double()).abs()
+                        if not bool((diff <= bound).all()):
+                            errors.append(f"case {case} {name}: destination vs source {float((diff - bound).max())} "
+                                          "past the bound")
                     y_source = outs["torch", "source"]["y"]
-                    diff = (out["y"].double() - y_source.double()).abs()
-                    if not bool((diff <= bound).all()):
-                        errors.append(f"case {case}: destination vs source {float((diff - bound).max())} past the bound")
                     if world == 1:  # one rank: one partial per token, the source's order exactly
                         errors.append(_mismatch(f"case {case} R=1 destination == source", out["y"], y_source))
             for reduce in ("source", "destination"):
