@@ -284,18 +284,18 @@ def _reduce_kernel(land_ptr, sent_ptr, out_ptr, s, H, land_row_stride, out_strid
     t_ok = t < s
     m = t_ok[:, None] & (hh < H)[None, :]
     first = land_ptr + (t * K)[:, None] * land_row_stride + hh[None, :]
-    acc = tl.load(first, mask=m, other=0.0).to(tl.float32)
-    if FIRST_ONLY:  # the partial rows: landing rows of each token's first entry per rank (sent_sK)
+    if FIRST_ONLY:  # the partial rows: landing rows of each token's first entry per rank (sent_sK), only those read
         have = tl.load(sent_ptr + t * K, mask=t_ok, other=0) != 0
-        acc = tl.where(have[:, None], acc, 0.0)
-    for k in tl.static_range(1, K):  # ascending k, one fp32 add each: the PyTorch path's order
-        v = tl.load(first + k * land_row_stride, mask=m, other=0.0).to(tl.float32)
-        if FIRST_ONLY:
+        acc = tl.load(first, mask=m & have[:, None], other=0.0).to(tl.float32)
+        for k in tl.static_range(1, K):  # ascending k, the first partial taken as is, then one fp32 add each
             p = tl.load(sent_ptr + t * K + k, mask=t_ok, other=0) != 0
+            v = tl.load(first + k * land_row_stride, mask=m & p[:, None], other=0.0).to(tl.float32)
             acc = tl.where((p & have)[:, None], acc + v, tl.where(p[:, None], v, acc))
             have = have | p
-        else:
-            acc += v
+    else:
+        acc = tl.load(first, mask=m, other=0.0).to(tl.float32)
+        for k in tl.static_range(1, K):  # ascending k, one fp32 add each: the PyTorch path's order
+            acc += tl.load(first + k * land_row_stride, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + t[:, None] * out_stride + hh[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
