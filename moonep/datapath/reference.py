@@ -26,6 +26,17 @@ combine
        ascending k; optional per-row scalars (route-weight grads) likewise; an absent entry (entries
        mode, BufferConfig.entries) points at the trash row and adds zero (its scalar is 0)
     4. barrier "combine:done" so the comb region may be rewritten
+combine, BufferOptions.combine_reduce "destination" (push-style, through the land region)
+    0. when `plan` is not the last dispatch's: barrier "combine:enter", row_src rewritten for
+       `plan`, barrier "combine:meta" (as the triton path)
+    1. each destination sums, per (source rank, token), the fp32 values of the token's rows it
+       holds in ascending k (the first taken as is, then one add per row), rounds once and writes
+       that row into the source's landing row of the first of those entries; every row's scalar
+       into its entry's slot
+    2. barrier "combine:rows"
+    3. each source sums its partial rows (the entries with sent_sK) in fp32 in ascending k, one
+       rounding; an absent entry has no row and a scalar 0
+    4. barrier "combine:done"
 
 Legend: s tokens, K top-k, H hidden, E experts, R ranks, B slots, epn = E / R, nvs_s rows of this
 call, I/O an expert matrix's in/out features, G groups.

@@ -12,7 +12,9 @@ captured in a CUDA graph):
 dispatch
     1. `_scatter_kernel` (this rank as sender), persistent grid over blocks of BLOCK_T tokens:
        the metadata of every entry (t, k) -> (row_copy, row_src) as one 8-byte record and
-       row_weight, of its destination row; each token row x[t] is loaded once per H chunk and stored once per destination rank
+       row_weight, of its destination row (with combine_reduce "destination" also row_chain:
+       2 * (row of the token's next entry on the same rank, or -1) + (1 on the token's first entry
+       there), the next same-rank k found among the token's K entries in the tile); each token row x[t] is loaded once per H chunk and stored once per destination rank
        (the entries with sent_sK), straight into the destination's recv row.
     2. barrier "dispatch:rows" (the scatter's threads end with fence.sc.sys; see below).
     3. `_expand_kernel` (this rank as receiver), local: finds each row's group by a binary search
@@ -20,10 +22,10 @@ dispatch
        them, and copies duplicate rows (row_copy != row) from their primary row. Primary rows are
        never touched, so the kernel has no dependency between programs. The PyTorch path copies
        every row through index_select; this touches only duplicates and padding.
-combine (push; y rows already carry the route weights)
+combine (push; a row's value is y, or y (+ add_rows) (* row_weights) in fp32 when given)
     0. only when `plan` is not the plan of the last dispatch on this buffer (row_src then describes
-       other rows): barrier "combine:enter", `_scatter_kernel` with ROWS=False rewrites row_src on
-       the destinations, `_expand_kernel` with COPY=False sets row_src = -1 on the own padding
+       other rows): barrier "combine:enter", `_scatter_kernel` with ROWS=False rewrites row_src (and
+       row_chain with "destination") on the destinations, `_expand_kernel` with COPY=False sets row_src = -1 on the own padding
        rows (nothing else: the last dispatch's rows and weights stay as the PyTorch path leaves
        them), barrier "combine:meta". Buffer takes this branch on every rank alike (same call sequence).
     1. `_push_kernel` (this rank as destination), persistent grid over row blocks: each row with
@@ -31,10 +33,16 @@ combine (push; y rows already carry the route weights)
        land[src_rank, t * K + k] (and its row scalar into land_scalar). Each entry has its own
        row, so every landing row is written exactly once and without a race. The landing region
        is free: its last reader finished before the previous "combine:done".
+       combine_reduce "destination": only rows with the chain's first-entry bit are stored, each
+       carrying the fp32 sum of its own value and those of the rows down its chain (ascending k,
+       one add each), rounded once, in the landing row of that first entry; every row still
+       stores its scalar. One row per (token, destination rank) crosses instead of one per entry.
     2. barrier "combine:rows".
     3. `_reduce_kernel` (this rank as source), local: y[t] = sum_k land[t*K + k] in fp32 in
        ascending k (a separate add per k, no reassociation), one rounding to the output dtype: the
-       PyTorch path's arithmetic exactly, hence bitwise equal.
+       PyTorch path's arithmetic exactly, hence bitwise equal. "destination": the sum runs over the
+       k with sent_sK[t, k] only (the partial rows; the first taken as is), ascending k, one
+       rounding, as the PyTorch path (moonep.datapath.reference, `_combine_destination`).
     4. barrier "combine:done": no peer pushes the next combine into land while it is read.
 
 Why push: SM stores to a peer saturate NVLink with ~24 CTAs (~370 GB/s per direction), while plain
@@ -64,9 +72,7 @@ way in the same run; at maxvio 0 only 59 MB cross (round-robin routing: each tok
 on one rank) in 186-187 us, 314-316 GB/s (83.1 / 83.5 %). A 32768-element tile gives the same as
 16384.
 
-Rejected: a pull combine with plain loads (latency-bound, see above); reducing a token's duplicate
-rows on the destination before sending (fewer NVLink bytes but another fp32 add order, so not
-bitwise equal to the specification); copy-engine copies per row (one launch or one descriptor per
+Rejected: a pull combine with plain loads (latency-bound, see above); copy-engine copies per row (one launch or one descriptor per
 row, tens of thousands per call); folding the receiver's padding marks into the scatter (they need
 each row's group, cheap to find only on the receiver, and the scatter has no barrier before it).
 Also rejected, measured on 2xH200 or one H200: writing a token's duplicates on the sender's own
