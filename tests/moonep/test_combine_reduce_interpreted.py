@@ -249,6 +249,15 @@ def _entries_rank(rank: int, world: int) -> list[str]:
         want_y, want_sc = _naive(rank, world, [plan if d == rank else None for d in range(world)],
                                  [v.float() for v in y_R], sc_R, buf.layout.trash_row)
         errors += [_mismatch("entries y", y, want_y), _mismatch("entries scalars", scal, want_sc)]
+        # the new inputs are checked like the others (every rank alike, before anything moves)
+        for kwargs, match in (({"row_weights": torch.ones(n, dtype=torch.bfloat16)}, "row_weights has dtype"),
+                              ({"add_rows": y_R[rank][:-1]}, "add_rows has shape")):
+            try:
+                buf.combine(plan, y_R[rank], **kwargs)
+                errors.append(f"{match}: accepted")
+            except ValueError as err:
+                if match not in str(err):
+                    errors.append(f"{match}: {err}")
     return [e for e in errors if e is not None]
 
 
