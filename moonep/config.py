@@ -42,7 +42,7 @@ class BufferOptions:
         rank first sums, per (source rank, token), the rows of the token's entries it holds in fp32 in
         ascending k (one add per entry), rounds once to the rows' dtype and sends that one row; the
         source sums those partial rows in fp32 in ascending k of each partial's first entry, one
-        rounding (one extra rounding per partial; at R = 1 the result is "source"'s bit for bit).
+        rounding (one extra rounding per partial; at R = 1, for the same row values, "source"'s bits).
         Fewer bytes cross the links (one row per token and destination rank instead of K). It also
         turns on the fused combine inputs of moonep.expert_glu (route weights and the two dgrad
         halves summed in fp32 inside combine, Buffer.combine's row_weights / add_rows).
