@@ -21,7 +21,11 @@ rank-level max/mean received rows, logical GB/s = s*K*H*2/t, bytes that crossed 
 memory, and the shapes moonep returned (identical across points for a fixed s).
 --placement concentrated renumbers the experts by popularity so the hot ones share home rank 0 (the
 case bench_train uses). --kernels picks the moonep data path (BufferOptions.kernels: torch, triton or auto), --num-sms the
-grid of its persistent kernels.
+grid of its persistent kernels. --combine-reduce runs every point once per BufferOptions.combine_reduce
+value ("source", "destination": a token's rows summed per destination rank before they travel); its
+extra ops are the combines as moonep.expert_glu issues them: forward with the route-weight scale
+(source: scale_rows into combine_input, then combine; destination: combine with row_weights) and
+backward with the two dgrad halves (source: add_, then combine; destination: combine with add_rows).
 Writes benchmarks/results/bench_comm_R<R>_<tag>.json and prints a table.
 """
 
@@ -169,6 +173,18 @@ def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, po
         m["prefetch"] = timed(lambda: pools.prefetch(plan, layer), it, wu, group)
     m["combine_fwd"] = timed(lambda: buf.combine(plan, y_rows), it, wu, group)
     m["dispatch_bwd"] = timed(lambda: buf.combine(plan, grad_rows, row_scalars=grad_scal), it, wu, group)
+    # the combines as moonep.expert_glu issues them (route-weight scale forward, dgrad halves backward)
+    # (inputs reuse grad_rows and the combine_input rows: no extra memory in the point's peak)
+    o_rows, w_rows, up_rows = grad_rows, res.weights_rows.clone(), y_rows
+    if buf.config.options.combine_reduce == "destination":
+        m["combine_layer_fwd"] = timed(lambda: buf.combine(plan, o_rows, row_weights=w_rows), it, wu, group)
+        m["combine_layer_bwd"] = timed(lambda: buf.combine(plan, grad_rows, row_scalars=grad_scal, add_rows=up_rows),
+                                       it, wu, group)
+    else:
+        m["combine_layer_fwd"] = timed(lambda: (buf.path.scale_rows(o_rows, w_rows, y_rows), buf.combine(plan, y_rows)),
+                                       it, wu, group)
+        m["combine_layer_bwd"] = timed(lambda: buf.combine(plan, o_rows.add_(up_rows), row_scalars=grad_scal),
+                                       it, wu, group)
     m["combine_bwd"] = timed(lambda: buf.dispatch(grad_y, plan=plan), it, wu, group)
     if pools is not None:
         m["reduce_grad"] = timed(lambda: pools.reduce_grad(plan, layer), it, wu, group)
@@ -176,6 +192,9 @@ def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, po
     shapes["y_sH"] = list(y_sH.shape)
     remote = (plan.dst_rank_sK != rank) & plan.sent_sK
     sent_bytes = int(remote.sum()) * H * 2
+    # combine sends every remote entry's row ("source") or one row per token and remote rank ("destination")
+    back = remote if buf.config.options.combine_reduce == "destination" else plan.dst_rank_sK != rank
+    combine_bytes = int(back.sum()) * H * 2
     peer_bw = peer_copy_GBps(buf, x, it, wu, group)
     rows_R = plan.alloc_ER.sum(0).float()
     slot_copies = int((plan.slot_expert_RB >= 0).sum())
@@ -183,6 +202,7 @@ def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, po
     moonep_out.update(
         rank_load_max_over_mean=float(rows_R.max() / rows_R.mean()),
         nvlink_dispatch_bytes=max_over_ranks(sent_bytes, group),
+        nvlink_combine_bytes=max_over_ranks(combine_bytes, group),
         dispatch_logical_GBps=S * K * H * 2 / (m["dispatch_only"] * 1e-6) / 1e9,
         combine_logical_GBps=S * K * H * 2 / (m["combine_fwd"] * 1e-6) / 1e9,
         dispatch_nvlink_GBps=max_over_ranks(sent_bytes, group) / (m["dispatch_only"] * 1e-6) / 1e9,
@@ -284,6 +304,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-sms", type=int, default=None, help="grid of moonep's persistent kernels (None: all SMs)")
     p.add_argument("--scatter-tile", type=int, default=BufferOptions().scatter_tile,
                    help="BufferOptions.scatter_tile: elements per scatter tile, a power of two")
+    p.add_argument("--combine-reduce", nargs="+", default=["source"], choices=["source", "destination"],
+                   help="BufferOptions.combine_reduce values; each point runs once per value")
     p.add_argument("--show", metavar="JSON", help="print the table of a saved result and exit (no GPU needed)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the points and each rank's memory for them, and exit (no GPU needed)")
@@ -300,10 +322,11 @@ def main(argv: list[str] | None = None) -> None:
     group = dist.group.WORLD
     rank, R = dist.get_rank(), dist.get_world_size()
     results = []
-    for E in args.experts:
+    for E, reduce in [(E, reduce) for E in args.experts for reduce in args.combine_reduce]:
         cfg = BufferConfig(max_tokens=args.tokens, hidden=args.hidden, topk=args.topk, num_experts=E,
                            options=BufferOptions(check_values=False, timeout_s=60.0, kernels=args.kernels,
-                                                 num_sms=args.num_sms, scatter_tile=args.scatter_tile))
+                                                 num_sms=args.num_sms, scatter_tile=args.scatter_tile,
+                                                 combine_reduce=reduce))
         buf = Buffer(cfg, group)
         pools, layer = None, None
         if args.pools:
@@ -315,10 +338,11 @@ def main(argv: list[str] | None = None) -> None:
         for target in args.maxvio:
             t0 = time.time()
             point = bench_point(args, E, target, buf, pools, layer, a2a, group)
+            point["combine_reduce"] = reduce
             results.append(point)
             if rank == 0:
                 mo, ba = point["moonep"], point["alltoall"]
-                print(f"E={E} maxvio {target} (realised {point['realised_maxvio']:.2f}): moonep dispatch "
+                print(f"E={E} {reduce} maxvio {target} (realised {point['realised_maxvio']:.2f}): moonep dispatch "
                       f"{mo.get('dispatch_fwd_us', mo['dispatch_only_us']):.0f} us combine {mo['combine_fwd_us']:.0f} us | a2a dispatch "
                       f"{ba['dispatch_fwd_us']:.0f} us combine {ba['combine_fwd_us']:.0f} us [{time.time() - t0:.0f} s]",
                       flush=True)
@@ -333,6 +357,7 @@ def main(argv: list[str] | None = None) -> None:
         meta = {"R": R, "S": args.tokens, "placement": args.placement, "shapes": args.shapes, "H": args.hidden,
                 "K": args.topk, "ffn": args.ffn, "pools": args.pools, "iters": args.iters,
                 "kernels": args.kernels, "num_sms": args.num_sms, "scatter_tile": args.scatter_tile,
+                "combine_reduce": args.combine_reduce,
                 "device": torch.cuda.get_device_name(), "torch": torch.__version__}
         path.write_text(json.dumps({"config": meta, "points": results}, indent=1))
         print(f"wrote {path}")
@@ -370,6 +395,15 @@ def print_table(results: list[dict]) -> None:
             print(f"{r['E']:>4} {r['target_maxvio']:>6.1f} | scat {m['dispatch_scatter_us']:>5.0f} kernel "
                   f"{m['scatter_kernel_us']:>5.0f} meta {m.get('scatter_meta_us', nan):>5.0f} barrier {m['scatter_barrier_us']:>5.0f} "
                   f"| {m['nvlink_dispatch_bytes'] / 1e6:6.1f} MB")
+    if any("combine_layer_fwd_us" in r["moonep"] for r in results):
+        print("combine per BufferOptions.combine_reduce (us): comb = plain combine; layer fwd = with the route-weight "
+              "scale, layer bwd = with the dgrad halves and the route-weight grads, as moonep.expert_glu issues "
+              "them; NVLink MB = combine rows that crossed to a peer")
+        for r in results:
+            m = r["moonep"]
+            print(f"{r['E']:>4} {r['target_maxvio']:>6.1f} {r.get('combine_reduce', 'source'):>11} | comb "
+                  f"{m['combine_fwd_us']:>7.0f} layer fwd {m['combine_layer_fwd_us']:>7.0f} layer bwd "
+                  f"{m['combine_layer_bwd_us']:>7.0f} | {m['nvlink_combine_bytes'] / 1e6:6.1f} MB")
     for E in sorted({r["E"] for r in results}):
         pts = [r for r in results if r["E"] == E]
         shapes = {json.dumps(r["moonep"]["shapes"]) for r in pts}

@@ -10,7 +10,8 @@ dispatch (fresh plan): plan, then the path's scatter (sender side), barrier "dis
 dispatch (saved plan): barrier "dispatch:enter" replaces planning, so no peer writes rows this rank
     may still be reading.
 combine: the path's protocol (moonep.datapath.reference: pull, barriers "combine:rows" and
-    "combine:done"; moonep.datapath.triton_path: push into landing rows, the same barriers).
+    "combine:done"; moonep.datapath.triton_path: push into landing rows, the same barriers; with
+    BufferOptions.combine_reduce "destination" both push one partial row per token and rank).
 
 The data path (moonep.datapath: the PyTorch specification or the Triton kernels) is chosen once,
 when the Buffer is built (BufferOptions.kernels); both give the same bits.
@@ -315,24 +316,36 @@ class Buffer:
         self._check_plan("combine_input", plan)
         return self._mine["comb"][: plan.nvs_s]
 
-    def combine(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None = None
+    def combine(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None = None, *,
+                row_weights: torch.Tensor | None = None, add_rows: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Sum each token's K rows back on its source rank in fp32 -> (y_sH, scalars_sK).
+        """Sum each token's K rows back on its source rank in fp32 -> (y_sH, scalars_sK), in the
+        order BufferOptions.combine_reduce names.
 
         `row_scalars` [nvs_s] fp32 (optional) are gathered per (token, k), e.g. the gradient of
-        the route weights in dispatch's backward."""
+        the route weights in dispatch's backward. A row's value is y_rows (+ add_rows, [nvs_s, H]
+        like y_rows) (* row_weights, [nvs_s] fp32), each step in fp32: the route-weight scale and a
+        sum of two row tensors without a pass of their own and without rounding in between ("source"
+        rounds each row's value once before sending it)."""
         self._check_alive("combine")
         self._check_plan("combine", plan)
         H = self.config.hidden
         check_tensor("y_rows", y_rows, shape=(plan.nvs_s, H), dtype=self.config.dtype, device=self.device)
         if row_scalars is not None:
             check_tensor("row_scalars", row_scalars, shape=(plan.nvs_s,), dtype=torch.float32, device=self.device)
-        return self.path.combine(plan, y_rows, row_scalars)
+        if row_weights is not None:
+            check_tensor("row_weights", row_weights, shape=(plan.nvs_s,), dtype=torch.float32, device=self.device)
+        if add_rows is not None:
+            check_tensor("add_rows", add_rows, shape=(plan.nvs_s, H), dtype=self.config.dtype, device=self.device)
+        return self.path.combine(plan, y_rows, row_scalars, row_weights, add_rows)
 
-    def combine_async(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None = None
+    def combine_async(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None = None, *,
+                      row_weights: torch.Tensor | None = None, add_rows: torch.Tensor | None = None
                       ) -> tuple[tuple[torch.Tensor, torch.Tensor | None], CommEvent]:
         """combine() queued on `comm_stream` -> ((y_sH, scalars_sK), event); see dispatch_async."""
-        return self._comm_stream.run(lambda: self.combine(plan, y_rows, row_scalars), (y_rows, row_scalars))
+        return self._comm_stream.run(
+            lambda: self.combine(plan, y_rows, row_scalars, row_weights=row_weights, add_rows=add_rows),
+            (y_rows, row_scalars, row_weights, add_rows))
 
     # ------------------------------------------------------------------ experts (see moonep.pools)
     def prefetch_weight(self, plan: Plan, layer) -> None:

@@ -11,11 +11,14 @@ import torch
 
 KernelsChoice = Literal["auto", "torch", "triton"]
 KERNEL_CHOICES: tuple[str, ...] = ("auto", "torch", "triton")
+CombineReduce = Literal["source", "destination"]
+COMBINE_REDUCE_CHOICES: tuple[str, ...] = ("source", "destination")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class BufferOptions:
-    """How a Buffer runs; none of it changes a result, except fused_expert_gemm (a summation order).
+    """How a Buffer runs; none of it changes a result, except fused_expert_gemm and combine_reduce
+    (summation orders).
 
     kernels: data-path implementation, chosen once when the Buffer is built: "torch" (the pure-PyTorch
         specification, moonep.datapath.reference, any device), "triton" (moonep.datapath.triton_path:
@@ -34,6 +37,15 @@ class BufferOptions:
         than torch._grouped_mm's (within bounds tests/moonep/grouped_gemm_cases.py derives) and no bf16
         rounding of the weight gradient. Off until measured (benchmarks/bench_expert_gemm.py); needs
         the triton path.
+    combine_reduce: where combine sums a token's rows. "source": every (token, k) row travels to the
+        token's rank, which sums its K rows in fp32 in ascending k, one rounding. "destination": each
+        rank first sums, per (source rank, token), the rows of the token's entries it holds in fp32 in
+        ascending k (one add per entry), rounds once to the rows' dtype and sends that one row; the
+        source sums those partial rows in fp32 in ascending k of each partial's first entry, one
+        rounding (one extra rounding per partial; at R = 1, for the same row values, "source"'s bits).
+        Fewer bytes cross the links (one row per token and destination rank instead of K). It also
+        turns on the fused combine inputs of moonep.expert_glu (route weights and the two dgrad
+        halves summed in fp32 inside combine, Buffer.combine's row_weights / add_rows).
     """
 
     kernels: KernelsChoice = "auto"
@@ -42,6 +54,7 @@ class BufferOptions:
     num_sms: int | None = None
     scatter_tile: int = 16384
     fused_expert_gemm: bool = False
+    combine_reduce: CombineReduce = "source"
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNEL_CHOICES:
@@ -59,6 +72,9 @@ class BufferOptions:
             raise ValueError(f"BufferOptions.scatter_tile must be a power of two >= 256, got {tile!r}")
         if not isinstance(self.fused_expert_gemm, bool):
             raise ValueError(f"BufferOptions.fused_expert_gemm must be True or False, got {self.fused_expert_gemm!r}")
+        if self.combine_reduce not in COMBINE_REDUCE_CHOICES:
+            raise ValueError(f"BufferOptions.combine_reduce must be one of {COMBINE_REDUCE_CHOICES}, "
+                             f"got {self.combine_reduce!r}")
 
     def checks_values(self, device: torch.device) -> bool:
         """check_values resolved for a buffer on `device`."""

@@ -16,10 +16,17 @@ Comm segment regions (rows are token rows of width H):
                 row_copy             row to copy from: itself, a duplicate's primary row, or the
                                      zero row for padding
                 row_src              source of the row: src_rank * S * K + t * K + k
+    row_chain   [NvS + 1]    int32   per received row 2 * next + primary (combine_reduce
+                                     "destination", triton path): next is the row of the same
+                                     token's next entry (ascending k) on this rank, -1 at the end;
+                                     primary 1 on the token's first entry here (the sent row)
     row_scalar  [NvS + 1]    fp32    per-row scalars read back by the sources (route-weight grads)
-    land        [S*K, H]     dtype   combine landing rows of this rank's entries t*K + k, pushed by
-                                     the destinations (triton path, moonep.kernels.dispatch_combine)
-    land_scalar [S*K]        fp32    row scalars of the same entries (triton path)
+    land        [S*K + 1, H] dtype   combine landing rows of this rank's entries t*K + k, pushed by
+                                     the destinations (triton path, moonep.kernels.dispatch_combine;
+                                     both paths with combine_reduce "destination": a partial row in
+                                     the landing row of its first entry); row S*K takes the PyTorch
+                                     path's masked-out writes
+    land_scalar [S*K + 1]    fp32    row scalars of the same entries (where land is used)
 
 NvS = round_up(S*K + 2*epn*(token_padding - 1), token_padding) (`receive_rows`): every rank
 receives exactly cap_d <= S*K rows in at most 2*epn non-empty groups (epn local experts plus at
@@ -100,9 +107,10 @@ class Layout:
             ("hist", (R, E), torch.int32),
             ("row_weight", (nvs + 1,), torch.float32),
             ("row_link", (nvs + 1, 2), torch.int32),
+            ("row_chain", (nvs + 1,), torch.int32),
             ("row_scalar", (nvs + 1,), torch.float32),
-            ("land", (cfg.max_tokens * cfg.topk, H), cfg.dtype),
-            ("land_scalar", (cfg.max_tokens * cfg.topk,), torch.float32),
+            ("land", (cfg.max_tokens * cfg.topk + 1, H), cfg.dtype),
+            ("land_scalar", (cfg.max_tokens * cfg.topk + 1,), torch.float32),
         ]
         regions: dict[str, Region] = {}
         offset = 0

@@ -3,12 +3,14 @@
 forward:  plan -> prefetch (side stream, overlapping the dispatch of token rows) -> dispatch ->
           h = x W_gate, u = x W_up (grouped over W_compact), a = f(h, u) (the path's gate_up: one
           fused kernel with BufferOptions.fused_expert_gemm) ->
-          o = a W_down -> y_rows = o * route weight -> combine
+          o = a W_down -> y_rows = o * route weight -> combine (with BufferOptions.combine_reduce
+          "destination": combine takes o and the route weights and multiplies in fp32 as it sums)
 backward: re-prefetch if another layer used the slots (side stream) -> dispatch(grad_y) with the
           saved plan -> grads of rows (the last read of the slots; then the previous layer's
           copies start on the side stream, ExpertPools.previous_forward) -> weight grads (fp32
           into the grad mirror: local rows accumulate into g_local, slot rows into the reduce
-          pool) -> combine(grad_x_rows) with the route-weight grads gathered per (token, k) ->
+          pool) -> combine(grad_x_rows) with the route-weight grads gathered per (token, k) (with
+          "destination": combine takes the gate and up halves of grad_x_rows and adds them in fp32) ->
           reduce_grad on the communication stream (it overlaps the backward upstream, e.g.
           attention, until the next moonep call joins it; Buffer.wait_pending before the grads
           are read)
@@ -56,11 +58,14 @@ class _ExpertGLU(torch.autograd.Function):
         path = buffer.path
         a, h, u = path.gate_up(activation, res.x_rows, w["gate"], w["up"], offs)
         layer.pools.wait_copy()
-        y_in = buffer.combine_input(plan)
         o = grouped_mm(a, w["down"], offs)
         del a  # not saved: backward recomputes it from h and u
-        path.scale_rows(o, w_rows, y_in)  # fp32 product, rounded once into the symmetric rows
-        y_sH, _ = buffer.combine(plan, y_in)
+        if _fused_combine(buffer):  # the fp32 product summed as it is, no rounding, no pass of its own
+            y_sH, _ = buffer.combine(plan, o, row_weights=w_rows)
+        else:
+            y_in = buffer.combine_input(plan)
+            path.scale_rows(o, w_rows, y_in)  # fp32 product, rounded once into the symmetric rows
+            y_sH, _ = buffer.combine(plan, y_in)
         ctx.save_for_backward(x_rows, w_rows, h, u, o)
         ctx.plan, ctx.buffer, ctx.layer, ctx.activation = plan, buffer, layer, activation
         ctx.wgrad_scale = layer.pools.wgrad_scale  # as configured for this forward
@@ -80,9 +85,12 @@ class _ExpertGLU(torch.autograd.Function):
         w = layer.w_compact
         grad_a = grouped_mm(grad_o, w["down"].transpose(1, 2), offs)
         grad_h, grad_u, a = path.glu_backward(ctx.activation, grad_a, h, u)
-        # bf16 + bf16 adds in fp32 and rounds once (torch's opmath): the fp32 sum's bits, no fp32 temporary
         grad_x_rows = grouped_mm(grad_h, w["gate"].transpose(1, 2), offs)
-        grad_x_rows.add_(grouped_mm(grad_u, w["up"].transpose(1, 2), offs))
+        grad_x_up = grouped_mm(grad_u, w["up"].transpose(1, 2), offs)
+        if not _fused_combine(buffer):  # else combine adds the halves in fp32 as it reads them
+            # bf16 + bf16 adds in fp32 and rounds once (torch's opmath): the fp32 sum's bits, no fp32 temporary
+            grad_x_rows.add_(grad_x_up)
+            grad_x_up = None
         pools = layer.pools
         if ctx.prev is not None:  # the slots' last reader is queued: the next layer's copies overlap the wgrads
             prev_layer, prev_plan = ctx.prev
@@ -91,9 +99,15 @@ class _ExpertGLU(torch.autograd.Function):
         pools.accumulate_wgrad(layer, "down", a, grad_o, offs, ctx.wgrad_scale)
         pools.accumulate_wgrad(layer, "gate", x_rows, grad_h, offs, ctx.wgrad_scale)
         pools.accumulate_wgrad(layer, "up", x_rows, grad_u, offs, ctx.wgrad_scale)
-        grad_x_sH, grad_weights_sK = buffer.combine(plan, grad_x_rows, row_scalars=grad_w_rows)
+        grad_x_sH, grad_weights_sK = buffer.combine(plan, grad_x_rows, row_scalars=grad_w_rows, add_rows=grad_x_up)
         buffer.reduce_grad_async(plan, layer)
         return grad_x_sH, grad_weights_sK.to(ctx.weights_dtype), None, None, None, None, None, None
+
+
+def _fused_combine(buffer: Buffer) -> bool:
+    """Combine scales by the route weights (forward) and adds the two dgrad halves (backward) itself:
+    with BufferOptions.combine_reduce "destination", the switch of the whole fp32 combine order."""
+    return buffer.config.options.combine_reduce == "destination"
 
 
 def expert_glu(buffer: Buffer, pools: ExpertPools, layer: LayerExperts, x_sH: torch.Tensor,

@@ -55,10 +55,12 @@ class DataPath(Protocol):
         copied from their primary row, padding rows zero, padding weights 0)."""
         ...
 
-    def combine(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None
+    def combine(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None,
+                row_weights: torch.Tensor | None = None, add_rows: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Collective: each token's K rows summed in fp32 in ascending k on its source rank ->
-        (y_sH, scalars_sK), with every barrier of the path's protocol."""
+        """Collective: each token's K row values (y (+ add_rows) (* row_weights), fp32) summed in fp32
+        on its source rank in the order of BufferOptions.combine_reduce -> (y_sH, scalars_sK), with
+        every barrier of the path's protocol."""
         ...
 
     def pooled_plans(self) -> int:

@@ -26,6 +26,17 @@ combine
        ascending k; optional per-row scalars (route-weight grads) likewise; an absent entry (entries
        mode, BufferConfig.entries) points at the trash row and adds zero (its scalar is 0)
     4. barrier "combine:done" so the comb region may be rewritten
+combine, BufferOptions.combine_reduce "destination" (push-style, through the land region)
+    0. when `plan` is not the last dispatch's: barrier "combine:enter", row_src rewritten for
+       `plan`, barrier "combine:meta" (as the triton path)
+    1. each destination sums, per (source rank, token), the fp32 values of the token's rows it
+       holds in ascending k (the first taken as is, then one add per row), rounds once and writes
+       that row into the source's landing row of the first of those entries; every row's scalar
+       into its entry's slot
+    2. barrier "combine:rows"
+    3. each source sums its partial rows (the entries with sent_sK) in fp32 in ascending k, one
+       rounding; an absent entry has no row and a scalar 0
+    4. barrier "combine:done"
 
 Legend: s tokens, K top-k, H hidden, E experts, R ranks, B slots, epn = E / R, nvs_s rows of this
 call, I/O an expert matrix's in/out features, G groups.
@@ -59,6 +70,7 @@ class ReferencePath:
 
     def __init__(self, comm: CommViews) -> None:
         self.comm = comm
+        self._rows_plan: Plan | None = None  # plan of the last dispatch: its rows' sources are in row_src
 
     # ------------------------------------------------------------------ Buffer
     def plan(self, topk_sK: torch.Tensor, tokens_per_expert_E: torch.Tensor | None, total_num_tokens: int | None,
@@ -81,18 +93,25 @@ class ReferencePath:
         pad = ~self._valid_rows(plan)
         mine["row_copy"][: plan.nvs_s].masked_fill_(pad, layout.zero_row)
         mine["row_weight"][: plan.nvs_s].masked_fill_(pad, 0.0)
-        mine["row_src"][: plan.nvs_s].masked_fill_(pad, -1)
         # this rank as sender: metadata for every entry, the row once per (token, rank)
         idx = (dst_rank, dst_row)
-        flat = torch.arange(s * K, device=c.device, dtype=torch.int32)
         every["row_copy"].index_put_(idx, plan.copy_row_sK.reshape(-1))
-        every["row_src"].index_put_(idx, c.rank * layout.config.max_tokens * K + flat)
+        self._write_sources(plan, pad)
         if weights_sK is not None:
             every["row_weight"].index_put_(idx, weights_sK.reshape(-1).float())
         sent = plan.sent_sK.reshape(-1)
         rows_to = (torch.where(sent, dst_rank, c.rank), torch.where(sent, dst_row, layout.trash_row))
         token = torch.arange(s * K, device=c.device) // K
         every["recv"].index_put_(rows_to, x_sH.index_select(0, token))
+
+    def _write_sources(self, plan: Plan, pad: torch.Tensor) -> None:
+        """row_src: -1 on this rank's padding rows, each entry's source id on its destination row."""
+        c = self.comm
+        K = plan.topk
+        c.mine["row_src"][: plan.nvs_s].masked_fill_(pad, -1)
+        idx = (plan.dst_rank_sK.reshape(-1).long(), plan.dst_row_sK.reshape(-1).long())
+        flat = torch.arange(plan.num_tokens * K, device=c.device, dtype=torch.int32)
+        c.every["row_src"].index_put_(idx, c.rank * c.layout.config.max_tokens * K + flat)
 
     def _valid_rows(self, plan: Plan) -> torch.Tensor:
         """[nvs_s] bool: rows of this rank that receive a token (not padding)."""
@@ -108,12 +127,18 @@ class ReferencePath:
     def expand(self, plan: Plan) -> None:
         recv = self.comm.mine["recv"]
         recv[: plan.nvs_s].copy_(recv.index_select(0, self.comm.mine["row_copy"][: plan.nvs_s].long()))
+        self._rows_plan = plan
 
-    def combine(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None
+    def combine(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None,
+                row_weights: torch.Tensor | None = None, add_rows: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.comm.options.combine_reduce == "destination":
+            return self._combine_destination(plan, y_rows, row_scalars, row_weights, add_rows)
         c = self.comm
         comb = c.mine["comb"][: plan.nvs_s]
-        if y_rows.data_ptr() != comb.data_ptr():
+        if row_weights is not None or add_rows is not None:  # the fp32 value, rounded once per row
+            comb.copy_(row_values(y_rows, row_weights, add_rows))
+        elif y_rows.data_ptr() != comb.data_ptr():
             comb.copy_(y_rows)
         if row_scalars is not None:
             c.mine["row_scalar"][: plan.nvs_s].copy_(row_scalars)
@@ -131,6 +156,70 @@ class ReferencePath:
             y_sH += rows_sKH[:, k].float()
         c.barrier("combine:done")
         return y_sH.to(c.layout.config.dtype), scalars_sK
+
+    def _combine_destination(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None,
+                             row_weights: torch.Tensor | None, add_rows: torch.Tensor | None
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """combine_reduce "destination" (BufferOptions): push-style, through the landing rows.
+
+        Destination: for every (source rank, token) with rows here, the rows' fp32 values
+        (row_values) summed in ascending k (the first taken as is, then one add per row), rounded
+        once to the dtype, into the source's landing row of the first of those entries; every row's
+        scalar into its entry's slot. Source: y[t] = the fp32 sum of its partial rows (the landing
+        rows of entries with sent_sK) in ascending k, one rounding. The rows of a token are found
+        through a [R*S, K] table of row indices keyed by row_src (no host sync)."""
+        c = self.comm
+        cfg, K, n = c.layout.config, plan.topk, plan.nvs_s
+        SK = cfg.max_tokens * K
+        if plan is not self._rows_plan:  # row_src describes another plan's rows: rewrite it (the triton path's order)
+            c.barrier("combine:enter")
+            self._write_sources(plan, ~self._valid_rows(plan))
+            c.barrier("combine:meta")
+        # destination side
+        src = c.mine["row_src"][:n].long()
+        valid = src >= 0
+        token = torch.where(valid, src // K, self._table_rows(plan) - 1)  # the table's trash row
+        k_r = src % K
+        table = torch.full((self._table_rows(plan), K), -1, dtype=torch.long, device=c.device)
+        row = torch.arange(n, device=c.device)
+        table.index_put_((token, torch.where(valid, k_r, 0)), torch.where(valid, row, -1))
+        table[-1] = -1  # invalid rows wrote there
+        mine_sK = table[token]  # [n, K]: the rows of each row's token here, by k
+        earlier = (mine_sK >= 0) & (torch.arange(K, device=c.device)[None, :] < k_r[:, None])
+        first = valid & ~earlier.any(1)  # the row of the token's first entry here: it carries the sum
+        vals = row_values(y_rows, row_weights, add_rows)
+        acc = vals.clone()
+        for k in range(K):
+            later = first & (k > k_r) & (mine_sK[:, k] >= 0)
+            acc = torch.where(later[:, None], acc + vals[mine_sK[:, k].clamp(min=0)], acc)
+        rank_to = torch.where(first, src // SK, c.rank)
+        entry_to = torch.where(first, src % SK, SK)  # SK: the landing trash row
+        c.every["land"].index_put_((rank_to, entry_to), acc.to(cfg.dtype))
+        if row_scalars is not None:
+            c.every["land_scalar"].index_put_((torch.where(valid, src // SK, c.rank), torch.where(valid, src % SK, SK)),
+                                              row_scalars)
+        c.barrier("combine:rows")
+        # source side
+        s = plan.num_tokens
+        land_sKH = c.mine["land"][: s * K].view(s, K, cfg.hidden)
+        y_sH = torch.zeros(s, cfg.hidden, dtype=torch.float32, device=c.device)
+        have = torch.zeros(s, dtype=torch.bool, device=c.device)
+        for k in range(K):
+            p = plan.sent_sK[:, k]
+            term = land_sKH[:, k].float()
+            y_sH = torch.where((p & have)[:, None], y_sH + term, torch.where(p[:, None], term, y_sH))
+            have |= p
+        scalars_sK = None
+        if row_scalars is not None:
+            scalars_sK = c.mine["land_scalar"][: s * K].view(s, K).clone()
+            if cfg.entries:  # an absent entry has no row anywhere: its scalar is 0
+                scalars_sK = torch.where(plan.dst_row_sK != c.layout.trash_row, scalars_sK, 0.0)
+        c.barrier("combine:done")
+        return y_sH.to(cfg.dtype), scalars_sK
+
+    def _table_rows(self, plan: Plan) -> int:
+        """Rows of the destination's token table: one per (source rank, token slot), one trash row."""
+        return plan.num_ranks * self.comm.layout.config.max_tokens + 1
 
     def pooled_plans(self) -> int:
         return 0
@@ -183,6 +272,18 @@ class ReferencePath:
     def route_backward(self, gy: torch.Tensor, o: torch.Tensor, w_rows: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         return route_backward(gy, o, w_rows)
+
+
+def row_values(y_rows: torch.Tensor, row_weights: torch.Tensor | None, add_rows: torch.Tensor | None
+               ) -> torch.Tensor:
+    """The fp32 value combine sums for each row: y (+ add_rows) (* row_weights), one fp32 operation
+    per step (the specification of the push kernel's row values)."""
+    v = y_rows.float()
+    if add_rows is not None:
+        v = v + add_rows.float()
+    if row_weights is not None:
+        v = v * row_weights[:, None]
+    return v
 
 
 def route_backward(gy: torch.Tensor, o: torch.Tensor, w_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,9 +4,9 @@ moonep.datapath.reference (the specification) except where a docstring below say
 - plan: moonep.planner.fused (histogram counted from topk_sK on the device, exchanged by peer
   stores, planned in three more kernels; one CUDA graph replay per call).
 - dispatch and combine: moonep.kernels.dispatch_combine (its docstring holds the protocol: a push
-  combine through a landing region). Combine needs the receive rows' sources (row_src) of its
-  plan; when the plan is not the one of the last dispatch on this buffer, combine first rewrites
-  them (barriers "combine:enter" / "combine:meta"; every rank takes this branch together, as every
+  combine through a landing region). Combine needs the receive rows' sources (row_src, and with
+  combine_reduce "destination" the chain links row_chain) of its plan; when the plan is not the one
+  of the last dispatch on this buffer, combine first rewrites them (barriers "combine:enter" / "combine:meta"; every rank takes this branch together, as every
   rank runs the same call sequence).
 - prefetch / reduce_grad / the masked weight-gradient accumulation: moonep.kernels.experts (they
   touch occupied slots and non-empty groups only).
@@ -50,6 +50,7 @@ class TritonPath:
         self._planner = FusedPlanner(comm.layout, comm.rank, comm.every["hist"],
                                      lambda: comm.barrier("dispatch:histograms"))
         self._rows_plan: Plan | None = None  # plan of the last dispatch: its rows' sources are in row_src
+        self._reduce_first = opts.combine_reduce == "destination"  # the chain links: written and read
 
     # ------------------------------------------------------------------ Buffer
     def plan(self, topk_sK: torch.Tensor, tokens_per_expert_E: torch.Tensor | None, total_num_tokens: int | None,
@@ -64,7 +65,7 @@ class TritonPath:
         every = c.every
         dispatch_combine.scatter(x_sH, weights_sK, plan.dst_rank_sK, plan.dst_row_sK, plan.copy_row_sK, plan.sent_sK,
                                  every["recv"], every["row_weight"], every["row_link"],
-                                 c.rank * c.layout.config.max_tokens * plan.topk, self._grid, self._scatter_work,
+                                 every["row_chain"] if self._reduce_first else None, c.rank * c.layout.config.max_tokens * plan.topk, self._grid, self._scatter_work,
                                  tile=c.options.scatter_tile, rows=rows)
 
     def expand(self, plan: Plan, *, copy: bool = True) -> None:
@@ -75,7 +76,8 @@ class TritonPath:
                                 c.layout.config.token_padding, copy=copy)
         self._rows_plan = plan
 
-    def combine(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None
+    def combine(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None,
+                row_weights: torch.Tensor | None = None, add_rows: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         c = self.comm
         mine, every, K = c.mine, c.every, plan.topk
@@ -85,12 +87,14 @@ class TritonPath:
             self.scatter(plan, y_rows, None, rows=False)
             self.expand(plan, copy=False)
             c.barrier("combine:meta")
+        first = self._reduce_first
         dispatch_combine.push(y_rows, row_scalars, mine["row_link"], plan.nvs_s, every["land"], every["land_scalar"],
-                              cfg.max_tokens * K, self._grid)
+                              cfg.max_tokens * K, self._grid, row_chain=mine["row_chain"] if first else None,
+                              topk=K, row_weights=row_weights, add_rows=add_rows)
         c.barrier("combine:rows")
         s = plan.num_tokens
         y_sH = torch.empty(s, cfg.hidden, dtype=cfg.dtype, device=c.device)
-        dispatch_combine.reduce(mine["land"], y_sH, K)
+        dispatch_combine.reduce(mine["land"], y_sH, K, plan.sent_sK if first else None)
         scalars_sK = mine["land_scalar"][: s * K].view(s, K).clone() if row_scalars is not None else None
         c.barrier("combine:done")
         return y_sH, scalars_sK

@@ -12,7 +12,9 @@ captured in a CUDA graph):
 dispatch
     1. `_scatter_kernel` (this rank as sender), persistent grid over blocks of BLOCK_T tokens:
        the metadata of every entry (t, k) -> (row_copy, row_src) as one 8-byte record and
-       row_weight, of its destination row; each token row x[t] is loaded once per H chunk and stored once per destination rank
+       row_weight, of its destination row (with combine_reduce "destination" also row_chain:
+       2 * (row of the token's next entry on the same rank, or -1) + (1 on the token's first entry
+       there), the next same-rank k found among the token's K entries in the tile); each token row x[t] is loaded once per H chunk and stored once per destination rank
        (the entries with sent_sK), straight into the destination's recv row.
     2. barrier "dispatch:rows" (the scatter's threads end with fence.sc.sys; see below).
     3. `_expand_kernel` (this rank as receiver), local: finds each row's group by a binary search
@@ -20,10 +22,10 @@ dispatch
        them, and copies duplicate rows (row_copy != row) from their primary row. Primary rows are
        never touched, so the kernel has no dependency between programs. The PyTorch path copies
        every row through index_select; this touches only duplicates and padding.
-combine (push; y rows already carry the route weights)
+combine (push; a row's value is y, or y (+ add_rows) (* row_weights) in fp32 when given)
     0. only when `plan` is not the plan of the last dispatch on this buffer (row_src then describes
-       other rows): barrier "combine:enter", `_scatter_kernel` with ROWS=False rewrites row_src on
-       the destinations, `_expand_kernel` with COPY=False sets row_src = -1 on the own padding
+       other rows): barrier "combine:enter", `_scatter_kernel` with ROWS=False rewrites row_src (and
+       row_chain with "destination") on the destinations, `_expand_kernel` with COPY=False sets row_src = -1 on the own padding
        rows (nothing else: the last dispatch's rows and weights stay as the PyTorch path leaves
        them), barrier "combine:meta". Buffer takes this branch on every rank alike (same call sequence).
     1. `_push_kernel` (this rank as destination), persistent grid over row blocks: each row with
@@ -31,10 +33,16 @@ combine (push; y rows already carry the route weights)
        land[src_rank, t * K + k] (and its row scalar into land_scalar). Each entry has its own
        row, so every landing row is written exactly once and without a race. The landing region
        is free: its last reader finished before the previous "combine:done".
+       combine_reduce "destination": only rows with the chain's first-entry bit are stored, each
+       carrying the fp32 sum of its own value and those of the rows down its chain (ascending k,
+       one add each), rounded once, in the landing row of that first entry; every row still
+       stores its scalar. One row per (token, destination rank) crosses instead of one per entry.
     2. barrier "combine:rows".
     3. `_reduce_kernel` (this rank as source), local: y[t] = sum_k land[t*K + k] in fp32 in
        ascending k (a separate add per k, no reassociation), one rounding to the output dtype: the
-       PyTorch path's arithmetic exactly, hence bitwise equal.
+       PyTorch path's arithmetic exactly, hence bitwise equal. "destination": the sum runs over the
+       k with sent_sK[t, k] only (the partial rows; the first taken as is), ascending k, one
+       rounding, as the PyTorch path (moonep.datapath.reference, `_combine_destination`).
     4. barrier "combine:done": no peer pushes the next combine into land while it is read.
 
 Why push: SM stores to a peer saturate NVLink with ~24 CTAs (~370 GB/s per direction), while plain
@@ -64,9 +72,7 @@ way in the same run; at maxvio 0 only 59 MB cross (round-robin routing: each tok
 on one rank) in 186-187 us, 314-316 GB/s (83.1 / 83.5 %). A 32768-element tile gives the same as
 16384.
 
-Rejected: a pull combine with plain loads (latency-bound, see above); reducing a token's duplicate
-rows on the destination before sending (fewer NVLink bytes but another fp32 add order, so not
-bitwise equal to the specification); copy-engine copies per row (one launch or one descriptor per
+Rejected: a pull combine with plain loads (latency-bound, see above); copy-engine copies per row (one launch or one descriptor per
 row, tens of thousands per call); folding the receiver's padding marks into the scatter (they need
 each row's group, cheap to find only on the receiver, and the scatter has no barrier before it).
 Also rejected, measured on 2xH200 or one H200: writing a token's duplicates on the sender's own
@@ -112,10 +118,10 @@ def _tile(H: int, tile: int = _TILE) -> tuple[int, int]:
 
 @triton.jit
 def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_ptr,
-                    recv_ptr, row_weight_ptr, row_link_ptr, row_link64_ptr,
+                    recv_ptr, row_weight_ptr, row_link_ptr, row_link64_ptr, row_chain_ptr,
                     s, H, x_stride, recv_rank_stride, recv_row_stride, meta_rank_stride, link_rank_stride, src_base,
                     work_ptr, num_programs, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                    HAS_W: tl.constexpr, ROWS: tl.constexpr, FENCE: tl.constexpr):
+                    HAS_W: tl.constexpr, ROWS: tl.constexpr, CHAIN: tl.constexpr, FENCE: tl.constexpr):
     kk = tl.arange(0, BLOCK_K)
     hh0 = tl.arange(0, BLOCK_H)
     # persistent, blocks claimed one at a time from a counter (work[0]), in token order: whatever the
@@ -142,6 +148,15 @@ def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_
             tl.store(row_link64_ptr + rec, link, mask=e_ok)
         else:  # row_src alone (combine's refresh)
             tl.store(row_link_ptr + 2 * rec + 1, src, mask=e_ok)
+        if CHAIN:  # 2 * (row of the token's next entry on the same rank, or -1) + (first entry there)
+            nxt = tl.full([BLOCK_T, BLOCK_K], -1, tl.int64)
+            for i in tl.static_range(K):  # j descending: the smallest later k on the same rank wins
+                j = K - 1 - i
+                r_j = tl.load(dst_rank_ptr + t * K + j, mask=t_ok, other=0).to(tl.int64)
+                row_j = tl.load(dst_row_ptr + t * K + j, mask=t_ok, other=0).to(tl.int64)
+                nxt = tl.where((d_rank == r_j[:, None]) & (kk[None, :] < j), row_j[:, None], nxt)
+            first = (tl.load(sent_ptr + entry, mask=e_ok, other=0) != 0).to(tl.int64)
+            tl.store(row_chain_ptr + meta, (2 * nxt + first).to(tl.int32), mask=e_ok)
         if ROWS:
             if HAS_W:
                 w = tl.load(w_ptr + entry, mask=e_ok, other=0.0).to(tl.float32)
@@ -207,9 +222,23 @@ def _expand_kernel(recv_ptr, row_weight_ptr, row_link_ptr, offs_ptr, sizes_ptr,
 
 
 @triton.jit
-def _push_kernel(y_ptr, scal_ptr, row_link_ptr, land_ptr, land_scal_ptr,
-                 nvs_s, H, y_stride, land_rank_stride, land_row_stride, land_scal_rank_stride, SK,
-                 num_iters, num_programs, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SCAL: tl.constexpr,
+def _row_value(y_ptr, add_ptr, w_ptr, r, hh, r_mask, h_ok, y_stride, add_stride,
+               HAS_ADD: tl.constexpr, HAS_W: tl.constexpr):
+    """fp32 value of rows r: y (+ add) (* w), each step one fp32 operation (the PyTorch path's order)."""
+    m = r_mask[:, None] & h_ok
+    v = tl.load(y_ptr + r[:, None] * y_stride + hh[None, :], mask=m, other=0.0).to(tl.float32)
+    if HAS_ADD:
+        v = v + tl.load(add_ptr + r[:, None] * add_stride + hh[None, :], mask=m, other=0.0).to(tl.float32)
+    if HAS_W:
+        v = v * tl.load(w_ptr + r, mask=r_mask, other=0.0)[:, None]
+    return v
+
+
+@triton.jit
+def _push_kernel(y_ptr, add_ptr, w_ptr, scal_ptr, row_link_ptr, row_chain_ptr, land_ptr, land_scal_ptr,
+                 nvs_s, H, y_stride, add_stride, land_rank_stride, land_row_stride, land_scal_rank_stride, SK,
+                 num_iters, num_programs, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                 HAS_SCAL: tl.constexpr, HAS_ADD: tl.constexpr, HAS_W: tl.constexpr, REDUCE: tl.constexpr,
                  FENCE: tl.constexpr):
     pid = tl.program_id(0)
     hh0 = tl.arange(0, BLOCK_H)
@@ -222,29 +251,57 @@ def _push_kernel(y_ptr, scal_ptr, row_link_ptr, land_ptr, land_scal_ptr,
         src = tl.where(ok, src, 0).to(tl.int64)
         src_rank = src // SK
         entry = src % SK
-        if HAS_SCAL:
+        if HAS_SCAL:  # every entry's scalar, also with REDUCE
             v = tl.load(scal_ptr + r, mask=ok, other=0.0)
             tl.store(land_scal_ptr + src_rank * land_scal_rank_stride + entry, v, mask=ok)
+        if REDUCE:  # only a token's first row on this rank is sent, carrying its rows' sum
+            chain = tl.load(row_chain_ptr + r, mask=ok, other=0)
+            send = ok & ((chain & 1) != 0)
+        else:
+            send = ok
         dst = src_rank * land_rank_stride + entry * land_row_stride
         for h0 in range(0, H, BLOCK_H):
             hh = h0 + hh0
-            m = ok[:, None] & (hh < H)[None, :]
-            tile = tl.load(y_ptr + r[:, None] * y_stride + hh[None, :], mask=m)
+            h_ok = (hh < H)[None, :]
+            m = send[:, None] & h_ok
+            if REDUCE or HAS_ADD or HAS_W:
+                acc = _row_value(y_ptr, add_ptr, w_ptr, r, hh, send, h_ok, y_stride, add_stride, HAS_ADD, HAS_W)
+                if REDUCE:  # the chain of the token's later rows here, ascending k, one fp32 add each
+                    nxt = (chain >> 1).to(tl.int64)
+                    for _ in tl.static_range(K - 1):
+                        act = send & (nxt >= 0)
+                        row = tl.where(act, nxt, 0)
+                        v = _row_value(y_ptr, add_ptr, w_ptr, row, hh, act, h_ok, y_stride, add_stride, HAS_ADD, HAS_W)
+                        acc = tl.where(act[:, None], acc + v, acc)
+                        nxt = tl.where(act, (tl.load(row_chain_ptr + row, mask=act, other=-2) >> 1).to(tl.int64), -1)
+                tile = acc.to(land_ptr.dtype.element_ty)
+            else:
+                tile = tl.load(y_ptr + r[:, None] * y_stride + hh[None, :], mask=m)
             tl.store(land_ptr + dst[:, None] + hh[None, :], tile, mask=m)
     if FENCE:
         _fence_sys(hh0)  # this thread's peer stores performed at system scope before the program ends
 
 
 @triton.jit
-def _reduce_kernel(land_ptr, out_ptr, s, H, land_row_stride, out_stride,
-                   K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+def _reduce_kernel(land_ptr, sent_ptr, out_ptr, s, H, land_row_stride, out_stride,
+                   K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, FIRST_ONLY: tl.constexpr):
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    m = (t < s)[:, None] & (hh < H)[None, :]
+    t_ok = t < s
+    m = t_ok[:, None] & (hh < H)[None, :]
     first = land_ptr + (t * K)[:, None] * land_row_stride + hh[None, :]
-    acc = tl.load(first, mask=m, other=0.0).to(tl.float32)
-    for k in tl.static_range(1, K):  # ascending k, one fp32 add each: the PyTorch path's order
-        acc += tl.load(first + k * land_row_stride, mask=m, other=0.0).to(tl.float32)
+    if FIRST_ONLY:  # the partial rows: landing rows of each token's first entry per rank (sent_sK), only those read
+        have = tl.load(sent_ptr + t * K, mask=t_ok, other=0) != 0
+        acc = tl.load(first, mask=m & have[:, None], other=0.0).to(tl.float32)
+        for k in tl.static_range(1, K):  # ascending k, the first partial taken as is, then one fp32 add each
+            p = tl.load(sent_ptr + t * K + k, mask=t_ok, other=0) != 0
+            v = tl.load(first + k * land_row_stride, mask=m & p[:, None], other=0.0).to(tl.float32)
+            acc = tl.where((p & have)[:, None], acc + v, tl.where(p[:, None], v, acc))
+            have = have | p
+    else:
+        acc = tl.load(first, mask=m, other=0.0).to(tl.float32)
+        for k in tl.static_range(1, K):  # ascending k, one fp32 add each: the PyTorch path's order
+            acc += tl.load(first + k * land_row_stride, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + t[:, None] * out_stride + hh[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -263,10 +320,12 @@ def scatter_work(device: torch.device) -> torch.Tensor:
 def scatter(x_sH: torch.Tensor, weights_sK: torch.Tensor | None, dst_rank_sK: torch.Tensor,
             dst_row_sK: torch.Tensor, copy_row_sK: torch.Tensor, sent_sK: torch.Tensor,
             recv_all: torch.Tensor, row_weight_all: torch.Tensor, row_link_all: torch.Tensor,
-            src_base: int, grid: int, work: torch.Tensor, *, tile: int = _TILE, rows: bool = True) -> None:
+            row_chain_all: torch.Tensor | None, src_base: int, grid: int, work: torch.Tensor, *, tile: int = _TILE,
+            rows: bool = True) -> None:
     """Sender side of dispatch: entry metadata to every destination row (row_link_all [R, rows, 2]:
-    (row_copy, row_src) records), token rows once per destination rank (rows=False: row_src only,
-    for combine's refresh). `tile`: elements of x per program step (BufferOptions.scatter_tile);
+    (row_copy, row_src) records; row_chain_all [R, rows] the chain links of combine_reduce
+    "destination", None: not written), token rows once per destination rank (rows=False: row_src and
+    the chain only, for combine's refresh). `tile`: elements of x per program step (BufferOptions.scatter_tile);
     `grid`: programs at most (BufferOptions.num_sms). `work`: int32 [2], zero before the launch and zero again after it (the
     block counter; see scatter_work); launches that share it must be ordered (one stream): two
     overlapping launches would split each other's blocks, and nothing detects it (a Buffer orders its
@@ -276,15 +335,18 @@ def scatter(x_sH: torch.Tensor, weights_sK: torch.Tensor | None, dst_rank_sK: to
     assert row_link_all.shape[-1] == 2 and row_link_all.stride(-1) == 1 and row_link_all.stride(1) == 2
     link64 = row_link_all.view(torch.int64)  # [R, rows, 1]: one 8-byte record per row
     w = weights_sK if weights_sK is not None else row_weight_all  # never read when HAS_W is off
+    chain = row_chain_all if row_chain_all is not None else row_weight_all  # never touched when CHAIN is off
+    assert row_chain_all is None or row_chain_all.stride(0) == row_weight_all.stride(0)  # one `meta` offset
     block_t, block_h = _tile(H, tile)
     num_blocks = triton.cdiv(s, block_t)
     programs = max(1, min(grid, num_blocks))
     _scatter_kernel[(programs,)](
         x_sH, w, dst_rank_sK, dst_row_sK, copy_row_sK, sent_sK.view(torch.uint8),
-        recv_all, row_weight_all, row_link_all, link64,
+        recv_all, row_weight_all, row_link_all, link64, chain,
         s, H, x_sH.stride(0), recv_all.stride(0), recv_all.stride(1), row_weight_all.stride(0), link64.stride(0),
         src_base, work, programs, K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=block_t, BLOCK_H=block_h,
-        HAS_W=weights_sK is not None, ROWS=rows, FENCE=_fences(x_sH), num_warps=_NUM_WARPS)
+        HAS_W=weights_sK is not None, ROWS=rows, CHAIN=row_chain_all is not None, FENCE=_fences(x_sH),
+        num_warps=_NUM_WARPS)
 
 
 def expand(recv: torch.Tensor, row_weight: torch.Tensor, row_link: torch.Tensor,
@@ -303,24 +365,36 @@ def expand(recv: torch.Tensor, row_weight: torch.Tensor, row_link: torch.Tensor,
 
 
 def push(y_rows: torch.Tensor, row_scalars: torch.Tensor | None, row_link: torch.Tensor, nvs_s: int,
-         land_all: torch.Tensor, land_scalar_all: torch.Tensor, entries_per_rank: int, grid: int) -> None:
-    """Destination side of combine: every valid row into its source's landing row."""
+         land_all: torch.Tensor, land_scalar_all: torch.Tensor, entries_per_rank: int, grid: int, *,
+         row_chain: torch.Tensor | None = None, topk: int = 1, row_weights: torch.Tensor | None = None,
+         add_rows: torch.Tensor | None = None) -> None:
+    """Destination side of combine: every valid row into its source's landing row; with `row_chain`
+    (combine_reduce "destination") one row per (source rank, token): the fp32 sum over the token's
+    rows here in ascending k (at most `topk`), in the landing row of its first entry. A row's value is
+    y (+ add_rows) (* row_weights) in fp32 (rounded once per landing row); without either, y's bits."""
     assert row_link.shape[-1] == 2 and row_link.is_contiguous()
     H = y_rows.shape[-1]
     scal = row_scalars if row_scalars is not None else land_scalar_all  # never read when HAS_SCAL is off
+    add = add_rows if add_rows is not None else y_rows  # never read when HAS_ADD is off
+    w = row_weights if row_weights is not None else land_scalar_all  # never read when HAS_W is off
+    chain = row_chain if row_chain is not None else row_link  # never read when REDUCE is off
     block_r, block_h = _tile(H)
     num_blocks = triton.cdiv(nvs_s, block_r)
     programs = max(1, min(grid, num_blocks))
     _push_kernel[(programs,)](
-        y_rows, scal, row_link, land_all, land_scalar_all,
-        nvs_s, H, y_rows.stride(0), land_all.stride(0), land_all.stride(1), land_scalar_all.stride(0),
-        entries_per_rank, triton.cdiv(num_blocks, programs), programs, BLOCK_R=block_r, BLOCK_H=block_h, HAS_SCAL=row_scalars is not None,
-        FENCE=_fences(y_rows), num_warps=_NUM_WARPS)
+        y_rows, add, w, scal, row_link, chain, land_all, land_scalar_all,
+        nvs_s, H, y_rows.stride(0), add.stride(0), land_all.stride(0), land_all.stride(1), land_scalar_all.stride(0),
+        entries_per_rank, triton.cdiv(num_blocks, programs), programs, K=topk, BLOCK_R=block_r, BLOCK_H=block_h,
+        HAS_SCAL=row_scalars is not None, HAS_ADD=add_rows is not None, HAS_W=row_weights is not None,
+        REDUCE=row_chain is not None, FENCE=_fences(y_rows), num_warps=_NUM_WARPS,
+        enable_fp_fusion=False)  # acc + y * w stays two roundings, as in the PyTorch path (no FMA)
 
 
-def reduce(land: torch.Tensor, out_sH: torch.Tensor, topk: int) -> None:
-    """Source side of combine: out[t] = sum over k of land[t*K + k], fp32, ascending k."""
+def reduce(land: torch.Tensor, out_sH: torch.Tensor, topk: int, sent_sK: torch.Tensor | None = None) -> None:
+    """Source side of combine: out[t] = sum over k of land[t*K + k], fp32, ascending k; with `sent_sK`
+    (combine_reduce "destination") over the k with sent_sK[t, k] only (the partial rows)."""
     s, H = out_sH.shape
+    sent = sent_sK.view(torch.uint8) if sent_sK is not None else land  # never read when FIRST_ONLY is off
     _reduce_kernel[(triton.cdiv(s, _REDUCE_BLOCK_T), triton.cdiv(H, _REDUCE_BLOCK_H))](
-        land, out_sH, s, H, land.stride(0), out_sH.stride(0), K=topk, BLOCK_T=_REDUCE_BLOCK_T,
-        BLOCK_H=_REDUCE_BLOCK_H, num_warps=_REDUCE_WARPS)
+        land, sent, out_sH, s, H, land.stride(0), out_sH.stride(0), K=topk, BLOCK_T=_REDUCE_BLOCK_T,
+        BLOCK_H=_REDUCE_BLOCK_H, FIRST_ONLY=sent_sK is not None, num_warps=_REDUCE_WARPS)

@@ -74,6 +74,13 @@ def test_moe_layer_matches_dense_reference(R: int, activation: str) -> None:
     check_against_dense_reference(_rank_fn, R, activation)
 
 
+@pytest.mark.parametrize("R", [1, 2])
+def test_moe_layer_destination_reduce_matches_dense_reference(R: int) -> None:
+    """combine_reduce "destination": partial sums per rank, the route weights and the dgrad halves in
+    fp32 inside combine (moonep.moe._fused_combine); the same derived tolerance."""
+    check_against_dense_reference(_rank_fn, R, "swiglu", BufferOptions(combine_reduce="destination"))
+
+
 def check_against_dense_reference(rank_fn, R: int, activation: str, *args) -> None:
     """rank_fn(rank, world, E, maxvio, activation, *args) (as _rank_fn) on R ranks against the dense reference."""
     E = 8 if R < 4 else 16

@@ -83,6 +83,33 @@ def _sequence(buf: Buffer, inp: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
+@pytest.mark.parametrize("maxvio,s,hidden", [(0.0, S, H), (1.0, S, H), (2.9, S, H), (2.0, S - 37, 1000)])
+def test_destination_reduce_triton_bitwise_equals_torch_path(group: dist.ProcessGroup, maxvio: float, s: int,
+                                                             hidden: int) -> None:
+    """BufferOptions.combine_reduce="destination": the training step's calls, plus combine with the
+    route weights (row_weights) and with two row tensors added (add_rows), as moonep.expert_glu issues them."""
+    rank = dist.get_rank(group)
+    ref, fast = _buffers(group, hidden, combine_reduce="destination")
+    try:
+        inp = _inputs(ref, rank, s, hidden, maxvio)
+        outs = []
+        for buf in (ref, fast):
+            out = _sequence(buf, inp)
+            res = buf.dispatch(inp["x"], inp["w"], inp["topk"], inp["hist"])
+            w_rows = res.weights_rows.clone()
+            out["y_weighted"] = buf.combine(res.plan, inp["y"], row_weights=w_rows)[0].clone()
+            gx, gw = buf.combine(res.plan, inp["gy"], row_scalars=inp["scalars"], add_rows=inp["y"])
+            out["grad_x_two_halves"], out["grad_w_two_halves"] = gx.clone(), gw.clone()
+            outs.append(out)
+        torch.cuda.synchronize()
+        want, got = outs
+        for name in want:
+            _bitwise(got[name], want[name], f"rank {rank} maxvio {maxvio} destination: {name}")
+    finally:
+        fast.destroy()
+        ref.destroy()
+
+
 @pytest.mark.parametrize("maxvio,s,hidden", [(0.0, S, H), (0.2, S, H), (1.0, S, H), (2.9, S, H), (2.0, S - 37, 1000)])
 def test_triton_path_bitwise_equals_torch_path(group: dist.ProcessGroup, maxvio: float, s: int, hidden: int) -> None:
     rank = dist.get_rank(group)

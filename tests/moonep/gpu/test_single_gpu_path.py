@@ -60,12 +60,15 @@ def test_triton_path_bitwise_equals_torch_path_one_gpu(one_rank: dist.ProcessGro
         ref.destroy()
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton", "triton+fused"])  # fused: BufferOptions.fused_expert_gemm
+# fused: BufferOptions.fused_expert_gemm; dest: BufferOptions.combine_reduce="destination"
+@pytest.mark.parametrize("kernels", ["torch", "triton", "triton+fused", "torch+dest", "triton+dest"])
 @pytest.mark.parametrize("activation", ["swiglu", "situ_glu"])
 def test_moe_layer_one_gpu_matches_dense_reference(one_rank: dist.ProcessGroup, kernels: str, activation: str) -> None:
     Hs, Fs, Ks, Ss, Es = 512, 2048, 4, 64, 16  # 512*2048*2 B = 2 MiB per expert row (one VMM granule)
     x, w, topk, weights, grad_y = cpu_moe._problem(1, Es, 2.5, H=Hs, F=Fs, K=Ks, S=Ss)
-    options = BufferOptions(kernels=kernels.removesuffix("+fused"), fused_expert_gemm=kernels.endswith("+fused"))
+    path, _, variant = kernels.partition("+")
+    options = BufferOptions(kernels=path, fused_expert_gemm=variant == "fused",
+                            combine_reduce="destination" if variant == "dest" else "source")
     buf = Buffer(BufferConfig(max_tokens=Ss, hidden=Hs, topk=Ks, num_experts=Es, options=options), one_rank)
     try:
         pools = ExpertPools(buf, glu_projections(Hs, Fs))

@@ -100,6 +100,14 @@ def test_overrides_parse_yaml_then_typecheck() -> None:
         apply_overrides(_raw(), ["model.num_layers.x=1"])
 
 
+def test_moonep_combine_reduce_override() -> None:
+    cfg = from_dict(RunConfig, apply_overrides(_raw(), ["experts.moonep.combine_reduce=destination"]))
+    assert cfg.experts.moonep.combine_reduce == "destination"
+    assert from_dict(RunConfig, _raw()).experts.moonep.combine_reduce == "source"
+    with pytest.raises(ValueError, match=r"experts\.moonep\.combine_reduce.*'source', 'destination'"):
+        from_dict(RunConfig, apply_overrides(_raw(), ["experts.moonep.combine_reduce=dest"]))
+
+
 def test_base_include_relative_to_recipe(tmp_path: Path) -> None:
     base = _raw()
     (tmp_path / "sub").mkdir()

@@ -37,7 +37,7 @@ K3_BLOCK = {"ffn_activation": "situ_glu", "attn_res_block_size": 2}
 
 def tiny_config(backend: str, ep: int, activation_checkpointing: bool = False,
                 micro_batch_size: int | None = None, reshard_after_forward: bool = True,
-                compile: bool = False, k3_block: bool = False) -> RunConfig:
+                compile: bool = False, k3_block: bool = False, combine_reduce: str = "source") -> RunConfig:
     return from_dict(RunConfig, {
         "model": dict(vocab_size=128, hidden_size=64, num_layers=2, num_dense_layers=0, dense_intermediate_size=128,
                       num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -45,7 +45,7 @@ def tiny_config(backend: str, ep: int, activation_checkpointing: bool = False,
                       moe_intermediate_size=64, moe_latent_size=32, routed_scaling_factor=2.0,
                       router_bias_update_rate=0.01, seq_aux_loss_coef=0.01, kda_layers_per_mla=1,
                       kda_num_heads=2, kda_head_dim=16, kda_kernel="torch", **(K3_BLOCK if k3_block else {})),
-        "experts": {"backend": backend},
+        "experts": {"backend": backend, "moonep": {"combine_reduce": combine_reduce}},
         "parallel": {"ep": ep, "fsdp_reshard_after_forward": reshard_after_forward},
         "optim": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant", "grad_clip": 1.0},
         "train": {"steps": STEPS, "global_batch_size": 8, "seq_len": 16, "seed": 3,
@@ -123,9 +123,10 @@ def train_reference(reverse: bool, compile: bool = False, k3_block: bool = False
 
 def train_sharded(rank: int, world: int, backend: str, ep: int, activation_checkpointing: bool = False,
                   micro_batch_size: int | None = None, reshard_after_forward: bool = True,
-                  compile: bool = False, k3_block: bool = False) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+                  compile: bool = False, k3_block: bool = False, combine_reduce: str = "source"
+                  ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     trainer = Trainer(tiny_config(backend, ep, activation_checkpointing, micro_batch_size, reshard_after_forward,
-                                  compile, k3_block), build_layout(ep, torch.device("cpu")))
+                                  compile, k3_block, combine_reduce), build_layout(ep, torch.device("cpu")))
     fsdp_group = trainer.layout.fsdp_mesh.get_group()
     gathers = []  # FSDP's parameter all-gathers
     all_gather_single = dist.all_gather_single
@@ -207,6 +208,14 @@ def test_alltoall_training_matches_single_process(reference, world: int, ep: int
 @pytest.mark.parametrize(("world", "ep"), LAYOUTS, ids=LAYOUT_IDS)
 def test_moonep_training_matches_single_process(reference, world: int, ep: int) -> None:
     result = run_ranks(train_sharded, world, "moonep", ep, timeout_s=300)[0]
+    assert result[2]["slots_used"].sum() > 0, "the skewed router should make moonep use redundant experts"
+    _check(result, reference)
+
+
+def test_moonep_destination_reduce_matches_single_process(reference) -> None:
+    """experts.moonep.combine_reduce=destination (a token's rows summed per rank before they travel, the
+    route weights and the dgrad halves summed in fp32 inside combine) within the same tolerance."""
+    result = run_ranks(train_sharded, 2, "moonep", 2, False, None, True, False, False, "destination", timeout_s=300)[0]
     assert result[2]["slots_used"].sum() > 0, "the skewed router should make moonep use redundant experts"
     _check(result, reference)
 
