@@ -252,8 +252,8 @@ def _push_kernel(y_ptr, add_ptr, w_ptr, scal_ptr, row_link_ptr, row_chain_ptr, l
         src_rank = src // SK
         entry = src % SK
         if HAS_SCAL:  # every entry's scalar, also with REDUCE
-            v = tl.load(scal_ptr + r, mask=ok, other=0.0)
-            tl.store(land_scal_ptr + src_rank * land_scal_rank_stride + entry, v, mask=ok)
+            scal = tl.load(scal_ptr + r, mask=ok, other=0.0)
+            tl.store(land_scal_ptr + src_rank * land_scal_rank_stride + entry, scal, mask=ok)
         if REDUCE:  # only a token's first row on this rank is sent, carrying its rows' sum
             chain = tl.load(row_chain_ptr + r, mask=ok, other=0)
             send = ok & ((chain & 1) != 0)

@@ -36,14 +36,6 @@ CASES = [
     ("moonep.kernels.situ_glu", "_situ_glu_bwd_kernel",
      {"ga_ptr": "*bf16", "h_ptr": "*bf16", "u_ptr": "*bf16", "gh_ptr": "*bf16", "gu_ptr": "*bf16",
       "a_ptr": "*bf16", "n": "i64", "BLOCK": "constexpr"}, {"BLOCK": 2048}),
-    ("moonep.kernels.dispatch_combine", "_scatter_kernel",
-     {"x_ptr": "*bf16", "w_ptr": "*fp32", "dst_rank_ptr": "*i32", "dst_row_ptr": "*i32", "copy_row_ptr": "*i32",
-      "sent_ptr": "*u8", "recv_ptr": "*bf16", "row_weight_ptr": "*fp32", "row_link_ptr": "*i32",
-      "row_link64_ptr": "*i64", "s": "i32", "H": "i32", "x_stride": "i32", "recv_rank_stride": "i64",
-      "recv_row_stride": "i32", "meta_rank_stride": "i64", "link_rank_stride": "i64", "src_base": "i32",
-      "work_ptr": "*i32", "num_programs": "i32", "K": "constexpr", "BLOCK_K": "constexpr", "BLOCK_T": "constexpr",
-      "BLOCK_H": "constexpr", "HAS_W": "constexpr", "ROWS": "constexpr", "FENCE": "constexpr"},
-     {"K": 8, "BLOCK_K": 8, "BLOCK_T": 2, "BLOCK_H": 8192, "HAS_W": True, "ROWS": True, "FENCE": True}),
     ("moonep.planner.fused", "_chunk_kernel",
      {"topk_ptr": "*i32", "rank_ptr": "*i32", "chunk_hist_ptr": "*i32", "num_entries": "i32", "E": "i32",
       "CHUNK": "constexpr", "LOG_CHUNK": "constexpr", "E_BINS": "constexpr"},
@@ -66,6 +58,39 @@ CASES = [
       "E": "i32", "K": "i32", "R": "constexpr", "R_P": "constexpr", "K_P": "constexpr", "BLOCK_T": "constexpr",
       "CHUNK": "constexpr"},
      {"R": 8, "R_P": 8, "K_P": 16, "BLOCK_T": 32, "CHUNK": 512}),
+] + [
+    ("moonep.kernels.dispatch_combine", "_scatter_kernel",
+     {"x_ptr": "*bf16", "w_ptr": "*fp32", "dst_rank_ptr": "*i32", "dst_row_ptr": "*i32", "copy_row_ptr": "*i32",
+      "sent_ptr": "*u8", "recv_ptr": "*bf16", "row_weight_ptr": "*fp32", "row_link_ptr": "*i32",
+      "row_link64_ptr": "*i64", "row_chain_ptr": "*i32", "s": "i32", "H": "i32", "x_stride": "i32",
+      "recv_rank_stride": "i64", "recv_row_stride": "i32", "meta_rank_stride": "i64", "link_rank_stride": "i64",
+      "src_base": "i32", "work_ptr": "*i32", "num_programs": "i32", "K": "constexpr", "BLOCK_K": "constexpr",
+      "BLOCK_T": "constexpr", "BLOCK_H": "constexpr", "HAS_W": "constexpr", "ROWS": "constexpr",
+      "CHAIN": "constexpr", "FENCE": "constexpr"},
+     {"K": 8, "BLOCK_K": 8, "BLOCK_T": 2, "BLOCK_H": 8192, "HAS_W": True, "ROWS": rows, "CHAIN": chain,
+      "FENCE": True})
+    for rows, chain in ((True, False), (True, True), (False, True))
+] + [
+    # combine's push as the MoE layer issues it: combine_reduce "source" (plain rows), "destination" forward
+    # (route weights folded in) and backward (the two dgrad halves added, route-weight grads as row scalars)
+    ("moonep.kernels.dispatch_combine", "_push_kernel",
+     {"y_ptr": "*bf16", "add_ptr": "*bf16", "w_ptr": "*fp32", "scal_ptr": "*fp32", "row_link_ptr": "*i32",
+      "row_chain_ptr": "*i32", "land_ptr": "*bf16", "land_scal_ptr": "*fp32", "nvs_s": "i32", "H": "i32",
+      "y_stride": "i32", "add_stride": "i32", "land_rank_stride": "i64", "land_row_stride": "i32",
+      "land_scal_rank_stride": "i64", "SK": "i32", "num_iters": "i32", "num_programs": "i32", "K": "constexpr",
+      "BLOCK_R": "constexpr", "BLOCK_H": "constexpr", "HAS_SCAL": "constexpr", "HAS_ADD": "constexpr",
+      "HAS_W": "constexpr", "REDUCE": "constexpr", "FENCE": "constexpr"},
+     {"K": 8, "BLOCK_R": 8, "BLOCK_H": 2048, "HAS_SCAL": scal, "HAS_ADD": add, "HAS_W": w, "REDUCE": reduce,
+      "FENCE": True})
+    for scal, add, w, reduce in ((False, False, False, False), (True, False, False, False),
+                                 (False, False, True, True), (True, True, False, True))
+] + [
+    ("moonep.kernels.dispatch_combine", "_reduce_kernel",
+     {"land_ptr": "*bf16", "sent_ptr": "*u8", "out_ptr": "*bf16", "s": "i32", "H": "i32", "land_row_stride": "i32",
+      "out_stride": "i32", "K": "constexpr", "BLOCK_T": "constexpr", "BLOCK_H": "constexpr",
+      "FIRST_ONLY": "constexpr"},
+     {"K": 8, "BLOCK_T": 4, "BLOCK_H": 1024, "FIRST_ONLY": first})
+    for first in (False, True)
 ] + [
     ("moontrain.optim.write_back_kernel", "_adamw_write_back_kernel",
      {"p_ptr": "*fp32", "g_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32", "out_ptr": "*bf16", "bc_ptr": "*fp32",
