@@ -71,12 +71,15 @@ for step in "${steps[@]}"; do
                parallel.dense=$d > "$out/dense_$d.log" 2>&1
              echo "bench_train dense=$d rc=$?"; grep -v "^\[rank" "$out/dense_$d.log" | tail -4
            done ;;
-    mfu)   # issue 23's one-GPU point: k3_small_moe's widths with 64 experts (dry run: 97.5 GiB at EP = 1), 131k tokens per step
-           for d in fsdp plain; do
-             timeout "${MFU_TIMEOUT:-400}" torchrun --nproc_per_node=1 benchmarks/bench_train.py --recipe recipes/k3_small_moe.yaml \
-               --backends moonep --targets 0.2 --steps 3 --warmup 2 --tag "k3_small_moe_E64_R1_$d" --out "$out" \
-               parallel.ep=1 model.num_experts=64 parallel.dense=$d ${MFU_ARGS:-} --profile moonep > "$out/mfu_$d.log" 2>&1
-             echo "mfu dense=$d rc=$?"; grep -v "^\[rank" "$out/mfu_$d.log" | tail -4
+    mfu)   # issue 23's one-GPU point: k3_small_moe's widths with 64 experts at EP = 1, all-MLA layout, 131k tokens per
+           # step in 4 passes of 8 x 4096, dense parameters without FSDP (peak 87 GiB); moonep's combine in both orders
+           for c in source destination; do
+             timeout "${MFU_TIMEOUT:-300}" torchrun --nproc_per_node=1 benchmarks/bench_train.py --recipe recipes/k3_small_moe.yaml \
+               --backends moonep --targets 0.2 --steps 5 --warmup 2 --window 5 --tag "k3_small_moe_E64_R1_$c" --out "$out" \
+               parallel.ep=1 model.num_experts=64 model.kda_layers_per_mla=0 model.use_nope=false parallel.dense=plain \
+               train.micro_batch_size=8 experts.moonep.combine_reduce=$c ${MFU_ARGS:-} --profile moonep > "$out/mfu_$c.log" 2>&1
+             echo "mfu combine_reduce=$c rc=$?"; grep -v "^\[rank" "$out/mfu_$c.log" | grep -E "^  moonep" | tail -1
+             mkdir -p "$out/profile_$c"; mv "$out"/profile_moonep_*.txt "$out/profile_$c/" 2>/dev/null
            done ;;
     *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, kda, optim, determinism, ckpt, dense, mfu)"; exit 2 ;;
   esac
