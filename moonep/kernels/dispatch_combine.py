@@ -109,11 +109,12 @@ _MAX_BLOCK_H = 8192
 _NUM_WARPS = 16
 _REDUCE_BLOCK_T, _REDUCE_BLOCK_H, _REDUCE_WARPS = 4, 1024, 4
 # combine_reduce "destination": the chains resolved per segment of _SEGMENT rows; the reduce push
-# sums [primaries, <= 1024] tiles of _REDUCE_PUSH_TILE elements (8 x 1024 at H >= 1024), all lanes
-# on primary rows, its K row loads independent: 16 elements of each per thread (16 warps), so the
-# K - 1 loads of a step fit in flight within the 128 registers a thread has at 512 threads per CTA.
+# sums [primaries, <= 512] tiles of _REDUCE_PUSH_TILE elements (8 x 512 at H >= 512) with 16 warps:
+# one 16-byte vector of each of the K rows per thread, the K loads independent, so up to K * 16 B per
+# thread (64 KiB per CTA at K = 8) are in flight; ptxas (sm_90a, K = 8) gives it 40-94 registers and
+# no spills, where 8 x 1024 reaches the 128-register cap of 512 threads and spills.
 _SEGMENT = 1024
-_REDUCE_PUSH_TILE, _REDUCE_PUSH_MAX_H = 8192, 1024
+_REDUCE_PUSH_TILE, _REDUCE_PUSH_MAX_H = 4096, 512
 
 
 def _reduce_push_block(H: int, tile: int = _REDUCE_PUSH_TILE) -> tuple[int, int]:
