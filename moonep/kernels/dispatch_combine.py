@@ -131,7 +131,7 @@ _REDUCE_BLOCK_T, _REDUCE_BLOCK_H, _REDUCE_WARPS = 4, 1024, 4
 # thread (64 KiB per CTA at K = 8) are in flight; ptxas (sm_90a, K = 8) gives it 40-94 registers and
 # no spills, where 8 x 1024 reaches the 128-register cap of 512 threads and spills.
 _SEGMENT = 1024
-_REDUCE_PUSH_TILE, _REDUCE_PUSH_MAX_H = 4096, 512
+_REDUCE_PUSH_TILE, _REDUCE_PUSH_MAX_H, _REDUCE_PUSH_WARPS = 4096, 512, 16
 
 
 def _reduce_push_block(H: int, tile: int = _REDUCE_PUSH_TILE) -> tuple[int, int]:
@@ -499,7 +499,7 @@ def push(y_rows: torch.Tensor, row_scalars: torch.Tensor | None, row_link: torch
     strides = (y_rows.stride(0), add.stride(0), land_all.stride(0), land_all.stride(1), land_scalar_all.stride(0),
                entries_per_rank)
     flags = dict(HAS_SCAL=row_scalars is not None, HAS_ADD=add_rows is not None, HAS_W=row_weights is not None,
-                 FENCE=_fences(y_rows), num_warps=_NUM_WARPS,
+                 FENCE=_fences(y_rows),
                  enable_fp_fusion=False)  # acc + y * w stays two roundings, as in the PyTorch path (no FMA)
     if row_chain is None:
         block_r, block_h = _tile(H)
@@ -507,7 +507,8 @@ def push(y_rows: torch.Tensor, row_scalars: torch.Tensor | None, row_link: torch
         programs = max(1, min(grid, num_blocks))
         _push_kernel[(programs,)](
             y_rows, add, w, scal, row_link, land_all, land_scalar_all, nvs_s, H, *strides,
-            triton.cdiv(num_blocks, programs), programs, BLOCK_R=block_r, BLOCK_H=block_h, **flags)
+            triton.cdiv(num_blocks, programs), programs, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=_NUM_WARPS,
+            **flags)
         return
     assert scratch is not None, "the destination reduce needs chain_scratch's lists"
     row_list, count = scratch
@@ -519,7 +520,7 @@ def push(y_rows: torch.Tensor, row_scalars: torch.Tensor | None, row_link: torch
     _push_reduce_kernel[(programs,)](
         y_rows, add, w, scal, row_link, row_list, count, land_all, land_scalar_all, num_segs, H, *strides,
         programs, K=row_list.shape[1], SEG=segment, MAX_SEGS=triton.next_power_of_2(count.numel()),
-        BLOCK_P=block_p, BLOCK_H=block_h, **flags)
+        BLOCK_P=block_p, BLOCK_H=block_h, num_warps=_REDUCE_PUSH_WARPS, **flags)
 
 
 def reduce(land: torch.Tensor, out_sH: torch.Tensor, topk: int, sent_sK: torch.Tensor | None = None) -> None:
