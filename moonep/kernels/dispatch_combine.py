@@ -90,8 +90,9 @@ Rejected: a pull combine with plain loads (latency-bound, see above); for combin
 "destination", the push walking each primary row's chain itself (index, row tile, next index: K - 1
 dependent loads, on blocks of 8 rows of which ~1 is a primary at R = 1; one H200, E = 64, H = 2048,
 K = 8, 32768 tokens: 2.08 ms per push against 0.70 ms for the plain push, 2026-12); copy-engine
-copies per row (one launch or one descriptor per row, tens of thousands per call); folding the receiver's padding marks into the scatter (they need
-each row's group, cheap to find only on the receiver, and the scatter has no barrier before it).
+copies per row (one launch or one descriptor per row, tens of thousands per call); folding the
+receiver's padding marks into the scatter (they need each row's group, cheap to find only on the
+receiver, and the scatter has no barrier before it).
 Also rejected, measured on 2xH200 or one H200: writing a token's duplicates on the sender's own
 rank inside the scatter (no faster: the extra local stores share the CTAs and store queues with
 the NVLink stores); num_sms=32 instead of every SM (dispatch 1131 vs 893 us, combine 1997 vs 1671
@@ -127,9 +128,10 @@ _NUM_WARPS = 16
 _REDUCE_BLOCK_T, _REDUCE_BLOCK_H, _REDUCE_WARPS = 4, 1024, 4
 # combine_reduce "destination": the chains resolved per segment of _SEGMENT rows; the reduce push
 # sums [primaries, <= 512] tiles of _REDUCE_PUSH_TILE elements (8 x 512 at H >= 512) with 16 warps:
-# one 16-byte vector of each of the K rows per thread, the K loads independent, so up to K * 16 B per
-# thread (64 KiB per CTA at K = 8) are in flight; ptxas (sm_90a, K = 8) gives it 40-94 registers and
-# no spills, where 8 x 1024 reaches the 128-register cap of 512 threads and spills.
+# one 16-byte vector of each of the K rows per thread, the K loads independent of each other (ptxas
+# for sm_90a issues 2-4 of them ahead of their adds at K = 8), 40-94 registers and no spills, where
+# 8 x 1024 reaches the 128-register cap of 512 threads and spills. Not timed yet: the block shapes
+# are what benchmarks/bench_push_reduce.py compares.
 _SEGMENT = 1024
 _REDUCE_PUSH_TILE, _REDUCE_PUSH_MAX_H, _REDUCE_PUSH_WARPS = 4096, 512, 16
 
