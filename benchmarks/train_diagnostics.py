@@ -80,8 +80,8 @@ KERNEL_CLASSES = (
     ("attention", r"fmha|flash|sdpa|attention|^triton_tem_"),  # inductor templates here: flex_attention
     ("kda (fla)", r"kda|delta_rule|wy_repr|recompute_w_u|chunk_fwd_kernel_o|chunk_bwd_kernel|l2norm|"
                   r"chunk_local_cumsum|kkt|solve_tril|merge_16x16|inverse_kernel"),
-    ("moonep comm", r"_scatter_kernel|_expand_kernel|_push_kernel|_reduce_kernel|_barrier_kernel|_signal|"
-                    r"_wait_kernel|plan|_prefix|_histogram"),
+    ("moonep comm", r"_scatter_kernel|_expand_kernel|_push_kernel|_chain_list_kernel|_reduce_kernel|_barrier_kernel|"
+                    r"_signal|_wait_kernel|plan|_prefix|_histogram"),
     ("gemm", r"gemm|cutlass|nvjet|xmma|wgmma|_grouped_mm|splitK"),
     ("optimizer", r"adam|multi_tensor_apply"),
     ("copy / cast", r"[Mm]emcpy|[Mm]emset|copy|_to_copy|convert|cast"),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go, for a 2-GPU machine (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|kda|optim|determinism|ckpt|dense|mfu ...]
-#   (default: the first four, in order; kda, optim, determinism, ckpt, dense and mfu run on one GPU)
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|optim|determinism|ckpt|dense|mfu ...]
+#   (default: the first four, in order; push, kda, optim, determinism, ckpt, dense and mfu run on one GPU)
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
 # PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT (s), MFU_ARGS (extra overrides for the mfu step), DET_ONLY (runs of check_determinism, default A,B,P,C,D), COMM_ARGS (bench_comm.py
 # arguments instead of --experts 96 384, e.g. --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
@@ -45,6 +45,8 @@ for step in "${steps[@]}"; do
            echo "planner rc=$?"; tail -12 "$out/planner.log" ;;
     gemm)  timeout "${GEMM_TIMEOUT:-300}" python benchmarks/bench_expert_gemm.py --out "$out" > "$out/expert_gemm.log" 2>&1
            echo "gemm rc=$?"; tail -40 "$out/expert_gemm.log" ;;
+    push)  timeout "${PUSH_TIMEOUT:-400}" python benchmarks/bench_push_reduce.py --out "$out" > "$out/push_reduce.log" 2>&1
+           echo "push rc=$?"; tail -40 "$out/push_reduce.log" ;;
     kda)   timeout "${KDA_TIMEOUT:-600}" python -m pytest -v -m gpu tests/moontrain/model/test_kda_gpu.py > "$out/kda.log" 2>&1
            echo "kda rc=$?"; grep -hE "PASSED|FAILED|passed|failed" "$out/kda.log" | tail -6
            timeout "${KDA_TIMEOUT:-600}" python benchmarks/bench_kda.py --out "$out/bench_kda.json" > "$out/bench_kda.log" 2>&1

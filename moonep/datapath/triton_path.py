@@ -51,6 +51,8 @@ class TritonPath:
                                      lambda: comm.barrier("dispatch:histograms"))
         self._rows_plan: Plan | None = None  # plan of the last dispatch: its rows' sources are in row_src
         self._reduce_first = opts.combine_reduce == "destination"  # the chain links: written and read
+        self._chain_scratch = (dispatch_combine.chain_scratch(comm.layout.nvs, comm.layout.config.topk, comm.device)
+                               if self._reduce_first else None)  # the destination's resolved chains
 
     # ------------------------------------------------------------------ Buffer
     def plan(self, topk_sK: torch.Tensor, tokens_per_expert_E: torch.Tensor | None, total_num_tokens: int | None,
@@ -90,7 +92,7 @@ class TritonPath:
         first = self._reduce_first
         dispatch_combine.push(y_rows, row_scalars, mine["row_link"], plan.nvs_s, every["land"], every["land_scalar"],
                               cfg.max_tokens * K, self._grid, row_chain=mine["row_chain"] if first else None,
-                              topk=K, row_weights=row_weights, add_rows=add_rows)
+                              scratch=self._chain_scratch, row_weights=row_weights, add_rows=add_rows)
         c.barrier("combine:rows")
         s = plan.num_tokens
         y_sH = torch.empty(s, cfg.hidden, dtype=cfg.dtype, device=c.device)

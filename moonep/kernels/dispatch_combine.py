@@ -33,10 +33,24 @@ combine (push; a row's value is y, or y (+ add_rows) (* row_weights) in fp32 whe
        land[src_rank, t * K + k] (and its row scalar into land_scalar). Each entry has its own
        row, so every landing row is written exactly once and without a race. The landing region
        is free: its last reader finished before the previous "combine:done".
-       combine_reduce "destination": only rows with the chain's first-entry bit are stored, each
-       carrying the fp32 sum of its own value and those of the rows down its chain (ascending k,
-       one add each), rounded once, in the landing row of that first entry; every row still
-       stores its scalar. One row per (token, destination rank) crosses instead of one per entry.
+       combine_reduce "destination" instead, two launches (one row per (token, destination rank)
+       crosses instead of one per entry):
+       a. `_chain_list_kernel`, local, one program per segment of 1024 rows: the primary rows
+          (row_src >= 0 and the chain's first-entry bit: a token's first entry here) of segment g,
+          in row order, take the list rows g * 1024 + 0, 1, ...; list row [j] = the row of the
+          token's j-th entry here (ascending k, j = 0 the primary itself, -1 past the chain's end);
+          the segment's other list rows -1, its count of primaries. The K - 1 dependent steps
+          walk int32 indices only. The lists are a local scratch of the data path ([NvS, K] int32
+          and the counts), written and read in stream order.
+       b. `_push_reduce_kernel`, persistent grid over blocks of 8 list rows x 512 hidden (more
+          rows below H = 512; block b: segment b % segments, every segment's first block before
+          any second one, so the non-empty blocks come first and spread over the programs; a
+          program stops past the fullest segment):
+          the K rows of each list row are loaded independently, summed in fp32 in ascending k (the
+          first taken as is, one add each), rounded once, and stored in the landing row of the
+          primary's entry; every listed row's scalar goes to its own entry's slot. Every row of a
+          block but the last of a segment is a primary, whatever their share of the receive rows
+          (1 in K at R = 1).
     2. barrier "combine:rows".
     3. `_reduce_kernel` (this rank as source), local: y[t] = sum_k land[t*K + k] in fp32 in
        ascending k (a separate add per k, no reassociation), one rounding to the output dtype: the
@@ -72,9 +86,13 @@ way in the same run; at maxvio 0 only 59 MB cross (round-robin routing: each tok
 on one rank) in 186-187 us, 314-316 GB/s (83.1 / 83.5 %). A 32768-element tile gives the same as
 16384.
 
-Rejected: a pull combine with plain loads (latency-bound, see above); copy-engine copies per row (one launch or one descriptor per
-row, tens of thousands per call); folding the receiver's padding marks into the scatter (they need
-each row's group, cheap to find only on the receiver, and the scatter has no barrier before it).
+Rejected: a pull combine with plain loads (latency-bound, see above); for combine_reduce
+"destination", the push walking each primary row's chain itself (index, row tile, next index: K - 1
+dependent loads, on blocks of 8 rows of which ~1 is a primary at R = 1; one H200, E = 64, H = 2048,
+K = 8, 32768 tokens: 2.08 ms per push against 0.70 ms for the plain push, 2026-12); copy-engine
+copies per row (one launch or one descriptor per row, tens of thousands per call); folding the
+receiver's padding marks into the scatter (they need each row's group, cheap to find only on the
+receiver, and the scatter has no barrier before it).
 Also rejected, measured on 2xH200 or one H200: writing a token's duplicates on the sender's own
 rank inside the scatter (no faster: the extra local stores share the CTAs and store queues with
 the NVLink stores); num_sms=32 instead of every SM (dispatch 1131 vs 893 us, combine 1997 vs 1671
@@ -108,6 +126,20 @@ _TILE = 16384
 _MAX_BLOCK_H = 8192
 _NUM_WARPS = 16
 _REDUCE_BLOCK_T, _REDUCE_BLOCK_H, _REDUCE_WARPS = 4, 1024, 4
+# combine_reduce "destination": the chains resolved per segment of _SEGMENT rows; the reduce push
+# sums [primaries, <= 512] tiles of _REDUCE_PUSH_TILE elements (8 x 512 at H >= 512) with 16 warps:
+# one 16-byte vector of each of the K rows per thread, the K loads independent of each other (ptxas
+# for sm_90a issues 2-4 of them ahead of their adds at K = 8), 40-94 registers and no spills, where
+# 8 x 1024 reaches the 128-register cap of 512 threads and spills. Not timed yet: the block shapes
+# are what benchmarks/bench_push_reduce.py compares.
+_SEGMENT = 1024
+_REDUCE_PUSH_TILE, _REDUCE_PUSH_MAX_H, _REDUCE_PUSH_WARPS = 4096, 512, 16
+
+
+def _reduce_push_block(H: int, tile: int = _REDUCE_PUSH_TILE) -> tuple[int, int]:
+    """(primary rows per block, hidden elements per tile) of the reduce push."""
+    block_h = min(triton.next_power_of_2(H), _REDUCE_PUSH_MAX_H)
+    return max(1, tile // block_h), block_h
 
 
 def _tile(H: int, tile: int = _TILE) -> tuple[int, int]:
@@ -235,11 +267,10 @@ def _row_value(y_ptr, add_ptr, w_ptr, r, hh, r_mask, h_ok, y_stride, add_stride,
 
 
 @triton.jit
-def _push_kernel(y_ptr, add_ptr, w_ptr, scal_ptr, row_link_ptr, row_chain_ptr, land_ptr, land_scal_ptr,
+def _push_kernel(y_ptr, add_ptr, w_ptr, scal_ptr, row_link_ptr, land_ptr, land_scal_ptr,
                  nvs_s, H, y_stride, add_stride, land_rank_stride, land_row_stride, land_scal_rank_stride, SK,
-                 num_iters, num_programs, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                 HAS_SCAL: tl.constexpr, HAS_ADD: tl.constexpr, HAS_W: tl.constexpr, REDUCE: tl.constexpr,
-                 FENCE: tl.constexpr):
+                 num_iters, num_programs, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                 HAS_SCAL: tl.constexpr, HAS_ADD: tl.constexpr, HAS_W: tl.constexpr, FENCE: tl.constexpr):
     pid = tl.program_id(0)
     hh0 = tl.arange(0, BLOCK_H)
     for i in range(0, num_iters):
@@ -251,33 +282,98 @@ def _push_kernel(y_ptr, add_ptr, w_ptr, scal_ptr, row_link_ptr, row_chain_ptr, l
         src = tl.where(ok, src, 0).to(tl.int64)
         src_rank = src // SK
         entry = src % SK
-        if HAS_SCAL:  # every entry's scalar, also with REDUCE
+        if HAS_SCAL:
             scal = tl.load(scal_ptr + r, mask=ok, other=0.0)
             tl.store(land_scal_ptr + src_rank * land_scal_rank_stride + entry, scal, mask=ok)
-        if REDUCE:  # only a token's first row on this rank is sent, carrying its rows' sum
-            chain = tl.load(row_chain_ptr + r, mask=ok, other=0)
-            send = ok & ((chain & 1) != 0)
-        else:
-            send = ok
         dst = src_rank * land_rank_stride + entry * land_row_stride
         for h0 in range(0, H, BLOCK_H):
             hh = h0 + hh0
             h_ok = (hh < H)[None, :]
-            m = send[:, None] & h_ok
-            if REDUCE or HAS_ADD or HAS_W:
-                acc = _row_value(y_ptr, add_ptr, w_ptr, r, hh, send, h_ok, y_stride, add_stride, HAS_ADD, HAS_W)
-                if REDUCE:  # the chain of the token's later rows here, ascending k, one fp32 add each
-                    nxt = (chain >> 1).to(tl.int64)
-                    for _ in tl.static_range(K - 1):
-                        act = send & (nxt >= 0)
-                        row = tl.where(act, nxt, 0)
-                        v = _row_value(y_ptr, add_ptr, w_ptr, row, hh, act, h_ok, y_stride, add_stride, HAS_ADD, HAS_W)
-                        acc = tl.where(act[:, None], acc + v, acc)
-                        nxt = tl.where(act, (tl.load(row_chain_ptr + row, mask=act, other=-2) >> 1).to(tl.int64), -1)
-                tile = acc.to(land_ptr.dtype.element_ty)
+            m = ok[:, None] & h_ok
+            if HAS_ADD or HAS_W:
+                tile = _row_value(y_ptr, add_ptr, w_ptr, r, hh, ok, h_ok, y_stride, add_stride, HAS_ADD,
+                                  HAS_W).to(land_ptr.dtype.element_ty)
             else:
                 tile = tl.load(y_ptr + r[:, None] * y_stride + hh[None, :], mask=m)
             tl.store(land_ptr + dst[:, None] + hh[None, :], tile, mask=m)
+    if FENCE:
+        _fence_sys(hh0)  # this thread's peer stores performed at system scope before the program ends
+
+
+@triton.jit
+def _chain_list_kernel(row_link_ptr, row_chain_ptr, list_ptr, count_ptr, nvs_s,
+                       K: tl.constexpr, BLOCK_K: tl.constexpr, SEG: tl.constexpr):
+    """One program per segment of SEG rows: the row lists of the segment's primary rows (chain bit 1,
+    row_src >= 0) at the front of the segment's list rows, in row order; -1 in the rest; the count."""
+    seg = tl.program_id(0)
+    i = tl.arange(0, SEG)
+    r = seg * SEG + i
+    r_ok = r < nvs_s
+    src = tl.load(row_link_ptr + 2 * r + 1, mask=r_ok, other=-1)  # row_src
+    ok = r_ok & (src >= 0)
+    chain = tl.load(row_chain_ptr + r, mask=ok, other=0)
+    first = ok & ((chain & 1) != 0)
+    kk = tl.arange(0, BLOCK_K)
+    lst = tl.where(kk[None, :] == 0, r[:, None], -1)  # j = 0: the primary row itself
+    nxt = chain >> 1
+    for j in tl.static_range(1, K):  # the dependent steps, on int32 indices only
+        act = first & (nxt >= 0)
+        lst = tl.where((kk[None, :] == j) & act[:, None], nxt[:, None], lst)
+        nxt = tl.where(act, tl.load(row_chain_ptr + nxt, mask=act, other=-2) >> 1, -1)
+    slot = tl.cumsum(first.to(tl.int32), axis=0) - 1  # the primary's position among the segment's primaries
+    count = tl.sum(first.to(tl.int32), axis=0)
+    k_ok = (kk < K)[None, :]
+    tl.store(list_ptr + (seg * SEG + slot)[:, None] * K + kk[None, :], lst, mask=first[:, None] & k_ok)
+    tl.store(list_ptr + r[:, None] * K + kk[None, :], tl.full([SEG, BLOCK_K], -1, tl.int32),
+             mask=(r_ok & (i >= count))[:, None] & k_ok)
+    tl.store(count_ptr + seg, count)
+
+
+@triton.jit
+def _push_reduce_kernel(y_ptr, add_ptr, w_ptr, scal_ptr, row_link_ptr, list_ptr, count_ptr, land_ptr, land_scal_ptr,
+                        num_segs, H, y_stride, add_stride, land_rank_stride, land_row_stride, land_scal_rank_stride,
+                        SK, num_programs, K: tl.constexpr, SEG: tl.constexpr, MAX_SEGS: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SCAL: tl.constexpr, HAS_ADD: tl.constexpr,
+                        HAS_W: tl.constexpr, FENCE: tl.constexpr):
+    pid = tl.program_id(0)
+    hh0 = tl.arange(0, BLOCK_H)
+    ss = tl.arange(0, MAX_SEGS)
+    max_count = tl.max(tl.load(count_ptr + ss, mask=ss < num_segs, other=0), axis=0)
+    # block b: list positions q .. q + BLOCK_P of segment b % num_segs, q = (b // num_segs) * BLOCK_P; every
+    # segment's first block comes before any second block, so the non-empty blocks are the first ones
+    # and spread over all programs; the loop ends past the fullest segment.
+    b = pid
+    q = (b // num_segs) * BLOCK_P
+    while q < max_count:
+        seg = b % num_segs
+        i = q + tl.arange(0, BLOCK_P)
+        pv = i < tl.load(count_ptr + seg)
+        p = (seg * SEG + i).to(tl.int64)
+        r0 = tl.load(list_ptr + p * K, mask=pv, other=0).to(tl.int64)  # the primary rows
+        src = tl.load(row_link_ptr + 2 * r0 + 1, mask=pv, other=0).to(tl.int64)
+        dst = (src // SK) * land_rank_stride + (src % SK) * land_row_stride
+        if HAS_SCAL:  # every row's scalar into its own entry's slot
+            for j in tl.static_range(K):
+                row_j = tl.load(list_ptr + p * K + j, mask=pv, other=-1).to(tl.int64)
+                act_j = row_j >= 0
+                row_j = tl.where(act_j, row_j, 0)
+                src_j = tl.load(row_link_ptr + 2 * row_j + 1, mask=act_j, other=0).to(tl.int64)
+                scal = tl.load(scal_ptr + row_j, mask=act_j, other=0.0)
+                tl.store(land_scal_ptr + (src_j // SK) * land_scal_rank_stride + src_j % SK, scal, mask=act_j)
+        for h0 in range(0, H, BLOCK_H):
+            hh = h0 + hh0
+            h_ok = (hh < H)[None, :]
+            # the K rows' loads are independent of each other; the sum keeps ascending k, one fp32 add each
+            acc = _row_value(y_ptr, add_ptr, w_ptr, r0, hh, pv, h_ok, y_stride, add_stride, HAS_ADD, HAS_W)
+            for j in tl.static_range(1, K):
+                row = tl.load(list_ptr + p * K + j, mask=pv, other=-1).to(tl.int64)
+                act = row >= 0
+                v = _row_value(y_ptr, add_ptr, w_ptr, tl.where(act, row, 0), hh, act, h_ok, y_stride, add_stride,
+                               HAS_ADD, HAS_W)
+                acc = tl.where(act[:, None], acc + v, acc)
+            tl.store(land_ptr + dst[:, None] + hh[None, :], acc.to(land_ptr.dtype.element_ty), mask=pv[:, None] & h_ok)
+        b += num_programs
+        q = (b // num_segs) * BLOCK_P
     if FENCE:
         _fence_sys(hh0)  # this thread's peer stores performed at system scope before the program ends
 
@@ -364,30 +460,69 @@ def expand(recv: torch.Tensor, row_weight: torch.Tensor, row_link: torch.Tensor,
         num_warps=_NUM_WARPS)
 
 
+def chain_scratch(rows: int, topk: int, device: torch.device, *, segment: int = _SEGMENT
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local scratch of the combine_reduce "destination" push for up to `rows` receive rows: the row
+    lists int32 [rows, topk] and the primary count per segment of `segment` rows, int32 [segments]."""
+    return (torch.empty(rows, topk, dtype=torch.int32, device=device),
+            torch.empty(max(1, triton.cdiv(rows, segment)), dtype=torch.int32, device=device))
+
+
+def chain_lists(row_link: torch.Tensor, row_chain: torch.Tensor, nvs_s: int, row_list: torch.Tensor,
+                count: torch.Tensor, *, segment: int = _SEGMENT) -> None:
+    """The chains of rows [0, nvs_s) resolved (combine_reduce "destination"): segment g's primary
+    rows (row_src >= 0, chain bit 1) in row order take list rows g * segment + 0, 1, ..., each
+    row_list[., j] = the row of the token's j-th entry here (ascending k; j = 0 the primary itself),
+    -1 past the chain's end; count[g] = their number; the segment's other list rows below nvs_s hold -1."""
+    K = row_list.shape[1]
+    assert row_link.shape[-1] == 2 and row_link.is_contiguous() and row_list.is_contiguous()
+    assert row_list.shape[0] >= nvs_s and count.numel() >= triton.cdiv(nvs_s, segment)
+    _chain_list_kernel[(max(1, triton.cdiv(nvs_s, segment)),)](
+        row_link, row_chain, row_list, count, nvs_s, K=K, BLOCK_K=triton.next_power_of_2(K), SEG=segment,
+        num_warps=8)
+
+
 def push(y_rows: torch.Tensor, row_scalars: torch.Tensor | None, row_link: torch.Tensor, nvs_s: int,
          land_all: torch.Tensor, land_scalar_all: torch.Tensor, entries_per_rank: int, grid: int, *,
-         row_chain: torch.Tensor | None = None, topk: int = 1, row_weights: torch.Tensor | None = None,
-         add_rows: torch.Tensor | None = None) -> None:
+         row_chain: torch.Tensor | None = None, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+         row_weights: torch.Tensor | None = None, add_rows: torch.Tensor | None = None,
+         reduce_tile: int = _REDUCE_PUSH_TILE, segment: int = _SEGMENT) -> None:
     """Destination side of combine: every valid row into its source's landing row; with `row_chain`
-    (combine_reduce "destination") one row per (source rank, token): the fp32 sum over the token's
-    rows here in ascending k (at most `topk`), in the landing row of its first entry. A row's value is
-    y (+ add_rows) (* row_weights) in fp32 (rounded once per landing row); without either, y's bits."""
+    (combine_reduce "destination"; `scratch` from chain_scratch, its lists' width K) one row per
+    (source rank, token): the fp32 sum over the token's rows here in ascending k, in the landing row
+    of its first entry (chain_lists, then the reduce push). A row's value is y (+ add_rows)
+    (* row_weights) in fp32 (rounded once per landing row); without either, y's bits. `reduce_tile`
+    (elements per program step) and `segment` shape the reduce push's blocks (tests use small ones)."""
     assert row_link.shape[-1] == 2 and row_link.is_contiguous()
     H = y_rows.shape[-1]
     scal = row_scalars if row_scalars is not None else land_scalar_all  # never read when HAS_SCAL is off
     add = add_rows if add_rows is not None else y_rows  # never read when HAS_ADD is off
     w = row_weights if row_weights is not None else land_scalar_all  # never read when HAS_W is off
-    chain = row_chain if row_chain is not None else row_link  # never read when REDUCE is off
-    block_r, block_h = _tile(H)
-    num_blocks = triton.cdiv(nvs_s, block_r)
-    programs = max(1, min(grid, num_blocks))
-    _push_kernel[(programs,)](
-        y_rows, add, w, scal, row_link, chain, land_all, land_scalar_all,
-        nvs_s, H, y_rows.stride(0), add.stride(0), land_all.stride(0), land_all.stride(1), land_scalar_all.stride(0),
-        entries_per_rank, triton.cdiv(num_blocks, programs), programs, K=topk, BLOCK_R=block_r, BLOCK_H=block_h,
-        HAS_SCAL=row_scalars is not None, HAS_ADD=add_rows is not None, HAS_W=row_weights is not None,
-        REDUCE=row_chain is not None, FENCE=_fences(y_rows), num_warps=_NUM_WARPS,
-        enable_fp_fusion=False)  # acc + y * w stays two roundings, as in the PyTorch path (no FMA)
+    strides = (y_rows.stride(0), add.stride(0), land_all.stride(0), land_all.stride(1), land_scalar_all.stride(0),
+               entries_per_rank)
+    flags = dict(HAS_SCAL=row_scalars is not None, HAS_ADD=add_rows is not None, HAS_W=row_weights is not None,
+                 FENCE=_fences(y_rows),
+                 enable_fp_fusion=False)  # acc + y * w stays two roundings, as in the PyTorch path (no FMA)
+    if row_chain is None:
+        block_r, block_h = _tile(H)
+        num_blocks = triton.cdiv(nvs_s, block_r)
+        programs = max(1, min(grid, num_blocks))
+        _push_kernel[(programs,)](
+            y_rows, add, w, scal, row_link, land_all, land_scalar_all, nvs_s, H, *strides,
+            triton.cdiv(num_blocks, programs), programs, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=_NUM_WARPS,
+            **flags)
+        return
+    assert scratch is not None, "the destination reduce needs chain_scratch's lists"
+    row_list, count = scratch
+    chain_lists(row_link, row_chain, nvs_s, row_list, count, segment=segment)
+    block_p, block_h = _reduce_push_block(H, reduce_tile)
+    assert segment % block_p == 0
+    num_segs = max(1, triton.cdiv(nvs_s, segment))
+    programs = max(1, min(grid, num_segs * (segment // block_p)))
+    _push_reduce_kernel[(programs,)](
+        y_rows, add, w, scal, row_link, row_list, count, land_all, land_scalar_all, num_segs, H, *strides,
+        programs, K=row_list.shape[1], SEG=segment, MAX_SEGS=triton.next_power_of_2(count.numel()),
+        BLOCK_P=block_p, BLOCK_H=block_h, num_warps=_REDUCE_PUSH_WARPS, **flags)
 
 
 def reduce(land: torch.Tensor, out_sH: torch.Tensor, topk: int, sent_sK: torch.Tensor | None = None) -> None:

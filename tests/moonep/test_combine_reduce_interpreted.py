@@ -9,6 +9,9 @@ Checks, on 1 and 2 gloo ranks over the CPU heap:
 - the Triton kernels == the PyTorch path (bitwise) for both settings: plain rows, row scalars,
   route weights folded in (row_weights), two row tensors added (add_rows), and the refresh branch
   (a plan that is not the last dispatch's);
+- the destination push's two kernels alone, over several segments and blocks: the chain lists ==
+  a PyTorch walk of the chains (K = 1, 4, 16; padding rows with noise in their chain), the reduce
+  push == the chains summed in PyTorch (bitwise, landing rows and scalars, untouched rows kept);
 - "destination" against "source" (fed each row's value rounded once, as the old path with a
   separate route-weight scale and dgrad add does) within the bound `_order_bound` derives; at R = 1
   and plain rows bit for bit.
@@ -270,3 +273,90 @@ def test_combine_reduce_option_is_validated() -> None:
     assert BufferOptions().combine_reduce == "source"
     with pytest.raises(ValueError, match=r"combine_reduce must be one of \('source', 'destination'\), got 'dest'"):
         BufferOptions(combine_reduce="dest")
+
+
+# ------------------------------------------------------------------ the destination push's kernels alone
+
+def _chains(nvs_s: int, topk: int, num_ranks: int, max_tokens: int, seed: int
+            ) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+    """Receive rows as a dispatch leaves them: row_link [nvs_s + 1, 2] (row_src of every row, -1 on
+    padding rows) and row_chain [nvs_s + 1] (2 * next + first per token's rows here, ascending k; random
+    bits on padding rows), and the chains as lists of rows. Tokens hold 1..topk of their entries here;
+    about a fifth of the rows are padding."""
+    g = torch.Generator().manual_seed(seed)
+    row_link = torch.zeros(nvs_s + 1, 2, dtype=torch.int32)
+    row_chain = torch.randint(-(2**20), 2**20, (nvs_s + 1,), generator=g, dtype=torch.int32)  # padding: noise
+    row_link[:, 1] = -1
+    free = torch.randperm(nvs_s, generator=g).tolist()[: nvs_s - nvs_s // 5]
+    chains: list[list[int]] = []
+    slots = torch.randperm(num_ranks * max_tokens, generator=g).tolist()  # (source rank, token), each once
+    while free:
+        m = min(len(free), int(torch.randint(1, topk + 1, (1,), generator=g)))
+        ks = sorted(torch.randperm(topk, generator=g)[:m].tolist())
+        slot = slots.pop()
+        rows = [free.pop() for _ in ks]
+        for i, (k, row) in enumerate(zip(ks, rows, strict=True)):
+            nxt = rows[i + 1] if i + 1 < len(rows) else -1
+            row_link[row, 1] = slot * topk + k  # src_rank * S * K + t * K + k
+            row_chain[row] = 2 * nxt + (1 if i == 0 else 0)
+        chains.append(rows)
+    return row_link, row_chain, chains
+
+
+@pytest.mark.parametrize("topk", [1, 4, 16])
+def test_chain_lists_match_a_walk_of_the_chains(topk: int) -> None:
+    from moonep.kernels import dispatch_combine
+
+    segment, nvs_s = 16, 150  # 10 segments, the last one partial
+    row_link, row_chain, chains = _chains(nvs_s, topk, num_ranks=2, max_tokens=nvs_s, seed=topk)
+    head = {rows[0]: rows for rows in chains}
+    want_list = torch.full((nvs_s + 7, topk), -7, dtype=torch.int32)  # rows past nvs_s stay untouched
+    want_list[:nvs_s] = -1
+    want_count = torch.full((-(-(nvs_s + 7) // segment),), -7, dtype=torch.int32)
+    for g0 in range(0, nvs_s, segment):
+        primaries = [r for r in range(g0, min(g0 + segment, nvs_s)) if r in head]
+        for i, r in enumerate(primaries):
+            want_list[g0 + i, : len(head[r])] = torch.tensor(head[r], dtype=torch.int32)
+        want_count[g0 // segment] = len(primaries)
+    row_list = torch.full_like(want_list, -7)
+    count = torch.full_like(want_count, -7)
+    dispatch_combine.chain_lists(row_link, row_chain, nvs_s, row_list, count, segment=segment)
+    assert _mismatch("count", count, want_count) is None, _mismatch("count", count, want_count)
+    assert _mismatch("row_list", row_list, want_list) is None, _mismatch("row_list", row_list, want_list)
+
+
+@pytest.mark.parametrize(("topk", "scal", "add", "weights"),
+                         [(4, False, False, False), (4, True, False, True), (4, True, True, True),
+                          (1, True, False, False), (16, False, True, True)])
+def test_push_reduce_matches_the_chains_sums(topk: int, scal: bool, add: bool, weights: bool) -> None:
+    """The reduce push over several segments, blocks and hidden tiles (segment 16, blocks of 4
+    primaries x 512, 3 programs) against the chains summed in PyTorch (push's documented order)."""
+    from moonep.datapath.reference import row_values
+    from moonep.kernels import dispatch_combine
+
+    R, S, nvs_s, width = 2, 60, 150, 1100
+    row_link, row_chain, chains = _chains(nvs_s, topk, num_ranks=R, max_tokens=S, seed=31 + topk)
+    SK = S * topk
+    y = _rows(nvs_s + 1, 1, width)
+    add_rows = _rows(nvs_s + 1, 2, width) if add else None
+    w = torch.rand(nvs_s + 1, generator=torch.Generator().manual_seed(3)) if weights else None
+    sc = torch.randn(nvs_s + 1, generator=torch.Generator().manual_seed(4)) if scal else None
+    land = torch.full((R, SK + 1, width), 1234.0, dtype=torch.bfloat16)  # untouched where nothing lands
+    land_scal = torch.full((R, SK + 1), -9.0)
+    want, want_scal = land.clone(), land_scal.clone()
+    vals = row_values(y, w, add_rows)
+    for rows in chains:
+        acc = vals[rows[0]].clone()
+        for row in rows[1:]:
+            acc = acc + vals[row]
+        src = int(row_link[rows[0], 1])
+        want[src // SK, src % SK] = acc.to(torch.bfloat16)
+        for row in rows:
+            src = int(row_link[row, 1])
+            if sc is not None:
+                want_scal[src // SK, src % SK] = sc[row]
+    dispatch_combine.push(y, sc, row_link, nvs_s, land, land_scal, SK, 3, row_chain=row_chain,
+                          scratch=dispatch_combine.chain_scratch(nvs_s, topk, y.device, segment=16),
+                          row_weights=w, add_rows=add_rows, reduce_tile=2048, segment=16)
+    assert _mismatch("land", land, want) is None, _mismatch("land", land, want)
+    assert _mismatch("land_scalar", land_scal, want_scal) is None, _mismatch("land_scalar", land_scal, want_scal)

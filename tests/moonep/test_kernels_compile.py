@@ -71,19 +71,34 @@ CASES = [
       "FENCE": True})
     for rows, chain in ((True, False), (True, True), (False, True))
 ] + [
-    # combine's push as the MoE layer issues it: combine_reduce "source" (plain rows), "destination" forward
-    # (route weights folded in) and backward (the two dgrad halves added, route-weight grads as row scalars)
+    # combine's push: combine_reduce "source" as the MoE layer issues it (plain rows, row scalars)
     ("moonep.kernels.dispatch_combine", "_push_kernel",
      {"y_ptr": "*bf16", "add_ptr": "*bf16", "w_ptr": "*fp32", "scal_ptr": "*fp32", "row_link_ptr": "*i32",
-      "row_chain_ptr": "*i32", "land_ptr": "*bf16", "land_scal_ptr": "*fp32", "nvs_s": "i32", "H": "i32",
-      "y_stride": "i32", "add_stride": "i32", "land_rank_stride": "i64", "land_row_stride": "i32",
-      "land_scal_rank_stride": "i64", "SK": "i32", "num_iters": "i32", "num_programs": "i32", "K": "constexpr",
-      "BLOCK_R": "constexpr", "BLOCK_H": "constexpr", "HAS_SCAL": "constexpr", "HAS_ADD": "constexpr",
-      "HAS_W": "constexpr", "REDUCE": "constexpr", "FENCE": "constexpr"},
-     {"K": 8, "BLOCK_R": 8, "BLOCK_H": 2048, "HAS_SCAL": scal, "HAS_ADD": add, "HAS_W": w, "REDUCE": reduce,
-      "FENCE": True})
-    for scal, add, w, reduce in ((False, False, False, False), (True, False, False, False),
-                                 (False, False, True, True), (True, True, False, True))
+      "land_ptr": "*bf16", "land_scal_ptr": "*fp32", "nvs_s": "i32", "H": "i32", "y_stride": "i32",
+      "add_stride": "i32", "land_rank_stride": "i64", "land_row_stride": "i32", "land_scal_rank_stride": "i64",
+      "SK": "i32", "num_iters": "i32", "num_programs": "i32", "BLOCK_R": "constexpr", "BLOCK_H": "constexpr",
+      "HAS_SCAL": "constexpr", "HAS_ADD": "constexpr", "HAS_W": "constexpr", "FENCE": "constexpr"},
+     {"BLOCK_R": 8, "BLOCK_H": 2048, "HAS_SCAL": scal, "HAS_ADD": False, "HAS_W": False, "FENCE": True})
+    for scal in (False, True)
+] + [
+    # combine_reduce "destination": the chain lists (K = 1, 8, 16) and the reduce push, forward (route
+    # weights folded in) and backward (the two dgrad halves added, route-weight grads as row scalars)
+    ("moonep.kernels.dispatch_combine", "_chain_list_kernel",
+     {"row_link_ptr": "*i32", "row_chain_ptr": "*i32", "list_ptr": "*i32", "count_ptr": "*i32", "nvs_s": "i32",
+      "K": "constexpr", "BLOCK_K": "constexpr", "SEG": "constexpr"},
+     {"K": k, "BLOCK_K": k, "SEG": 1024})
+    for k in (1, 8, 16)
+] + [
+    ("moonep.kernels.dispatch_combine", "_push_reduce_kernel",
+     {"y_ptr": "*bf16", "add_ptr": "*bf16", "w_ptr": "*fp32", "scal_ptr": "*fp32", "row_link_ptr": "*i32",
+      "list_ptr": "*i32", "count_ptr": "*i32", "land_ptr": "*bf16", "land_scal_ptr": "*fp32", "num_segs": "i32",
+      "H": "i32", "y_stride": "i32", "add_stride": "i32", "land_rank_stride": "i64", "land_row_stride": "i32",
+      "land_scal_rank_stride": "i64", "SK": "i32", "num_programs": "i32", "K": "constexpr", "SEG": "constexpr",
+      "MAX_SEGS": "constexpr", "BLOCK_P": "constexpr", "BLOCK_H": "constexpr", "HAS_SCAL": "constexpr",
+      "HAS_ADD": "constexpr", "HAS_W": "constexpr", "FENCE": "constexpr"},
+     {"K": 8, "SEG": 1024, "MAX_SEGS": 256, "BLOCK_P": 8, "BLOCK_H": 512, "HAS_SCAL": scal, "HAS_ADD": add,
+      "HAS_W": w, "FENCE": True})
+    for scal, add, w in ((False, False, True), (True, True, False), (False, False, False))
 ] + [
     ("moonep.kernels.dispatch_combine", "_reduce_kernel",
      {"land_ptr": "*bf16", "sent_ptr": "*u8", "out_ptr": "*bf16", "s": "i32", "H": "i32", "land_row_stride": "i32",
