@@ -31,7 +31,10 @@ Summation order (what "equal to the one-level result" means): y[t] = round(sum o
 round(sum over k ascending of t's entries on h)) with every sum in fp32. For a token whose experts lie on
 one host this is the one-level combine's result bit for bit; otherwise it is the one-level group run once
 per host with the other hosts' entries absent (entries mode), the partials summed in host order
-(tests/moonep/test_hierarchical.py). grad_x likewise.
+(tests/moonep/test_hierarchical.py). grad_x likewise. This is for the host Buffer's default
+combine_reduce="source"; with "destination" step 3's partial is itself a sum of per-rank partials
+(moonep.config.BufferOptions), one more rounding each, so it can differ from the one-level result in the
+last bf16 bit.
 
 Memory: the host stage takes the worst case, n = N s rows per rank (every token of every rail peer may
 visit this host), so the host Buffer's receive rows are N times a one-level buffer's; docs/scale.md says
