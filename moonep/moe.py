@@ -50,9 +50,10 @@ class _ExpertGLU(torch.autograd.Function):
         offs = res.cu_seqlens
         # the receive rows are reused by the next dispatch: backward's copy is made on the side stream
         # while the gate/up GEMMs read the receive rows themselves; joined before combine, whose
-        # barriers are what let a peer's next dispatch write the receive rows again
-        x_rows = layer.pools.copy_async(res.x_rows)
+        # barriers are what let a peer's next dispatch write the receive rows again. The small weights
+        # clone goes first: queued behind the side copy it would wait for SMs the copy holds.
         w_rows = res.weights_rows.clone()
+        x_rows = layer.pools.copy_async(res.x_rows)
         layer.pools.wait_prefetch()
         w = layer.w_compact
         path = buffer.path
