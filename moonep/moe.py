@@ -51,7 +51,8 @@ class _ExpertGLU(torch.autograd.Function):
         # the receive rows are reused by the next dispatch: backward's copy is made on the side stream
         # while the gate/up GEMMs read the receive rows themselves; joined before combine, whose
         # barriers are what let a peer's next dispatch write the receive rows again. The small weights
-        # clone goes first: queued behind the side copy it would wait for SMs the copy holds.
+        # clone goes first: it is a device-to-device copy too, and queued after the side copy it waits
+        # for it (the copy engine serves them in order).
         w_rows = res.weights_rows.clone()
         x_rows = layer.pools.copy_async(res.x_rows)
         layer.pools.wait_prefetch()
