@@ -178,9 +178,10 @@ class ReferencePath:
         # destination side
         src = c.mine["row_src"][:n].long()
         valid = src >= 0
-        token = torch.where(valid, src // K, self._table_rows(plan) - 1)  # the table's trash row
+        table_rows = plan.num_ranks * cfg.max_tokens + 1  # one per (source rank, token slot), one trash row
+        token = torch.where(valid, src // K, table_rows - 1)
         k_r = src % K
-        table = torch.full((self._table_rows(plan), K), -1, dtype=torch.long, device=c.device)
+        table = torch.full((table_rows, K), -1, dtype=torch.long, device=c.device)
         row = torch.arange(n, device=c.device)
         table.index_put_((token, torch.where(valid, k_r, 0)), torch.where(valid, row, -1))
         table[-1] = -1  # invalid rows wrote there
@@ -216,10 +217,6 @@ class ReferencePath:
                 scalars_sK = torch.where(plan.dst_row_sK != c.layout.trash_row, scalars_sK, 0.0)
         c.barrier("combine:done")
         return y_sH.to(cfg.dtype), scalars_sK
-
-    def _table_rows(self, plan: Plan) -> int:
-        """Rows of the destination's token table: one per (source rank, token slot), one trash row."""
-        return plan.num_ranks * self.comm.layout.config.max_tokens + 1
 
     def pooled_plans(self) -> int:
         return 0

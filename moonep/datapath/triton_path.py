@@ -6,8 +6,8 @@ moonep.datapath.reference (the specification) except where a docstring below say
 - dispatch and combine: moonep.kernels.dispatch_combine (its docstring holds the protocol: a push
   combine through a landing region). Combine needs the receive rows' sources (row_src, and with
   combine_reduce "destination" the chain links row_chain) of its plan; when the plan is not the one
-  of the last dispatch on this buffer, combine first rewrites them (barriers "combine:enter" / "combine:meta"; every rank takes this branch together, as every
-  rank runs the same call sequence).
+  of the last dispatch on this buffer, combine first rewrites them (barriers "combine:enter" /
+  "combine:meta"; every rank takes this branch together, as every rank runs the same call sequence).
 - prefetch / reduce_grad / the masked weight-gradient accumulation: moonep.kernels.experts (they
   touch occupied slots and non-empty groups only).
 - the expert GEMMs: torch._grouped_mm, or with BufferOptions.fused_expert_gemm the fused kernels
@@ -67,7 +67,8 @@ class TritonPath:
         every = c.every
         dispatch_combine.scatter(x_sH, weights_sK, plan.dst_rank_sK, plan.dst_row_sK, plan.copy_row_sK, plan.sent_sK,
                                  every["recv"], every["row_weight"], every["row_link"],
-                                 every["row_chain"] if self._reduce_first else None, c.rank * c.layout.config.max_tokens * plan.topk, self._grid, self._scatter_work,
+                                 every["row_chain"] if self._reduce_first else None,
+                                 c.rank * c.layout.config.max_tokens * plan.topk, self._grid, self._scatter_work,
                                  tile=c.options.scatter_tile, rows=rows)
 
     def expand(self, plan: Plan, *, copy: bool = True) -> None:
