@@ -46,7 +46,9 @@ class BufferOptions:
         Fewer bytes cross the links (one row per token and destination rank instead of K). It also
         turns on the fused combine inputs of moonep.expert_glu (route weights and the two dgrad
         halves summed in fp32 inside combine, Buffer.combine's row_weights / add_rows). "source" is
-        the default: one H200 at EP = 1 measured "destination" slower (docs/performance.md).
+        the default (the specification's order; moonep.hierarchical's equality with the one-level
+        layout holds for it); recipes/k3_small_moe.yaml picks "destination", faster on one H200 at
+        EP = 1 (docs/performance.md).
     """
 
     kernels: KernelsChoice = "auto"
