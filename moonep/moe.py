@@ -49,19 +49,19 @@ class _ExpertGLU(torch.autograd.Function):
         res = buffer.dispatch(x_sH, weights_sK, plan=plan)
         offs = res.cu_seqlens
         # the receive rows are reused by the next dispatch: backward's copy is made on the side stream
-        # while the gate/up GEMMs read the receive rows themselves; joined before combine, whose
-        # barriers are what let a peer's next dispatch write the receive rows again. The small weights
-        # clone goes first: it is a device-to-device copy too, and queued after the side copy it waits
-        # for it (the copy engine serves them in order).
+        # while the gate/up and down GEMMs run; joined before combine, whose barriers are what let a
+        # peer's next dispatch write the receive rows again, and before anything here writes the
+        # symmetric rows. The small weights clone goes first: it is a device-to-device copy too, and
+        # queued after the side copy it waits for it (the copy engine serves them in order).
         w_rows = res.weights_rows.clone()
         x_rows = layer.pools.copy_async(res.x_rows)
         layer.pools.wait_prefetch()
         w = layer.w_compact
         path = buffer.path
         a, h, u = path.gate_up(activation, res.x_rows, w["gate"], w["up"], offs)
-        layer.pools.wait_copy()
         o = grouped_mm(a, w["down"], offs)
         del a  # not saved: backward recomputes it from h and u
+        layer.pools.wait_copy()
         if _fused_combine(buffer):  # the fp32 product summed as it is, no rounding, no pass of its own
             y_sH, _ = buffer.combine(plan, o, row_weights=w_rows)
         else:
