@@ -91,6 +91,7 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from moonep.layout import Layout
 from moonep.planner.plan import Plan
@@ -101,6 +102,7 @@ _DEST_ENTRIES = 1024  # entries per destination program (whole tokens, K padded 
 _PREFIX_CHUNKS = 256  # chunks per tile of the prefix kernel: up to s*K = 131072 entries in one step
 _PREFIX_TILE = 2048  # elements of a prefix tile ([chunks, experts]; at most 16 experts per program)
 _SHARED_WARPS = 2  # warps per program of the shared pass (benchmarks/bench_planner.py sweeps them; 2 was fastest at K3's shape)
+RANK_METHOD = "sort"  # the chunk pass's ranking kernel (RANK_METHODS)
 _DEST_TILE = 4096  # elements of the destination program's [tokens, K_P, R_P] tile (registers)
 
 
@@ -150,6 +152,90 @@ def _chunk_kernel(topk_ptr, rank_ptr, chunk_hist_ptr, num_entries, E,
     run_start = tl.gather(tl.cumsum(counts, axis=0) - counts, key >> LOG_CHUNK, 0)
     idx = c * CHUNK + (key & (CHUNK - 1))
     tl.store(rank_ptr + idx, i - run_start, mask=idx < num_entries)
+
+
+@triton.jit
+def _popcount(x, HW: tl.constexpr):
+    """Set bits of each int32 lane: the popc instruction on the GPU, SWAR arithmetic in Triton's
+    interpreter (which has no libdevice)."""
+    if HW:
+        return libdevice.popc(x)
+    else:
+        x = x - ((x >> 1) & 0x55555555)  # the arithmetic shifts' sign bits are masked off
+        x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+        x = (x + (x >> 4)) & 0x0F0F0F0F
+        return (x * 0x01010101) >> 24
+
+
+@triton.jit
+def _chunk_match_kernel(topk_ptr, rank_ptr, chunk_hist_ptr, plane_ptr, num_entries, E,
+                        CHUNK: tl.constexpr, BITS: tl.constexpr, BITS_P: tl.constexpr, E_P: tl.constexpr,
+                        HW_POPC: tl.constexpr):
+    """The chunk's histogram and ranks without a sort: bit-sliced matching against 32-entry blocks.
+
+    Plane b of block J is the 32-bit word whose bit w is bit b of expert[32 J + w]; the entries of
+    block J with entry i's expert are then the AND over b of plane b or its complement (bit b of
+    i's expert), 32 comparisons in BITS logic operations. Entry i's rank is the popcount of its
+    matches in the blocks before its own plus the matches below its lane in its own block; its
+    expert's count in the chunk is the popcount over all blocks, stored by every entry of that
+    expert (equal values) into the chunk's histogram row after the row is zeroed. The planes pass
+    through `plane_ptr` (global scratch, this program's [CHUNK / 32, BITS_P] words) so that the
+    matching loop reads each as a scalar."""
+    NB: tl.constexpr = CHUNK // 32
+    c = tl.program_id(0)
+    blk3 = tl.arange(0, NB)[:, None, None]
+    lane3 = tl.arange(0, 32)[None, :, None]
+    bit3 = tl.arange(0, BITS_P)[None, None, :]
+    entry3 = c * CHUNK + blk3 * 32 + lane3
+    e3 = tl.load(topk_ptr + entry3, mask=entry3 < num_entries, other=E).to(tl.int32)  # padding: E, no expert
+    planes = tl.sum(((e3 >> bit3) & 1) << lane3, axis=1)  # distinct bits: the sum is their OR
+    plane_c = plane_ptr + c * (NB * BITS_P)
+    tl.store(plane_c + tl.arange(0, NB)[:, None] * BITS_P + tl.arange(0, BITS_P)[None, :], planes)
+    bins = tl.arange(0, E_P)
+    tl.store(chunk_hist_ptr + c * E + bins, tl.zeros([E_P], dtype=tl.int32), mask=bins < E)
+    tl.debug_barrier()  # the planes and the zero row, written by other threads of this program
+    i = tl.arange(0, CHUNK)
+    entry = c * CHUNK + i
+    ok = entry < num_entries
+    expert = tl.load(topk_ptr + entry, mask=ok, other=E).to(tl.int32)
+    blk = i // 32
+    count = tl.zeros([CHUNK], dtype=tl.int32)  # matches in blocks 0..J
+    before = tl.zeros([CHUNK], dtype=tl.int32)  # matches in the blocks before i's own
+    own = tl.zeros([CHUNK], dtype=tl.int32)  # match word of i's own block
+    for J in tl.static_range(NB):
+        match = tl.full([CHUNK], -1, dtype=tl.int32)
+        for b in tl.static_range(BITS):
+            match = match & ~(tl.load(plane_c + J * BITS_P + b) ^ -((expert >> b) & 1))
+        before = tl.where(blk == J, count, before)
+        own = tl.where(blk == J, match, own)
+        count += _popcount(match, HW_POPC)
+    below = (1 << (i & 31)) - 1  # lanes under i's (lane 31: INT_MIN - 1 wraps to 0x7FFFFFFF)
+    tl.store(rank_ptr + entry, before + _popcount(own & below, HW_POPC), mask=ok)
+    tl.store(chunk_hist_ptr + c * E + expert, count, mask=ok)
+
+
+@triton.jit
+def _chunk_compare_kernel(topk_ptr, rank_ptr, chunk_hist_ptr, num_entries, E,
+                          CHUNK: tl.constexpr, BLOCK: tl.constexpr, E_BINS: tl.constexpr):
+    """The chunk's histogram (tl.histogram) and ranks without a sort: entry i's rank is the number
+    of earlier entries of the chunk with its expert, counted by [BLOCK, BLOCK] comparisons of its
+    block against each earlier block and the lower triangle of its own."""
+    c = tl.program_id(0)
+    i = tl.arange(0, CHUNK)
+    ok = c * CHUNK + i < num_entries
+    counts = tl.histogram(tl.load(topk_ptr + c * CHUNK + i, mask=ok, other=E).to(tl.int32), E_BINS)
+    bins = tl.arange(0, E_BINS)
+    tl.store(chunk_hist_ptr + c * E + bins, counts, mask=bins < E)
+    for i0 in tl.static_range(0, CHUNK, BLOCK):
+        ii = c * CHUNK + i0 + tl.arange(0, BLOCK)
+        ei = tl.load(topk_ptr + ii, mask=ii < num_entries, other=E).to(tl.int32)
+        acc = tl.zeros([BLOCK, BLOCK], dtype=tl.int32)
+        for j0 in tl.static_range(0, i0, BLOCK):
+            jj = c * CHUNK + j0 + tl.arange(0, BLOCK)
+            ej = tl.load(topk_ptr + jj, mask=jj < num_entries, other=E + 1).to(tl.int32)
+            acc += (ei[:, None] == ej[None, :]).to(tl.int32)
+        acc += ((ei[:, None] == ei[None, :]) & (ii[None, :] < ii[:, None])).to(tl.int32)
+        tl.store(rank_ptr + ii, tl.sum(acc, axis=1), mask=ii < num_entries)
 
 
 @triton.jit(do_not_specialize=["rank", "hist_rank_stride", "hist_row_stride"])
@@ -418,21 +504,35 @@ class _PlanLayout:
         return Plan(**self.static, **self.views(flat))
 
 
+RANK_METHODS = ("sort", "match", "compare")  # how the chunk pass ranks entries (_chunk_kernel, _chunk_match_kernel, ...)
+
+
 class _Workspace:
-    """Intermediate buffers of one shape, reused by every call (one plan at a time per buffer)."""
+    """Intermediate buffers of one shape, reused by every call (one plan at a time per buffer).
+
+    chunk / chunk_warps / rank_method: the chunk pass's entries per program, warps and ranking
+    kernel (RANK_METHODS; benchmarks/bench_planner.py sweeps them); shared_warps: the shared pass's."""
 
     def __init__(self, layout: Layout, s: int, device: torch.device, chunk: int = CHUNK, chunk_warps: int = 4,
-                 shared_warps: int = _SHARED_WARPS) -> None:
+                 shared_warps: int = _SHARED_WARPS, rank_method: str = RANK_METHOD) -> None:
         R, E, K = layout.num_ranks, layout.config.num_experts, layout.config.topk
-        if chunk < 16 or chunk & (chunk - 1):
-            raise ValueError(f"chunk={chunk} must be a power of two >= 16 (tl.sort's block)")
+        if rank_method not in RANK_METHODS:
+            raise ValueError(f"rank_method={rank_method!r}: expected one of {RANK_METHODS}")
+        low = 32 if rank_method == "match" else 16
+        if chunk < low or chunk & (chunk - 1):
+            raise ValueError(f"chunk={chunk} must be a power of two >= {low} for rank_method={rank_method!r}")
         self.chunk, self.chunk_warps, self.shared_warps = chunk, chunk_warps, shared_warps
+        self.rank_method = rank_method
         self.num_chunks = triton.cdiv(s * K, chunk)
         i32 = {"dtype": torch.int32, "device": device}
         self.rank_in_chunk = torch.empty(s * K, **i32)
         self.chunk_hist = torch.empty(self.num_chunks, E, **i32)  # histograms, then prefixes
         self.end_ER = torch.empty(E, R, **i32)
         self.rowbase_ER = torch.empty(E, R, **i32)
+        # the match kernel's bit planes: per chunk [chunk / 32 blocks, BITS_P bits of an expert id < E + 1]
+        self.bits = E.bit_length()
+        self.planes = torch.empty(self.num_chunks * (chunk // 32) * triton.next_power_of_2(self.bits), **i32) \
+            if rank_method == "match" else None
 
 
 def chunk_pass(topk_sK: torch.Tensor, rank: int, hist_all: torch.Tensor, work: _Workspace) -> None:
@@ -443,10 +543,20 @@ def chunk_pass(topk_sK: torch.Tensor, rank: int, hist_all: torch.Tensor, work: _
 
 
 def count_step(topk_sK: torch.Tensor, E: int, work: _Workspace) -> None:
-    """`_chunk_kernel`: per-chunk histograms and ranks inside the chunk."""
-    _chunk_kernel[(work.num_chunks,)](topk_sK, work.rank_in_chunk, work.chunk_hist, topk_sK.numel(), E,
-                                      CHUNK=work.chunk, LOG_CHUNK=work.chunk.bit_length() - 1,
-                                      E_BINS=triton.next_power_of_2(E + 1), num_warps=work.chunk_warps)
+    """The chunk kernel of work.rank_method: per-chunk histograms and ranks inside the chunk."""
+    grid = (work.num_chunks,)
+    if work.rank_method == "match":
+        _chunk_match_kernel[grid](topk_sK, work.rank_in_chunk, work.chunk_hist, work.planes, topk_sK.numel(), E,
+                                  CHUNK=work.chunk, BITS=work.bits, BITS_P=triton.next_power_of_2(work.bits),
+                                  E_P=triton.next_power_of_2(E), HW_POPC=topk_sK.is_cuda, num_warps=work.chunk_warps)
+    elif work.rank_method == "compare":
+        _chunk_compare_kernel[grid](topk_sK, work.rank_in_chunk, work.chunk_hist, topk_sK.numel(), E,
+                                    CHUNK=work.chunk, BLOCK=min(64, work.chunk), E_BINS=triton.next_power_of_2(E + 1),
+                                    num_warps=work.chunk_warps)
+    else:
+        _chunk_kernel[grid](topk_sK, work.rank_in_chunk, work.chunk_hist, topk_sK.numel(), E,
+                            CHUNK=work.chunk, LOG_CHUNK=work.chunk.bit_length() - 1,
+                            E_BINS=triton.next_power_of_2(E + 1), num_warps=work.chunk_warps)
 
 
 def prefix_step(rank: int, hist_all: torch.Tensor, work: _Workspace) -> None:
@@ -510,9 +620,9 @@ class FusedPlanner:
     (benchmarks/bench_planner.py sweeps them). CUDA graphs are replayed on CUDA only."""
 
     def __init__(self, layout: Layout, rank: int, hist_all: torch.Tensor, barrier: Callable[[], None],
-                 chunk: int = CHUNK, chunk_warps: int = 4) -> None:
+                 chunk: int = CHUNK, chunk_warps: int = 4, rank_method: str = RANK_METHOD) -> None:
         self.layout = layout
-        self.chunk, self.chunk_warps = chunk, chunk_warps
+        self.chunk, self.chunk_warps, self.rank_method = chunk, chunk_warps, rank_method
         self.rank = rank
         self.hist_all = hist_all
         self.barrier = barrier
@@ -552,7 +662,8 @@ class FusedPlanner:
         s = topk_sK.shape[0]
         work = self._work.get(s)
         if work is None:
-            work = self._work[s] = _Workspace(self.layout, s, topk_sK.device, self.chunk, self.chunk_warps)
+            work = self._work[s] = _Workspace(self.layout, s, topk_sK.device, self.chunk, self.chunk_warps,
+                                              rank_method=self.rank_method)
         chunk_pass(topk_sK, self.rank, self.hist_all, work)
         self.barrier()
         cap_base, cap_rem = receive_cap_args(self.layout.num_ranks, self.layout.config.topk, s, total)
