@@ -261,20 +261,27 @@ def _prefix_kernel(chunk_hist_ptr, hist_ptr, num_chunks, rank, hist_rank_stride,
 
 
 @triton.jit
-def _key_max(value, idx, ok, IDX_BITS: tl.constexpr):
+def _key_max(value, idx, ok, IDX_BITS: tl.constexpr, KEY64: tl.constexpr):
     """(index, value) of the largest `value` over the `ok` lanes of a 1-D block, the lowest index on
-    ties (torch.argmax's rule), in one reduction: value in the high bits of an int64 key, the
-    complement of the index in the low IDX_BITS bits."""
+    ties (torch.argmax's rule), in one reduction: value in the high bits of a key, the complement of
+    the index in the low IDX_BITS bits. The key is int32 where |value| < 2**(30 - IDX_BITS) holds
+    (KEY64 False: one redux / shuffle per step instead of two plus 64-bit compares), else int64."""
     LOW: tl.constexpr = (1 << IDX_BITS) - 1
-    key = tl.max(tl.where(ok, (value.to(tl.int64) << IDX_BITS) | (LOW - idx).to(tl.int64), -(2**62)), axis=0)
+    if KEY64:
+        key = tl.max(tl.where(ok, (value.to(tl.int64) << IDX_BITS) | (LOW - idx).to(tl.int64), -(2**62)), axis=0)
+    else:
+        key = tl.max(tl.where(ok, (value << IDX_BITS) | (LOW - idx), -(2**31)), axis=0)
     return (LOW - (key & LOW)).to(tl.int32), (key >> IDX_BITS).to(tl.int32)
 
 
 @triton.jit
-def _key_min(value, idx, ok, IDX_BITS: tl.constexpr):
+def _key_min(value, idx, ok, IDX_BITS: tl.constexpr, KEY64: tl.constexpr):
     """(index, value) of the smallest `value` over the `ok` lanes, the lowest index on ties."""
     LOW: tl.constexpr = (1 << IDX_BITS) - 1
-    key = tl.min(tl.where(ok, (value.to(tl.int64) << IDX_BITS) | idx.to(tl.int64), 2**62), axis=0)
+    if KEY64:
+        key = tl.min(tl.where(ok, (value.to(tl.int64) << IDX_BITS) | idx.to(tl.int64), 2**62), axis=0)
+    else:
+        key = tl.min(tl.where(ok, (value << IDX_BITS) | idx, 2**31 - 1), axis=0)
     return (key & LOW).to(tl.int32), (key >> IDX_BITS).to(tl.int32)
 
 
@@ -300,7 +307,7 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
                    end_ptr, rowbase_ptr, rank, cap_base, cap_rem,
                    R: tl.constexpr, EPN: tl.constexpr, B: tl.constexpr, PAD: tl.constexpr,
                    R_P: tl.constexpr, EPN_P: tl.constexpr, G_P: tl.constexpr, B_P: tl.constexpr,
-                   LOG_R_P: tl.constexpr, LOG_EPN_P: tl.constexpr):
+                   LOG_R_P: tl.constexpr, LOG_EPN_P: tl.constexpr, KEY64: tl.constexpr):
     """Program d: the shared plan's rows of rank d and of home group d's experts (SPEC 5.1-5.4).
 
     Every program repeats the receiver filling (R - 1 steps on [R] vectors); program d then splits
@@ -335,8 +342,8 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
     quota = tl.zeros([R_P, R_P], dtype=tl.int32)
     bal = group_R - cap_R
     for _ in tl.static_range(R - 1):
-        h, bal_h = _key_max(bal, g_R, ok_R, LOG_R_P)
-        u, bal_u = _key_min(bal, g_R, ok_R, LOG_R_P)
+        h, bal_h = _key_max(bal, g_R, ok_R, LOG_R_P, KEY64)
+        u, bal_u = _key_min(bal, g_R, ok_R, LOG_R_P, KEY64)
         active = bal_h > 0
         quota += tl.where((hrow == h) & (ucol == u) & active, -bal_u, 0)
         new_h = bal_h + tl.where(active, bal_u, 0)
@@ -348,7 +355,7 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
     tl.store(quota_ptr + hrow * R + ucol, quota.to(tl.int64), mask=ok_RR & (d == 0))
     # 3. quota split (SPEC 5.3) of group d and of d's donor h, the two chains interleaved; each
     #    stops once its quotas are closed (the specification's remaining steps move 0 tokens)
-    h, q_dh = _key_max(_col(quota, g_R, d), g_R, ok_R, LOG_R_P)
+    h, q_dh = _key_max(_col(quota, g_R, d), g_R, ok_R, LOG_R_P, KEY64)
     has_donor = q_dh > 0
     q_own = tl.where(ok_R, _row(quota, g_R, d), -1)  # padded receivers: never the largest quota
     q_don = tl.where(ok_R & has_donor, _row(quota, g_R, h), -1)
@@ -358,12 +365,12 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
     d2 = g_R[None, :]
     a_own = tl.zeros([EPN_P, R_P], dtype=tl.int32)  # alloc[d * EPN + i, rank]
     a_don = tl.zeros([EPN_P, R_P], dtype=tl.int32)  # alloc[h * EPN + i, rank]
-    to_o, qv_o = _key_max(q_own, g_R, ok_R, LOG_R_P)
-    to_d, qv_d = _key_max(q_don, g_R, ok_R, LOG_R_P)
+    to_o, qv_o = _key_max(q_own, g_R, ok_R, LOG_R_P, KEY64)
+    to_d, qv_d = _key_max(q_don, g_R, ok_R, LOG_R_P, KEY64)
     step = 0
     while (step < EPN + R - 1) & ((qv_o > 0) | (qv_d > 0)):
-        from_o, mv_o = _key_max(m_own, i_I, ok_I, LOG_EPN_P)
-        from_d, mv_d = _key_max(m_don, i_I, ok_I, LOG_EPN_P)
+        from_o, mv_o = _key_max(m_own, i_I, ok_I, LOG_EPN_P, KEY64)
+        from_d, mv_d = _key_max(m_don, i_I, ok_I, LOG_EPN_P, KEY64)
         take_o = tl.maximum(tl.minimum(qv_o, mv_o), 0)
         take_d = tl.maximum(tl.minimum(qv_d, mv_d), 0)
         q_own = tl.where(g_R == to_o, q_own - take_o, q_own)
@@ -372,8 +379,8 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
         m_don = tl.where(i_I == from_d, m_don - take_d, m_don)
         a_own += tl.where((i2 == from_o) & (d2 == to_o), take_o, 0)
         a_don += tl.where((i2 == from_d) & (d2 == to_d), take_d, 0)
-        to_o, qv_o = _key_max(q_own, g_R, ok_R, LOG_R_P)
-        to_d, qv_d = _key_max(q_don, g_R, ok_R, LOG_R_P)
+        to_o, qv_o = _key_max(q_own, g_R, ok_R, LOG_R_P, KEY64)
+        to_d, qv_d = _key_max(q_don, g_R, ok_R, LOG_R_P, KEY64)
         step += 1
     a_own += tl.where(d2 == d, tl.where(ok_I, m_own, 0)[:, None], 0)  # the rest stays home
     a_don += tl.where(d2 == h, tl.where(ok_I, m_don, 0)[:, None], 0)
@@ -590,7 +597,16 @@ def shared_step(rank: int, hist_RE: torch.Tensor, work: _Workspace, out: dict[st
         out["group_rows_RG"], out["offs_RG"], work.end_ER, work.rowbase_ER, rank, cap_base, cap_rem,
         R=R, EPN=epn, B=B, PAD=layout.config.token_padding, R_P=r_p, EPN_P=epn_p,
         G_P=triton.next_power_of_2(E + B), B_P=triton.next_power_of_2(B), LOG_R_P=r_p.bit_length() - 1,
-        LOG_EPN_P=epn_p.bit_length() - 1, num_warps=work.shared_warps)
+        LOG_EPN_P=epn_p.bit_length() - 1, KEY64=_key64(layout), num_warps=work.shared_warps)
+
+
+def _key64(layout: Layout) -> bool:
+    """Whether the shared kernel's argmax keys need int64: every token count it ranks (balances,
+    quotas, expert counts) is at most R * max_tokens * K in magnitude, shifted left by the index
+    bits (at most those of EPN_P or R_P) into an int32 key with a bit to spare."""
+    R, E, K = layout.num_ranks, layout.config.num_experts, layout.config.topk
+    idx_bits = max(triton.next_power_of_2(R), triton.next_power_of_2(E // R)).bit_length() - 1
+    return (R * layout.config.max_tokens * K) << idx_bits >= 2**30
 
 
 def dest_step(topk_sK: torch.Tensor, work: _Workspace, out: dict[str, torch.Tensor], layout: Layout) -> None:
