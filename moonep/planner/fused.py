@@ -261,28 +261,65 @@ def _prefix_kernel(chunk_hist_ptr, hist_ptr, num_chunks, rank, hist_rank_stride,
 
 
 @triton.jit
-def _key_max(value, idx, ok, IDX_BITS: tl.constexpr, KEY64: tl.constexpr):
-    """(index, value) of the largest `value` over the `ok` lanes of a 1-D block, the lowest index on
-    ties (torch.argmax's rule), in one reduction: value in the high bits of a key, the complement of
-    the index in the low IDX_BITS bits. The key is int32 where |value| < 2**(30 - IDX_BITS) holds
-    (KEY64 False: one redux / shuffle per step instead of two plus 64-bit compares), else int64."""
+def _max_key(value, idx, ok, IDX_BITS: tl.constexpr, KEY64: tl.constexpr):
+    """Keys whose maximum over the `ok` lanes of a 1-D block is the largest `value`, the lowest index
+    on ties (torch.argmax's rule): value in the high bits, the complement of the index in the low
+    IDX_BITS bits. int32 where |value| < 2**(30 - IDX_BITS) holds (KEY64 False: one redux or
+    shuffle per reduction step instead of two plus 64-bit compares), else int64."""
     LOW: tl.constexpr = (1 << IDX_BITS) - 1
     if KEY64:
-        key = tl.max(tl.where(ok, (value.to(tl.int64) << IDX_BITS) | (LOW - idx).to(tl.int64), -(2**62)), axis=0)
+        return tl.where(ok, (value.to(tl.int64) << IDX_BITS) | (LOW - idx).to(tl.int64), -(2**62))
     else:
-        key = tl.max(tl.where(ok, (value << IDX_BITS) | (LOW - idx), -(2**31)), axis=0)
+        return tl.where(ok, (value << IDX_BITS) | (LOW - idx), -(2**31))
+
+
+@triton.jit
+def _of_max_key(key, IDX_BITS: tl.constexpr):
+    """(index, value) of the largest key (_max_key)."""
+    LOW: tl.constexpr = (1 << IDX_BITS) - 1
     return (LOW - (key & LOW)).to(tl.int32), (key >> IDX_BITS).to(tl.int32)
 
 
 @triton.jit
-def _key_min(value, idx, ok, IDX_BITS: tl.constexpr, KEY64: tl.constexpr):
-    """(index, value) of the smallest `value` over the `ok` lanes, the lowest index on ties."""
-    LOW: tl.constexpr = (1 << IDX_BITS) - 1
+def _min_key(value, idx, ok, IDX_BITS: tl.constexpr, KEY64: tl.constexpr):
+    """Keys whose minimum over the `ok` lanes is the smallest `value`, the lowest index on ties."""
     if KEY64:
-        key = tl.min(tl.where(ok, (value.to(tl.int64) << IDX_BITS) | idx.to(tl.int64), 2**62), axis=0)
+        return tl.where(ok, (value.to(tl.int64) << IDX_BITS) | idx.to(tl.int64), 2**62)
     else:
-        key = tl.min(tl.where(ok, (value << IDX_BITS) | idx, 2**31 - 1), axis=0)
+        return tl.where(ok, (value << IDX_BITS) | idx, 2**31 - 1)
+
+
+@triton.jit
+def _of_min_key(key, IDX_BITS: tl.constexpr):
+    """(index, value) of the smallest key (_min_key)."""
+    LOW: tl.constexpr = (1 << IDX_BITS) - 1
     return (key & LOW).to(tl.int32), (key >> IDX_BITS).to(tl.int32)
+
+
+@triton.jit
+def _key_max(value, idx, ok, IDX_BITS: tl.constexpr, KEY64: tl.constexpr):
+    """(index, value) of the largest `value` over the `ok` lanes, the lowest index on ties."""
+    return _of_max_key(tl.max(_max_key(value, idx, ok, IDX_BITS, KEY64), axis=0), IDX_BITS)
+
+
+@triton.jit
+def _max_max(a0, b0, a1, b1):
+    return tl.maximum(a0, a1), tl.maximum(b0, b1)
+
+
+@triton.jit
+def _max_min(a0, b0, a1, b1):
+    return tl.maximum(a0, a1), tl.minimum(b0, b1)
+
+
+@triton.jit
+def _add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _add4(a0, b0, c0, d0, a1, b1, c1, d1):
+    return a0 + a1, b0 + b1, c0 + c1, d0 + d1
 
 
 @triton.jit
@@ -342,8 +379,10 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
     quota = tl.zeros([R_P, R_P], dtype=tl.int32)
     bal = group_R - cap_R
     for _ in tl.static_range(R - 1):
-        h, bal_h = _key_max(bal, g_R, ok_R, LOG_R_P, KEY64)
-        u, bal_u = _key_min(bal, g_R, ok_R, LOG_R_P, KEY64)
+        key_h, key_u = tl.reduce((_max_key(bal, g_R, ok_R, LOG_R_P, KEY64), _min_key(bal, g_R, ok_R, LOG_R_P, KEY64)),
+                                 0, _max_min)
+        h, bal_h = _of_max_key(key_h, LOG_R_P)
+        u, bal_u = _of_min_key(key_u, LOG_R_P)
         active = bal_h > 0
         quota += tl.where((hrow == h) & (ucol == u) & active, -bal_u, 0)
         new_h = bal_h + tl.where(active, bal_u, 0)
@@ -354,7 +393,8 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
     tl.store(cap_ptr + g_R, cap_R.to(tl.int64), mask=ok_R & (d == 0))
     tl.store(quota_ptr + hrow * R + ucol, quota.to(tl.int64), mask=ok_RR & (d == 0))
     # 3. quota split (SPEC 5.3) of group d and of d's donor h, the two chains interleaved; each
-    #    stops once its quotas are closed (the specification's remaining steps move 0 tokens)
+    #    stops once its quotas are closed (the specification's remaining steps move 0 tokens); the
+    #    chains' argmaxes are paired into one reduction each (one exchange between warps per step)
     h, q_dh = _key_max(_col(quota, g_R, d), g_R, ok_R, LOG_R_P, KEY64)
     has_donor = q_dh > 0
     q_own = tl.where(ok_R, _row(quota, g_R, d), -1)  # padded receivers: never the largest quota
@@ -365,12 +405,16 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
     d2 = g_R[None, :]
     a_own = tl.zeros([EPN_P, R_P], dtype=tl.int32)  # alloc[d * EPN + i, rank]
     a_don = tl.zeros([EPN_P, R_P], dtype=tl.int32)  # alloc[h * EPN + i, rank]
-    to_o, qv_o = _key_max(q_own, g_R, ok_R, LOG_R_P, KEY64)
-    to_d, qv_d = _key_max(q_don, g_R, ok_R, LOG_R_P, KEY64)
+    key_o, key_d = tl.reduce((_max_key(q_own, g_R, ok_R, LOG_R_P, KEY64), _max_key(q_don, g_R, ok_R, LOG_R_P, KEY64)),
+                             0, _max_max)
+    to_o, qv_o = _of_max_key(key_o, LOG_R_P)
+    to_d, qv_d = _of_max_key(key_d, LOG_R_P)
     step = 0
     while (step < EPN + R - 1) & ((qv_o > 0) | (qv_d > 0)):
-        from_o, mv_o = _key_max(m_own, i_I, ok_I, LOG_EPN_P, KEY64)
-        from_d, mv_d = _key_max(m_don, i_I, ok_I, LOG_EPN_P, KEY64)
+        key_o, key_d = tl.reduce((_max_key(m_own, i_I, ok_I, LOG_EPN_P, KEY64),
+                                  _max_key(m_don, i_I, ok_I, LOG_EPN_P, KEY64)), 0, _max_max)
+        from_o, mv_o = _of_max_key(key_o, LOG_EPN_P)
+        from_d, mv_d = _of_max_key(key_d, LOG_EPN_P)
         take_o = tl.maximum(tl.minimum(qv_o, mv_o), 0)
         take_d = tl.maximum(tl.minimum(qv_d, mv_d), 0)
         q_own = tl.where(g_R == to_o, q_own - take_o, q_own)
@@ -379,8 +423,10 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
         m_don = tl.where(i_I == from_d, m_don - take_d, m_don)
         a_own += tl.where((i2 == from_o) & (d2 == to_o), take_o, 0)
         a_don += tl.where((i2 == from_d) & (d2 == to_d), take_d, 0)
-        to_o, qv_o = _key_max(q_own, g_R, ok_R, LOG_R_P, KEY64)
-        to_d, qv_d = _key_max(q_don, g_R, ok_R, LOG_R_P, KEY64)
+        key_o, key_d = tl.reduce((_max_key(q_own, g_R, ok_R, LOG_R_P, KEY64),
+                                  _max_key(q_don, g_R, ok_R, LOG_R_P, KEY64)), 0, _max_max)
+        to_o, qv_o = _of_max_key(key_o, LOG_R_P)
+        to_d, qv_d = _of_max_key(key_d, LOG_R_P)
         step += 1
     a_own += tl.where(d2 == d, tl.where(ok_I, m_own, 0)[:, None], 0)  # the rest stays home
     a_don += tl.where(d2 == h, tl.where(ok_I, m_don, 0)[:, None], 0)
@@ -395,24 +441,24 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
     local_I = _col(a_own, g_R, d)
     remote_I = tl.where(has_donor, _col(a_don, g_R, d), 0)
     got = ok_I & (remote_I > 0)
-    slot_I = tl.cumsum(got.to(tl.int32), axis=0) - 1
-    in_slot = got & (slot_I < B)
-    num_used = tl.sum(in_slot.to(tl.int32), axis=0)
-    home_I = tl.where(in_slot, 0, remote_I)  # remote tokens on the expert's home row (slots ran out)
     loc_pad = _pad(local_I, PAD)
+    # scans and sums paired (several operands per exchange between warps)
+    got_cum, loc_cum = tl.associative_scan((got.to(tl.int32), loc_pad), 0, _add2)
+    slot_I = got_cum - 1
+    in_slot = got & (slot_I < B)
+    home_I = tl.where(in_slot, 0, remote_I)  # remote tokens on the expert's home row (slots ran out)
     home_pad = _pad(home_I, PAD)
     slot_pad = tl.where(in_slot, _pad(remote_I, PAD), 0)
-    loc_tot = tl.sum(loc_pad, axis=0)
-    home_tot = tl.sum(home_pad, axis=0)
-    slot_tot = tl.sum(slot_pad, axis=0)
+    home_cum, slot_cum = tl.associative_scan((home_pad, slot_pad), 0, _add2)
+    num_used, loc_tot, home_tot, slot_tot = tl.reduce((in_slot.to(tl.int32), loc_pad, home_pad, slot_pad), 0, _add4)
     loc_start = d * EPN
     don_start = h * EPN
     before_loc = tl.where(has_donor & (don_start < loc_start), home_tot, 0)
     before_don = tl.where(loc_start < don_start, loc_tot, 0)
     homes_tot = loc_tot + home_tot
-    loc_end = tl.cumsum(loc_pad, axis=0) + before_loc
-    don_end = tl.cumsum(home_pad, axis=0) + before_don
-    slot_end = tl.cumsum(slot_pad, axis=0) + homes_tot
+    loc_end = loc_cum + before_loc
+    don_end = home_cum + before_don
+    slot_end = slot_cum + homes_tot
     g_G = tl.arange(0, G_P)
     in_loc = (g_G >= loc_start) & (g_G < loc_start + EPN)
     in_don = has_donor & (g_G >= don_start) & (g_G < don_start + EPN)
