@@ -373,10 +373,15 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
     tl.store(counts_ptr + d * E + e_GI, tl.load(hist_ptr + d * E + e_GI, mask=ok_GI, other=0), mask=ok_GI)
     group_R = tl.sum(count_GI, axis=1)
     cap_R = cap_base + (g_R < cap_rem).to(tl.int32)
-    # 2. receiver filling (SPEC 5.2), identical in every program
+    # 2. receiver filling (SPEC 5.2), identical in every program; on the way, row d of the quotas
+    #    (group d's receivers) and d's donor: the step that fills receiver d (at most one, SPEC 5.2;
+    #    none: group 0 and quota 0, the column argmax of the specification's zero column)
     hrow = g_R[:, None]
     ucol = g_R[None, :]
     quota = tl.zeros([R_P, R_P], dtype=tl.int32)
+    q_own = tl.zeros([R_P], dtype=tl.int32)
+    h_of_d = d * 0
+    q_dh = d * 0
     bal = group_R - cap_R
     for _ in tl.static_range(R - 1):
         key_h, key_u = tl.reduce((_max_key(bal, g_R, ok_R, LOG_R_P, KEY64), _min_key(bal, g_R, ok_R, LOG_R_P, KEY64)),
@@ -385,6 +390,10 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
         u, bal_u = _of_min_key(key_u, LOG_R_P)
         active = bal_h > 0
         quota += tl.where((hrow == h) & (ucol == u) & active, -bal_u, 0)
+        q_own += tl.where((g_R == u) & (h == d) & active, -bal_u, 0)
+        fills_d = active & (u == d)
+        h_of_d = tl.where(fills_d, h, h_of_d)
+        q_dh = tl.where(fills_d, -bal_u, q_dh)
         new_h = bal_h + tl.where(active, bal_u, 0)
         new_u = tl.where(active, 0, bal_u)
         bal = tl.where(g_R == u, new_u, bal)
@@ -395,12 +404,16 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
     # 3. quota split (SPEC 5.3) of group d and of d's donor h, the two chains interleaved; each
     #    stops once its quotas are closed (the specification's remaining steps move 0 tokens); the
     #    chains' argmaxes are paired into one reduction each (one exchange between warps per step)
-    h, q_dh = _key_max(_col(quota, g_R, d), g_R, ok_R, LOG_R_P, KEY64)
+    h = h_of_d
     has_donor = q_dh > 0
-    q_own = tl.where(ok_R, _row(quota, g_R, d), -1)  # padded receivers: never the largest quota
+    q_own = tl.where(ok_R, q_own, -1)  # padded receivers: never the largest quota
     q_don = tl.where(ok_R & has_donor, _row(quota, g_R, h), -1)
-    m_own = tl.where(ok_I, _row(count_GI, g_R, d), -1)  # padded experts: never the fullest
-    m_don = tl.where(ok_I, _row(count_GI, g_R, h), -1)
+    m_own, base_own = tl.reduce((tl.where(g_R[:, None] == d, count_GI, 0), tl.where(g_R[:, None] == d, base_GI, 0)),
+                                0, _add2)  # rows d of the counts and bases, one exchange
+    m_don, base_don = tl.reduce((tl.where(g_R[:, None] == h, count_GI, 0), tl.where(g_R[:, None] == h, base_GI, 0)),
+                                0, _add2)
+    m_own = tl.where(ok_I, m_own, -1)  # padded experts: never the fullest
+    m_don = tl.where(ok_I, m_don, -1)
     i2 = i_I[:, None]
     d2 = g_R[None, :]
     a_own = tl.zeros([EPN_P, R_P], dtype=tl.int32)  # alloc[d * EPN + i, rank]
@@ -433,8 +446,6 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
     ok_IR = (i2 < EPN) & (d2 < R)
     e_own = d * EPN + i_I
     tl.store(alloc_ptr + e_own[:, None] * R + d2, a_own, mask=ok_IR)
-    base_own = _row(base_GI, g_R, d)
-    base_don = _row(base_GI, g_R, h)
     tl.store(end_ptr + e_own[:, None] * R + d2, tl.cumsum(a_own, axis=1) - base_own[:, None], mask=ok_IR)
     # 4. rank d's groups: its local experts, the donor's experts (their home rows, or slots in
     #    ascending expert id while B lasts: SPEC 5.4), nothing else; rows and padded cumulative ends
