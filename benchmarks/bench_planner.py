@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from moonep import BufferConfig
 from moonep.layout import Layout
+from moonep.planner import Plan, make_plan
 from moonep.planner import fused as pf
-from moonep.planner import make_plan
 from moonep.routing import generate_routing
 from tests.moonep.planner_cases import PLAN_FIELDS, assert_same_plan
 
@@ -66,9 +66,10 @@ def graph_us(fn, iters: int, back_to_back: int = 1) -> float:
     return statistics.median(times[3:])
 
 
-def check_variant(layout: Layout, topk_R: list[torch.Tensor], counts_RE: torch.Tensor, work: list, name: str
+def check_variant(layout: Layout, topk_R: list[torch.Tensor], want_R: list[Plan], work: list, name: str
                   ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-    """Plans of every rank with these workspaces, bitwise against make_plan; returns (hist_all, outs)."""
+    """Plans of every rank with these workspaces, bitwise against make_plan's (want_R); returns
+    (hist_all, outs)."""
     R, E = layout.num_ranks, layout.config.num_experts
     dev = topk_R[0].device
     s = topk_R[0].shape[0]
@@ -86,17 +87,17 @@ def check_variant(layout: Layout, topk_R: list[torch.Tensor], counts_RE: torch.T
     for r in range(R):  # correctness of this variant before its time means anything
         got = plan_layout[r].plan(flats[r])
         got = type(got)(**{**vars(got), **{n: getattr(got, n).cpu() for n in PLAN_FIELDS}})
-        assert_same_plan(got, make_plan(layout, r, topk_R[r].cpu(), counts_RE), f"{name} rank {r}")
+        assert_same_plan(got, want_R[r], f"{name} rank {r}")
     return hist_all, outs
 
 
-def bench_variant(layout: Layout, topk_R: list[torch.Tensor], counts_RE: torch.Tensor, method: str, chunk: int,
+def bench_variant(layout: Layout, topk_R: list[torch.Tensor], want_R: list[Plan], method: str, chunk: int,
                   warps: int, shared_warps: int, iters: int) -> dict:
     R = layout.num_ranks
     E = layout.config.num_experts
     s = topk_R[0].shape[0]
     work = [pf._Workspace(layout, s, topk_R[0].device, chunk, warps, shared_warps, method) for _ in range(R)]
-    hist_all, outs = check_variant(layout, topk_R, counts_RE, work,
+    hist_all, outs = check_variant(layout, topk_R, want_R, work,
                                    f"method={method} chunk={chunk} warps={warps} shared_warps={shared_warps}")
     cap_base, cap_rem = pf.receive_cap_args(R, layout.config.topk, s, None)
     topk, w, out = topk_R[0], work[0], outs[0]
@@ -152,6 +153,7 @@ def main() -> None:
           flush=True)
     topk_R = [routing.topk_RsK[r].cuda() for r in range(R)]
     counts = routing.tokens_per_expert_RE.to(torch.int32)
+    want_R = [make_plan(layout, r, topk_R[r].cpu(), counts) for r in range(R)]  # the same for every variant
     floor_buf = torch.zeros(1, device="cuda")
     floor = graph_us(lambda: floor_buf.add_(1), args.iters)
     floor_b2b = graph_us(lambda: floor_buf.add_(1), args.iters, BACK_TO_BACK)
@@ -160,7 +162,7 @@ def main() -> None:
         t0 = time.time()
         name = f"{method} chunk {chunk} warps {warps} shared warps {shared_warps}"
         try:  # one failing variant (a compile or bitwise mismatch) must not hide the others' numbers
-            rows.append(bench_variant(layout, topk_R, counts, method, chunk, warps, shared_warps, args.iters))
+            rows.append(bench_variant(layout, topk_R, want_R, method, chunk, warps, shared_warps, args.iters))
         except Exception as exc:  # reported, recorded and turned into the exit status
             failed.append({"variant": name, "error": f"{type(exc).__name__}: {exc}"[:2000]})
             print(f"{name}: FAILED {failed[-1]['error']}", flush=True)

@@ -3,9 +3,14 @@ bitwise equal to `moonep.planner.reference.make_plan` (the specification) on eve
 Buffers on the triton path plan with it.
 
 Protocol of one plan (every rank; s tokens, K top-k, flat entry index i = t*K + k):
-    1. `_chunk_kernel`, one program per chunk of CHUNK consecutive flat entries: the chunk's
+    1. the chunk kernel, one program per chunk of CHUNK consecutive flat entries: the chunk's
        expert histogram, and each entry's rank among the chunk's entries of the same expert in flat
-       order (tl.sort on the key expert*CHUNK + i, then a scan over runs of equal experts). Then
+       order, by one of RANK_METHODS: `sort` (`_chunk_kernel`: tl.histogram, tl.sort on the key
+       expert*CHUNK + i, then a scan over runs of equal experts), `match` (`_chunk_match_kernel`:
+       bit-sliced matching of every entry against the chunk's 32-entry blocks, the popcounts give
+       the rank and the expert's count in the chunk, no histogram op, no sort) or `compare`
+       (`_chunk_compare_kernel`: tl.histogram and blocked [64, 64] comparisons with the earlier
+       entries). Then
        `_prefix_kernel`, one program per 8-16 experts (one [256 chunks, experts] tile per step),
        turns the per-chunk histograms into exclusive prefixes over chunks and writes the local
        histogram (their sum) into row `rank` of every peer's hist region (plain peer stores).
@@ -14,10 +19,11 @@ Protocol of one plan (every rank; s tokens, K top-k, flat entry index i = t*K + 
        visible to 3 and 4 on every rank).
     3. `_shared_kernel`, one program per rank d (SPEC 5.1-5.4 with the specification's tie rules,
        lowest index first): every program sums the gathered histograms and repeats the receiver
-       filling (R - 1 steps on [R] vectors); program d then runs the quota split of its own home
-       group and of its donor h, the one group with quota[h, d] > 0 (SPEC 5.2: a rank receives
-       from at most one remote group), two interleaved chains that stop once their quotas are
-       closed (the specification's remaining masked steps move 0 tokens). That gives every count
+       filling (R - 1 steps on [R] vectors), noting row d of the quotas and the step that fills
+       receiver d; program d then runs the quota split of its own home group and of its donor h,
+       the one group with quota[h, d] > 0 (SPEC 5.2: a rank receives from at most one remote
+       group), two interleaved chains that stop once their quotas are closed (the specification's
+       remaining masked steps move 0 tokens). That gives every count
        rank d's rows depend on: slots are the donor's experts with tokens on d in ascending id
        (the specification's cumsum over all experts counts no other group on d), group rows and
        offs of rank d are three segments (local experts, the donor's home rows, the slots) whose
@@ -37,8 +43,11 @@ All outputs of a plan live in one flat byte buffer (int64 fields, then int32, th
 
 The shared kernel's tiles are per rank: [epn, R] allocations of two groups, [R, R] quotas, [G]
 rows of one rank (R padded to a power of two R_P, epn to EPN_P, G = E + B to G_P). An argmax is one
-max-reduction of an int64 key (value in the high bits, the index's complement in the low bits);
-padded lanes never win (quota and remaining -1, balance masked).
+max-reduction of a key (value in the high bits, the index's complement in the low bits; int32 where
+R * max_tokens * K leaves room for the index bits, else int64); padded lanes never win (quota and
+remaining -1, balance masked). Reductions and scans that can run together are one tl.reduce /
+tl.associative_scan of several operands (both chains' argmaxes in a quota-split step, the row
+groups' scans and sums): one exchange between warps instead of one each.
 
 On CUDA the four launches of one shape are captured in CUDA graphs, each writing into its own
 pooled Plan (`PlanPool`); a call copies topk into the graphs' input and replays a graph whose Plan
@@ -64,13 +73,18 @@ Race note (as on the PyTorch path): the hist region is single-buffered. A peer m
 histogram only after a barrier that follows this rank's step 3; Buffer.plan passes barrier
 "plan:enter" first when two plans follow each other with nothing collective in between.
 
-Measured: this layout of the shared, prefix and destination kernels is not yet timed on a GPU
-(benchmarks/bench_planner.py --experts 896 --topk 16 --ranks 8 prints each kernel; the target is
-<= 35 us per plan there). Static sm90 code (Triton 3.5 + ptxas, E=896, R=8, K=16): the shared kernel
-2.7k instructions and 50 CTA barriers per program, 6 of them in the quota-split loop (5 steps at
-maxvio 1); the destination kernel 1.8k instructions, 192 shuffles per 32 tokens.
-The chunk kernel (H200, 2026-11-29, R=2, E=384, K=8, S=8192): the chunk pass 17.2 us at chunk 512 x 4
-warps (1024 x 4: slower by 4 us, 256 x 4 by 2 us, 2048 by 15-24 us in total).
+Measured (H200, E=896, K=16, R=8, S=8192, torch.profiler over graph replays, sort at chunk 512 x 4
+warps, shared kernel at 2 warps with int64 keys and unpaired reductions): chunk 13.7 us, prefix
+2.5 us, shared 8.9 us (latency-bound: 8 programs), destination 5.6 us, 0.1-0.2 us between kernels;
+34.8 us per idle graph replay (target <= 35 us; benchmarks/bench_planner.py --experts 896 --topk 16
+--ranks 8 times every rank method). Static sm90 code (Triton 3.5 + ptxas, same shape): per program
+at chunk 512 x 4 warps, `sort` 2.0k instructions (208 shuffles, 27 CTA barriers, ~0.9k of them
+tl.histogram's ballots and popcounts over 1024 bins), `match` 1.7k (0.8k LOP3, 64 POPC, 160
+uniform loads of planes, 4 barriers), `compare` 7.1k; the shared kernel 3.3k instructions and 29
+CTA barriers per program at 2 warps, 3 per quota-split step (5 steps at maxvio 1); the destination
+kernel 1.8k instructions, 192 shuffles per 32 tokens. The chunk pass (H200, 2026-11-29, R=2, E=384,
+K=8, S=8192, `sort`): 17.2 us at chunk 512 x 4 warps (1024 x 4: slower by 4 us, 256 x 4 by 2 us,
+2048 by 15-24 us in total).
 
 Rejected: the prefixes over chunks in the last chunk program to finish (a ticket counter; 36.2 us
 at chunk 512); counting ranks with a [CHUNK, E] one-hot cumsum (E times more work and registers
@@ -99,7 +113,7 @@ from moonep.planner.plan_pool import PlanPool, PooledPlan
 
 CHUNK = 512  # flat entries per histogram program (a power of two for tl.sort); benchmarks/bench_planner.py sweeps it
 _DEST_ENTRIES = 1024  # entries per destination program (whole tokens, K padded to a power of two)
-_PREFIX_CHUNKS = 256  # chunks per tile of the prefix kernel: up to s*K = 131072 entries in one step
+_PREFIX_CHUNKS = 1024  # chunks per tile of the prefix kernel: s*K = 131072 entries in one step at chunk >= 128
 _PREFIX_TILE = 2048  # elements of a prefix tile ([chunks, experts]; at most 16 experts per program)
 _SHARED_WARPS = 2  # warps per program of the shared pass (benchmarks/bench_planner.py sweeps them; 2 was fastest at K3's shape)
 RANK_METHOD = "sort"  # the chunk pass's ranking kernel (RANK_METHODS)

@@ -52,10 +52,12 @@ CASES = [
      {"topk_ptr": "*i32", "rank_ptr": "*i32", "chunk_hist_ptr": "*i32", "num_entries": "i32", "E": "i32",
       "CHUNK": "constexpr", "BLOCK": "constexpr", "E_BINS": "constexpr"},
      {"CHUNK": 512, "BLOCK": 64, "E_BINS": 1024}),
+] + [
     ("moonep.planner.fused", "_prefix_kernel",
      {"chunk_hist_ptr": "*i32", "hist_ptr": "*i32", "num_chunks": "i32", "rank": "i32", "hist_rank_stride": "i64",
       "hist_row_stride": "i32", "E": "i32", "R": "constexpr", "BLOCK_C": "constexpr", "BLOCK_E": "constexpr"},
-     {"R": 2, "BLOCK_C": 64, "BLOCK_E": 16}),
+     {"R": R, "BLOCK_C": block_c, "BLOCK_E": block_e})
+    for R, block_c, block_e in ((2, 64, 16), (8, 1024, 2))
 ] + [
     ("moonep.planner.fused", "_shared_kernel",  # K3: E = 896, R = 8
      {"hist_ptr": "*i32", "counts_ptr": "*i32", "cap_ptr": "*i64", "quota_ptr": "*i64", "alloc_ptr": "*i32",
