@@ -14,8 +14,9 @@ dest), the chunk pass (count + prefix), the shared + destination pass, and all f
 number a plan costs). Median of --iters replays, timed by CUDA events around each replay (GPU time;
 the host only launches one graph). `b2b`: the `total` graph replayed 20 times back to back between
 two events, divided by 20 (median of --iters / 5 such runs): a plan's cost when it is queued behind
-other work, as in training, without the idle launch of a single replay. `floor` is the same timing of a graph holding one tiny kernel:
-every column includes it once, so a kernel's own time is roughly its column minus the floor.
+other work, as in training, without the idle start of a single replay. `floor` is the same timing of
+a graph holding one tiny kernel (and its b2b timing): every column includes it once, so a kernel's
+own time is roughly its column minus the floor.
 Table printed; JSON to --out.
 """
 

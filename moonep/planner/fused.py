@@ -115,7 +115,7 @@ CHUNK = 512  # flat entries per histogram program (a power of two for tl.sort); 
 _DEST_ENTRIES = 1024  # entries per destination program (whole tokens, K padded to a power of two)
 _PREFIX_CHUNKS = 1024  # chunks per tile of the prefix kernel: s*K = 131072 entries in one step at chunk >= 128
 _PREFIX_TILE = 2048  # elements of a prefix tile ([chunks, experts]; at most 16 experts per program)
-_SHARED_WARPS = 2  # warps per program of the shared pass (benchmarks/bench_planner.py sweeps them; 2 was fastest at K3's shape)
+_SHARED_WARPS = 2  # warps per program of the shared pass (2 was faster than 4 and 8 at K3's shape; 1 spills)
 RANK_METHOD = "sort"  # the chunk pass's ranking kernel (RANK_METHODS)
 _DEST_TILE = 4096  # elements of the destination program's [tokens, K_P, R_P] tile (registers)
 
@@ -582,7 +582,7 @@ class _PlanLayout:
         return Plan(**self.static, **self.views(flat))
 
 
-RANK_METHODS = ("sort", "match", "compare")  # how the chunk pass ranks entries (_chunk_kernel, _chunk_match_kernel, ...)
+RANK_METHODS = ("sort", "match", "compare")  # the chunk pass's ranking kernels (module docstring, step 1)
 
 
 class _Workspace:

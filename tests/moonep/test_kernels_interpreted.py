@@ -152,7 +152,8 @@ def test_fused_planner_int64_keys() -> None:
     g = torch.Generator().manual_seed(8)
     R, E, K, s = 4, 32, 4, 50
     big = Layout(BufferConfig(max_tokens=2**24, hidden=8, topk=K, num_experts=E), R, 4096)
-    assert pf._key64(big) and not pf._key64(Layout(BufferConfig(max_tokens=s, hidden=8, topk=K, num_experts=E), R, 4096))
+    small = Layout(BufferConfig(max_tokens=s, hidden=8, topk=K, num_experts=E), R, 4096)
+    assert pf._key64(big) and not pf._key64(small)
     for sigma in (0.0, 3.0):
         topk_R = [random_topk(s, E, K, sigma, g) for _ in range(R)]
         check_fused_topk(topk_R, E, E // R, 4, False, f"int64 keys, sigma={sigma}", max_tokens=2**24)
