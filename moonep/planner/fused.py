@@ -275,45 +275,38 @@ def _prefix_kernel(chunk_hist_ptr, hist_ptr, num_chunks, rank, hist_rank_stride,
 
 
 @triton.jit
-def _max_key(value, idx, ok, IDX_BITS: tl.constexpr, KEY64: tl.constexpr):
-    """Keys whose maximum over the `ok` lanes of a 1-D block is the largest `value`, the lowest index
-    on ties (torch.argmax's rule): value in the high bits, the complement of the index in the low
-    IDX_BITS bits. int32 where |value| < 2**(30 - IDX_BITS) holds (KEY64 False: one redux or
-    shuffle per reduction step instead of two plus 64-bit compares), else int64."""
+def _key_max2(value0, value1, idx, ok, IDX_BITS: tl.constexpr, KEY64: tl.constexpr):
+    """(index, value) of the largest `value0` and of the largest `value1` over the `ok` lanes of two
+    1-D blocks, the lowest index on ties (torch.argmax's rule), in one reduction of two operands:
+    a key holds the value in its high bits and the complement of the index in its low IDX_BITS
+    bits. Keys are int32 where |value| < 2**(30 - IDX_BITS) holds (KEY64 False: one shuffle per
+    reduction step instead of two plus 64-bit compares), else int64."""
     LOW: tl.constexpr = (1 << IDX_BITS) - 1
     if KEY64:
-        return tl.where(ok, (value.to(tl.int64) << IDX_BITS) | (LOW - idx).to(tl.int64), -(2**62))
+        k0 = tl.where(ok, (value0.to(tl.int64) << IDX_BITS) | (LOW - idx).to(tl.int64), -(2**62))
+        k1 = tl.where(ok, (value1.to(tl.int64) << IDX_BITS) | (LOW - idx).to(tl.int64), -(2**62))
     else:
-        return tl.where(ok, (value << IDX_BITS) | (LOW - idx), -(2**31))
+        k0 = tl.where(ok, (value0 << IDX_BITS) | (LOW - idx), -(2**31))
+        k1 = tl.where(ok, (value1 << IDX_BITS) | (LOW - idx), -(2**31))
+    k0, k1 = tl.reduce((k0, k1), 0, _max_max)
+    return ((LOW - (k0 & LOW)).to(tl.int32), (k0 >> IDX_BITS).to(tl.int32),
+            (LOW - (k1 & LOW)).to(tl.int32), (k1 >> IDX_BITS).to(tl.int32))
 
 
 @triton.jit
-def _of_max_key(key, IDX_BITS: tl.constexpr):
-    """(index, value) of the largest key (_max_key)."""
+def _key_max_min(value, idx, ok, IDX_BITS: tl.constexpr, KEY64: tl.constexpr):
+    """(index, value) of the largest and of the smallest `value` over the `ok` lanes, the lowest
+    index on ties for both, in one reduction (keys as in _key_max2; the min key holds the index)."""
     LOW: tl.constexpr = (1 << IDX_BITS) - 1
-    return (LOW - (key & LOW)).to(tl.int32), (key >> IDX_BITS).to(tl.int32)
-
-
-@triton.jit
-def _min_key(value, idx, ok, IDX_BITS: tl.constexpr, KEY64: tl.constexpr):
-    """Keys whose minimum over the `ok` lanes is the smallest `value`, the lowest index on ties."""
     if KEY64:
-        return tl.where(ok, (value.to(tl.int64) << IDX_BITS) | idx.to(tl.int64), 2**62)
+        hi = tl.where(ok, (value.to(tl.int64) << IDX_BITS) | (LOW - idx).to(tl.int64), -(2**62))
+        lo = tl.where(ok, (value.to(tl.int64) << IDX_BITS) | idx.to(tl.int64), 2**62)
     else:
-        return tl.where(ok, (value << IDX_BITS) | idx, 2**31 - 1)
-
-
-@triton.jit
-def _of_min_key(key, IDX_BITS: tl.constexpr):
-    """(index, value) of the smallest key (_min_key)."""
-    LOW: tl.constexpr = (1 << IDX_BITS) - 1
-    return (key & LOW).to(tl.int32), (key >> IDX_BITS).to(tl.int32)
-
-
-@triton.jit
-def _key_max(value, idx, ok, IDX_BITS: tl.constexpr, KEY64: tl.constexpr):
-    """(index, value) of the largest `value` over the `ok` lanes, the lowest index on ties."""
-    return _of_max_key(tl.max(_max_key(value, idx, ok, IDX_BITS, KEY64), axis=0), IDX_BITS)
+        hi = tl.where(ok, (value << IDX_BITS) | (LOW - idx), -(2**31))
+        lo = tl.where(ok, (value << IDX_BITS) | idx, 2**31 - 1)
+    hi, lo = tl.reduce((hi, lo), 0, _max_min)
+    return ((LOW - (hi & LOW)).to(tl.int32), (hi >> IDX_BITS).to(tl.int32),
+            (lo & LOW).to(tl.int32), (lo >> IDX_BITS).to(tl.int32))
 
 
 @triton.jit
@@ -398,10 +391,7 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
     q_dh = d * 0
     bal = group_R - cap_R
     for _ in tl.static_range(R - 1):
-        key_h, key_u = tl.reduce((_max_key(bal, g_R, ok_R, LOG_R_P, KEY64), _min_key(bal, g_R, ok_R, LOG_R_P, KEY64)),
-                                 0, _max_min)
-        h, bal_h = _of_max_key(key_h, LOG_R_P)
-        u, bal_u = _of_min_key(key_u, LOG_R_P)
+        h, bal_h, u, bal_u = _key_max_min(bal, g_R, ok_R, LOG_R_P, KEY64)
         active = bal_h > 0
         quota += tl.where((hrow == h) & (ucol == u) & active, -bal_u, 0)
         q_own += tl.where((g_R == u) & (h == d) & active, -bal_u, 0)
@@ -432,16 +422,10 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
     d2 = g_R[None, :]
     a_own = tl.zeros([EPN_P, R_P], dtype=tl.int32)  # alloc[d * EPN + i, rank]
     a_don = tl.zeros([EPN_P, R_P], dtype=tl.int32)  # alloc[h * EPN + i, rank]
-    key_o, key_d = tl.reduce((_max_key(q_own, g_R, ok_R, LOG_R_P, KEY64), _max_key(q_don, g_R, ok_R, LOG_R_P, KEY64)),
-                             0, _max_max)
-    to_o, qv_o = _of_max_key(key_o, LOG_R_P)
-    to_d, qv_d = _of_max_key(key_d, LOG_R_P)
+    to_o, qv_o, to_d, qv_d = _key_max2(q_own, q_don, g_R, ok_R, LOG_R_P, KEY64)
     step = 0
     while (step < EPN + R - 1) & ((qv_o > 0) | (qv_d > 0)):
-        key_o, key_d = tl.reduce((_max_key(m_own, i_I, ok_I, LOG_EPN_P, KEY64),
-                                  _max_key(m_don, i_I, ok_I, LOG_EPN_P, KEY64)), 0, _max_max)
-        from_o, mv_o = _of_max_key(key_o, LOG_EPN_P)
-        from_d, mv_d = _of_max_key(key_d, LOG_EPN_P)
+        from_o, mv_o, from_d, mv_d = _key_max2(m_own, m_don, i_I, ok_I, LOG_EPN_P, KEY64)
         take_o = tl.maximum(tl.minimum(qv_o, mv_o), 0)
         take_d = tl.maximum(tl.minimum(qv_d, mv_d), 0)
         q_own = tl.where(g_R == to_o, q_own - take_o, q_own)
@@ -450,10 +434,7 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
         m_don = tl.where(i_I == from_d, m_don - take_d, m_don)
         a_own += tl.where((i2 == from_o) & (d2 == to_o), take_o, 0)
         a_don += tl.where((i2 == from_d) & (d2 == to_d), take_d, 0)
-        key_o, key_d = tl.reduce((_max_key(q_own, g_R, ok_R, LOG_R_P, KEY64),
-                                  _max_key(q_don, g_R, ok_R, LOG_R_P, KEY64)), 0, _max_max)
-        to_o, qv_o = _of_max_key(key_o, LOG_R_P)
-        to_d, qv_d = _of_max_key(key_d, LOG_R_P)
+        to_o, qv_o, to_d, qv_d = _key_max2(q_own, q_don, g_R, ok_R, LOG_R_P, KEY64)
         step += 1
     a_own += tl.where(d2 == d, tl.where(ok_I, m_own, 0)[:, None], 0)  # the rest stays home
     a_don += tl.where(d2 == h, tl.where(ok_I, m_don, 0)[:, None], 0)
