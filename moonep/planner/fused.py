@@ -684,8 +684,9 @@ class FusedPlanner:
     """Buffer's planner on the triton path: plan(topk_sK) -> Plan, collective (see the module docstring).
 
     hist_all: the Buffer's [R, R, E] all-ranks view of the hist region; barrier: the heap barrier of
-    the histogram exchange; chunk / chunk_warps: entries and warps per program of the chunk pass
-    (benchmarks/bench_planner.py sweeps them). CUDA graphs are replayed on CUDA only."""
+    the histogram exchange; chunk / chunk_warps / rank_method: entries, warps and ranking kernel
+    (RANK_METHODS) of the chunk pass (benchmarks/bench_planner.py sweeps them). CUDA graphs are
+    replayed on CUDA only."""
 
     def __init__(self, layout: Layout, rank: int, hist_all: torch.Tensor, barrier: Callable[[], None],
                  chunk: int = CHUNK, chunk_warps: int = 4, rank_method: str = RANK_METHOD) -> None:
