@@ -187,6 +187,16 @@ def test_fused_chunk_kernels_match_reference(rank_method: str) -> None:
         assert bad.numel() == 0, f"{context}: rank of entry {bad[0].item()} is {work.rank_in_chunk[bad[0]].item()}"
 
 
+def test_fused_workspace_rejects_bad_knobs() -> None:
+    from moonep.planner import fused as pf
+
+    layout = Layout(BufferConfig(max_tokens=8, hidden=8, topk=2, num_experts=4), 1, 4096)
+    with pytest.raises(ValueError, match="rank_method='bitonic': expected one of"):
+        pf._Workspace(layout, 8, torch.device("cpu"), rank_method="bitonic")
+    with pytest.raises(ValueError, match="chunk=16 must be a power of two >= 32 for rank_method='match'"):
+        pf._Workspace(layout, 8, torch.device("cpu"), 16, rank_method="match")
+
+
 @pytest.mark.parametrize("rank_method", ["match", "compare"])
 def test_fused_planner_rank_methods(rank_method: str) -> None:
     """Whole plans with the chunk kernels that do not sort (benchmarks/bench_planner.py times them):
