@@ -78,7 +78,7 @@ warps, shared kernel at 2 warps with int64 keys and unpaired reductions): chunk 
 2.5 us, shared 8.9 us (latency-bound: 8 programs), destination 5.6 us, 0.1-0.2 us between kernels;
 34.8 us per idle graph replay (target <= 35 us; benchmarks/bench_planner.py --experts 896 --topk 16
 --ranks 8 times every rank method). Static sm90 code (Triton 3.5 + ptxas, same shape): per program
-at chunk 512 x 4 warps, `sort` 2.0k instructions (208 shuffles, 27 CTA barriers, ~0.9k of them
+at chunk 512 x 4 warps, `sort` 2.0k instructions (208 shuffles, 27 CTA barriers, 0.8k of them
 tl.histogram's ballots and popcounts over 1024 bins), `match` 1.7k (0.8k LOP3, 64 POPC, 160
 uniform loads of planes, 4 barriers), `compare` 7.1k; the shared kernel 3.3k instructions and 29
 CTA barriers per program at 2 warps, 3 per quota-split step (5 steps at maxvio 1); the destination
