@@ -5,9 +5,7 @@
 
 Every rank of an R-rank problem is simulated on one GPU (as tests/moonep/planner_cases.py does: the
 chunk passes of all ranks fill one [R, R, E] histogram region, program order stands in for the
-barrier). A variant is (rank method of the chunk kernel, chunk, warps of the chunk kernel, warps of
-the shared kernel); rank methods: `sort` (bitonic sort of the chunk), `match` (bit-sliced matching
-against 32-entry blocks), `compare` (blocked [64, 64] comparisons). For each:
+barrier). A variant is (chunk, warps of the chunk kernel, warps of the shared kernel). For each:
 the plans of every rank are checked bitwise against moonep.planner.make_plan on the CPU, then rank
 0's launches are captured in CUDA graphs and replayed: each kernel alone (count, prefix, shared,
 dest), the chunk pass (count + prefix), the shared + destination pass, and all four (`total`, the
@@ -40,9 +38,8 @@ from moonep.planner import fused as pf
 from moonep.routing import generate_routing
 from tests.moonep.planner_cases import PLAN_FIELDS, assert_same_plan
 
-# (rank method, chunk, chunk-kernel warps, shared-kernel warps); the first is the library's default
-VARIANTS = ((pf.RANK_METHOD, pf.CHUNK, 4, pf._SHARED_WARPS), ("match", 512, 4, 2), ("match", 512, 8, 2),
-            ("match", 256, 4, 2), ("match", 256, 2, 2), ("match", 128, 4, 2), ("compare", 512, 8, 2))
+# (chunk, chunk-kernel warps, shared-kernel warps); the first is the library's default
+VARIANTS = ((pf.CHUNK, 4, pf._SHARED_WARPS), (512, 8, 2), (256, 4, 2), (256, 2, 2), (512, 4, 4))
 COLUMNS = ("count", "prefix", "shared", "dest", "chunk_pass", "shared_dest", "total", "total_b2b")
 BACK_TO_BACK = 20  # replays per timing of the b2b column
 
@@ -92,14 +89,13 @@ def check_variant(layout: Layout, topk_R: list[torch.Tensor], want_R: list[Plan]
     return hist_all, outs
 
 
-def bench_variant(layout: Layout, topk_R: list[torch.Tensor], want_R: list[Plan], method: str, chunk: int,
-                  warps: int, shared_warps: int, iters: int) -> dict:
+def bench_variant(layout: Layout, topk_R: list[torch.Tensor], want_R: list[Plan], chunk: int, warps: int,
+                  shared_warps: int, iters: int) -> dict:
     R = layout.num_ranks
     E = layout.config.num_experts
     s = topk_R[0].shape[0]
-    work = [pf._Workspace(layout, s, topk_R[0].device, chunk, warps, shared_warps, method) for _ in range(R)]
-    hist_all, outs = check_variant(layout, topk_R, want_R, work,
-                                   f"method={method} chunk={chunk} warps={warps} shared_warps={shared_warps}")
+    work = [pf._Workspace(layout, s, topk_R[0].device, chunk, warps, shared_warps) for _ in range(R)]
+    hist_all, outs = check_variant(layout, topk_R, want_R, work, f"chunk={chunk} warps={warps} shared_warps={shared_warps}")
     cap_base, cap_rem = pf.receive_cap_args(R, layout.config.topk, s, None)
     topk, w, out = topk_R[0], work[0], outs[0]
     steps = {
@@ -116,17 +112,17 @@ def bench_variant(layout: Layout, topk_R: list[torch.Tensor], want_R: list[Plan]
         steps["shared_dest"]()
 
     steps["total"] = total
-    row = {"method": method, "chunk": chunk, "warps": warps, "shared_warps": shared_warps}
+    row = {"chunk": chunk, "warps": warps, "shared_warps": shared_warps}
     row.update({f"{name}_us": graph_us(fn, iters) for name, fn in steps.items()})
     row["total_b2b_us"] = graph_us(total, max(5, iters // 5), BACK_TO_BACK)
     return row
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("method", "chunk", "warps", "sh.warps", *COLUMNS[:-1], "b2b")
+    head = ("chunk", "warps", "sh.warps", *COLUMNS[:-1], "b2b")
     lines = [" ".join(f"{h:>11}" for h in head)]
     for r in rows:
-        cells = [r["method"], str(r["chunk"]), str(r["warps"]), str(r["shared_warps"])]
+        cells = [str(r["chunk"]), str(r["warps"]), str(r["shared_warps"])]
         cells += [f"{r[c + '_us']:.1f}" for c in COLUMNS]
         lines.append(" ".join(f"{c:>11}" for c in cells))
     return "\n".join(lines)
@@ -159,11 +155,11 @@ def main() -> None:
     floor = graph_us(lambda: floor_buf.add_(1), args.iters)
     floor_b2b = graph_us(lambda: floor_buf.add_(1), args.iters, BACK_TO_BACK)
     rows, failed = [], []
-    for method, chunk, warps, shared_warps in VARIANTS[: args.variants]:
+    for chunk, warps, shared_warps in VARIANTS[: args.variants]:
         t0 = time.time()
-        name = f"{method} chunk {chunk} warps {warps} shared warps {shared_warps}"
+        name = f"chunk {chunk} warps {warps} shared warps {shared_warps}"
         try:  # one failing variant (a compile or bitwise mismatch) must not hide the others' numbers
-            rows.append(bench_variant(layout, topk_R, want_R, method, chunk, warps, shared_warps, args.iters))
+            rows.append(bench_variant(layout, topk_R, want_R, chunk, warps, shared_warps, args.iters))
         except Exception as exc:  # reported, recorded and turned into the exit status
             failed.append({"variant": name, "error": f"{type(exc).__name__}: {exc}"[:2000]})
             print(f"{name}: FAILED {failed[-1]['error']}", flush=True)

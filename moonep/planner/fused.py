@@ -3,14 +3,10 @@ bitwise equal to `moonep.planner.reference.make_plan` (the specification) on eve
 Buffers on the triton path plan with it.
 
 Protocol of one plan (every rank; s tokens, K top-k, flat entry index i = t*K + k):
-    1. the chunk kernel, one program per chunk of CHUNK consecutive flat entries: the chunk's
+    1. `_chunk_match_kernel`, one program per chunk of CHUNK consecutive flat entries: the chunk's
        expert histogram, and each entry's rank among the chunk's entries of the same expert in flat
-       order, by one of RANK_METHODS: `sort` (`_chunk_kernel`: tl.histogram, tl.sort on the key
-       expert*CHUNK + i, then a scan over runs of equal experts), `match` (`_chunk_match_kernel`:
-       bit-sliced matching of every entry against the chunk's 32-entry blocks, the popcounts give
-       the rank and the expert's count in the chunk, no histogram op, no sort) or `compare`
-       (`_chunk_compare_kernel`: tl.histogram and blocked [64, 64] comparisons with the earlier
-       entries). Then
+       order, by bit-sliced matching of every entry against the chunk's 32-entry blocks (the
+       popcounts give the rank and the expert's count in the chunk; no histogram op, no sort). Then
        `_prefix_kernel`, one program per 8-16 experts (one [256 chunks, experts] tile per step),
        turns the per-chunk histograms into exclusive prefixes over chunks and writes the local
        histogram (their sum) into row `rank` of every peer's hist region (plain peer stores).
@@ -73,29 +69,32 @@ Race note (as on the PyTorch path): the hist region is single-buffered. A peer m
 histogram only after a barrier that follows this rank's step 3; Buffer.plan passes barrier
 "plan:enter" first when two plans follow each other with nothing collective in between.
 
-Measured (H200, E=896, K=16, R=8, S=8192, torch.profiler over graph replays, sort at chunk 512 x 4
-warps, shared kernel at 2 warps with int64 keys and unpaired reductions): chunk 13.7 us, prefix
-2.5 us, shared 8.9 us (latency-bound: 8 programs), destination 5.6 us, 0.1-0.2 us between kernels;
-34.8 us per idle graph replay (target <= 35 us; benchmarks/bench_planner.py --experts 896 --topk 16
---ranks 8 times every rank method). Static sm90 code (Triton 3.5 + ptxas, same shape): per program
-at chunk 512 x 4 warps, `sort` 2.0k instructions (208 shuffles, 27 CTA barriers, 0.8k of them
-tl.histogram's ballots and popcounts over 1024 bins), `match` 1.7k (0.8k LOP3, 64 POPC, 160
-uniform loads of planes, 4 barriers), `compare` 7.1k; the shared kernel 3.3k instructions and 29
-CTA barriers per program at 2 warps, 3 per quota-split step (5 steps at maxvio 1); the destination
-kernel 1.8k instructions, 192 shuffles per 32 tokens. The chunk pass (H200, 2026-11-29, R=2, E=384,
-K=8, S=8192, `sort`): 17.2 us at chunk 512 x 4 warps (1024 x 4: slower by 4 us, 256 x 4 by 2 us,
-2048 by 15-24 us in total).
+Measured (H200, 2026-12-01, E=896, K=16, R=8 simulated, S=8192, maxvio 1, chunk 512 x 4 warps,
+shared kernel at 2 warps; benchmarks/bench_planner.py --experts 896 --topk 16 --ranks 8): 26.2 us
+per idle CUDA-graph replay of the four kernels, 21.5 us per replay of 20 back to back (target
+<= 35 us; a graph of one tiny kernel takes 16.9 us, 5.3 us back to back, on that machine). Chunk
+512 x 8 warps and 256 x 2-4 warps are within 1 us of it, 128 x 4 warps is 9 us slower. Static sm90
+code (Triton 3.5 + ptxas, same shape): the chunk kernel 1.7k instructions per program at chunk 512
+x 4 warps (0.8k LOP3, 64 POPC, 160 uniform loads of planes, 4 CTA barriers); the shared kernel 3.3k
+instructions and 29 CTA barriers per program at 2 warps, 3 per quota-split step (5 steps at maxvio
+1); the destination kernel 1.8k instructions, 192 shuffles per 32 tokens.
 
-Rejected: the prefixes over chunks in the last chunk program to finish (a ticket counter; 36.2 us
-at chunk 512); counting ranks with a [CHUNK, E] one-hot cumsum (E times more work and registers
-than the sort); a single persistent kernel with an in-kernel grid barrier (needs all programs
-co-resident and spins inside the interpreter's sequential programs); launching eagerly on CUDA (3
-Triton launches + the barrier cost the host ~100 us); the PyTorch planner replayed from a CUDA
-graph (~400 small kernels per plan); a CuTe DSL kernel of the shared part (experiments/cute_planner);
-one shared program holding the whole [R, epn, R] problem (7.4k instructions and 139 barriers at
-E=896, R=8; its shared + destination pass took 34 us at R=8 against 17 us at R=2 on an H200); the
-dedup over [tokens, K, K] pairs (twice the tile of [tokens, K, R] at K=16, R=8, its reductions
-across lanes).
+Rejected (same run and shape as Measured unless stated): a chunk kernel that sorts the chunk
+(tl.histogram, a bitonic sort on expert * CHUNK + i, a scan over runs of equal experts; 2.0k sm90
+instructions per program with 208 shuffles and 27 CTA barriers): 36.3 us per replay, 30.9 us back to
+back; a chunk kernel counting each entry's rank by blocked [64, 64] comparisons with the earlier
+entries after a tl.histogram (7.1k instructions per program): 42.6 us, 37.5 us back to back at chunk
+512 x 8 warps; the prefixes over chunks in the last chunk program to finish (a ticket counter; 36.2
+us at chunk 512, another run); counting ranks with a [CHUNK, E] one-hot cumsum (E times more work
+and registers than a sort); the shared kernel at 1 warp (it spills: 42.0 us against 36.3 at 2 warps,
+both with the sorting chunk kernel); a single persistent kernel with an in-kernel grid barrier
+(needs all programs co-resident and spins inside the interpreter's sequential programs); launching
+eagerly on CUDA (3 Triton launches + the barrier cost the host ~100 us); the PyTorch planner
+replayed from a CUDA graph (~400 small kernels per plan); a CuTe DSL kernel of the shared part
+(experiments/cute_planner); one shared program holding the whole [R, epn, R] problem (7.4k
+instructions and 139 barriers at E=896, R=8; its shared + destination pass took 34 us at R=8 against
+17 us at R=2 on an H200); the dedup over [tokens, K, K] pairs (twice the tile of [tokens, K, R] at
+K=16, R=8, its reductions across lanes).
 """
 
 from __future__ import annotations
@@ -111,63 +110,15 @@ from moonep.layout import Layout
 from moonep.planner.plan import Plan
 from moonep.planner.plan_pool import PlanPool, PooledPlan
 
-CHUNK = 512  # flat entries per histogram program (a power of two for tl.sort); benchmarks/bench_planner.py sweeps it
+CHUNK = 512  # flat entries per chunk program (a power of two >= 32: whole 32-entry blocks); bench_planner sweeps it
 _DEST_ENTRIES = 1024  # entries per destination program (whole tokens, K padded to a power of two)
 _PREFIX_CHUNKS = 1024  # chunks per tile of the prefix kernel: s*K = 131072 entries in one step at chunk >= 128
 _PREFIX_TILE = 2048  # elements of a prefix tile ([chunks, experts]; at most 16 experts per program)
 _SHARED_WARPS = 2  # warps per program of the shared pass (2 was faster than 4 and 8 at K3's shape; 1 spills)
-RANK_METHOD = "sort"  # the chunk pass's ranking kernel (RANK_METHODS)
 _DEST_TILE = 4096  # elements of the destination program's [tokens, K_P, R_P] tile (registers)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
-@triton.jit
-def _indicator(N_DIMS: tl.constexpr, i: tl.constexpr):
-    # 0/1 coordinate along the i-th innermost axis of the [2] * N_DIMS hypercube
-    return tl.reshape(tl.arange(0, 2), [1] * (N_DIMS - i - 1) + [2] + [1] * i)
-
-
-@triton.jit
-def _compare_and_swap(h, flip, i: tl.constexpr, N_DIMS: tl.constexpr):
-    # triton.language.standard's bitonic step, with the partner found by a sum over the pair instead
-    # of an xor reduction (same cost on the GPU; numpy-fast in the interpreter)
-    partner = tl.sum(h, axis=N_DIMS - 1 - i, keep_dims=True) - h
-    return tl.where((h > partner) != (flip ^ _indicator(N_DIMS, i)), partner, h)
-
-
-@triton.jit
-def _sort(x, LOG_N: tl.constexpr):
-    """Ascending bitonic sort of a 1-D block of 2**LOG_N distinct int32 keys < 2**30."""
-    h = tl.reshape(x, [2] * LOG_N)
-    for stage in tl.static_range(1, LOG_N + 1):
-        if stage < LOG_N:
-            flip = _indicator(LOG_N, stage)  # alternating runs: bitonic sequences for the next stage
-        else:
-            flip = 0
-        for i in tl.static_range(stage):
-            h = _compare_and_swap(h, flip, stage - 1 - i, LOG_N)
-    return tl.reshape(h, x.shape)
-
-
-@triton.jit
-def _chunk_kernel(topk_ptr, rank_ptr, chunk_hist_ptr, num_entries, E,
-                  CHUNK: tl.constexpr, LOG_CHUNK: tl.constexpr, E_BINS: tl.constexpr):
-    c = tl.program_id(0)
-    i = tl.arange(0, CHUNK)
-    entry = c * CHUNK + i
-    ok = entry < num_entries
-    expert = tl.load(topk_ptr + entry, mask=ok, other=E).to(tl.int32)  # padding sorts last, bin E
-    counts = tl.histogram(expert, E_BINS)
-    bins = tl.arange(0, E_BINS)
-    tl.store(chunk_hist_ptr + c * E + bins, counts, mask=bins < E)
-    # sorted by (expert, i): an entry's rank among its expert's entries is its sorted position minus
-    # the position of the expert's first entry (the exclusive cumulative histogram)
-    key = _sort(expert * CHUNK + i, LOG_CHUNK)
-    run_start = tl.gather(tl.cumsum(counts, axis=0) - counts, key >> LOG_CHUNK, 0)
-    idx = c * CHUNK + (key & (CHUNK - 1))
-    tl.store(rank_ptr + idx, i - run_start, mask=idx < num_entries)
-
-
 @triton.jit
 def _popcount(x, HW: tl.constexpr):
     """Set bits of each int32 lane: the popc instruction on the GPU, SWAR arithmetic in Triton's
@@ -226,30 +177,6 @@ def _chunk_match_kernel(topk_ptr, rank_ptr, chunk_hist_ptr, plane_ptr, num_entri
     below = (1 << (i & 31)) - 1  # lanes under i's (lane 31: INT_MIN - 1 wraps to 0x7FFFFFFF)
     tl.store(rank_ptr + entry, before + _popcount(own & below, HW_POPC), mask=ok)
     tl.store(chunk_hist_ptr + c * E + expert, count, mask=ok)
-
-
-@triton.jit
-def _chunk_compare_kernel(topk_ptr, rank_ptr, chunk_hist_ptr, num_entries, E,
-                          CHUNK: tl.constexpr, BLOCK: tl.constexpr, E_BINS: tl.constexpr):
-    """The chunk's histogram (tl.histogram) and ranks without a sort: entry i's rank is the number
-    of earlier entries of the chunk with its expert, counted by [BLOCK, BLOCK] comparisons of its
-    block against each earlier block and the lower triangle of its own."""
-    c = tl.program_id(0)
-    i = tl.arange(0, CHUNK)
-    ok = c * CHUNK + i < num_entries
-    counts = tl.histogram(tl.load(topk_ptr + c * CHUNK + i, mask=ok, other=E).to(tl.int32), E_BINS)
-    bins = tl.arange(0, E_BINS)
-    tl.store(chunk_hist_ptr + c * E + bins, counts, mask=bins < E)
-    for i0 in tl.static_range(0, CHUNK, BLOCK):
-        ii = c * CHUNK + i0 + tl.arange(0, BLOCK)
-        ei = tl.load(topk_ptr + ii, mask=ii < num_entries, other=E).to(tl.int32)
-        acc = tl.zeros([BLOCK, BLOCK], dtype=tl.int32)
-        for j0 in tl.static_range(0, i0, BLOCK):
-            jj = c * CHUNK + j0 + tl.arange(0, BLOCK)
-            ej = tl.load(topk_ptr + jj, mask=jj < num_entries, other=E + 1).to(tl.int32)
-            acc += (ei[:, None] == ej[None, :]).to(tl.int32)
-        acc += ((ei[:, None] == ei[None, :]) & (ii[None, :] < ii[:, None])).to(tl.int32)
-        tl.store(rank_ptr + ii, tl.sum(acc, axis=1), mask=ii < num_entries)
 
 
 @triton.jit(do_not_specialize=["rank", "hist_rank_stride", "hist_row_stride"])
@@ -563,35 +490,28 @@ class _PlanLayout:
         return Plan(**self.static, **self.views(flat))
 
 
-RANK_METHODS = ("sort", "match", "compare")  # the chunk pass's ranking kernels (module docstring, step 1)
-
-
 class _Workspace:
     """Intermediate buffers of one shape, reused by every call (one plan at a time per buffer).
 
-    chunk / chunk_warps / rank_method: the chunk pass's entries per program, warps and ranking
-    kernel (RANK_METHODS; benchmarks/bench_planner.py sweeps them); shared_warps: the shared pass's."""
+    chunk / chunk_warps: the chunk pass's entries and warps per program; shared_warps: the shared
+    pass's warps per program (benchmarks/bench_planner.py sweeps them)."""
 
     def __init__(self, layout: Layout, s: int, device: torch.device, chunk: int = CHUNK, chunk_warps: int = 4,
-                 shared_warps: int = _SHARED_WARPS, rank_method: str = RANK_METHOD) -> None:
+                 shared_warps: int = _SHARED_WARPS) -> None:
         R, E, K = layout.num_ranks, layout.config.num_experts, layout.config.topk
-        if rank_method not in RANK_METHODS:
-            raise ValueError(f"rank_method={rank_method!r}: expected one of {RANK_METHODS}")
-        low = 32 if rank_method == "match" else 16
-        if chunk < low or chunk & (chunk - 1):
-            raise ValueError(f"chunk={chunk} must be a power of two >= {low} for rank_method={rank_method!r}")
+        if chunk < 32 or chunk & (chunk - 1):
+            raise ValueError(f"chunk={chunk}: the chunk kernel matches whole 32-entry blocks; "
+                             "pass a power of two >= 32")
         self.chunk, self.chunk_warps, self.shared_warps = chunk, chunk_warps, shared_warps
-        self.rank_method = rank_method
         self.num_chunks = triton.cdiv(s * K, chunk)
         i32 = {"dtype": torch.int32, "device": device}
         self.rank_in_chunk = torch.empty(s * K, **i32)
         self.chunk_hist = torch.empty(self.num_chunks, E, **i32)  # histograms, then prefixes
         self.end_ER = torch.empty(E, R, **i32)
         self.rowbase_ER = torch.empty(E, R, **i32)
-        # the match kernel's bit planes: per chunk [chunk / 32 blocks, BITS_P bits of an expert id < E + 1]
+        # the chunk kernel's bit planes: per chunk [chunk / 32 blocks, BITS_P bits of an expert id < E + 1]
         self.bits = E.bit_length()
-        self.planes = torch.empty(self.num_chunks * (chunk // 32) * triton.next_power_of_2(self.bits), **i32) \
-            if rank_method == "match" else None
+        self.planes = torch.empty(self.num_chunks * (chunk // 32) * triton.next_power_of_2(self.bits), **i32)
 
 
 def chunk_pass(topk_sK: torch.Tensor, rank: int, hist_all: torch.Tensor, work: _Workspace) -> None:
@@ -602,20 +522,11 @@ def chunk_pass(topk_sK: torch.Tensor, rank: int, hist_all: torch.Tensor, work: _
 
 
 def count_step(topk_sK: torch.Tensor, E: int, work: _Workspace) -> None:
-    """The chunk kernel of work.rank_method: per-chunk histograms and ranks inside the chunk."""
-    grid = (work.num_chunks,)
-    if work.rank_method == "match":
-        _chunk_match_kernel[grid](topk_sK, work.rank_in_chunk, work.chunk_hist, work.planes, topk_sK.numel(), E,
-                                  CHUNK=work.chunk, BITS=work.bits, BITS_P=triton.next_power_of_2(work.bits),
-                                  E_P=triton.next_power_of_2(E), HW_POPC=topk_sK.is_cuda, num_warps=work.chunk_warps)
-    elif work.rank_method == "compare":
-        _chunk_compare_kernel[grid](topk_sK, work.rank_in_chunk, work.chunk_hist, topk_sK.numel(), E,
-                                    CHUNK=work.chunk, BLOCK=min(64, work.chunk), E_BINS=triton.next_power_of_2(E + 1),
-                                    num_warps=work.chunk_warps)
-    else:
-        _chunk_kernel[grid](topk_sK, work.rank_in_chunk, work.chunk_hist, topk_sK.numel(), E,
-                            CHUNK=work.chunk, LOG_CHUNK=work.chunk.bit_length() - 1,
-                            E_BINS=triton.next_power_of_2(E + 1), num_warps=work.chunk_warps)
+    """`_chunk_match_kernel`: per-chunk histograms and ranks inside the chunk."""
+    _chunk_match_kernel[(work.num_chunks,)](
+        topk_sK, work.rank_in_chunk, work.chunk_hist, work.planes, topk_sK.numel(), E, CHUNK=work.chunk,
+        BITS=work.bits, BITS_P=triton.next_power_of_2(work.bits), E_P=triton.next_power_of_2(E),
+        HW_POPC=topk_sK.is_cuda, num_warps=work.chunk_warps)
 
 
 def prefix_step(rank: int, hist_all: torch.Tensor, work: _Workspace) -> None:
@@ -684,14 +595,13 @@ class FusedPlanner:
     """Buffer's planner on the triton path: plan(topk_sK) -> Plan, collective (see the module docstring).
 
     hist_all: the Buffer's [R, R, E] all-ranks view of the hist region; barrier: the heap barrier of
-    the histogram exchange; chunk / chunk_warps / rank_method: entries, warps and ranking kernel
-    (RANK_METHODS) of the chunk pass (benchmarks/bench_planner.py sweeps them). CUDA graphs are
-    replayed on CUDA only."""
+    the histogram exchange; chunk / chunk_warps: entries and warps per program of the chunk pass
+    (benchmarks/bench_planner.py sweeps them). CUDA graphs are replayed on CUDA only."""
 
     def __init__(self, layout: Layout, rank: int, hist_all: torch.Tensor, barrier: Callable[[], None],
-                 chunk: int = CHUNK, chunk_warps: int = 4, rank_method: str = RANK_METHOD) -> None:
+                 chunk: int = CHUNK, chunk_warps: int = 4) -> None:
         self.layout = layout
-        self.chunk, self.chunk_warps, self.rank_method = chunk, chunk_warps, rank_method
+        self.chunk, self.chunk_warps = chunk, chunk_warps
         self.rank = rank
         self.hist_all = hist_all
         self.barrier = barrier
@@ -731,8 +641,7 @@ class FusedPlanner:
         s = topk_sK.shape[0]
         work = self._work.get(s)
         if work is None:
-            work = self._work[s] = _Workspace(self.layout, s, topk_sK.device, self.chunk, self.chunk_warps,
-                                              rank_method=self.rank_method)
+            work = self._work[s] = _Workspace(self.layout, s, topk_sK.device, self.chunk, self.chunk_warps)
         chunk_pass(topk_sK, self.rank, self.hist_all, work)
         self.barrier()
         cap_base, cap_rem = receive_cap_args(self.layout.num_ranks, self.layout.config.topk, s, total)

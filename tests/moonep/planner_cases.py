@@ -66,8 +66,8 @@ def random_topk(s: int, E: int, K: int, sigma: float, g: torch.Generator) -> tor
     return torch.topk(torch.log(p) + gumbel, K, dim=1).indices.to(torch.int32)
 
 
-def simulate_fused(layout: Layout, topk_R: list[torch.Tensor], total: int | None, chunk: int | None = None,
-                   rank_method: str | None = None) -> list[Plan]:
+def simulate_fused(layout: Layout, topk_R: list[torch.Tensor], total: int | None, chunk: int | None = None
+                   ) -> list[Plan]:
     """Every rank's plan from moonep.planner.fused in one process (any device): step 1 of every
     rank into one [R, R, E] hist (what the peer stores build), then steps 3-4 of each rank (program
     order stands in for the barrier)."""
@@ -76,8 +76,7 @@ def simulate_fused(layout: Layout, topk_R: list[torch.Tensor], total: int | None
     R, E = layout.num_ranks, layout.config.num_experts
     device = topk_R[0].device
     hist_all = torch.full((R, R, E), -7, dtype=torch.int32, device=device)
-    work = [pf._Workspace(layout, t.shape[0], device, chunk or pf.CHUNK, rank_method=rank_method or pf.RANK_METHOD)
-            for t in topk_R]
+    work = [pf._Workspace(layout, t.shape[0], device, chunk or pf.CHUNK) for t in topk_R]
     for r, topk in enumerate(topk_R):
         pf.chunk_pass(topk, r, hist_all, work[r])
     plans = []
@@ -93,20 +92,19 @@ def simulate_fused(layout: Layout, topk_R: list[torch.Tensor], total: int | None
 FusedCase = tuple[int, int, int, list[int], int, int, float, bool]  # R, E, K, s per rank, B, pad, sigma, per_rank
 
 
-def check_fused_cases(cases: list[FusedCase], g: torch.Generator, device: str = "cpu", chunk: int | None = None,
-                      rank_method: str | None = None) -> None:
+def check_fused_cases(cases: list[FusedCase], g: torch.Generator, device: str = "cpu", chunk: int | None = None
+                      ) -> None:
     """simulate_fused on `device` for every rank of every case, bitwise against make_plan on the CPU
     (per_rank: ranks have different s and pass total_num_tokens)."""
     for i, (R, E, K, s_R, B, pad, sigma, per_rank) in enumerate(cases):
         if device != "cpu":  # on a GPU each new shape compiles: say which case runs (pytest -s)
             print(f"fused case {i + 1}/{len(cases)}: R={R} E={E} K={K} s={s_R[:2]} B={B} pad={pad}", flush=True)
         topk_R = [random_topk(s, E, K, sigma, g) for s in s_R]
-        check_fused_topk(topk_R, E, B, pad, per_rank, f"sigma={sigma:.2f}", device, chunk, rank_method)
+        check_fused_topk(topk_R, E, B, pad, per_rank, f"sigma={sigma:.2f}", device, chunk)
 
 
 def check_fused_topk(topk_R: list[torch.Tensor], E: int, B: int, pad: int, per_rank: bool, context: str = "",
-                     device: str = "cpu", chunk: int | None = None, rank_method: str | None = None,
-                     max_tokens: int | None = None) -> None:
+                     device: str = "cpu", chunk: int | None = None, max_tokens: int | None = None) -> None:
     """simulate_fused for the given routing of every rank, bitwise against make_plan on the CPU
     (max_tokens: the layout's, max(s) if None)."""
     R, s_R, K = len(topk_R), [t.shape[0] for t in topk_R], topk_R[0].shape[1]
@@ -114,11 +112,11 @@ def check_fused_topk(topk_R: list[torch.Tensor], E: int, B: int, pad: int, per_r
                                  num_slots=B), R, 4096)
     total = sum(s_R) if per_rank else None
     counts = torch.stack([torch.bincount(t.reshape(-1).long(), minlength=E) for t in topk_R]).to(torch.int32)
-    for r, got in enumerate(simulate_fused(layout, [t.to(device) for t in topk_R], total, chunk, rank_method)):
+    for r, got in enumerate(simulate_fused(layout, [t.to(device) for t in topk_R], total, chunk)):
         want = make_plan(layout, r, topk_R[r], counts, total_num_tokens=total)
         got = dataclasses.replace(got, **{n: getattr(got, n).cpu() for n in PLAN_FIELDS})
         assert_same_plan(got, want, f"rank {r} of R={R} E={E} K={K} s={s_R} B={B} pad={pad} {context} total={total} "
-                                    f"chunk={chunk} rank_method={rank_method}")
+                                    f"chunk={chunk}")
 
 
 def group_skewed_topk(s: int, E: int, K: int, num_groups: int, epn: int, g: torch.Generator) -> torch.Tensor:

@@ -36,22 +36,13 @@ CASES = [
     ("moonep.kernels.situ_glu", "_situ_glu_bwd_kernel",
      {"ga_ptr": "*bf16", "h_ptr": "*bf16", "u_ptr": "*bf16", "gh_ptr": "*bf16", "gu_ptr": "*bf16",
       "a_ptr": "*bf16", "n": "i64", "BLOCK": "constexpr"}, {"BLOCK": 2048}),
-    ("moonep.planner.fused", "_chunk_kernel",
-     {"topk_ptr": "*i32", "rank_ptr": "*i32", "chunk_hist_ptr": "*i32", "num_entries": "i32", "E": "i32",
-      "CHUNK": "constexpr", "LOG_CHUNK": "constexpr", "E_BINS": "constexpr"},
-     {"CHUNK": 512, "LOG_CHUNK": 9, "E_BINS": 512}),
 ] + [
     ("moonep.planner.fused", "_chunk_match_kernel",  # K3: E = 896, ids and the padding id in 10 bits
      {"topk_ptr": "*i32", "rank_ptr": "*i32", "chunk_hist_ptr": "*i32", "plane_ptr": "*i32", "num_entries": "i32",
       "E": "i32", "CHUNK": "constexpr", "BITS": "constexpr", "BITS_P": "constexpr", "E_P": "constexpr",
       "HW_POPC": "constexpr"},
      {"CHUNK": chunk, "BITS": 10, "BITS_P": 16, "E_P": 1024, "HW_POPC": True})
-    for chunk in (128, 512)
-] + [
-    ("moonep.planner.fused", "_chunk_compare_kernel",
-     {"topk_ptr": "*i32", "rank_ptr": "*i32", "chunk_hist_ptr": "*i32", "num_entries": "i32", "E": "i32",
-      "CHUNK": "constexpr", "BLOCK": "constexpr", "E_BINS": "constexpr"},
-     {"CHUNK": 512, "BLOCK": 64, "E_BINS": 1024}),
+    for chunk in (256, 512)
 ] + [
     ("moonep.planner.fused", "_prefix_kernel",
      {"chunk_hist_ptr": "*i32", "hist_ptr": "*i32", "num_chunks": "i32", "rank": "i32", "hist_rank_stride": "i64",

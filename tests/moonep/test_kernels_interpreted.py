@@ -154,19 +154,20 @@ def test_fused_planner_slots_run_out() -> None:
         assert (remote_home_rows > 0) == (B < epn), f"B={B}: {remote_home_rows} remote rows on home rows"
 
 
-@pytest.mark.parametrize("chunk", [16, 256, 1024])
+@pytest.mark.parametrize("chunk", [32, 256, 1024])
 def test_fused_planner_other_chunk_sizes(chunk: int) -> None:
     """The chunk size is a tuning knob (benchmarks/bench_planner.py): many chunks per expert run, runs
-    crossing chunk ends, a last partial chunk."""
+    crossing chunk ends, a last partial chunk, K not a power of two, K3's K = 16 and E / R = 14 at
+    R = 8."""
     g = torch.Generator().manual_seed(4)
     cases = [(2, 384, 8, [512, 512], 192, 16, 3.0, False), (2, 384, 8, [700, 333], 96, 16, 1.0, True),
-             (4, 16, 3, [37] * 4, 4, 2, 2.0, False), (8, 64, 8, [64] * 8, 8, 4, 0.5, False)]
+             (4, 16, 3, [37] * 4, 4, 2, 2.0, False), (8, 64, 8, [64] * 8, 8, 4, 0.5, False),
+             (8, 112, 16, [40] * 8, 14, 16, 3.0, False)]
     check_fused_cases(cases, g, chunk=chunk)
 
 
-@pytest.mark.parametrize("rank_method", ["sort", "match", "compare"])
-def test_fused_chunk_kernels_match_reference(rank_method: str) -> None:
-    """The chunk pass's kernels alone against a one-hot reference: per-chunk histograms and each
+def test_fused_chunk_kernel_matches_reference() -> None:
+    """The chunk pass's kernel alone against a one-hot reference: per-chunk histograms and each
     entry's rank among the chunk's entries of its expert; E a power of two (the padding id E needs
     one more bit), E = 1 (one run through every chunk), K not a power of two, a last partial chunk."""
     from moonep.planner import fused as pf
@@ -175,13 +176,13 @@ def test_fused_chunk_kernels_match_reference(rank_method: str) -> None:
     for E, K, s, chunk in ((512, 16, 70, 64), (1, 1, 100, 32), (96, 6, 45, 64), (896, 16, 40, 512)):
         topk = random_topk(s, E, K, 2.0, g)
         layout = Layout(BufferConfig(max_tokens=s, hidden=8, topk=K, num_experts=E), 1, 4096)
-        work = pf._Workspace(layout, s, torch.device("cpu"), chunk, rank_method=rank_method)
+        work = pf._Workspace(layout, s, torch.device("cpu"), chunk)
         work.chunk_hist.fill_(-7), work.rank_in_chunk.fill_(-7)  # garbage: the kernel writes every element
         pf.count_step(topk, E, work)
         flat = torch.nn.functional.pad(topk.reshape(-1).long(), (0, work.num_chunks * chunk - s * K), value=E)
         onehot = torch.nn.functional.one_hot(flat.view(-1, chunk), E + 1)  # [chunks, chunk, E + 1]
         want_rank = ((onehot.cumsum(1) - onehot) * onehot).sum(2).view(-1)[: s * K]
-        context = f"{rank_method}: E={E} K={K} s={s} chunk={chunk}"
+        context = f"E={E} K={K} s={s} chunk={chunk}"
         assert torch.equal(work.chunk_hist, onehot.sum(1)[:, :E].int()), f"{context}: chunk histograms"
         bad = (work.rank_in_chunk != want_rank).nonzero()
         assert bad.numel() == 0, f"{context}: rank of entry {bad[0].item()} is {work.rank_in_chunk[bad[0]].item()}"
@@ -191,21 +192,9 @@ def test_fused_workspace_rejects_bad_knobs() -> None:
     from moonep.planner import fused as pf
 
     layout = Layout(BufferConfig(max_tokens=8, hidden=8, topk=2, num_experts=4), 1, 4096)
-    with pytest.raises(ValueError, match="rank_method='bitonic': expected one of"):
-        pf._Workspace(layout, 8, torch.device("cpu"), rank_method="bitonic")
-    with pytest.raises(ValueError, match="chunk=16 must be a power of two >= 32 for rank_method='match'"):
-        pf._Workspace(layout, 8, torch.device("cpu"), 16, rank_method="match")
-
-
-@pytest.mark.parametrize("rank_method", ["match", "compare"])
-def test_fused_planner_rank_methods(rank_method: str) -> None:
-    """Whole plans with the chunk kernels that do not sort (benchmarks/bench_planner.py times them):
-    many chunks of 32 entries, K not a power of two, runs crossing chunk ends, a last partial chunk,
-    K3's K = 16 and E / R = 14 at R = 8 (the chunk sizes of the benchmark: the test above)."""
-    g = torch.Generator().manual_seed(6)
-    cases = [(2, 384, 8, [700, 333], 96, 16, 1.0, True), (4, 16, 3, [37] * 4, 4, 2, 2.0, False),
-             (8, 112, 16, [40] * 8, 14, 16, 3.0, False)]
-    check_fused_cases(cases, g, chunk=32, rank_method=rank_method)
+    for chunk in (16, 96):
+        with pytest.raises(ValueError, match=f"chunk={chunk}: .* pass a power of two >= 32"):
+            pf._Workspace(layout, 8, torch.device("cpu"), chunk)
 
 
 def test_fused_planner_int64_keys() -> None:
