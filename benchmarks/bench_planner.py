@@ -10,8 +10,11 @@ the plans of every rank are checked bitwise against moonep.planner.make_plan on 
 0's launches are captured in CUDA graphs and replayed: each kernel alone (count, prefix, shared,
 dest), the chunk pass (count + prefix), the shared + destination pass, and all four (`total`, the
 number a plan costs). Median of --iters replays, timed by CUDA events around each replay (GPU time;
-the host only launches one graph). `floor` is the same timing of a graph holding one tiny kernel:
-every column includes it once, so a kernel's own time is roughly its column minus the floor.
+the host only launches one graph). `b2b`: the `total` graph replayed 20 times back to back between
+two events, divided by 20 (median of --iters / 5 such runs): a plan's cost when it is queued behind
+other work, as in training, without the idle start of a single replay. `floor` is the same timing of
+a graph holding one tiny kernel (and its b2b timing): every column includes it once, so a kernel's
+own time is roughly its column minus the floor.
 Table printed; JSON to --out.
 """
 
@@ -30,18 +33,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from moonep import BufferConfig
 from moonep.layout import Layout
+from moonep.planner import Plan, make_plan
 from moonep.planner import fused as pf
-from moonep.planner import make_plan
 from moonep.routing import generate_routing
 from tests.moonep.planner_cases import PLAN_FIELDS, assert_same_plan
 
 # (chunk, chunk-kernel warps, shared-kernel warps); the first is the library's default
-VARIANTS = ((pf.CHUNK, 4, pf._SHARED_WARPS), (1024, 4, 2), (256, 4, 2), (2048, 8, 2), (512, 4, 4), (512, 4, 8))
-COLUMNS = ("count", "prefix", "shared", "dest", "chunk_pass", "shared_dest", "total")
+VARIANTS = ((pf.CHUNK, 4, pf._SHARED_WARPS), (512, 8, 2), (256, 4, 2), (256, 2, 2), (512, 4, 4))
+COLUMNS = ("count", "prefix", "shared", "dest", "chunk_pass", "shared_dest", "total", "total_b2b")
+BACK_TO_BACK = 20  # replays per timing of the b2b column
 
 
-def graph_us(fn, iters: int) -> float:
-    """Median GPU microseconds of one replay of fn captured in a CUDA graph."""
+def graph_us(fn, iters: int, back_to_back: int = 1) -> float:
+    """Median GPU microseconds per replay of fn captured in a CUDA graph, timed over `back_to_back`
+    replays queued between two events (1: a single replay, the stream idle before it)."""
     fn()  # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -51,16 +56,18 @@ def graph_us(fn, iters: int) -> float:
     for _ in range(iters + 3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        for _ in range(back_to_back):
+            graph.replay()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+        times.append(start.elapsed_time(end) * 1e3 / back_to_back)
     return statistics.median(times[3:])
 
 
-def check_variant(layout: Layout, topk_R: list[torch.Tensor], counts_RE: torch.Tensor, work: list, name: str
+def check_variant(layout: Layout, topk_R: list[torch.Tensor], want_R: list[Plan], work: list, name: str
                   ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-    """Plans of every rank with these workspaces, bitwise against make_plan; returns (hist_all, outs)."""
+    """Plans of every rank with these workspaces, bitwise against make_plan's (want_R); returns
+    (hist_all, outs)."""
     R, E = layout.num_ranks, layout.config.num_experts
     dev = topk_R[0].device
     s = topk_R[0].shape[0]
@@ -78,18 +85,17 @@ def check_variant(layout: Layout, topk_R: list[torch.Tensor], counts_RE: torch.T
     for r in range(R):  # correctness of this variant before its time means anything
         got = plan_layout[r].plan(flats[r])
         got = type(got)(**{**vars(got), **{n: getattr(got, n).cpu() for n in PLAN_FIELDS}})
-        assert_same_plan(got, make_plan(layout, r, topk_R[r].cpu(), counts_RE), f"{name} rank {r}")
+        assert_same_plan(got, want_R[r], f"{name} rank {r}")
     return hist_all, outs
 
 
-def bench_variant(layout: Layout, topk_R: list[torch.Tensor], counts_RE: torch.Tensor, chunk: int, warps: int,
+def bench_variant(layout: Layout, topk_R: list[torch.Tensor], want_R: list[Plan], chunk: int, warps: int,
                   shared_warps: int, iters: int) -> dict:
     R = layout.num_ranks
     E = layout.config.num_experts
     s = topk_R[0].shape[0]
     work = [pf._Workspace(layout, s, topk_R[0].device, chunk, warps, shared_warps) for _ in range(R)]
-    hist_all, outs = check_variant(layout, topk_R, counts_RE, work,
-                                   f"chunk={chunk} warps={warps} shared_warps={shared_warps}")
+    hist_all, outs = check_variant(layout, topk_R, want_R, work, f"chunk={chunk} warps={warps} shared_warps={shared_warps}")
     cap_base, cap_rem = pf.receive_cap_args(R, layout.config.topk, s, None)
     topk, w, out = topk_R[0], work[0], outs[0]
     steps = {
@@ -108,14 +114,16 @@ def bench_variant(layout: Layout, topk_R: list[torch.Tensor], counts_RE: torch.T
     steps["total"] = total
     row = {"chunk": chunk, "warps": warps, "shared_warps": shared_warps}
     row.update({f"{name}_us": graph_us(fn, iters) for name, fn in steps.items()})
+    row["total_b2b_us"] = graph_us(total, max(5, iters // 5), BACK_TO_BACK)
     return row
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("chunk", "warps", "sh.warps", *COLUMNS)
+    head = ("chunk", "warps", "sh.warps", *COLUMNS[:-1], "b2b")
     lines = [" ".join(f"{h:>11}" for h in head)]
     for r in rows:
-        cells = [str(r["chunk"]), str(r["warps"]), str(r["shared_warps"])] + [f"{r[c + '_us']:.1f}" for c in COLUMNS]
+        cells = [str(r["chunk"]), str(r["warps"]), str(r["shared_warps"])]
+        cells += [f"{r[c + '_us']:.1f}" for c in COLUMNS]
         lines.append(" ".join(f"{c:>11}" for c in cells))
     return "\n".join(lines)
 
@@ -142,14 +150,16 @@ def main() -> None:
           flush=True)
     topk_R = [routing.topk_RsK[r].cuda() for r in range(R)]
     counts = routing.tokens_per_expert_RE.to(torch.int32)
+    want_R = [make_plan(layout, r, topk_R[r].cpu(), counts) for r in range(R)]  # the same for every variant
     floor_buf = torch.zeros(1, device="cuda")
     floor = graph_us(lambda: floor_buf.add_(1), args.iters)
+    floor_b2b = graph_us(lambda: floor_buf.add_(1), args.iters, BACK_TO_BACK)
     rows, failed = [], []
     for chunk, warps, shared_warps in VARIANTS[: args.variants]:
         t0 = time.time()
         name = f"chunk {chunk} warps {warps} shared warps {shared_warps}"
         try:  # one failing variant (a compile or bitwise mismatch) must not hide the others' numbers
-            rows.append(bench_variant(layout, topk_R, counts, chunk, warps, shared_warps, args.iters))
+            rows.append(bench_variant(layout, topk_R, want_R, chunk, warps, shared_warps, args.iters))
         except Exception as exc:  # reported, recorded and turned into the exit status
             failed.append({"variant": name, "error": f"{type(exc).__name__}: {exc}"[:2000]})
             print(f"{name}: FAILED {failed[-1]['error']}", flush=True)
@@ -157,14 +167,15 @@ def main() -> None:
         print(f"{name}: bitwise equal to make_plan on {R} ranks, {rows[-1]['total_us']:.1f} us "
               f"[{time.time() - t0:.0f} s]", flush=True)
     print(f"\nfused planner kernels, R={R} simulated, E={E}, s={S}, K={K}, maxvio {routing.realised_maxvio:.2f}, "
-          f"{torch.cuda.get_device_name()}: GPU us per CUDA-graph replay (median of {args.iters}); "
-          f"floor (one tiny kernel) {floor:.1f} us")
+          f"{torch.cuda.get_device_name()}: GPU us per CUDA-graph replay (median of {args.iters}; b2b: per replay of "
+          f"{BACK_TO_BACK} back to back); floor (one tiny kernel) {floor:.1f} us, {floor_b2b:.1f} us back to back")
     print(format_table(rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"bench_planner_R{R}_E{E}_K{K}_{time.strftime('%Y%m%d')}.json"
     meta = {"R": R, "E": E, "S": S, "K": K, "maxvio": routing.realised_maxvio, "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "iters": args.iters, "floor_us": floor}
+            "torch": torch.__version__, "iters": args.iters, "floor_us": floor, "floor_b2b_us": floor_b2b,
+            "back_to_back": BACK_TO_BACK}
     path.write_text(json.dumps({"config": meta, "variants": rows, "failed": failed}, indent=1))
     print(f"wrote {path}")
     if failed:

@@ -3,9 +3,10 @@ bitwise equal to `moonep.planner.reference.make_plan` (the specification) on eve
 Buffers on the triton path plan with it.
 
 Protocol of one plan (every rank; s tokens, K top-k, flat entry index i = t*K + k):
-    1. `_chunk_kernel`, one program per chunk of CHUNK consecutive flat entries: the chunk's
+    1. `_chunk_match_kernel`, one program per chunk of CHUNK consecutive flat entries: the chunk's
        expert histogram, and each entry's rank among the chunk's entries of the same expert in flat
-       order (tl.sort on the key expert*CHUNK + i, then a scan over runs of equal experts). Then
+       order, by bit-sliced matching of every entry against the chunk's 32-entry blocks (the
+       popcounts give the rank and the expert's count in the chunk; no histogram op, no sort). Then
        `_prefix_kernel`, one program per 8-16 experts (one [256 chunks, experts] tile per step),
        turns the per-chunk histograms into exclusive prefixes over chunks and writes the local
        histogram (their sum) into row `rank` of every peer's hist region (plain peer stores).
@@ -14,10 +15,11 @@ Protocol of one plan (every rank; s tokens, K top-k, flat entry index i = t*K + 
        visible to 3 and 4 on every rank).
     3. `_shared_kernel`, one program per rank d (SPEC 5.1-5.4 with the specification's tie rules,
        lowest index first): every program sums the gathered histograms and repeats the receiver
-       filling (R - 1 steps on [R] vectors); program d then runs the quota split of its own home
-       group and of its donor h, the one group with quota[h, d] > 0 (SPEC 5.2: a rank receives
-       from at most one remote group), two interleaved chains that stop once their quotas are
-       closed (the specification's remaining masked steps move 0 tokens). That gives every count
+       filling (R - 1 steps on [R] vectors), noting row d of the quotas and the step that fills
+       receiver d; program d then runs the quota split of its own home group and of its donor h,
+       the one group with quota[h, d] > 0 (SPEC 5.2: a rank receives from at most one remote
+       group), two interleaved chains that stop once their quotas are closed (the specification's
+       remaining masked steps move 0 tokens). That gives every count
        rank d's rows depend on: slots are the donor's experts with tokens on d in ascending id
        (the specification's cumsum over all experts counts no other group on d), group rows and
        offs of rank d are three segments (local experts, the donor's home rows, the slots) whose
@@ -37,8 +39,11 @@ All outputs of a plan live in one flat byte buffer (int64 fields, then int32, th
 
 The shared kernel's tiles are per rank: [epn, R] allocations of two groups, [R, R] quotas, [G]
 rows of one rank (R padded to a power of two R_P, epn to EPN_P, G = E + B to G_P). An argmax is one
-max-reduction of an int64 key (value in the high bits, the index's complement in the low bits);
-padded lanes never win (quota and remaining -1, balance masked).
+max-reduction of a key (value in the high bits, the index's complement in the low bits; int32 where
+R * max_tokens * K leaves room for the index bits, else int64); padded lanes never win (quota and
+remaining -1, balance masked). Reductions and scans that can run together are one tl.reduce /
+tl.associative_scan of several operands (both chains' argmaxes in a quota-split step, the row
+groups' scans and sums): one exchange between warps instead of one each.
 
 On CUDA the four launches of one shape are captured in CUDA graphs, each writing into its own
 pooled Plan (`PlanPool`); a call copies topk into the graphs' input and replays a graph whose Plan
@@ -64,24 +69,32 @@ Race note (as on the PyTorch path): the hist region is single-buffered. A peer m
 histogram only after a barrier that follows this rank's step 3; Buffer.plan passes barrier
 "plan:enter" first when two plans follow each other with nothing collective in between.
 
-Measured: this layout of the shared, prefix and destination kernels is not yet timed on a GPU
-(benchmarks/bench_planner.py --experts 896 --topk 16 --ranks 8 prints each kernel; the target is
-<= 35 us per plan there). Static sm90 code (Triton 3.5 + ptxas, E=896, R=8, K=16): the shared kernel
-2.7k instructions and 50 CTA barriers per program, 6 of them in the quota-split loop (5 steps at
-maxvio 1); the destination kernel 1.8k instructions, 192 shuffles per 32 tokens.
-The chunk kernel (H200, 2026-11-29, R=2, E=384, K=8, S=8192): the chunk pass 17.2 us at chunk 512 x 4
-warps (1024 x 4: slower by 4 us, 256 x 4 by 2 us, 2048 by 15-24 us in total).
+Measured (H200, 2026-12-01, E=896, K=16, R=8 simulated, S=8192, maxvio 1, chunk 512 x 4 warps,
+shared kernel at 2 warps; benchmarks/bench_planner.py --experts 896 --topk 16 --ranks 8): 26.2 us
+per idle CUDA-graph replay of the four kernels, 21.5 us per replay of 20 back to back (target
+<= 35 us; a graph of one tiny kernel takes 16.9 us, 5.3 us back to back, on that machine). Chunk
+512 x 8 warps and 256 x 2-4 warps are within 1 us of it, 128 x 4 warps is 9 us slower. Static sm90
+code (Triton 3.5 + ptxas, same shape): the chunk kernel 1.7k instructions per program at chunk 512
+x 4 warps (0.8k LOP3, 64 POPC, 160 uniform loads of planes, 4 CTA barriers); the shared kernel 3.3k
+instructions and 29 CTA barriers per program at 2 warps, 3 per quota-split step (5 steps at maxvio
+1); the destination kernel 1.8k instructions, 192 shuffles per 32 tokens.
 
-Rejected: the prefixes over chunks in the last chunk program to finish (a ticket counter; 36.2 us
-at chunk 512); counting ranks with a [CHUNK, E] one-hot cumsum (E times more work and registers
-than the sort); a single persistent kernel with an in-kernel grid barrier (needs all programs
-co-resident and spins inside the interpreter's sequential programs); launching eagerly on CUDA (3
-Triton launches + the barrier cost the host ~100 us); the PyTorch planner replayed from a CUDA
-graph (~400 small kernels per plan); a CuTe DSL kernel of the shared part (experiments/cute_planner);
-one shared program holding the whole [R, epn, R] problem (7.4k instructions and 139 barriers at
-E=896, R=8; its shared + destination pass took 34 us at R=8 against 17 us at R=2 on an H200); the
-dedup over [tokens, K, K] pairs (twice the tile of [tokens, K, R] at K=16, R=8, its reductions
-across lanes).
+Rejected (same run and shape as Measured unless stated): a chunk kernel that sorts the chunk
+(tl.histogram, a bitonic sort on expert * CHUNK + i, a scan over runs of equal experts; 2.0k sm90
+instructions per program with 208 shuffles and 27 CTA barriers): 36.3 us per replay, 30.9 us back to
+back; a chunk kernel counting each entry's rank by blocked [64, 64] comparisons with the earlier
+entries after a tl.histogram (7.1k instructions per program): 42.6 us, 37.5 us back to back at chunk
+512 x 8 warps; the prefixes over chunks in the last chunk program to finish (a ticket counter; 36.2
+us at chunk 512, another run); counting ranks with a [CHUNK, E] one-hot cumsum (E times more work
+and registers than a sort); the shared kernel at 1 warp (it spills: 42.0 us against 36.3 at 2 warps,
+both with the sorting chunk kernel); a single persistent kernel with an in-kernel grid barrier
+(needs all programs co-resident and spins inside the interpreter's sequential programs); launching
+eagerly on CUDA (3 Triton launches + the barrier cost the host ~100 us); the PyTorch planner
+replayed from a CUDA graph (~400 small kernels per plan); a CuTe DSL kernel of the shared part
+(experiments/cute_planner); one shared program holding the whole [R, epn, R] problem (7.4k
+instructions and 139 barriers at E=896, R=8; its shared + destination pass took 34 us at R=8 against
+17 us at R=2 on an H200); the dedup over [tokens, K, K] pairs (twice the tile of [tokens, K, R] at
+K=16, R=8, its reductions across lanes).
 """
 
 from __future__ import annotations
@@ -91,65 +104,79 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from moonep.layout import Layout
 from moonep.planner.plan import Plan
 from moonep.planner.plan_pool import PlanPool, PooledPlan
 
-CHUNK = 512  # flat entries per histogram program (a power of two for tl.sort); benchmarks/bench_planner.py sweeps it
+CHUNK = 512  # flat entries per chunk program (a power of two >= 32: whole 32-entry blocks); bench_planner sweeps it
 _DEST_ENTRIES = 1024  # entries per destination program (whole tokens, K padded to a power of two)
-_PREFIX_CHUNKS = 256  # chunks per tile of the prefix kernel: up to s*K = 131072 entries in one step
+_PREFIX_CHUNKS = 1024  # chunks per tile of the prefix kernel: s*K = 131072 entries in one step at chunk >= 128
 _PREFIX_TILE = 2048  # elements of a prefix tile ([chunks, experts]; at most 16 experts per program)
-_SHARED_WARPS = 2  # warps per program of the shared pass (benchmarks/bench_planner.py sweeps them; 2 was fastest at K3's shape)
+_SHARED_WARPS = 2  # warps per program of the shared pass (2 was faster than 4 and 8 at K3's shape; 1 spills)
 _DEST_TILE = 4096  # elements of the destination program's [tokens, K_P, R_P] tile (registers)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _indicator(N_DIMS: tl.constexpr, i: tl.constexpr):
-    # 0/1 coordinate along the i-th innermost axis of the [2] * N_DIMS hypercube
-    return tl.reshape(tl.arange(0, 2), [1] * (N_DIMS - i - 1) + [2] + [1] * i)
+def _popcount(x, HW: tl.constexpr):
+    """Set bits of each int32 lane: the popc instruction on the GPU, SWAR arithmetic in Triton's
+    interpreter (which has no libdevice)."""
+    if HW:
+        return libdevice.popc(x)
+    else:
+        x = x - ((x >> 1) & 0x55555555)  # the arithmetic shifts' sign bits are masked off
+        x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+        x = (x + (x >> 4)) & 0x0F0F0F0F
+        return (x * 0x01010101) >> 24
 
 
 @triton.jit
-def _compare_and_swap(h, flip, i: tl.constexpr, N_DIMS: tl.constexpr):
-    # triton.language.standard's bitonic step, with the partner found by a sum over the pair instead
-    # of an xor reduction (same cost on the GPU; numpy-fast in the interpreter)
-    partner = tl.sum(h, axis=N_DIMS - 1 - i, keep_dims=True) - h
-    return tl.where((h > partner) != (flip ^ _indicator(N_DIMS, i)), partner, h)
+def _chunk_match_kernel(topk_ptr, rank_ptr, chunk_hist_ptr, plane_ptr, num_entries, E,
+                        CHUNK: tl.constexpr, BITS: tl.constexpr, BITS_P: tl.constexpr, E_P: tl.constexpr,
+                        HW_POPC: tl.constexpr):
+    """The chunk's histogram and ranks without a sort: bit-sliced matching against 32-entry blocks.
 
-
-@triton.jit
-def _sort(x, LOG_N: tl.constexpr):
-    """Ascending bitonic sort of a 1-D block of 2**LOG_N distinct int32 keys < 2**30."""
-    h = tl.reshape(x, [2] * LOG_N)
-    for stage in tl.static_range(1, LOG_N + 1):
-        if stage < LOG_N:
-            flip = _indicator(LOG_N, stage)  # alternating runs: bitonic sequences for the next stage
-        else:
-            flip = 0
-        for i in tl.static_range(stage):
-            h = _compare_and_swap(h, flip, stage - 1 - i, LOG_N)
-    return tl.reshape(h, x.shape)
-
-
-@triton.jit
-def _chunk_kernel(topk_ptr, rank_ptr, chunk_hist_ptr, num_entries, E,
-                  CHUNK: tl.constexpr, LOG_CHUNK: tl.constexpr, E_BINS: tl.constexpr):
+    Plane b of block J is the 32-bit word whose bit w is bit b of expert[32 J + w]; the entries of
+    block J with entry i's expert are then the AND over b of plane b or its complement (bit b of
+    i's expert), 32 comparisons in BITS logic operations. Entry i's rank is the popcount of its
+    matches in the blocks before its own plus the matches below its lane in its own block; its
+    expert's count in the chunk is the popcount over all blocks, stored by every entry of that
+    expert (equal values) into the chunk's histogram row after the row is zeroed. The planes pass
+    through `plane_ptr` (global scratch, this program's [CHUNK / 32, BITS_P] words) so that the
+    matching loop reads each as a scalar."""
+    NB: tl.constexpr = CHUNK // 32
     c = tl.program_id(0)
+    blk3 = tl.arange(0, NB)[:, None, None]
+    lane3 = tl.arange(0, 32)[None, :, None]
+    bit3 = tl.arange(0, BITS_P)[None, None, :]
+    entry3 = c * CHUNK + blk3 * 32 + lane3
+    e3 = tl.load(topk_ptr + entry3, mask=entry3 < num_entries, other=E).to(tl.int32)  # padding: E, no expert
+    planes = tl.sum(((e3 >> bit3) & 1) << lane3, axis=1)  # distinct bits: the sum is their OR
+    plane_c = plane_ptr + c * (NB * BITS_P)
+    tl.store(plane_c + tl.arange(0, NB)[:, None] * BITS_P + tl.arange(0, BITS_P)[None, :], planes)
+    bins = tl.arange(0, E_P)
+    tl.store(chunk_hist_ptr + c * E + bins, tl.zeros([E_P], dtype=tl.int32), mask=bins < E)
+    tl.debug_barrier()  # the planes and the zero row, written by other threads of this program
     i = tl.arange(0, CHUNK)
     entry = c * CHUNK + i
     ok = entry < num_entries
-    expert = tl.load(topk_ptr + entry, mask=ok, other=E).to(tl.int32)  # padding sorts last, bin E
-    counts = tl.histogram(expert, E_BINS)
-    bins = tl.arange(0, E_BINS)
-    tl.store(chunk_hist_ptr + c * E + bins, counts, mask=bins < E)
-    # sorted by (expert, i): an entry's rank among its expert's entries is its sorted position minus
-    # the position of the expert's first entry (the exclusive cumulative histogram)
-    key = _sort(expert * CHUNK + i, LOG_CHUNK)
-    run_start = tl.gather(tl.cumsum(counts, axis=0) - counts, key >> LOG_CHUNK, 0)
-    idx = c * CHUNK + (key & (CHUNK - 1))
-    tl.store(rank_ptr + idx, i - run_start, mask=idx < num_entries)
+    expert = tl.load(topk_ptr + entry, mask=ok, other=E).to(tl.int32)
+    blk = i // 32
+    count = tl.zeros([CHUNK], dtype=tl.int32)  # matches in blocks 0..J
+    before = tl.zeros([CHUNK], dtype=tl.int32)  # matches in the blocks before i's own
+    own = tl.zeros([CHUNK], dtype=tl.int32)  # match word of i's own block
+    for J in tl.static_range(NB):
+        match = tl.full([CHUNK], -1, dtype=tl.int32)
+        for b in tl.static_range(BITS):
+            match = match & ~(tl.load(plane_c + J * BITS_P + b) ^ -((expert >> b) & 1))
+        before = tl.where(blk == J, count, before)
+        own = tl.where(blk == J, match, own)
+        count += _popcount(match, HW_POPC)
+    below = (1 << (i & 31)) - 1  # lanes under i's (lane 31: INT_MIN - 1 wraps to 0x7FFFFFFF)
+    tl.store(rank_ptr + entry, before + _popcount(own & below, HW_POPC), mask=ok)
+    tl.store(chunk_hist_ptr + c * E + expert, count, mask=ok)
 
 
 @triton.jit(do_not_specialize=["rank", "hist_rank_stride", "hist_row_stride"])
@@ -175,21 +202,58 @@ def _prefix_kernel(chunk_hist_ptr, hist_ptr, num_chunks, rank, hist_rank_stride,
 
 
 @triton.jit
-def _key_max(value, idx, ok, IDX_BITS: tl.constexpr):
-    """(index, value) of the largest `value` over the `ok` lanes of a 1-D block, the lowest index on
-    ties (torch.argmax's rule), in one reduction: value in the high bits of an int64 key, the
-    complement of the index in the low IDX_BITS bits."""
+def _key_max2(value0, value1, idx, ok, IDX_BITS: tl.constexpr, KEY64: tl.constexpr):
+    """(index, value) of the largest `value0` and of the largest `value1` over the `ok` lanes of two
+    1-D blocks, the lowest index on ties (torch.argmax's rule), in one reduction of two operands:
+    a key holds the value in its high bits and the complement of the index in its low IDX_BITS
+    bits. Keys are int32 where |value| < 2**(30 - IDX_BITS) holds (KEY64 False: one shuffle per
+    reduction step instead of two plus 64-bit compares), else int64."""
     LOW: tl.constexpr = (1 << IDX_BITS) - 1
-    key = tl.max(tl.where(ok, (value.to(tl.int64) << IDX_BITS) | (LOW - idx).to(tl.int64), -(2**62)), axis=0)
-    return (LOW - (key & LOW)).to(tl.int32), (key >> IDX_BITS).to(tl.int32)
+    if KEY64:
+        k0 = tl.where(ok, (value0.to(tl.int64) << IDX_BITS) | (LOW - idx).to(tl.int64), -(2**62))
+        k1 = tl.where(ok, (value1.to(tl.int64) << IDX_BITS) | (LOW - idx).to(tl.int64), -(2**62))
+    else:
+        k0 = tl.where(ok, (value0 << IDX_BITS) | (LOW - idx), -(2**31))
+        k1 = tl.where(ok, (value1 << IDX_BITS) | (LOW - idx), -(2**31))
+    k0, k1 = tl.reduce((k0, k1), 0, _max_max)
+    return ((LOW - (k0 & LOW)).to(tl.int32), (k0 >> IDX_BITS).to(tl.int32),
+            (LOW - (k1 & LOW)).to(tl.int32), (k1 >> IDX_BITS).to(tl.int32))
 
 
 @triton.jit
-def _key_min(value, idx, ok, IDX_BITS: tl.constexpr):
-    """(index, value) of the smallest `value` over the `ok` lanes, the lowest index on ties."""
+def _key_max_min(value, idx, ok, IDX_BITS: tl.constexpr, KEY64: tl.constexpr):
+    """(index, value) of the largest and of the smallest `value` over the `ok` lanes, the lowest
+    index on ties for both, in one reduction (keys as in _key_max2; the min key holds the index)."""
     LOW: tl.constexpr = (1 << IDX_BITS) - 1
-    key = tl.min(tl.where(ok, (value.to(tl.int64) << IDX_BITS) | idx.to(tl.int64), 2**62), axis=0)
-    return (key & LOW).to(tl.int32), (key >> IDX_BITS).to(tl.int32)
+    if KEY64:
+        hi = tl.where(ok, (value.to(tl.int64) << IDX_BITS) | (LOW - idx).to(tl.int64), -(2**62))
+        lo = tl.where(ok, (value.to(tl.int64) << IDX_BITS) | idx.to(tl.int64), 2**62)
+    else:
+        hi = tl.where(ok, (value << IDX_BITS) | (LOW - idx), -(2**31))
+        lo = tl.where(ok, (value << IDX_BITS) | idx, 2**31 - 1)
+    hi, lo = tl.reduce((hi, lo), 0, _max_min)
+    return ((LOW - (hi & LOW)).to(tl.int32), (hi >> IDX_BITS).to(tl.int32),
+            (lo & LOW).to(tl.int32), (lo >> IDX_BITS).to(tl.int32))
+
+
+@triton.jit
+def _max_max(a0, b0, a1, b1):
+    return tl.maximum(a0, a1), tl.maximum(b0, b1)
+
+
+@triton.jit
+def _max_min(a0, b0, a1, b1):
+    return tl.maximum(a0, a1), tl.minimum(b0, b1)
+
+
+@triton.jit
+def _add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _add4(a0, b0, c0, d0, a1, b1, c1, d1):
+    return a0 + a1, b0 + b1, c0 + c1, d0 + d1
 
 
 @triton.jit
@@ -214,7 +278,7 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
                    end_ptr, rowbase_ptr, rank, cap_base, cap_rem,
                    R: tl.constexpr, EPN: tl.constexpr, B: tl.constexpr, PAD: tl.constexpr,
                    R_P: tl.constexpr, EPN_P: tl.constexpr, G_P: tl.constexpr, B_P: tl.constexpr,
-                   LOG_R_P: tl.constexpr, LOG_EPN_P: tl.constexpr):
+                   LOG_R_P: tl.constexpr, LOG_EPN_P: tl.constexpr, KEY64: tl.constexpr):
     """Program d: the shared plan's rows of rank d and of home group d's experts (SPEC 5.1-5.4).
 
     Every program repeats the receiver filling (R - 1 steps on [R] vectors); program d then splits
@@ -243,16 +307,24 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
     tl.store(counts_ptr + d * E + e_GI, tl.load(hist_ptr + d * E + e_GI, mask=ok_GI, other=0), mask=ok_GI)
     group_R = tl.sum(count_GI, axis=1)
     cap_R = cap_base + (g_R < cap_rem).to(tl.int32)
-    # 2. receiver filling (SPEC 5.2), identical in every program
+    # 2. receiver filling (SPEC 5.2), identical in every program; on the way, row d of the quotas
+    #    (group d's receivers) and d's donor: the step that fills receiver d (at most one, SPEC 5.2;
+    #    none: group 0 and quota 0, the column argmax of the specification's zero column)
     hrow = g_R[:, None]
     ucol = g_R[None, :]
     quota = tl.zeros([R_P, R_P], dtype=tl.int32)
+    q_own = tl.zeros([R_P], dtype=tl.int32)
+    h_of_d = d * 0
+    q_dh = d * 0
     bal = group_R - cap_R
     for _ in tl.static_range(R - 1):
-        h, bal_h = _key_max(bal, g_R, ok_R, LOG_R_P)
-        u, bal_u = _key_min(bal, g_R, ok_R, LOG_R_P)
+        h, bal_h, u, bal_u = _key_max_min(bal, g_R, ok_R, LOG_R_P, KEY64)
         active = bal_h > 0
         quota += tl.where((hrow == h) & (ucol == u) & active, -bal_u, 0)
+        q_own += tl.where((g_R == u) & (h == d) & active, -bal_u, 0)
+        fills_d = active & (u == d)
+        h_of_d = tl.where(fills_d, h, h_of_d)
+        q_dh = tl.where(fills_d, -bal_u, q_dh)
         new_h = bal_h + tl.where(active, bal_u, 0)
         new_u = tl.where(active, 0, bal_u)
         bal = tl.where(g_R == u, new_u, bal)
@@ -261,23 +333,26 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
     tl.store(cap_ptr + g_R, cap_R.to(tl.int64), mask=ok_R & (d == 0))
     tl.store(quota_ptr + hrow * R + ucol, quota.to(tl.int64), mask=ok_RR & (d == 0))
     # 3. quota split (SPEC 5.3) of group d and of d's donor h, the two chains interleaved; each
-    #    stops once its quotas are closed (the specification's remaining steps move 0 tokens)
-    h, q_dh = _key_max(_col(quota, g_R, d), g_R, ok_R, LOG_R_P)
+    #    stops once its quotas are closed (the specification's remaining steps move 0 tokens); the
+    #    chains' argmaxes are paired into one reduction each (one exchange between warps per step)
+    h = h_of_d
     has_donor = q_dh > 0
-    q_own = tl.where(ok_R, _row(quota, g_R, d), -1)  # padded receivers: never the largest quota
+    q_own = tl.where(ok_R, q_own, -1)  # padded receivers: never the largest quota
     q_don = tl.where(ok_R & has_donor, _row(quota, g_R, h), -1)
-    m_own = tl.where(ok_I, _row(count_GI, g_R, d), -1)  # padded experts: never the fullest
-    m_don = tl.where(ok_I, _row(count_GI, g_R, h), -1)
+    m_own, base_own = tl.reduce((tl.where(g_R[:, None] == d, count_GI, 0), tl.where(g_R[:, None] == d, base_GI, 0)),
+                                0, _add2)  # rows d of the counts and bases, one exchange
+    m_don, base_don = tl.reduce((tl.where(g_R[:, None] == h, count_GI, 0), tl.where(g_R[:, None] == h, base_GI, 0)),
+                                0, _add2)
+    m_own = tl.where(ok_I, m_own, -1)  # padded experts: never the fullest
+    m_don = tl.where(ok_I, m_don, -1)
     i2 = i_I[:, None]
     d2 = g_R[None, :]
     a_own = tl.zeros([EPN_P, R_P], dtype=tl.int32)  # alloc[d * EPN + i, rank]
     a_don = tl.zeros([EPN_P, R_P], dtype=tl.int32)  # alloc[h * EPN + i, rank]
-    to_o, qv_o = _key_max(q_own, g_R, ok_R, LOG_R_P)
-    to_d, qv_d = _key_max(q_don, g_R, ok_R, LOG_R_P)
+    to_o, qv_o, to_d, qv_d = _key_max2(q_own, q_don, g_R, ok_R, LOG_R_P, KEY64)
     step = 0
     while (step < EPN + R - 1) & ((qv_o > 0) | (qv_d > 0)):
-        from_o, mv_o = _key_max(m_own, i_I, ok_I, LOG_EPN_P)
-        from_d, mv_d = _key_max(m_don, i_I, ok_I, LOG_EPN_P)
+        from_o, mv_o, from_d, mv_d = _key_max2(m_own, m_don, i_I, ok_I, LOG_EPN_P, KEY64)
         take_o = tl.maximum(tl.minimum(qv_o, mv_o), 0)
         take_d = tl.maximum(tl.minimum(qv_d, mv_d), 0)
         q_own = tl.where(g_R == to_o, q_own - take_o, q_own)
@@ -286,40 +361,37 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
         m_don = tl.where(i_I == from_d, m_don - take_d, m_don)
         a_own += tl.where((i2 == from_o) & (d2 == to_o), take_o, 0)
         a_don += tl.where((i2 == from_d) & (d2 == to_d), take_d, 0)
-        to_o, qv_o = _key_max(q_own, g_R, ok_R, LOG_R_P)
-        to_d, qv_d = _key_max(q_don, g_R, ok_R, LOG_R_P)
+        to_o, qv_o, to_d, qv_d = _key_max2(q_own, q_don, g_R, ok_R, LOG_R_P, KEY64)
         step += 1
     a_own += tl.where(d2 == d, tl.where(ok_I, m_own, 0)[:, None], 0)  # the rest stays home
     a_don += tl.where(d2 == h, tl.where(ok_I, m_don, 0)[:, None], 0)
     ok_IR = (i2 < EPN) & (d2 < R)
     e_own = d * EPN + i_I
     tl.store(alloc_ptr + e_own[:, None] * R + d2, a_own, mask=ok_IR)
-    base_own = _row(base_GI, g_R, d)
-    base_don = _row(base_GI, g_R, h)
     tl.store(end_ptr + e_own[:, None] * R + d2, tl.cumsum(a_own, axis=1) - base_own[:, None], mask=ok_IR)
     # 4. rank d's groups: its local experts, the donor's experts (their home rows, or slots in
     #    ascending expert id while B lasts: SPEC 5.4), nothing else; rows and padded cumulative ends
     local_I = _col(a_own, g_R, d)
     remote_I = tl.where(has_donor, _col(a_don, g_R, d), 0)
     got = ok_I & (remote_I > 0)
-    slot_I = tl.cumsum(got.to(tl.int32), axis=0) - 1
-    in_slot = got & (slot_I < B)
-    num_used = tl.sum(in_slot.to(tl.int32), axis=0)
-    home_I = tl.where(in_slot, 0, remote_I)  # remote tokens on the expert's home row (slots ran out)
     loc_pad = _pad(local_I, PAD)
+    # scans and sums paired (several operands per exchange between warps)
+    got_cum, loc_cum = tl.associative_scan((got.to(tl.int32), loc_pad), 0, _add2)
+    slot_I = got_cum - 1
+    in_slot = got & (slot_I < B)
+    home_I = tl.where(in_slot, 0, remote_I)  # remote tokens on the expert's home row (slots ran out)
     home_pad = _pad(home_I, PAD)
     slot_pad = tl.where(in_slot, _pad(remote_I, PAD), 0)
-    loc_tot = tl.sum(loc_pad, axis=0)
-    home_tot = tl.sum(home_pad, axis=0)
-    slot_tot = tl.sum(slot_pad, axis=0)
+    home_cum, slot_cum = tl.associative_scan((home_pad, slot_pad), 0, _add2)
+    num_used, loc_tot, home_tot, slot_tot = tl.reduce((in_slot.to(tl.int32), loc_pad, home_pad, slot_pad), 0, _add4)
     loc_start = d * EPN
     don_start = h * EPN
     before_loc = tl.where(has_donor & (don_start < loc_start), home_tot, 0)
     before_don = tl.where(loc_start < don_start, loc_tot, 0)
     homes_tot = loc_tot + home_tot
-    loc_end = tl.cumsum(loc_pad, axis=0) + before_loc
-    don_end = tl.cumsum(home_pad, axis=0) + before_don
-    slot_end = tl.cumsum(slot_pad, axis=0) + homes_tot
+    loc_end = loc_cum + before_loc
+    don_end = home_cum + before_don
+    slot_end = slot_cum + homes_tot
     g_G = tl.arange(0, G_P)
     in_loc = (g_G >= loc_start) & (g_G < loc_start + EPN)
     in_don = has_donor & (g_G >= don_start) & (g_G < don_start + EPN)
@@ -419,13 +491,17 @@ class _PlanLayout:
 
 
 class _Workspace:
-    """Intermediate buffers of one shape, reused by every call (one plan at a time per buffer)."""
+    """Intermediate buffers of one shape, reused by every call (one plan at a time per buffer).
+
+    chunk / chunk_warps: the chunk pass's entries and warps per program; shared_warps: the shared
+    pass's warps per program (benchmarks/bench_planner.py sweeps them)."""
 
     def __init__(self, layout: Layout, s: int, device: torch.device, chunk: int = CHUNK, chunk_warps: int = 4,
                  shared_warps: int = _SHARED_WARPS) -> None:
         R, E, K = layout.num_ranks, layout.config.num_experts, layout.config.topk
-        if chunk < 16 or chunk & (chunk - 1):
-            raise ValueError(f"chunk={chunk} must be a power of two >= 16 (tl.sort's block)")
+        if chunk < 32 or chunk & (chunk - 1):
+            raise ValueError(f"chunk={chunk}: the chunk kernel matches whole 32-entry blocks; "
+                             "pass a power of two >= 32")
         self.chunk, self.chunk_warps, self.shared_warps = chunk, chunk_warps, shared_warps
         self.num_chunks = triton.cdiv(s * K, chunk)
         i32 = {"dtype": torch.int32, "device": device}
@@ -433,6 +509,9 @@ class _Workspace:
         self.chunk_hist = torch.empty(self.num_chunks, E, **i32)  # histograms, then prefixes
         self.end_ER = torch.empty(E, R, **i32)
         self.rowbase_ER = torch.empty(E, R, **i32)
+        # the chunk kernel's bit planes: per chunk [chunk / 32 blocks, BITS_P bits of an expert id < E + 1]
+        self.bits = E.bit_length()
+        self.planes = torch.empty(self.num_chunks * (chunk // 32) * triton.next_power_of_2(self.bits), **i32)
 
 
 def chunk_pass(topk_sK: torch.Tensor, rank: int, hist_all: torch.Tensor, work: _Workspace) -> None:
@@ -443,10 +522,11 @@ def chunk_pass(topk_sK: torch.Tensor, rank: int, hist_all: torch.Tensor, work: _
 
 
 def count_step(topk_sK: torch.Tensor, E: int, work: _Workspace) -> None:
-    """`_chunk_kernel`: per-chunk histograms and ranks inside the chunk."""
-    _chunk_kernel[(work.num_chunks,)](topk_sK, work.rank_in_chunk, work.chunk_hist, topk_sK.numel(), E,
-                                      CHUNK=work.chunk, LOG_CHUNK=work.chunk.bit_length() - 1,
-                                      E_BINS=triton.next_power_of_2(E + 1), num_warps=work.chunk_warps)
+    """`_chunk_match_kernel`: per-chunk histograms and ranks inside the chunk."""
+    _chunk_match_kernel[(work.num_chunks,)](
+        topk_sK, work.rank_in_chunk, work.chunk_hist, work.planes, topk_sK.numel(), E, CHUNK=work.chunk,
+        BITS=work.bits, BITS_P=triton.next_power_of_2(work.bits), E_P=triton.next_power_of_2(E),
+        HW_POPC=topk_sK.is_cuda, num_warps=work.chunk_warps)
 
 
 def prefix_step(rank: int, hist_all: torch.Tensor, work: _Workspace) -> None:
@@ -480,7 +560,16 @@ def shared_step(rank: int, hist_RE: torch.Tensor, work: _Workspace, out: dict[st
         out["group_rows_RG"], out["offs_RG"], work.end_ER, work.rowbase_ER, rank, cap_base, cap_rem,
         R=R, EPN=epn, B=B, PAD=layout.config.token_padding, R_P=r_p, EPN_P=epn_p,
         G_P=triton.next_power_of_2(E + B), B_P=triton.next_power_of_2(B), LOG_R_P=r_p.bit_length() - 1,
-        LOG_EPN_P=epn_p.bit_length() - 1, num_warps=work.shared_warps)
+        LOG_EPN_P=epn_p.bit_length() - 1, KEY64=_key64(layout), num_warps=work.shared_warps)
+
+
+def _key64(layout: Layout) -> bool:
+    """Whether the shared kernel's argmax keys need int64: every token count it ranks (balances,
+    quotas, expert counts) is at most R * max_tokens * K in magnitude, shifted left by the index
+    bits (at most those of EPN_P or R_P) into an int32 key with a bit to spare."""
+    R, E, K = layout.num_ranks, layout.config.num_experts, layout.config.topk
+    idx_bits = max(triton.next_power_of_2(R), triton.next_power_of_2(E // R)).bit_length() - 1
+    return (R * layout.config.max_tokens * K) << idx_bits >= 2**30
 
 
 def dest_step(topk_sK: torch.Tensor, work: _Workspace, out: dict[str, torch.Tensor], layout: Layout) -> None:

@@ -104,17 +104,19 @@ def check_fused_cases(cases: list[FusedCase], g: torch.Generator, device: str = 
 
 
 def check_fused_topk(topk_R: list[torch.Tensor], E: int, B: int, pad: int, per_rank: bool, context: str = "",
-                     device: str = "cpu", chunk: int | None = None) -> None:
-    """simulate_fused for the given routing of every rank, bitwise against make_plan on the CPU."""
+                     device: str = "cpu", chunk: int | None = None, max_tokens: int | None = None) -> None:
+    """simulate_fused for the given routing of every rank, bitwise against make_plan on the CPU
+    (max_tokens: the layout's, max(s) if None)."""
     R, s_R, K = len(topk_R), [t.shape[0] for t in topk_R], topk_R[0].shape[1]
-    layout = Layout(BufferConfig(max_tokens=max(s_R), hidden=8, topk=K, num_experts=E, token_padding=pad,
+    layout = Layout(BufferConfig(max_tokens=max_tokens or max(s_R), hidden=8, topk=K, num_experts=E, token_padding=pad,
                                  num_slots=B), R, 4096)
     total = sum(s_R) if per_rank else None
     counts = torch.stack([torch.bincount(t.reshape(-1).long(), minlength=E) for t in topk_R]).to(torch.int32)
     for r, got in enumerate(simulate_fused(layout, [t.to(device) for t in topk_R], total, chunk)):
         want = make_plan(layout, r, topk_R[r], counts, total_num_tokens=total)
         got = dataclasses.replace(got, **{n: getattr(got, n).cpu() for n in PLAN_FIELDS})
-        assert_same_plan(got, want, f"rank {r} of R={R} E={E} K={K} s={s_R} B={B} pad={pad} {context} total={total}")
+        assert_same_plan(got, want, f"rank {r} of R={R} E={E} K={K} s={s_R} B={B} pad={pad} {context} total={total} "
+                                    f"chunk={chunk}")
 
 
 def group_skewed_topk(s: int, E: int, K: int, num_groups: int, epn: int, g: torch.Generator) -> torch.Tensor:

@@ -26,6 +26,7 @@ from tests.moonep.planner_cases import (
     check_fused_topk,
     group_skewed_topk,
     planner_cases,
+    random_topk,
 )
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates any kernel; inherited by spawned ranks
@@ -69,6 +70,60 @@ def _create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
 
 _interpreter.InterpreterBuilder.create_dot = _create_dot_bf16
 
+
+def _combine_slices(op, left, right, dtypes):
+    """The combine function of a reduce / scan applied to whole numpy slices at once: flattened and
+    padded to a power of two (a block's shape), the padding's results dropped."""
+    shape, size = left[0].shape, left[0].size
+    padded = 1 << max(0, size - 1).bit_length()
+
+    def block(x, t):
+        return op.to_tensor(np.pad(x.reshape(-1), (0, padded - size), mode="edge"), t)
+
+    out = op.combine_fn.fn(*(block(x, t) for x, t in zip(left, dtypes, strict=True)),
+                           *(block(x, t) for x, t in zip(right, dtypes, strict=True)))
+    return [o.handle.data[:size].reshape(shape) for o in (out if isinstance(out, tuple) else (out,))]
+
+
+def _generic_reduce_vectorized(self, input):
+    """triton 3.5's interpreter reduces with a custom combine function (a tuple reduction) in a
+    Python loop over every element, seconds per planner program; combine adjacent pairs of whole
+    slices instead, the earlier on the left (Triton's combine functions are associative)."""
+    original_axis = self.axis
+    input, axis = self.unravel(input, self.axis)
+    dtypes = [arg.dtype for arg in input]
+    data = [np.moveaxis(arg.handle.data, axis, 0) for arg in input]
+    while data[0].shape[0] > 1:
+        n = data[0].shape[0] // 2 * 2
+        pairs = _combine_slices(self, [d[0:n:2] for d in data], [d[1:n:2] for d in data], dtypes)
+        data = [np.concatenate([p, d[n:]]) for p, d in zip(pairs, data, strict=True)]
+    ret = []
+    for d, t in zip(data, dtypes, strict=True):
+        d = d[0]
+        if self.keep_dims:
+            d = np.expand_dims(d, axis) if original_axis is not None else d.reshape((1,) * len(input[0].shape))
+        elif original_axis is None:
+            d = d.item()
+        ret.append(self.to_tensor(d, t))
+    return ret
+
+
+def _generic_scan_vectorized(self, input):
+    """An inclusive scan with a custom combine function as log2(n) steps on whole slices
+    (Hillis-Steele: element i combines element i - 2**k on the left), not a loop per element."""
+    dtypes = [arg.dtype for arg in input]
+    data = [np.moveaxis(arg.handle.data, self.axis, 0) for arg in input]
+    k = 1
+    while k < data[0].shape[0]:
+        new = _combine_slices(self, [d[:-k] for d in data], [d[k:] for d in data], dtypes)
+        data = [np.concatenate([d[:k], x]) for d, x in zip(data, new, strict=True)]
+        k *= 2
+    return [self.to_tensor(np.moveaxis(d, 0, self.axis), t) for d, t in zip(data, dtypes, strict=True)]
+
+
+_interpreter.ReduceOps.generic_reduce = _generic_reduce_vectorized
+_interpreter.ScanOps.generic_scan = _generic_scan_vectorized
+
 def test_fused_planner_matches_make_plan() -> None:
     g = torch.Generator().manual_seed(2)
     cases = [(R, E, K, [s] * R, B, pad, sigma, False)
@@ -99,14 +154,62 @@ def test_fused_planner_slots_run_out() -> None:
         assert (remote_home_rows > 0) == (B < epn), f"B={B}: {remote_home_rows} remote rows on home rows"
 
 
-@pytest.mark.parametrize("chunk", [16, 256, 1024])
+@pytest.mark.parametrize("chunk", [32, 256, 1024])
 def test_fused_planner_other_chunk_sizes(chunk: int) -> None:
     """The chunk size is a tuning knob (benchmarks/bench_planner.py): many chunks per expert run, runs
-    crossing chunk ends, a last partial chunk."""
+    crossing chunk ends, a last partial chunk, K not a power of two, K3's K = 16 and E / R = 14 at
+    R = 8."""
     g = torch.Generator().manual_seed(4)
     cases = [(2, 384, 8, [512, 512], 192, 16, 3.0, False), (2, 384, 8, [700, 333], 96, 16, 1.0, True),
-             (4, 16, 3, [37] * 4, 4, 2, 2.0, False), (8, 64, 8, [64] * 8, 8, 4, 0.5, False)]
+             (4, 16, 3, [37] * 4, 4, 2, 2.0, False), (8, 64, 8, [64] * 8, 8, 4, 0.5, False),
+             (8, 112, 16, [40] * 8, 14, 16, 3.0, False)]
     check_fused_cases(cases, g, chunk=chunk)
+
+
+def test_fused_chunk_kernel_matches_reference() -> None:
+    """The chunk pass's kernel alone against a one-hot reference: per-chunk histograms and each
+    entry's rank among the chunk's entries of its expert; E a power of two (the padding id E needs
+    one more bit), E = 1 (one run through every chunk), K not a power of two, a last partial chunk."""
+    from moonep.planner import fused as pf
+
+    g = torch.Generator().manual_seed(7)
+    for E, K, s, chunk in ((512, 16, 70, 64), (1, 1, 100, 32), (96, 6, 45, 64), (896, 16, 40, 512)):
+        topk = random_topk(s, E, K, 2.0, g)
+        layout = Layout(BufferConfig(max_tokens=s, hidden=8, topk=K, num_experts=E), 1, 4096)
+        work = pf._Workspace(layout, s, torch.device("cpu"), chunk)
+        work.chunk_hist.fill_(-7), work.rank_in_chunk.fill_(-7)  # garbage: the kernel writes every element
+        pf.count_step(topk, E, work)
+        flat = torch.nn.functional.pad(topk.reshape(-1).long(), (0, work.num_chunks * chunk - s * K), value=E)
+        onehot = torch.nn.functional.one_hot(flat.view(-1, chunk), E + 1)  # [chunks, chunk, E + 1]
+        want_rank = ((onehot.cumsum(1) - onehot) * onehot).sum(2).view(-1)[: s * K]
+        context = f"E={E} K={K} s={s} chunk={chunk}"
+        assert torch.equal(work.chunk_hist, onehot.sum(1)[:, :E].int()), f"{context}: chunk histograms"
+        bad = (work.rank_in_chunk != want_rank).nonzero()
+        assert bad.numel() == 0, f"{context}: rank of entry {bad[0].item()} is {work.rank_in_chunk[bad[0]].item()}"
+
+
+def test_fused_workspace_rejects_bad_knobs() -> None:
+    from moonep.planner import fused as pf
+
+    layout = Layout(BufferConfig(max_tokens=8, hidden=8, topk=2, num_experts=4), 1, 4096)
+    for chunk in (16, 96):
+        with pytest.raises(ValueError, match=f"chunk={chunk}: .* pass a power of two >= 32"):
+            pf._Workspace(layout, 8, torch.device("cpu"), chunk)
+
+
+def test_fused_planner_int64_keys() -> None:
+    """A layout whose max_tokens puts R * max_tokens * K past the int32 argmax keys of the shared
+    kernel: the int64 keys plan the same as make_plan."""
+    from moonep.planner import fused as pf
+
+    g = torch.Generator().manual_seed(8)
+    R, E, K, s = 4, 32, 4, 50
+    big = Layout(BufferConfig(max_tokens=2**24, hidden=8, topk=K, num_experts=E), R, 4096)
+    small = Layout(BufferConfig(max_tokens=s, hidden=8, topk=K, num_experts=E), R, 4096)
+    assert pf._key64(big) and not pf._key64(small)
+    for sigma in (0.0, 3.0):
+        topk_R = [random_topk(s, E, K, sigma, g) for _ in range(R)]
+        check_fused_topk(topk_R, E, E // R, 4, False, f"int64 keys, sigma={sigma}", max_tokens=2**24)
 
 
 def _expert_kernels_rank(rank: int, world: int) -> list[int]:

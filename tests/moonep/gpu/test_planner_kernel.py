@@ -52,6 +52,15 @@ def test_fused_planner_k3_shapes() -> None:
     check_fused_topk(topk_R, 896, 8, 16, False, "3 donor groups", device="cuda")
 
 
+def test_fused_planner_chunk_256_k3() -> None:
+    """The chunk kernel at chunk 256 (benchmarks/bench_planner.py's other chunk size), K3's shape
+    on the GPU (its popcount is the popc instruction here, SWAR arithmetic in the interpreter),
+    equal and unequal s per rank, vs make_plan on the CPU."""
+    g = torch.Generator().manual_seed(9)
+    cases = [(8, 896, 16, [8192] * 8, 112, 16, 1.0, False), (2, 896, 16, [5000, 8192], 448, 16, 3.0, True)]
+    check_fused_cases(cases, g, device="cuda", chunk=256)
+
+
 @pytest.mark.multigpu
 def test_buffer_plan_fused_no_sync_and_in_graph(group: dist.ProcessGroup) -> None:
     """Buffer.plan on the triton path (graph replays, then inside a caller's CUDA graph capture) is
