@@ -72,8 +72,10 @@ histogram only after a barrier that follows this rank's step 3; Buffer.plan pass
 Measured (H200, 2026-12-01, E=896, K=16, R=8 simulated, S=8192, maxvio 1, chunk 512 x 4 warps,
 shared kernel at 2 warps; benchmarks/bench_planner.py --experts 896 --topk 16 --ranks 8): 26.2 us
 per idle CUDA-graph replay of the four kernels, 21.5 us per replay of 20 back to back (target
-<= 35 us; a graph of one tiny kernel takes 16.9 us, 5.3 us back to back, on that machine). Chunk
-512 x 8 warps and 256 x 2-4 warps are within 1 us of it, 128 x 4 warps is 9 us slower. Static sm90
+<= 35 us; a graph of one tiny kernel takes 16.9 us, 5.3 us back to back, on that machine); 26.6 /
+21.5 us again on another H200, where torch.profiler read the kernels as chunk 4.4, prefix 2.5, shared
+6.7 and destination 5.5 us, 0.13 us between them (benchmarks/profile_planner.py). Chunk
+512 x 8 warps and 256 x 2-4 warps are within 1-2 us of it, 128 x 4 warps is 9 us slower. Static sm90
 code (Triton 3.5 + ptxas, same shape): the chunk kernel 1.7k instructions per program at chunk 512
 x 4 warps (0.8k LOP3, 64 POPC, 160 uniform loads of planes, 4 CTA barriers); the shared kernel 3.3k
 instructions and 29 CTA barriers per program at 2 warps, 3 per quota-split step (5 steps at maxvio
