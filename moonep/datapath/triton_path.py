@@ -68,15 +68,20 @@ class TritonPath:
         dispatch_combine.scatter(x_sH, weights_sK, plan.dst_rank_sK, plan.dst_row_sK, plan.copy_row_sK, plan.sent_sK,
                                  every["recv"], every["row_weight"], every["row_link"],
                                  every["row_chain"] if self._reduce_first else None,
-                                 c.rank * c.layout.config.max_tokens * plan.topk, self._grid, self._scatter_work,
+                                 self._src_base(plan), c.rank, self._grid, self._scatter_work,
                                  tile=c.options.scatter_tile, rows=rows)
+
+    def _src_base(self, plan: Plan) -> int:
+        """row_src of this rank's entry (0, 0): its entry t * K + k has row_src src_base + t * K + k."""
+        return self.comm.rank * self.comm.layout.config.max_tokens * plan.topk
 
     def expand(self, plan: Plan, *, copy: bool = True) -> None:
         c = self.comm
         mine = c.mine
         dispatch_combine.expand(mine["recv"], mine["row_weight"], mine["row_link"], plan.offs_RG[c.rank],
                                 plan.group_rows_RG[c.rank], plan.nvs_s, c.layout.zero_row,
-                                c.layout.config.token_padding, copy=copy)
+                                c.layout.config.token_padding, self._src_base(plan),
+                                c.layout.config.max_tokens * plan.topk, copy=copy)
         self._rows_plan = plan
 
     def combine(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None,

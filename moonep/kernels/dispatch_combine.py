@@ -14,14 +14,19 @@ dispatch
        the metadata of every entry (t, k) -> (row_copy, row_src) as one 8-byte record and
        row_weight, of its destination row (with combine_reduce "destination" also row_chain:
        2 * (row of the token's next entry on the same rank, or -1) + (1 on the token's first entry
-       there), the next same-rank k found among the token's K entries in the tile); each token row x[t] is loaded once per H chunk and stored once per destination rank
-       (the entries with sent_sK), straight into the destination's recv row.
+       there), the next same-rank k found among the token's K entries in the tile); each token row
+       x[t] is loaded once per H chunk and stored once per destination rank (the entries with
+       sent_sK), straight into the destination's recv row, and on this rank itself also into the
+       row of each of its duplicate entries there (row_copy != row): one local store of a row already
+       in registers, where the expand would read and write it. Peers get only the sent_sK rows.
     2. barrier "dispatch:rows" (the scatter's threads end with fence.sc.sys; see below).
     3. `_expand_kernel` (this rank as receiver), local: finds each row's group by a binary search
        over offs_RG[rank], marks padding rows (row_copy = zero row, weight 0, source -1) and zeroes
-       them, and copies duplicate rows (row_copy != row) from their primary row. Primary rows are
-       never touched, so the kernel has no dependency between programs. The PyTorch path copies
-       every row through index_select; this touches only duplicates and padding.
+       them, and copies the duplicate rows (row_copy != row) of peers' tokens from their primary row;
+       the duplicates of this rank's own tokens (row_src in [rank * S * K, (rank + 1) * S * K), S =
+       max_tokens) were stored by step 1, earlier on the same stream. Primary rows are never touched,
+       so the kernel has no dependency between programs. The PyTorch path copies every row through
+       index_select; this touches only peers' duplicates and padding (at R = 1 only padding).
 combine (push; a row's value is y, or y (+ add_rows) (* row_weights) in fp32 when given)
     0. only when `plan` is not the plan of the last dispatch on this buffer (row_src then describes
        other rows): barrier "combine:enter", `_scatter_kernel` with ROWS=False rewrites row_src (and
@@ -93,11 +98,13 @@ K = 8, 32768 tokens: 2.08 ms per push against 0.70 ms for the plain push, 2026-1
 copies per row (one launch or one descriptor per row, tens of thousands per call); folding the
 receiver's padding marks into the scatter (they need each row's group, cheap to find only on the
 receiver, and the scatter has no barrier before it).
-Also rejected, measured on 2xH200 or one H200: writing a token's duplicates on the sender's own
-rank inside the scatter (no faster: the extra local stores share the CTAs and store queues with
-the NVLink stores); num_sms=32 instead of every SM (dispatch 1131 vs 893 us, combine 1997 vs 1671
-us at maxvio 1); storing only remote rows in the scatter and the own rows in the expand (dispatch
-100-250 us slower); static runs of token blocks per program instead of claimed blocks (76 % instead
+The own rank's duplicates stored by the scatter (step 1): on 2xH200 measured no faster than copying
+them in the expand (the extra local stores share the CTAs and store queues with the NVLink stores);
+at R = 1 nothing crosses NVLink and the expand would read + write 7 of every 8 rows (K = 8) where
+the scatter writes each once (not timed yet).
+Rejected, measured on 2xH200 or one H200: num_sms=32 instead of every SM (dispatch 1131 vs 893 us,
+combine 1997 vs 1671 us at maxvio 1); storing only remote rows in the scatter and the own rows in
+the expand (dispatch 100-250 us slower); static runs of token blocks per program instead of claimed blocks (76 % instead
 of 83 % of the copy engine's bandwidth at maxvio 0); row_copy and row_src as two stores per entry
 instead of one 8-byte record (7-8 us slower); a tile's metadata loaded once with each k's column
 selected from it, or one [tokens, K, columns] store per tile, instead of each entry's metadata
@@ -152,8 +159,8 @@ def _tile(H: int, tile: int = _TILE) -> tuple[int, int]:
 def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_ptr,
                     recv_ptr, row_weight_ptr, row_link_ptr, row_link64_ptr, row_chain_ptr,
                     s, H, x_stride, recv_rank_stride, recv_row_stride, meta_rank_stride, link_rank_stride, src_base,
-                    work_ptr, num_programs, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                    HAS_W: tl.constexpr, ROWS: tl.constexpr, CHAIN: tl.constexpr, FENCE: tl.constexpr):
+                    rank, work_ptr, num_programs, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_H: tl.constexpr, HAS_W: tl.constexpr, ROWS: tl.constexpr, CHAIN: tl.constexpr, FENCE: tl.constexpr):
     kk = tl.arange(0, BLOCK_K)
     hh0 = tl.arange(0, BLOCK_H)
     # persistent, blocks claimed one at a time from a counter (work[0]), in token order: whatever the
@@ -193,7 +200,10 @@ def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_
             if HAS_W:
                 w = tl.load(w_ptr + entry, mask=e_ok, other=0.0).to(tl.float32)
                 tl.store(row_weight_ptr + meta, w, mask=e_ok)
-            # per k, the entry's metadata loaded next to its store
+            # per k, the entry's metadata loaded next to its store: the row goes to every entry with
+            # sent_sK, and on this rank also to every duplicate (row_copy != row; an absent entry of
+            # entries mode has row_copy == row, the trash row, and stays out), which the receiver's
+            # expand then leaves alone
             for h0 in range(0, H, BLOCK_H):
                 hh = h0 + hh0
                 m = t_ok[:, None] & (hh < H)[None, :]
@@ -202,8 +212,10 @@ def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_
                     sent = tl.load(sent_ptr + t * K + k, mask=t_ok, other=0) != 0
                     r = tl.load(dst_rank_ptr + t * K + k, mask=t_ok, other=0).to(tl.int64)
                     row = tl.load(dst_row_ptr + t * K + k, mask=t_ok, other=0).to(tl.int64)
+                    copy_k = tl.load(copy_row_ptr + t * K + k, mask=t_ok, other=0).to(tl.int64)
+                    put = sent | ((r == rank) & (copy_k != row))
                     dst = r * recv_rank_stride + row * recv_row_stride
-                    tl.store(recv_ptr + dst[:, None] + hh[None, :], tile, mask=m & sent[:, None])
+                    tl.store(recv_ptr + dst[:, None] + hh[None, :], tile, mask=m & put[:, None])
         tb = tl.atomic_add(work_ptr, 1)
     if FENCE:
         _fence_sys(kk)  # this thread's peer stores performed at system scope before the program ends
@@ -214,7 +226,7 @@ def _scatter_kernel(x_ptr, w_ptr, dst_rank_ptr, dst_row_ptr, copy_row_ptr, sent_
 
 @triton.jit
 def _expand_kernel(recv_ptr, row_weight_ptr, row_link_ptr, offs_ptr, sizes_ptr,
-                   nvs_s, H, recv_row_stride, G, zero_row, pad,
+                   nvs_s, H, recv_row_stride, G, zero_row, pad, src_base, SK,
                    LOG_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, COPY: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < nvs_s
@@ -239,8 +251,12 @@ def _expand_kernel(recv_ptr, row_weight_ptr, row_link_ptr, offs_ptr, sizes_ptr,
     if COPY:
         tl.store(row_link_ptr + 2 * r, tl.zeros([BLOCK_R], dtype=tl.int32) + zero_row, mask=is_pad)  # row_copy
         tl.store(row_weight_ptr + r, tl.zeros([BLOCK_R], dtype=tl.float32), mask=is_pad)
-        src = tl.load(row_link_ptr + 2 * r, mask=is_row, other=0)
-        dup = is_row & (src != r)
+        src = tl.load(row_link_ptr + 2 * r, mask=is_row, other=0)  # row_copy
+        # a duplicate from this rank's own tokens (row_src in [src_base, src_base + SK)) was stored by
+        # this rank's scatter, earlier on the same stream: only peers' duplicates are copied here
+        source = tl.load(row_link_ptr + 2 * r + 1, mask=is_row, other=0)  # row_src
+        own = (source >= src_base) & (source < src_base + SK)
+        dup = is_row & (src != r) & ~own
         write = dup | is_pad
         src64 = src.to(tl.int64)
         r64 = r.to(tl.int64)
@@ -416,12 +432,14 @@ def scatter_work(device: torch.device) -> torch.Tensor:
 def scatter(x_sH: torch.Tensor, weights_sK: torch.Tensor | None, dst_rank_sK: torch.Tensor,
             dst_row_sK: torch.Tensor, copy_row_sK: torch.Tensor, sent_sK: torch.Tensor,
             recv_all: torch.Tensor, row_weight_all: torch.Tensor, row_link_all: torch.Tensor,
-            row_chain_all: torch.Tensor | None, src_base: int, grid: int, work: torch.Tensor, *, tile: int = _TILE,
-            rows: bool = True) -> None:
+            row_chain_all: torch.Tensor | None, src_base: int, rank: int, grid: int, work: torch.Tensor, *,
+            tile: int = _TILE, rows: bool = True) -> None:
     """Sender side of dispatch: entry metadata to every destination row (row_link_all [R, rows, 2]:
-    (row_copy, row_src) records; row_chain_all [R, rows] the chain links of combine_reduce
-    "destination", None: not written), token rows once per destination rank (rows=False: row_src and
-    the chain only, for combine's refresh). `tile`: elements of x per program step (BufferOptions.scatter_tile);
+    (row_copy, row_src) records, row_src = src_base + t * K + k; row_chain_all [R, rows] the chain
+    links of combine_reduce "destination", None: not written), token rows once per destination rank
+    and into each duplicate row on `rank` (this rank: expand with the same src_base copies none of
+    them) (rows=False: row_src and the chain only, for combine's refresh). `tile`: elements of x per
+    program step (BufferOptions.scatter_tile);
     `grid`: programs at most (BufferOptions.num_sms). `work`: int32 [2], zero before the launch and zero again after it (the
     block counter; see scatter_work); launches that share it must be ordered (one stream): two
     overlapping launches would split each other's blocks, and nothing detects it (a Buffer orders its
@@ -440,24 +458,26 @@ def scatter(x_sH: torch.Tensor, weights_sK: torch.Tensor | None, dst_rank_sK: to
         x_sH, w, dst_rank_sK, dst_row_sK, copy_row_sK, sent_sK.view(torch.uint8),
         recv_all, row_weight_all, row_link_all, link64, chain,
         s, H, x_sH.stride(0), recv_all.stride(0), recv_all.stride(1), row_weight_all.stride(0), link64.stride(0),
-        src_base, work, programs, K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=block_t, BLOCK_H=block_h,
+        src_base, rank, work, programs, K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=block_t, BLOCK_H=block_h,
         HAS_W=weights_sK is not None, ROWS=rows, CHAIN=row_chain_all is not None, FENCE=_fences(x_sH),
         num_warps=_NUM_WARPS)
 
 
 def expand(recv: torch.Tensor, row_weight: torch.Tensor, row_link: torch.Tensor,
-           offs_G: torch.Tensor, sizes_G: torch.Tensor, nvs_s: int, zero_row: int, token_padding: int, *,
-           copy: bool = True) -> None:
-    """Receiver side of dispatch: mark and zero padding rows, copy duplicates from their primary
-    row (copy=False: only row_src = -1 on padding rows, for combine's refresh)."""
+           offs_G: torch.Tensor, sizes_G: torch.Tensor, nvs_s: int, zero_row: int, token_padding: int,
+           src_base: int, entries_per_rank: int, *, copy: bool = True) -> None:
+    """Receiver side of dispatch: mark and zero padding rows, copy duplicates from their primary row,
+    except those of this rank's own tokens (row_src in [src_base, src_base + entries_per_rank), the
+    scatter's src_base on this rank: its scatter stored them) (copy=False: only row_src = -1 on padding
+    rows, for combine's refresh)."""
     assert row_link.shape[-1] == 2 and row_link.is_contiguous()
     G = offs_G.numel()
     H = recv.shape[-1]
     block_r, block_h = _tile(H)
     _expand_kernel[(triton.cdiv(nvs_s, block_r),)](
         recv, row_weight, row_link, offs_G, sizes_G, nvs_s, H, recv.stride(0), G, zero_row,
-        token_padding, LOG_G=G.bit_length(), BLOCK_R=block_r, BLOCK_H=block_h, COPY=copy,
-        num_warps=_NUM_WARPS)
+        token_padding, src_base, entries_per_rank, LOG_G=G.bit_length(), BLOCK_R=block_r, BLOCK_H=block_h,
+        COPY=copy, num_warps=_NUM_WARPS)
 
 
 def chain_scratch(rows: int, topk: int, device: torch.device, *, segment: int = _SEGMENT

@@ -72,12 +72,20 @@ CASES = [
       "sent_ptr": "*u8", "recv_ptr": "*bf16", "row_weight_ptr": "*fp32", "row_link_ptr": "*i32",
       "row_link64_ptr": "*i64", "row_chain_ptr": "*i32", "s": "i32", "H": "i32", "x_stride": "i32",
       "recv_rank_stride": "i64", "recv_row_stride": "i32", "meta_rank_stride": "i64", "link_rank_stride": "i64",
-      "src_base": "i32", "work_ptr": "*i32", "num_programs": "i32", "K": "constexpr", "BLOCK_K": "constexpr",
-      "BLOCK_T": "constexpr", "BLOCK_H": "constexpr", "HAS_W": "constexpr", "ROWS": "constexpr",
-      "CHAIN": "constexpr", "FENCE": "constexpr"},
+      "src_base": "i32", "rank": "i32", "work_ptr": "*i32", "num_programs": "i32", "K": "constexpr",
+      "BLOCK_K": "constexpr", "BLOCK_T": "constexpr", "BLOCK_H": "constexpr", "HAS_W": "constexpr",
+      "ROWS": "constexpr", "CHAIN": "constexpr", "FENCE": "constexpr"},
      {"K": 8, "BLOCK_K": 8, "BLOCK_T": 2, "BLOCK_H": 8192, "HAS_W": True, "ROWS": rows, "CHAIN": chain,
       "FENCE": True})
     for rows, chain in ((True, False), (True, True), (False, True))
+] + [
+    ("moonep.kernels.dispatch_combine", "_expand_kernel",  # K3's H = 7168: 2 rows x 8192 per tile
+     {"recv_ptr": "*bf16", "row_weight_ptr": "*fp32", "row_link_ptr": "*i32", "offs_ptr": "*i32",
+      "sizes_ptr": "*i32", "nvs_s": "i32", "H": "i32", "recv_row_stride": "i32", "G": "i32", "zero_row": "i32",
+      "pad": "i32", "src_base": "i32", "SK": "i32", "LOG_G": "constexpr", "BLOCK_R": "constexpr",
+      "BLOCK_H": "constexpr", "COPY": "constexpr"},
+     {"LOG_G": 8, "BLOCK_R": 2, "BLOCK_H": 8192, "COPY": copy})
+    for copy in (True, False)
 ] + [
     # combine's push: combine_reduce "source" as the MoE layer issues it (plain rows, row scalars)
     ("moonep.kernels.dispatch_combine", "_push_kernel",

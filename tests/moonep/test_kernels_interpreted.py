@@ -273,7 +273,7 @@ def test_expert_kernels_match_pytorch_path(world: int) -> None:
 BF16_ULP = 2.0**-7  # relative spacing of bf16
 
 
-def _dispatch_kernels_rank(rank: int, world: int, scatter_tile: int) -> list[int]:
+def _dispatch_kernels_rank(rank: int, world: int, scatter_tile: int) -> tuple[list[int], list[tuple[int, int]]]:
     import moonep.buffer as buffer_module
     from moonep import Buffer, BufferConfig
     from moonep.routing import generate_routing
@@ -288,7 +288,7 @@ def _dispatch_kernels_rank(rank: int, world: int, scatter_tile: int) -> list[int
     try:
         assert fast.kernel_path == "triton" and ref.kernel_path == "torch"
         g = torch.Generator().manual_seed(100 + rank)
-        used = []
+        used, dups = [], []
         for maxvio, s in ((0.0, S), (1.0, 37), (2.9, S)):
             routing = generate_routing(num_ranks=world, tokens_per_rank=s, num_experts=E, topk=K,
                                        target_maxvio=maxvio, seed=5)
@@ -312,6 +312,10 @@ def _dispatch_kernels_rank(rank: int, world: int, scatter_tile: int) -> list[int
                 out["y_stale_plan"] = buf.combine(res.plan, y_rows)[0]
                 outs.append(out)
                 used.append(int((res.plan.slot_expert_RB >= 0).sum()))
+            # duplicates on this rank (stored by its scatter) and on the peer (copied by the peer's expand)
+            p = res.plan
+            dup = p.copy_row_sK != p.dst_row_sK
+            dups.append((int((dup & (p.dst_rank_sK == rank)).sum()), int((dup & (p.dst_rank_sK != rank)).sum())))
             want, got = outs
             for key in ("rows", "weights", "saved_rows", "scalars", "rows_other"):
                 assert torch.equal(got[key], want[key]), f"{key} differs at maxvio {maxvio}"
@@ -321,7 +325,7 @@ def _dispatch_kernels_rank(rank: int, world: int, scatter_tile: int) -> list[int
                 assert bool((err <= BF16_ULP * want[key].float().abs()).all()), f"{key} off by > 1 ulp ({err.max()})"
             # the scatter's block counter and exit counter are back to zero after every launch
             assert fast.path._scatter_work.tolist() == [0, 0], fast.path._scatter_work
-        return used
+        return used, dups
     finally:
         fast.destroy()
         ref.destroy()
@@ -330,8 +334,10 @@ def _dispatch_kernels_rank(rank: int, world: int, scatter_tile: int) -> list[int
 @pytest.mark.parametrize("scatter_tile", [16384, 256])
 def test_dispatch_combine_kernels_match_pytorch_path(scatter_tile: int) -> None:
     """The default tile; a 256-element tile (2 tokens per block) makes each program loop."""
-    used = run_ranks(_dispatch_kernels_rank, 2, scatter_tile, timeout_s=300)
-    assert any(n > 0 for n in used[0]), f"some routing should occupy slots: {used}"
+    (used, dups0), (_, dups1) = run_ranks(_dispatch_kernels_rank, 2, scatter_tile, timeout_s=300)
+    assert any(n > 0 for n in used), f"some routing should occupy slots: {used}"
+    dups = dups0 + dups1  # (on the own rank, on the peer) per rank and case
+    assert all(own > 0 and peer > 0 for own, peer in dups), f"need duplicates on the own rank and the peer: {dups}"
 
 
 def _fused_plan_rank(rank: int, world: int) -> list[int]:
