@@ -133,6 +133,10 @@ _TILE = 16384
 _MAX_BLOCK_H = 8192
 _NUM_WARPS = 16
 _REDUCE_BLOCK_T, _REDUCE_BLOCK_H, _REDUCE_WARPS = 4, 1024, 4
+# the expand works per row (a binary search over the groups, then the row's metadata) and copies only
+# peers' duplicates: 64 rows x 256 per tile, so that one program resolves 64 rows at once (8 rows of
+# whole-row tiles made 33k latency-bound programs of 512 threads per call at k3_small_moe's shape)
+_EXPAND_MAX_H = 256
 # combine_reduce "destination": the chains resolved per segment of _SEGMENT rows; the reduce push
 # sums [primaries, <= 512] tiles of _REDUCE_PUSH_TILE elements (8 x 512 at H >= 512) with 16 warps:
 # one 16-byte vector of each of the K rows per thread, the K loads independent of each other (ptxas
@@ -473,7 +477,8 @@ def expand(recv: torch.Tensor, row_weight: torch.Tensor, row_link: torch.Tensor,
     assert row_link.shape[-1] == 2 and row_link.is_contiguous()
     G = offs_G.numel()
     H = recv.shape[-1]
-    block_r, block_h = _tile(H)
+    block_h = min(triton.next_power_of_2(H), _EXPAND_MAX_H)
+    block_r = _TILE // block_h
     _expand_kernel[(triton.cdiv(nvs_s, block_r),)](
         recv, row_weight, row_link, offs_G, sizes_G, nvs_s, H, recv.stride(0), G, zero_row,
         token_padding, src_base, entries_per_rank, LOG_G=G.bit_length(), BLOCK_R=block_r, BLOCK_H=block_h,

@@ -79,12 +79,12 @@ CASES = [
       "FENCE": True})
     for rows, chain in ((True, False), (True, True), (False, True))
 ] + [
-    ("moonep.kernels.dispatch_combine", "_expand_kernel",  # K3's H = 7168: 2 rows x 8192 per tile
+    ("moonep.kernels.dispatch_combine", "_expand_kernel",  # the launcher's tile: 64 rows x 256
      {"recv_ptr": "*bf16", "row_weight_ptr": "*fp32", "row_link_ptr": "*i32", "offs_ptr": "*i32",
       "sizes_ptr": "*i32", "nvs_s": "i32", "H": "i32", "recv_row_stride": "i32", "G": "i32", "zero_row": "i32",
       "pad": "i32", "src_base": "i32", "SK": "i32", "LOG_G": "constexpr", "BLOCK_R": "constexpr",
       "BLOCK_H": "constexpr", "COPY": "constexpr"},
-     {"LOG_G": 8, "BLOCK_R": 2, "BLOCK_H": 8192, "COPY": copy})
+     {"LOG_G": 8, "BLOCK_R": 64, "BLOCK_H": 256, "COPY": copy})
     for copy in (True, False)
 ] + [
     # combine's push: combine_reduce "source" as the MoE layer issues it (plain rows, row scalars)
