@@ -37,20 +37,20 @@ CASES = [
      {"ga_ptr": "*bf16", "h_ptr": "*bf16", "u_ptr": "*bf16", "gh_ptr": "*bf16", "gu_ptr": "*bf16",
       "a_ptr": "*bf16", "n": "i64", "BLOCK": "constexpr"}, {"BLOCK": 2048}),
 ] + [
-    ("moonep.planner.fused", "_chunk_match_kernel",  # K3: E = 896, ids and the padding id in 10 bits
+    ("moonep.planner.fused_kernels", "_chunk_match_kernel",  # K3: E = 896, ids and the padding id in 10 bits
      {"topk_ptr": "*i32", "rank_ptr": "*i32", "chunk_hist_ptr": "*i32", "plane_ptr": "*i32", "num_entries": "i32",
       "E": "i32", "CHUNK": "constexpr", "BITS": "constexpr", "BITS_P": "constexpr", "E_P": "constexpr",
       "HW_POPC": "constexpr"},
      {"CHUNK": chunk, "BITS": 10, "BITS_P": 16, "E_P": 1024, "HW_POPC": True})
     for chunk in (256, 512)
 ] + [
-    ("moonep.planner.fused", "_prefix_kernel",
+    ("moonep.planner.fused_kernels", "_prefix_kernel",
      {"chunk_hist_ptr": "*i32", "hist_ptr": "*i32", "num_chunks": "i32", "rank": "i32", "hist_rank_stride": "i64",
       "hist_row_stride": "i32", "E": "i32", "R": "constexpr", "BLOCK_C": "constexpr", "BLOCK_E": "constexpr"},
      {"R": R, "BLOCK_C": block_c, "BLOCK_E": block_e})
     for R, block_c, block_e in ((2, 64, 16), (8, 1024, 2))
 ] + [
-    ("moonep.planner.fused", "_shared_kernel",  # K3: E = 896, R = 8
+    ("moonep.planner.fused_kernels", "_shared_kernel",  # K3: E = 896, R = 8
      {"hist_ptr": "*i32", "counts_ptr": "*i32", "cap_ptr": "*i64", "quota_ptr": "*i64", "alloc_ptr": "*i32",
       "slot_ptr": "*i32", "rows_ptr": "*i32", "offs_ptr": "*i32", "end_ptr": "*i32", "rowbase_ptr": "*i32",
       "rank": "i32", "cap_base": "i32", "cap_rem": "i32", "R": "constexpr", "EPN": "constexpr", "B": "constexpr",
@@ -60,7 +60,7 @@ CASES = [
       "LOG_EPN_P": 7, "KEY64": key64})
     for key64 in (False, True)
 ] + [
-    ("moonep.planner.fused", "_dest_kernel",
+    ("moonep.planner.fused_kernels", "_dest_kernel",
      {"topk_ptr": "*i32", "rank_ptr": "*i32", "prefix_ptr": "*i32", "end_ptr": "*i32", "rowbase_ptr": "*i32",
       "dst_rank_ptr": "*i32", "dst_row_ptr": "*i32", "copy_row_ptr": "*i32", "sent_ptr": "*u8", "num_tokens": "i32",
       "E": "i32", "K": "i32", "R": "constexpr", "R_P": "constexpr", "K_P": "constexpr", "BLOCK_T": "constexpr",
