@@ -35,13 +35,39 @@ from moonep import BufferConfig
 from moonep.layout import Layout
 from moonep.planner import Plan, make_plan
 from moonep.planner import fused as pf
-from moonep.routing import generate_routing
+from moonep.routing import RoutingResult, generate_routing
 from tests.moonep.planner_cases import PLAN_FIELDS, assert_same_plan
 
 # (chunk, chunk-kernel warps, shared-kernel warps); the first is the library's default
 VARIANTS = ((pf.CHUNK, 4, pf._SHARED_WARPS), (512, 8, 2), (256, 4, 2), (256, 2, 2), (512, 4, 4))
 COLUMNS = ("count", "prefix", "shared", "dest", "chunk_pass", "shared_dest", "total", "total_b2b")
 BACK_TO_BACK = 20  # replays per timing of the b2b column
+
+
+def add_problem_args(p: argparse.ArgumentParser, experts: int, topk: int, ranks: int) -> None:
+    """The simulated problem's shape options (shared with benchmarks/profile_planner.py)."""
+    p.add_argument("--experts", type=int, default=experts)
+    p.add_argument("--topk", type=int, default=topk)
+    p.add_argument("--ranks", type=int, default=ranks)
+    p.add_argument("--tokens", type=int, default=8192)
+
+
+def simulated_problem(args: argparse.Namespace, maxvio: float = 1.0
+                      ) -> tuple[Layout, RoutingResult, list[torch.Tensor], list[Plan]]:
+    """(layout, routing, each rank's top-k ids on the GPU, each rank's make_plan plan) of the R-rank
+    problem the shape options name (seed 0; every rank is simulated on this GPU)."""
+    R, E, K, S = args.ranks, args.experts, args.topk, args.tokens
+    if E % R:
+        raise ValueError(f"--experts {E} must be a multiple of --ranks {R}")
+    layout = Layout(BufferConfig(max_tokens=S, hidden=8, topk=K, num_experts=E), R, 4096)
+    t0 = time.time()
+    routing = generate_routing(num_ranks=R, tokens_per_rank=S, num_experts=E, topk=K, target_maxvio=maxvio, seed=0)
+    print(f"routing: R={R} E={E} K={K} s={S} maxvio {routing.realised_maxvio:.2f} [{time.time() - t0:.0f} s]",
+          flush=True)
+    topk_R = [routing.topk_RsK[r].cuda() for r in range(R)]
+    counts = routing.tokens_per_expert_RE.to(torch.int32)
+    want_R = [make_plan(layout, r, routing.topk_RsK[r], counts) for r in range(R)]
+    return layout, routing, topk_R, want_R
 
 
 def graph_us(fn, iters: int, back_to_back: int = 1) -> float:
@@ -130,27 +156,14 @@ def format_table(rows: list[dict]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--experts", type=int, default=384)
-    p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--topk", type=int, default=8)
+    add_problem_args(p, experts=384, topk=8, ranks=2)
     p.add_argument("--maxvio", type=float, default=1.0)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--variants", type=int, default=len(VARIANTS), help="measure the first N variants only")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     R, E, K, S = args.ranks, args.experts, args.topk, args.tokens
-    if E % R:
-        raise ValueError(f"--experts {E} must be a multiple of --ranks {R}")
-    layout = Layout(BufferConfig(max_tokens=S, hidden=8, topk=K, num_experts=E), R, 4096)
-    t0 = time.time()
-    routing = generate_routing(num_ranks=R, tokens_per_rank=S, num_experts=E, topk=K, target_maxvio=args.maxvio,
-                               seed=0)
-    print(f"routing: R={R} E={E} K={K} s={S} maxvio {routing.realised_maxvio:.2f} [{time.time() - t0:.0f} s]",
-          flush=True)
-    topk_R = [routing.topk_RsK[r].cuda() for r in range(R)]
-    counts = routing.tokens_per_expert_RE.to(torch.int32)
-    want_R = [make_plan(layout, r, topk_R[r].cpu(), counts) for r in range(R)]  # the same for every variant
+    layout, routing, topk_R, want_R = simulated_problem(args, args.maxvio)  # the same for every variant
     floor_buf = torch.zeros(1, device="cuda")
     floor = graph_us(lambda: floor_buf.add_(1), args.iters)
     floor_b2b = graph_us(lambda: floor_buf.add_(1), args.iters, BACK_TO_BACK)

@@ -24,12 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.bench_planner import check_variant
-from moonep import BufferConfig
-from moonep.layout import Layout
+from benchmarks.bench_planner import add_problem_args, check_variant, simulated_problem
 from moonep.planner import fused as pf
-from moonep.planner import make_plan
-from moonep.routing import generate_routing
 
 SPIN_CYCLES = 1_000_000  # torch.cuda._sleep before a timed replay: ~0.5 ms, longer than the host's launch
 
@@ -52,20 +48,11 @@ def event_us(fn, iters: int, repeat: int = 1, spin: bool = False) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--experts", type=int, default=896)
-    p.add_argument("--topk", type=int, default=16)
-    p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=8192)
+    add_problem_args(p, experts=896, topk=16, ranks=8)
     p.add_argument("--iters", type=int, default=30)
     args = p.parse_args()
     R, E, K, S = args.ranks, args.experts, args.topk, args.tokens
-    if E % R:
-        raise ValueError(f"--experts {E} must be a multiple of --ranks {R}")
-    layout = Layout(BufferConfig(max_tokens=S, hidden=8, topk=K, num_experts=E), R, 4096)
-    routing = generate_routing(num_ranks=R, tokens_per_rank=S, num_experts=E, topk=K, target_maxvio=1.0, seed=0)
-    topk_R = [routing.topk_RsK[r].cuda() for r in range(R)]
-    counts = routing.tokens_per_expert_RE.to(torch.int32)
-    want = [make_plan(layout, r, routing.topk_RsK[r], counts) for r in range(R)]
+    layout, _, topk_R, want = simulated_problem(args)
     work = [pf._Workspace(layout, S, topk_R[0].device) for _ in range(R)]
     hist_all, outs = check_variant(layout, topk_R, want, work, "default")
     cap_base, cap_rem = pf.receive_cap_args(R, K, S, None)
