@@ -150,7 +150,7 @@ class HierarchicalBuffer:
     # ------------------------------------------------------------------ the network stage
     def route(self, topk_sK: torch.Tensor) -> HostRoute:
         """Which rows go to which remote host (collective over the rail group; reads the counts on the host)."""
-        s, K = topk_sK.shape
+        s = topk_sK.shape[0]
         N, h = self.num_hosts, self.host_idx
         visit_sN = torch.zeros(s, N, dtype=torch.bool, device=topk_sK.device)
         visit_sN.scatter_(1, topk_sK.long() // self.experts_per_host, True)

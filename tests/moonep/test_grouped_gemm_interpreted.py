@@ -38,7 +38,7 @@ def test_grouped_gemm_bad_input() -> None:
     offs = torch.tensor([4, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match="unknown expert activation 'gelu'"):
         grouped_glu_forward(x, w, w, offs, "gelu")
-    with pytest.raises(ValueError, match="contiguous bf16 tensors on one device, got x_rows torch.float32"):
+    with pytest.raises(ValueError, match=r"contiguous bf16 tensors on one device, got x_rows torch\.float32"):
         grouped_glu_forward(x.float(), w, w, offs)
     with pytest.raises(ValueError, match=r"w_gate, w_up \[G, H, F\]"):
         grouped_glu_forward(x, w, w[:, :8].contiguous(), offs)

@@ -23,7 +23,7 @@ def test_grouped_glu_gpu(H: int, F: int, activation: str) -> None:
     check_grouped_glu(ROWS, H, F, activation, "cuda")
 
 
-@pytest.mark.parametrize(("I", "O"), SHAPES + [(1024, 2048)])  # gate/up (H, F) and down (F, H)
+@pytest.mark.parametrize(("I", "O"), [*SHAPES, (1024, 2048)])  # gate/up (H, F) and down (F, H)
 @pytest.mark.parametrize(("scale", "write_groups"), [(1.0, 0), (1 / 3, 5)])
 def test_grouped_wgrad_gpu(I: int, O: int, scale: float, write_groups: int) -> None:
     check_grouped_wgrad(ROWS, I, O, scale, write_groups, "cuda")

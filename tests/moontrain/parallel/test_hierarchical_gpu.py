@@ -100,7 +100,8 @@ def test_hierarchical_one_rank_equals_one_level(one_rank: dist.ProcessGroup) -> 
         try:
             pools = ExpertPools(buf, proj)
             layer = _layer(pools, w)
-            want = _run(lambda a, b: expert_glu(buf, pools, layer, a, b, topk.to(DEVICE)),
+            want = _run(lambda a, b, buf=buf, pools=pools, layer=layer:
+                        expert_glu(buf, pools, layer, a, b, topk.to(DEVICE)),
                         x, weights, grad_y, layer, buf.wait_pending)
         finally:
             buf.destroy()
