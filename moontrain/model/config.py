@@ -48,7 +48,10 @@ class ModelConfig:
     # each, so a block is attn_res_block_size / 2 transformer layers; K3: 12). 0: standard residuals
     attn_res_block_size: int = 0
     norm_eps: float = 1e-6
+    # init (moontrain.model.init): matrices N(0, init_std^2), residual writers and routers depth-scaled,
+    # the token embedding N(0, init_embed_std^2) so that it dominates the residual stream at init
     init_std: float = 0.02
+    init_embed_std: float = 1.0
     # MLA attention
     num_heads: int
     q_lora_rank: int | None = None  # None: a full-rank q projection
@@ -125,7 +128,7 @@ class ModelConfig:
             )
         if self.router_skew < 0:
             raise ValueError(f"model.router_skew must be >= 0 (0: no skew), got {self.router_skew}")
-        for name in ("norm_eps", "init_std", "rope_theta"):
+        for name in ("norm_eps", "init_std", "init_embed_std", "rope_theta"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"model.{name} must be a finite number > 0, got {getattr(self, name)}")
         for name in ("router_bias_update_rate", "seq_aux_loss_coef", "routed_scaling_factor"):

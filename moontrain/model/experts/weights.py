@@ -103,15 +103,16 @@ class ExpertWeights(nn.Module):
         return self._shard_lo, next(iter(self.master.values())).shape[0]
 
     @torch.no_grad()
-    def init_master(self, *, seed: int, layer_idx: int, std: float) -> None:
-        """Each global expert gets its own generator, so the values do not depend on the EP layout."""
+    def init_master(self, *, seed: int, layer_idx: int, stds: dict[str, float]) -> None:
+        """N(0, stds[projection]^2) per projection; each global expert gets its own generator, so the
+        values do not depend on the EP layout."""
         for proj_idx, name in enumerate(PROJECTIONS):
             master = self.master[name]
             for j in range(master.shape[0]):
                 e = self.expert_offset + self._shard_lo + j
                 gen = torch.Generator(device=master.device)
                 gen.manual_seed(((seed * 1009 + layer_idx) * 3 + proj_idx) * 1_000_003 + e)
-                master[j].normal_(0.0, std, generator=gen)
+                master[j].normal_(0.0, stds[name], generator=gen)
 
     def bind_owned(self, dtype: torch.dtype, loss_scale: float) -> None:
         """local/alltoall: own the compute leaves and an fp32 grad buffer that a hook fills with

@@ -47,7 +47,7 @@ def _local_grad(rank: int, e: int, shape: tuple[int, ...]) -> torch.Tensor:
 
 def _rank_fn(rank: int, world: int) -> dict:
     w = ExpertWeights(num_experts=E, ep_rank=0, ep_size=EP, hidden=H, intermediate=FF)
-    w.init_master(seed=0, layer_idx=0, std=0.02)
+    w.init_master(seed=0, layer_idx=0, stds=dict.fromkeys(("gate", "up", "down"), 0.02))
     epn, slots = w.num_local, w.num_local
     mirrors, compute = {}, {}
     for name, shape in w.shapes.items():
