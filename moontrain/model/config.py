@@ -101,8 +101,8 @@ class ModelConfig:
     # execution: on CUDA the router's logits GEMM (fp32) and its backward run on TF32 tensor cores. The
     # forward's operands are bf16 values (the compute-dtype activations and FSDP's bf16 weight copy),
     # exact in TF32, so the logits are the fp32 GEMM's up to summation order; the backward rounds the
-    # fp32 logit grads to TF32's 10-bit mantissa. cuBLAS runs the IEEE fp32 GEMMs on FFMA: 15 ms of a
-    # 539 ms k3_small_moe step on 2xH200 (2026-11-30). No effect on the CPU
+    # fp32 logit grads to TF32's 10-bit mantissa. Off, cuBLAS runs IEEE fp32 GEMMs on FFMA (the cost:
+    # docs/performance.md). No effect on the CPU
     router_tf32: bool = True
     # execution: zero-pad q/k and v to one head dim before SDPA (flash attention wants equal dims).
     # Off: SDPA gets qk_head_dim and v_head_dim as they are (cuDNN and memory-efficient attention take
