@@ -15,7 +15,9 @@ The loop:
   norms; linear warmup from lr / warmup (step 0) to lr, then cosine to lr * min_lr_ratio at the last
   step; the global gradient norm clipped to `clip` (torch.nn.utils.clip_grad_norm_);
 - aux-loss-free balancing: after each step every router's e_score_correction_bias moves by
-  rate * sign(mean count - count_e) over the experts its gate chose in the step.
+  rate * sign(mean count - count_e) over the experts its gate chose in the step;
+- mean-free router updates (mean_free_router_updates): the optimizer step leaves every gate's weight rows
+  unchanged along u, the unit mean of the gate's inputs over the step's tokens (w_e . u is restored).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class LoopConfig:
     eps: float = 1e-8
     clip: float = 1.0
     bias_update_rate: float = 1e-3
+    mean_free_router_updates: bool = True
     batch: int  # rows per step
     seq_len: int
 
@@ -94,16 +97,33 @@ class _ExpertCounts:
         self.gates = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
         self.counts = [torch.zeros(g.e_score_correction_bias.numel(), dtype=torch.long,
                                    device=g.e_score_correction_bias.device) for g in self.gates]
-        for gate, counts in zip(self.gates, self.counts, strict=True):
-            gate.register_forward_hook(self._hook(counts))
+        self.input_sums = [torch.zeros(g.weight.shape[1], device=g.weight.device) for g in self.gates]
+        for gate, counts, sums in zip(self.gates, self.counts, self.input_sums, strict=True):
+            gate.register_forward_hook(self._hook(counts, sums))
 
     @staticmethod
-    def _hook(counts: torch.Tensor):
+    def _hook(counts: torch.Tensor, sums: torch.Tensor):
         def hook(module, args, output) -> None:
+            sums.add_(args[0].detach().float().reshape(-1, sums.numel()).sum(0))
             # transformers 5.x returns (router_logits, topk_weights, topk_indices), 4.x (topk_indices, topk_weights)
             topk = next(t for t in output if not t.is_floating_point())
             counts.add_(torch.bincount(topk.flatten(), minlength=counts.numel()))
         return hook
+
+    @torch.no_grad()
+    def mean_components(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(u, W u) per gate: the unit mean input of the step and each row's component along it."""
+        out = []
+        for gate, sums in zip(self.gates, self.input_sums, strict=True):
+            u = sums / sums.norm().clamp_min(1e-30)
+            out.append((u, gate.weight @ u))
+            sums.zero_()
+        return out
+
+    @torch.no_grad()
+    def restore_mean_components(self, held: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for gate, (u, c) in zip(self.gates, held, strict=True):
+            gate.weight += torch.outer(c - gate.weight @ u, u)
 
     @torch.no_grad()
     def update_biases(self, rate: float) -> list[float]:
@@ -137,7 +157,10 @@ def train(model: nn.Module, data: Iterator[tuple[torch.Tensor, torch.Tensor]], c
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        held = counts.mean_components()
         opt.step()
+        if cfg.mean_free_router_updates:
+            counts.restore_mean_components(held)
         opt.zero_grad(set_to_none=True)
         maxvio = counts.update_biases(cfg.bias_update_rate)
         row = {"step": step + 1, "loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr,

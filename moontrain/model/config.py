@@ -94,6 +94,9 @@ class ModelConfig:
     num_expert_groups: int = 1
     topk_expert_groups: int = 1
     router_bias_update_rate: float = 1e-3  # aux-loss-free balancing step on the score-correction bias
+    # optimizer steps leave each router's weights along the step's mean router input unchanged: expert
+    # popularity moves through the bias only (moontrain.model.router_updates; false: plain updates)
+    router_mean_free_updates: bool = True
     seq_aux_loss_coef: float = 0.0  # sequence-wise balance loss (DeepSeek-V3); 0 disables it
     # benchmarks: sigma of a fixed log-normal expert popularity whose log is added to the selection scores
     # (same on every rank and layer), to force a routing skew; 0 leaves routing untouched
