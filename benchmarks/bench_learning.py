@@ -12,7 +12,7 @@ BPE of 30,922 ids; unigram entropy 7.26 nats per token: a model that uses no con
 Setups (trailing key=value arguments override the recipe):
 - dsv3: k3_small_moe's widths as a DeepSeek-V3 block (8 layers, hidden 2048, all-MLA with rope, no
   output gate, 96 routed experts top-8 + 2 shared, vocab 32768; 4.55 B parameters), one GPU (EP = 1),
-  131,072 tokens per step, AdamW 6e-4, warmup 5, cosine to 0.1, clip 1.0: the setup torchtitan 0.2.2
+  131,072 tokens per step (4 passes of 8 x 4096), AdamW 6e-4, warmup 5, cosine to 0.1, clip 1.0: the setup torchtitan 0.2.2
   was measured on (loss 10.84 at step 1, 5.20 at step 20, 3.85 at step 60; recipes/data/learning/README).
 - k3_small: the K3 block (12 KDA + 4 gated NoPE MLA, SiTU-GLU, AttnRes, latent MoE, E = 64) with the
   recipe's own batch at EP = 1.
@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LEARNING = ROOT / "recipes/data/learning"
 UNIGRAM_NATS = 7.26  # the corpus's unigram entropy over the tokenizer's ids (recipes/data/learning/README.md)
 DSV3 = ["model.num_experts=96", "model.attn_output_gate=false", "model.moe_latent_size=null",
-        "model.kda_layers_per_mla=0", "model.use_nope=false", "parallel.dense=plain"]
+        "model.kda_layers_per_mla=0", "model.use_nope=false", "parallel.dense=plain", "train.micro_batch_size=8"]
 SETUPS = {
     "dsv3": ("recipes/k3_small_moe.yaml", DSV3),
     "k3_small": ("recipes/k3_small.yaml", []),
