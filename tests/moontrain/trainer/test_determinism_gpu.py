@@ -109,7 +109,9 @@ def _config(backend: str, hybrid: bool, run_dir: Path) -> RunConfig:
                       moe_intermediate_size=256, routed_scaling_factor=2.0, router_bias_update_rate=0.01,
                       kda_layers_per_mla=1 if hybrid else 0, kda_num_heads=16, kda_head_dim=128),
         "experts": {"backend": backend},
-        "parallel": {"ep": 1},
+        # local runs without a process group: plain dense gives them the bf16 compute of a one-GPU job (in fp32,
+        # flex_attention's kernel for 192-dim heads needs more shared memory than an H200 has)
+        "parallel": {"ep": 1, "dense": "plain" if backend == "local" else "fsdp"},
         "optim": {"lr": 3e-3, "warmup_steps": 1, "grad_clip": 1.0},
         "train": {"steps": 3, "global_batch_size": 2, "seq_len": 1024, "seed": 3, "run_dir": str(run_dir),
                   "deterministic": True},
