@@ -190,6 +190,10 @@ def _device(name: str | None) -> torch.device:
     return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
+TOKENIZER_HELP = ("tokenizer.json, tokenizer directory or bytes (default: the one the checkpoint records or the "
+                  "export holds; one of another vocabulary size is refused)")
+
+
 def export_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="moontrain export",
                                      description="write a checkpoint as a Hugging Face model directory")
@@ -197,9 +201,10 @@ def export_command(argv: list[str]) -> int:
     parser.add_argument("out_dir")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--shard-gib", type=float, default=5.0, help="shard size bound in GiB")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer file or directory (default: the run's)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer.json, tokenizer directory or bytes (default: the one the checkpoint records)")
     args = parser.parse_args(argv)
-    from moontrain.checkpoint.hf import export_hf
+    from moontrain.checkpoint.hf import describe_export, export_hf
 
     try:
         out = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype, shard_bytes=int(args.shard_gib * 2**30),
@@ -207,7 +212,7 @@ def export_command(argv: list[str]) -> int:
     except ValueError as err:
         print(f"moontrain: error: {err}", file=sys.stderr)
         return 2
-    print(out)
+    print(f"moontrain: {describe_export(out)}")
     return 0
 
 
@@ -221,12 +226,13 @@ def generate_command(argv: list[str]) -> int:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     args = parser.parse_args(argv)
     from moontrain.generate.decoder import generate
     from moontrain.generate.load import load_model
 
     try:
-        model, tokenizer = load_model(args.model, device=_device(args.device))
+        model, tokenizer = load_model(args.model, device=_device(args.device), tokenizer=args.tokenizer)
         prompt = tokenizer.encode_batch([args.prompt])[0]
         if not prompt:
             raise ValueError("--prompt encodes to no tokens; give some text")
@@ -246,8 +252,10 @@ def eval_command(argv: list[str]) -> int:
     parser.add_argument("--data", required=True, help="a jsonl / parquet / text file or directory of documents")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--batches", type=int, default=10)
+    parser.add_argument("--batches", type=int, default=None,
+                        help="evaluate only the first N batches (default: every token of the file, once)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     args = parser.parse_args(argv)
     from moontrain.data.config import SourceConfig
     from moontrain.generate.evaluate import evaluate
@@ -255,13 +263,16 @@ def eval_command(argv: list[str]) -> int:
 
     try:
         model, tokenizer = load_model(args.model, device=_device(args.device),
-                                      max_tokens=args.batch_size * args.seq_len)
+                                      max_tokens=args.batch_size * args.seq_len, tokenizer=args.tokenizer)
         result = evaluate(model, tokenizer, SourceConfig(path=args.data), seq_len=args.seq_len,
                           batch_size=args.batch_size, num_batches=args.batches)
     except ValueError as err:
         print(f"moontrain: error: {err}", file=sys.stderr)
         return 2
-    print(f"loss {result.loss:.4f}  perplexity {result.perplexity:.3f}  ({result.tokens} tokens)")
+    what = ("every token once" if result.tokens == result.available else
+            f"the first {args.batches} batches of {result.available:,} tokens")
+    print(f"loss {result.loss:.4f}  perplexity {result.perplexity:.3f}  ({result.tokens:,} tokens of {args.data}: "
+          f"{what})")
     return 0
 
 

@@ -25,6 +25,7 @@ from moontrain.checkpoint import load_checkpoint, save_checkpoint
 from moontrain.checkpoint.state import TrainState
 from moontrain.config.run_config import RunConfig
 from moontrain.data.loader import build_loader
+from moontrain.data.tokenizer import tokenizer_record
 from moontrain.metrics.flops import flops_per_token, peak_flops
 from moontrain.metrics.heatmap import colorize, heatmap_path, write_png
 from moontrain.metrics.moe_stats import MoEStats
@@ -97,7 +98,8 @@ class Trainer:
         self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
         write_back_targets = [(master, w.compute[name], not w.defers_zero)
                               for w in self.experts for name, master in w.master.items()]
-        optimizer, scheduler = build_optimizer(self.model, cfg.optim, cfg.train.steps, expert_group=layout.edp_group,
+        schedule_steps = cfg.optim.schedule_steps or cfg.train.steps
+        optimizer, scheduler = build_optimizer(self.model, cfg.optim, schedule_steps, expert_group=layout.edp_group,
                                                write_back_targets=write_back_targets,
                                                shard_expert_state=cfg.parallel.shard_expert_state)
         mla_ids = [i for i, block in enumerate(self.model.layers) if not block.is_kda]  # QK-Clip: softmax layers
@@ -113,7 +115,8 @@ class Trainer:
         # read and set through it (a replaced optimizer is the one checkpoints see)
         self.state = TrainState(layout=layout, model=self.model, optimizer=optimizer, scheduler=scheduler,
                                 data=self.data, experts=self.experts, model_config=cfg.model, optim_config=cfg.optim,
-                                experts_backend=cfg.experts.backend, data_source=cfg.data.source)
+                                experts_backend=cfg.experts.backend, data_source=cfg.data.source,
+                                schedule_steps=schedule_steps, tokenizer=self._tokenizer_record())
         self.last_saved_step: int | None = None
         self.guard = DivergenceGuard(cfg.train.max_skipped_steps)
         self.preemption: PreemptionHandler | None = None  # set by the worker (signal handlers, main thread)
@@ -125,6 +128,10 @@ class Trainer:
         moe_ids = [i for i, block in enumerate(self.model.layers) if block.is_moe]
         self.window = MetricsWindow(moe_ids, layout)
         self.evaluator = (Evaluator(cfg, layout, self.model, self.reshard_dense) if cfg.eval.every else None)
+
+    def _tokenizer_record(self) -> dict | None:
+        tokenizer = self.data.source.tokenizer
+        return tokenizer_record(self.cfg.data.tokenizer, tokenizer) if tokenizer is not None else None
 
     # kept in the TrainState (what checkpoints save and restore), read and set through the trainer
     optimizer = _in_state("optimizer")
