@@ -353,7 +353,9 @@ def optim_changes(state: dict[str, Any], optim: OptimConfig) -> list[str]:
                  "eps": group["eps"]}
         if group["name"] != "no_decay":
             saved["weight_decay"] = group["weight_decay"]
-    return [f"optim.{k} {saved[k]!r} -> {now[k]!r}" for k in sorted(saved) if k in now and saved[k] != now[k]]
+    # the schedule's span has its own note, with the lr it moves (trainer.worker.schedule_change)
+    return [f"optim.{k} {saved[k]!r} -> {now[k]!r}" for k in sorted(saved)
+            if k in now and saved[k] != now[k] and k != "schedule_steps"]
 
 
 # ---------------------------------------------------------------------------------------------- find

@@ -34,6 +34,7 @@ from moontrain.config import RunConfig, dump_config, from_dict, load_recipe
 from moontrain.config.loader import to_dict
 from moontrain.metrics.progress import ProgressLog
 from moontrain.metrics.wandb_run import WandbRun
+from moontrain.optim.schedule import lr_multiplier
 from moontrain.parallel.heartbeat import Heartbeat
 from moontrain.parallel.hosts import check_ep_group_hosts
 from moontrain.parallel.layout import build_layout
@@ -189,9 +190,29 @@ def resume_notes(cfg: RunConfig, checkpoint_dir: Path, resumed: Path, state: dic
     changes = optim_changes(state, cfg.optim)
     if changes:
         notes.append("optim settings differ from the checkpoint's; the recipe's apply from here: " + ", ".join(changes))
+    span = schedule_change(state, cfg) if step < cfg.train.steps else None
+    if span:
+        notes.append(span)
     if step == cfg.train.steps:
         notes.append(f"checkpoint is at train.steps={cfg.train.steps} already: nothing to train")
     return notes
+
+
+def schedule_change(state: dict, cfg: RunConfig) -> str | None:
+    """The note when the LR schedule's span differs from the checkpoint's (train.steps changed on relaunch):
+    the lr it moves, and the other choice, optim.schedule_steps (checkpoints older than the record: None)."""
+    saved = state.get("schedule_steps")
+    now = cfg.optim.schedule_steps or cfg.train.steps
+    if saved is None or saved == now:
+        return None
+    step, lr = state["step"], cfg.optim.lr
+    before, after = lr * lr_multiplier(step, cfg.optim, saved), lr * lr_multiplier(step, cfg.optim, now)
+    note = (f"the LR schedule spanned {saved} steps and now spans {now}; it continues as configured: lr at step "
+            f"{step} {before:.3e} -> {after:.3e}")
+    if cfg.optim.schedule_steps is None:
+        note += (f" (train.steps {saved} -> {cfg.train.steps}); to keep the old decay and run the steps past {saved} "
+                 f"at its final lr, set optim.schedule_steps={saved}")
+    return note
 
 
 def resolve_resume(cfg: RunConfig, checkpoint_dir: Path) -> Path | None:
