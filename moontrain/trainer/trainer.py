@@ -9,7 +9,9 @@ over the expert-data-parallel replicas gives the same mean.
 
 Metrics are accumulated on device (MetricsWindow) and read once per logging step. Checkpoints
 (moontrain.checkpoint) hold the whole train state: model, optimizer, schedule, step, tokens seen, RNG,
-data position and the wandb run id; fit() saves them as checkpoint.every / save_final say.
+data position and the wandb run id; fit() saves them as checkpoint.every (steps), checkpoint.every_minutes
+(time since the job's start or its last save, agreed over the ranks with the step's verdict) and
+save_final say.
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ class Trainer:
         self.guard = DivergenceGuard(cfg.train.max_skipped_steps)
         self.preemption: PreemptionHandler | None = None  # set by the worker (signal handlers, main thread)
         self.stop_requested = False  # agreed over the ranks after each step
+        self.save_due = False  # checkpoint.every_minutes passed on some rank: agreed like stop_requested
+        self.last_save_time = time.monotonic()  # the job's start, then each save's end
         self.last_checkpoint: Path | None = None
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = peak_flops(device)
@@ -184,8 +188,10 @@ class Trainer:
         """The update, unless the guard skips a non-finite step (returns None); else the ids of the masters
         optimizer wrote back (TrainOptimizer.written_back). Takes the step's one host read (see moontrain.trainer.guard)."""
         requested = self.preemption is not None and self.preemption.requested
-        verdict = step_verdict(grad_norm, requested, self.layout)
-        self.stop_requested = verdict.stop
+        interval_s = self.cfg.checkpoint.every_minutes * 60
+        save_due = bool(interval_s) and time.monotonic() - self.last_save_time >= interval_s
+        verdict = step_verdict(grad_norm, requested, self.layout, save_due)
+        self.stop_requested, self.save_due = verdict.stop, verdict.save
         written: frozenset[int] | None = None
         if self.guard.admit(verdict.finite, self.step):
             self.optimizer.step()
@@ -199,11 +205,12 @@ class Trainer:
         ckpt = self.cfg.checkpoint
         logged = []
         self.window.restart_clock()
+        self.last_save_time = time.monotonic()  # checkpoint.every_minutes counts training time
         while self.step < self.cfg.train.steps:
             stats = self.train_step()
             if stats is not None:
                 logged.append(stats)
-            if ckpt.every and self.step % ckpt.every == 0:
+            if (ckpt.every and self.step % ckpt.every == 0) or self.save_due:
                 self.save_checkpoint()
             if self.stop_requested:  # preemption: every rank saw the same verdict after this step
                 if self.last_saved_step != self.step:
@@ -224,6 +231,7 @@ class Trainer:
                                keep_last=self.cfg.checkpoint.keep_last)
         self.last_saved_step, self.last_checkpoint = self.step, path
         self.window.t0 += time.perf_counter() - t0  # tokens/s counts training time only
+        self.last_save_time = time.monotonic()
         return path
 
     def load_checkpoint(self, path: str | Path) -> dict:

@@ -34,6 +34,7 @@ from moontrain.config import RunConfig, dump_config, from_dict, load_recipe
 from moontrain.config.loader import to_dict
 from moontrain.metrics.progress import ProgressLog
 from moontrain.metrics.wandb_run import WandbRun
+from moontrain.model.kda import uses_fla
 from moontrain.optim.schedule import lr_multiplier
 from moontrain.parallel.heartbeat import Heartbeat
 from moontrain.parallel.hosts import check_ep_group_hosts
@@ -42,6 +43,7 @@ from moontrain.supervisor import die_with_parent
 from moontrain.trainer.determinism import set_cublas_workspace
 from moontrain.trainer.errors import one_line
 from moontrain.trainer.preempt import PreemptionHandler
+from moontrain.trainer.quiet import silence_known_warnings
 from moontrain.trainer.trainer import Trainer
 
 
@@ -61,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     if not argv:
         raise SystemExit("usage: python -m moontrain.trainer.worker RECIPE [key=value ...] (started by torchrun)")
     rank = int(os.environ.get("RANK", "0"))
+    silence_known_warnings()
     try:
         cfg = from_dict(RunConfig, load_recipe(argv[0], argv[1:]))
     except ValueError as err:
@@ -124,10 +127,12 @@ def _train(cfg: RunConfig, device: torch.device, preemption: PreemptionHandler) 
     moonep_group = layout.ep_host_group if layout.ep_host_group is not None else layout.ep_group
     check_ep_group_hosts(moonep_group, cfg.experts.backend)
     is_main = layout.rank == 0
+    config_path = Path(cfg.train.run_dir) / "config.yaml"
     if is_main:
-        dump_config(cfg, Path(cfg.train.run_dir) / "config.yaml")
+        dump_config(cfg, config_path)
         print(f"moontrain: {layout.describe(cfg.parallel.dense)}; experts backend {cfg.experts.backend}; device {device}"
               + ("; deterministic kernels" if cfg.train.deterministic else ""), flush=True)
+        print(f"moontrain: config: {config_path} (the recipe with its overrides, resolved)", flush=True)
     trainer = Trainer(cfg, layout)
     trainer.preemption = preemption
     sink = None
@@ -161,11 +166,16 @@ def _train(cfg: RunConfig, device: torch.device, preemption: PreemptionHandler) 
             trainer.log = ProgressLog(cfg.train.run_dir, cfg.train.steps, sink=sink, start_step=trainer.step)
             if sink is not None and trainer.step:  # what a killed job logged but did not flush to wandb
                 sink.backfill(trainer.log.kept, cfg.train.run_dir)
+        note = first_step_note(cfg, device)
+        if is_main and note and trainer.step < cfg.train.steps:
+            print(f"moontrain: {note}", flush=True)
         trainer.fit()
         if trainer.log is not None:
+            console = Path(cfg.train.run_dir) / "console.log"
             print(trainer.log.summary(step=trainer.step, tokens_seen=trainer.tokens_seen,
                                       checkpoint=trainer.last_checkpoint,
-                                      wandb_dir=sink.sync_dir if sink is not None else None), flush=True)
+                                      wandb_dir=sink.sync_dir if sink is not None else None,
+                                      files=[config_path, *([console] if console.is_file() else [])]), flush=True)
         if trainer.stop_requested and is_main:
             print(f"moontrain: stopped by {preemption.signal_name or 'a signal to another rank'} after step "
                   f"{trainer.step} of {cfg.train.steps}; checkpoint saved in {trainer.checkpoint_dir}; continue "
@@ -196,6 +206,19 @@ def resume_notes(cfg: RunConfig, checkpoint_dir: Path, resumed: Path, state: dic
     if step == cfg.train.steps:
         notes.append(f"checkpoint is at train.steps={cfg.train.steps} already: nothing to train")
     return notes
+
+
+def first_step_note(cfg: RunConfig, device: torch.device) -> str | None:
+    """What makes the first GPU step slow, said before it starts (it can take a minute or more)."""
+    if device.type != "cuda":
+        return None
+    work = [what for what, on in (
+        ("torch.compile compiles the dense layers (train.compile)", cfg.train.compile),
+        ("fla autotunes its KDA kernels", uses_fla(cfg.model, device)),
+        ("Triton compiles moonep's kernels", cfg.experts.backend == "moonep")) if on]
+    if not work:
+        return None
+    return f"the first step also {'; '.join(work)}: it can take a minute or more (later steps reuse them)"
 
 
 def schedule_change(state: dict, cfg: RunConfig) -> str | None:
