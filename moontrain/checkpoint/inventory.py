@@ -38,15 +38,16 @@ def inventory(root: Path, *, verify: bool = True) -> tuple[list[str], bool]:
             lines.append(f"  {path.name[5:]:>10}  {_size(size):>10}  {'-':>6}  {'-':>14}  incomplete ({why})")
             continue
         manifest = json.loads((path / MANIFEST).read_text())
+        state: dict = {}
         try:
-            state, source = open_checkpoint(path)
+            state, source = open_checkpoint(path)  # train_state.json against its sha256
             if verify:
                 for file in manifest["files"]:
                     if file != TRAIN_STATE:
                         source.verify(file)
             digests = "ok" if verify else "not checked (--quick)"
         except CheckpointError as err:
-            state, digests, all_ok = {}, f"BAD: {err}", False
+            digests, all_ok = f"BAD: {err}", False
         finite = "yes" if manifest.get("finite", True) else "NO"
         tokens = f"{state['tokens_seen']:,}" if "tokens_seen" in state else "-"
         lines.append(f"  {manifest['step']:>10}  {_size(size):>10}  {finite:>6}  {tokens:>14}  {digests}")

@@ -2,7 +2,8 @@
 
 - SIGTERM during fit: the step finishes, a checkpoint of that step is saved, fit returns; the handler
   leaves SIGTERM at its default action, so a second one aborts;
-- a stop request on one rank of two: both ranks stop after the same step (the verdict is reduced);
+- a stop request on one rank of two: both ranks stop after the same step (the verdict is reduced), and
+  so does a time-based save (checkpoint.every_minutes) due on one rank's clock only;
 - resume: changed optim.* settings apply and are named; a changed train.steps names the LR schedule's new
   span and the lr it moves, and optim.schedule_steps keeps the old schedule bit for bit (then its final
   lr); train.steps below the checkpoint's step is an error; `resume: auto` names the incomplete checkpoint
@@ -136,6 +137,31 @@ def _one_rank_asks(rank: int, world: int, run_dir: str) -> int:
 def test_a_stop_on_one_rank_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:
     assert run_ranks(_one_rank_asks, 2, str(tmp_path)) == [4, 4]
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000004"]
+
+
+def _one_rank_due(rank: int, world: int, run_dir: str) -> int:
+    trainer = Trainer(small_config("alltoall", 2, run_dir=run_dir, steps=6, checkpoint={"every_minutes": 1.0}),
+                      build_layout(2, CPU))
+    if rank == 1:  # only rank 1's clock says a minute has passed, inside step 3
+        _signal_at(trainer, 2, lambda: setattr(trainer, "last_save_time", trainer.last_save_time - 61))
+    trainer.fit()
+    return trainer.step
+
+
+def test_a_time_based_save_on_one_rank_saves_on_every_rank_after_the_same_step(tmp_path: Path) -> None:
+    assert run_ranks(_one_rank_due, 2, str(tmp_path)) == [6, 6]
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000003", "step_00000006"]
+
+
+def test_first_step_note_names_what_compiles() -> None:
+    from moontrain.trainer.worker import first_step_note
+
+    cfg = small_config("moonep", 1)
+    assert first_step_note(cfg, CPU) is None
+    cfg.train.compile = True
+    assert first_step_note(cfg, torch.device("cuda", 0)) == (
+        "the first step also torch.compile compiles the dense layers (train.compile); Triton compiles moonep's "
+        "kernels: it can take a minute or more (later steps reuse them)")
 
 
 def test_resume_applies_and_names_changed_optim_settings(tmp_path: Path) -> None:
