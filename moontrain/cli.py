@@ -48,7 +48,7 @@ examples:
   moontrain launch recipes/k3_tiny.yaml train.steps=200 data.tokenizer=recipes/data/tiny_tokenizer.json \\
       model.vocab_size=384 eval.every=20 eval.data.path=recipes/data/tiny_heldout.jsonl
   moontrain launch recipes/k3_small.yaml data.path=/data/fineweb.parquet data.tokenizer=/models/k2/tokenizer.json
-  moontrain launch recipes/k3.yaml --nproc 8 --nnodes 112 --dry-run  plan a cluster run, allocate nothing
+  moontrain launch recipes/k3.yaml --nproc 8 --nnodes 112 --dry-run --device cuda   plan a GPU cluster run
 
 overrides (dotted keys of the recipe, checked strictly):
   data.path=FILE|DIR|GLOB   jsonl / parquet / text / save_to_disk / .bin / .npy (input_ids columns need no
