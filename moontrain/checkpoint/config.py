@@ -26,7 +26,7 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         if self.every < 0:
-            raise ValueError(f"checkpoint.every must be >= 0 (0: only the final save), got {self.every}")
+            raise ValueError(f"checkpoint.every must be >= 0 (0: no step-based saves), got {self.every}")
         if not 0 <= self.every_minutes < float("inf"):
             raise ValueError(f"checkpoint.every_minutes must be a finite number >= 0 (0: no time-based saves), got "
                              f"{self.every_minutes}")

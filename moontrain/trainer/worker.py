@@ -3,7 +3,9 @@
 Picks nccl on GPU and gloo on CPU, builds the layout, writes the resolved config (rank 0), resumes from the
 latest checkpoint unless checkpoint.resume says otherwise (moontrain.checkpoint.resume; a fresh run takes
 the initial weights of checkpoint.init_from when set), opens the wandb run (rank 0; the id comes from the
-checkpoint on resume, so the same run continues), trains and prints the end-of-run summary.
+checkpoint on resume, so the same run continues), trains and prints the end-of-run summary. Resuming
+names what changed since the checkpoint (optim settings, the LR schedule's span); a GPU job says what
+its first step compiles before it starts; known-harmless library warnings are filtered (trainer.quiet).
 
 Faults: the process group fails a collective after parallel.timeout_s; heartbeats (parallel.heartbeat)
 name a dead or frozen rank in every survivor's error; SIGTERM / SIGINT finish the step, save and exit 0
@@ -233,7 +235,7 @@ def schedule_change(state: dict, cfg: RunConfig) -> str | None:
     note = (f"the LR schedule spanned {saved} steps and now spans {now}; it continues as configured: lr at step "
             f"{step} {before:.3e} -> {after:.3e}")
     if cfg.optim.schedule_steps is None:
-        note += (f" (train.steps {saved} -> {cfg.train.steps}); to keep the old decay and run the steps past {saved} "
+        note += (f" (it follows train.steps={cfg.train.steps}); to keep the old decay and run the steps past {saved} "
                  f"at its final lr, set optim.schedule_steps={saved}")
     return note
 

@@ -208,7 +208,7 @@ def test_longer_train_steps_names_the_schedule_change_and_can_keep_the_old_decay
         if span is None:
             assert lrs[0] != lr_at_3
             assert notes == [f"the LR schedule spanned 6 steps and now spans 8; it continues as configured: lr at "
-                             f"step 3 {lr_at_3:.3e} -> {lrs[0]:.3e} (train.steps 6 -> 8); to keep the old decay and "
+                             f"step 3 {lr_at_3:.3e} -> {lrs[0]:.3e} (it follows train.steps=8); to keep the old decay and "
                              "run the steps past 6 at its final lr, set optim.schedule_steps=6"]
         else:  # the old schedule bit for bit, then its final lr past step 6
             assert notes == [] and lrs[0] == lr_at_3
