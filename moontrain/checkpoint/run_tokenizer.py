@@ -82,7 +82,7 @@ def load_recorded(record: dict[str, Any], model: str | Path) -> ByteTokenizer | 
 
 def explicit_tokenizer(spec: str, own_vocab: int | None, own_name: str, model: str | Path
                        ) -> ByteTokenizer | HFTokenizer:
-    """--tokenizer SPEC, refused when the model's own tokenizer (`own_name`, `own_vocab` ids) is known and
+    """--tokenizer `spec`, refused when the model's own tokenizer (`own_name`, `own_vocab` ids) is known and
     has another vocabulary size."""
     tokenizer = load_tokenizer(spec)
     if own_vocab is not None and tokenizer.vocab_size != own_vocab:
