@@ -11,10 +11,12 @@ moontrain.config.loader; this module has no moontrain imports, so any package ma
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import types
 import typing
+from collections.abc import Iterable
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 T = TypeVar("T")
@@ -30,7 +32,7 @@ def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        keys = ", ".join(_join(prefix, k) for k in unknown)
+        keys = ", ".join(_join(prefix, k) + _did_you_mean(k, fields, prefix) for k in unknown)
         raise ValueError(f"unknown key(s) {keys}; allowed keys under {where}: {sorted(fields)}")
     kwargs = {}
     for name, field in fields.items():
@@ -108,6 +110,11 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             raise ValueError(f"{key}: expected str, got {value!r}")
         return value
     raise AssertionError(f"config type {tp!r} at {key} is not supported by the loader")
+
+
+def _did_you_mean(key: str, fields: Iterable[str], prefix: str) -> str:
+    close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.75)
+    return f" (did you mean {_join(prefix, close[0])}?)" if close else ""
 
 
 def _join(prefix: str, name: str) -> str:

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import TextIO
 
 _PR_SET_PDEATHSIG = 1
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -89,10 +90,11 @@ class Supervisor:
     """Run `cmd` (torchrun) to completion; see the module docstring for signals."""
 
     def __init__(self, cmd: list[str], *, env: dict[str, str] | None = None,
-                 on_stderr: Callable[[str], None] | None = None) -> None:
+                 on_stderr: Callable[[str], None] | None = None, on_stdout: Callable[[str], None] | None = None) -> None:
         self.cmd = cmd
         self.env = env or {}
         self.on_stderr = on_stderr  # called with each line torchrun and the ranks write to stderr
+        self.on_stdout = on_stdout  # ... and to stdout
         self.signals_seen = 0
         self.ranks: dict[int, str | None] = {}  # pid -> start time (a pid can be reused once it exits)
         self.proc: subprocess.Popen | None = None
@@ -101,21 +103,26 @@ class Supervisor:
         os.unlink(self.stop_file)  # its existence is the request
 
     def run(self) -> int:
-        env = {**os.environ, **self.env, "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGQUIT", STOP_FILE_ENV: self.stop_file}
+        # torchrun's --signals-to-handle defaults to SIGTERM,SIGINT,SIGHUP,SIGQUIT and would overwrite
+        # TORCHELASTIC_SIGNALS_TO_HANDLE (torch 2.13): its PET_ variable sets the flag itself
+        env = {**os.environ, **self.env, "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGQUIT", "PET_SIGNALS_TO_HANDLE": "SIGQUIT",
+               STOP_FILE_ENV: self.stop_file}
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
-        reader = None
+        readers: list[threading.Thread] = []
         try:
             self.proc = subprocess.Popen(self.cmd, env=env, preexec_fn=_torchrun_preexec, text=True, bufsize=1,
-                                         stderr=subprocess.PIPE if self.on_stderr is not None else None)
-            if self.on_stderr is not None:
-                reader = threading.Thread(target=self._read_stderr, daemon=True)
-                reader.start()
+                                         stderr=subprocess.PIPE if self.on_stderr is not None else None,
+                                         stdout=subprocess.PIPE if self.on_stdout is not None else None)
+            for stream, callback in ((self.proc.stderr, self.on_stderr), (self.proc.stdout, self.on_stdout)):
+                if callback is not None:
+                    readers.append(threading.Thread(target=self._read, args=(stream, callback), daemon=True))
+                    readers[-1].start()
             while self.proc.poll() is None:
                 self._refresh_ranks()
                 if self.signals_seen == 1:  # until they exit: a rank still starting up ignores it
                     self._send(self._live_ranks(), FORWARDED_SIGNAL)
                 time.sleep(_POLL_S)
-            if reader is not None:
+            for reader in readers:
                 reader.join(timeout=5)
             return self.proc.returncode
         finally:
@@ -125,10 +132,10 @@ class Supervisor:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _read_stderr(self) -> None:
-        assert self.proc is not None and self.proc.stderr is not None and self.on_stderr is not None
-        for line in self.proc.stderr:
-            self.on_stderr(line)
+    @staticmethod
+    def _read(stream: TextIO, callback: Callable[[str], None]) -> None:
+        for line in stream:
+            callback(line)
 
     def _refresh_ranks(self) -> None:
         if self.proc is None:

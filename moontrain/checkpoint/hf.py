@@ -4,7 +4,8 @@
     <dir>/model-0000i-of-0000n.safetensors  shards of at most `shard_bytes` (one tensor may exceed it)
     <dir>/model.safetensors.index.json      {"metadata": {"total_size"}, "weight_map": {name: shard}}
     <dir>/configuration_moontrain.py, modeling_moontrain.py   the modeling code (trust_remote_code)
-    <dir>/tokenizer.json ...                 the run's tokenizer files, when it had some
+    <dir>/tokenizer.json, tokenizer_config.json   the run's tokenizer under the names Hugging Face reads
+                                            (run_tokenizer.py); none for synthetic Markov tokens
 
 Names and layouts: hf_names.py. Weights are cast to `dtype` (bf16 by default; float32 keeps every bit),
 except the router weight and score-correction bias, which stay fp32 (routing runs in fp32).
@@ -35,6 +36,7 @@ import yaml
 
 from moontrain.checkpoint.hf_config import architecture_diff, hf_config, model_config
 from moontrain.checkpoint.hf_names import hf_name, rope_rows
+from moontrain.checkpoint.run_tokenizer import tokenizer_of_checkpoint, write_export_tokenizer
 from moontrain.checkpoint.safetensors_io import SafetensorsReader, write_safetensors
 from moontrain.checkpoint.store import MANIFEST, load_model_tensors, open_checkpoint
 from moontrain.checkpoint.tensors import CheckpointError, TensorSource
@@ -48,8 +50,6 @@ CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 MODELING_FILES = ("configuration_moontrain.py", "modeling_moontrain.py")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 FP32_ALWAYS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
@@ -58,11 +58,14 @@ FP32_ALWAYS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 def export_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16",
               shard_bytes: int = 5 * 2**30, tokenizer: str | Path | None = None) -> Path:
     """Write the model of a checkpoint (any layout) as a Hugging Face model directory; returns it.
-    `tokenizer`: a tokenizer.json or a directory of tokenizer files (default: the run's data.tokenizer)."""
+    `tokenizer`: a tokenizer.json, a directory of tokenizer files or `bytes` (default: the one the checkpoint
+    records; one of another vocabulary size is refused)."""
     if dtype not in DTYPES:
         raise ValueError(f"export dtype {dtype!r} is not one of {sorted(DTYPES)}")
     state, source = open_checkpoint(checkpoint)
     cfg = from_dict(ModelConfig, state["model"], "model")
+    # refused before anything is written
+    with_tokenizer = tokenizer_of_checkpoint(Path(checkpoint), state, None if tokenizer is None else str(tokenizer))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = list(_export_plan(cfg, source, DTYPES[dtype]))
@@ -76,11 +79,16 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "bflo
         weight_map.update(dict.fromkeys((entry[0] for entry in entries), file))
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out_dir / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+    max_positions = _max_positions(Path(checkpoint), cfg)
     extra: dict[str, Any] = {"moontrain_step": state["step"]}
-    tokenizer_dir = _copy_tokenizer(Path(checkpoint), out_dir, tokenizer)
-    if tokenizer_dir is None:
-        extra["moontrain_tokenizer"] = "bytes"
-    config = hf_config(cfg, dtype=dtype, max_position_embeddings=_max_positions(Path(checkpoint), cfg), extra=extra)
+    if with_tokenizer is None:
+        extra["moontrain_tokenizer"] = "none"
+    else:
+        spec, tok = with_tokenizer
+        write_export_tokenizer(out_dir, spec, tok, max_length=max_positions)
+        if spec == "bytes":
+            extra["moontrain_tokenizer"] = "bytes"
+    config = hf_config(cfg, dtype=dtype, max_position_embeddings=max_positions, extra=extra)
     (out_dir / CONFIG).write_text(json.dumps(config, indent=1) + "\n")
     modeling = Path(__file__).resolve().parents[1] / "hf"
     for file in MODELING_FILES:
@@ -135,20 +143,19 @@ def _max_positions(checkpoint: Path, cfg: ModelConfig) -> int:
     return int(run["train"]["seq_len"]) if run else 4096
 
 
-def _copy_tokenizer(checkpoint: Path, out_dir: Path, tokenizer: str | Path | None) -> Path | None:
-    if tokenizer is None:
-        run = _run_config(checkpoint)
-        tokenizer = (run or {}).get("data", {}).get("tokenizer", "bytes")
-        if tokenizer == "bytes":
-            return None
-    path = Path(tokenizer)
-    files = [path] if path.is_file() else [path / f for f in TOKENIZER_FILES if (path / f).is_file()]
-    if not files:
-        raise ValueError(f"tokenizer {str(path)!r} is neither a tokenizer file nor a directory holding one of "
-                         f"{list(TOKENIZER_FILES)}")
-    for f in files:
-        shutil.copyfile(f, out_dir / f.name)
-    return path
+def describe_export(out_dir: Path) -> str:
+    """One line: what an export directory holds (step, shards, dtype, size, tokenizer)."""
+    config = json.loads((out_dir / CONFIG).read_text())
+    index = json.loads((out_dir / INDEX).read_text())
+    shards = len(set(index["weight_map"].values()))
+    tokenizer = config.get("moontrain_tokenizer")
+    if tokenizer == "none":
+        tok = "no tokenizer (synthetic Markov tokens)"
+    else:
+        names = [f for f in ("tokenizer.json", "tokenizer_config.json") if (out_dir / f).is_file()]
+        tok = " + ".join(names) + (" (the byte tokenizer)" if tokenizer == "bytes" else "")
+    return (f"exported step {config.get('moontrain_step')} to {out_dir}: {shards} shard(s), {config.get('dtype')}, "
+            f"{index['metadata']['total_size'] / 1e9:.3f} GB of weights; {tok}")
 
 
 # ---------------------------------------------------------------------------------------------- import

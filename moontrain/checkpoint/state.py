@@ -7,7 +7,7 @@ depends on the pieces of a run and not on the loop that drives them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -26,7 +26,9 @@ class TrainState:
     """model / optimizer / scheduler / data are the live objects (restored in place); step, tokens_seen
     and wandb_run_id are plain values (restored by assignment). model_config, experts_backend and
     data_source are what a checkpoint must agree with to be loaded (the model's shapes, the data position's
-    meaning); optim_config is recorded beside them. experts: the model's ExpertWeights, whose compute copies follow their masters after a load.
+    meaning); optim_config, schedule_steps (the steps the LR schedule spans) and tokenizer (the record of
+    data.tokenizer, None for synthetic tokens: checkpoint.run_tokenizer) are recorded beside them. experts:
+    the model's ExpertWeights, whose compute copies follow their masters after a load.
     The RNG state saved is the process's (torch's CPU and CUDA generators)."""
 
     layout: ParallelLayout
@@ -39,6 +41,8 @@ class TrainState:
     optim_config: OptimConfig  # saved so that a resume can name the settings the recipe changed
     experts_backend: str
     data_source: str
+    schedule_steps: int
+    tokenizer: dict[str, Any] | None
     step: int = 0
     tokens_seen: int = 0
     wandb_run_id: str | None = None  # set by the worker (rank 0)

@@ -5,8 +5,9 @@ A checkpoint is a directory `<dir>/step_<step:08d>/`:
     rank_<r:05d>.safetensors   what rank r owns (see tensors.py): model.<name>, optim.<name>.<state name>
                                (AdamW's exp_avg / exp_avg_sq / step, Muon's momentum_buffer),
                                rng.rank<r>.cpu / .cuda
-    train_state.json           step, tokens seen, LR schedule, optimizer hyperparameters, the layout it
-                               was saved at, the model config, the wandb run id, per-rank data position
+    train_state.json           step, tokens seen, LR schedule (and the steps it spans), optimizer
+                               hyperparameters, the layout it was saved at, the model config, the
+                               tokenizer (run_tokenizer.py), the wandb run id, per-rank data position
     manifest.json              written last: every file with its size and digest (a rank file: the sha256
                                of each of its blocks, see digest.py; train_state.json: one sha256), every
                                tensor's canonical shape and the (file, offset, rows) pieces that hold it
@@ -206,6 +207,8 @@ def _train_state(run: TrainState, rank_states: list[dict]) -> dict[str, Any]:
         "data_source": run.data_source,
         "wandb_run_id": run.wandb_run_id,
         "scheduler": run.scheduler.state_dict(),
+        "schedule_steps": run.schedule_steps,
+        "tokenizer": run.tokenizer,
         "param_groups": groups,
         "model": to_dict(run.model_config),
         "optim": to_dict(run.optim_config),
@@ -350,7 +353,9 @@ def optim_changes(state: dict[str, Any], optim: OptimConfig) -> list[str]:
                  "eps": group["eps"]}
         if group["name"] != "no_decay":
             saved["weight_decay"] = group["weight_decay"]
-    return [f"optim.{k} {saved[k]!r} -> {now[k]!r}" for k in sorted(saved) if k in now and saved[k] != now[k]]
+    # the schedule's span has its own note, with the lr it moves (trainer.worker.schedule_change)
+    return [f"optim.{k} {saved[k]!r} -> {now[k]!r}" for k in sorted(saved)
+            if k in now and saved[k] != now[k] and k != "schedule_steps"]
 
 
 # ---------------------------------------------------------------------------------------------- find

@@ -160,6 +160,10 @@ class TensorSource:
             raise CheckpointError(f"{self.root}: rows [{covered}, {offset + rows}) of {name} are in no file of "
                                   f"the checkpoint (pieces {[(p.file, p.offset, p.rows) for p in pieces]})")
 
+    def verify(self, file: str) -> None:
+        """Check one file against the manifest now (missing, size, digests); raises CheckpointError."""
+        self._handle(file)
+
     def _entry(self, name: str) -> tuple[tuple[int, ...], list[Piece]]:
         if name not in self.index:
             raise CheckpointError(f"{self.root}: no tensor {name!r} in the checkpoint; the model does not match it")

@@ -8,6 +8,11 @@ YAML writers produce for round numbers like `lr: 1` and which loses nothing).
 A recipe may name one `base:` (a path relative to the recipe file). The base is loaded first and the
 recipe is deep-merged over it. A base may not itself have a base: one level keeps recipes readable.
 
+Input files a recipe names (INPUT_PATHS: data, tokenizer, evaluation data, initial weights, a checkpoint
+to resume) are relative to the file that names them, and are made absolute when it is read, so a recipe
+works from any working directory and the resolved config.yaml reads the same files from anywhere. Output
+locations (train.run_dir, checkpoint.dir) and command-line values stay relative to the working directory.
+
 Command-line overrides are dotted `key=value` strings (`model.num_layers=4`); the value is parsed
 with yaml.safe_load (so `4` is an int, `1e-3` a float, `null` None) and then type-checked exactly
 like a recipe value. One YAML 1.1 quirk is repaired: PyYAML reads `1e-3` (an exponent without a dot)
@@ -16,6 +21,7 @@ as a string; float fields accept such strings.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +39,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ValueError(f"recipe {str(path)!r} does not exist; pass the path of a YAML file, e.g. recipes/k3_tiny.yaml")
     raw = _read_yaml(path)
     base = raw.pop("base", None)
+    _resolve_inputs(raw, path.parent)
     if base is not None:
         if not isinstance(base, str):
             raise ValueError(f"base: must be a path string relative to {path}, got {base!r}")
@@ -40,6 +47,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         if not base_path.is_file():
             raise ValueError(f"base: {base!r} in {path} resolves to {base_path}, which does not exist")
         base_raw = _read_yaml(base_path)
+        _resolve_inputs(base_raw, base_path.parent)
         if "base" in base_raw:
             raise ValueError(
                 f"base recipe {base_path} has its own base: {base_raw['base']!r}; at most one base: level "
@@ -79,6 +87,28 @@ def dump_config(config: Any, path: str | Path) -> None:
     """Write the resolved config as YAML (loadable again by from_dict)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
+# (section, ..., key) of the input files a recipe may name; "*" is any name of a mapping (data.sources.NAME)
+INPUT_PATHS = (("data", "path"), ("data", "tokenizer"), ("data", "sources", "*", "path"), ("eval", "data", "path"),
+               ("checkpoint", "init_from"), ("checkpoint", "resume"))
+_NOT_PATHS = ("bytes", "auto", "none")  # data.tokenizer=bytes, checkpoint.resume=auto / none
+
+
+def _resolve_inputs(raw: dict[str, Any], folder: Path) -> None:
+    """Make the relative input paths of one recipe file absolute against its folder, in place."""
+    def visit(node: Any, keys: tuple[str, ...]) -> None:
+        if not isinstance(node, dict) or not keys:
+            return
+        head, rest = keys[0], keys[1:]
+        for name in (list(node) if head == "*" else [head] if head in node else []):
+            if rest:
+                visit(node[name], rest)
+            elif isinstance(node[name], str) and node[name] and node[name] not in _NOT_PATHS:
+                node[name] = os.path.abspath(folder / Path(node[name]).expanduser())
+
+    for keys in INPUT_PATHS:
+        visit(raw, keys)
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

@@ -26,6 +26,7 @@ class MarkovTokens:
         self.cfg, self.vocab, self.seq_len = cfg, vocab_size, seq_len
         self.global_batch, self.rank, self.world = global_batch, rank, world_size
         self.eos_id = None  # one endless walk per row, no documents
+        self.tokenizer = None  # synthetic ids
         gen = torch.Generator().manual_seed(cfg.seed)
         self.successors_Vb = torch.randint(0, vocab_size, (vocab_size, cfg.branching), generator=gen)
 

@@ -65,6 +65,19 @@ class PackedStream:
         self.pending = [[e, g, end - cut] for e, g, end in self.pending if end - cut > 1]
         return np.lib.stride_tricks.sliding_window_view(stream, T + 1)[::T].copy()
 
+    def first_epoch(self) -> np.ndarray:
+        """This rank's documents of the first epoch, each once and in its order, back to back with EOS (unless
+        they carry their own), as one stream: a held-out set read exactly once (`moontrain eval`). Map-style
+        sources only; the position is left alone."""
+        assert not self.docs.streaming
+        order = self._epoch_order(len(self.docs))
+        tokens: list[int] = []
+        for g in range(self.rank, len(self.docs), self.world):
+            tokens += self._ids(g, self.docs.get(int(order[g])))
+            if self.eos is not None:
+                tokens.append(self.eos)
+        return np.asarray(tokens, dtype=np.int64)
+
     def _ids(self, g: int, doc: Document) -> list[int]:
         if not self.docs.pretokenized:
             return self.tokenizer.encode_batch([doc])[0]

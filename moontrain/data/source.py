@@ -7,11 +7,13 @@ from typing import Any, Protocol
 import torch
 
 from moontrain.data.config import DataConfig
+from moontrain.data.tokenizer import ByteTokenizer, HFTokenizer
 
 
 class TokenSource(Protocol):
     world: int  # the world size it shards over
     eos_id: int | None  # the end-of-document id packed rows carry (None: rows are not packed documents)
+    tokenizer: ByteTokenizer | HFTokenizer | None  # what made the ids (None: synthetic ids, no tokenizer)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens_bT, targets_bT) of this rank for optimizer step `step`, on the CPU."""

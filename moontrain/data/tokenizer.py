@@ -14,10 +14,14 @@ tokens included) must fit model.vocab_size; a larger model vocabulary is fine (u
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
+# the files of a tokenizer directory (what a run's record digests and an export copies)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt")
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]", "<|im_end|>")
 
 
@@ -92,6 +96,12 @@ class HFTokenizer:
             return self._tok.decode(ids, skip_special_tokens=False)
         return self._auto.decode(ids)
 
+    def token(self, idx: int) -> str:
+        """The vocabulary entry of id `idx` (e.g. the EOS token's text, for an export's tokenizer_config.json)."""
+        if self._tok is not None:
+            return self._tok.id_to_token(idx)
+        return self._auto.convert_ids_to_tokens(idx)
+
 
 def _read_config(path: Path) -> dict:
     if not path.is_file():
@@ -123,6 +133,29 @@ def load_tokenizer(spec: str, *, eos_id: int | None = None) -> ByteTokenizer | H
                              "unset")
         return ByteTokenizer()
     return HFTokenizer(spec, eos_id)
+
+
+def tokenizer_files(spec: str) -> list[Path]:
+    """The files a tokenizer spec names: the file itself, or the tokenizer files of a directory."""
+    path = Path(spec)
+    return [path] if path.is_file() else [path / f for f in TOKENIZER_FILES if (path / f).is_file()]
+
+
+def tokenizer_digest(spec: str) -> str:
+    """sha256 over a tokenizer's files (names and contents): whether a tokenizer is still the one a run used."""
+    h = hashlib.sha256()
+    for f in tokenizer_files(spec):
+        h.update(f.name.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def tokenizer_record(spec: str, tokenizer: ByteTokenizer | HFTokenizer) -> dict[str, Any]:
+    """What a checkpoint remembers of its run's tokenizer: the spec (`bytes`, or the absolute path), the
+    vocabulary size, the EOS id and the digest of its files."""
+    if spec == "bytes":
+        return {"spec": "bytes", "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}
+    return {"spec": str(Path(spec).resolve()), "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
+            "sha256": tokenizer_digest(spec)}
 
 
 def check_vocab(tokenizer_spec: str, tokenizer_vocab: int, model_vocab: int) -> None:

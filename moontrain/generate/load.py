@@ -3,18 +3,19 @@
 All experts live on the device (the local experts backend, EP=1; their fp32 masters are dropped after
 the compute copies are made); weights are held in `dtype` (bf16 on GPU by default, fp32 on CPU) except
 the routers', which stay fp32 as in training.
-The tokenizer: the run's (config.yaml next to the checkpoints directory: data.tokenizer, data.eos_id),
-the HF directory's tokenizer files, or moontrain's byte tokenizer.
+The tokenizer (moontrain.checkpoint.run_tokenizer): --tokenizer, else the one the checkpoint records or
+the export holds; none known, or one whose vocabulary is not the model's, is refused, never guessed.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
-import yaml
 
 from moontrain.checkpoint.hf import CONFIG, read_hf
+from moontrain.checkpoint.run_tokenizer import FIX, check_fits, explicit_tokenizer, tokenizer_of_checkpoint
 from moontrain.checkpoint.store import MANIFEST, _model_tensors, open_checkpoint
 from moontrain.checkpoint.tensors import CheckpointError
 from moontrain.config.loader import from_dict
@@ -25,22 +26,26 @@ from moontrain.model.transformer import K3Model
 
 
 def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | None = None,
-               max_tokens: int = 4096) -> tuple[K3Model, ByteTokenizer | HFTokenizer]:
+               max_tokens: int = 4096, tokenizer: str | None = None) -> tuple[K3Model, ByteTokenizer | HFTokenizer]:
     """(model in eval mode with the local experts backend, tokenizer) of a checkpoint or an HF directory.
-    max_tokens: the most tokens one forward may route (batch x new tokens)."""
+    max_tokens: the most tokens one forward may route (batch x new tokens); tokenizer: --tokenizer."""
     path = Path(path)
     if (path / MANIFEST).is_file():
         state, source = open_checkpoint(path)
         cfg, prefix = from_dict(ModelConfig, state["model"], "model"), "model."
-        tokenizer = _run_tokenizer(path)
+        found = tokenizer_of_checkpoint(path, state, tokenizer)
+        if found is None:
+            raise ValueError(f"{path} was trained on synthetic Markov tokens (data.source=markov): it has no "
+                             f"tokenizer; {FIX}")
+        tok = found[1]
     elif (path / CONFIG).is_file():
         cfg, source = read_hf(path)
         prefix = ""
-        has_files = (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
-        tokenizer = load_tokenizer(str(path)) if has_files else ByteTokenizer()
+        tok = _export_tokenizer(path, tokenizer)
     else:
         raise CheckpointError(f"{path} is neither a moontrain checkpoint (no {MANIFEST}) nor a Hugging Face model "
                               f"directory (no {CONFIG})")
+    check_fits(tok, cfg.vocab_size, path)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = K3Model(cfg, device=device)
     ctx = ExpertsContext(num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep_size=1,
@@ -58,11 +63,23 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
             if ".experts.master." not in name and ".router." not in name:  # routing stays fp32
                 p.data = p.data.to(dtype)
     model.document_eos_id = None  # one sequence per row: decoding does not restart at an EOS
-    return model.eval(), tokenizer
+    return model.eval(), tok
 
 
-def _run_tokenizer(checkpoint: Path) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer of the run a checkpoint belongs to (<run_dir>/checkpoints/step_N; bytes when unknown)."""
-    run_config = checkpoint.resolve().parent.parent / "config.yaml"
-    data = (yaml.safe_load(run_config.read_text()).get("data") or {}) if run_config.is_file() else {}
-    return load_tokenizer(data.get("tokenizer", "bytes"), eos_id=data.get("eos_id"))
+def _export_tokenizer(path: Path, explicit: str | None) -> ByteTokenizer | HFTokenizer:
+    """An HF directory's own tokenizer (the byte tokenizer when config.json says moontrain_tokenizer: bytes), or
+    --tokenizer with the same vocabulary size."""
+    marked = json.loads((path / CONFIG).read_text()).get("moontrain_tokenizer")
+    own: ByteTokenizer | HFTokenizer | None = None
+    if marked == "bytes":
+        own = ByteTokenizer()
+    elif (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        own = load_tokenizer(str(path))
+    if explicit is not None:
+        return explicit_tokenizer(explicit, own.vocab_size if own is not None else None,
+                                  f"its own tokenizer ({path})", path)
+    if own is None:
+        why = ("was trained on synthetic Markov tokens: it has no tokenizer" if marked == "none" else
+               "holds no tokenizer (no tokenizer.json or tokenizer_config.json)")
+        raise ValueError(f"{path} {why}; {FIX}")
+    return own

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -113,10 +114,13 @@ class ProgressLog:
         if log_image is not None:
             log_image(key, path, step)
 
-    def summary(self, *, step: int, tokens_seen: int, checkpoint: Path | None, wandb_dir: Path | None) -> str:
-        """The end-of-run lines: steps, tokens, wall time, final and best held-out loss, checkpoint, wandb."""
-        lines = [f"moontrain: done at step {step}/{self.total_steps}: {tokens_seen:,} tokens seen, this job "
-                 f"{format_seconds(time.perf_counter() - self.t0)} for steps {self.start_step + 1}-{step}"]
+    def summary(self, *, step: int, tokens_seen: int, checkpoint: Path | None, wandb_dir: Path | None,
+                files: Sequence[Path] = ()) -> str:
+        """The end-of-run lines: steps, tokens, wall time, final and best held-out loss, the run's files
+        (`files`: config.yaml, console.log), metrics, checkpoint, wandb."""
+        trained = (f"this job {format_seconds(time.perf_counter() - self.t0)} for steps {self.start_step + 1}-{step}"
+                   if step > self.start_step else "this job trained no step")
+        lines = [f"moontrain: done at step {step}/{self.total_steps}: {tokens_seen:,} tokens seen, {trained}"]
         if self.last is not None:
             s = self.last.scalars
             line = f"  final train loss {self.last.loss:.4f}"
@@ -125,6 +129,7 @@ class ProgressLog:
             if self.best_eval is not None:
                 line += f", best eval loss {self.best_eval[0]:.4f} at step {self.best_eval[1]}"
             lines.append(line)
+        lines += [f"  {f.stem}: {f}" for f in files]
         if self.path is not None:
             lines.append(f"  metrics: {self.path}")
             heatmaps = sorted((self.path.parent / "heatmaps").glob("expert_load_step_*.png"))

@@ -21,6 +21,9 @@ class OptimConfig:
     warmup_steps: int = 0
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly to min_lr
+    # the steps the schedule spans (None: train.steps); steps past it run at the final lr. A resumed run whose
+    # train.steps changed continues on the new span unless this keeps the old one (the worker names the change)
+    schedule_steps: int | None = None
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     fused: bool | None = None  # torch's fused AdamW kernels; None: on when the parameters are on a GPU
     # expert masters: one Triton pass per projection for the AdamW step, the compute-copy write and the
@@ -56,6 +59,8 @@ class OptimConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.schedule_steps is not None and self.schedule_steps < 1:
+            raise ValueError(f"optim.schedule_steps must be >= 1 or null (null: train.steps), got {self.schedule_steps}")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

@@ -1,7 +1,10 @@
 """Checks a launch can make before any process starts: the data paths and tokenizer, and host memory on CPU.
 
-Data: every file source (training and evaluation) names existing files of a known format, and the
-tokenizer loads and fits model.vocab_size. Nothing is read beyond the names and the tokenizer file.
+Data: every file source (training and evaluation) names existing files of a known format whose text
+column (text_field, or the pre-tokenized ids_field) exists, and the tokenizer loads and fits
+model.vocab_size. Nothing is read beyond the names, the tokenizer file and each source's column names (the
+first jsonl record, a parquet schema, a save_to_disk directory's dataset_info.json). An error names the
+source's key (data.path, data.sources.NAME.path, eval.data.path).
 
 Host memory: a CPU run keeps every rank's weights, optimizer state and activations in host memory; the
 per-rank estimate of planning.memory times the ranks on this host is compared with MemAvailable.
@@ -9,9 +12,11 @@ per-rank estimate of planning.memory times the ranks on this host is compared wi
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from moontrain.config.run_config import RunConfig
+from moontrain.data.config import SourceConfig
 from moontrain.planning.memory import estimate_memory
 from moontrain.planning.params import count_params
 
@@ -28,17 +33,50 @@ def check_data(cfg: RunConfig) -> list[str]:
     check_vocab(data.tokenizer, tokenizer.vocab_size, cfg.model.vocab_size)
     lines.append(f"tokenizer: {data.tokenizer} ({tokenizer.vocab_size} ids, eos {tokenizer.eos_id}; "
                  f"model.vocab_size {cfg.model.vocab_size})")
-    sources = dict(data.file_sources()) if data.source == "dataset" else {}
+    sources = {("data" if name == "data" and not data.sources else f"data.sources.{name}"): src
+               for name, src in (data.file_sources().items() if data.source == "dataset" else ())}
     mixture = len(sources) > 1
     if cfg.eval.data is not None:
-        sources["eval"] = cfg.eval.data
-    for name, src in sources.items():
-        fmt = _format(src)
-        files = [src.path] if fmt == "saved" else _data_files(src.path)
-        size = sum(Path(f).stat().st_size for f in files if Path(f).is_file())
-        lines.append(f"data {name}: {src.path} ({fmt}, {len(files)} file(s), {size / 2**20:.1f} MiB"
-                     + (f", weight {src.weight:g}" if mixture and name != "eval" else "") + ")")
+        sources["eval.data"] = cfg.eval.data
+    for key, src in sources.items():
+        try:
+            fmt = _format(src)
+            files = [src.path] if fmt == "saved" else _data_files(src.path)
+            _check_columns(src, fmt)
+        except ValueError as err:
+            raise ValueError(f"{key}.path={src.path!r}: {err}") from None
+        paths = [p for f in files for p in ([Path(f)] if Path(f).is_file() else Path(f).rglob("*"))]
+        size = sum(p.stat().st_size for p in paths if p.is_file())
+        lines.append(f"{key}: {src.path} ({fmt}, {len(files)} file(s), {size / 2**20:.1f} MiB"
+                     + (f", weight {src.weight:g}" if mixture and key != "eval.data" else "") + ")")
     return lines
+
+
+def _check_columns(src: SourceConfig, fmt: str) -> None:
+    """The text (or ids) column exists: the names come from the first jsonl record, the parquet schema or a
+    save_to_disk directory's dataset_info.json (raises ValueError naming text_field and the columns there
+    are). A file that cannot tell (empty, not JSON) is left to the worker's reader, which names the problem."""
+    from moontrain.data.documents import _data_files, _field
+
+    first = _data_files(src.path)[0] if fmt in ("jsonl", "parquet") else None
+    if fmt == "jsonl":
+        with open(first, encoding="utf-8") as fh:
+            line = next((line for line in fh if line.strip()), None)
+        try:
+            record = json.loads(line) if line is not None else None
+        except json.JSONDecodeError:
+            record = None
+        columns = list(record) if isinstance(record, dict) else None
+    elif fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        columns = pq.ParquetFile(first).schema_arrow.names
+    elif fmt == "saved" and (Path(src.path) / "dataset_info.json").is_file():
+        columns = list(json.loads((Path(src.path) / "dataset_info.json").read_text()).get("features") or {})
+    else:
+        columns = None
+    if columns:
+        _field(src, fmt, columns)
 
 
 def available_host_bytes() -> float | None:

@@ -9,8 +9,9 @@ skipped step leaves the weights as they were, and pruning never deletes the newe
 tensors are all finite, see moontrain.checkpoint).
 
 The verdict is one host read per step, taken after the grad norm: the norm is already reduced over
-the world (identical on every rank), and the stop request of the preemption handler is reduced with
-it (MAX over ranks), so every rank takes the same branch and no collective is left unmatched.
+the world (identical on every rank), and the stop request of the preemption handler and the time-based
+save (checkpoint.every_minutes, read on each rank's own clock) are reduced with it (MAX over ranks), so
+every rank takes the same branch and no collective is left unmatched.
 """
 
 from __future__ import annotations
@@ -31,15 +32,18 @@ class DivergenceError(RuntimeError):
 class StepVerdict:
     finite: bool  # the global grad norm is finite: apply the optimizer step
     stop: bool  # some rank was asked to stop (preemption): save after this step and exit
+    save: bool  # some rank's checkpoint interval has passed: save after this step
 
 
-def step_verdict(grad_norm: torch.Tensor, stop_requested: bool, layout: ParallelLayout) -> StepVerdict:
+def step_verdict(grad_norm: torch.Tensor, stop_requested: bool, layout: ParallelLayout,
+                 save_due: bool = False) -> StepVerdict:
     """Collective when distributed: one small all_reduce and one host read."""
-    flag = grad_norm.new_full((1,), float(stop_requested), dtype=torch.float32)  # a fill, no host copy
+    flags = grad_norm.new_zeros((2,), dtype=torch.float32)  # fills, no host copy
+    flags[0], flags[1] = float(stop_requested), float(save_due)
     if layout.distributed:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=layout.world_group)
-    finite, stop = torch.cat([torch.isfinite(grad_norm).float().view(1), flag]).tolist()
-    return StepVerdict(finite=finite == 1.0, stop=stop == 1.0)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=layout.world_group)
+    finite, stop, save = torch.cat([torch.isfinite(grad_norm).float().view(1), flags]).tolist()
+    return StepVerdict(finite=finite == 1.0, stop=stop == 1.0, save=save == 1.0)
 
 
 class DivergenceGuard:

@@ -9,7 +9,9 @@ over the expert-data-parallel replicas gives the same mean.
 
 Metrics are accumulated on device (MetricsWindow) and read once per logging step. Checkpoints
 (moontrain.checkpoint) hold the whole train state: model, optimizer, schedule, step, tokens seen, RNG,
-data position and the wandb run id; fit() saves them as checkpoint.every / save_final say.
+data position and the wandb run id; fit() saves them as checkpoint.every (steps), checkpoint.every_minutes
+(time since the job's start or its last save, agreed over the ranks with the step's verdict) and
+save_final say.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from moontrain.checkpoint import load_checkpoint, save_checkpoint
 from moontrain.checkpoint.state import TrainState
 from moontrain.config.run_config import RunConfig
 from moontrain.data.loader import build_loader
+from moontrain.data.tokenizer import tokenizer_record
 from moontrain.metrics.flops import flops_per_token, peak_flops
 from moontrain.metrics.heatmap import colorize, heatmap_path, write_png
 from moontrain.metrics.moe_stats import MoEStats
@@ -98,7 +101,8 @@ class Trainer:
         self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
         write_back_targets = [(master, w.compute[name], not w.defers_zero)
                               for w in self.experts for name, master in w.master.items()]
-        optimizer, scheduler = build_optimizer(self.model, cfg.optim, cfg.train.steps, expert_group=layout.edp_group,
+        schedule_steps = cfg.optim.schedule_steps or cfg.train.steps
+        optimizer, scheduler = build_optimizer(self.model, cfg.optim, schedule_steps, expert_group=layout.edp_group,
                                                write_back_targets=write_back_targets,
                                                shard_expert_state=cfg.parallel.shard_expert_state)
         mla_ids = [i for i, block in enumerate(self.model.layers) if not block.is_kda]  # QK-Clip: softmax layers
@@ -114,11 +118,14 @@ class Trainer:
         # read and set through it (a replaced optimizer is the one checkpoints see)
         self.state = TrainState(layout=layout, model=self.model, optimizer=optimizer, scheduler=scheduler,
                                 data=self.data, experts=self.experts, model_config=cfg.model, optim_config=cfg.optim,
-                                experts_backend=cfg.experts.backend, data_source=cfg.data.source)
+                                experts_backend=cfg.experts.backend, data_source=cfg.data.source,
+                                schedule_steps=schedule_steps, tokenizer=self._tokenizer_record())
         self.last_saved_step: int | None = None
         self.guard = DivergenceGuard(cfg.train.max_skipped_steps)
         self.preemption: PreemptionHandler | None = None  # set by the worker (signal handlers, main thread)
         self.stop_requested = False  # agreed over the ranks after each step
+        self.save_due = False  # checkpoint.every_minutes passed on some rank: agreed like stop_requested
+        self.last_save_time = time.monotonic()  # the job's start, then each save's end
         self.last_checkpoint: Path | None = None
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = peak_flops(device)
@@ -129,6 +136,10 @@ class Trainer:
         moe_ids = [i for i, block in enumerate(self.model.layers) if block.is_moe]
         self.window = MetricsWindow(moe_ids, layout)
         self.evaluator = (Evaluator(cfg, layout, self.model, self.reshard_dense) if cfg.eval.every else None)
+
+    def _tokenizer_record(self) -> dict | None:
+        tokenizer = self.data.source.tokenizer
+        return tokenizer_record(self.cfg.data.tokenizer, tokenizer) if tokenizer is not None else None
 
     # kept in the TrainState (what checkpoints save and restore), read and set through the trainer
     optimizer = _in_state("optimizer")
@@ -181,8 +192,10 @@ class Trainer:
         """The update, unless the guard skips a non-finite step (returns None); else the ids of the masters
         optimizer wrote back (TrainOptimizer.written_back). Takes the step's one host read (see moontrain.trainer.guard)."""
         requested = self.preemption is not None and self.preemption.requested
-        verdict = step_verdict(grad_norm, requested, self.layout)
-        self.stop_requested = verdict.stop
+        interval_s = self.cfg.checkpoint.every_minutes * 60
+        save_due = bool(interval_s) and time.monotonic() - self.last_save_time >= interval_s
+        verdict = step_verdict(grad_norm, requested, self.layout, save_due)
+        self.stop_requested, self.save_due = verdict.stop, verdict.save
         written: frozenset[int] | None = None
         if self.guard.admit(verdict.finite, self.step):
             with self.router_updates.held():  # expert popularity moves through the router bias only
@@ -197,11 +210,12 @@ class Trainer:
         ckpt = self.cfg.checkpoint
         logged = []
         self.window.restart_clock()
+        self.last_save_time = time.monotonic()  # checkpoint.every_minutes counts training time
         while self.step < self.cfg.train.steps:
             stats = self.train_step()
             if stats is not None:
                 logged.append(stats)
-            if ckpt.every and self.step % ckpt.every == 0:
+            if (ckpt.every and self.step % ckpt.every == 0) or self.save_due:
                 self.save_checkpoint()
             if self.stop_requested:  # preemption: every rank saw the same verdict after this step
                 if self.last_saved_step != self.step:
@@ -222,6 +236,7 @@ class Trainer:
                                keep_last=self.cfg.checkpoint.keep_last)
         self.last_saved_step, self.last_checkpoint = self.step, path
         self.window.t0 += time.perf_counter() - t0  # tokens/s counts training time only
+        self.last_save_time = time.monotonic()
         return path
 
     def load_checkpoint(self, path: str | Path) -> dict:

@@ -3,7 +3,9 @@
 Picks nccl on GPU and gloo on CPU, builds the layout, writes the resolved config (rank 0), resumes from the
 latest checkpoint unless checkpoint.resume says otherwise (moontrain.checkpoint.resume; a fresh run takes
 the initial weights of checkpoint.init_from when set), opens the wandb run (rank 0; the id comes from the
-checkpoint on resume, so the same run continues), trains and prints the end-of-run summary.
+checkpoint on resume, so the same run continues), trains and prints the end-of-run summary. Resuming
+names what changed since the checkpoint (optim settings, the LR schedule's span); a GPU job says what
+its first step compiles before it starts; known-harmless library warnings are filtered (trainer.quiet).
 
 Faults: the process group fails a collective after parallel.timeout_s; heartbeats (parallel.heartbeat)
 name a dead or frozen rank in every survivor's error; SIGTERM / SIGINT finish the step, save and exit 0
@@ -34,6 +36,8 @@ from moontrain.config import RunConfig, dump_config, from_dict, load_recipe
 from moontrain.config.loader import to_dict
 from moontrain.metrics.progress import ProgressLog
 from moontrain.metrics.wandb_run import WandbRun
+from moontrain.model.kda import uses_fla
+from moontrain.optim.schedule import lr_multiplier
 from moontrain.parallel.heartbeat import Heartbeat
 from moontrain.parallel.hosts import check_ep_group_hosts
 from moontrain.parallel.layout import build_layout
@@ -41,6 +45,7 @@ from moontrain.supervisor import die_with_parent
 from moontrain.trainer.determinism import set_cublas_workspace
 from moontrain.trainer.errors import one_line
 from moontrain.trainer.preempt import PreemptionHandler
+from moontrain.trainer.quiet import silence_known_warnings
 from moontrain.trainer.trainer import Trainer
 
 
@@ -60,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     if not argv:
         raise SystemExit("usage: python -m moontrain.trainer.worker RECIPE [key=value ...] (started by torchrun)")
     rank = int(os.environ.get("RANK", "0"))
+    silence_known_warnings()
     try:
         cfg = from_dict(RunConfig, load_recipe(argv[0], argv[1:]))
     except ValueError as err:
@@ -123,10 +129,12 @@ def _train(cfg: RunConfig, device: torch.device, preemption: PreemptionHandler) 
     moonep_group = layout.ep_host_group if layout.ep_host_group is not None else layout.ep_group
     check_ep_group_hosts(moonep_group, cfg.experts.backend)
     is_main = layout.rank == 0
+    config_path = Path(cfg.train.run_dir) / "config.yaml"
     if is_main:
-        dump_config(cfg, Path(cfg.train.run_dir) / "config.yaml")
+        dump_config(cfg, config_path)
         print(f"moontrain: {layout.describe(cfg.parallel.dense)}; experts backend {cfg.experts.backend}; device {device}"
               + ("; deterministic kernels" if cfg.train.deterministic else ""), flush=True)
+        print(f"moontrain: config: {config_path} (the recipe with its overrides, resolved)", flush=True)
     trainer = Trainer(cfg, layout)
     trainer.preemption = preemption
     sink = None
@@ -160,11 +168,16 @@ def _train(cfg: RunConfig, device: torch.device, preemption: PreemptionHandler) 
             trainer.log = ProgressLog(cfg.train.run_dir, cfg.train.steps, sink=sink, start_step=trainer.step)
             if sink is not None and trainer.step:  # what a killed job logged but did not flush to wandb
                 sink.backfill(trainer.log.kept, cfg.train.run_dir)
+        note = first_step_note(cfg, device)
+        if is_main and note and trainer.step < cfg.train.steps:
+            print(f"moontrain: {note}", flush=True)
         trainer.fit()
         if trainer.log is not None:
+            console = Path(cfg.train.run_dir) / "console.log"
             print(trainer.log.summary(step=trainer.step, tokens_seen=trainer.tokens_seen,
                                       checkpoint=trainer.last_checkpoint,
-                                      wandb_dir=sink.sync_dir if sink is not None else None), flush=True)
+                                      wandb_dir=sink.sync_dir if sink is not None else None,
+                                      files=[config_path, *([console] if console.is_file() else [])]), flush=True)
         if trainer.stop_requested and is_main:
             print(f"moontrain: stopped by {preemption.signal_name or 'a signal to another rank'} after step "
                   f"{trainer.step} of {cfg.train.steps}; checkpoint saved in {trainer.checkpoint_dir}; continue "
@@ -189,9 +202,42 @@ def resume_notes(cfg: RunConfig, checkpoint_dir: Path, resumed: Path, state: dic
     changes = optim_changes(state, cfg.optim)
     if changes:
         notes.append("optim settings differ from the checkpoint's; the recipe's apply from here: " + ", ".join(changes))
+    span = schedule_change(state, cfg) if step < cfg.train.steps else None
+    if span:
+        notes.append(span)
     if step == cfg.train.steps:
         notes.append(f"checkpoint is at train.steps={cfg.train.steps} already: nothing to train")
     return notes
+
+
+def first_step_note(cfg: RunConfig, device: torch.device) -> str | None:
+    """What makes the first GPU step slow, said before it starts (it can take a minute or more)."""
+    if device.type != "cuda":
+        return None
+    work = [what for what, on in (
+        ("torch.compile compiles the dense layers (train.compile)", cfg.train.compile),
+        ("fla autotunes its KDA kernels", uses_fla(cfg.model, device)),
+        ("Triton compiles moonep's kernels", cfg.experts.backend == "moonep")) if on]
+    if not work:
+        return None
+    return f"the first step also {'; '.join(work)}: it can take a minute or more (later steps reuse them)"
+
+
+def schedule_change(state: dict, cfg: RunConfig) -> str | None:
+    """The note when the LR schedule's span differs from the checkpoint's (train.steps changed on relaunch):
+    the lr it moves, and the other choice, optim.schedule_steps (checkpoints older than the record: None)."""
+    saved = state.get("schedule_steps")
+    now = cfg.optim.schedule_steps or cfg.train.steps
+    if saved is None or saved == now:
+        return None
+    step, lr = state["step"], cfg.optim.lr
+    before, after = lr * lr_multiplier(step, cfg.optim, saved), lr * lr_multiplier(step, cfg.optim, now)
+    note = (f"the LR schedule spanned {saved} steps and now spans {now}; it continues as configured: lr at step "
+            f"{step} {before:.3e} -> {after:.3e}")
+    if cfg.optim.schedule_steps is None:
+        note += (f" (it follows train.steps={cfg.train.steps}); to keep the old decay and run the steps past {saved} "
+                 f"at its final lr, set optim.schedule_steps={saved}")
+    return note
 
 
 def resolve_resume(cfg: RunConfig, checkpoint_dir: Path) -> Path | None:

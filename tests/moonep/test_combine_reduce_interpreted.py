@@ -223,7 +223,7 @@ def _combine_rank(rank: int, world: int) -> list[str]:
             buf.destroy()
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_destination_reduce_matches_spec_and_kernels(world: int) -> None:
     errors = run_ranks(_combine_rank, world, timeout_s=300)
     assert errors == [[]] * world, errors

@@ -384,7 +384,8 @@ def _static_shapes_rank(rank: int, R: int, c: Checks) -> dict:
 
 
 # ---------------------------------------------------------------------------------- parent side
-@pytest.fixture(scope="module", params=[2, 4, 8], ids=lambda R: f"R{R}")
+@pytest.fixture(scope="module", params=[2, 4, pytest.param(8, marks=pytest.mark.slow)],  # 8 ranks: slow
+                ids=lambda R: f"R{R}")
 def data_path(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
     R = request.param
     return R, run_ranks(_data_path_rank, R, timeout_s=400)

@@ -43,7 +43,8 @@ def _close(name: str, got: torch.Tensor, ref16: torch.Tensor, ref64: torch.Tenso
     assert err <= tol, f"{name}: max error {err:.3e} to fp64 exceeds {tol:.3e} (bf16 reference error {err_ref:.3e})"
 
 
-@pytest.fixture(scope="module", params=[Case(R=8, N=2), Case(R=8, N=4), Case(R=2, N=2)],
+@pytest.fixture(scope="module", params=[pytest.param(Case(R=8, N=2), marks=pytest.mark.slow),  # 8 ranks: slow
+                                        pytest.param(Case(R=8, N=4), marks=pytest.mark.slow), Case(R=2, N=2)],
                 ids=["2x4", "4x2", "2x1"])
 def ranks(request: pytest.FixtureRequest) -> tuple[Case, list[dict]]:
     case = request.param

@@ -124,6 +124,7 @@ def _generic_scan_vectorized(self, input):
 _interpreter.ReduceOps.generic_reduce = _generic_reduce_vectorized
 _interpreter.ScanOps.generic_scan = _generic_scan_vectorized
 
+@pytest.mark.slow  # the slowest CPU test (several minutes in the interpreter); CI runs it
 def test_fused_planner_matches_make_plan() -> None:
     g = torch.Generator().manual_seed(2)
     cases = [(R, E, K, [s] * R, B, pad, sigma, False)
@@ -137,6 +138,7 @@ def test_fused_planner_matches_make_plan() -> None:
     check_fused_cases(cases, g)
 
 
+@pytest.mark.slow
 def test_fused_planner_slots_run_out() -> None:
     """Routings on the lowest home groups only: every receiver takes many experts of similar size, so
     with few slots remote experts keep their home rows (docs/moonep.md §5.4), and a donor may become a receiver;
@@ -154,6 +156,7 @@ def test_fused_planner_slots_run_out() -> None:
         assert (remote_home_rows > 0) == (B < epn), f"B={B}: {remote_home_rows} remote rows on home rows"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [32, 256, 1024])
 def test_fused_planner_other_chunk_sizes(chunk: int) -> None:
     """The chunk size is a tuning knob (benchmarks/bench_planner.py): many chunks per expert run, runs

@@ -2,6 +2,10 @@
 
 - SIGTERM to the launcher: the ranks finish the step, save, and everything exits 0 with a message; no
   process is left and the checkpoint is complete and resumes;
+- SIGINT (Ctrl-C) or SIGTERM (a scheduler) to the whole process group, every rank and torchrun included:
+  one checkpoint, exit 0, no traceback;
+- SIGKILL mid-run (an OOM kill, a lost node): the newest checkpoint is at most checkpoint.every_minutes
+  (plus the step that crossed it and the save) older than the kill;
 - SIGKILL to the launcher: torchrun and both ranks are gone within seconds;
 - SIGSTOP to rank 1: the job ends within parallel.heartbeat_timeout_s (plus startup slack) and rank 0's
   error names rank 1;
@@ -12,6 +16,7 @@ References: the process table (/proc) for leftovers; the checkpoint manifest for
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -36,10 +41,10 @@ class Launch:
 
     def __init__(self, run_dir: Path, *overrides: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
+        self.proc = subprocess.Popen(  # its own process group, as a shell's job: killpg reaches every process
             [sys.executable, "-m", "moontrain.cli", "launch", "recipes/k3_tiny.yaml", f"train.run_dir={run_dir}",
              "train.log_every=1", "metrics.wandb=false", *overrides],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: list[str] = []
         self.seen_pids: set[int] = set()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -134,6 +139,47 @@ def test_sigterm_to_launcher_saves_and_exits_0(tmp_path: Path) -> None:
     assert resumed.wait(timeout_s=240) == 0, resumed.output
     assert f"resumed from {ckpt} at step {step}" in resumed.output, resumed.output
     assert re.search(rf"step +{step + 1}/{step + 1} ", resumed.output), resumed.output
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "scheduler_sigterm"])
+def test_signal_to_the_process_group_saves_once_and_exits_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
+    launch = Launch(tmp_path, "train.steps=500")
+    try:
+        launch.wait_for(r"step +2/500", timeout_s=240)
+        os.killpg(launch.proc.pid, sig)  # the launcher, torchrun and both ranks, as Ctrl-C or a scheduler does
+        rc = launch.wait(timeout_s=120)
+        _wait_gone(launch, 5)
+    finally:
+        launch.kill_all()
+    assert rc == 0, launch.output
+    assert "Traceback" not in launch.output and "SignalException" not in launch.output, launch.output
+    assert launch.output.count("moontrain: stopped by ") == 1, launch.output
+    (ckpt,) = list_checkpoints(tmp_path / "checkpoints")
+    assert is_complete(ckpt) and 2 <= int(ckpt.name.removeprefix("step_")) < 500
+
+
+def test_sigkill_mid_run_loses_at_most_the_checkpoint_interval(tmp_path: Path) -> None:
+    interval_s = 2.0
+    launch = Launch(tmp_path, "train.steps=500", f"checkpoint.every_minutes={interval_s / 60}", "checkpoint.keep_last=1")
+    try:
+        launch.wait_for(r"step +1/500", timeout_s=240)
+        started = time.monotonic()
+        while not list_checkpoints(tmp_path / "checkpoints") or time.monotonic() - started < 6:
+            assert time.monotonic() - started < 60 and launch.proc.poll() is None, launch.output
+            time.sleep(0.2)  # a time-based save at least, and ~6 s of training: a kill between two saves
+        os.killpg(launch.proc.pid, signal.SIGKILL)
+        killed_at = time.time()
+        launch.wait(timeout_s=10)
+        _wait_gone(launch, 10)
+    finally:
+        launch.kill_all()
+    (ckpt,) = list_checkpoints(tmp_path / "checkpoints")
+    step = int(ckpt.name.removeprefix("step_"))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    slowest_step_s = max(r["step_time_s"] for r in records)
+    lost_s = killed_at - (ckpt / "manifest.json").stat().st_mtime
+    # the save is due once interval_s has passed since the last one; it happens after the step that crossed it
+    assert 0 < step and lost_s <= interval_s + 2 * slowest_step_s + 1.0, (lost_s, slowest_step_s, launch.output)
 
 
 def test_sigkill_to_launcher_leaves_no_process(tmp_path: Path) -> None:

@@ -30,14 +30,15 @@ def test_recipes_load() -> None:
 def test_unknown_key_names_dotted_key_and_allowed() -> None:
     raw = _raw()
     raw["model"]["num_layer"] = 4
-    with pytest.raises(ValueError, match=r"unknown key\(s\) model\.num_layer; allowed keys under model: .*'num_layers'"):
+    with pytest.raises(ValueError, match=r"unknown key\(s\) model\.num_layer \(did you mean model\.num_layers\?\); "
+                                         r"allowed keys under model: .*'num_layers'"):
         from_dict(RunConfig, raw)
 
 
 def test_unknown_top_level_section() -> None:
     raw = _raw()
     raw["trainer"] = {}
-    with pytest.raises(ValueError, match=r"unknown key\(s\) trainer; allowed keys under <recipe root>"):
+    with pytest.raises(ValueError, match=r"unknown key\(s\) trainer \(did you mean train\?\); allowed keys under <recipe root>"):
         from_dict(RunConfig, raw)
 
 
@@ -115,6 +116,28 @@ def test_base_include_relative_to_recipe(tmp_path: Path) -> None:
     child = _write(tmp_path / "sub" / "child.yaml", {"base": "base.yaml", "model": {"num_layers": 5}})
     cfg = from_dict(RunConfig, load_recipe(child, ["train.steps=7"]))
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.train.steps) == (5, base["model"]["hidden_size"], 7)
+
+
+def test_input_paths_are_relative_to_the_recipe_that_names_them(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    _write(tmp_path / "base.yaml", {**_raw(), "eval": {"every": 5, "data": {"path": "held/out.jsonl"}},
+                                    "checkpoint": {"init_from": "~/weights", "resume": "auto"}})
+    child = _write(tmp_path / "sub" / "child.yaml", {
+        "base": "../base.yaml", "data": {"source": "dataset", "path": "corpus/*.jsonl", "tokenizer": "tok.json",
+                                         "sources": {}},
+        "train": {"run_dir": "runs/x"}})
+    cfg = from_dict(RunConfig, load_recipe(child))
+    assert cfg.data.path == str(tmp_path / "sub" / "corpus/*.jsonl")
+    assert cfg.data.tokenizer == str(tmp_path / "sub" / "tok.json")
+    assert cfg.eval.data.path == str(tmp_path / "held/out.jsonl")  # the base's own folder
+    assert cfg.checkpoint.init_from == str(Path("~/weights").expanduser()) and cfg.checkpoint.resume == "auto"
+    assert cfg.train.run_dir == "runs/x"  # an output: the working directory's
+    over = from_dict(RunConfig, load_recipe(child, ["data.path=mine.jsonl", "data.tokenizer=bytes"]))
+    assert (over.data.path, over.data.tokenizer) == ("mine.jsonl", "bytes")  # command line: as given
+    mixture = from_dict(RunConfig, load_recipe(_write(tmp_path / "sub" / "mix.yaml", {
+        **_raw(), "data": {"source": "dataset", "sources": {"web": {"path": "web.parquet", "weight": 2.0}}}})))
+    assert mixture.data.sources["web"].path == str(tmp_path / "sub" / "web.parquet")
+    assert from_dict(RunConfig, _raw()).data.path == str(REPO / "recipes/data/tiny_corpus.jsonl")
 
 
 def test_at_most_one_base(tmp_path: Path) -> None:

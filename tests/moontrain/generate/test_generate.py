@@ -111,9 +111,40 @@ def test_cli_generate_and_eval(tmp_path: Path, capsys: pytest.CaptureFixture[str
             logits = trainer.model.logits(batch[:, :-1])
             losses.append(F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).item())
     loss = sum(losses) / 3
-    words = printed.split()  # "loss L  perplexity P  (192 tokens)": L to 4 decimals, P to 3 (plus fp32 summation order)
-    assert words[0] == "loss" and words[2] == "perplexity" and words[4:] == ["(192", "tokens)"], printed
+    # "loss L  perplexity P  (192 tokens of FILE: the first 3 batches of N tokens)": L to 4 decimals, P to 3
+    words = printed.split()
+    assert words[0] == "loss" and words[2] == "perplexity" and words[4] == "(192", printed
+    assert f"the first 3 batches of {len(stream) - 1:,} tokens)" in printed, printed
     assert abs(float(words[1]) - loss) <= 5e-5 + 1e-5 * loss, (printed, loss)
     assert abs(float(words[3]) - math.exp(loss)) <= 5e-4 + 1e-5 * math.exp(loss), (printed, loss)
     assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2
     assert "neither a moontrain checkpoint" in capsys.readouterr().err
+
+
+def test_eval_reads_every_held_out_token_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trainer = _trainer(tmp_path / "run")
+    train(trainer, 3)
+    ckpt = trainer.save_checkpoint()
+    heldout = tmp_path / "heldout.jsonl"  # the first documents of the shipped held-out set, ~2,600 tokens
+    lines = (ROOT / "recipes/data/tiny_heldout.jsonl").read_text().splitlines()
+    heldout.write_text("".join(line + "\n" for line in lines[:len(lines) // 10]))
+    stream = []  # the held-out documents in file order, back to back with EOS: every token but the first a target
+    for line in heldout.read_text().splitlines():
+        stream += [*ByteTokenizer().encode(json.loads(line)["text"]), ByteTokenizer.eos_id]
+    T = 512  # the default --seq-len: full rows of T + 1 with stride T, then the remainder as one shorter row
+    full = (len(stream) - 1) // T
+    rows = [torch.tensor(stream[i * T:i * T + T + 1]) for i in range(full)] + [torch.tensor(stream[full * T:])]
+    ce_sum = 0.0
+    trainer.model.document_eos_id = None  # one sequence per row, as the loaded model reads it
+    with torch.no_grad():
+        for row in rows:
+            logits = trainer.model.logits(row[None, :-1])
+            ce_sum += F.cross_entropy(logits.double().flatten(0, 1), row[1:], reduction="sum").item()
+    loss = ce_sum / (len(stream) - 1)
+    assert main(["eval", str(ckpt), "--data", str(heldout), "--device", "cpu"]) == 0  # the defaults
+    printed = capsys.readouterr().out
+    assert f"({len(stream) - 1:,} tokens of {heldout}: every token once)" in printed, printed
+    assert abs(float(printed.split()[1]) - loss) <= 5e-5 + 1e-5 * loss, (printed, loss)
+    # more batches than the file holds: refused, not read around again
+    assert main(["eval", str(ckpt), "--data", str(heldout), "--batches", "1", "--device", "cpu"]) == 2
+    assert f"ask for 4,096 tokens, but {heldout} holds {len(stream) - 1:,}; lower --batches" in capsys.readouterr().err

@@ -32,7 +32,7 @@ def test_cached_decoding_on_gpu(tmp_path: Path, dtype: torch.dtype) -> None:
     })
     ckpt = Trainer(cfg, single_process_layout(torch.device("cpu"))).save_checkpoint()
     dev = torch.device("cuda")
-    model, _ = load_model(ckpt, device=dev, dtype=dtype)
+    model, _ = load_model(ckpt, device=dev, dtype=dtype, tokenizer="bytes")  # trained on Markov tokens
     tok = ByteTokenizer()
     first = tok.encode("The quick brown fox")
     prompt = torch.tensor([first, tok.encode("Once upon a time, there")[:len(first)]], device=dev)

@@ -264,6 +264,7 @@ def test_compiled_dense_parts_match_eager(reference) -> None:
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                     reason="torch.compile on CPU needs a C compiler")
+@pytest.mark.slow
 def test_compiled_sharded_training_matches_single_process(reference) -> None:
     """train.compile with FSDP (blocks kept gathered), EP = 2 over moonep and 4 accumulated passes:
     the eager single-process reference within its tolerance."""

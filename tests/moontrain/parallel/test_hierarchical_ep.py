@@ -43,6 +43,7 @@ def train_hierarchical(rank: int, world: int, ep_hosts: int) -> tuple:
     return losses, maxvio, state
 
 
+@pytest.mark.slow
 def test_hierarchical_training_matches_single_process() -> None:
     result = run_ranks(train_hierarchical, 8, 2, timeout_s=300)[0]
     assert result[2]["slots_used"].sum() > 0, "the skewed router should make moonep use redundant experts in a host"

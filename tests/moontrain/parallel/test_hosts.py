@@ -32,7 +32,7 @@ def test_check_ep_domain(backend: str, ep: int, per_host: int, ok: bool) -> None
 ])
 def test_dry_run_rejects_cross_host_moonep(args: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["launch", "recipes/k3.yaml", "--dry-run", *args]) == 2
+    assert main(["launch", "recipes/k3.yaml", "--dry-run", "--device", "cuda", *args]) == 2
     assert message in capsys.readouterr().err
 
 

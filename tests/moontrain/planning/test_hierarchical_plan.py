@@ -52,9 +52,9 @@ def test_network_over_ep_hosts_is_the_all_to_all_model() -> None:
 
 
 def test_dry_run_names_the_hierarchical_layout(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["launch", "recipes/k3_small_moe.yaml", "--dry-run", "--nproc", "8", "--nnodes", "2",
+    assert main(["launch", "recipes/k3_small_moe.yaml", "--dry-run", "--device", "cuda", "--nproc", "8", "--nnodes", "2",
                  "parallel.ep=16", "parallel.ep_hosts=2", "train.micro_batch_size=2"]) == 0
     assert "hierarchical EP: the EP group spans 2 hosts of 8 ranks" in capsys.readouterr().out
-    assert main(["launch", "recipes/k3_small_moe.yaml", "--dry-run", "--nproc", "4", "--nnodes", "4",
+    assert main(["launch", "recipes/k3_small_moe.yaml", "--dry-run", "--device", "cuda", "--nproc", "4", "--nnodes", "4",
                  "parallel.ep=16", "parallel.ep_hosts=2", "train.micro_batch_size=2"]) == 2
     assert "puts 8 ranks of the EP group on each host" in capsys.readouterr().err

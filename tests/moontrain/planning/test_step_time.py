@@ -50,7 +50,7 @@ def test_prediction_is_the_cost_model() -> None:
 
 
 def test_dry_run_prints_the_prediction(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["launch", "recipes/k3.yaml", "--dry-run", "--nproc", "8", "--nnodes", "112"]) == 0
+    assert main(["launch", "recipes/k3.yaml", "--dry-run", "--nproc", "8", "--nnodes", "112", "--device", "cuda"]) == 0
     out = capsys.readouterr().out
     assert "== step time (prediction; docs/scale.md) ==" in out and "50 GB/s per GPU between hosts (assumed)" in out
     assert "host memory" not in out  # a GPU dry-run plans GPUs, not this host

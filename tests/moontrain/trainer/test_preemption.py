@@ -2,9 +2,12 @@
 
 - SIGTERM during fit: the step finishes, a checkpoint of that step is saved, fit returns; the handler
   leaves SIGTERM at its default action, so a second one aborts;
-- a stop request on one rank of two: both ranks stop after the same step (the verdict is reduced);
-- resume: changed optim.* settings apply and are named; train.steps below the checkpoint's step is an
-  error; `resume: auto` names the incomplete checkpoint it passes over;
+- a stop request on one rank of two: both ranks stop after the same step (the verdict is reduced), and
+  so does a time-based save (checkpoint.every_minutes) due on one rank's clock only;
+- resume: changed optim.* settings apply and are named; a changed train.steps names the LR schedule's new
+  span and the lr it moves, and optim.schedule_steps keeps the old schedule bit for bit (then its final
+  lr); train.steps below the checkpoint's step is an error; `resume: auto` names the incomplete checkpoint
+  it passes over;
 - one-line errors: an empty corpus and a null text value (from the real data path), malformed YAML.
 
 References: the uninterrupted run's state at the same step (the preempted checkpoint must equal it bit
@@ -136,6 +139,31 @@ def test_a_stop_on_one_rank_stops_every_rank_after_the_same_step(tmp_path: Path)
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000004"]
 
 
+def _one_rank_due(rank: int, world: int, run_dir: str) -> int:
+    trainer = Trainer(small_config("alltoall", 2, run_dir=run_dir, steps=6, checkpoint={"every_minutes": 1.0}),
+                      build_layout(2, CPU))
+    if rank == 1:  # only rank 1's clock says a minute has passed, inside step 3
+        _signal_at(trainer, 2, lambda: setattr(trainer, "last_save_time", trainer.last_save_time - 61))
+    trainer.fit()
+    return trainer.step
+
+
+def test_a_time_based_save_on_one_rank_saves_on_every_rank_after_the_same_step(tmp_path: Path) -> None:
+    assert run_ranks(_one_rank_due, 2, str(tmp_path)) == [6, 6]
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000003", "step_00000006"]
+
+
+def test_first_step_note_names_what_compiles() -> None:
+    from moontrain.trainer.worker import first_step_note
+
+    cfg = small_config("moonep", 1)
+    assert first_step_note(cfg, CPU) is None
+    cfg.train.compile = True
+    assert first_step_note(cfg, torch.device("cuda", 0)) == (
+        "the first step also torch.compile compiles the dense layers (train.compile); Triton compiles moonep's "
+        "kernels: it can take a minute or more (later steps reuse them)")
+
+
 def test_resume_applies_and_names_changed_optim_settings(tmp_path: Path) -> None:
     trainer = _single(tmp_path)
     train(trainer, 3)
@@ -159,6 +187,32 @@ def test_resume_applies_and_names_changed_optim_settings(tmp_path: Path) -> None
     below = small_config("local", 1, run_dir=str(tmp_path), steps=2, checkpoint={"resume": "auto"})
     with pytest.raises(ValueError, match=r"is at step 3, past train.steps=2: raise train.steps above 3"):
         resume_notes(below, resumed.checkpoint_dir, ckpt, state)
+
+
+def test_longer_train_steps_names_the_schedule_change_and_can_keep_the_old_decay(tmp_path: Path) -> None:
+    trainer = _single(tmp_path, steps=6)
+    train(trainer, 3)
+    ckpt = trainer.save_checkpoint()
+    lr_at_3 = trainer.scheduler.get_last_lr()[0]
+    for span in (None, 6):  # optim.schedule_steps: unset (the span follows train.steps 6 -> 8) or the old 6
+        cfg = small_config("local", 1, run_dir=str(tmp_path), steps=8, checkpoint={"resume": "auto"})
+        cfg.optim.schedule_steps = span
+        resumed = Trainer(cfg, single_process_layout(CPU))
+        notes = resume_notes(cfg, resumed.checkpoint_dir, ckpt, resumed.load_checkpoint(ckpt))
+        lrs = []
+        for _ in range(5):
+            lrs.append(resumed.scheduler.get_last_lr()[0])
+            resumed.train_step()
+        want = [3e-3 * lr_multiplier(s, cfg.optim, span or 8) for s in range(3, 8)]
+        assert lrs == want
+        if span is None:
+            assert lrs[0] != lr_at_3
+            assert notes == [f"the LR schedule spanned 6 steps and now spans 8; it continues as configured: lr at "
+                             f"step 3 {lr_at_3:.3e} -> {lrs[0]:.3e} (it follows train.steps=8); to keep the old decay and "
+                             "run the steps past 6 at its final lr, set optim.schedule_steps=6"]
+        else:  # the old schedule bit for bit, then its final lr past step 6
+            assert notes == [] and lrs[0] == lr_at_3
+            assert lrs[3:] == [3e-3 * cfg.optim.min_lr_ratio] * 2
 
 
 def test_resume_auto_names_the_incomplete_checkpoint_it_skips(tmp_path: Path) -> None:
