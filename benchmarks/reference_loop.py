@@ -9,7 +9,9 @@ benchmarks/bench_learning.py compare their per-step losses.
 The loop:
 - data: documents in file order, each tokenized and followed by the end-of-document id, concatenated
   into one stream; row i of step s is the window stream[(sB + i) T, (sB + i) T + T + 1): inputs the
-  first T tokens, targets the last T (a row's last target is the next row's first input);
+  first T tokens, targets the last T (a row's last target is the next row's first input). Read by W
+  data-parallel ranks (sharded_batches), rank r packs documents r, r + W, ... into its own stream and
+  contributes B / W consecutive rows of each global batch;
 - loss: mean next-token cross-entropy over every target, in fp32;
 - AdamW (torch.optim.AdamW) with weight decay on every matrix except the token embedding, none on
   norms; linear warmup from lr / warmup (step 0) to lr, then cosine to lr * min_lr_ratio at the last
@@ -49,13 +51,16 @@ class LoopConfig:
     seq_len: int
 
 
-def token_stream(path: str | Path, encode: Callable[[str], list[int]], eos_id: int,
-                 text_field: str = "text") -> Iterator[int]:
-    """The documents of a jsonl file in order, each followed by eos_id, forever (epochs repeat)."""
+def token_stream(path: str | Path, encode: Callable[[str], list[int]], eos_id: int, text_field: str = "text",
+                 shard: tuple[int, int] = (0, 1)) -> Iterator[int]:
+    """The documents of a jsonl file in order (shard (r, W): documents r, r + W, ...), each followed by
+    eos_id, forever (epochs repeat)."""
+    rank, world = shard
     while True:
         with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                if line.strip():
+            docs = (line for line in fh if line.strip())
+            for i, line in enumerate(docs):
+                if i % world == rank:
                     yield from encode(json.loads(line)[text_field])
                     yield eos_id
 
@@ -72,6 +77,16 @@ def batches(stream: Iterator[int], batch: int, seq_len: int) -> Iterator[tuple[t
             carry = carry[seq_len:]
         window = torch.tensor(rows, dtype=torch.long)
         yield window[:, :-1], window[:, 1:]
+
+
+def sharded_batches(path: str | Path, encode: Callable[[str], list[int]], eos_id: int, world: int, batch: int,
+                    seq_len: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Global batches of `batch` rows read by `world` ranks: rank r's batch // world rows, in rank order."""
+    ranks = [batches(token_stream(path, encode, eos_id, shard=(r, world)), batch // world, seq_len)
+             for r in range(world)]
+    while True:
+        parts = [next(b) for b in ranks]
+        yield torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 def lr_at(step: int, cfg: LoopConfig) -> float:
