@@ -15,6 +15,7 @@ losses (step noise is ~0.05). Measured on the CPU at these settings: ~1.0 for ML
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from pathlib import Path
 
@@ -48,7 +49,7 @@ def byte_entropies(path: Path) -> tuple[float, float]:
             stream += [*json.loads(line)["text"].encode(), 256]
     n = len(stream)
     unigram = collections.Counter(stream)
-    pairs = collections.Counter(zip(stream, stream[1:], strict=False))
+    pairs = collections.Counter(itertools.pairwise(stream))
     firsts = collections.Counter(stream[:-1])
     h1 = -sum(c / n * math.log(c / n) for c in unigram.values())
     h2 = -sum(c / (n - 1) * math.log(c / firsts[a]) for (a, _), c in pairs.items())
