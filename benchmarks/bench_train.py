@@ -32,11 +32,13 @@ concentrated (default) renumbers the popularity so that expert 0 is the most pop
 R x the mean). The table's "rank" column is the rank-level maxvio (rows per rank; 0 with moonep after
 planning), so either choice is visible in the result.
 
-Learning rate: the benchmark measures cost, not learning. At the recipe's learning rate the routing
+Learning rate: the points measure cost, not learning (--learning-row adds one that learns, below). At the recipe's learning rate the routing
 of a fresh model drifts within a few steps (k3_tiny, target 0.2: 0.22 at step 0, 1.3 at step 3), so the
 target would not hold. --lr (default 1e-10) sets optim.lr so small that the fp32 weights do not move
 while every op of a training step still runs (forward, backward, gradient reductions, clipping, AdamW,
-master push); --lr recipe keeps the recipe's schedule.
+master push); --lr recipe keeps the recipe's schedule. --learning-row runs one more point at the recipe's
+learning rate with the router balancing on, on text (recipes/data/learning), and reports its step time
+beside its first and last loss and realised maxvio: a speed figure always comes with a model that learns.
 
 Per (backend, target) point a fresh Trainer (the same seed, so the same initial weights) trains
 --warmup + --steps optimizer steps through Trainer.train_step, ranks aligned before each step (a step's
@@ -80,7 +82,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.bench_train_table import merge_rounds, print_table, row
+from benchmarks.bench_train_table import learning_row, merge_rounds, print_table, row
 from benchmarks.train_diagnostics import count_syncs, memory_trace, profile_step, start_memory_history
 from moontrain.config import RunConfig, from_dict, load_recipe
 from moontrain.config.loader import to_dict
@@ -398,6 +400,18 @@ def build_config(args: argparse.Namespace, run_dir: str, **extra: object) -> Run
     return from_dict(RunConfig, load_recipe(args.recipe, overrides))
 
 
+def build_learning_config(args: argparse.Namespace, run_dir: str) -> RunConfig:
+    """The --learning-row point: the recipe's own learning rate and router-bias update, no skew, on text
+    (recipes/data/learning: its corpus, with its BPE tokenizer or, for small vocabularies, bytes)."""
+    folder = Path(__file__).resolve().parents[1] / "recipes/data/learning"
+    tokenizer = "bytes" if args.learning_tokenizer == "bytes" else str(folder / "tokenizer")
+    overrides = [*args.overrides, "data.source=dataset", f"data.path={folder / 'corpus.jsonl'}",
+                 f"data.tokenizer={tokenizer}", f"train.steps={args.warmup + args.steps}", "train.log_every=1",
+                 f"train.run_dir={run_dir}", "checkpoint.save_final=false", "checkpoint.every=0",
+                 "checkpoint.resume=none", "metrics.wandb=false"]
+    return from_dict(RunConfig, load_recipe(args.recipe, overrides))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="recipes/k3_small.yaml")
@@ -423,6 +437,12 @@ def main() -> None:
                    help="where the popular experts live (see the module docstring)")
     p.add_argument("--lr", default="1e-10", help="optim.lr for the points (default: weights stay put), or 'recipe'")
     p.add_argument("--keep-balancing", action="store_true", help="keep the router's aux-loss-free bias update on")
+    p.add_argument("--learning-row", action="store_true",
+                   help="after the points, one more at the recipe's learning rate with the router balancing on, on "
+                        "text (recipes/data/learning), so the speed rows come with a model that learns: its step "
+                        "time, maxvio and first/last loss")
+    p.add_argument("--learning-tokenizer", choices=["bpe", "bytes"], default="bpe",
+                   help="the learning row's tokenizer: the corpus's BPE (30,922 ids) or bytes (small vocabularies)")
     p.add_argument("--timeout-s", type=float, default=120.0,
                    help="process-group timeout: a peer stuck in a collective (e.g. after the other rank ran out of "
                         "memory) fails then; a step takes well under a second")
@@ -528,8 +548,19 @@ def run(args: argparse.Namespace, device: torch.device, side: dist.ProcessGroup)
                     if args.rounds > 1:
                         result["rounds"] = raw
                     path.write_text(json.dumps(result, indent=1))
+    result = {"config": meta, "points": merge_rounds(raw, args.warmup)}
+    if args.learning_row:  # the same step at the recipe's learning rate, on text, the routers balancing
+        cfg = build_learning_config(args, run_dir)
+        point = {"backend": cfg.experts.backend, "lr": cfg.optim.lr, "data": cfg.data.path,
+                 **run_point(cfg, layout, args, side, mm_flops, None)}
+        result["learning"] = point
+        if is_main:
+            print(learning_row(point), flush=True)
     if is_main:
-        print_table({"config": meta, "points": merge_rounds(raw, args.warmup)})
+        if args.rounds > 1:
+            result["rounds"] = raw
+        path.write_text(json.dumps(result, indent=1))
+        print_table(result)
         print(f"wrote {path}")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from pathlib import Path
 
 
 def merge_rounds(raw: list[dict], warmup: int) -> list[dict]:
@@ -101,8 +102,21 @@ def _req(r: dict) -> str:
     return f"{rng[1]:,d}" + ("" if rng[0] == rng[1] else "~")
 
 
+def learning_row(r: dict) -> str:
+    """The --learning-row point: speed at the recipe's learning rate beside its loss and routing."""
+    if r.get("step_time_s") is None:
+        return f"learning row ({r['backend']}): {'OOM' if r['oom'] else 'failed'} ({r.get('oom_rank_where')})"
+    mfu = r.get("mfu_989")
+    return (f"learning row ({r['backend']}, lr {r['lr']:g}, {Path(r['data']).name}): {r['step_time_s'] * 1e3:.1f} ms, "
+            f"{r['tokens_per_s_per_gpu']:.0f} tok/s/GPU, mfu989 {'-' if mfu is None else f'{100 * mfu:.1f}'} %, "
+            f"loss {r['loss_first_last'][0]:.3f} -> {r['loss_first_last'][1]:.3f}, maxvio median "
+            f"{r['maxvio_median']:.2f}")
+
+
 def print_table(result: dict) -> None:
     meta, points = result["config"], result["points"]
+    if "learning" in result:
+        print(learning_row(result["learning"]))
     print(f"{meta['recipe']} {' '.join(meta['overrides'])} | R={meta['world_size']} EP={meta['ep']} | "
           f"{meta['device']}, torch {meta['torch']} | {meta['tokens_per_step']} tokens/step | "
           f"popular experts {meta.get('placement', 'random')} | "
