@@ -9,8 +9,10 @@
 
 launch validates the recipe (strict loader, world-size checks, data paths and tokenizer, and on a CPU host
 the memory estimate) before anything starts, then runs torchrun with one worker per rank
-(`moontrain.trainer.worker`); the worker picks nccl on GPU and gloo on CPU. A configuration or data error
-in a worker is printed as the worker's one line, not torchrun's report. --dry-run prints the parallel
+(`moontrain.trainer.worker`); the worker picks nccl on GPU and gloo on CPU. On one host the rendezvous store
+is the launcher's own, on 127.0.0.1 (moontrain.parallel.job_store). A configuration or data error in a
+worker is printed as the worker's one line, last, not torchrun's report; the ranks' output (tracebacks of
+unexpected errors included) is forwarded as it comes. --dry-run prints the parallel
 layout, parameter counts, a per-rank memory estimate and the data checks without allocating anything
 (the model is built on the meta device).
 
@@ -30,6 +32,7 @@ import torch
 
 from moontrain.config import RunConfig, from_dict, load_recipe
 from moontrain.parallel.hosts import check_dry_run_host, check_ep_domain
+from moontrain.parallel.job_store import JobStore
 from moontrain.supervisor import Supervisor
 
 EPILOG = """\
@@ -128,27 +131,33 @@ def main(argv: list[str] | None = None) -> int:
         print("== checks ==")
         print("\n".join(data_lines + ([memory_line] if memory_line else [])))
         return 0
+    store = JobStore() if args.nnodes == 1 else None
     cmd = torchrun_command(args.recipe, args.overrides, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                            rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id or rdzv_id_for(cfg.train.run_dir),
                            max_restarts=args.max_restarts,
-                           log_dir=Path(cfg.train.run_dir) / "logs" if args.nnodes > 1 else None)
+                           log_dir=Path(cfg.train.run_dir) / "logs" if args.nnodes > 1 else None,
+                           local_rdzv=store.torchrun_args() if store is not None else None)
     print("\n".join(f"moontrain: {line}" for line in data_lines), flush=True)
     print("moontrain: " + " ".join(cmd), flush=True)
-    return run_workers(cmd)
+    try:
+        return run_workers(cmd, env=store.env() if store is not None else None)
+    finally:
+        if store is not None:
+            store.close()
 
 
-def run_workers(cmd: list[str]) -> int:
-    """Run torchrun under the Supervisor (signals, no orphans); a worker's one-line error
-    (MOONTRAIN_ERROR_FILE) replaces torchrun's own report."""
+def run_workers(cmd: list[str], env: dict[str, str] | None = None) -> int:
+    """Run torchrun under the Supervisor (signals, no orphans), with `env` added; every line the ranks
+    write to stderr is forwarded, and a worker's one-line error (MOONTRAIN_ERROR_FILE) is printed last, in
+    place of torchrun's own report (moontrain.torchrun)."""
     with tempfile.TemporaryDirectory(prefix="moontrain-") as tmp:
         error_file = Path(tmp) / "error"
 
-        def forward(line: str) -> None:  # live, until a worker has reported an error (then torchrun's report)
-            if not error_file.exists():
-                sys.stderr.write(line)
-                sys.stderr.flush()
+        def forward(line: str) -> None:
+            sys.stderr.write(line)
+            sys.stderr.flush()
 
-        rc = Supervisor(cmd, env={"MOONTRAIN_ERROR_FILE": str(error_file)}, on_stderr=forward).run()
+        rc = Supervisor(cmd, env={**(env or {}), "MOONTRAIN_ERROR_FILE": str(error_file)}, on_stderr=forward).run()
         if error_file.exists():
             print(error_file.read_text().strip(), file=sys.stderr, flush=True)
             return 2
@@ -157,17 +166,18 @@ def run_workers(cmd: list[str]) -> int:
 
 def torchrun_command(recipe: str, overrides: list[str], *, nproc: int, nnodes: int = 1, node_rank: int = 0,
                      rdzv_endpoint: str | None = None, rdzv_id: str | None = None, max_restarts: int = 0,
-                     log_dir: Path | None = None) -> list[str]:
-    """The torchrun invocation: standalone rendezvous on one node, c10d at rdzv_endpoint on several (with a
-    rendezvous id shared by the nodes); workers restarted up to max_restarts times; with log_dir (launch
-    passes train.run_dir/logs on several nodes), each rank's output also goes to its own file under
+                     log_dir: Path | None = None, local_rdzv: list[str] | None = None) -> list[str]:
+    """The torchrun invocation (moontrain.torchrun): on one node the rendezvous options `local_rdzv` (launch
+    passes its loopback store's, JobStore.torchrun_args), else standalone; c10d at rdzv_endpoint on several
+    (with a rendezvous id shared by the nodes); workers restarted up to max_restarts times; with log_dir
+    (launch passes train.run_dir/logs on several nodes), each rank's output also goes to its own file under
     log_dir/node<node_rank>, and to the console with a rank prefix."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    cmd = [sys.executable, "-m", "moontrain.torchrun", "--nproc-per-node", str(nproc)]
     if nnodes > 1:
         cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", str(rdzv_endpoint), "--rdzv-id", str(rdzv_id or "moontrain")]
     else:
-        cmd += ["--standalone"]
+        cmd += local_rdzv or ["--standalone"]
     if max_restarts:
         cmd += ["--max-restarts", str(max_restarts)]
     if log_dir is not None:

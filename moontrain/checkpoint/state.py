@@ -6,7 +6,7 @@ depends on the pieces of a run and not on the loop that drives them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ class TrainState:
     """model / optimizer / scheduler / data are the live objects (restored in place); step, tokens_seen
     and wandb_run_id are plain values (restored by assignment). model_config, experts_backend and
     data_source are what a checkpoint must agree with to be loaded (the model's shapes, the data position's
-    meaning); optim_config is recorded beside them. experts: the model's ExpertWeights, whose compute copies follow their masters after a load.
+    meaning); optim_config and seeds are recorded beside them. experts: the model's ExpertWeights, whose compute copies follow their masters after a load.
     The RNG state saved is the process's (torch's CPU and CUDA generators)."""
 
     layout: ParallelLayout
@@ -39,6 +39,7 @@ class TrainState:
     optim_config: OptimConfig  # saved so that a resume can name the settings the recipe changed
     experts_backend: str
     data_source: str
+    seeds: dict[str, int] = field(default_factory=dict)  # "train.seed" / "data.seed": a resume must keep them
     step: int = 0
     tokens_seen: int = 0
     wandb_run_id: str | None = None  # set by the worker (rank 0)

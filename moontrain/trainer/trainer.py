@@ -113,7 +113,8 @@ class Trainer:
         # read and set through it (a replaced optimizer is the one checkpoints see)
         self.state = TrainState(layout=layout, model=self.model, optimizer=optimizer, scheduler=scheduler,
                                 data=self.data, experts=self.experts, model_config=cfg.model, optim_config=cfg.optim,
-                                experts_backend=cfg.experts.backend, data_source=cfg.data.source)
+                                experts_backend=cfg.experts.backend, data_source=cfg.data.source,
+                                seeds={"train.seed": cfg.train.seed, "data.seed": cfg.data.seed})
         self.last_saved_step: int | None = None
         self.guard = DivergenceGuard(cfg.train.max_skipped_steps)
         self.preemption: PreemptionHandler | None = None  # set by the worker (signal handlers, main thread)
@@ -199,6 +200,9 @@ class Trainer:
             if ckpt.every and self.step % ckpt.every == 0:
                 self.save_checkpoint()
             if self.stop_requested:  # preemption: every rank saw the same verdict after this step
+                if self.layout.rank == 0:
+                    print(f"moontrain: stopping after step {self.step} as asked"
+                          + ("" if self.last_saved_step == self.step else ": saving a checkpoint"), flush=True)
                 if self.last_saved_step != self.step:
                     self.save_checkpoint()
                 return logged
@@ -219,11 +223,11 @@ class Trainer:
         self.window.t0 += time.perf_counter() - t0  # tokens/s counts training time only
         return path
 
-    def load_checkpoint(self, path: str | Path) -> dict:
+    def load_checkpoint(self, path: str | Path, *, verified: bool = False) -> dict:
         """Collective-free: restore model, optimizer, schedule, step, RNG and data position from `path`;
-        returns the checkpoint's train state."""
+        returns the checkpoint's train state. verified: its file digests were checked (resume.resolve_resume)."""
         self.reshard_dense()  # a gathered copy would outlive the load
-        state = load_checkpoint(self.state, path)
+        state = load_checkpoint(self.state, path, verified=verified)
         self.last_saved_step, self.last_checkpoint = self.step, Path(path)
         return state
 
