@@ -111,7 +111,8 @@ class TensorSource:
 
     index: name -> (global shape, pieces). Files are checked against `expected` (the manifest's entries:
     bytes, and block_bytes with block_sha256 or one whole-file sha256) on first use, so a missing, truncated
-    or altered file is reported by name before any value is read.
+    or altered file is reported by name before any value is read; each piece against the file's own header
+    (it must hold the tensor as exactly the piece's rows), so no read reaches past a tensor.
     """
 
     def __init__(self, root: Path, index: dict[str, tuple[tuple[int, ...], list[Piece]]],

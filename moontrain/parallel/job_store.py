@@ -63,4 +63,4 @@ def worker_store(timeout_s: float) -> dist.Store | None:
         return None
     host, port = address.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-    return dist.PrefixStore(f"moontrain/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    return dist.PrefixStore(f"moontrain/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
