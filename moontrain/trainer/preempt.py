@@ -43,6 +43,7 @@ class PreemptionHandler:
         self._requested = False
         self.signal_name: str | None = None
         self._stop_file = os.environ.get(STOP_FILE_ENV) or None
+        self._refused = False  # a stop file that is not ours was named already
         self._previous = {sig: signal.signal(sig, self._on_stop) for sig in (*STOP_SIGNALS, FORWARDED_SIGNAL)}
 
     @property
@@ -64,10 +65,11 @@ class PreemptionHandler:
             return False
         if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
             return True
-        print(f"moontrain: rank {self.rank}: ignoring the stop file {self._stop_file}: not a regular file of uid "
-              f"{os.getuid()} (uid {st.st_uid}, mode {st.st_mode:o}); only the launcher asks to stop through it",
-              file=sys.stderr, flush=True)
-        self._stop_file = None  # said once; signals still work
+        if not self._refused:  # said once, not at every step
+            self._refused = True
+            print(f"moontrain: rank {self.rank}: ignoring the stop file {self._stop_file}: not a regular file of uid "
+                  f"{os.getuid()} (uid {st.st_uid}, mode {st.st_mode:o}); only the launcher asks to stop through it",
+                  file=sys.stderr, flush=True)
         return False
 
     def _on_stop(self, signum: int, frame: FrameType | None) -> None:
