@@ -33,11 +33,8 @@ Bad input: with value checks on, plan and dispatch run every rank-local input ch
 ranks agree on the verdict (one all_reduce of a flag) before anything moves, so one rank's invalid
 input makes every rank raise in that call and leaves nothing half-done (a rank raising alone would
 leave its peers in the exchange, paired with its retry). A plan is accepted only by the Buffer that
-made it. combine takes rows laid out by a dispatch with the plan it is given: it refuses a plan no
-dispatch of this buffer used, and y_rows / add_rows inside the receive rows (the last dispatch's) with
-another plan than that dispatch's. Rows computed elsewhere from an earlier dispatch's rows cannot be
-traced to their plan; combine with an earlier dispatched plan stays allowed (its rows cloned in between).
-Host-side bookkeeping only, no device sync.
+made it; combine refuses one that no dispatch used, and the last dispatch's receive rows with another
+plan (host bookkeeping, no sync; rows computed from an earlier dispatch's cannot be traced).
 
 Legend: s tokens of this rank, K top-k, H hidden, E experts, R ranks, nvs_s rows of this call.
 """
