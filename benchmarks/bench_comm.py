@@ -1,4 +1,4 @@
-"""moonep vs the all-to-all baseline: communication per op over routing skew (SPEC section 9).
+"""moonep vs the all-to-all baseline: communication per op over routing skew (docs/moonep.md §9).
 
     torchrun --nproc_per_node=2 benchmarks/bench_comm.py --experts 96 384 --maxvio 0 0.2 1 10 20
     torchrun --nproc_per_node=2 benchmarks/bench_comm.py --shapes k3 --maxvio 0 0.2 1 10

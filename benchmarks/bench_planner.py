@@ -3,7 +3,7 @@
     python benchmarks/bench_planner.py [--experts 384] [--topk 8] [--ranks 2] [--tokens 8192]   (one GPU)
     python benchmarks/bench_planner.py --experts 896 --topk 16 --ranks 8 --tokens 8192           (K3)
 
-Every rank of an R-rank problem is simulated on one GPU (as tests/moonep/planner_cases.py does: the
+Every rank of an R-rank problem is simulated on one GPU (as moonep.testing.simulate_fused does: the
 chunk passes of all ranks fill one [R, R, E] histogram region, program order stands in for the
 barrier). A variant is (chunk, warps of the chunk kernel, warps of the shared kernel). For each:
 the plans of every rank are checked bitwise against moonep.planner.make_plan on the CPU, then rank
@@ -36,7 +36,7 @@ from moonep.layout import Layout
 from moonep.planner import Plan, make_plan
 from moonep.planner import fused as pf
 from moonep.routing import RoutingResult, generate_routing
-from tests.moonep.planner_cases import PLAN_FIELDS, assert_same_plan
+from moonep.testing import PLAN_FIELDS, assert_same_plan
 
 # (chunk, chunk-kernel warps, shared-kernel warps); the first is the library's default
 VARIANTS = ((pf.CHUNK, 4, pf._SHARED_WARPS), (512, 8, 2), (256, 4, 2), (256, 2, 2), (512, 4, 4))

@@ -25,7 +25,7 @@ skips it) and copied into every point's trainer; the bias update itself is off
 (model.router_bias_update_rate=0) so the skew stays put (--keep-balancing leaves it on).
 
 Placement: what slows the all-to-all backend is the load of the hottest *rank*, and with the skew's
-own numbering (--placement random, SPEC 9's convention) the popular experts of k3_small (E=64) spread
+own numbering (--placement random, docs/moonep.md §9's convention) the popular experts of k3_small (E=64) spread
 over both ranks: at an expert maxvio of 4.7 the rank load is only 1.05 x the mean. --placement
 concentrated (default) renumbers the popularity so that expert 0 is the most popular, expert 1 the next,
 ...: the popular experts share home rank 0, the case expert parallelism has to survive (rank load up to

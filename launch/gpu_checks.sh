@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# The GPU tiers and benchmarks in one go, for a 2-GPU machine (run from the repository root):
+# The GPU tiers and benchmarks in one go (run from the repository root):
 #   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|optim|determinism|ckpt|dense|mfu ...]
-#   (default: the first four, in order; push, kda, optim, determinism, ckpt, dense and mfu run on one GPU)
+#   (default: the first four, in order; comm and train need 2 GPUs; push, kda, optim, determinism, ckpt, dense and
+#   mfu run on one GPU)
+# tests: on one GPU the single-GPU tier (`pytest -m "gpu or multigpu"`, the multigpu tests skip) in TEST_WORKERS
+# (default 4) pytest-xdist workers sharing the GPU, whole files per worker, TEST_LIMIT s (default 300) per test
+# with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
+# absent. On 2+ GPUs the tier under torchrun --nproc_per_node=2, one log per rank (OUT_DIR/tests_r<rank>.log).
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
 # PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT (s), MFU_ARGS (extra overrides for the mfu step), DET_ONLY (runs of check_determinism, default A,B,P,C,D), COMM_ARGS (bench_comm.py
 # arguments instead of --experts 96 384, e.g. --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
 # --experts 896 --topk 16 --ranks 8).
-# Each rank's pytest output goes to its own log (OUT_DIR/tests_r<rank>.log), so a failure on one rank
-# is readable; every step has its own time limit so one hang cannot eat the rest.
+# Every step has its own time limit so one hang cannot eat the rest.
 set -uo pipefail
 out="${1:-gpu_out}"; shift || true
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests cute comm train)
@@ -15,7 +19,9 @@ mkdir -p "$out"
 [ -f .device/setup.sh ] && source .device/setup.sh  # CuTe DSL; extends PYTHONPATH (never overwrite it)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" OUT_DIR="$out"
-export FAULT_S=$(( ${TESTS_TIMEOUT:-480} * 3 / 4 ))  # a hung test dumps its stack before the step's time limit
+num_gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+tests_limit=${TESTS_TIMEOUT:-$([ "$num_gpus" -ge 2 ] && echo 480 || echo 600)}
+export FAULT_S=$(( tests_limit * 3 / 4 ))  # a hung test dumps its stack before the step's time limit
 # Triton's compile cache travels as one archive (.tcache.tgz in, OUT/tcache.tgz out): a cold cache
 # costs minutes of compiles per fresh machine
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/moonep_triton_cache}"
@@ -29,10 +35,22 @@ save_cache() {  # only what fits the 16 MiB a returned file may have
 trap save_cache EXIT
 for step in "${steps[@]}"; do
   case "$step" in
-    tests) timeout "${TESTS_TIMEOUT:-480}" torchrun --nproc_per_node=2 --no-python bash -c \
-             'python -m pytest -v -s --tb=short --durations=15 -o faulthandler_timeout=$FAULT_S -m "gpu or multigpu" ${TESTS:-tests/} \
-                > "$OUT_DIR/tests_r$LOCAL_RANK.log" 2>&1'
-           echo "tests rc=$?"; grep -hE "passed|failed|^FAILED" "$out"/tests_r*.log | tail -4 ;;
+    tests) if [ "$num_gpus" -ge 2 ]; then
+             timeout "$tests_limit" torchrun --nproc_per_node=2 --no-python bash -c \
+               'python -m pytest -v -s --tb=short --durations=15 -o faulthandler_timeout=$FAULT_S -m "gpu or multigpu" ${TESTS:-tests/} \
+                  > "$OUT_DIR/tests_r$LOCAL_RANK.log" 2>&1'
+             echo "tests rc=$?"; grep -hE "passed|failed|^FAILED" "$out"/tests_r*.log | tail -4
+           else  # SIGINT first: pytest stops and still writes its summary and durations
+             opts=()
+             python -c "import xdist" 2>/dev/null && opts+=(-n "${TEST_WORKERS:-4}" --dist loadfile)
+             python -c "import pytest_timeout" 2>/dev/null && opts+=(--timeout "${TEST_LIMIT:-300}")
+             timeout -s INT -k 20 $(( tests_limit - 20 )) python -m pytest -v --tb=short --durations=15 \
+               -o faulthandler_timeout="$FAULT_S" "${opts[@]}" -m "gpu or multigpu" ${TESTS:-tests/} > "$out/tests.log" 2>&1
+             echo "tests rc=$? (one GPU; ${opts[*]:-serial, no pytest-xdist})"
+             grep -E "^=+ ([0-9]+ [a-z]+|no tests ran).* in [0-9.]+s" "$out/tests.log" | tail -1
+             grep -E "^(FAILED|ERROR) " "$out/tests.log" | head -20
+             grep -A15 "slowest 15 durations" "$out/tests.log" | grep -E "^[0-9.]+s "
+           fi ;;
     cute)  timeout 120 python -m pytest -q -m gpu experiments/cute_planner/test_cute_planner_gpu.py -s > "$out/cute.log" 2>&1
            echo "cute rc=$?"; tail -3 "$out/cute.log" ;;
     comm)  timeout "${COMM_TIMEOUT:-400}" torchrun --nproc_per_node=2 benchmarks/bench_comm.py ${COMM_ARGS:---experts 96 384} \

@@ -1,7 +1,7 @@
 """moonep: perfectly balanced expert parallelism (MoonEP-style) for PyTorch.
 
 Every EP rank receives exactly s*K token slots per call, whatever the routing, by planning a few
-redundant experts online. See SPEC.md for the contract; `Buffer` is the communication object,
+redundant experts online. docs/moonep.md is the design record; `Buffer` is the communication object,
 `ExpertPools` owns expert weights in symmetric memory, `expert_glu` is the autograd op (its gated
 activation a parameter: moonep.activation), `BufferOptions` how a buffer runs, `Layout` the sizes of
 its symmetric memory (usable without a process group, e.g. to size a job); `HierarchicalBuffer` and

@@ -1,4 +1,4 @@
-"""The expert op's activation (SPEC section 7): a parameter of `moonep.expert_glu`, by name.
+"""The expert op's activation (docs/moonep.md §6.6): a parameter of `moonep.expert_glu`, by name.
 
 Each entry is a gated activation a = f(h, u) of the gate projection h = x W_gate and the up
 projection u = x W_up, given here in PyTorch as the specification: `forward(h, u) -> a` and the

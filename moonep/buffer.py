@@ -1,4 +1,4 @@
-"""Buffer: moonep's public EP communication object (SPEC section 6).
+"""Buffer: moonep's public EP communication object (docs/moonep.md §6).
 
 Protocol of one call (every rank runs the same sequence of calls; every barrier names its call):
 
@@ -164,7 +164,7 @@ class Buffer:
         self._hist_unsettled = False  # every rank got past its last read of the hist region
 
     def _poison(self, reason: str) -> None:
-        """The ranks' call sequences may be out of step: refuse every later call, saying why (SPEC 8)."""
+        """The ranks' call sequences may be out of step: refuse every later call, saying why (§6.7, §8)."""
         if self._poisoned is None:
             self._poisoned = reason
 

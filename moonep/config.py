@@ -1,5 +1,5 @@
-"""moonep's two config objects: BufferConfig (the static problem of one buffer, SPEC section 3
-notation) and BufferOptions (how it runs: the settings a trainer exposes to its users as they are)."""
+"""moonep's two config objects: BufferConfig (the static problem of one buffer, in the notation of
+docs/moonep.md §3) and BufferOptions (how it runs: the settings a trainer exposes to its users as they are)."""
 
 from __future__ import annotations
 
@@ -37,18 +37,11 @@ class BufferOptions:
         than torch._grouped_mm's (within bounds tests/moonep/grouped_gemm_cases.py derives) and no bf16
         rounding of the weight gradient. Off until measured (benchmarks/bench_expert_gemm.py); needs
         the triton path.
-    combine_reduce: where combine sums a token's rows. "source": every (token, k) row travels to the
-        token's rank, which sums its K rows in fp32 in ascending k, one rounding. "destination": each
-        rank first sums, per (source rank, token), the rows of the token's entries it holds in fp32 in
-        ascending k (one add per entry), rounds once to the rows' dtype and sends that one row; the
-        source sums those partial rows in fp32 in ascending k of each partial's first entry, one
-        rounding (one extra rounding per partial; at R = 1, for the same row values, "source"'s bits).
-        Fewer bytes cross the links (one row per token and destination rank instead of K). It also
-        turns on the fused combine inputs of moonep.expert_glu (route weights and the two dgrad
-        halves summed in fp32 inside combine, Buffer.combine's row_weights / add_rows). "source" is
-        the default (the specification's order; moonep.hierarchical's equality with the one-level
-        layout holds for it); recipes/k3_small_moe.yaml picks "destination", faster on one H200 at
-        EP = 1 (docs/performance.md).
+    combine_reduce: where combine sums a token's rows (docs/moonep.md §6.2). "source" (default, the
+        specification's order): the token's rank sums its K rows in fp32, one rounding. "destination":
+        each rank first sums the rows of a token it holds and sends one partial row (fewer bytes over
+        the links, one more rounding per partial), and moonep.expert_glu hands combine the route
+        weights and both dgrad halves (fp32 inside combine). Measured: docs/performance.md.
     """
 
     kernels: KernelsChoice = "auto"

@@ -27,18 +27,14 @@ dispatch's backward sends each row's grad back and sums it in fp32 in ascending 
 weights travel as whole rows; entries of other hosts are absent in the host stage, so their grads are
 zero there and each weight's grad comes from its expert's host alone.
 
-Summation order (what "equal to the one-level result" means): y[t] = round(sum over hosts h ascending of
-round(sum over k ascending of t's entries on h)) with every sum in fp32. For a token whose experts lie on
-one host this is the one-level combine's result bit for bit; otherwise it is the one-level group run once
-per host with the other hosts' entries absent (entries mode), the partials summed in host order
-(tests/moonep/test_hierarchical.py). grad_x likewise. This is for the host Buffer's default
-combine_reduce="source"; with "destination" step 3's partial is itself a sum of per-rank partials
-(moonep.config.BufferOptions), one more rounding each, so it can differ from the one-level result in the
-last bf16 bit.
+Summation order: y[t] = round(sum over hosts h ascending of round(sum over k ascending of t's entries
+on h)), every sum in fp32. For a token whose experts lie on one host this is the one-level combine's
+result bit for bit; otherwise it is the one-level group run once per host with the other hosts' entries
+absent, the partials summed in host order (tests/moonep/test_hierarchical.py); grad_x likewise. With
+the host Buffer's combine_reduce="destination" each partial is itself a sum of per-rank partials (one
+more rounding each: the last bf16 bit may differ from the one-level result).
 
-Memory: the host stage takes the worst case, n = N s rows per rank (every token of every rail peer may
-visit this host), so the host Buffer's receive rows are N times a one-level buffer's; docs/scale.md says
-why that does not scale to K3's host count and what would bound it.
+Memory: the host stage takes the worst case, n = N s rows per rank (docs/scale.md: why that does not scale).
 
 Legend: s tokens of this rank, K top-k, H hidden, N hosts, G ranks per host, E experts of the group,
 n = N s host-stage rows, m rows this rank sends to remote hosts, r rows it receives.

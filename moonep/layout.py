@@ -138,7 +138,7 @@ class Layout:
 
     def call_rows(self, num_tokens: int, total_num_tokens: int | None) -> int:
         """nvs_s of a call with s = num_tokens on this rank (and total_num_tokens over the ranks when
-        they differ): receive caps are s*K, or total*K split evenly (SPEC 5.1)."""
+        they differ): receive caps are s*K, or total*K split evenly (docs/moonep.md §5.1)."""
         K = self.config.topk
         max_cap = num_tokens * K if total_num_tokens is None else -(-total_num_tokens * K // self.num_ranks)
         return self.nvs_rows(max_cap)

@@ -6,7 +6,7 @@ Per projection p with matrices of shape (in, out):
                                                           framework ever reduces)
     slot pool (one for all layers) [B, in, out]   dtype   prefetched remote experts
     reduce pool (one for all)      [B, in, out]   fp32    slot gradients, folded back by reduce_grad
-Views per layer (same physical memory, SPEC section 4):
+Views per layer (same physical memory, docs/moonep.md §4.2):
     w_full [E+B, in, out]  every rank's rows (mapped from the owners) then this rank's slots
     w_compact [epn+B, ...] this rank's rows then its slots: what the grouped GEMM reads
     g_full / g_compact     the same in fp32 with the reduce pool behind rows [E, E+B) / [epn, epn+B)
@@ -81,7 +81,7 @@ class ExpertPools:
         # so the early copy (made with the first forward's plan) would be copied once more
         self.chain_prefetch = True
         self._path = buffer.path
-        # one rank has no remote expert, so its plans fill no slot (SPEC 5.2): prefetch and reduce_grad
+        # one rank has no remote expert, so its plans fill no slot (§5.2): prefetch and reduce_grad
         # have nothing to copy, fold or zero, and skip their launches
         self._uses_slots = buffer.num_ranks > 1
         heap, R = buffer.heap, buffer.num_ranks

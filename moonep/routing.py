@@ -1,4 +1,4 @@
-"""Routing with a target maxvio: the generator behind moonep's tests and benchmarks (SPEC 9).
+"""Routing with a target maxvio: the generator behind moonep's tests and benchmarks (docs/moonep.md §9).
 
     maxvio = max_e (T_e / T_mean) - 1      T_e = tokens routed to expert e, T_mean = sum_e T_e / E
 

@@ -1,4 +1,4 @@
-"""Boundary checks of moonep's public calls (SPEC section 8): ValueError naming value and fix."""
+"""Boundary checks of moonep's public calls (docs/moonep.md §8): ValueError naming value and fix."""
 
 from __future__ import annotations
 

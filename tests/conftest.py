@@ -1,17 +1,65 @@
 """Test tiers: plain `pytest` is the CPU tier; `gpu` and `multigpu` tests skip without the hardware.
 
-The markers are registered in pyproject.toml. Multi-GPU tests run under
-`torchrun --nproc_per_node=2 -m pytest -m multigpu tests/` (see README).
+The markers are registered in pyproject.toml. One GPU: `python -m pytest -m "gpu or multigpu" tests/` (the
+multigpu tests skip); two: the same under `torchrun --nproc_per_node=2` (README).
+
+On a machine with a CUDA GPU two things differ from the CPU tier:
+- modules named `*_interpreted.py` (at any depth) are not collected. They run the Triton kernels in Triton's
+  interpreter on the CPU and set TRITON_INTERPRET=1 at import, before triton reads it, which would push
+  every kernel of the session through the interpreter. tests/test_gpu_tier.py checks that every
+  module which sets it, itself or through what it imports, is so named.
+- fla's autotune choices for the KDA heads the GPU tests use (launch/fla_autotune_h200, docs/kda.md) are
+  copied into Triton's cache where missing: without them a fresh machine searches fla's tile
+  configurations for minutes per shape before the first KDA call returns.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
+ON_GPU = torch.cuda.is_available()
+INTERPRETED_SUFFIX = "_interpreted.py"
+FLA_AUTOTUNE_DIR = Path(__file__).resolve().parent.parent / "launch" / "fla_autotune_h200"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if ON_GPU and collection_path.name.endswith(INTERPRETED_SUFFIX):
+        return True
+    return None  # no opinion: pytest's other rules decide
+
+
+def seed_fla_autotune(cache_dir: Path) -> int:
+    """Copy launch/fla_autotune_h200's entries into `cache_dir` where absent; returns how many were copied.
+    Each file lands under a temporary name and is renamed into place, so a process reading the cache
+    (another pytest worker) sees either no entry or a whole one."""
+    copied = 0
+    for src in FLA_AUTOTUNE_DIR.glob("*/*.autotune.json"):
+        dst = cache_dir / src.parent.name / src.name
+        if dst.exists():
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+        copied += 1
+    return copied
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if ON_GPU and importlib.util.find_spec("fla") is not None:
+        from triton import knobs
+
+        seed_fla_autotune(Path(knobs.cache.dir))
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    num_gpus = torch.cuda.device_count() if ON_GPU else 0
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False")
     skip_multigpu = pytest.mark.skip(reason=f"needs 2 or more CUDA GPUs on one host, {num_gpus} visible")
     for item in items:
@@ -19,7 +67,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if item.get_closest_marker("multigpu") is not None and num_gpus < 2:
             item.add_marker(skip_multigpu)
-
-# On a GPU machine the Triton kernels run natively (tests/moonep/gpu); the *_interpreted modules set
-# TRITON_INTERPRET=1 at import, which would push every kernel of the session through the interpreter.
-collect_ignore_glob = ["moonep/*_interpreted.py", "moontrain/*_interpreted.py"] if torch.cuda.is_available() else []

@@ -1,4 +1,4 @@
-"""CuTe DSL kernel of the planner's shared part (SPEC 5.2-5.4), bitwise equal to
+"""CuTe DSL kernel of the planner's shared part (docs/moonep.md §5.2-§5.4), bitwise equal to
 `moonep.planner.reference.plan_shared` (the specification). An experiment, not part of moonep: moonep's
 planner is the fused Triton planner (moonep.planner.fused), which also does the histogram exchange and
 the token destinations; this kernel covers the shared part only.
@@ -139,7 +139,7 @@ class PlanSharedKernel:
                 sGroup[h] = s
         cute.arch.sync_threads()
 
-        # C. receiver filling (SPEC 5.2), warp 0
+        # C. receiver filling (§5.2), warp 0
         if warp == 0:
             lo_ok = lane < R
             hi_ok = lane + 32 < R
@@ -190,7 +190,7 @@ class PlanSharedKernel:
                 go = active and step < R - 1
         cute.arch.sync_threads()
 
-        # D. quota -> experts (SPEC 5.3), warp per donor h
+        # D. quota -> experts (§5.3), warp per donor h
         for h in range(warp, R, NUM_WARPS):
             for j in range(lane, R, 32):
                 mQuota[h * R + j] = sQuota[h * R + j].to(cutlass.Int64)
@@ -238,7 +238,7 @@ class PlanSharedKernel:
                 alloc[a_idx] = alloc[a_idx] + sRem[h * EPN + i]
         cute.arch.sync_threads()
 
-        # E. slots, group rows and offsets (SPEC 5.4), warp per receiving rank d
+        # E. slots, group rows and offsets (§5.4), warp per receiving rank d
         lanes_below = (cutlass.Int32(1) << lane) - 1
         for d in range(warp, R, NUM_WARPS):
             num_remote = cutlass.Int32(0)

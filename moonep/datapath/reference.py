@@ -1,12 +1,9 @@
-"""The pure-PyTorch data path: the specification of every moonep kernel (SPEC sections 5-6).
+"""The pure-PyTorch data path: the specification of every moonep kernel (docs/moonep.md §5, §6).
 
-Runs on any device (the CPU heap in tests, CUDA as the reference of the GPU tests) and never
-synchronises with the host. It is written for clarity: the sender writes every (token, k) entry's
-metadata and each token row once per destination rank with index_put_ over the all-ranks views, the
-receiver copies every row through index_select, and combine pulls each token's K rows from the
-destinations (advanced indexing over the all-ranks view) and sums them in fp32 in ascending k.
-The expert side, sync-free, cannot know which slots are occupied: prefetch copies all B slots
-(empty ones onto themselves) and reduce_grad reads every slot of every peer, masked.
+Runs on any device (the CPU heap in tests, CUDA as the GPU tests' reference), never synchronises with
+the host, and is written for clarity: index_put_ over the all-ranks views to send, index_select to
+expand, advanced indexing to pull combine's rows. Sync-free, it cannot know which slots are occupied:
+prefetch copies all B slots (empty ones onto themselves), reduce_grad reads every peer slot, masked.
 
 Protocol of the calls (the barriers come from the Buffer, `CommViews.barrier`):
 plan

@@ -1,33 +1,25 @@
 """CUDA backend of the symmetric heap: driver virtual memory management (VMM) via `cuda.bindings`.
 
-Each rank's chunk is a cuMemCreate allocation of pinned device memory on the rank's GPU, created
-shareable as a POSIX file descriptor (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR). The descriptor
-from cuMemExportToShareableHandle travels to every peer over an abstract Unix socket
-(fd_exchange.py) and comes back as a handle from cuMemImportFromShareableHandle. A view is a
-cuMemAddressReserve range in which the pieces are cuMemMap'ed back to back, each followed by
-cuMemSetAccess(read/write) for the local device: the process uses only its own GPU, and a peer's
-chunk mapped here is accessed from it over NVLink. The same physical chunk may be mapped in any
-number of views, so W_full, W_compact and W_slots_all share memory without copies.
-
-Granularity: every size and offset must be a multiple of cuMemGetAllocationGranularity (MINIMUM)
-for this allocation type, 2 MiB on H200; SymmetricHeap raises the ValueError naming the sizes.
+Each rank's chunk is a cuMemCreate allocation of pinned device memory on the rank's GPU, shareable as
+a POSIX file descriptor. The descriptor from cuMemExportToShareableHandle travels to every peer over an
+abstract Unix socket (fd_exchange.py) and comes back as a handle from cuMemImportFromShareableHandle. A
+view is a cuMemAddressReserve range in which the pieces are cuMemMap'ed back to back, each followed by
+cuMemSetAccess(read/write) for the local device: a peer's chunk mapped here is accessed over NVLink.
+One chunk may be mapped in many views, so W_full, W_compact and W_slots_all share memory (docs/moonep.md
+§4). Sizes and offsets are multiples of the allocation granularity (2 MiB on H200).
 
 Zero-initialisation: a new chunk is mapped once into a temporary range, cleared with cuMemsetD8,
 synchronised and unmapped before its descriptor is exported, so no peer can see or write it
 earlier.
 
-Whole chunks only: cuMemMap of part of an allocation (a non-zero offset, or a size smaller than
-the allocation), of a local or an imported handle alike, returned CUDA_ERROR_NOT_SUPPORTED on
-2xH200, driver 580.159 (2026-11-29). `map` therefore rejects such pieces with a ValueError, and a
-view that needs part of a chunk allocates that part as a segment of its own (every view of moonep's
-layout maps whole segments).
+Whole chunks only: cuMemMap of part of an allocation returned CUDA_ERROR_NOT_SUPPORTED (2xH200,
+driver 580.159, 2026-11-29), so `map` rejects such pieces with a ValueError; every view of moonep's
+layout maps whole segments.
 
 Tensors: `tensor(addr, nbytes)` wraps the range in a non-owning storage on this rank's device
-(torch._C._construct_storage_from_data_pointer, the constructor PyTorch's CUDA-graph trees use), so
-the tensor's device never depends on a pointer query: cuPointerGetAttribute(DEVICE_ORDINAL) of a
-view of the peer's chunk answered 0 on both ranks (same machine and date). The public
-`__cuda_array_interface__` route (torch.as_tensor(..., device=...)) did alias correctly there, but
-it rests on torch's reading of that pointer query.
+(torch._C._construct_storage_from_data_pointer, as PyTorch's CUDA-graph trees do), so the device never
+depends on cuPointerGetAttribute(DEVICE_ORDINAL), which answered 0 for a peer's chunk on both ranks.
+Rejected: `__cuda_array_interface__` (it rests on that pointer query).
 
 Teardown: `free_range` synchronises the device (nothing may still use the range), unmaps each
 piece and frees the address range; `release` drops the handle. Physical memory is returned when
@@ -41,9 +33,8 @@ barrier of device_barrier.py.
 Never NVLink multicast: no cuMulticast* call and no multimem instruction anywhere in this backend.
 Driver errors raise RuntimeError naming the call and the CUresult.
 
-Measured (2xH200 linked by NV18, driver 580.159, 2026-11-29, test_peer_write_bandwidth): 256 MiB
-written into the peer's chunk through the all-ranks view, both directions at once: 372-388 GB/s per
-direction with the copy engine (Tensor.copy_), 346-368 GB/s with SM stores (an elementwise kernel).
+Measured (2xH200 NV18, 2026-11-29): 372-388 GB/s per direction writing a peer's chunk with the copy
+engine, both directions at once (docs/performance.md).
 """
 
 from __future__ import annotations

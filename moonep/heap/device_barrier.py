@@ -5,54 +5,39 @@ the current stream. It is stream-ordered (work queued before it on any rank happ
 queued after it on every rank) and never waits on the host: the host only launches, and later
 reads a pinned error word without blocking.
 
-Layout: a signal segment of one granularity (2 MiB) per rank, allocated lazily by the first
-barrier through the heap itself (collective, host-synchronous: keep the first barrier out of
-`torch.cuda.set_sync_debug_mode("error")` regions) and mapped as one contiguous all-ranks view.
-In rank q's chunk, int32 words:
+Layout: one 2 MiB signal segment per rank, allocated by the first barrier through the heap
+(collective, host-synchronous: keep it out of sync-debug "error" regions), mapped as one all-ranks
+view. Rank q's chunk holds int32 words: signal[p] for p < MAX_RANKS (the last epoch rank p announced
+to q, written by p only), EPOCH_WORD (q's epoch counter) and POISON_WORD (set once a barrier of q timed out).
 
-    [0, MAX_RANKS)   signal[p]: the last epoch that rank p announced to rank q (written by p only)
-    EPOCH_WORD       rank q's own epoch counter (read and written by q only)
-    POISON_WORD      non-zero once one of q's barriers timed out (device copy of the error word)
-
-Protocol of barrier number e on rank q (one thread per peer p, lanes past R repeat the last peer):
-1. if POISON_WORD != 0, return at once: a barrier already failed, the host raises at its next
-   check, and later barriers must not each wait out the timeout.
-2. e = EPOCH_WORD + 1, stored back. The epoch lives on the device, not in a kernel argument, so
-   the launch is identical every time and can be captured in a CUDA graph.
-3. `fence.sc.sys`, then `st.release.sys` of e into signal[q] of every peer p's chunk (peer stores
-   over NVLink; the lane for p == q writes the local word).
-4. spin with `ld.acquire.sys` on signal[p] of the own chunk until every p has signal[p] >= e, or
-   until %globaltimer passes start + timeout_ns.
-5. on timeout: POISON_WORD = 1; the pinned host error word gets [call_id + 1, e, mask of the ranks
-   that had not arrived], the first slot last after a `fence.sc.sys`, so the host never sees a code
-   without its details. Then the kernel exits instead of hanging.
+Protocol of barrier number e on rank q (one thread per peer p):
+1. POISON_WORD != 0: return at once (the host raises at its next check; no second wait for the timeout).
+2. e = EPOCH_WORD + 1, stored back: the epoch lives on the device, so the launch is the same every
+   time and can be captured in a CUDA graph.
+3. `fence.sc.sys`, then `st.release.sys` of e into signal[q] of every peer's chunk (over NVLink).
+4. spin with `ld.acquire.sys` on the own chunk until every signal[p] >= e, or %globaltimer passes
+   start + timeout_ns.
+5. on timeout: POISON_WORD = 1; the pinned host error word gets [call_id + 1, e, missing-rank mask],
+   the first slot last after a `fence.sc.sys`; the kernel exits instead of hanging.
 
 A peer is at most one barrier ahead: it leaves barrier e only after seeing signal e from q, so
 while q waits in e every signal[p] is e - 1, e or e + 1, and ">= e" is the whole arrival test
 (int32 epochs wrap after 2**31 barriers, which no run reaches).
 
-Memory ordering: kernels queued earlier on this stream have completed before the barrier kernel
-starts (stream order); the system-scope fence orders them before the release store of the signal.
-A fence orders its own thread's accesses, so the kernels that store to peers (moonep.kernels.
-dispatch_combine's scatter and push) also end each of their threads with `fence.sc.sys`: their
-NVLink stores are then performed at system scope before the kernel ends, whatever link they took. The reader's acquire load that observes the
-signal synchronises with that release, and kernels queued after the barrier start after it
-completes, so they see everything the peer wrote before its barrier. Only one barrier may be in
-flight per heap (one stream at a time): two concurrent barriers would share one epoch counter.
+Memory ordering: earlier kernels on the stream completed before the barrier starts; the system-scope
+fence orders them before the release store. A fence orders only its own thread's accesses, so the
+kernels that store to peers (dispatch_combine's scatter and push) end each thread with `fence.sc.sys`
+too. The reader's acquire load synchronises with the release, and kernels queued after the barrier see
+everything the peer wrote before it. One barrier in flight per heap (one stream at a time).
 
-Errors: the host keeps a table call id -> call name. `check()` reads the error word (a plain read
-of pinned host memory, no synchronisation) and raises MoonEPTimeoutError naming the call, the
-epoch and the missing ranks; `barrier` checks before every launch. After a timeout the epochs of
-the ranks disagree: the heap must be destroyed.
+Errors: `check()` reads the error word (plain pinned-memory read, no sync) and raises
+MoonEPTimeoutError naming the call, the epoch and the missing ranks; `barrier` checks before every
+launch. After a timeout the ranks' epochs disagree: the heap must be destroyed.
 
-Measured (2xH200 linked by NV18, 2026-11-29, test_barrier_in_a_cuda_graph_orders_peer_writes):
-2.8 us per barrier inside a CUDA graph (100 barriers back to back); a 1 MiB peer write + barrier +
-check + barrier step takes 31 us in a graph. Launched eagerly, the Triton launch costs the host
-about 30-40 us per barrier, so eager loops are host-bound (212-226 us for the same step).
+Measured (2xH200 NV18, 2026-11-29): 2.8 us per barrier inside a CUDA graph (docs/performance.md).
 
-Rejected: a host barrier (NCCL barrier or a stream synchronize) blocks the CPU on every call and
-cannot be captured; NVLink multicast / multimem reductions are forbidden on our machines; an epoch
-passed as a kernel argument would be frozen into a captured graph.
+Rejected: a host barrier (blocks the CPU every call, cannot be captured); NVLink multicast (forbidden on
+our machines); the epoch as a kernel argument (frozen into a captured graph).
 """
 
 from __future__ import annotations

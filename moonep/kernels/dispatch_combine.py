@@ -1,123 +1,42 @@
-"""Triton kernels of the dispatch and combine data path, bitwise equal to the PyTorch path
-(moonep.datapath.reference, the specification).
+"""Triton kernels of the dispatch and combine data path (docs/moonep.md §6.1, §6.2), bitwise equal to
+the PyTorch path (moonep.datapath.reference, the specification).
 
-Every kernel addresses the comm segment through the all-ranks views of the Buffer ([R, ...]
-strided views over one contiguous virtual range): one base pointer plus rank * rank_stride reaches
-any peer's region, so a store to a peer is a plain `st.global` that travels over NVLink.
-
-Protocol (each step is one launch on the current stream; barriers are the device barriers of
-moonep.heap.device_barrier, so nothing here waits on the host and a fixed-s sequence can be
-captured in a CUDA graph):
+Every kernel reaches the comm segment through the Buffer's all-ranks views ([R, ...] strided over one
+virtual range): one base pointer plus rank * rank_stride is any peer's region, so a store to a peer is
+a plain `st.global` over NVLink. Each step is one launch on the current stream; the barriers are
+moonep.heap.device_barrier's, so nothing waits on the host and a fixed-s sequence can be graph-captured.
 
 dispatch
-    1. `_scatter_kernel` (this rank as sender), persistent grid over blocks of BLOCK_T tokens:
-       the metadata of every entry (t, k) -> (row_copy, row_src) as one 8-byte record and
-       row_weight, of its destination row (with combine_reduce "destination" also row_chain:
-       2 * (row of the token's next entry on the same rank, or -1) + (1 on the token's first entry
-       there), the next same-rank k found among the token's K entries in the tile); each token row
-       x[t] is loaded once per H chunk and stored once per destination rank (the entries with
-       sent_sK), straight into the destination's recv row, and on this rank itself also into the
-       row of each of its duplicate entries there (row_copy != row): one local store of a row already
-       in registers, where the expand would read and write it. Peers get only the sent_sK rows.
-    2. barrier "dispatch:rows" (the scatter's threads end with fence.sc.sys; see below).
-    3. `_expand_kernel` (this rank as receiver), local: finds each row's group by a binary search
-       over offs_RG[rank], marks padding rows (row_copy = zero row, weight 0, source -1) and zeroes
-       them, and copies the duplicate rows (row_copy != row) of peers' tokens from their primary row;
-       the duplicates of this rank's own tokens (row_src in [rank * S * K, (rank + 1) * S * K), S =
-       max_tokens) were stored by step 1, earlier on the same stream. Primary rows are never touched,
-       so the kernel has no dependency between programs. The PyTorch path copies every row through
-       index_select; this touches only peers' duplicates and padding (at R = 1 only padding).
-combine (push; a row's value is y, or y (+ add_rows) (* row_weights) in fp32 when given)
-    0. only when `plan` is not the plan of the last dispatch on this buffer (row_src then describes
-       other rows): barrier "combine:enter", `_scatter_kernel` with ROWS=False rewrites row_src (and
-       row_chain with "destination") on the destinations, `_expand_kernel` with COPY=False sets row_src = -1 on the own padding
-       rows (nothing else: the last dispatch's rows and weights stay as the PyTorch path leaves
-       them), barrier "combine:meta". Buffer takes this branch on every rank alike (same call sequence).
-    1. `_push_kernel` (this rank as destination), persistent grid over row blocks: each row with
-       row_src = src_rank * S * K + t * K + k >= 0 is stored into the source's landing region
-       land[src_rank, t * K + k] (and its row scalar into land_scalar). Each entry has its own
-       row, so every landing row is written exactly once and without a race. The landing region
-       is free: its last reader finished before the previous "combine:done".
-       combine_reduce "destination" instead, two launches (one row per (token, destination rank)
-       crosses instead of one per entry):
-       a. `_chain_list_kernel`, local, one program per segment of 1024 rows: the primary rows
-          (row_src >= 0 and the chain's first-entry bit: a token's first entry here) of segment g,
-          in row order, take the list rows g * 1024 + 0, 1, ...; list row [j] = the row of the
-          token's j-th entry here (ascending k, j = 0 the primary itself, -1 past the chain's end);
-          the segment's other list rows -1, its count of primaries. The K - 1 dependent steps
-          walk int32 indices only. The lists are a local scratch of the data path ([NvS, K] int32
-          and the counts), written and read in stream order.
-       b. `_push_reduce_kernel`, persistent grid over blocks of 8 list rows x 512 hidden (more
-          rows below H = 512; block b: segment b % segments, every segment's first block before
-          any second one, so the non-empty blocks come first and spread over the programs; a
-          program stops past the fullest segment):
-          the K rows of each list row are loaded independently, summed in fp32 in ascending k (the
-          first taken as is, one add each), rounded once, and stored in the landing row of the
-          primary's entry; every listed row's scalar goes to its own entry's slot. Every row of a
-          block but the last of a segment is a primary, whatever their share of the receive rows
-          (1 in K at R = 1).
+    1. `_scatter_kernel` (sender), persistent grid over claimed token blocks: each entry's route weight
+       and 8-byte (row_copy, row_src) record (with "destination" also its chain link) to its
+       destination row; each token row loaded once per H chunk, stored once per destination rank
+       (sent_sK) and, on this rank, into its duplicate rows too.
+    2. barrier "dispatch:rows".
+    3. `_expand_kernel` (receiver), local: each row's group by binary search over offs; padding rows
+       marked and zeroed; peers' duplicates copied from their primary row (primary rows untouched).
+combine (a row's value: y (+ add_rows) (* row_weights), in fp32)
+    0. when `plan` is not the last dispatch's: barrier "combine:enter", the scatter (no rows) rewrites
+       row_src and the chain links, the expand marks own padding rows, barrier "combine:meta".
+    1. `_push_kernel` (destination): each valid row into its source's landing row land[src, t*K + k]
+       (one row per entry: no race). "destination": `_chain_list_kernel` lists each token's rows here,
+       `_push_reduce_kernel` sums them in fp32 in ascending k, rounds once and pushes one partial row
+       per (token, rank) into the landing row of its first entry.
     2. barrier "combine:rows".
-    3. `_reduce_kernel` (this rank as source), local: y[t] = sum_k land[t*K + k] in fp32 in
-       ascending k (a separate add per k, no reassociation), one rounding to the output dtype: the
-       PyTorch path's arithmetic exactly, hence bitwise equal. "destination": the sum runs over the
-       k with sent_sK[t, k] only (the partial rows; the first taken as is), ascending k, one
-       rounding, as the PyTorch path (moonep.datapath.reference, `_combine_destination`).
+    3. `_reduce_kernel` (source), local: y[t] = the sum over ascending k of land[t*K + k] in fp32 (with
+       "destination" over the partial rows, sent_sK), one rounding: the PyTorch path's arithmetic.
     4. barrier "combine:done": no peer pushes the next combine into land while it is read.
 
-Why push: SM stores to a peer saturate NVLink with ~24 CTAs (~370 GB/s per direction), while plain
-SM loads from a peer are latency-bound (~200 GB/s with 32 CTAs) on 2xH200 NV18 (shared/device
-README, 2026-11). The PyTorch combine pulls (advanced indexing over the all-ranks view).
+Memory ordering: peer stores are weak; the barrier after them runs `fence.sc.sys` then `st.release.sys`,
+and the peer's `ld.acquire.sys` plus stream order make them visible to kernels queued after it there.
+The scatter and the push also end every thread with `fence.sc.sys` (a fence orders its own thread's
+stores only; NVLink stores over many links could otherwise land after the barrier's signal).
 
-Memory ordering: peer stores are weak `st.global`; the following device barrier executes
-`fence.sc.sys` then `st.release.sys`, and the peer's `ld.acquire.sys` + stream order make every
-store visible to kernels queued after the barrier on the peer. Local kernels need only stream order.
+Measured (2xH200 NV18, 2026-11-29, R=2, S=8192, H=7168, K=8, E=96, maxvio 0.98): dispatch with a saved
+plan 841 us, combine 1698 us; NCCL all-to-all 3860 / 6604 us (docs/performance.md: sweep, variants).
 
-Measured (2xH200 linked by NV18, torch 2.11, triton 3.6, 2026-11-29; benchmarks/bench_comm.py
---experts 96 --kernels triton: R=2, S=8192, H=7168, K=8, E=96; median of 5, max over ranks), in us,
-realised maxvio 0.00 / 0.22 / 0.98 / 9.99 / 10.84:
-    dispatch, saved plan (scatter + expand + 2 barriers)  688 /  980 /  841 /  845 /  862
-    NCCL all-to-all dispatch (count exchange + a2a)      3727 / 3856 / 3860 / 4015 / 4092
-    combine fwd (push + reduce + 2 barriers)             1638 / 1729 / 1698 / 1539 / 1563
-    NCCL all-to-all combine                              6639 / 6654 / 6604 / 6932 / 6957
-    combine with row scalars (dispatch bwd)              1769 / 1741 / 1715 / 1560 / 1579
-(spread between runs ~10 %). The dispatch moves 117 MB per rank over NVLink (59 MB at maxvio 0),
-120-140 GB/s averaged over the whole call against ~370-390 GB/s peer bandwidth: the expansion
-(about 6 of every 8 rows are local duplicates, ~0.7 GB read + written per rank, ~0.35 ms of HBM
-time) runs after the barrier and does not overlap the NVLink stores.
-The scatter phase alone (scatter kernel + the "dispatch:rows" barrier that completes it, GPU time
-from a GPU-aligned start; bench_comm's `scat` column, 2026-11-30, E = 96 and 384): 117 MB per rank
-at 337-339 GB/s for maxvio >= 0.2, 88.6-89.6 % of the copy engine's ~378 GB/s measured the same
-way in the same run; at maxvio 0 only 59 MB cross (round-robin routing: each token's experts all
-on one rank) in 186-187 us, 314-316 GB/s (83.1 / 83.5 %). A 32768-element tile gives the same as
-16384.
-
-Rejected: a pull combine with plain loads (latency-bound, see above); for combine_reduce
-"destination", the push walking each primary row's chain itself (index, row tile, next index: K - 1
-dependent loads, on blocks of 8 rows of which ~1 is a primary at R = 1; one H200, E = 64, H = 2048,
-K = 8, 32768 tokens: 2.08 ms per push against 0.70 ms for the plain push, 2026-12); copy-engine
-copies per row (one launch or one descriptor per row, tens of thousands per call); folding the
-receiver's padding marks into the scatter (they need each row's group, cheap to find only on the
-receiver, and the scatter has no barrier before it).
-The own rank's duplicates stored by the scatter (step 1): on 2xH200 measured no faster than copying
-them in the expand (the extra local stores share the CTAs and store queues with the NVLink stores);
-at R = 1 nothing crosses NVLink and the expand would read + write 7 of every 8 rows (K = 8) where
-the scatter writes each once. One H200, k3_small_moe's MFU run at EP = 1 (56 dispatches per step):
-the scatter 11.6 -> 20.3 ms per step, and the expand, once it resolves 64 rows per program instead
-of 8 whole rows, 39.7 -> 7.3 ms (it had been latency-bound on 33k programs per call, not on bytes).
-Rejected, measured on 2xH200 or one H200: num_sms=32 instead of every SM (dispatch 1131 vs 893 us,
-combine 1997 vs 1671 us at maxvio 1); storing only remote rows in the scatter and the own rows in
-the expand (dispatch 100-250 us slower); static runs of token blocks per program instead of claimed blocks (76 % instead
-of 83 % of the copy engine's bandwidth at maxvio 0); row_copy and row_src as two stores per entry
-instead of one 8-byte record (7-8 us slower); a tile's metadata loaded once with each k's column
-selected from it, or one [tokens, K, columns] store per tile, instead of each entry's metadata
-loaded next to its store (one H200, H = 2048 / 7168: 798-869 / 334-343 and 137-159 / 307-340 us
-against 93-120 / 196-208 us per launch).
-
-Kernels that store to peers (scatter, push) end every thread with `fence.sc.sys`: the barrier that
-follows runs in another kernel, and its own fence orders only its own thread's stores; without a
-fence in the storing threads, NVLink writes spread over many links could in principle land after
-the barrier's signal (without it, a rare stale route weight on a padding row was observed on
-2xH200; the cause is not proven).
+Rejected: a pull combine (plain peer loads are latency-bound); one copy-engine copy per row; padding
+marks in the scatter (only the receiver finds a row's group cheaply); own rows stored by the expand
+(100-250 us slower); a fixed grid of 32 SMs; a destination push that walks each chain itself (3x slower).
 """
 
 from __future__ import annotations
@@ -519,7 +438,12 @@ def push(y_rows: torch.Tensor, row_scalars: torch.Tensor | None, row_link: torch
     (source rank, token): the fp32 sum over the token's rows here in ascending k, in the landing row
     of its first entry (chain_lists, then the reduce push). A row's value is y (+ add_rows)
     (* row_weights) in fp32 (rounded once per landing row); without either, y's bits. `reduce_tile`
-    (elements per program step) and `segment` shape the reduce push's blocks (tests use small ones)."""
+    (elements per program step) and `segment` shape the reduce push's blocks (tests use small ones).
+
+    The reduce push's blocks are list rows x hidden (8 x 512 at most): block b takes segment
+    b % segments, every segment's first block before any second one, so the non-empty blocks come
+    first and spread over the programs, and a program stops past the fullest segment. A list row's K
+    rows load independently (the K - 1 dependent steps of a chain walk int32 indices, in chain_lists)."""
     assert row_link.shape[-1] == 2 and row_link.is_contiguous()
     H = y_rows.shape[-1]
     scal = row_scalars if row_scalars is not None else land_scalar_all  # never read when HAS_SCAL is off

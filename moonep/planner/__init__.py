@@ -1,4 +1,4 @@
-"""The online planner (SPEC section 5): `Plan`, the PyTorch specification (`reference`) and the
+"""The online planner (docs/moonep.md §5): `Plan`, the PyTorch specification (`reference`) and the
 fused Triton planner Buffers use on CUDA (`fused`, imported only there: it imports triton)."""
 
 from moonep.planner.plan import Plan

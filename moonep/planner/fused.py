@@ -1,103 +1,40 @@
-"""The fused planner: the whole of SPEC 5 in four Triton launches around the histogram barrier,
-bitwise equal to `moonep.planner.reference.make_plan` (the specification) on every field of the Plan.
-Buffers on the triton path plan with it. This module is the host side (workspaces, launches, CUDA
-graphs); the kernels are in moonep.planner.fused_kernels.
+"""The fused planner: docs/moonep.md §5 in four Triton launches around the histogram barrier, bitwise
+equal to `moonep.planner.reference.make_plan` (the specification) on every field of the Plan. Buffers
+on the triton path plan with it. This module is the host side (workspaces, launches, CUDA graphs); the
+kernels are in moonep.planner.fused_kernels.
 
-Protocol of one plan (every rank; s tokens, K top-k, flat entry index i = t*K + k):
-    1. `_chunk_match_kernel`, one program per chunk of CHUNK consecutive flat entries: the chunk's
-       expert histogram, and each entry's rank among the chunk's entries of the same expert in flat
-       order, by bit-sliced matching of every entry against the chunk's 32-entry blocks (the
-       popcounts give the rank and the expert's count in the chunk; no histogram op, no sort). Then
-       `_prefix_kernel`, one program per 8-16 experts (one [256 chunks, experts] tile per step),
-       turns the per-chunk histograms into exclusive prefixes over chunks and writes the local
-       histogram (their sum) into row `rank` of every peer's hist region (plain peer stores).
-    2. the heap barrier "dispatch:histograms" (moonep.heap.device_barrier on CUDA: its
-       fence.sc.sys + st.release.sys / ld.acquire.sys and stream order make the peer stores of 1
-       visible to 3 and 4 on every rank).
-    3. `_shared_kernel`, one program per rank d (SPEC 5.1-5.4 with the specification's tie rules,
-       lowest index first): every program sums the gathered histograms and repeats the receiver
-       filling (R - 1 steps on [R] vectors), noting row d of the quotas and the step that fills
-       receiver d; program d then runs the quota split of its own home group and of its donor h,
-       the one group with quota[h, d] > 0 (SPEC 5.2: a rank receives from at most one remote
-       group), two interleaved chains that stop once their quotas are closed (the specification's
-       remaining masked steps move 0 tokens). That gives every count
-       rank d's rows depend on: slots are the donor's experts with tokens on d in ascending id
-       (the specification's cumsum over all experts counts no other group on d), group rows and
-       offs of rank d are three segments (local experts, the donor's home rows, the slots) whose
-       padded cumulative ends are written directly. Program d writes counts_RE[d], the rank-d rows
-       of slot_expert / group_rows / offs, alloc of its group's experts, and per (expert e, rank d)
-       the end of d's share of e's entry list and the receive row of e's entry number 0 on d, both
-       relative to this rank's entries (the tokens of e on lower source ranks taken out), so that
-       step 4 needs no per-expert base. Program 0 writes cap_R and quota_RR.
-    4. `_dest_kernel`, one program per BLOCK_T whole tokens: SPEC 5.5 for this rank's entries,
-       pos = (e's entries in earlier chunks) + (rank inside the chunk); dst_rank = number of ranks
-       whose share of e ends at or before pos (the [R] ends of e as one contiguous load); dst_row
-       = the row of e's entry 0 on dst + pos; dedup in registers over the same [tokens, K, R] tile:
-       per token and rank the lowest k and its row, which every entry on that rank copies (rows of
-       distinct entries differ, so the carrier is the entry whose copy row is its own row).
-All outputs of a plan live in one flat byte buffer (int64 fields, then int32, then bool) that
-`_PlanLayout` cuts into the Plan's tensors.
+Protocol of one plan (every rank; flat entry index i = t*K + k):
+    1. `_chunk_match_kernel`, one program per CHUNK entries: the chunk's expert histogram and each
+       entry's rank among the chunk's entries of its expert, by bit-sliced matching against 32-entry
+       blocks (popcounts; no histogram op, no sort). `_prefix_kernel` turns the per-chunk histograms
+       into prefixes over chunks and stores the local histogram into row `rank` of every peer's hist.
+    2. barrier "dispatch:histograms" (its fence, release and acquire plus stream order publish 1's
+       peer stores to 3 and 4 on every rank).
+    3. `_shared_kernel`, one program per rank d (§5.1-§5.4, lowest index on ties): every program
+       repeats the receiver filling, then program d splits the quotas of its own group and of its one
+       donor (§5.2) and writes rank d's slots, group rows and offs, and the tables step 4 reads.
+    4. `_dest_kernel`, one program per BLOCK_T tokens: §5.5 for this rank's entries, the dedup in
+       registers over a [tokens, K, R] tile.
+All outputs live in one flat byte buffer that `_PlanLayout` cuts into the Plan's tensors. An argmax is
+one max-reduction of a key (value high, the index's complement low); padded lanes never win.
 
-The shared kernel's tiles are per rank: [epn, R] allocations of two groups, [R, R] quotas, [G]
-rows of one rank (R padded to a power of two R_P, epn to EPN_P, G = E + B to G_P). An argmax is one
-max-reduction of a key (value in the high bits, the index's complement in the low bits; int32 where
-R * max_tokens * K leaves room for the index bits, else int64); padded lanes never win (quota and
-remaining -1, balance masked). Reductions and scans that can run together are one tl.reduce /
-tl.associative_scan of several operands (both chains' argmaxes in a quota-split step, the row
-groups' scans and sums): one exchange between warps instead of one each.
+CUDA graphs: the four launches of a shape are captured, each graph writing its own pooled Plan
+(`PlanPool`); a call copies topk into the graph's input and replays a graph whose Plan nothing outside
+the pool still holds, capturing a new one when all are held, so a plan saved for backward outlives
+later calls. Pool contract: a stream that reads a Plan is joined to the caller's before the Plan is
+dropped. Under stream capture and on the CPU heap the kernels launch directly. No host sync.
 
-On CUDA the four launches of one shape are captured in CUDA graphs, each writing into its own
-pooled Plan (`PlanPool`); a call copies topk into the graphs' input and replays a graph whose Plan
-nothing outside the pool holds any more (no Python reference to the Plan or its tensors, no
-autograd save, no view), capturing a new one when every pooled Plan is held. A plan thus outlives
-later calls (it is saved for backward) at the cost of one copy and one replay. The pool's contract
-is the caching allocator's without record_stream: work on another stream that reads a Plan must be
-joined to the calling stream before the Plan is dropped (moonep's side-stream prefetch is). The
-pool keeps as many Plans per shape as were ever held at once (1.1 MB each at s = 8192, K = 8).
-While the caller's stream is being captured (a training step inside a CUDA graph) and on the CPU
-heap (the interpreter), the kernels launch directly into a fresh output buffer. No path
-synchronises with the host; the first call of a shape compiles and captures (host syncs, like any
-compile step).
+The histogram is counted from topk_sK: tokens_per_expert_E must equal it (§8; check_values) and is
+not read. The hist region is single-buffered: Buffer.plan passes "plan:enter" between two plans.
+Why Triton: its interpreter runs these kernels on the CPU, so CI checks them bitwise before a GPU does.
 
-The histogram is counted from topk_sK on the device: the tokens_per_expert_E argument must equal
-it (SPEC 8; `BufferOptions.check_values` verifies it) and is not read on this path.
+Measured (H200, 2026-12-01, E=896, K=16, R=8 simulated, S=8192, maxvio 1; bench_planner): 26.2 us per
+idle graph replay of the four kernels, 21.5 us back to back (docs/performance.md: kernels, variants).
 
-Why Triton: Triton's interpreter runs these kernels on the CPU, so CI checks them bitwise against
-the PyTorch planner (tests/moonep/test_kernels_interpreted.py, R = 1..8 simulated in one process
-plus a 2-rank Buffer on the CPU heap) before any device time is spent.
-
-Race note (as on the PyTorch path): the hist region is single-buffered. A peer may write its next
-histogram only after a barrier that follows this rank's step 3; Buffer.plan passes barrier
-"plan:enter" first when two plans follow each other with nothing collective in between.
-
-Measured (H200, 2026-12-01, E=896, K=16, R=8 simulated, S=8192, maxvio 1, chunk 512 x 4 warps,
-shared kernel at 2 warps; benchmarks/bench_planner.py --experts 896 --topk 16 --ranks 8): 26.2 us
-per idle CUDA-graph replay of the four kernels, 21.5 us per replay of 20 back to back (target
-<= 35 us; a graph of one tiny kernel takes 16.9 us, 5.3 us back to back, on that machine); 26.6 /
-21.5 us again on another H200, where torch.profiler read the kernels as chunk 4.4, prefix 2.5, shared
-6.7 and destination 5.5 us, 0.13 us between them (benchmarks/profile_planner.py). Chunk
-512 x 8 warps and 256 x 2-4 warps are within 1-2 us of it, 128 x 4 warps is 9 us slower. Static sm90
-code (Triton 3.5 + ptxas, same shape): the chunk kernel 1.7k instructions per program at chunk 512
-x 4 warps (0.8k LOP3, 64 POPC, 160 uniform loads of planes, 4 CTA barriers); the shared kernel 3.3k
-instructions and 29 CTA barriers per program at 2 warps, 3 per quota-split step (5 steps at maxvio
-1); the destination kernel 1.8k instructions, 192 shuffles per 32 tokens.
-
-Rejected (same run and shape as Measured unless stated): a chunk kernel that sorts the chunk
-(tl.histogram, a bitonic sort on expert * CHUNK + i, a scan over runs of equal experts; 2.0k sm90
-instructions per program with 208 shuffles and 27 CTA barriers): 36.3 us per replay, 30.9 us back to
-back; a chunk kernel counting each entry's rank by blocked [64, 64] comparisons with the earlier
-entries after a tl.histogram (7.1k instructions per program): 42.6 us, 37.5 us back to back at chunk
-512 x 8 warps; the prefixes over chunks in the last chunk program to finish (a ticket counter; 36.2
-us at chunk 512, another run); counting ranks with a [CHUNK, E] one-hot cumsum (E times more work
-and registers than a sort); the shared kernel at 1 warp (it spills: 42.0 us against 36.3 at 2 warps,
-both with the sorting chunk kernel); a single persistent kernel with an in-kernel grid barrier
-(needs all programs co-resident and spins inside the interpreter's sequential programs); launching
-eagerly on CUDA (3 Triton launches + the barrier cost the host ~100 us); the PyTorch planner
-replayed from a CUDA graph (~400 small kernels per plan); a CuTe DSL kernel of the shared part
-(experiments/cute_planner); one shared program holding the whole [R, epn, R] problem (7.4k
-instructions and 139 barriers at E=896, R=8; its shared + destination pass took 34 us at R=8 against
-17 us at R=2 on an H200); the dedup over [tokens, K, K] pairs (twice the tile of [tokens, K, R] at
-K=16, R=8, its reductions across lanes).
+Rejected: a sorting chunk kernel (36 us); blocked comparisons for the ranks (43 us); the prefixes in
+the last chunk program; a [CHUNK, E] one-hot cumsum; the shared kernel at 1 warp (spills); one
+persistent kernel with a grid barrier; eager launches (~100 us of host); the PyTorch planner in a graph
+(~400 kernels); CuTe DSL (experiments/cute_planner); one shared program for all ranks; [tokens, K, K] dedup.
 """
 
 from __future__ import annotations
@@ -253,7 +190,7 @@ def dest_step(topk_sK: torch.Tensor, work: _Workspace, out: dict[str, torch.Tens
 
 
 def receive_cap_args(num_ranks: int, topk: int, s: int, total_num_tokens: int | None) -> tuple[int, int]:
-    """(base, remainder) with cap_d = base + (d < remainder): SPEC 5.1 as moonep.planner.receive_caps."""
+    """(base, remainder) with cap_d = base + (d < remainder): §5.1 as moonep.planner.receive_caps."""
     if total_num_tokens is None:
         return s * topk, 0
     return divmod(total_num_tokens * topk, num_ranks)

@@ -1,7 +1,14 @@
-"""The fused planner's Triton kernels (the protocol, the tiles and what was measured and rejected
-are in moonep.planner.fused, which launches them): `_chunk_match_kernel` (step 1: per-chunk
+"""The fused planner's Triton kernels (the protocol is in moonep.planner.fused, which launches them;
+what was measured and rejected in docs/performance.md): `_chunk_match_kernel` (step 1: per-chunk
 histograms and ranks inside the chunk), `_prefix_kernel` (step 1: prefixes over chunks, the local
-histogram to every peer), `_shared_kernel` (step 3, one program per rank) and `_dest_kernel` (step 4)."""
+histogram to every peer), `_shared_kernel` (step 3, one program per rank) and `_dest_kernel` (step 4).
+
+The shared kernel's tiles are per rank: [epn, R] allocations of two groups, [R, R] quotas, [G] rows of
+one rank (R padded to a power of two R_P, epn to EPN_P, G = E + B to G_P). An argmax is one
+max-reduction of a key (value in the high bits, the index's complement in the low bits; int32 where
+R * max_tokens * K leaves room for the index bits, else int64); padded lanes never win (quota and
+remaining -1, balance masked). Reductions and scans that can run together are one tl.reduce /
+tl.associative_scan of several operands: one exchange between warps instead of one each."""
 
 from __future__ import annotations
 
@@ -170,10 +177,10 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
                    R: tl.constexpr, EPN: tl.constexpr, B: tl.constexpr, PAD: tl.constexpr,
                    R_P: tl.constexpr, EPN_P: tl.constexpr, G_P: tl.constexpr, B_P: tl.constexpr,
                    LOG_R_P: tl.constexpr, LOG_EPN_P: tl.constexpr, KEY64: tl.constexpr):
-    """Program d: the shared plan's rows of rank d and of home group d's experts (SPEC 5.1-5.4).
+    """Program d: the shared plan's rows of rank d and of home group d's experts (docs/moonep.md §5.1-§5.4).
 
     Every program repeats the receiver filling (R - 1 steps on [R] vectors); program d then splits
-    the quotas of its own group d and of its donor h (the one group with quota[h, d] > 0, SPEC 5.2),
+    the quotas of its own group d and of its donor h (the one group with quota[h, d] > 0, §5.2),
     which gives every token count rank d's rows depend on. Writes: counts_RE[d], group_rows_RG[d],
     offs_RG[d], slot_expert_RB[d], alloc_ER and end_ER of group d's experts, rowbase_ER[:, d] of
     the experts with tokens on d; program 0 also cap_R and quota_RR. end and rowbase are relative
@@ -198,8 +205,8 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
     tl.store(counts_ptr + d * E + e_GI, tl.load(hist_ptr + d * E + e_GI, mask=ok_GI, other=0), mask=ok_GI)
     group_R = tl.sum(count_GI, axis=1)
     cap_R = cap_base + (g_R < cap_rem).to(tl.int32)
-    # 2. receiver filling (SPEC 5.2), identical in every program; on the way, row d of the quotas
-    #    (group d's receivers) and d's donor: the step that fills receiver d (at most one, SPEC 5.2;
+    # 2. receiver filling (§5.2), identical in every program; on the way, row d of the quotas
+    #    (group d's receivers) and d's donor: the step that fills receiver d (at most one, §5.2;
     #    none: group 0 and quota 0, the column argmax of the specification's zero column)
     hrow = g_R[:, None]
     ucol = g_R[None, :]
@@ -223,7 +230,7 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
     ok_RR = (hrow < R) & (ucol < R)
     tl.store(cap_ptr + g_R, cap_R.to(tl.int64), mask=ok_R & (d == 0))
     tl.store(quota_ptr + hrow * R + ucol, quota.to(tl.int64), mask=ok_RR & (d == 0))
-    # 3. quota split (SPEC 5.3) of group d and of d's donor h, the two chains interleaved; each
+    # 3. quota split (§5.3) of group d and of d's donor h, the two chains interleaved; each
     #    stops once its quotas are closed (the specification's remaining steps move 0 tokens); the
     #    chains' argmaxes are paired into one reduction each (one exchange between warps per step)
     h = h_of_d
@@ -261,7 +268,7 @@ def _shared_kernel(hist_ptr, counts_ptr, cap_ptr, quota_ptr, alloc_ptr, slot_ptr
     tl.store(alloc_ptr + e_own[:, None] * R + d2, a_own, mask=ok_IR)
     tl.store(end_ptr + e_own[:, None] * R + d2, tl.cumsum(a_own, axis=1) - base_own[:, None], mask=ok_IR)
     # 4. rank d's groups: its local experts, the donor's experts (their home rows, or slots in
-    #    ascending expert id while B lasts: SPEC 5.4), nothing else; rows and padded cumulative ends
+    #    ascending expert id while B lasts: §5.4), nothing else; rows and padded cumulative ends
     local_I = _col(a_own, g_R, d)
     remote_I = tl.where(has_donor, _col(a_don, g_R, d), 0)
     got = ok_I & (remote_I > 0)

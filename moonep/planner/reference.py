@@ -1,4 +1,4 @@
-"""The online planner (SPEC section 5), pure PyTorch: the executable specification.
+"""The online planner (docs/moonep.md §5), pure PyTorch: the executable specification.
 
 Every rank runs this on the gathered histograms and gets the same shared plan (caps, quotas,
 per-expert allocation, slots, group offsets); it also computes where its own (token, k) entries
@@ -35,7 +35,7 @@ _I64 = torch.int64
 
 def receive_caps(num_ranks: int, topk: int, *, num_tokens: int | None, total_num_tokens: int | None,
                  device: torch.device) -> torch.Tensor:
-    """SPEC 5.1: cap_d = s*K for a common s; with per-rank s (total T), T*K split as evenly as
+    """§5.1: cap_d = s*K for a common s; with per-rank s (total T), T*K split as evenly as
     possible with the remainder to the lowest ranks."""
     if total_num_tokens is None:
         assert num_tokens is not None
@@ -46,7 +46,7 @@ def receive_caps(num_ranks: int, topk: int, *, num_tokens: int | None, total_num
 
 
 def entry_caps(counts_RE: torch.Tensor) -> torch.Tensor:
-    """SPEC 5.1 in entries mode (BufferConfig.entries): the group's T entries (the gathered histograms'
+    """§5.1 in entries mode (BufferConfig.entries): the group's T entries (the gathered histograms'
     sum) split as evenly as possible, the remainder to the lowest ranks; on the device, no host sync."""
     R = counts_RE.shape[0]
     total = counts_RE.to(_I64).sum()
@@ -54,7 +54,7 @@ def entry_caps(counts_RE: torch.Tensor) -> torch.Tensor:
 
 
 def fill_receivers(group_R: torch.Tensor, cap_R: torch.Tensor) -> torch.Tensor:
-    """SPEC 5.2: quota z[h, u]. Each step the most loaded home group h (lowest index on ties) fills
+    """§5.2: quota z[h, u]. Each step the most loaded home group h (lowest index on ties) fills
     the emptiest receiver u completely; a filled receiver is never picked again, so every rank
     receives from at most one remote home group. Each step fills one rank for good, so R - 1
     masked steps always suffice."""
@@ -76,7 +76,7 @@ def fill_receivers(group_R: torch.Tensor, cap_R: torch.Tensor) -> torch.Tensor:
 
 
 def split_quota(count_E: torch.Tensor, quota_RR: torch.Tensor) -> torch.Tensor:
-    """SPEC 5.3: alloc[e, d]. For every donor h in parallel: the largest open quota (lowest
+    """§5.3: alloc[e, d]. For every donor h in parallel: the largest open quota (lowest
     receiver on ties) takes from h's expert with the most remaining tokens (lowest id on ties).
     Each step closes a quota or empties an expert, so epn + R - 1 masked steps suffice."""
     R = quota_RR.shape[0]
@@ -101,7 +101,7 @@ def split_quota(count_E: torch.Tensor, quota_RR: torch.Tensor) -> torch.Tensor:
 
 
 def assign_slots(alloc_ER: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """SPEC 5.4: remote experts with tokens on rank d take its slots in ascending expert id.
+    """§5.4: remote experts with tokens on rank d take its slots in ascending expert id.
 
     Returns (slot_expert_RB, group_ER): the expert in each slot (-1 empty) and the W_full row each
     expert's tokens use on each rank (its home row when local or when slots ran out, E + j for
@@ -126,7 +126,7 @@ def assign_slots(alloc_ER: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, 
 
 def group_offsets(alloc_ER: torch.Tensor, group_ER: torch.Tensor, num_slots: int,
                   token_padding: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """SPEC 5.4: rows per W_full row on each rank, and cumulative padded ends (offs)."""
+    """§5.4: rows per W_full row on each rank, and cumulative padded ends (offs)."""
     E, R = alloc_ER.shape
     G = E + num_slots
     rows = torch.zeros(R, G, dtype=_I64, device=alloc_ER.device)
@@ -139,7 +139,7 @@ def token_destinations(topk_sK: torch.Tensor, counts_RE: torch.Tensor, rank: int
                        group_ER: torch.Tensor, group_rows_RG: torch.Tensor, offs_RG: torch.Tensor,
                        token_padding: int, absent_row: int
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SPEC 5.5: (dst_rank, dst_row, copy_row, sent) for each of this rank's entries.
+    """§5.5: (dst_rank, dst_row, copy_row, sent) for each of this rank's entries.
 
     Within an expert, entries are ordered by (source rank, flat index t*K + k); the first
     alloc[e, 0] go to rank 0, the next alloc[e, 1] to rank 1, and so on. A token whose entries
@@ -182,7 +182,7 @@ def token_destinations(topk_sK: torch.Tensor, counts_RE: torch.Tensor, rank: int
 
 def plan_shared(counts_RE: torch.Tensor, cap_R: torch.Tensor, num_slots: int, token_padding: int
                 ) -> tuple[torch.Tensor, ...]:
-    """SPEC 5.2-5.4, the part every rank computes identically: (quota_RR, alloc_ER, slot_expert_RB,
+    """§5.2-§5.4, the part every rank computes identically: (quota_RR, alloc_ER, slot_expert_RB,
     group_ER, group_rows_RG, offs_RG)."""
     R = cap_R.numel()
     count_E = counts_RE.to(_I64).sum(0)
@@ -218,8 +218,8 @@ def build_plan(layout: Layout, rank: int, topk_sK: torch.Tensor, counts_RE: torc
 
 def make_plan(layout: Layout, rank: int, topk_sK: torch.Tensor, counts_RE: torch.Tensor, *,
               total_num_tokens: int | None = None) -> Plan:
-    """Plan one dispatch from this rank's routing and every rank's histogram (SPEC 5), as every
-    planner of a Buffer does, with the checks of Buffer.plan (SPEC 8: ValueError naming the value;
+    """Plan one dispatch from this rank's routing and every rank's histogram (§5), as every
+    planner of a Buffer does, with the checks of Buffer.plan (§8: ValueError naming the value;
     host synchronisations)."""
     R, S = layout.num_ranks, layout.config.max_tokens
     if not 0 <= rank < R:

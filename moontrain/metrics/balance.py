@@ -1,4 +1,4 @@
-"""Expert load balance: maxvio = max_e T_e / mean(T) - 1 per MoE layer (SPEC.md section 1).
+"""Expert load balance: maxvio = max_e T_e / mean(T) - 1 per MoE layer (docs/moonep.md §1).
 
 Legend: L MoE layers, E experts.
 """

@@ -3,7 +3,7 @@
 Legend: L MoE layers, E experts, R EP ranks.
 
 - expert maxvio (before balancing): max_e T_e / mean(T) - 1 over the world-reduced token counts of the
-  step, i.e. what an unbalanced EP layout would see (SPEC section 1);
+  step, i.e. what an unbalanced EP layout would see (docs/moonep.md §1);
 - rank maxvio (after planning): the same over the rows each EP rank processes. moonep: from the plan's
   alloc_ER (rows of expert e processed on rank d), summed per rank: 0 by construction. Other backends:
   the tokens of each rank's home experts (no balancing);

@@ -48,7 +48,10 @@ class ModelConfig:
     # each, so a block is attn_res_block_size / 2 transformer layers; K3: 12). 0: standard residuals
     attn_res_block_size: int = 0
     norm_eps: float = 1e-6
+    # init (moontrain.model.init): matrices N(0, init_std^2), residual writers and routers depth-scaled,
+    # the token embedding N(0, init_embed_std^2) so that it dominates the residual stream at init
     init_std: float = 0.02
+    init_embed_std: float = 1.0
     # MLA attention
     num_heads: int
     q_lora_rank: int | None = None  # None: a full-rank q projection
@@ -91,6 +94,9 @@ class ModelConfig:
     num_expert_groups: int = 1
     topk_expert_groups: int = 1
     router_bias_update_rate: float = 1e-3  # aux-loss-free balancing step on the score-correction bias
+    # optimizer steps leave each router's weights along the step's mean router input unchanged: expert
+    # popularity moves through the bias only (moontrain.model.router_updates; false: plain updates)
+    router_mean_free_updates: bool = True
     seq_aux_loss_coef: float = 0.0  # sequence-wise balance loss (DeepSeek-V3); 0 disables it
     # benchmarks: sigma of a fixed log-normal expert popularity whose log is added to the selection scores
     # (same on every rank and layer), to force a routing skew; 0 leaves routing untouched
@@ -98,8 +104,8 @@ class ModelConfig:
     # execution: on CUDA the router's logits GEMM (fp32) and its backward run on TF32 tensor cores. The
     # forward's operands are bf16 values (the compute-dtype activations and FSDP's bf16 weight copy),
     # exact in TF32, so the logits are the fp32 GEMM's up to summation order; the backward rounds the
-    # fp32 logit grads to TF32's 10-bit mantissa. cuBLAS runs the IEEE fp32 GEMMs on FFMA: 15 ms of a
-    # 539 ms k3_small_moe step on 2xH200 (2026-11-30). No effect on the CPU
+    # fp32 logit grads to TF32's 10-bit mantissa. Off, cuBLAS runs IEEE fp32 GEMMs on FFMA (the cost:
+    # docs/performance.md). No effect on the CPU
     router_tf32: bool = True
     # execution: zero-pad q/k and v to one head dim before SDPA (flash attention wants equal dims).
     # Off: SDPA gets qk_head_dim and v_head_dim as they are (cuDNN and memory-efficient attention take
@@ -125,7 +131,7 @@ class ModelConfig:
             )
         if self.router_skew < 0:
             raise ValueError(f"model.router_skew must be >= 0 (0: no skew), got {self.router_skew}")
-        for name in ("norm_eps", "init_std", "rope_theta"):
+        for name in ("norm_eps", "init_std", "init_embed_std", "rope_theta"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"model.{name} must be a finite number > 0, got {getattr(self, name)}")
         for name in ("router_bias_update_rate", "seq_aux_loss_coef", "routed_scaling_factor"):

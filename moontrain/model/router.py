@@ -6,7 +6,9 @@ Selection uses sigmoid(logits) + bias; the combine weights use the unbiased scor
 the chosen K and multiplied by routed_scaling_factor (DeepSeek-V3 / Kimi K2). With group-limited routing
 (model.num_expert_groups > 1) a token chooses only among the experts of its topk_expert_groups best groups. The bias is not trained
 by gradients: after every optimizer step it moves by `update_rate * sign(mean_count - count_e)`
-using token counts reduced over the whole world, so every rank keeps the same bias.
+using token counts reduced over the whole world, so every rank keeps the same bias. With
+model.router_mean_free_updates the optimizer step leaves each router's weights along the step's mean
+input unchanged, so expert popularity is the bias's alone (moontrain.model.router_updates).
 Routing math runs in fp32 whatever the compute dtype: near-ties in bf16 would flip top-k choices.
 On CUDA with model.router_tf32 the logits GEMM and its backward use TF32 tensor cores (RouterLogits):
 the forward's operands are bf16 values, exact in TF32, so only the summation order differs.
@@ -80,6 +82,7 @@ class Router(nn.Module):
         self.tf32 = cfg.router_tf32
         self.num_groups, self.topk_groups = cfg.num_expert_groups, cfg.topk_expert_groups
         self.count_tokens = True  # off while activation checkpointing recomputes this layer
+        self.mean_free_updates = cfg.router_mean_free_updates
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, device=device))
         self.register_buffer("score_bias_E", torch.zeros(cfg.num_experts, device=device))
         # derived from model.router_skew, never trained or checkpointed
@@ -90,12 +93,17 @@ class Router(nn.Module):
         self.register_buffer("tokens_per_expert_E", torch.zeros(cfg.num_experts, dtype=torch.long, device=device),
                              persistent=False)
 
+        # sum of the router inputs since the last optimizer step (this rank only; fp32), for the mean-free
+        # updates of moontrain.model.router_updates
+        self.register_buffer("input_sum_D", torch.zeros(cfg.hidden_size, device=device), persistent=False)
+
     def forward(self, x_sD: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Returns (weights_sK fp32, topk_sK int64, sequence aux loss or None)."""
+        x32_sD = x_sD.float()
         if self.tf32 and x_sD.is_cuda:
-            logits_sE = RouterLogits.apply(x_sD.float(), self.weight.float())
+            logits_sE = RouterLogits.apply(x32_sD, self.weight.float())
         else:
-            logits_sE = F.linear(x_sD.float(), self.weight.float())
+            logits_sE = F.linear(x32_sD, self.weight.float())
         scores_sE = torch.sigmoid(logits_sE)
         select_sE = scores_sE.detach() + self.score_bias_E
         if self.skew:
@@ -109,6 +117,8 @@ class Router(nn.Module):
             # index_add_, not bincount: CUDA bincount reads the max id on the host (a sync per layer)
             flat = topk_sK.flatten()
             self.tokens_per_expert_E.index_add_(0, flat, torch.ones_like(flat))
+            if self.mean_free_updates:  # the step's mean input direction (moontrain.model.router_updates)
+                self.input_sum_D += x32_sD.detach().sum(0)
         aux = None
         if self.seq_aux_loss_coef > 0:
             aux = self._sequence_aux_loss(scores_sE, topk_sK, batch)

@@ -34,6 +34,7 @@ from moontrain.model.config import ModelConfig
 from moontrain.model.documents import DocumentMask, causal_flex_mask, document_mask
 from moontrain.model.experts import ExpertsContext, ExpertsRuntime, build_experts_runtime
 from moontrain.model.ffn import GatedFFN
+from moontrain.model.init import expert_stds, init_dense
 from moontrain.model.kda import KimiDeltaAttention
 from moontrain.model.moe import MoE
 from moontrain.model.norm import RMSNorm
@@ -136,26 +137,20 @@ class K3Model(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic init independent of the parallel layout (dense params from one seeded stream,
-        experts from per-expert generators)."""
+        """Deterministic init independent of the parallel layout (moontrain.model.init: dense params from
+        one seeded stream, experts from per-expert generators)."""
         gen = torch.Generator(device=self.embed.weight.device)
         gen.manual_seed(seed)
-        std = self.cfg.init_std
-        for name, p in self.named_parameters():
-            if ".experts.master." in name:
-                continue
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".query"):  # AttnRes pseudo-queries start at zero: uniform depth weights
-                p.zero_()
-            else:
-                p.normal_(0.0, std, generator=gen)
+        init_dense(self, self.cfg, gen)
         for block in self.layers:
             if block.is_kda:
                 block.attn.init_parameters(gen)
-        for layer_idx, moe in enumerate(self.moe_layers()):
-            moe.experts.init_master(seed=seed, layer_idx=layer_idx, std=std)
-            moe.router.score_bias_E.zero_()
+        moe_idx = 0
+        for layer_idx, block in enumerate(self.layers):
+            if block.is_moe:
+                block.ffn.experts.init_master(seed=seed, layer_idx=moe_idx, stds=expert_stds(self.cfg, layer_idx))
+                block.ffn.router.score_bias_E.zero_()
+                moe_idx += 1
 
     def compile_dense_parts(self) -> None:
         """torch.compile (in place) what runs between the routed experts: per block the norms (the

@@ -3,12 +3,10 @@
 Legend: n rows (output features) and m columns of a dense matrix, W ranks of the FSDP mesh, epn local
 experts, Hin/Hout an expert projection's widths, P matrices batched through one Newton-Schulz call.
 
-Groups (`split_muon_groups`):
-- muon: the nn.Linear weights (attention projections, dense FFN, shared experts, MoE latent projections)
-- experts: the fp32 expert masters [epn, Hin, Hout], one matrix per expert
-- adamw: the output head and the other matrices that are not linear maps (router weights, KDA's
-  convolution taps), decayed, and
-- no_decay: norms, biases and the token embedding (AdamW, not decayed)
+Groups (`split_muon_groups`): muon (the nn.Linear weights: attention, dense FFN, shared experts, MoE
+latent projections); experts (the fp32 expert masters [epn, Hin, Hout], one matrix per expert); adamw
+(the output head and matrices that are not linear maps: router weights, KDA's convolution taps; decayed);
+no_decay (norms, biases, the token embedding: AdamW, not decayed).
 
 Muon step per matrix G (its grad), momentum mu, Nesterov:
     buf = lerp(buf, G, 1 - mu);   U = lerp(G, buf, mu)

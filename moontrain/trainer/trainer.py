@@ -32,6 +32,7 @@ from moontrain.metrics.progress import ProgressLog, StepStats
 from moontrain.metrics.window import MetricsWindow, memory_stats
 from moontrain.model.experts import ExpertsContext
 from moontrain.model.kda import uses_fla
+from moontrain.model.router_updates import MeanFreeRouterUpdates
 from moontrain.model.transformer import K3Model
 from moontrain.optim.adamw import build_optimizer
 from moontrain.optim.qk_clip import QKClip
@@ -122,6 +123,9 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = peak_flops(device)
+        self.router_updates = MeanFreeRouterUpdates(
+            [moe.router for moe in self.model.moe_layers() if moe.router.mean_free_updates],
+            layout.world_group if layout.distributed else None)
         self.moe_stats = MoEStats(self.model.moe_layers(), ep=layout.ep)
         moe_ids = [i for i, block in enumerate(self.model.layers) if block.is_moe]
         self.window = MetricsWindow(moe_ids, layout)
@@ -182,7 +186,8 @@ class Trainer:
         self.stop_requested = verdict.stop
         written: frozenset[int] | None = None
         if self.guard.admit(verdict.finite, self.step):
-            self.optimizer.step()
+            with self.router_updates.held():  # expert popularity moves through the router bias only
+                self.optimizer.step()
             if self.qk_clip is not None:
                 self.qk_clip.step()
             written = self.optimizer.written_back

@@ -1,5 +1,6 @@
 """Routings for planner-kernel tests (K distinct experts per token drawn from a log-normal
-popularity), and the fused planner simulated for every rank in one process."""
+popularity), checked through the fused planner simulated for every rank in one process
+(moonep.testing)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 
 from moonep.config import BufferConfig
 from moonep.layout import Layout
-from moonep.planner import Plan, make_plan
+from moonep.planner import make_plan
+from moonep.testing import PLAN_FIELDS, assert_same_plan, simulate_fused
 
 
 def random_counts(R: int, E: int, K: int, s: int, sigma: float, g: torch.Generator) -> torch.Tensor:
@@ -41,52 +43,11 @@ def planner_cases(n: int, ranks: tuple[int, ...], max_epn: int, big: tuple[tuple
     return cases
 
 
-PLAN_FIELDS = ("counts_RE", "cap_R", "quota_RR", "alloc_ER", "slot_expert_RB", "group_rows_RG", "offs_RG",
-               "dst_rank_sK", "dst_row_sK", "copy_row_sK", "sent_sK")
-
-
-def assert_same_plan(got: Plan, want: Plan, context: str) -> None:
-    """Every field of a Plan bitwise (dtype and shape included); names the first mismatch."""
-    for name in ("rank", "num_ranks", "num_experts", "num_slots", "topk", "num_tokens", "nvs_s"):
-        assert getattr(got, name) == getattr(want, name), f"{context}: {name} {getattr(got, name)} != {getattr(want, name)}"
-    for name in PLAN_FIELDS:
-        a, b = getattr(got, name), getattr(want, name)
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{context}: {name} is {a.dtype}{list(a.shape)}, " \
-                                                         f"expected {b.dtype}{list(b.shape)}"
-        if not torch.equal(a, b):
-            bad = tuple((a != b).nonzero()[0].tolist())
-            raise AssertionError(f"{context}: {name} differs at {list(bad)}: fused {a[bad].item()} vs "
-                                 f"make_plan {b[bad].item()}")
-
-
 def random_topk(s: int, E: int, K: int, sigma: float, g: torch.Generator) -> torch.Tensor:
     """int32 [s, K]: K distinct experts per token from a log-normal popularity (Gumbel top-k)."""
     p = torch.exp(torch.randn(E, generator=g) * sigma)
     gumbel = -torch.log(-torch.log(torch.rand(s, E, generator=g)))
     return torch.topk(torch.log(p) + gumbel, K, dim=1).indices.to(torch.int32)
-
-
-def simulate_fused(layout: Layout, topk_R: list[torch.Tensor], total: int | None, chunk: int | None = None
-                   ) -> list[Plan]:
-    """Every rank's plan from moonep.planner.fused in one process (any device): step 1 of every
-    rank into one [R, R, E] hist (what the peer stores build), then steps 3-4 of each rank (program
-    order stands in for the barrier)."""
-    from moonep.planner import fused as pf  # imports triton
-
-    R, E = layout.num_ranks, layout.config.num_experts
-    device = topk_R[0].device
-    hist_all = torch.full((R, R, E), -7, dtype=torch.int32, device=device)
-    work = [pf._Workspace(layout, t.shape[0], device, chunk or pf.CHUNK) for t in topk_R]
-    for r, topk in enumerate(topk_R):
-        pf.chunk_pass(topk, r, hist_all, work[r])
-    plans = []
-    for r, topk in enumerate(topk_R):
-        plan_layout = pf._PlanLayout(layout, r, topk.shape[0], total)
-        flat = plan_layout.empty(device).fill_(0x5A5A5A5A)  # garbage: the kernels write every field
-        cap_base, cap_rem = pf.receive_cap_args(R, layout.config.topk, topk.shape[0], total)
-        pf.plan_pass(topk, r, hist_all[r], work[r], plan_layout.views(flat), layout, cap_base, cap_rem)
-        plans.append(plan_layout.plan(flat))
-    return plans
 
 
 FusedCase = tuple[int, int, int, list[int], int, int, float, bool]  # R, E, K, s per rank, B, pad, sigma, per_rank

@@ -1,6 +1,6 @@
-"""An independent, slow reference of the planner (SPEC 5.1-5.5) in plain Python loops.
+"""An independent, slow reference of the planner (docs/moonep.md §5.1-§5.5) in plain Python loops.
 
-It is written from the SPEC text, not from moonep/planner.py: integers in lists, one greedy step
+It is written from the text of docs/moonep.md §5, not from moonep/planner.py: integers in lists, one greedy step
 per loop iteration, every (source rank, token, k) entry placed one at a time. Tests compare the
 library's integer plan to it bitwise and use it to predict where every token row must land.
 
@@ -52,7 +52,7 @@ class RefPlan:
 
 
 def reference_caps(num_ranks: int, topk: int, s_R: list[int], total_num_tokens: int | None) -> list[int]:
-    """SPEC 5.1."""
+    """§5.1."""
     if total_num_tokens is None:
         assert all(s == s_R[0] for s in s_R)
         return [s_R[0] * topk] * num_ranks

@@ -1,4 +1,4 @@
-"""Bad input (SPEC 8): every public entry point raises ValueError naming the offending value.
+"""Bad input (docs/moonep.md §8): every public entry point raises ValueError naming the offending value.
 
 The single-rank cases run in one spawn of a gloo group of 1, the cross-rank cases (E % R, s
 differing across ranks, a wrong total_num_tokens) in one spawn of 2 ranks. Each rank records the

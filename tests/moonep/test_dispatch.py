@@ -2,7 +2,7 @@
 references computed from the global routing:
 
 - the plan is identical on every rank (all_gather of the shared fields) and equals the
-  independent SPEC reference (tests/moonep/planner_reference.py);
+  independent reference of docs/moonep.md §5 (tests/moonep/planner_reference.py);
 - dispatch: every valid row is x of its (source rank, token), every padding row exactly zero;
   the route weight per row likewise; the same with a saved plan and other data;
 - combine: the fp32 sum of each token's K rows in ascending k; the per-(t, k) scalar gather;
@@ -151,8 +151,8 @@ def _check_plan(c: Checks, ctx: str, plan, ref: RefPlan, rank: int) -> None:
             "dst_row_sK": ref.dst_row[rank], "copy_row_sK": ref.copy_row[rank], "sent_sK": ref.sent[rank]}
     for name, value in want.items():
         got = getattr(plan, name)
-        c.bitwise("plan equals the SPEC reference", ctx, name, got, torch.tensor(value, dtype=got.dtype))
-    c.true("plan equals the SPEC reference", ctx, plan.nvs_s == ref.nvs_s, f"nvs_s {plan.nvs_s} != {ref.nvs_s}")
+        c.bitwise("plan equals the independent reference", ctx, name, got, torch.tensor(value, dtype=got.dtype))
+    c.true("plan equals the independent reference", ctx, plan.nvs_s == ref.nvs_s, f"nvs_s {plan.nvs_s} != {ref.nvs_s}")
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, plan.shared())
     for r, shared in enumerate(gathered):
@@ -391,7 +391,7 @@ def data_path(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
 
 
 CHECKS = [
-    "plan equals the SPEC reference",
+    "plan equals the independent reference",
     "plan identical on every rank",
     "dispatched rows equal a direct gather",
     "dispatch with a saved plan",

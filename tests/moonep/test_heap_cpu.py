@@ -1,4 +1,4 @@
-"""The CPU symmetric heap (SPEC 4) at R = 2 in one spawn: alias mappings of the same physical
+"""The CPU symmetric heap (docs/moonep.md §4.1) at R = 2 in one spawn: alias mappings of the same physical
 chunks see the same bytes (own chunk, a peer's chunk, pieces of two segments side by side, typed
 and strided views), alloc is zero-initialised and checked across ranks, destroy() unmaps every
 view, is idempotent, and any use afterwards raises.

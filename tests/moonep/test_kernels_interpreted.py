@@ -19,9 +19,9 @@ import torch
 from moonep import BufferConfig, BufferOptions
 from moonep.layout import Layout
 from moonep.planner import make_plan
+from moonep.testing import assert_same_plan
 from tests.dist_utils import run_ranks
 from tests.moonep.planner_cases import (
-    assert_same_plan,
     check_fused_cases,
     check_fused_topk,
     group_skewed_topk,
@@ -139,7 +139,7 @@ def test_fused_planner_matches_make_plan() -> None:
 
 def test_fused_planner_slots_run_out() -> None:
     """Routings on the lowest home groups only: every receiver takes many experts of similar size, so
-    with few slots remote experts keep their home rows (SPEC 5.4), and a donor may become a receiver;
+    with few slots remote experts keep their home rows (docs/moonep.md §5.4), and a donor may become a receiver;
     the last two at K3's ratios (E / R = 14, K = 16, R = 8)."""
     g = torch.Generator().manual_seed(5)
     for R, E, K, s, groups, B, pad in ((2, 16, 4, 40, 1, 2, 4), (8, 112, 16, 48, 3, 3, 16), (8, 112, 16, 64, 3, 14, 1)):

@@ -1,11 +1,11 @@
-"""The planner (SPEC 5) on many routings, in one process: make_plan is called for every rank of an
+"""The planner (docs/moonep.md §5) on many routings, in one process: make_plan is called for every rank of an
 R-rank problem with the gathered histograms, exactly as each rank would call it.
 
 Two kinds of checks:
-- properties stated in SPEC 5 (exact caps, conservation, one remote home group per rank, slots,
+- properties stated in §5 (exact caps, conservation, one remote home group per rank, slots,
   padded offsets, destinations covering exactly the valid rows, dedup), checked on the plan;
 - bitwise equality of every integer output with tests/moonep/planner_reference.py, an independent
-  plain-Python implementation of SPEC 5.2-5.5 (it fixes token order, tie-breaking and slot order).
+  plain-Python implementation of §5.2-§5.5 (it fixes token order, tie-breaking and slot order).
 
 Legend: R ranks, E experts, epn = E / R, B slots per rank, K top-k, s tokens per rank.
 """
@@ -47,7 +47,7 @@ def first_mismatch(got, ref, path: str = "") -> str | None:
 def assert_same(name: str, got: torch.Tensor | list, ref: list, context: str) -> None:
     got_list = got.tolist() if isinstance(got, torch.Tensor) else got
     m = first_mismatch(got_list, ref)
-    assert m is None, f"{context}: {name} differs from the SPEC reference at {name}{m}"
+    assert m is None, f"{context}: {name} differs from the independent reference at {name}{m}"
 
 
 def layout_for(R: int, E: int, K: int, S: int, pad: int, num_slots: int | None = None, entries: bool = False
@@ -79,7 +79,7 @@ def skewed_routing(gen: torch.Generator, s_R: list[int], E: int, K: int, sigma: 
 
 # ---------------------------------------------------------------------------------- checks
 def check_properties(layout: Layout, plans: list[Plan], topk_R: list[torch.Tensor], ctx: str) -> None:
-    """SPEC 5 properties, on the library's plans alone."""
+    """§5 properties, on the library's plans alone."""
     R, E, K = layout.num_ranks, layout.config.num_experts, layout.config.topk
     B, epn, pad = layout.num_slots, layout.epn, layout.config.token_padding
     p0 = plans[0]
@@ -282,7 +282,7 @@ def test_maximum_maxvio_uses_every_slot_of_the_receivers() -> None:
 
 
 def test_fewer_slots_than_remote_experts_keeps_home_rows() -> None:
-    """Inference (B < epn): remote experts past the B-th keep their home W_full row (SPEC 5.4)."""
+    """Inference (B < epn): remote experts past the B-th keep their home W_full row (§5.4)."""
     gen = torch.Generator().manual_seed(5)
     overflow = 0
     R, epn, K = 4, 6, 4
@@ -306,7 +306,7 @@ def test_fewer_slots_than_remote_experts_keeps_home_rows() -> None:
 
 @pytest.mark.parametrize(("T", "K", "R"), [(5, 3, 4), (8, 2, 4), (1, 1, 8), (13, 8, 8), (7, 5, 2), (9, 1, 1)])
 def test_receive_caps_per_rank_s(T: int, K: int, R: int) -> None:
-    """SPEC 5.1: cap_d = floor(T*K/R) + (1 if d < (T*K) mod R else 0)."""
+    """§5.1: cap_d = floor(T*K/R) + (1 if d < (T*K) mod R else 0)."""
     want = [T * K // R + (1 if d < (T * K) % R else 0) for d in range(R)]
     assert want == reference_caps(R, K, [0] * R, T)
     got = receive_caps(R, K, num_tokens=None, total_num_tokens=T, device=torch.device("cpu"))
@@ -342,7 +342,7 @@ def entries_routing(gen: torch.Generator, R: int, s: int, E: int, K: int, sigma:
 @pytest.mark.parametrize("R", [1, 2, 4, 8])
 def test_entries_mode_matches_reference_and_properties(R: int) -> None:
     """Entries mode (BufferConfig.entries): rows with 0 to K entries, caps split the total entries T
-    (floor(T/R), the remainder to the lowest ranks), every field bitwise the SPEC reference's."""
+    (floor(T/R), the remainder to the lowest ranks), every field bitwise the independent reference's."""
     rng = random.Random(3000 + R)
     gen = torch.Generator().manual_seed(4000 + R)
     uneven = slot_use = 0

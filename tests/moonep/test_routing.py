@@ -1,4 +1,4 @@
-"""moonep.routing: maxvio metrics and the target-maxvio routing generator (SPEC 9).
+"""moonep.routing: maxvio metrics and the target-maxvio routing generator (docs/moonep.md §9).
 
 Shape legend: R ranks, s tokens per rank, E routed experts, K top-k.
 """

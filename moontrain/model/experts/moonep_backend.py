@@ -1,4 +1,4 @@
-"""The moonep backend: perfectly balanced EP with static shapes (see SPEC.md sections 2-7).
+"""The moonep backend: perfectly balanced EP with static shapes (docs/moonep.md §2-§7).
 
 Expert weights live in moonep's symmetric memory: ExpertWeights binds `layer.w_local[name]` (bf16 view
 of this rank's local rows) as its compute tensors and `layer.g_local[name]` (fp32 grad mirror, local
@@ -11,7 +11,7 @@ the host Buffer of a moonep.HierarchicalBuffer (this host's ranks, entries mode)
 local experts as one-level EP rank ep_rank, and each layer runs moonep.hierarchical_expert_glu (rows cross
 hosts through all-to-alls over the rail group).
 
-num_slots=None means B = epn, which training requires (SPEC 5.2-5.3).
+num_slots=None means B = epn, which training requires (docs/moonep.md §5.2).
 """
 
 from __future__ import annotations

@@ -5,9 +5,8 @@ Legend: epn local experts on this rank, Hin/Hout a projection's input/output wid
 Per projection (gate [H,F], up [H,F], down [F,H]) a MoE layer holds three tensors of shape
 [epn, Hin, Hout] for this rank's local expert rows (global experts [ep_rank*epn, (ep_rank+1)*epn)):
 
-- master (fp32 nn.Parameter): what the optimizer sees and updates. Never used in forward, so FSDP is
-  told to ignore it (expert data parallelism is done explicitly, below). With the state sharded it
-  holds only this replica's rows (below).
+- master (fp32 nn.Parameter): what the optimizer updates. Never used in forward, so FSDP ignores it
+  (expert data parallelism is explicit, below); with the state sharded it holds this replica's rows.
 - compute (compute dtype, bf16 on GPU): what the grouped GEMM reads. For `local`/`alltoall` it is a
   plain leaf tensor owned here; for `moonep` it is `layer.w_local[name]`, a view into moonep's
   symmetric memory (rows [E, E+B) of that memory are prefetch slots and are never seen here).
@@ -35,13 +34,10 @@ copy and the grad buffers stay whole (backward reads and accumulates every local
 store the masters as canonical rows, so a checkpoint loads at either setting
 (moontrain.checkpoint.tensors.expert_shard_ownership).
 
-Sharded == unsharded bitwise: each grad element is the same sum when the group's reduce-scatter and
-all-reduce add the D contributions in one order: always for D = 2 (a + b == b + a), and on gloo at
-D = 4 too (tested); NCCL's all-reduce may pick a tree where its reduce-scatter is a ring, so past D = 2
-on GPUs the elements may differ in the last bit while the norm's summation order below stays pinned.
-The global grad norm sums the expert squares per row block in both modes (moontrain.parallel.clip);
-AdamW is elementwise, so the shard's step equals the whole tensor's rows bit for bit, and the compute
-rows are the same cast of the same masters.
+Sharded == unsharded bitwise where the reduce-scatter and the all-reduce add the D contributions in
+one order: always at D = 2, on gloo at D = 4 (tested); past D = 2 NCCL may pick a tree for one and a
+ring for the other (last-bit differences). The grad norm sums per row block in both modes
+(moontrain.parallel.clip) and AdamW is elementwise, so the shard's step equals the whole tensor's rows.
 """
 
 from __future__ import annotations
@@ -103,15 +99,16 @@ class ExpertWeights(nn.Module):
         return self._shard_lo, next(iter(self.master.values())).shape[0]
 
     @torch.no_grad()
-    def init_master(self, *, seed: int, layer_idx: int, std: float) -> None:
-        """Each global expert gets its own generator, so the values do not depend on the EP layout."""
+    def init_master(self, *, seed: int, layer_idx: int, stds: dict[str, float]) -> None:
+        """N(0, stds[projection]^2) per projection; each global expert gets its own generator, so the
+        values do not depend on the EP layout."""
         for proj_idx, name in enumerate(PROJECTIONS):
             master = self.master[name]
             for j in range(master.shape[0]):
                 e = self.expert_offset + self._shard_lo + j
                 gen = torch.Generator(device=master.device)
                 gen.manual_seed(((seed * 1009 + layer_idx) * 3 + proj_idx) * 1_000_003 + e)
-                master[j].normal_(0.0, std, generator=gen)
+                master[j].normal_(0.0, stds[name], generator=gen)
 
     def bind_owned(self, dtype: torch.dtype, loss_scale: float) -> None:
         """local/alltoall: own the compute leaves and an fp32 grad buffer that a hook fills with

@@ -12,9 +12,8 @@ import torch.distributed as dist
 from moonep import Buffer, BufferConfig, BufferOptions
 from moonep.planner import Plan, make_plan
 from moonep.routing import generate_routing
+from moonep.testing import PLAN_FIELDS, assert_same_plan
 from tests.moonep.planner_cases import (
-    PLAN_FIELDS,
-    assert_same_plan,
     check_fused_cases,
     check_fused_topk,
     group_skewed_topk,

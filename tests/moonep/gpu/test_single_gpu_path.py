@@ -10,6 +10,7 @@ the two-GPU tests (tests/moonep/gpu, torchrun) cover the peers.
 
 from __future__ import annotations
 
+import functools
 import socket
 
 import pytest
@@ -60,12 +61,24 @@ def test_triton_path_bitwise_equals_torch_path_one_gpu(one_rank: dist.ProcessGro
         ref.destroy()
 
 
+Hs, Fs, Ks, Ss, Es = 512, 2048, 4, 64, 16  # 512*2048*2 B = 2 MiB per expert row (one VMM granule)
+
+
+@functools.lru_cache(maxsize=1)  # the tests run activation by activation
+def _dense_reference(activation: str) -> tuple:
+    """The problem and its bf16 and fp64 dense references on the CPU (~8 s on a GPU host's cores), once per
+    activation: the five kernel variants of the test below share them."""
+    x, w, topk, weights, grad_y = cpu_moe._problem(1, Es, 2.5, H=Hs, F=Fs, K=Ks, S=Ss)
+    args = (x[0], weights[0], topk[0], w, grad_y[0])
+    return (x, w, topk, weights, grad_y, reference_grads(*args, torch.bfloat16, activation),
+            reference_grads(*args, torch.float64, activation))
+
+
 # fused: BufferOptions.fused_expert_gemm; dest: BufferOptions.combine_reduce="destination"
 @pytest.mark.parametrize("kernels", ["torch", "triton", "triton+fused", "torch+dest", "triton+dest"])
 @pytest.mark.parametrize("activation", ["swiglu", "situ_glu"])
 def test_moe_layer_one_gpu_matches_dense_reference(one_rank: dist.ProcessGroup, kernels: str, activation: str) -> None:
-    Hs, Fs, Ks, Ss, Es = 512, 2048, 4, 64, 16  # 512*2048*2 B = 2 MiB per expert row (one VMM granule)
-    x, w, topk, weights, grad_y = cpu_moe._problem(1, Es, 2.5, H=Hs, F=Fs, K=Ks, S=Ss)
+    x, w, topk, weights, grad_y, ref16, ref64 = _dense_reference(activation)
     path, _, variant = kernels.partition("+")
     options = BufferOptions(kernels=path, fused_expert_gemm=variant == "fused",
                             combine_reduce="destination" if variant == "dest" else "source")
@@ -82,9 +95,8 @@ def test_moe_layer_one_gpu_matches_dense_reference(one_rank: dist.ProcessGroup, 
         buf.wait_pending()
         got = {"y": y.detach().cpu(), "gx": x_sH.grad.cpu(), "gw": w_sK.grad.cpu(),
                **{p: layer.g_local[p].cpu() for p in w}}
-        args = (x[0], weights[0], topk[0], w, grad_y[0])
-        y16, gx16, gw16, gW16 = reference_grads(*args, torch.bfloat16, activation)
-        y64, gx64, gw64, gW64 = reference_grads(*args, torch.float64, activation)
+        y16, gx16, gw16, gW16 = ref16
+        y64, gx64, gw64, gW64 = ref64
         cpu_moe._close("y", got["y"], y16, y64)
         cpu_moe._close("grad x", got["gx"], gx16, gx64)
         cpu_moe._close("grad route weights", got["gw"], gw16, gw64)

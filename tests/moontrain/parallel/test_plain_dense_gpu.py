@@ -28,13 +28,14 @@ CUDA = torch.device("cuda", 0)
 
 
 def _config(dense: str, optim: str, run_dir: Path) -> RunConfig:
-    # epn * H * F * 2 bytes = 8 * 512 * 256 * 2 = 2 MiB: one VMM granule (moonep's GPU heap)
+    # epn * H * F * 2 bytes = 8 * 512 * 256 * 2 = 2 MiB: one VMM granule (moonep's GPU heap). KDA: 16 heads of
+    # 128 (k3_small's), whose fla tile choices launch/fla_autotune_h200 holds; other head counts autotune for minutes
     return from_dict(RunConfig, {
         "model": dict(vocab_size=512, hidden_size=512, num_layers=4, num_dense_layers=1, dense_intermediate_size=1024,
                       num_heads=4, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=128, qk_rope_head_dim=64,
                       v_head_dim=128, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
                       moe_intermediate_size=256, routed_scaling_factor=2.0, router_bias_update_rate=0.01,
-                      kda_layers_per_mla=1 if fla_available() else 0, kda_num_heads=4, kda_head_dim=128,
+                      kda_layers_per_mla=1 if fla_available() else 0, kda_num_heads=16, kda_head_dim=128,
                       ffn_activation="situ_glu", attn_res_block_size=2),
         "experts": {"backend": "moonep"},
         "parallel": {"ep": 1, "dense": dense, "fsdp_reshard_after_forward": False},

@@ -161,7 +161,7 @@ def _reduce_at_four_replicas(rank: int, world: int) -> None:
         assert ((got.double() - terms.sum(0)).abs() <= bound).all(), name
     assert torch.equal(norms[True], norms[False]), (norms[True].item(), norms[False].item())
     for w in weights.values():  # the sharded masters init their own rows; push_master all-gathers the compute rows
-        w.init_master(seed=3, layer_idx=1, std=0.02)
+        w.init_master(seed=3, layer_idx=1, stds=dict.fromkeys(("gate", "up", "down"), 0.02))
         w.push_master()
     for name in PROJECTIONS:
         assert torch.equal(weights[True].master[name], weights[False].master[name][rows]), name

@@ -33,7 +33,7 @@ def _ctx(ep_size: int, group=None) -> ExpertsContext:
 
 def _weights(ep_rank: int, ep_size: int) -> ExpertWeights:
     w = ExpertWeights(num_experts=E, ep_rank=ep_rank, ep_size=ep_size, hidden=H, intermediate=FF)
-    w.init_master(seed=1, layer_idx=0, std=0.1)
+    w.init_master(seed=1, layer_idx=0, stds=dict.fromkeys(("gate", "up", "down"), 0.1))
     return w
 
 

@@ -2,7 +2,7 @@
 emulated mirror, then on the real moonep pools in a dp_replicate 2 x EP 2 run:
 
 the expert-data-parallel reduction is handed exactly this rank's local rows, never the slot rows
-[E, E+B) of a grad mirror. The mirror is emulated here as in SPEC.md section 4: one fp32 tensor
+[E, E+B) of a grad mirror. The mirror is emulated here as in docs/moonep.md §4.3: one fp32 tensor
 [E+B, Hin, Hout] whose rows [r*epn, (r+1)*epn) are this rank's local grads (bound as the grad view) and
 whose rows [E, E+B) are the reduce buffer. The reduce buffer is poisoned with NaN before the reduction;
 the reduced local rows must equal the exact sum (the grads carry the loss scale already), the poison
@@ -47,7 +47,7 @@ def _local_grad(rank: int, e: int, shape: tuple[int, ...]) -> torch.Tensor:
 
 def _rank_fn(rank: int, world: int) -> dict:
     w = ExpertWeights(num_experts=E, ep_rank=0, ep_size=EP, hidden=H, intermediate=FF)
-    w.init_master(seed=0, layer_idx=0, std=0.02)
+    w.init_master(seed=0, layer_idx=0, stds=dict.fromkeys(("gate", "up", "down"), 0.02))
     epn, slots = w.num_local, w.num_local
     mirrors, compute = {}, {}
     for name, shape in w.shapes.items():

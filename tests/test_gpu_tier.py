@@ -1,0 +1,135 @@
+"""What tests/conftest.py does on a GPU machine: no collected module sets TRITON_INTERPRET, and fla's
+autotune choices are seeded into Triton's cache.
+
+A module that sets TRITON_INTERPRET=1 at import, itself or through a tests module it imports, runs every
+Triton kernel of the session in the interpreter; on a GPU that fails every kernel test. Such modules are
+named *_interpreted.py and conftest does not collect them on a GPU machine. Checked two ways on the CPU:
+- every tests module is scanned (its import-time statements, not its functions); each one that sets the
+  variable, or imports one that does, must be named *_interpreted.py (conftest.py files never);
+- the GPU tier of tests/moonep (where most of them live) is collected in a subprocess whose torch reports
+  one CUDA GPU: no *_interpreted module is collected, TRITON_INTERPRET is unset when collection ends, and
+  the gpu tests are there (the whole tree would take ~10 s of CPU; the scan covers it).
+The seed copies every entry of launch/fla_autotune_h200 byte for byte and never overwrites one the cache holds.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests import conftest
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO = TESTS_DIR.parent
+VAR = "TRITON_INTERPRET"
+ENV_SETTERS = {"setdefault", "update", "putenv", "setenv"}
+
+
+def _import_time_nodes(tree: ast.Module) -> list[ast.AST]:
+    """The nodes a module runs when imported: a function's decorators and default values run then, its
+    body only when called."""
+    nodes, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            stack.extend(getattr(node, "decorator_list", []))
+            stack.extend(d for d in (*node.args.defaults, *node.args.kw_defaults) if d is not None)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+    return nodes
+
+
+def _sets_var(node: ast.AST) -> bool:
+    if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == VAR
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ENV_SETTERS:
+        return (any(isinstance(a, ast.Constant) and a.value == VAR for a in node.args)
+                or any(k.arg == VAR for k in node.keywords))
+    return False
+
+
+def _imported_modules(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+        return [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+    return []
+
+
+def interpreter_modules() -> dict[str, Path]:
+    """Every module under tests/ that sets TRITON_INTERPRET at import, itself or by importing one that does."""
+    paths = {".".join(p.relative_to(REPO).with_suffix("").parts): p for p in TESTS_DIR.rglob("*.py")}
+    sets, imports = set(), {}
+    for name, path in paths.items():
+        nodes = _import_time_nodes(ast.parse(path.read_text(), str(path)))
+        if any(_sets_var(n) for n in nodes):
+            sets.add(name)
+        imports[name] = {m for n in nodes for m in _imported_modules(n) if m in paths}
+    changed = True
+    while changed:
+        grown = {name for name, deps in imports.items() if deps & sets}
+        changed = not grown <= sets
+        sets |= grown
+    return {name: paths[name] for name in sorted(sets)}
+
+
+def test_every_module_setting_triton_interpret_is_left_out_on_a_gpu(monkeypatch) -> None:
+    found = interpreter_modules()
+    # the scan sees both ways in: an assignment (test_kernels_interpreted) and an import of such a module
+    assert {"tests.moonep.test_kernels_interpreted", "tests.moonep.test_expert_math_interpreted",
+            "tests.moontrain.optim.test_write_back_interpreted"} <= found.keys(), sorted(found)
+    misnamed = [name for name, path in found.items()
+                if path.name == "conftest.py" or not path.name.endswith(conftest.INTERPRETED_SUFFIX)]
+    assert not misnamed, (f"{misnamed} set {VAR} at import but would be collected on a GPU machine; "
+                          f"name them *{conftest.INTERPRETED_SUFFIX} (tests/conftest.py leaves those out there)")
+    monkeypatch.setattr(conftest, "ON_GPU", True)
+    assert all(conftest.pytest_ignore_collect(path, None) for path in found.values())
+    assert conftest.pytest_ignore_collect(TESTS_DIR / "moonep" / "test_planner.py", None) is None
+    monkeypatch.setattr(conftest, "ON_GPU", False)
+    assert not any(conftest.pytest_ignore_collect(path, None) for path in found.values())
+
+
+FAKE_GPU_PLUGIN = '''
+import os
+import torch
+
+torch.cuda.is_available = lambda: True  # before tests/conftest.py reads it: collect as on a one-GPU machine
+torch.cuda.device_count = lambda: 1
+
+
+def pytest_collection_finish(session):
+    print("TRITON_INTERPRET after collection:", os.environ.get("TRITON_INTERPRET"))
+'''
+
+
+def test_gpu_collection_leaves_the_interpreter_off(tmp_path: Path) -> None:
+    (tmp_path / "fake_one_gpu.py").write_text(FAKE_GPU_PLUGIN)
+    env = {k: v for k, v in os.environ.items() if k != VAR}  # this CPU session may have set it
+    env.update(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), env.get("PYTHONPATH", "")]),
+               TRITON_CACHE_DIR=str(tmp_path / "triton_cache"), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "fake_one_gpu", "-p", "no:cacheprovider", "--co", "-q",
+                          "-m", "gpu or multigpu", "tests/moonep"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    node_ids = [line for line in out.stdout.splitlines() if "::" in line]
+    assert "TRITON_INTERPRET after collection: None" in out.stdout, out.stdout[-3000:]
+    assert not [n for n in node_ids if "_interpreted.py" in n], node_ids
+    assert any(n.startswith("tests/moonep/gpu/test_single_gpu_path.py::") for n in node_ids), out.stdout[-3000:]
+
+
+def test_fla_autotune_seed_copies_missing_entries_only(tmp_path: Path) -> None:
+    entries = sorted(conftest.FLA_AUTOTUNE_DIR.glob("*/*.autotune.json"))
+    assert len(entries) >= 40, entries  # fla's chunk_kda kernels, rows and documents (docs/kda.md)
+    kept = tmp_path / entries[0].parent.name / entries[0].name
+    kept.parent.mkdir()
+    kept.write_text("{}")  # an entry the cache already holds stays as it is
+    assert conftest.seed_fla_autotune(tmp_path) == len(entries) - 1
+    assert kept.read_text() == "{}"
+    for src in entries[1:]:
+        assert (tmp_path / src.parent.name / src.name).read_bytes() == src.read_bytes(), src
+    assert conftest.seed_fla_autotune(tmp_path) == 0
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith(".autotune.json")) == []
