@@ -33,7 +33,8 @@ Bad input: with value checks on, plan and dispatch run every rank-local input ch
 ranks agree on the verdict (one all_reduce of a flag) before anything moves, so one rank's invalid
 input makes every rank raise in that call and leaves nothing half-done (a rank raising alone would
 leave its peers in the exchange, paired with its retry). A plan is accepted only by the Buffer that
-made it.
+made it; combine refuses one that no dispatch used, and the last dispatch's receive rows with another
+plan (host bookkeeping, no sync; rows computed from an earlier dispatch's cannot be traced).
 
 Legend: s tokens of this rank, K top-k, H hidden, E experts, R ranks, nvs_s rows of this call.
 """
@@ -116,6 +117,8 @@ class Buffer:
         # histograms of that plan, so a second plan() in a row must not write new ones yet
         self._hist_unsettled = False
         self._plans: weakref.WeakSet[Plan] = weakref.WeakSet()  # the plans this buffer made (plan())
+        self._dispatched: weakref.WeakSet[Plan] = weakref.WeakSet()  # the plans a dispatch laid rows out with
+        self._last_dispatch: weakref.ref[Plan] | None = None  # the plan of the rows in the receive buffer
         self._poisoned: str | None = None  # why every later call is refused (see _poison)
         self._comm_stream = CommStream(self.device)  # dispatch_async / combine_async
         self.path: DataPath = build_path(kind, CommViews(self.layout, self.rank, self.device, config.options,
@@ -222,6 +225,8 @@ class Buffer:
         self.path.scatter(plan, x_sH, weights_sK)
         self.barrier("dispatch:rows")
         self.path.expand(plan)
+        self._dispatched.add(plan)
+        self._last_dispatch = weakref.ref(plan)
         mine = self._mine
         return DispatchResult(mine["recv"][: plan.nvs_s], mine["row_weight"][: plan.nvs_s], plan.cu_seqlens, plan)
 
@@ -337,7 +342,24 @@ class Buffer:
             check_tensor("row_weights", row_weights, shape=(plan.nvs_s,), dtype=torch.float32, device=self.device)
         if add_rows is not None:
             check_tensor("add_rows", add_rows, shape=(plan.nvs_s, H), dtype=self.config.dtype, device=self.device)
+        self._check_rows_plan(plan, y_rows, add_rows)
         return self.path.combine(plan, y_rows, row_scalars, row_weights, add_rows)
+
+    def _check_rows_plan(self, plan: Plan, *rows: torch.Tensor | None) -> None:
+        """combine's rows must be laid out by a dispatch with `plan` (see the module docstring): another plan
+        sums other rows into each token, silently."""
+        if plan not in self._dispatched:
+            raise ValueError("combine got a plan that no dispatch of this Buffer used, so no rows are laid out by it; "
+                             "pass the plan of the dispatch whose rows y_rows was computed from (its "
+                             "DispatchResult.plan)")
+        recv = self._mine["recv"]
+        lo, hi = recv.data_ptr(), recv.data_ptr() + recv.numel() * recv.element_size()
+        last = self._last_dispatch() if self._last_dispatch is not None else None
+        for t in rows:
+            if t is not None and plan is not last and t.data_ptr() < hi and lo < t.data_ptr() + t.nbytes:
+                raise ValueError("combine got rows of the receive buffer, which hold the last dispatch's rows, with "
+                                 "another plan than that dispatch's; pass the last dispatch's plan "
+                                 "(DispatchResult.plan), or clone rows before a later dispatch overwrites them")
 
     def combine_async(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None = None, *,
                       row_weights: torch.Tensor | None = None, add_rows: torch.Tensor | None = None

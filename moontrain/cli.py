@@ -13,12 +13,14 @@
 launch validates the recipe (strict loader, world-size checks, data paths, columns and tokenizer, on a CPU
 host the memory estimate, and the checkpoint it would resume: planning.resume_check) before anything starts,
 says what it will do (data, fresh run or resume, the checkpoint policy), then runs torchrun with one worker
-per rank (`moontrain.trainer.worker`); the worker picks nccl on GPU and gloo on CPU. Everything printed also
-goes to <run_dir>/console.log (moontrain.console). A configuration or data error in a worker is printed as
-the worker's one line, not torchrun's report. A run already at train.steps is reported finished and nothing
-starts. --dry-run prints the parallel layout, parameter counts, a per-rank memory estimate and the data
-checks for this host's device (--device to choose) without allocating anything (the model is built on the
-meta device).
+per rank (`moontrain.trainer.worker`); the worker picks nccl on GPU and gloo on CPU. On one host the
+rendezvous store is the launcher's own, on 127.0.0.1 (moontrain.parallel.job_store). Everything printed also
+goes to <run_dir>/console.log (moontrain.console); the ranks' output (tracebacks of unexpected errors
+included) is forwarded as it comes, and a configuration or data error in a worker is printed as the
+worker's one line, last, not torchrun's report. A run already at train.steps is reported finished and
+nothing starts. --dry-run prints the parallel layout, parameter counts, a per-rank memory estimate and the
+data checks for this host's device (--device to choose) without allocating anything (the model is built on
+the meta device).
 
 SIGTERM / SIGINT to the launcher (or to the whole process group: Ctrl-C, a scheduler): the ranks finish
 the step, save once and exit 0, and so does the launcher; a second signal aborts; no rank outlives the
@@ -40,6 +42,7 @@ import torch
 from moontrain.config import RunConfig, from_dict, load_recipe
 from moontrain.console import Console, console_path
 from moontrain.parallel.hosts import check_dry_run_host, check_ep_domain
+from moontrain.parallel.job_store import JobStore
 from moontrain.supervisor import Supervisor
 
 EPILOG = """\
@@ -160,10 +163,12 @@ def _main(argv: list[str]) -> int:
               "train.steps to train on, or set checkpoint.resume=none to start over (the earlier checkpoints are "
               "moved aside)")
         return 0
+    store = JobStore() if args.nnodes == 1 else None
     cmd = torchrun_command(args.recipe, args.overrides, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                            rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id or rdzv_id_for(run_dir),
                            max_restarts=args.max_restarts,
-                           log_dir=Path(run_dir) / "logs" if args.nnodes > 1 else None)
+                           log_dir=Path(run_dir) / "logs" if args.nnodes > 1 else None,
+                           local_rdzv=store.torchrun_args() if store is not None else None)
     console = Console(console_path(run_dir, args.node_rank), argv)
     try:
         start = (f"resuming {resume.checkpoint} (step {resume.step} of {cfg.train.steps})" if resume is not None
@@ -171,26 +176,24 @@ def _main(argv: list[str]) -> int:
         lines = [*data_lines, start, cfg.checkpoint.describe(run_dir), f"console: {console.path}",
                  " ".join(cmd)]
         console.out("".join(f"moontrain: {line}\n" for line in lines))
-        return run_workers(cmd, console)
+        return run_workers(cmd, console, env=store.env() if store is not None else None)
     finally:
         console.close()
+        if store is not None:
+            store.close()
 
 
-def run_workers(cmd: list[str], console: Console) -> int:
-    """Run torchrun under the Supervisor (signals, no orphans), its output through `console`; a worker's
-    one-line error (MOONTRAIN_ERROR_FILE) replaces torchrun's own report."""
+def run_workers(cmd: list[str], console: Console, env: dict[str, str] | None = None) -> int:
+    """Run torchrun under the Supervisor (signals, no orphans), with `env` added, its output through `console`:
+    every line the ranks write to stderr is forwarded (tracebacks included), and a worker's one-line error
+    (MOONTRAIN_ERROR_FILE) is printed last, in place of torchrun's own report (moontrain.torchrun)."""
     with tempfile.TemporaryDirectory(prefix="moontrain-") as tmp:
         error_file = Path(tmp) / "error"
-
-        def forward(line: str) -> None:  # live, until a worker has reported an error (then torchrun's report)
-            if not error_file.exists():
-                console.err(line)
-
         # OMP_NUM_THREADS=1 is torchrun's own default for several ranks, set here to spare its banner (the CPU
         # worker sizes torch's threads itself); unbuffered ranks: their piped stdout arrives line by line
-        env = {"MOONTRAIN_ERROR_FILE": str(error_file), "PYTHONUNBUFFERED": "1",
+        env = {**(env or {}), "MOONTRAIN_ERROR_FILE": str(error_file), "PYTHONUNBUFFERED": "1",
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        rc = Supervisor(cmd, env=env, on_stderr=forward, on_stdout=console.out).run()
+        rc = Supervisor(cmd, env=env, on_stderr=console.err, on_stdout=console.out).run()
         if error_file.exists():
             console.err(error_file.read_text().strip())
             return 2
@@ -199,17 +202,18 @@ def run_workers(cmd: list[str], console: Console) -> int:
 
 def torchrun_command(recipe: str, overrides: list[str], *, nproc: int, nnodes: int = 1, node_rank: int = 0,
                      rdzv_endpoint: str | None = None, rdzv_id: str | None = None, max_restarts: int = 0,
-                     log_dir: Path | None = None) -> list[str]:
-    """The torchrun invocation: standalone rendezvous on one node, c10d at rdzv_endpoint on several (with a
-    rendezvous id shared by the nodes); workers restarted up to max_restarts times; with log_dir (launch
-    passes train.run_dir/logs on several nodes), each rank's output also goes to its own file under
+                     log_dir: Path | None = None, local_rdzv: list[str] | None = None) -> list[str]:
+    """The torchrun invocation (moontrain.torchrun): on one node the rendezvous options `local_rdzv` (launch
+    passes its loopback store's, JobStore.torchrun_args), else standalone; c10d at rdzv_endpoint on several
+    (with a rendezvous id shared by the nodes); workers restarted up to max_restarts times; with log_dir
+    (launch passes train.run_dir/logs on several nodes), each rank's output also goes to its own file under
     log_dir/node<node_rank>, and to the console with a rank prefix."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    cmd = [sys.executable, "-m", "moontrain.torchrun", "--nproc-per-node", str(nproc)]
     if nnodes > 1:
         cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", str(rdzv_endpoint), "--rdzv-id", str(rdzv_id or "moontrain")]
     else:
-        cmd += ["--standalone"]
+        cmd += local_rdzv or ["--standalone"]
     if max_restarts:
         cmd += ["--max-restarts", str(max_restarts)]
     if log_dir is not None:

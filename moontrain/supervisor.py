@@ -12,7 +12,8 @@
   training or writing checkpoints that a relaunch would race.
 - When torchrun exits for any reason, ranks it left behind are killed.
 - The request is also written to a stop file the ranks check once per step (MOONTRAIN_STOP_FILE, see
-  moontrain.trainer.preempt), so it does not depend on the rank's SIGUSR1 handler running.
+  moontrain.trainer.preempt), so it does not depend on the rank's SIGUSR1 handler running. It lives in a
+  directory of the launcher's own (mode 0700), so no other user can create it or learn its name.
 
 The ranks are found as torchrun's child processes (/proc, Linux only, like torchrun's multi-process
 launch itself).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -98,9 +100,8 @@ class Supervisor:
         self.signals_seen = 0
         self.ranks: dict[int, str | None] = {}  # pid -> start time (a pid can be reused once it exits)
         self.proc: subprocess.Popen | None = None
-        fd, self.stop_file = tempfile.mkstemp(prefix="moontrain_stop_")
-        os.close(fd)
-        os.unlink(self.stop_file)  # its existence is the request
+        self._private_dir = tempfile.mkdtemp(prefix="moontrain-")  # mode 0700
+        self.stop_file = os.path.join(self._private_dir, "stop")  # its existence is the request
 
     def run(self) -> int:
         # torchrun's --signals-to-handle defaults to SIGTERM,SIGINT,SIGHUP,SIGQUIT and would overwrite
@@ -127,8 +128,7 @@ class Supervisor:
             return self.proc.returncode
         finally:
             self._kill_leftovers()
-            if os.path.exists(self.stop_file):
-                os.unlink(self.stop_file)
+            shutil.rmtree(self._private_dir, ignore_errors=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 

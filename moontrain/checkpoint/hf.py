@@ -36,6 +36,7 @@ import yaml
 
 from moontrain.checkpoint.hf_config import architecture_diff, hf_config, model_config
 from moontrain.checkpoint.hf_names import hf_name, rope_rows
+from moontrain.checkpoint.manifest import plain_name
 from moontrain.checkpoint.run_tokenizer import tokenizer_of_checkpoint, write_export_tokenizer
 from moontrain.checkpoint.safetensors_io import SafetensorsReader, write_safetensors
 from moontrain.checkpoint.store import MANIFEST, load_model_tensors, open_checkpoint
@@ -239,7 +240,7 @@ def read_hf(model_dir: str | Path) -> tuple[ModelConfig, HFSource]:
         raise CheckpointError(f"model file {config_path} is corrupt: {err}") from err
     cfg = model_config(raw, str(config_path))
     if (model_dir / INDEX).is_file():
-        weight_map = json.loads((model_dir / INDEX).read_text())["weight_map"]
+        weight_map = _weight_map(model_dir / INDEX)
     elif (model_dir / SINGLE).is_file():
         try:
             reader = SafetensorsReader(model_dir / SINGLE)
@@ -258,6 +259,23 @@ def read_hf(model_dir: str | Path) -> tuple[ModelConfig, HFSource]:
                               "with 2-D weight blocks, quant_method fp8)")
     block = tuple(quant["weight_block_size"]) if quant else (128, 128)
     return cfg, HFSource(model_dir, cfg, weight_map, interleaved=raw.get("rope_interleave", True), fp8_block=block)
+
+
+def _weight_map(index_path: Path) -> dict[str, str]:
+    """The index's {tensor name: shard file}, every shard a plain file name in the model directory: a name
+    like `../x.safetensors` or `/etc/hostname` is refused before anything is opened."""
+    try:
+        weight_map = json.loads(index_path.read_text()).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        raise CheckpointError(f"model file {index_path} is not a JSON object with a weight_map: {err}") from err
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
+        raise CheckpointError(f"model file {index_path}: weight_map is not an object of tensor name -> shard file")
+    bad = sorted({f for f in weight_map.values() if not plain_name(f)}, key=str)
+    if bad:
+        raise CheckpointError(f"model file {index_path}: weight_map names {len(bad)} shard(s) that are not plain file "
+                              f"names inside {index_path.parent}, first {str(bad[0])[:200]!r}; shards must sit next "
+                              "to the index (e.g. model-00001-of-00002.safetensors)")
+    return weight_map
 
 
 def import_hf(run: TrainState, model_dir: str | Path) -> None:

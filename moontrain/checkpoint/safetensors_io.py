@@ -51,20 +51,24 @@ class SafetensorsReader:
             if size < 8 or head_len > size - 8:
                 raise ValueError(f"header length {head_len} does not fit in a file of {size} bytes")
             header = json.loads(os.pread(self.fd, head_len, 8))
+            if not isinstance(header, dict):
+                raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
+            header.pop("__metadata__", None)
+            self.data_start = 8 + head_len
+            self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+            for name, e in header.items():
+                if e["dtype"] not in DTYPES:
+                    raise ValueError(f"tensor {name!r} has dtype {e['dtype']}, not one of {sorted(DTYPES)}")
+                begin, end = e["data_offsets"]
+                dtype, shape = DTYPES[e["dtype"]], tuple(e["shape"])
+                if not all(type(n) is int and n >= 0 for n in (begin, end, *shape)) \
+                        or end - begin != torch.Size(shape).numel() * dtype.itemsize or self.data_start + end > size:
+                    raise ValueError(f"tensor {name!r}: data_offsets {e['data_offsets']} do not fit its shape "
+                                     f"{list(shape)} or the file")
+                self.entries[name] = (dtype, shape, begin)
         except Exception:
             os.close(self.fd)
             raise
-        header.pop("__metadata__", None)
-        self.data_start = 8 + head_len
-        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
-        for name, e in header.items():
-            if e["dtype"] not in DTYPES:
-                raise ValueError(f"tensor {name!r} has dtype {e['dtype']}, not one of {sorted(DTYPES)}")
-            begin, end = e["data_offsets"]
-            dtype, shape = DTYPES[e["dtype"]], tuple(e["shape"])
-            if end - begin != torch.Size(shape).numel() * dtype.itemsize or self.data_start + end > size:
-                raise ValueError(f"tensor {name!r}: data_offsets {e['data_offsets']} do not fit its shape or the file")
-            self.entries[name] = (dtype, shape, begin)
 
     def keys(self) -> list[str]:
         return list(self.entries)
@@ -83,6 +87,8 @@ class SafetensorsReader:
         is read into directly; a CUDA one through two reused pinned buffers, the copy of one chunk to the device
         (on a side stream) overlapping the read of the next; any other through a CPU tensor and `copy_`."""
         dtype, shape, begin = self.entries[name]
+        if shape and not 0 <= lo <= hi <= shape[0]:  # the header bounds every read: no bytes of another tensor
+            raise ValueError(f"{self.path}: rows [{lo}, {hi}) of {name!r} were asked for, it has {shape[0]}")
         want = (hi - lo, *shape[1:]) if shape else ()
         if tuple(out.shape) != want:
             raise AssertionError(f"{self.path}: {name} rows [{lo}, {hi}) have shape {want}, out has {tuple(out.shape)}")

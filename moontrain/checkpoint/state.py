@@ -6,7 +6,7 @@ depends on the pieces of a run and not on the loop that drives them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -26,9 +26,9 @@ class TrainState:
     """model / optimizer / scheduler / data are the live objects (restored in place); step, tokens_seen
     and wandb_run_id are plain values (restored by assignment). model_config, experts_backend and
     data_source are what a checkpoint must agree with to be loaded (the model's shapes, the data position's
-    meaning); optim_config, schedule_steps (the steps the LR schedule spans) and tokenizer (the record of
-    data.tokenizer, None for synthetic tokens: checkpoint.run_tokenizer) are recorded beside them. experts:
-    the model's ExpertWeights, whose compute copies follow their masters after a load.
+    meaning); optim_config, schedule_steps (the steps the LR schedule spans), tokenizer (the record of
+    data.tokenizer, None for synthetic tokens: checkpoint.run_tokenizer) and seeds are recorded beside them.
+    experts: the model's ExpertWeights, whose compute copies follow their masters after a load.
     The RNG state saved is the process's (torch's CPU and CUDA generators)."""
 
     layout: ParallelLayout
@@ -43,6 +43,7 @@ class TrainState:
     data_source: str
     schedule_steps: int
     tokenizer: dict[str, Any] | None
+    seeds: dict[str, int] = field(default_factory=dict)  # "train.seed" / "data.seed": a resume must keep them
     step: int = 0
     tokens_seen: int = 0
     wandb_run_id: str | None = None  # set by the worker (rank 0)

@@ -10,7 +10,9 @@ A checkpoint is a directory `<dir>/step_<step:08d>/`:
                                tokenizer (run_tokenizer.py), the wandb run id, per-rank data position
     manifest.json              written last: every file with its size and digest (a rank file: the sha256
                                of each of its blocks, see digest.py; train_state.json: one sha256), every
-                               tensor's canonical shape and the (file, offset, rows) pieces that hold it
+                               tensor's canonical shape and the (file, offset, rows) pieces that hold it,
+                               whether every value is finite, the largest |weight|, and its own sha256
+                               (manifest.py: the schema and the checks made before it is used)
 
 Saving streams: each rank writes its tensors straight from the model and optimizer into its file, chunk by
 chunk through reused staging buffers (safetensors_io.write_safetensors), hashing the bytes (the sha256 of
@@ -24,9 +26,11 @@ fsyncs the parent. A directory is a checkpoint only when it has that name and it
 killed at any point leaves at most a `.tmp` directory, which is ignored and removed by the next save.
 All ranks must see one shared filesystem.
 
-Loading verifies every file it reads against the manifest (size, then its block digests on several
-threads, or its one sha256 for a checkpoint of format v1), so a missing or damaged file is reported by
-name before any of its values is read, then reads each tensor's rows straight into the model / optimizer tensor.
+Loading checks the manifest (manifest.py), then verifies every file it reads against it (size, then its
+block digests on several threads, or its one sha256 for a checkpoint of format v1; a resume verifies every
+file once, spread over the ranks, before any rank loads: resume.py), so a missing or damaged file is
+reported by name before any of its values is read, then reads each tensor's rows straight into the model /
+optimizer tensor, each piece only after the file's own header agrees with the manifest about it.
 Parameters and optimizer moments are read as canonical rows, so the EP and DP degree may differ from the
 save. RNG states are restored when the world size is unchanged (rank r gets rank r's); the data position
 is restored by the data source (exactly at the same world size).
@@ -36,10 +40,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from moontrain.checkpoint.digest import BlockSha256
+from moontrain.checkpoint.manifest import FORMAT, MANIFEST, TRAIN_STATE, manifest_bytes, read_manifest
 from moontrain.checkpoint.safetensors_io import CHUNK_BYTES, write_safetensors
 from moontrain.checkpoint.tensors import (
     RESTORE,
@@ -64,13 +69,13 @@ from moontrain.optim.config import OptimConfig
 if TYPE_CHECKING:
     from moontrain.checkpoint.state import TrainState
 
-FORMAT = "moontrain-checkpoint-v2"  # v2: rank files carry block digests (digest.py); v1: one sha256 per file
-READABLE_FORMATS = ("moontrain-checkpoint-v1", FORMAT)
-MANIFEST = "manifest.json"
-TRAIN_STATE = "train_state.json"
+__all__ = ["FORMAT", "MANIFEST", "TRAIN_STATE"]  # manifest.py's names, as the checkpoint's files are named here too
 _PREFIX = "step_"
 _TMP = ".tmp"
 REPORT_AFTER_S = 3.0  # a save that takes longer prints its size, time and throughput on rank 0
+# a checkpoint whose largest |weight| exceeds the oldest kept checkpoint's this many times is not sound: finite
+# values of a blown-up run (a huge learning rate) are no better to resume from than inf
+MAX_GROWTH = 100.0
 
 
 def checkpoint_name(step: int) -> str:
@@ -91,7 +96,7 @@ def save_checkpoint(run: TrainState, root: str | Path, *, keep_last: int) -> Pat
     _barrier(run)
     t0 = time.perf_counter()
     tensors, pieces = _collect_tensors(run)
-    finite = _all_finite(tensors.values())
+    finite, max_abs = _health(tensors)
     file = f"rank_{layout.rank:05d}.safetensors"
     with BlockSha256() as digest:
         write_safetensors(tmp / file, [(name, tuple(t.shape), t.dtype, lambda t=t: t) for name, t in tensors.items()],
@@ -100,7 +105,7 @@ def save_checkpoint(run: TrainState, root: str | Path, *, keep_last: int) -> Pat
     _fsync_file(tmp / file)
     entry = {"file": file, "digest": {"bytes": (tmp / file).stat().st_size, "block_bytes": digest.block_bytes,
                                       "block_sha256": digest.hexdigests()},
-             "pieces": pieces, "rank_state": {"data": run.data.state_dict()}, "finite": finite}
+             "pieces": pieces, "rank_state": {"data": run.data.state_dict()}, "finite": finite, "max_abs": max_abs}
     entries = _gather(run, entry)
     if layout.rank == 0:
         state = _train_state(run, [e["rank_state"] for e in entries])
@@ -112,9 +117,11 @@ def save_checkpoint(run: TrainState, root: str | Path, *, keep_last: int) -> Pat
         for e in entries:
             for name, (offset, rows, shape) in e["pieces"].items():
                 index.setdefault(name, {"shape": shape, "pieces": []})["pieces"].append([e["file"], offset, rows])
-        manifest = {"format": FORMAT, "step": run.step, "finite": all(e["finite"] for e in entries),
-                    "files": files, "tensors": index}
-        _write_durable(tmp / MANIFEST, json.dumps(manifest).encode())
+        finite = all(e["finite"] for e in entries)
+        manifest = {"format": FORMAT, "step": run.step, "finite": finite,
+                    "max_abs": max(e["max_abs"] for e in entries) if finite else None, "files": files,
+                    "tensors": index}
+        _write_durable(tmp / MANIFEST, manifest_bytes(manifest))
         _fsync_dir(tmp)
         if final.exists():  # the same step saved twice (checkpoint.every and the final save)
             shutil.rmtree(final)
@@ -129,18 +136,22 @@ def save_checkpoint(run: TrainState, root: str | Path, *, keep_last: int) -> Pat
     return final
 
 
-def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    """Whether every floating-point tensor is finite: one host sync per device, a temporary of at most
-    CHUNK_BYTES / itemsize flags at a time."""
-    ok: dict[torch.device, torch.Tensor] = {}
-    for t in tensors:
+def _health(tensors: dict[str, torch.Tensor]) -> tuple[bool, float]:
+    """Whether every floating-point tensor is finite, and the largest |value| of the model's (model.*): one
+    max-abs reduction per CHUNK_BYTES of each tensor (it is nan or inf exactly when a value is), one host sync
+    per device."""
+    state: dict[torch.device, torch.Tensor] = {}  # the largest |value| of all tensors, of the model's
+    for name, t in tensors.items():
         if t.is_floating_point() and t.numel():
             flat = t.reshape(-1)  # a copy only for a non-contiguous tensor
             step = max(1, CHUNK_BYTES // t.dtype.itemsize)
             for lo in range(0, flat.numel(), step):
-                chunk_ok = torch.isfinite(flat[lo:lo + step]).all()
-                ok[t.device] = chunk_ok if t.device not in ok else ok[t.device] & chunk_ok
-    return all(bool(flag) for flag in ok.values())
+                m = torch.linalg.vector_norm(flat[lo:lo + step], float("inf"), dtype=torch.float32)
+                pair = torch.stack([m, m if name.startswith("model.") else torch.zeros_like(m)])
+                state[t.device] = pair if t.device not in state else torch.maximum(state[t.device], pair)
+    values = [v.tolist() for v in state.values()]
+    finite = all(math.isfinite(everything) for everything, _ in values)
+    return finite, max((model for _, model in values), default=0.0)
 
 
 def _collect_tensors(run: TrainState) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
@@ -212,30 +223,22 @@ def _train_state(run: TrainState, rank_states: list[dict]) -> dict[str, Any]:
         "param_groups": groups,
         "model": to_dict(run.model_config),
         "optim": to_dict(run.optim_config),
+        "seeds": run.seeds,
         "ranks": rank_states,
     }
 
 
 # ---------------------------------------------------------------------------------------------- load
-def open_checkpoint(path: str | Path) -> tuple[dict[str, Any], TensorSource]:
-    """Read and check the manifest and train state of one checkpoint; tensors are read on demand."""
+def open_checkpoint(path: str | Path, *, verified: bool = False) -> tuple[dict[str, Any], TensorSource]:
+    """Read and check the manifest and train state of one checkpoint; tensors are read on demand.
+    verified: its files' digests were checked already (resume.resolve_resume), only their sizes are."""
     path = Path(path)
-    manifest_path = path / MANIFEST
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
-    if not manifest_path.is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint: {manifest_path} is missing "
-                              "(a save that did not finish?)")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"checkpoint file {manifest_path} is corrupt: {err}") from err
-    if manifest.get("format") not in READABLE_FORMATS:
-        raise CheckpointError(f"checkpoint file {manifest_path} has format {manifest.get('format')!r}, "
-                              f"expected one of {READABLE_FORMATS}")
+    manifest = read_manifest(path / MANIFEST)
     index = {name: (tuple(e["shape"]), [Piece(f, o, r) for f, o, r in e["pieces"]])
              for name, e in manifest["tensors"].items()}
-    source = TensorSource(path, index, expected=manifest["files"])
+    source = TensorSource(path, index, expected=manifest["files"], verified=verified)
     state_path = path / TRAIN_STATE
     if not state_path.is_file():
         raise CheckpointError(f"checkpoint file {state_path} is missing")
@@ -246,9 +249,10 @@ def open_checkpoint(path: str | Path) -> tuple[dict[str, Any], TensorSource]:
     return json.loads(raw), source
 
 
-def load_checkpoint(run: TrainState, path: str | Path) -> dict[str, Any]:
-    """Restore the whole train state into `run` (any EP / DP layout); returns the train state."""
-    state, source = open_checkpoint(path)
+def load_checkpoint(run: TrainState, path: str | Path, *, verified: bool = False) -> dict[str, Any]:
+    """Restore the whole train state into `run` (any EP / DP layout); returns the train state.
+    verified: see open_checkpoint."""
+    state, source = open_checkpoint(path, verified=verified)
     saved_model, model = state["model"], to_dict(run.model_config)
     if saved_model != model:
         diff = sorted(k for k in set(saved_model) | set(model) if saved_model.get(k) != model.get(k))
@@ -360,12 +364,13 @@ def optim_changes(state: dict[str, Any], optim: OptimConfig) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- find
 def is_complete(path: Path) -> bool:
-    """Cheap validity: the final name, a readable manifest, and every listed file at its size."""
-    if path.name.endswith(_TMP) or not (path / MANIFEST).is_file():
+    """Cheap validity: the final name, a valid manifest (manifest.read_manifest), and every listed file at its
+    size."""
+    if path.name.endswith(_TMP):
         return False
     try:
-        files = json.loads((path / MANIFEST).read_text())["files"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError):
+        files = read_manifest(path / MANIFEST)["files"]
+    except CheckpointError:
         return False
     return all((path / f).is_file() and (path / f).stat().st_size == e["bytes"] for f, e in files.items())
 
@@ -403,20 +408,27 @@ def find_latest(root: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def is_finite(path: Path) -> bool:
-    """Whether every floating-point tensor of a complete checkpoint was finite when saved."""
-    return bool(json.loads((path / MANIFEST).read_text()).get("finite", True))
+def _soundness(found: list[Path]) -> list[bool]:
+    """For each complete checkpoint: finite, and its largest |weight| at most MAX_GROWTH times the oldest one's
+    that records it. "finite" alone promises no nan / inf, not sane values: a huge learning rate leaves finite
+    weights of 1e4 and more."""
+    manifests = [read_manifest(p / MANIFEST) for p in found]
+    reference = next((m["max_abs"] for m in manifests if m.get("max_abs") is not None), None)
+    return [m.get("finite", True) and (reference is None or m.get("max_abs") is None
+                                       or m["max_abs"] <= MAX_GROWTH * reference)
+            for m in manifests]
 
 
 def prune(root: Path, keep_last: int) -> None:
-    """Delete complete checkpoints older than the newest keep_last, except the newest finite one (a run
-    that diverged keeps the checkpoint to resume from), and the debris of interrupted deletions.
+    """Delete complete checkpoints older than the newest keep_last, except the newest sound one (finite and not
+    blown up, _soundness: a run that diverged keeps the checkpoint to resume from), and the debris of
+    interrupted deletions.
 
     A deletion first renames the directory to `<name>.tmp` (atomic), so a kill during rmtree leaves a
     `.tmp` directory, which the next save removes, never a half-deleted checkpoint under its final name."""
     found = list_checkpoints(root)
     keep = set(found[-keep_last:])
-    keep.update(next(([p] for p in reversed(found) if is_finite(p)), []))
+    keep.update([p for p, sound in zip(found, _soundness(found), strict=True) if sound][-1:])
     newest = found[-1] if found else None
     for path in root.glob(f"{_PREFIX}*"):
         step = path.name[len(_PREFIX):]

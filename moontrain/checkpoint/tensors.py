@@ -111,13 +111,15 @@ class TensorSource:
 
     index: name -> (global shape, pieces). Files are checked against `expected` (the manifest's entries:
     bytes, and block_bytes with block_sha256 or one whole-file sha256) on first use, so a missing, truncated
-    or altered file is reported by name before any value is read.
+    or altered file is reported by name before any value is read; each piece against the file's own header
+    (it must hold the tensor as exactly the piece's rows), so no read reaches past a tensor.
     """
 
     def __init__(self, root: Path, index: dict[str, tuple[tuple[int, ...], list[Piece]]],
-                 expected: dict[str, dict] | None = None) -> None:
-        self.root, self.index, self.expected = root, index, expected
-        self._open: dict[str, object] = {}
+                 expected: dict[str, dict] | None = None, *, verified: bool = False) -> None:
+        """verified: the files' digests were checked already (resume.resolve_resume); sizes are still checked."""
+        self.root, self.index, self.expected, self.verified = root, index, expected, verified
+        self._open: dict[str, SafetensorsReader] = {}
 
     def names(self) -> list[str]:
         return list(self.index)
@@ -132,7 +134,7 @@ class TensorSource:
     def rows(self, name: str, offset: int, rows: int) -> torch.Tensor:
         """Canonical rows [offset, offset + rows) of `name` (the whole tensor when it is 0-d), in the saved dtype."""
         shape, pieces = self._entry(name)
-        dtype = self._handle(pieces[0].file).entries[name][0] if pieces else torch.get_default_dtype()
+        dtype = self._reader(pieces[0], name, shape).entries[name][0] if pieces else torch.get_default_dtype()
         out = torch.empty((rows, *shape[1:]) if shape else (), dtype=dtype)
         self.read_into(name, offset, rows, out)
         return out
@@ -143,7 +145,7 @@ class TensorSource:
         (SafetensorsReader.read_into)."""
         shape, pieces = self._entry(name)
         if not shape:
-            self._handle(pieces[0].file).read_into(name, 0, 0, out)
+            self._reader(pieces[0], name, shape).read_into(name, 0, 0, out)
             return
         if offset + rows > shape[0]:
             raise CheckpointError(f"{self.root}: {name} has {shape[0]} rows, rows [{offset}, {offset + rows}) "
@@ -153,8 +155,8 @@ class TensorSource:
             lo, hi = max(covered, piece.offset), min(offset + rows, piece.offset + piece.rows)
             if lo > covered or hi <= lo:
                 continue
-            self._handle(piece.file).read_into(name, lo - piece.offset, hi - piece.offset,
-                                               out[lo - offset:hi - offset])
+            self._reader(piece, name, shape).read_into(name, lo - piece.offset, hi - piece.offset,
+                                                       out[lo - offset:hi - offset])
             covered = hi
         if covered != offset + rows:
             raise CheckpointError(f"{self.root}: rows [{covered}, {offset + rows}) of {name} are in no file of "
@@ -169,23 +171,42 @@ class TensorSource:
             raise CheckpointError(f"{self.root}: no tensor {name!r} in the checkpoint; the model does not match it")
         return self.index[name]
 
+    def _reader(self, piece: Piece, name: str, shape: tuple[int, ...]) -> SafetensorsReader:
+        """The reader of the piece's file, once its header agrees with the manifest: the file holds `name` as
+        exactly the piece's rows, so no read of the piece can reach past the tensor (into another one)."""
+        reader = self._handle(piece.file)
+        held = reader.entries.get(name)
+        want = (piece.rows, *shape[1:]) if shape else ()
+        if held is None or held[1] != want:
+            raise CheckpointError(f"checkpoint file {reader.path} does not match the manifest: its header has "
+                                  f"{name!r} as {list(held[1]) if held else 'nothing'}, the manifest's piece "
+                                  f"{[piece.file, piece.offset, piece.rows]} of shape {list(shape)} needs {list(want)}; "
+                                  f"{RESTORE}")
+        return reader
+
     def _handle(self, file: str) -> SafetensorsReader:
         if file not in self._open:
             path = self.root / file
-            if not path.is_file():
-                raise CheckpointError(f"checkpoint file {path} is missing")
             if self.expected is not None:
-                want = self.expected[file]
-                size = path.stat().st_size
-                if size != want["bytes"]:
-                    raise CheckpointError(f"checkpoint file {path} is corrupt: {size} bytes, the manifest says "
-                                          f"{want['bytes']}")
-                _verify(path, want)
+                verify_file(path, self.expected[file], digests=not self.verified)
+            elif not path.is_file():
+                raise CheckpointError(f"checkpoint file {path} is missing")
             try:
                 self._open[file] = SafetensorsReader(path)
             except (OSError, ValueError, KeyError, TypeError) as err:
                 raise CheckpointError(f"checkpoint file {path} is not a readable safetensors file: {err}") from err
         return self._open[file]
+
+
+def verify_file(path: Path, want: dict, *, digests: bool = True) -> None:
+    """Check a checkpoint file against its manifest entry: present, its size, and (digests) its content."""
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    size = path.stat().st_size
+    if size != want["bytes"]:
+        raise CheckpointError(f"checkpoint file {path} is corrupt: {size} bytes, the manifest says {want['bytes']}")
+    if digests:
+        _verify(path, want)
 
 
 def _verify(path: Path, want: dict) -> None:

@@ -7,8 +7,14 @@ watcher's own clock, so hosts need no synchronised clocks) names a silent rank: 
 the verdict under `moontrain/hb/verdict`, every rank that reads it prints the same line naming the
 rank, and each exits with EXIT_CODE (the main thread may be blocked in a collective that would
 otherwise wait for the process-group timeout). A silent rank on the watcher's own host is killed
-(SIGKILL, by the pid it registered), so torchrun does not wait out its shutdown grace on a stopped
-process.
+(SIGKILL), so torchrun does not wait out its shutdown grace on a stopped process.
+
+What the watcher kills is never read from the store (anyone who reaches a TCPStore can write any key):
+it is the sibling process with that RANK under the same torchrun agent, found in the kernel's process
+table (a child of this process's parent whose environment has RANK=r and this job's TORCHELASTIC_RUN_ID),
+held by a pidfd while it is checked so that the pid cannot be reused in between. A rank on another host
+is not killed (its own agent tears it down). The store only carries counters, the verdict text and each
+rank's host name for the message: a stranger writing keys can abort the job, not aim its kill.
 
 The thread needs the GIL only briefly, and collectives release it, so a rank waiting in a collective
 still beats; a SIGSTOPped, dead or deadlocked-with-the-GIL-held process does not. Store traffic is
@@ -22,17 +28,22 @@ did not leave on their own (`moontrain/hb/left/<rank>`: set by a rank that finis
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch.distributed as dist
 
+from moontrain.supervisor import child_pids
+
 EXIT_CODE = 3
 _PREFIX = "moontrain/hb/"
+_HOST_NAME = re.compile(r"[A-Za-z0-9._-]{1,253}")  # what the message prints of a host name read from the store
 
 
 class Heartbeat:
@@ -45,7 +56,7 @@ class Heartbeat:
         self.interval_s = interval_s or max(0.2, min(5.0, timeout_s / 10))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        store.set(f"{_PREFIX}pid/{rank}", f"{socket.gethostname()} {os.getpid()}")
+        store.set(f"{_PREFIX}host/{rank}", socket.gethostname())  # for the message only
         store.add(self._key(rank), 1)
 
     @staticmethod
@@ -87,10 +98,10 @@ class Heartbeat:
                     self._abort(self.store.get(f"{_PREFIX}verdict").decode())
                 silent = [r for r in watched if now - seen[r][1] > self.timeout_s and not self._left(r)]
                 if silent:
-                    verdict = self._describe(silent, now - min(seen[r][1] for r in silent))
+                    killed = {r: pid for r in silent if (pid := kill_local_rank(r)) is not None}
+                    verdict = self._describe(silent, now - min(seen[r][1] for r in silent), killed)
                     if self.rank == 0:
                         self.store.set(f"{_PREFIX}verdict", verdict)
-                    self._kill_local(silent)
                     self._abort(verdict)
         except Exception as err:  # the store went away (job ending): nothing left to watch
             if not self._stop.is_set():
@@ -99,27 +110,15 @@ class Heartbeat:
     def _left(self, rank: int) -> bool:
         return self.store.check([f"{_PREFIX}left/{rank}"])
 
-    def _describe(self, ranks: list[int], silent_s: float) -> str:
+    def _describe(self, ranks: list[int], silent_s: float, killed: dict[int, int]) -> str:
         where = []
         for r in ranks:
-            key = f"{_PREFIX}pid/{r}"
-            host_pid = self.store.get(key).decode() if self.store.check([key]) else "unknown"
-            where.append(f"rank {r} ({host_pid.replace(' ', ' pid ')})")
+            key = f"{_PREFIX}host/{r}"
+            host = self.store.get(key).decode(errors="replace") if self.store.check([key]) else ""
+            where.append(f"rank {r} (host {host if _HOST_NAME.fullmatch(host) else 'unknown'}"
+                         + (f", pid {killed[r]} killed" if r in killed else "") + ")")
         return (f"{', '.join(where)} sent no heartbeat for {silent_s:.0f} s (frozen, stopped or dead; "
                 f"parallel.heartbeat_timeout_s={self.timeout_s:g})")
-
-    def _kill_local(self, ranks: list[int]) -> None:
-        host = socket.gethostname()
-        for r in ranks:
-            key = f"{_PREFIX}pid/{r}"
-            if not self.store.check([key]):
-                continue
-            peer_host, pid = self.store.get(key).decode().split()
-            if peer_host == host:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
 
     def _abort(self, verdict: str) -> None:
         self.report(f"aborting: {verdict}")
@@ -146,3 +145,28 @@ class Heartbeat:
         if not stopped:
             return None
         return f"rank(s) {', '.join(map(str, stopped))} stopped sending heartbeats (dead or frozen)"
+
+
+def kill_local_rank(rank: int) -> int | None:
+    """SIGKILL rank `rank` of this job if it runs on this host under this process's torchrun agent (see the
+    module docstring); returns its pid, or None when there is no such process."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None or not sys.platform.startswith("linux"):
+        return None
+    want = {f"RANK={rank}".encode(), f"TORCHELASTIC_RUN_ID={run_id}".encode()}
+    for pid in child_pids(os.getppid()):
+        if pid == os.getpid():
+            continue
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:  # gone already
+            continue
+        try:
+            if want <= set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                return pid
+        except OSError:
+            continue
+        finally:
+            os.close(pidfd)
+    return None

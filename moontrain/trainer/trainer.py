@@ -119,7 +119,8 @@ class Trainer:
         self.state = TrainState(layout=layout, model=self.model, optimizer=optimizer, scheduler=scheduler,
                                 data=self.data, experts=self.experts, model_config=cfg.model, optim_config=cfg.optim,
                                 experts_backend=cfg.experts.backend, data_source=cfg.data.source,
-                                schedule_steps=schedule_steps, tokenizer=self._tokenizer_record())
+                                schedule_steps=schedule_steps, tokenizer=self._tokenizer_record(),
+                                seeds={"train.seed": cfg.train.seed, "data.seed": cfg.data.seed})
         self.last_saved_step: int | None = None
         self.guard = DivergenceGuard(cfg.train.max_skipped_steps)
         self.preemption: PreemptionHandler | None = None  # set by the worker (signal handlers, main thread)
@@ -218,6 +219,9 @@ class Trainer:
             if (ckpt.every and self.step % ckpt.every == 0) or self.save_due:
                 self.save_checkpoint()
             if self.stop_requested:  # preemption: every rank saw the same verdict after this step
+                if self.layout.rank == 0:
+                    print(f"moontrain: stopping after step {self.step} as asked"
+                          + ("" if self.last_saved_step == self.step else ": saving a checkpoint"), flush=True)
                 if self.last_saved_step != self.step:
                     self.save_checkpoint()
                 return logged
@@ -239,11 +243,11 @@ class Trainer:
         self.last_save_time = time.monotonic()
         return path
 
-    def load_checkpoint(self, path: str | Path) -> dict:
+    def load_checkpoint(self, path: str | Path, *, verified: bool = False) -> dict:
         """Collective-free: restore model, optimizer, schedule, step, RNG and data position from `path`;
-        returns the checkpoint's train state."""
+        returns the checkpoint's train state. verified: its file digests were checked (resume.resolve_resume)."""
         self.reshard_dense()  # a gathered copy would outlive the load
-        state = load_checkpoint(self.state, path)
+        state = load_checkpoint(self.state, path, verified=verified)
         self.last_saved_step, self.last_checkpoint = self.step, Path(path)
         return state
 

@@ -1,18 +1,21 @@
 """Per-rank entry point started by torchrun: `python -m moontrain.trainer.worker RECIPE [key=value ...]`.
 
-Picks nccl on GPU and gloo on CPU, builds the layout, writes the resolved config (rank 0), resumes from the
-latest checkpoint unless checkpoint.resume says otherwise (moontrain.checkpoint.resume; a fresh run takes
-the initial weights of checkpoint.init_from when set), opens the wandb run (rank 0; the id comes from the
-checkpoint on resume, so the same run continues), trains and prints the end-of-run summary. Resuming
-names what changed since the checkpoint (optim settings, the LR schedule's span); a GPU job says what
-its first step compiles before it starts; known-harmless library warnings are filtered (trainer.quiet).
+Picks nccl on GPU and gloo on CPU (on the launcher's loopback store under a single-host `moontrain launch`,
+moontrain.parallel.job_store), builds the layout, takes the run directory's lock (rank 0, for every rank:
+moontrain.trainer.run_lock), resumes from the latest good checkpoint unless checkpoint.resume says otherwise
+(moontrain.checkpoint.resume, decided once for all ranks; a fresh run takes the initial weights of
+checkpoint.init_from when set), writes the resolved config (rank 0, once the resume is settled), opens the
+wandb run (rank 0; the id comes from the checkpoint on resume, so the same run continues), trains and prints
+the end-of-run summary. Resuming names what changed since the checkpoint (optim settings, the LR schedule's
+span); a GPU job says what its first step compiles before it starts; known-harmless library warnings are
+filtered (trainer.quiet).
 
 Faults: the process group fails a collective after parallel.timeout_s; heartbeats (parallel.heartbeat)
 name a dead or frozen rank in every survivor's error; SIGTERM / SIGINT finish the step, save and exit 0
 (trainer.preempt); the rank dies with torchrun. User errors (settings, data, checkpoints, divergence)
-are one line `moontrain: rank R: error: ...` (trainer.errors); anything else keeps its traceback. Under
-`moontrain launch` the first such line is also written to the file named by MOONTRAIN_ERROR_FILE, which
-the launcher prints instead of torchrun's report.
+are one line `moontrain: rank R: error: ...` (trainer.errors); anything else keeps its traceback, printed
+before the line. Under `moontrain launch` the first such line goes to the file named by
+MOONTRAIN_ERROR_FILE instead, which the launcher prints last, in place of torchrun's report.
 """
 
 from __future__ import annotations
@@ -40,12 +43,14 @@ from moontrain.model.kda import uses_fla
 from moontrain.optim.schedule import lr_multiplier
 from moontrain.parallel.heartbeat import Heartbeat
 from moontrain.parallel.hosts import check_ep_group_hosts
-from moontrain.parallel.layout import build_layout
+from moontrain.parallel.job_store import worker_store
+from moontrain.parallel.layout import ParallelLayout, build_layout
 from moontrain.supervisor import die_with_parent
 from moontrain.trainer.determinism import set_cublas_workspace
 from moontrain.trainer.errors import one_line
 from moontrain.trainer.preempt import PreemptionHandler
 from moontrain.trainer.quiet import silence_known_warnings
+from moontrain.trainer.run_lock import RunLock
 from moontrain.trainer.trainer import Trainer
 
 
@@ -75,8 +80,11 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.train.deterministic:
         set_cublas_workspace()  # read when CUDA initialises
     device, backend = select_device()
+    store = worker_store(cfg.parallel.timeout_s)
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
-                            timeout=timedelta(seconds=cfg.parallel.timeout_s))
+                            timeout=timedelta(seconds=cfg.parallel.timeout_s), store=store,
+                            rank=rank if store is not None else -1,
+                            world_size=int(os.environ["WORLD_SIZE"]) if store is not None else -1)
     heartbeat = None
     if dist.get_world_size() > 1 and cfg.parallel.heartbeat_timeout_s > 0:
         heartbeat = Heartbeat(_default_store(), dist.get_rank(), dist.get_world_size(),
@@ -104,14 +112,15 @@ def _exit_one_line(rank: int, line: str) -> NoReturn:
 
 
 def _report_line(rank: int, line: str) -> None:
-    """Print the rank's one line and hand it to the launcher through MOONTRAIN_ERROR_FILE (the first
-    rank to fail wins, the others' lines are usually the same)."""
+    """Print the rank's one line, or hand it to the launcher through MOONTRAIN_ERROR_FILE (the first rank to
+    fail wins and the launcher prints its line last; the others' lines are printed as they come)."""
     text = f"moontrain: rank {rank}: {line}".replace("\n", " ")
     path = os.environ.get("MOONTRAIN_ERROR_FILE")
     if path:
         try:
             with open(path, "x") as fh:
                 fh.write(text + "\n")
+            return
         except FileExistsError:
             pass
     print(text, file=sys.stderr, flush=True)
@@ -129,9 +138,30 @@ def _train(cfg: RunConfig, device: torch.device, preemption: PreemptionHandler) 
     moonep_group = layout.ep_host_group if layout.ep_host_group is not None else layout.ep_group
     check_ep_group_hosts(moonep_group, cfg.experts.backend)
     is_main = layout.rank == 0
-    config_path = Path(cfg.train.run_dir) / "config.yaml"
+    lock = RunLock(Path(cfg.train.run_dir)) if is_main else None
+    _agree(lock.acquire() if lock is not None else None, layout)
+    try:
+        _train_locked(cfg, device, preemption, layout)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _agree(problem: str | None, layout: ParallelLayout) -> None:
+    """Rank 0's verdict, raised as a ValueError on every rank alike (None: go on)."""
+    if layout.distributed:
+        box = [problem]
+        dist.broadcast_object_list(box, src=0, group=layout.world_group)
+        problem = box[0]
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def _train_locked(cfg: RunConfig, device: torch.device, preemption: PreemptionHandler,
+                  layout: ParallelLayout) -> None:
+    is_main = layout.rank == 0
+    config_path = Path(cfg.train.run_dir) / "config.yaml"  # written once the resume is settled
     if is_main:
-        dump_config(cfg, config_path)
         print(f"moontrain: {layout.describe(cfg.parallel.dense)}; experts backend {cfg.experts.backend}; device {device}"
               + ("; deterministic kernels" if cfg.train.deterministic else ""), flush=True)
         print(f"moontrain: config: {config_path} (the recipe with its overrides, resolved)", flush=True)
@@ -139,23 +169,29 @@ def _train(cfg: RunConfig, device: torch.device, preemption: PreemptionHandler) 
     trainer.preemption = preemption
     sink = None
     try:
-        resume_from = resolve_resume(cfg, trainer.checkpoint_dir)
+        resume_from, passed_over = resolve_resume(cfg, trainer.checkpoint_dir, layout)
         if resume_from is not None:
             try:
-                state = trainer.load_checkpoint(resume_from)
+                state = trainer.load_checkpoint(resume_from, verified=True)
             except CheckpointError as err:
                 raise CheckpointError(f"{err}; {START_OVER}") from err
-            notes = resume_notes(cfg, trainer.checkpoint_dir, resume_from, state)
+            notes = passed_over + resume_notes(cfg, trainer.checkpoint_dir, resume_from, state)
             if is_main:
+                dump_config(cfg, Path(cfg.train.run_dir) / "config.yaml")
                 print(f"moontrain: resumed from {resume_from} at step {trainer.step}", flush=True)
                 for note in notes:
                     print(f"moontrain: {note}", flush=True)
         else:
+            if is_main:
+                for note in passed_over:
+                    print(f"moontrain: {note}", flush=True)
             if is_main and cfg.checkpoint.resume == "none":
                 moved = set_aside_earlier_run(trainer.checkpoint_dir, Path(cfg.train.run_dir))
                 if moved is not None:
                     print(f"moontrain: checkpoint.resume=none: starting over; the earlier run's checkpoints are "
                           f"in {moved}", flush=True)
+            if is_main:
+                dump_config(cfg, Path(cfg.train.run_dir) / "config.yaml")
             if cfg.checkpoint.init_from is not None:
                 init_weights_from(trainer.state, cfg.checkpoint.init_from)
                 if is_main:
@@ -199,6 +235,16 @@ def resume_notes(cfg: RunConfig, checkpoint_dir: Path, resumed: Path, state: dic
     if cfg.checkpoint.resume == "auto":
         notes += [f"resume: auto passed over {p} (incomplete: an interrupted save or missing files)"
                   for p in incomplete_after(checkpoint_dir, resumed)]
+    seeds = {"train.seed": cfg.train.seed, "data.seed": cfg.data.seed}
+    changed = [f"{k}={now} (the checkpoint's is {state['seeds'][k]})" for k, now in seeds.items()
+               if k in state.get("seeds", {}) and state["seeds"][k] != now]
+    if changed and cfg.checkpoint.resume == "auto":
+        raise ValueError(f"{', '.join(changed)}: a relaunch continues the run in {cfg.train.run_dir} with the seeds it "
+                         "started with; relaunch with the checkpoint's, or start over with checkpoint.resume=none, or "
+                         "use another train.run_dir")
+    if changed:
+        notes.append(f"seeds differ from the checkpoint's, which fixed the weights and data order so far: "
+                     f"{', '.join(changed)}")
     changes = optim_changes(state, cfg.optim)
     if changes:
         notes.append("optim settings differ from the checkpoint's; the recipe's apply from here: " + ", ".join(changes))
@@ -240,10 +286,12 @@ def schedule_change(state: dict, cfg: RunConfig) -> str | None:
     return note
 
 
-def resolve_resume(cfg: RunConfig, checkpoint_dir: Path) -> Path | None:
-    """checkpoint.resume: auto -> the latest complete checkpoint (None if there is none); none -> None;
-    otherwise the named directory, which must exist."""
-    return resolve_checkpoint(cfg.checkpoint, checkpoint_dir)
+def resolve_resume(cfg: RunConfig, checkpoint_dir: Path, layout: ParallelLayout | None = None
+                   ) -> tuple[Path | None, list[str]]:
+    """checkpoint.resume: auto -> the latest checkpoint whose files pass verification (None if there is none),
+    and a line for each newer one passed over for a bad file; none -> None; otherwise the named directory,
+    which must exist and pass. Collective over the layout's ranks (moontrain.checkpoint.resume)."""
+    return resolve_checkpoint(cfg.checkpoint, checkpoint_dir, layout)
 
 
 if __name__ == "__main__":

@@ -114,11 +114,11 @@ def test_torchrun_command() -> None:
     from moontrain.cli import torchrun_command
 
     single = torchrun_command("r.yaml", ["a.b=1"], nproc=8)
-    assert single[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "8", "--standalone",
+    assert single[1:] == ["-m", "moontrain.torchrun", "--nproc-per-node", "8", "--standalone",
                           "-m", "moontrain.trainer.worker", "r.yaml", "a.b=1"]
     multi = torchrun_command("r.yaml", [], nproc=8, nnodes=4, node_rank=2, rdzv_endpoint="h:29500", rdzv_id="job7",
                              max_restarts=3, log_dir=Path("runs/x/logs"))
-    assert multi[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "8", "--nnodes", "4", "--node-rank", "2",
+    assert multi[1:] == ["-m", "moontrain.torchrun", "--nproc-per-node", "8", "--nnodes", "4", "--node-rank", "2",
                          "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29500", "--rdzv-id", "job7",
                          "--max-restarts", "3", "--log-dir", "runs/x/logs/node2", "--tee", "3",
                          "-m", "moontrain.trainer.worker", "r.yaml"]

@@ -1,7 +1,8 @@
 """Faults around `moontrain launch` (2 gloo ranks of k3_tiny on CPU, each test a real launch):
 
 - SIGTERM to the launcher: the ranks finish the step, save, and everything exits 0 with a message; no
-  process is left and the checkpoint is complete and resumes;
+  process is left and the checkpoint is complete and resumes; while it ran, every socket the job's
+  processes listened on was bound to 127.0.0.1 (the launcher's store, gloo);
 - SIGINT (Ctrl-C) or SIGTERM (a scheduler) to the whole process group, every rank and torchrun included:
   one checkpoint, exit 0, no traceback;
 - SIGKILL mid-run (an OOM kill, a lost node): the newest checkpoint is at most checkpoint.every_minutes
@@ -9,9 +10,10 @@
 - SIGKILL to the launcher: torchrun and both ranks are gone within seconds;
 - SIGSTOP to rank 1: the job ends within parallel.heartbeat_timeout_s (plus startup slack) and rank 0's
   error names rank 1;
-- SIGKILL to rank 1: rank 0's error names rank 1.
+- SIGKILL to rank 1: rank 0's error names rank 1, its traceback is kept, and no line claims a save.
 
-References: the process table (/proc) for leftovers; the checkpoint manifest for completeness.
+References: the process table (/proc) for leftovers; the checkpoint manifest for completeness; the kernel's
+socket tables (/proc/net/tcp, tcp6) for the listening addresses.
 """
 
 from __future__ import annotations
@@ -93,6 +95,25 @@ class Launch:
         self._reader.join(timeout=5)
         return rc
 
+    def listening(self) -> list[str]:
+        """The local addresses (the kernel's hex) of every TCP socket a process of the job listens on."""
+        inodes = set()
+        for pid in self.seen_pids | {self.proc.pid}:
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:["):-1])
+        return [fields[1].rsplit(":", 1)[0] for table in ("/proc/net/tcp", "/proc/net/tcp6")
+                for fields in (line.split() for line in Path(table).read_text().splitlines()[1:])
+                if fields[3] == "0A" and fields[9] in inodes]
+
     def alive(self) -> list[int]:
         out = []
         for pid in sorted(self.seen_pids | {self.proc.pid}):
@@ -125,11 +146,15 @@ def test_sigterm_to_launcher_saves_and_exits_0(tmp_path: Path) -> None:
     launch = Launch(tmp_path, "train.steps=500")
     try:
         launch.wait_for(r"step +2/500", timeout_s=240)
+        listening = launch.listening()
         launch.proc.send_signal(signal.SIGTERM)
         rc = launch.wait(timeout_s=120)
     finally:
         launch.kill_all()
     assert rc == 0, launch.output
+    # before: torchrun's stores listened on every interface (::), reachable from other hosts
+    assert listening and set(listening) <= {"0100007F", "00000000000000000000000001000000",
+                                            "0000000000000000FFFF00000100007F"}, listening
     assert "moontrain: stopped by SIG" in launch.output and "checkpoint saved in" in launch.output, launch.output
     _wait_gone(launch, 5)
     (ckpt,) = list_checkpoints(tmp_path / "checkpoints")
@@ -216,3 +241,7 @@ def test_frozen_or_dead_rank_is_named(tmp_path: Path, sig: signal.Signals) -> No
     else:
         assert "moontrain: rank 0: error:" in launch.output and "rank(s) 1 stopped sending heartbeats" in \
             launch.output, launch.output
+        # before: the launcher dropped stderr once the error file existed, so the traceback was lost; and the
+        # SIGTERM torchrun sent rank 0 after rank 1's death printed a promise to save a checkpoint
+        assert "Traceback (most recent call last)" in launch.output, launch.output
+        assert "saving a checkpoint" not in launch.output, launch.output

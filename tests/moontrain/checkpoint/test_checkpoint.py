@@ -52,7 +52,7 @@ def _straight_then_save(rank: int, world: int, run_dir: str, k3_block: bool) -> 
 def _resume_and_finish(rank: int, world: int, run_dir: str, k3_block: bool) -> tuple[list[float], dict, str | None]:
     cfg = small_config("moonep", 2, run_dir=run_dir, data=CORPUS, checkpoint={"resume": "auto"}, k3_block=k3_block)
     trainer = Trainer(cfg, build_layout(2, CPU))
-    trainer.load_checkpoint(resolve_resume(cfg, trainer.checkpoint_dir))
+    trainer.load_checkpoint(resolve_resume(cfg, trainer.checkpoint_dir, trainer.layout)[0])
     assert trainer.step == 3 and trainer.tokens_seen == 3 * 4 * 16
     losses = train(trainer, 3)
     state = full_state(trainer)
@@ -82,7 +82,7 @@ def _forward_then_resume(rank: int, world: int, run_dir: str) -> tuple[list[floa
         trainer.model(tokens, targets)
     for moe in trainer.model.moe_layers():  # the forward counted tokens for the bias update; not part of the run
         moe.router.tokens_per_expert_E.zero_()
-    trainer.load_checkpoint(resolve_resume(cfg, trainer.checkpoint_dir))
+    trainer.load_checkpoint(resolve_resume(cfg, trainer.checkpoint_dir, trainer.layout)[0])
     losses = train(trainer, 3)
     state = full_state(trainer)
     trainer.close()
@@ -208,9 +208,9 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path: Path, when: str) -> Non
     if when == "mid_file":  # cut short: step 2's file has the same tensors
         assert shard.stat().st_size < (root / "step_00000002" / "rank_00000.safetensors").stat().st_size
     cfg = small_config("local", 1, run_dir=str(tmp_path), checkpoint={"resume": "auto"})
-    assert resolve_resume(cfg, root) == root / "step_00000002"
+    assert resolve_resume(cfg, root) == (root / "step_00000002", [])
     trainer = _single(tmp_path)
-    trainer.load_checkpoint(resolve_resume(cfg, root))
+    trainer.load_checkpoint(resolve_resume(cfg, root)[0])
     assert trainer.step == 2
     train(trainer, 1)
     trainer.save_checkpoint()  # the next save removes the debris of the killed one

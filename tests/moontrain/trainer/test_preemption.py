@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ from moontrain.data.config import DataConfig
 from moontrain.data.loader import build_loader
 from moontrain.optim.schedule import lr_multiplier
 from moontrain.parallel.layout import build_layout, single_process_layout
+from moontrain.supervisor import Supervisor
 from moontrain.trainer.errors import one_line
 from moontrain.trainer.preempt import PreemptionHandler
 from moontrain.trainer.trainer import Trainer
@@ -97,7 +99,7 @@ def test_a_second_signal_aborts(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stdout, proc.stderr)
     assert proc.stdout == "requested True SIGTERM\n", proc.stdout
-    assert proc.stderr.count("SIGTERM received: finishing the current step") == 1, proc.stderr
+    assert proc.stderr.count("SIGTERM received: a stop request") == 1, proc.stderr
 
 
 def test_the_launchers_stop_file_stops_without_a_signal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -119,6 +121,68 @@ def test_the_launchers_stop_file_stops_without_a_signal(tmp_path: Path, monkeypa
     assert trainer.stop_requested and trainer.step == 3 and handler.signal_name == "SIGTERM to the launcher"
     assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step_00000003"]
     assert_bitwise(full_state(trainer), full_state(reference), "stopped by the file vs uninterrupted")
+
+
+def test_foreign_stop_file_does_not_stop_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capfd: pytest.CaptureFixture) -> None:
+    """A stop file another user created (or a link) is ignored and named once: before, anyone who could create
+    the file (it sat in /tmp) stopped the job."""
+    if os.getuid() != 0:
+        pytest.skip("making a file of another uid needs root")
+    stop_file = tmp_path / "stop"
+    monkeypatch.setenv("MOONTRAIN_STOP_FILE", str(stop_file))
+    handler = PreemptionHandler(rank=0)
+    try:
+        stop_file.write_text("SIGTERM")
+        os.chown(stop_file, 4321, 4321)
+        assert not handler.requested and not handler.requested
+        assert capfd.readouterr().err.count(f"ignoring the stop file {stop_file}: not a regular file of uid 0 "
+                                            "(uid 4321") == 1
+    finally:
+        handler.uninstall()
+    own = PreemptionHandler(rank=0)
+    try:
+        stop_file.unlink()
+        stop_file.symlink_to(tmp_path / "elsewhere")
+        (tmp_path / "elsewhere").write_text("SIGTERM")
+        assert not own.requested
+        stop_file.unlink()
+        stop_file.write_text("SIGTERM")  # a stop file of this uid: the launcher's request
+        assert own.requested and own.signal_name == "SIGTERM to the launcher"
+    finally:
+        own.uninstall()
+
+
+def test_stop_file_is_private_to_the_launcher(tmp_path: Path) -> None:
+    """The launcher's stop file is in a directory only its user can enter, under a name no one else sees; it is
+    gone after the run. Before, it was /tmp/moontrain_stop_<random>, announced to every inotify watcher of /tmp."""
+    probe = tmp_path / "probe"
+    script = (f"import os, pathlib; p = os.environ['MOONTRAIN_STOP_FILE']; st = os.stat(os.path.dirname(p)); "
+              f"pathlib.Path({str(probe)!r}).write_text(f'{{p}} {{st.st_mode & 0o777:o}} {{st.st_uid}}')")
+    supervisor = Supervisor([sys.executable, "-c", script])
+    assert supervisor.run() == 0
+    path, mode, uid = probe.read_text().split()
+    assert (Path(path).parent != Path(tempfile.gettempdir()), mode, int(uid)) == (True, "700", os.getuid())
+    assert not Path(path).parent.exists()
+
+
+def test_stop_message_claims_no_checkpoint_before_saving(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """The line printed when SIGTERM arrives says it arrived; "saving a checkpoint" comes when the step is done
+    and the save starts. Before, the signal's line promised the save, also when torchrun's SIGTERM after
+    another rank's death was followed by no save at all."""
+    trainer = _single(tmp_path)
+    handler = PreemptionHandler(rank=0)
+    try:
+        trainer.preemption = handler
+        _signal_at(trainer, 1, lambda: os.kill(os.getpid(), signal.SIGTERM))
+        trainer.fit()
+    finally:
+        handler.uninstall()
+    out = capfd.readouterr()
+    assert "moontrain: rank 0: SIGTERM received: a stop request (send it again to abort at once)" in out.err
+    assert "checkpoint" not in out.err and "saving" not in out.err, out.err
+    assert "moontrain: stopping after step 2 as asked: saving a checkpoint" in out.out
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000002"]
 
 
 def _one_rank_asks(rank: int, world: int, run_dir: str) -> int:
@@ -171,7 +235,7 @@ def test_resume_applies_and_names_changed_optim_settings(tmp_path: Path) -> None
     cfg = small_config("local", 1, run_dir=str(tmp_path), checkpoint={"resume": "auto"})
     cfg.optim.lr, cfg.optim.weight_decay = 1e-3, 0.05
     resumed = Trainer(cfg, single_process_layout(CPU))
-    state = resumed.load_checkpoint(resolve_resume(cfg, resumed.checkpoint_dir))
+    state = resumed.load_checkpoint(resolve_resume(cfg, resumed.checkpoint_dir)[0])
     notes = resume_notes(cfg, resumed.checkpoint_dir, ckpt, state)
     assert notes == ["optim settings differ from the checkpoint's; the recipe's apply from here: optim.lr 0.003 -> "
                      "0.001, optim.weight_decay 0.1 -> 0.05"]
@@ -223,7 +287,7 @@ def test_resume_auto_names_the_incomplete_checkpoint_it_skips(tmp_path: Path) ->
     bad = trainer.save_checkpoint()
     (bad / "rank_00000.safetensors").unlink()
     cfg = small_config("local", 1, run_dir=str(tmp_path), checkpoint={"resume": "auto"})
-    assert resolve_resume(cfg, trainer.checkpoint_dir) == good
+    assert resolve_resume(cfg, trainer.checkpoint_dir) == (good, [])
     notes = resume_notes(cfg, trainer.checkpoint_dir, good, {"step": 1, "optim": {}})
     assert notes == [f"resume: auto passed over {bad} (incomplete: an interrupted save or missing files)"]
 
