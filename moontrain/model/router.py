@@ -153,6 +153,12 @@ class Router(nn.Module):
         self.skew_bias_E.copy_(skew_bias_E(self.num_experts, sigma))
 
     @torch.no_grad()
+    def reset_step_statistics(self) -> None:
+        """Forget the token counts and input sums gathered since the last optimizer step."""
+        self.tokens_per_expert_E.zero_()
+        self.input_sum_D.zero_()
+
+    @torch.no_grad()
     def update_bias(self, global_tokens_per_expert_E: torch.Tensor) -> None:
         counts = global_tokens_per_expert_E.double()
         self.score_bias_E += self.update_rate * torch.sign(counts.mean() - counts)

@@ -247,6 +247,8 @@ class Trainer:
         """Collective-free: restore model, optimizer, schedule, step, RNG and data position from `path`;
         returns the checkpoint's train state. verified: its file digests were checked (resume.resolve_resume)."""
         self.reshard_dense()  # a gathered copy would outlive the load
+        for moe in self.model.moe_layers():  # what a forward before the load counted is not the loaded run's
+            moe.router.reset_step_statistics()
         state = load_checkpoint(self.state, path, verified=verified)
         self.last_saved_step, self.last_checkpoint = self.step, Path(path)
         return state

@@ -78,10 +78,8 @@ def _forward_then_resume(rank: int, world: int, run_dir: str) -> tuple[list[floa
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, fsdp_reshard_after_forward=False))
     trainer = Trainer(cfg, build_layout(2, CPU))
     tokens, targets = trainer.data.batch(0)
-    with torch.no_grad():
+    with torch.no_grad():  # counts tokens and router inputs, which the load forgets (not part of the run)
         trainer.model(tokens, targets)
-    for moe in trainer.model.moe_layers():  # the forward counted tokens for the bias update; not part of the run
-        moe.router.tokens_per_expert_E.zero_()
     trainer.load_checkpoint(resolve_resume(cfg, trainer.checkpoint_dir, trainer.layout)[0])
     losses = train(trainer, 3)
     state = full_state(trainer)
