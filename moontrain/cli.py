@@ -183,10 +183,12 @@ def _main(argv: list[str]) -> int:
             store.close()
 
 
-def run_workers(cmd: list[str], console: Console, env: dict[str, str] | None = None) -> int:
+def run_workers(cmd: list[str], console: Console | None = None, env: dict[str, str] | None = None) -> int:
     """Run torchrun under the Supervisor (signals, no orphans), with `env` added, its output through `console`:
     every line the ranks write to stderr is forwarded (tracebacks included), and a worker's one-line error
-    (MOONTRAIN_ERROR_FILE) is printed last, in place of torchrun's own report (moontrain.torchrun)."""
+    (MOONTRAIN_ERROR_FILE) is printed last, in place of torchrun's own report (moontrain.torchrun). Without a
+    console, to this process's stdout and stderr only."""
+    console = console if console is not None else Console(None, [])
     with tempfile.TemporaryDirectory(prefix="moontrain-") as tmp:
         error_file = Path(tmp) / "error"
         # OMP_NUM_THREADS=1 is torchrun's own default for several ranks, set here to spare its banner (the CPU

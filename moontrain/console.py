@@ -13,13 +13,16 @@ from typing import TextIO
 
 
 class Console:
-    def __init__(self, path: Path, command: list[str]) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, path: Path | None, command: list[str]) -> None:
+        """path None: the terminal only (no log file)."""
         self.path = path
-        self._log: TextIO = path.open("a", encoding="utf-8")
         self._lock = threading.Lock()  # the stdout and stderr readers write from two threads
-        self._log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} moontrain {' '.join(command)}\n")
-        self._log.flush()
+        self._log: TextIO | None = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = path.open("a", encoding="utf-8")
+            self._log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} moontrain {' '.join(command)}\n")
+            self._log.flush()
 
     def out(self, text: str) -> None:
         self._write(sys.stdout, text)
@@ -33,11 +36,13 @@ class Console:
         with self._lock:
             stream.write(text)
             stream.flush()
-            self._log.write(text)
-            self._log.flush()
+            if self._log is not None:
+                self._log.write(text)
+                self._log.flush()
 
     def close(self) -> None:
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
 
 
 def console_path(run_dir: str, node_rank: int) -> Path:

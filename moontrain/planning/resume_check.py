@@ -7,7 +7,8 @@ worker half a minute later: another model (any model.* key: the weights' shapes 
 optimizer (optim.name: its state does not carry over), another data source kind (data.source: the data
 position) or another tokenizer (the ids mean other text). A run already at train.steps is finished: the
 launcher says so and starts nothing. Only the checkpoint's train_state.json is read (its sha256 checked
-against the manifest).
+against the manifest): the workers verify every file before they load (moontrain.checkpoint.resume) and
+pass over a damaged newest checkpoint for an older one of the same run, whose settings are the same.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from moontrain.checkpoint.resume import resolve_resume
-from moontrain.checkpoint.store import open_checkpoint
+from moontrain.checkpoint.store import find_latest, open_checkpoint
 from moontrain.config.loader import to_dict
 from moontrain.config.run_config import RunConfig
 from moontrain.data.tokenizer import tokenizer_digest
@@ -34,9 +34,15 @@ def checkpoint_dir(cfg: RunConfig) -> Path:
 
 def check_resume(cfg: RunConfig) -> Resume | None:
     """The checkpoint a launch will continue (None: a fresh start); raises ValueError when it cannot."""
-    path = resolve_resume(cfg.checkpoint, checkpoint_dir(cfg))
+    resume = cfg.checkpoint.resume
+    if resume == "none":
+        return None
+    path = find_latest(checkpoint_dir(cfg)) if resume == "auto" else Path(resume)
     if path is None:
         return None
+    if not path.is_dir():
+        raise ValueError(f"checkpoint.resume={resume!r} is not a directory; use none, auto or a checkpoint path "
+                         f"such as {checkpoint_dir(cfg)}/step_00000100")
     state, _ = open_checkpoint(path)
     step = state["step"]
     differs = _differences(state, cfg)

@@ -179,8 +179,11 @@ def reference_k3():
     return _reference(k3_block=True)
 
 
-def _check(result, reference) -> None:
+def _check(result, reference, slack: float = 1.0) -> None:
+    """result against the single-process reference, within its tolerances times `slack`."""
     losses, maxvio, state, loss_tol, param_tol = reference
+    loss_tol = [t * slack for t in loss_tol]
+    param_tol = {k: t * slack for k, t in param_tol.items()}
     got_losses, got_maxvio, got_state = result
     assert maxvio[0] > 1.0, f"router not skewed enough: maxvio {maxvio}"
     for step, (a, b) in enumerate(zip(got_losses, losses, strict=True)):
@@ -250,8 +253,11 @@ def test_unsharded_between_passes_matches_single_process(reference, backend: str
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                     reason="torch.compile on CPU needs a C compiler")
 def test_compiled_dense_parts_match_eager(reference) -> None:
-    """train.compile (norms, attention, dense FFN / shared experts and the loss compiled) changes only
-    the fp32 summation order: the single-process run matches the eager reference within its tolerance."""
+    """train.compile (norms, attention, dense FFN / shared experts and the loss compiled) changes the fp32
+    rounding: the single-process run matches the eager reference within 3x its tolerance. Compiled kernels
+    fuse elementwise chains and contract multiply-adds, so they round intermediates differently, not only
+    the order of sums that the reference's row reversal measures: 24x that reorder noise was seen on one
+    weight (the KDA layer's v_proj, 2026-12-02), against the 20x of the eager layouts."""
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -259,7 +265,7 @@ def test_compiled_dense_parts_match_eager(reference) -> None:
     assert counters["stats"]["unique_graphs"] >= 4, dict(counters["stats"])  # norm, attention, shared FFN, loss
     state["slots_used"] = torch.tensor([])
     state["fsdp_gathers"] = torch.tensor(0)
-    _check((losses, maxvio, state), reference)
+    _check((losses, maxvio, state), reference, slack=3.0)
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -267,8 +273,8 @@ def test_compiled_dense_parts_match_eager(reference) -> None:
 @pytest.mark.slow
 def test_compiled_sharded_training_matches_single_process(reference) -> None:
     """train.compile with FSDP (blocks kept gathered), EP = 2 over moonep and 4 accumulated passes:
-    the eager single-process reference within its tolerance."""
-    _check(run_ranks(train_sharded, 2, "moonep", 2, False, 1, False, True, timeout_s=300)[0], reference)
+    the eager single-process reference within 3x its tolerance (compiled rounding: the test above)."""
+    _check(run_ranks(train_sharded, 2, "moonep", 2, False, 1, False, True, timeout_s=300)[0], reference, slack=3.0)
 
 
 @pytest.mark.parametrize(("backend", "world", "ep", "ac"), [("alltoall", 2, 2, False), ("moonep", 2, 2, False),
