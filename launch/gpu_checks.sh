@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|optim|determinism|ckpt|dense|mfu ...]
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|optim|determinism|ckpt|dense|mfu|learning ...]
 #   (default: the first four, in order; comm and train need 2 GPUs; push, kda, optim, determinism, ckpt, dense and
 #   mfu run on one GPU)
 # tests: on one GPU the single-GPU tier (`pytest -m "gpu or multigpu"`, the multigpu tests skip) in TEST_WORKERS
@@ -90,6 +90,12 @@ for step in "${steps[@]}"; do
                parallel.ep=1 train.micro_batch_size=1 train.compile=true parallel.fsdp_reshard_after_forward=false \
                parallel.dense=$d > "$out/dense_$d.log" 2>&1
              echo "bench_train dense=$d rc=$?"; grep -v "^\[rank" "$out/dense_$d.log" | tail -4
+           done ;;
+    learning)  # docs/learning.md: the DeepSeek-V3 block (60 steps, ~2.5 min) and the K3 block (~2 min) on text, one GPU
+           for setup in dsv3 k3_small; do
+             timeout "${LEARNING_TIMEOUT:-280}" torchrun --nproc_per_node=1 benchmarks/bench_learning.py --setup "$setup" \
+               --steps 60 --out "$out" > "$out/learning_$setup.log" 2>&1
+             echo "learning $setup rc=$?"; grep -E "^summary|^torchtitan" "$out/learning_$setup.log" | cut -c1-400
            done ;;
     mfu)   # issue 23's one-GPU point: k3_small_moe's widths with 64 experts at EP = 1, all-MLA layout, 131k tokens per
            # step in 4 passes of 8 x 4096, dense parameters without FSDP (peak 87 GiB); moonep's combine in both orders
