@@ -154,7 +154,7 @@ def reference_run(args: argparse.Namespace, layout, log) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench_learning_"))
     transformers.DeepseekV3ForCausalLM(hf_cfg).save_pretrained(work / "hf")
     mcfg, _ = read_hf(work / "hf")
-    model = {**to_dict(mcfg), "router_bias_update_rate": 1e-3}
+    model = {**to_dict(mcfg), "router_bias_update_rate": 1e-2, "router_bias_update": "proportional"}
     cfg = from_dict(RunConfig, {
         "model": model, "experts": {"backend": "moonep"}, "parallel": {"ep": 1, "dense": "plain"},
         "optim": {"lr": lr, "warmup_steps": 5, "min_lr_ratio": 0.1, "weight_decay": 0.1, "grad_clip": 1.0},

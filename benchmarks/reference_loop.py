@@ -17,7 +17,8 @@ The loop:
   norms; linear warmup from lr / warmup (step 0) to lr, then cosine to lr * min_lr_ratio at the last
   step; the global gradient norm clipped to `clip` (torch.nn.utils.clip_grad_norm_);
 - aux-loss-free balancing: after each step every router's e_score_correction_bias moves by
-  rate * sign(mean count - count_e) over the experts its gate chose in the step;
+  rate * (mean count - count_e) / mean count over the experts its gate chose in the step (bias_update
+  "proportional"), or by rate * sign(mean count - count_e) ("sign", DeepSeek-V3's rule);
 - mean-free router updates (mean_free_router_updates): the optimizer step leaves every gate's weight rows
   unchanged along u, the unit mean of the gate's inputs over the step's tokens (w_e . u is restored).
 """
@@ -45,7 +46,8 @@ class LoopConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     clip: float = 1.0
-    bias_update_rate: float = 1e-3
+    bias_update_rate: float = 1e-2
+    bias_update: str = "proportional"  # or "sign"
     mean_free_router_updates: bool = True
     batch: int  # rows per step
     seq_len: int
@@ -141,13 +143,17 @@ class _ExpertCounts:
             gate.weight += torch.outer(c - gate.weight @ u, u)
 
     @torch.no_grad()
-    def update_biases(self, rate: float) -> list[float]:
+    def update_biases(self, rate: float, rule: str) -> list[float]:
         """Move every bias towards balance; returns each router's maxvio (max / mean count - 1) of the step."""
         maxvio = []
         for gate, counts in zip(self.gates, self.counts, strict=True):
             c = counts.double()
             maxvio.append((c.max() / c.mean() - 1).item())
-            gate.e_score_correction_bias += rate * torch.sign(c.mean() - c).to(gate.e_score_correction_bias.dtype)
+            if rule == "proportional":
+                step = rate * (c.mean().clamp_min(1.0) - c) / c.mean().clamp_min(1.0)
+            else:
+                step = rate * torch.sign(c.mean() - c)
+            gate.e_score_correction_bias += step.to(gate.e_score_correction_bias.dtype)
             counts.zero_()
         return maxvio
 
@@ -177,7 +183,7 @@ def train(model: nn.Module, data: Iterator[tuple[torch.Tensor, torch.Tensor]], c
         if cfg.mean_free_router_updates:
             counts.restore_mean_components(held)
         opt.zero_grad(set_to_none=True)
-        maxvio = counts.update_biases(cfg.bias_update_rate)
+        maxvio = counts.update_biases(cfg.bias_update_rate, cfg.bias_update)
         row = {"step": step + 1, "loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr,
                "maxvio": max(maxvio) if maxvio else 0.0}
         out.append(row)

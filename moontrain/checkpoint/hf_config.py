@@ -19,7 +19,7 @@ MODEL_TYPE = "moontrain"
 IMPORTABLE = ("moontrain", "deepseek_v3", "kimi_k2")
 # ModelConfig fields that do not change what the weights compute (training and execution settings):
 # a recipe may differ from an imported model in these
-NOT_ARCHITECTURE = frozenset({"init_std", "init_embed_std", "router_bias_update_rate", "router_mean_free_updates",
+NOT_ARCHITECTURE = frozenset({"init_std", "init_embed_std", "router_bias_update_rate", "router_bias_update", "router_mean_free_updates",
                               "seq_aux_loss_coef", "router_skew", "router_tf32", "attn_pad_head_dims"})
 
 

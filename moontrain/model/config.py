@@ -93,7 +93,11 @@ class ModelConfig:
     # sum of its two best selection scores; a token picks its top-k among the topk_expert_groups best groups
     num_expert_groups: int = 1
     topk_expert_groups: int = 1
-    router_bias_update_rate: float = 1e-3  # aux-loss-free balancing step on the score-correction bias
+    router_bias_update_rate: float = 1e-2  # aux-loss-free balancing step on the score-correction bias
+    # how the bias moves after a step: "proportional" (rate * (mean - count_e) / mean: an expert's correction
+    # grows with its imbalance) or "sign" (DeepSeek-V3's rate * sign(mean - count_e); its paper: rate 1e-3).
+    # docs/learning.md: on one H200 proportional 1e-2 keeps maxvio <= 1.3 from step 20 where sign 1e-3 gave 3.9
+    router_bias_update: str = "proportional"
     # optimizer steps leave each router's weights along the step's mean router input unchanged: expert
     # popularity moves through the bias only (moontrain.model.router_updates; false: plain updates)
     router_mean_free_updates: bool = True
@@ -128,6 +132,10 @@ class ModelConfig:
             raise ValueError(
                 f"model.attn_res_block_size must be an even number of sub-layers >= 2 (K3: 12), or 0 for standard "
                 f"residuals; got {self.attn_res_block_size}"
+            )
+        if self.router_bias_update not in ("sign", "proportional"):
+            raise ValueError(
+                f"model.router_bias_update must be 'sign' or 'proportional', got {self.router_bias_update!r}"
             )
         if self.router_skew < 0:
             raise ValueError(f"model.router_skew must be >= 0 (0: no skew), got {self.router_skew}")

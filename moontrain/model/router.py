@@ -6,7 +6,7 @@ Selection uses sigmoid(logits) + bias; the combine weights use the unbiased scor
 the chosen K and multiplied by routed_scaling_factor (DeepSeek-V3 / Kimi K2). With group-limited routing
 (model.num_expert_groups > 1) a token chooses only among the experts of its topk_expert_groups best groups. The bias is not trained
 by gradients: after every optimizer step it moves by `update_rate * sign(mean_count - count_e)`
-using token counts reduced over the whole world, so every rank keeps the same bias. With
+(model.router_bias_update = "proportional": `update_rate * (mean_count - count_e) / mean_count`) using token counts reduced over the whole world, so every rank keeps the same bias. With
 model.router_mean_free_updates the optimizer step leaves each router's weights along the step's mean
 input unchanged, so expert popularity is the bias's alone (moontrain.model.router_updates).
 Routing math runs in fp32 whatever the compute dtype: near-ties in bf16 would flip top-k choices.
@@ -78,6 +78,7 @@ class Router(nn.Module):
         self.topk = cfg.num_experts_per_tok
         self.scaling = cfg.routed_scaling_factor
         self.update_rate = cfg.router_bias_update_rate
+        self.proportional_update = cfg.router_bias_update == "proportional"
         self.seq_aux_loss_coef = cfg.seq_aux_loss_coef
         self.tf32 = cfg.router_tf32
         self.num_groups, self.topk_groups = cfg.num_expert_groups, cfg.topk_expert_groups
@@ -161,5 +162,9 @@ class Router(nn.Module):
     @torch.no_grad()
     def update_bias(self, global_tokens_per_expert_E: torch.Tensor) -> None:
         counts = global_tokens_per_expert_E.double()
-        self.score_bias_E += self.update_rate * torch.sign(counts.mean() - counts)
+        if self.proportional_update:
+            mean = counts.mean().clamp_min(1.0)
+            self.score_bias_E += (self.update_rate * (mean - counts) / mean).to(self.score_bias_E.dtype)
+        else:
+            self.score_bias_E += self.update_rate * torch.sign(counts.mean() - counts)
         self.tokens_per_expert_E.zero_()

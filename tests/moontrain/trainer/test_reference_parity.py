@@ -53,7 +53,7 @@ def _hf_model(path: Path) -> None:
 
 
 def _config(hf_dir: Path, run_dir: Path, backend: str, ep: int) -> RunConfig:
-    model = {**to_dict(read_hf(hf_dir)[0]), "router_bias_update_rate": 1e-3}
+    model = {**to_dict(read_hf(hf_dir)[0]), "router_bias_update_rate": 1e-2, "router_bias_update": "proportional"}
     return from_dict(RunConfig, {
         "model": model, "experts": {"backend": backend}, "parallel": {"ep": ep},
         "optim": {"lr": LR, "warmup_steps": 5, "min_lr_ratio": 0.1, "weight_decay": 0.1, "grad_clip": 1.0},
@@ -81,7 +81,8 @@ def _reference(hf_dir: Path, world: int = 1) -> list[dict]:
     """The reference loop on the rows moontrain's `world` data-parallel ranks read together."""
     model = transformers.DeepseekV3ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     data = sharded_batches(CORPUS, lambda text: list(text.encode()), 256, world, BATCH, SEQ)
-    return reference_train(model, data, LoopConfig(lr=LR, warmup_steps=5, steps=STEPS, batch=BATCH, seq_len=SEQ),
+    return reference_train(model, data, LoopConfig(lr=LR, warmup_steps=5, steps=STEPS, batch=BATCH, seq_len=SEQ,
+                                                   bias_update_rate=1e-2, bias_update="proportional"),
                            device=CPU)
 
 
