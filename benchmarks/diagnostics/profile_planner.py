@@ -2,7 +2,7 @@
 torch.profiler over CUDA-graph replays, with every rank of an R-rank problem simulated on one GPU as
 benchmarks/bench_planner.py does.
 
-    python benchmarks/profile_planner.py [--experts 896] [--topk 16] [--ranks 8] [--tokens 8192]
+    python benchmarks/diagnostics/profile_planner.py [--experts 896] [--topk 16] [--ranks 8] [--tokens 8192]
 
 Prints, for rank 0's plan (checked bitwise against make_plan on every rank first):
     the graph's replay timed by CUDA events three ways: one replay on an idle GPU, one replay queued
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
 from benchmarks.bench_planner import add_problem_args, check_variant, simulated_problem
 from moonep.planner import fused as pf

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.host_overhead import OpCounter, Regions
+from benchmarks.diagnostics.host_overhead import OpCounter, Regions
 
 
 def test_compiled_regions_and_their_backward_are_counted_apart() -> None:

@@ -3,7 +3,7 @@ parameter's gradient compared bitwise. Localises a non-deterministic kernel when
 benchmarks/check_determinism.py reports a difference (attention weights: SDPA backward; expert masters:
 the grouped GEMM or the EP path; router weights: the score gather; the embedding: its backward).
 
-    python -m torch.distributed.run --nproc-per-node 1 benchmarks/determinism_grads.py RECIPE [--strict] [key=value ...]
+    python -m torch.distributed.run --nproc-per-node 1 benchmarks/diagnostics/determinism_grads.py RECIPE [--strict] [key=value ...]
 
 Runs on every rank of the launch (each compares its own gradients; rank 0 prints its list). Pass
 train.deterministic=true or false to compare the two modes; the data of step 0 is used, split into the

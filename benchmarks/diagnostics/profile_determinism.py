@@ -1,12 +1,12 @@
 """One profiled training step in the recipe's mode (train.deterministic true or false): step time and the
 GPU kernels by CUDA time. benchmarks/check_determinism.py --profile runs it once per mode and compares.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/profile_determinism.py \\
+    python -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/diagnostics/profile_determinism.py \\
         --out FILE.json RECIPE [key=value ...]
 
 A fresh Trainer trains --warmup untimed steps (compiles, autotunes), then --steps timed ones (device
 synchronised around each; the median is reported), then one profiled step. Rank 0 prints the kernel
-classes of moontrain's profile timeline (benchmarks/train_diagnostics.py) and the --top kernels by total
+classes of moontrain's profile timeline (benchmarks/diagnostics/train_diagnostics.py) and the --top kernels by total
 CUDA time, and writes them as JSON: {"deterministic", "step_time_s", "profiled_step_s", "classes": {class:
 us}, "kernels": [{"name", "class", "count", "total_us"}]} (rank 0's kernels). On the CPU (gloo) it runs the
 same steps with empty kernel lists: a check of the script, not a profile.
@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
-from benchmarks.train_diagnostics import _gpu_kernels, kernel_class
+from benchmarks.diagnostics.train_diagnostics import _gpu_kernels, kernel_class
 from moontrain.config import RunConfig, from_dict, load_recipe
 from moontrain.parallel.layout import build_layout
 from moontrain.trainer.determinism import set_cublas_workspace

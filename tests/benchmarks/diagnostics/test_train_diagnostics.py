@@ -3,7 +3,7 @@ torch.cuda.memory._snapshot(); the arithmetic is checked here)."""
 
 from __future__ import annotations
 
-from benchmarks.train_diagnostics import _peak_allocations
+from benchmarks.diagnostics.train_diagnostics import _peak_allocations
 
 
 def _ev(action: str, addr: int, size: int, where: str) -> dict:
@@ -29,7 +29,7 @@ def test_peak_and_the_allocations_live_at_it() -> None:
 
 
 def test_live_blocks_grouped_by_size_and_call_site() -> None:
-    from benchmarks.train_diagnostics import _live_blocks
+    from benchmarks.diagnostics.train_diagnostics import _live_blocks
 
     def block(size: int, state: str, where: str | None) -> dict:
         frames = [] if where is None else [{"filename": f"/r/moontrain/{where}.py", "line": 3, "name": "g"}]
@@ -48,7 +48,7 @@ def test_live_blocks_grouped_by_size_and_call_site() -> None:
 
 
 def test_timeline_summary_busy_idle_and_classes() -> None:
-    from benchmarks.train_diagnostics import _union_ns, kernel_class, timeline_summary
+    from benchmarks.diagnostics.train_diagnostics import _union_ns, kernel_class, timeline_summary
 
     assert _union_ns([(0, 10), (5, 20), (30, 40), (32, 35)]) == 30
     assert kernel_class("ncclDevKernel_AllGather_RING_LL") == "nccl"

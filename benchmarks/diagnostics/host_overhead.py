@@ -1,9 +1,9 @@
 """The host work of one training step, measured on the CPU: a proxy for the K3 step's launch overhead.
 
-    python benchmarks/host_overhead.py                       # k3_small's layer structure, tiny widths
-    python benchmarks/host_overhead.py --out host.json --steps 3 experts.backend=local
-    python benchmarks/host_overhead.py --show host.json      # the table of a written JSON
-    python benchmarks/host_overhead.py parallel.dense=plain  # dense params without FSDP (moontrain.parallel.plain_dense)
+    python benchmarks/diagnostics/host_overhead.py                  # k3_small's layer structure, tiny widths
+    python benchmarks/diagnostics/host_overhead.py --out host.json --steps 3 experts.backend=local
+    python benchmarks/diagnostics/host_overhead.py --show host.json # the table of a written JSON
+    python benchmarks/diagnostics/host_overhead.py parallel.dense=plain  # dense params without FSDP
 
 On one H200, k3_small's step keeps the GPU busy for well under half its wall time: the host launches
 ~4,450 kernels per forward/backward pass and cannot keep up. Every aten op the dispatcher runs below
@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
 from moontrain.config import RunConfig, from_dict, load_recipe
 from moontrain.parallel.layout import build_layout
@@ -188,7 +188,7 @@ def _call_site() -> str:
 
 
 def build_trainer(overrides: list[str], run_dir: str, regions: Regions) -> Trainer:
-    raw = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "k3_small.yaml",
+    raw = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "k3_small.yaml",
                       [*TINY, f"train.run_dir={run_dir}", *overrides])
     cfg = from_dict(RunConfig, raw)
     layout = build_layout(cfg.parallel.ep, torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""check_determinism.py --profile: benchmarks/profile_determinism.py run in-process on the CPU (one gloo rank,
+"""check_determinism.py --profile: benchmarks/diagnostics/profile_determinism.py run in-process on the CPU (one gloo rank,
 a tiny model: the steps, the timing and the JSON; the kernel lists are empty off the GPU), and the kernel
 and class arithmetic of the comparison on hand-made profiles (exact values)."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from benchmarks.check_determinism import compare_profiles
-from benchmarks.profile_determinism import class_totals, kernel_totals, main
+from benchmarks.diagnostics.profile_determinism import class_totals, kernel_totals, main
 from tests.moontrain.trainer.test_determinism import restore_switches  # noqa: F401 (fixture)
 
 
