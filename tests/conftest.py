@@ -8,7 +8,7 @@ On a machine with a CUDA GPU two things differ from the CPU tier:
   interpreter on the CPU and set TRITON_INTERPRET=1 at import, before triton reads it, which would push
   every kernel of the session through the interpreter. tests/test_gpu_tier.py checks that every
   module which sets it, itself or through what it imports, is so named.
-- fla's autotune choices for the KDA heads the GPU tests use (launch/fla_autotune_h200, docs/kda.md) are
+- fla's autotune choices for the KDA heads the GPU tests use (recipes/data/fla_autotune_h200, its README) are
   copied into Triton's cache where missing: without them a fresh machine searches fla's tile
   configurations for minutes per shape before the first KDA call returns.
 """
@@ -25,7 +25,7 @@ import torch
 
 ON_GPU = torch.cuda.is_available()
 INTERPRETED_SUFFIX = "_interpreted.py"
-FLA_AUTOTUNE_DIR = Path(__file__).resolve().parent.parent / "launch" / "fla_autotune_h200"
+FLA_AUTOTUNE_DIR = Path(__file__).resolve().parent.parent / "recipes" / "data" / "fla_autotune_h200"
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -35,7 +35,7 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 
 def seed_fla_autotune(cache_dir: Path) -> int:
-    """Copy launch/fla_autotune_h200's entries into `cache_dir` where absent; returns how many were copied.
+    """Copy recipes/data/fla_autotune_h200's entries into `cache_dir` where absent; returns how many were copied.
     Each file lands under a temporary name and is renamed into place, so a process reading the cache
     (another pytest worker) sees either no entry or a whole one."""
     copied = 0

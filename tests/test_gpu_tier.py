@@ -9,7 +9,7 @@ named *_interpreted.py and conftest does not collect them on a GPU machine. Chec
 - the GPU tier of tests/moonep (where most of them live) is collected in a subprocess whose torch reports
   one CUDA GPU: no *_interpreted module is collected, TRITON_INTERPRET is unset when collection ends, and
   the gpu tests are there (the whole tree would take ~10 s of CPU; the scan covers it).
-The seed copies every entry of launch/fla_autotune_h200 byte for byte and never overwrites one the cache holds.
+The seed copies every entry of recipes/data/fla_autotune_h200 byte for byte and never overwrites one the cache holds.
 """
 
 from __future__ import annotations
