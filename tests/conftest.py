@@ -3,6 +3,13 @@
 The markers are registered in pyproject.toml. One GPU: `python -m pytest -m "gpu or multigpu" tests/` (the
 multigpu tests skip); two: the same under `torchrun --nproc_per_node=2` (README).
 
+Layout: tests/ mirrors the packages (tests/moonep/planner tests moonep/planner, and so on); what several
+tests share sits in one helpers module per package (tests/moonep/helpers/). A GPU test is marked, and the
+marker alone decides its tier: `@pytest.mark.gpu` (one CUDA GPU) or `@pytest.mark.multigpu` (two or more,
+under torchrun), as a module's `pytestmark` when every test of the module needs it. There is no GPU folder:
+a GPU test sits beside the CPU tests of the code it checks, in a module named test_<subject>_gpu.py or
+test_<subject>_multigpu.py when all of its tests need the device (a CPU module may mark single tests).
+
 On a machine with a CUDA GPU two things differ from the CPU tier:
 - modules named `*_interpreted.py` (at any depth) are not collected. They run the Triton kernels in Triton's
   interpreter on the CPU and set TRITON_INTERPRET=1 at import, before triton reads it, which would push

@@ -12,10 +12,10 @@ moonep.datapath.reference (the specification) except where a docstring below say
   touch occupied slots and non-empty groups only).
 - the expert GEMMs: torch._grouped_mm, or with BufferOptions.fused_expert_gemm the fused kernels
   moonep.kernels.grouped_glu (gate, up and the activation) and .grouped_wgrad (the weight gradient into
-  the fp32 grads): other summation orders, within the bounds of tests/moonep/grouped_gemm_cases.py.
+  the fp32 grads): other summation orders, within the bounds of tests/moonep/helpers/grouped_gemm_cases.py.
 - the activation and the route weights: moonep.kernels.swiglu / .situ_glu and moonep.kernels.route_weights
   (the route-weight gradient sums in another order than torch.sum: within a bound the tests derive;
-  SiTU-GLU's device exp and division are approximate: within the bound of tests/moonep/situ_glu_cases.py).
+  SiTU-GLU's device exp and division are approximate: within the bound of tests/moonep/helpers/situ_glu_cases.py).
 """
 
 from __future__ import annotations

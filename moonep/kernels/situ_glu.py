@@ -8,9 +8,9 @@ elementwise part of the expert backward (the eager form makes ~20 fp32 passes ov
 Rounding fp32 -> bf16 is done on the bits (round to nearest, ties to even; finite values) rather than
 by a cast, because Triton's interpreter casts by truncating: written this way the interpreter and the
 GPU round as torch does, so under TRITON_INTERPRET=1 the outputs equal the specification's bit for bit
-once both use the same exp (tests/moonep/test_expert_math_interpreted.py). On the GPU, exp and fp32
+once both use the same exp (tests/moonep/kernels/test_expert_math_interpreted.py). On the GPU, exp and fp32
 division are the device's (approximate) instructions: within one bf16 ulp of the specification
-(tests/moonep/gpu/test_expert_math.py).
+(tests/moonep/kernels/test_expert_math_gpu.py).
 """
 
 from __future__ import annotations

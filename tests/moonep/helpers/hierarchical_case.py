@@ -1,5 +1,5 @@
 """One hierarchical-EP problem run three ways on the same ranks (shared by tests/moonep/test_hierarchical.py on
-gloo and tests/moonep/gpu/test_hierarchical_multigpu.py on 2 GPUs):
+gloo and tests/moonep/test_hierarchical_multigpu.py on 2 GPUs):
 
 - `hier`: moonep.hierarchical over N hosts of R / N ranks;
 - `plain`: one moonep Buffer over all R ranks (the one-level layer);

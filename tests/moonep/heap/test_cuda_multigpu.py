@@ -1,6 +1,6 @@
 """CUDA VMM symmetric heap and device barrier on two GPUs.
 
-    torchrun --nproc_per_node=2 -m pytest -q -m multigpu tests/moonep/gpu/test_cuda_heap.py
+    torchrun --nproc_per_node=2 -m pytest -q -m multigpu tests/moonep/heap/test_cuda_multigpu.py
 
 Every rank runs every test in the same order (the tests are collective). The group is NCCL; the
 heap's fd exchange uses its object collectives. Patterns are seeded per rank, so any rank can

@@ -1,6 +1,6 @@
 """The triton data path (moonep.kernels.dispatch_combine) equals the pure-PyTorch path bitwise.
 
-Run on the 2xH200 machine: torchrun --nproc_per_node=2 -m pytest -q -m multigpu tests/moonep/gpu/test_kernels.py
+Run on the 2xH200 machine: torchrun --nproc_per_node=2 -m pytest -q -m multigpu tests/moonep/kernels/test_dispatch_combine_multigpu.py
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 # first: sets TRITON_INTERPRET=1 before triton is imported (the pool's kernels run in the interpreter on
 # the CPU), so the module passes alone as well as after the other interpreted tests
-import tests.moonep.test_kernels_interpreted  # noqa: F401
+import tests.moonep.helpers.triton_interpreted  # noqa: F401
 from moonep import BufferConfig
 from moonep.layout import Layout
 from moonep.planner import fused as plan_fused

@@ -4,7 +4,7 @@ R-rank problem with the gathered histograms, exactly as each rank would call it.
 Two kinds of checks:
 - properties stated in §5 (exact caps, conservation, one remote home group per rank, slots,
   padded offsets, destinations covering exactly the valid rows, dedup), checked on the plan;
-- bitwise equality of every integer output with tests/moonep/planner_reference.py, an independent
+- bitwise equality of every integer output with tests/moonep/helpers/planner_reference.py, an independent
   plain-Python implementation of §5.2-§5.5 (it fixes token order, tie-breaking and slot order).
 
 Legend: R ranks, E experts, epn = E / R, B slots per rank, K top-k, s tokens per rank.
@@ -22,7 +22,7 @@ from moonep.layout import Layout
 from moonep.planner import Plan
 from moonep.planner.reference import receive_caps
 from moonep.routing import expert_maxvio, max_maxvio
-from tests.moonep.planner_reference import RefPlan, reference_caps, reference_plan, round_up
+from tests.moonep.helpers.planner_reference import RefPlan, reference_caps, reference_plan, round_up
 
 GRANULARITY = 4096
 NUM_RANDOM = 200

@@ -1,5 +1,5 @@
 """The fused expert GEMMs (moonep.kernels.grouped_glu, .grouped_wgrad) in Triton's interpreter on the CPU,
-against exact values and the PyTorch path with the bounds tests/moonep/grouped_gemm_cases.py derives.
+against exact values and the PyTorch path with the bounds tests/moonep/helpers/grouped_gemm_cases.py derives.
 Ragged groups: empty ones first, in the middle and last, one row, several row tiles; H, F, I, O not
 multiples of the interpreter's 16-wide tiles; NaN rows past offs[-1] (never read)."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 # first: sets TRITON_INTERPRET=1 before triton is imported and installs the interpreter's shims
-import tests.moonep.test_kernels_interpreted  # noqa: F401
-from tests.moonep.grouped_gemm_cases import check_grouped_glu, check_grouped_wgrad
+import tests.moonep.helpers.triton_interpreted  # noqa: F401
+from tests.moonep.helpers.grouped_gemm_cases import check_grouped_glu, check_grouped_wgrad
 
 ROWS = [0, 5, 0, 37, 1, 0, 16, 0]
 

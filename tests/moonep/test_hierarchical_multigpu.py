@@ -1,9 +1,9 @@
 """Hierarchical EP on 2 GPUs as 2 "hosts" of 1 GPU: the rows cross "hosts" through NCCL all-to-alls over
 the rail group, each GPU is a host group of one rank with its own CUDA symmetric heap, and the results
 equal the one-level layer over both GPUs with the bitwise statements of tests/moonep/test_hierarchical.py
-(tests/moonep/hierarchical_case.py; the same case runs on CPU there as "2x1").
+(tests/moonep/helpers/hierarchical_case.py; the same case runs on CPU there as "2x1").
 
-    torchrun --nproc_per_node=2 -m pytest -q -m multigpu tests/moonep/gpu/test_hierarchical_multigpu.py
+    torchrun --nproc_per_node=2 -m pytest -q -m multigpu tests/moonep/test_hierarchical_multigpu.py
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.moonep.hierarchical_case import Case, check_rank, run_case
+from tests.moonep.helpers.hierarchical_case import Case, check_rank, run_case
 
 pytestmark = pytest.mark.multigpu
 
 # 512 local experts of 32 x 64 bf16 = 2 MiB per projection: the CUDA heap's mapping granularity. Small matrices
 # keep every per-row reduction (GEMM, route-weight grad) short, so its bits should not depend on how many
 # rows share the call (the one-level and the host-stage calls have different row counts; see
-# tests/moonep/hierarchical_case.py)
+# tests/moonep/helpers/hierarchical_case.py)
 CASE = Case(R=2, N=2, E=1024, H=32, F=64, K=4, S=32)
 
 

@@ -1,12 +1,12 @@
 """The fused expert GEMMs (moonep.kernels.grouped_glu, .grouped_wgrad) on one GPU at expert shapes of
 k3_small_moe (H 2048, F 1024) and K3 (latent H 3584, F 3072), with ragged and empty groups, against exact
-values and the PyTorch path with the bounds tests/moonep/grouped_gemm_cases.py derives."""
+values and the PyTorch path with the bounds tests/moonep/helpers/grouped_gemm_cases.py derives."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.moonep.grouped_gemm_cases import check_grouped_glu, check_grouped_wgrad
+from tests.moonep.helpers.grouped_gemm_cases import check_grouped_glu, check_grouped_wgrad
 
 pytestmark = pytest.mark.gpu
 

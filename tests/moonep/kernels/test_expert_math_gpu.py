@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from moonep.activation import swiglu_backward as swiglu_backward_ref
-from tests.moonep.accumulate_cases import check_accumulate_groups, check_accumulate_groups_write
-from tests.moonep.route_weight_cases import check_route_weights
+from tests.moonep.helpers.accumulate_cases import check_accumulate_groups, check_accumulate_groups_write
+from tests.moonep.helpers.route_weight_cases import check_route_weights
 
 pytestmark = pytest.mark.gpu
 

@@ -13,7 +13,7 @@ from moonep import Buffer, BufferConfig, BufferOptions
 from moonep.planner import Plan, make_plan
 from moonep.routing import generate_routing
 from moonep.testing import PLAN_FIELDS, assert_same_plan
-from tests.moonep.planner_cases import (
+from tests.moonep.helpers.planner_cases import (
     check_fused_cases,
     check_fused_topk,
     group_skewed_topk,

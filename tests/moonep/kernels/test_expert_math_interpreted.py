@@ -9,11 +9,11 @@ import torch
 
 # first: sets TRITON_INTERPRET=1 before triton is imported (triton reads it then), installs the
 # interpreter's numpy-2 shim, and skips this module too where triton is absent
-import tests.moonep.test_kernels_interpreted  # noqa: F401
+import tests.moonep.helpers.triton_interpreted  # noqa: F401
 from moonep.activation import swiglu_backward as swiglu_backward_ref
-from tests.moonep.accumulate_cases import check_accumulate_groups, check_accumulate_groups_write
-from tests.moonep.route_weight_cases import check_route_weights
-from tests.moonep.situ_glu_cases import assert_bitwise, assert_close_to_exact, exact, situ_inputs
+from tests.moonep.helpers.accumulate_cases import check_accumulate_groups, check_accumulate_groups_write
+from tests.moonep.helpers.route_weight_cases import check_route_weights
+from tests.moonep.helpers.situ_glu_cases import assert_bitwise, assert_close_to_exact, exact, situ_inputs
 
 
 def test_swiglu_backward_kernel_matches_pytorch() -> None:
@@ -74,7 +74,7 @@ def _numpy_exp(x: torch.Tensor) -> torch.Tensor:
 def test_situ_glu_kernels_match_specification_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
     """With one exp on both sides (the interpreter's is numpy's) every output equals the specification's
     bit for bit: the kernels evaluate its formulas in its order with its rounding. Both are within the
-    derived bound of the exact values (tests/moonep/situ_glu_cases.py)."""
+    derived bound of the exact values (tests/moonep/helpers/situ_glu_cases.py)."""
     from moonep import situ_glu as spec
     from moonep.kernels.situ_glu import situ_glu_backward, situ_glu_forward
 

@@ -1,6 +1,6 @@
 """The pure-PyTorch moonep path on CUDA over the VMM heap equals the CPU specification.
 
-Run on the 2xH200 machine: torchrun --nproc_per_node=2 -m pytest -q -m multigpu tests/moonep/gpu
+Run on the 2xH200 machine: torchrun --nproc_per_node=2 -m pytest -q -m multigpu tests/moonep/datapath/test_reference_multigpu.py
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from moonep import Buffer, BufferConfig, BufferOptions, ExpertPools, expert_glu,
 from moonep.layout import Layout
 from moonep.routing import generate_routing
 from tests.moonep import test_moe_layer as cpu_moe
-from tests.moonep.moe_reference import reference_grads
-from tests.moonep.two_layer_case import check_two_layers, run_two_layers
+from tests.moonep.helpers.moe_reference import reference_grads
+from tests.moonep.helpers.two_layer_case import check_two_layers, run_two_layers
 
 pytestmark = pytest.mark.multigpu
 

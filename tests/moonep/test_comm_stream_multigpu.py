@@ -3,7 +3,7 @@ caller's stream is still producing, the results equal the synchronous calls bit 
 caller's stream runs other work, a synchronous call after an async one (a plan with other routing,
 a combine) is ordered after it, and no call synchronises with the host.
 
-Run on the 2xH200 machine: torchrun --nproc_per_node=2 -m pytest -q -m multigpu tests/moonep/gpu
+Run on the 2xH200 machine: torchrun --nproc_per_node=2 -m pytest -q -m multigpu tests/moonep/test_comm_stream_multigpu.py
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ before adding them, truncating: at most one more u of each block's largest term 
   The PyTorch path (torch._grouped_mm) obeys the same bound, so the two are within twice of each other.
 - a of the forward: f of the returned (bf16) h and u with the activation kernel's own code, so bitwise
   equal to that kernel on them (moonep.kernels.swiglu / .situ_glu), and within the activation's tested
-  bound of its PyTorch specification (swiglu: 2 bf16 ulps; situ_glu: tests/moonep/situ_glu_cases.py).
+  bound of its PyTorch specification (swiglu: 2 bf16 ulps; situ_glu: tests/moonep/helpers/situ_glu_cases.py).
 - the weight gradient, per group of n rows: n exact products summed in fp32, one multiply by scale,
   one add to g: |got - exact| <= c (n + 3) u (|scale| sum|x d| + |g|). The PyTorch path obeys it on the
   CPU (fp32 product); on CUDA it rounds the product to bf16 first: 2^-8 |scale| sum|x d| more.
@@ -64,7 +64,7 @@ def check_grouped_glu(rows_G: list[int], H: int, F: int, activation: str, device
     from moonep.datapath.triton_path import GLU_KERNELS
     from moonep.grouped_gemm import grouped_mm
     from moonep.kernels.grouped_glu import grouped_glu_forward
-    from tests.moonep.situ_glu_cases import assert_close_to_exact, exact
+    from tests.moonep.helpers.situ_glu_cases import assert_close_to_exact, exact
 
     gen = torch.Generator(device=device).manual_seed(seed)
     G = len(rows_G)

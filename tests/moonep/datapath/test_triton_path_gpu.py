@@ -3,15 +3,14 @@ path (kernels, fused planner, expert kernels, fused activations) against the PyT
 for data movement, and a whole MoE layer per activation (torch path, triton path, triton path with
 BufferOptions.fused_expert_gemm) against the dense reference with the derived tolerance of
 tests/moonep/test_moe_layer.py. At R = 1 no expert is remote (no slot is used);
-the two-GPU tests (tests/moonep/gpu, torchrun) cover the peers.
+the two-GPU tests (tests/moonep/**/*_multigpu.py, torchrun) cover the peers.
 
-    python -m pytest -q -m gpu tests/moonep/gpu/test_single_gpu_path.py
+    python -m pytest -q -m gpu tests/moonep/datapath/test_triton_path_gpu.py
 """
 
 from __future__ import annotations
 
 import functools
-import socket
 
 import pytest
 import torch
@@ -19,28 +18,10 @@ import torch.distributed as dist
 
 from moonep import Buffer, BufferConfig, BufferOptions, ExpertPools, expert_glu, glu_projections
 from tests.moonep import test_moe_layer as cpu_moe
-from tests.moonep.gpu import test_kernels as two_gpu
-from tests.moonep.moe_reference import reference_grads
+from tests.moonep.helpers.moe_reference import reference_grads
+from tests.moonep.kernels import test_dispatch_combine_multigpu as two_gpu
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def one_rank() -> dist.ProcessGroup:
-    """This process as a one-rank NCCL group (or the group already initialised, if it has one rank)."""
-    if dist.is_initialized():
-        if dist.get_world_size() != 1:
-            pytest.skip("a one-GPU test; the torchrun tests cover several ranks")
-        yield dist.group.WORLD
-        return
-    torch.cuda.set_device(0)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            device_id=torch.device("cuda", 0))
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("maxvio,s,hidden", [(0.0, two_gpu.S, two_gpu.H), (2.9, two_gpu.S, two_gpu.H),

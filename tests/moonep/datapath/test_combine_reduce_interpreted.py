@@ -33,7 +33,7 @@ from tests.dist_utils import run_ranks
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates any kernel; inherited by spawned ranks
 _interpreter = pytest.importorskip("triton.runtime.interpreter")
-import tests.moonep.test_kernels_interpreted  # noqa: E402,F401  (its interpreter shims, e.g. range(0, n))
+import tests.moonep.helpers.triton_interpreted  # noqa: E402,F401  (its interpreter shims, e.g. range(0, n))
 
 _cast_impl = _interpreter.InterpreterBuilder.cast_impl
 

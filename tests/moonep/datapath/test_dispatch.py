@@ -2,7 +2,7 @@
 references computed from the global routing:
 
 - the plan is identical on every rank (all_gather of the shared fields) and equals the
-  independent reference of docs/moonep.md §5 (tests/moonep/planner_reference.py);
+  independent reference of docs/moonep.md §5 (tests/moonep/helpers/planner_reference.py);
 - dispatch: every valid row is x of its (source rank, token), every padding row exactly zero;
   the route weight per row likewise; the same with a saved plan and other data;
 - combine: the fp32 sum of each token's K rows in ascending k; the per-(t, k) scalar gather;
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from moonep import Buffer, BufferConfig, BufferOptions, ExpertPools
 from moonep.routing import generate_routing
 from tests.dist_utils import run_ranks
-from tests.moonep.planner_reference import RefPlan, reference_plan
+from tests.moonep.helpers.planner_reference import RefPlan, reference_plan
 
 H, F = 32, 64  # one expert projection of (32, 64) bf16 is 4096 bytes: one page of the CPU heap
 PROJ = {"gate": (H, F), "down": (F, H)}

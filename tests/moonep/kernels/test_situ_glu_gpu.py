@@ -1,5 +1,5 @@
 """SiTU-GLU's Triton kernels on the GPU against the exact values, within the bound derived in
-tests/moonep/situ_glu_cases.py (the device's exp and fp32 division are approximate, so the GPU is not
+tests/moonep/helpers/situ_glu_cases.py (the device's exp and fp32 division are approximate, so the GPU is not
 bitwise equal to the PyTorch specification; the interpreter test pins the operation order)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moonep.situ_glu import situ_glu_backward as spec_backward
-from tests.moonep.situ_glu_cases import assert_close_to_exact, exact, situ_inputs
+from tests.moonep.helpers.situ_glu_cases import assert_close_to_exact, exact, situ_inputs
 
 pytestmark = pytest.mark.gpu
 

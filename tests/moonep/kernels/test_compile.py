@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # (module, kernel, signature, constexprs); pointer dtypes as the launches pass them
 CASES = [

@@ -2,10 +2,10 @@
 path against the PyTorch path, bitwise, for both settings, for plain rows with row scalars, route
 weights folded in (row_weights), two row tensors added (add_rows) and the refresh branch (a plan that
 is not the last dispatch's); at R = 1 "destination" equals "source" for plain rows (one partial per
-token). The CPU tier (tests/moonep/test_combine_reduce_interpreted.py) covers R = 2 and the
+token). The CPU tier (tests/moonep/datapath/test_combine_reduce_interpreted.py) covers R = 2 and the
 documented order against a per-token loop.
 
-    python -m pytest -q -m gpu tests/moonep/gpu/test_combine_reduce.py
+    python -m pytest -q -m gpu tests/moonep/datapath/test_combine_reduce_gpu.py
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from moonep import Buffer, BufferConfig, BufferOptions
 from moonep.routing import generate_routing
-from tests.moonep.gpu.test_single_gpu_path import one_rank  # noqa: F401  (the one-rank NCCL group fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -48,7 +47,7 @@ def _run(buf: Buffer, x, w, topk, topk_other, seed: int) -> dict[str, torch.Tens
 
 
 @pytest.mark.parametrize("S,H,K,E", [(4096, 2048, 8, 64), (1000, 7168, 8, 64), (777, 1000, 4, 16)])
-def test_combine_reduce_triton_bitwise_equals_torch_one_gpu(one_rank: dist.ProcessGroup, S: int, H: int, K: int,  # noqa: F811
+def test_combine_reduce_triton_bitwise_equals_torch_one_gpu(one_rank: dist.ProcessGroup, S: int, H: int, K: int,
                                                            E: int) -> None:
     outs = {}
     for reduce in ("source", "destination"):

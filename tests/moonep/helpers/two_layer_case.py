@@ -1,5 +1,5 @@
 """Two MoE layers in a row on one Buffer/ExpertPools, shared by the CPU test (test_moe_layer.py) and
-the GPU test (gpu/test_gpu_path.py).
+the GPU test (datapath/test_reference_multigpu.py).
 
 Chained, layer 1's backward refills the shared slots with layer 0's copies right after its own last
 read of them (ExpertPools.previous_forward) and leaves its reduce_grad queued (reduce_grad_async).
