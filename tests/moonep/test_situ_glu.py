@@ -1,4 +1,4 @@
-"""moonep.situ_glu, the PyTorch specification of SiTU-GLU, against the exact (fp64, textbook formula)
+"""SiTU-GLU's PyTorch specification in moonep.activation, against the exact (fp64, textbook formula)
 values within the bound derived in tests/moonep/helpers/situ_glu_cases.py; the differentiable op's gradients
 are the one-pass backward's."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moonep.situ_glu import situ_glu, situ_glu_backward, situ_glu_forward
+from moonep.activation import situ_glu, situ_glu_backward, situ_glu_forward
 from tests.moonep.helpers.situ_glu_cases import assert_close_to_exact, exact, situ_inputs
 
 

@@ -1,5 +1,5 @@
 """SiTU-GLU test inputs and the exact (fp64) values with a derived error bound, shared by the CPU,
-interpreter and GPU tests of moonep.situ_glu and moonep.kernels.situ_glu.
+interpreter and GPU tests of moonep.activation's SiTU-GLU and moonep.kernels.situ_glu.
 
 Bound per output element: rounding the fp32 result to bf16 costs at most half a bf16 ulp
 (2^-8 |exact|; 2^-24 for fp32 outputs); the fp32 evaluation (about 15 roundings, exp within a few ulps on every backend)

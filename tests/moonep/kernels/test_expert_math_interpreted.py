@@ -75,7 +75,7 @@ def test_situ_glu_kernels_match_specification_bitwise(monkeypatch: pytest.Monkey
     """With one exp on both sides (the interpreter's is numpy's) every output equals the specification's
     bit for bit: the kernels evaluate its formulas in its order with its rounding. Both are within the
     derived bound of the exact values (tests/moonep/helpers/situ_glu_cases.py)."""
-    from moonep import situ_glu as spec
+    from moonep import activation as spec
     from moonep.kernels.situ_glu import situ_glu_backward, situ_glu_forward
 
     h, u, grad_a = situ_inputs(2)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moonep.situ_glu import situ_glu_backward as spec_backward
+from moonep.activation import situ_glu_backward as spec_backward
 from tests.moonep.helpers.situ_glu_cases import assert_close_to_exact, exact, situ_inputs
 
 pytestmark = pytest.mark.gpu
@@ -33,10 +33,10 @@ def test_situ_glu_kernels_gpu(N: int, F: int) -> None:
 
 
 def test_differentiable_op_runs_the_kernels_gpu() -> None:
-    """moonep.situ_glu.situ_glu on bf16 CUDA tensors (the dense FFNs' and shared experts' path): values
+    """moonep.situ_glu (moonep.activation) on bf16 CUDA tensors (the dense FFNs' and shared experts' path): values
     and gradients equal the kernels' bit for bit."""
+    from moonep import situ_glu
     from moonep.kernels.situ_glu import situ_glu_backward, situ_glu_forward
-    from moonep.situ_glu import situ_glu
 
     h, u, grad_a = situ_inputs(4, 515, 384, device="cuda")
     h.requires_grad_()
