@@ -50,7 +50,8 @@ class TritonPath:
         self._planner = FusedPlanner(comm.layout, comm.rank, comm.every["hist"],
                                      lambda: comm.barrier("dispatch:histograms"))
         self._rows_plan: Plan | None = None  # plan of the last dispatch: its rows' sources are in row_src
-        self._reduce_first = opts.combine_reduce == "destination"  # the chain links: written and read
+        self.combine_reduce = opts.combine_reduce
+        self._reduce_first = self.combine_reduce == "destination"  # the chain links: written and read
         self._chain_scratch = (dispatch_combine.chain_scratch(comm.layout.nvs, comm.layout.config.topk, comm.device)
                                if self._reduce_first else None)  # the destination's resolved chains
 

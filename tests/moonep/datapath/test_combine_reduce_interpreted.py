@@ -159,6 +159,9 @@ def _combine_rank(rank: int, world: int) -> list[str]:
     finally:
         buffer_module.resolve_kernels = resolve
     try:
+        # the expert op asks the path, not the options, where combine sums (moonep.moe._fused_combine)
+        errors += [f"{kind} path for {reduce!r}: {buf.path.name} path, combine_reduce {buf.path.combine_reduce!r}"
+                   for (kind, reduce), buf in bufs.items() if (buf.path.name, buf.path.combine_reduce) != (kind, reduce)]
         for case, (maxvio, s) in enumerate(((0.0, S), (1.0, 19), (2.5, S))):
             routing = generate_routing(num_ranks=world, tokens_per_rank=s, num_experts=E, topk=K,
                                        target_maxvio=maxvio, seed=5 + case)
