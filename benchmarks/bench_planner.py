@@ -45,7 +45,7 @@ BACK_TO_BACK = 20  # replays per timing of the b2b column
 
 
 def add_problem_args(p: argparse.ArgumentParser, experts: int, topk: int, ranks: int) -> None:
-    """The simulated problem's shape options (shared with benchmarks/profile_planner.py)."""
+    """The simulated problem's shape options (shared with benchmarks/diagnostics/profile_planner.py)."""
     p.add_argument("--experts", type=int, default=experts)
     p.add_argument("--topk", type=int, default=topk)
     p.add_argument("--ranks", type=int, default=ranks)

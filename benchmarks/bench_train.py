@@ -83,7 +83,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from benchmarks.bench_train_table import learning_row, merge_rounds, print_table, row
-from benchmarks.train_diagnostics import count_syncs, memory_trace, profile_step, start_memory_history
+from benchmarks.diagnostics.train_diagnostics import count_syncs, memory_trace, profile_step, start_memory_history
 from moontrain.config import RunConfig, from_dict, load_recipe
 from moontrain.config.loader import to_dict
 from moontrain.metrics.balance import maxvio_L
@@ -455,7 +455,7 @@ def main() -> None:
                    help="targets (of --targets) for --profile and --memory-trace (default: the first)")
     p.add_argument("--memory-trace", action="store_true",
                    help="at the --profile-at points: the allocations live at the start and at the peak of one extra "
-                        "step, per rank (benchmarks/train_diagnostics.py; GPU). Records allocation call sites from "
+                        "step, per rank (benchmarks/diagnostics/train_diagnostics.py; GPU). Records allocation call sites from "
                         "the trainer's construction on, which slows those points: use it in a run of its own")
     p.add_argument("--sync-debug", action="store_true",
                    help="count the host synchronisations of one extra step at the first target (GPU)")

@@ -19,7 +19,7 @@ check fails. Extra key=value arguments go to every run (e.g. parallel.ep=1 train
 --only runs a subset, the others' metrics are read back from --work (so the checks can be split over
 several commands).
 
---profile (instead of the runs): benchmarks/profile_determinism.py under torchrun, once with
+--profile (instead of the runs): benchmarks/diagnostics/profile_determinism.py under torchrun, once with
 train.deterministic=false and once with true (3 warm-up steps, 3 timed, one profiled), then the step times
 and the kernel classes of both side by side, and the --top kernels whose CUDA time differs most between
 the two modes (what deterministic mode still costs, or what it replaced).
@@ -86,7 +86,7 @@ def _profile(args: argparse.Namespace, work: Path) -> dict:
     for det in ("false", "true"):
         out = work / f"profile_deterministic_{det}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-               str(Path(__file__).with_name("profile_determinism.py")), "--out", str(out), args.recipe,
+               str(Path(__file__).parent / "diagnostics" / "profile_determinism.py"), "--out", str(out), args.recipe,
                f"train.run_dir={work / f'profile_{det}'}", "metrics.wandb=false", *args.overrides,
                f"train.deterministic={det}"]
         print("+ " + " ".join(cmd), flush=True)

@@ -34,7 +34,7 @@ class BufferOptions:
     fused_expert_gemm: the triton path's expert GEMMs with fused epilogues: gate and up as one grouped
         GEMM with the activation in its epilogue (moonep.kernels.grouped_glu), and the weight gradients
         accumulated straight into the fp32 grads (moonep.kernels.grouped_wgrad). Other summation orders
-        than torch._grouped_mm's (within bounds tests/moonep/grouped_gemm_cases.py derives) and no bf16
+        than torch._grouped_mm's (within bounds tests/moonep/helpers/grouped_gemm_cases.py derives) and no bf16
         rounding of the weight gradient. Off until measured (benchmarks/bench_expert_gemm.py); needs
         the triton path.
     combine_reduce: where combine sums a token's rows (docs/moonep.md §6.2). "source" (default, the

@@ -108,8 +108,9 @@ class _ExpertGLU(torch.autograd.Function):
 
 def _fused_combine(buffer: Buffer) -> bool:
     """Combine scales by the route weights (forward) and adds the two dgrad halves (backward) itself:
-    with BufferOptions.combine_reduce "destination", the switch of the whole fp32 combine order."""
-    return buffer.config.options.combine_reduce == "destination"
+    when the buffer's data path sums at the destination (its combine_reduce), the switch of the whole
+    fp32 combine order."""
+    return buffer.path.combine_reduce == "destination"
 
 
 def expert_glu(buffer: Buffer, pools: ExpertPools, layer: LayerExperts, x_sH: torch.Tensor,

@@ -3,12 +3,19 @@
 The markers are registered in pyproject.toml. One GPU: `python -m pytest -m "gpu or multigpu" tests/` (the
 multigpu tests skip); two: the same under `torchrun --nproc_per_node=2` (README).
 
+Layout: tests/ mirrors the packages (tests/moonep/planner tests moonep/planner, and so on); what several
+tests share sits in one helpers module per package (tests/moonep/helpers/). A GPU test is marked, and the
+marker alone decides its tier: `@pytest.mark.gpu` (one CUDA GPU) or `@pytest.mark.multigpu` (two or more,
+under torchrun), as a module's `pytestmark` when every test of the module needs it. There is no GPU folder:
+a GPU test sits beside the CPU tests of the code it checks, in a module named test_<subject>_gpu.py or
+test_<subject>_multigpu.py when all of its tests need the device (a CPU module may mark single tests).
+
 On a machine with a CUDA GPU two things differ from the CPU tier:
 - modules named `*_interpreted.py` (at any depth) are not collected. They run the Triton kernels in Triton's
   interpreter on the CPU and set TRITON_INTERPRET=1 at import, before triton reads it, which would push
   every kernel of the session through the interpreter. tests/test_gpu_tier.py checks that every
   module which sets it, itself or through what it imports, is so named.
-- fla's autotune choices for the KDA heads the GPU tests use (launch/fla_autotune_h200, docs/kda.md) are
+- fla's autotune choices for the KDA heads the GPU tests use (recipes/data/fla_autotune_h200, its README) are
   copied into Triton's cache where missing: without them a fresh machine searches fla's tile
   configurations for minutes per shape before the first KDA call returns.
 """
@@ -25,7 +32,7 @@ import torch
 
 ON_GPU = torch.cuda.is_available()
 INTERPRETED_SUFFIX = "_interpreted.py"
-FLA_AUTOTUNE_DIR = Path(__file__).resolve().parent.parent / "launch" / "fla_autotune_h200"
+FLA_AUTOTUNE_DIR = Path(__file__).resolve().parent.parent / "recipes" / "data" / "fla_autotune_h200"
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -35,7 +42,7 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 
 def seed_fla_autotune(cache_dir: Path) -> int:
-    """Copy launch/fla_autotune_h200's entries into `cache_dir` where absent; returns how many were copied.
+    """Copy recipes/data/fla_autotune_h200's entries into `cache_dir` where absent; returns how many were copied.
     Each file lands under a temporary name and is renamed into place, so a process reading the cache
     (another pytest worker) sees either no entry or a whole one."""
     copied = 0

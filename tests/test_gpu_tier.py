@@ -9,7 +9,9 @@ named *_interpreted.py and conftest does not collect them on a GPU machine. Chec
 - the GPU tier of tests/moonep (where most of them live) is collected in a subprocess whose torch reports
   one CUDA GPU: no *_interpreted module is collected, TRITON_INTERPRET is unset when collection ends, and
   the gpu tests are there (the whole tree would take ~10 s of CPU; the scan covers it).
-The seed copies every entry of launch/fla_autotune_h200 byte for byte and never overwrites one the cache holds.
+The seed copies every entry of recipes/data/fla_autotune_h200 byte for byte and never overwrites one the cache holds.
+The GPU tests' one convention (tests/conftest.py): the marker, no GPU folder; a module named *_gpu.py or
+*_multigpu.py marks every one of its tests so.
 """
 
 from __future__ import annotations
@@ -79,8 +81,8 @@ def interpreter_modules() -> dict[str, Path]:
 
 def test_every_module_setting_triton_interpret_is_left_out_on_a_gpu(monkeypatch) -> None:
     found = interpreter_modules()
-    # the scan sees both ways in: an assignment (test_kernels_interpreted) and an import of such a module
-    assert {"tests.moonep.test_kernels_interpreted", "tests.moonep.test_expert_math_interpreted",
+    # the scan sees both ways in: an assignment (helpers/triton_interpreted) and an import of such a module
+    assert {"tests.moonep.helpers.triton_interpreted", "tests.moonep.kernels.test_expert_math_interpreted",
             "tests.moontrain.optim.test_write_back_interpreted"} <= found.keys(), sorted(found)
     misnamed = [name for name, path in found.items()
                 if path.name == "conftest.py" or not path.name.endswith(conftest.INTERPRETED_SUFFIX)]
@@ -118,7 +120,7 @@ def test_gpu_collection_leaves_the_interpreter_off(tmp_path: Path) -> None:
     node_ids = [line for line in out.stdout.splitlines() if "::" in line]
     assert "TRITON_INTERPRET after collection: None" in out.stdout, out.stdout[-3000:]
     assert not [n for n in node_ids if "_interpreted.py" in n], node_ids
-    assert any(n.startswith("tests/moonep/gpu/test_single_gpu_path.py::") for n in node_ids), out.stdout[-3000:]
+    assert any(n.startswith("tests/moonep/datapath/test_triton_path_gpu.py::") for n in node_ids), out.stdout[-3000:]
 
 
 def test_fla_autotune_seed_copies_missing_entries_only(tmp_path: Path) -> None:
@@ -133,3 +135,39 @@ def test_fla_autotune_seed_copies_missing_entries_only(tmp_path: Path) -> None:
         assert (tmp_path / src.parent.name / src.name).read_bytes() == src.read_bytes(), src
     assert conftest.seed_fla_autotune(tmp_path) == 0
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith(".autotune.json")) == []
+
+
+def _marks(node: ast.AST) -> set[str]:
+    """Names X of every `pytest.mark.X` in an expression (a decorator, or pytestmark's value)."""
+    return {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
+            and n.value.attr == "mark" and isinstance(n.value.value, ast.Name) and n.value.value.id == "pytest"}
+
+
+def unmarked_gpu_tests(tests_dir: Path) -> list[str]:
+    """Tests of modules named *_gpu.py / *_multigpu.py without that marker (the module's pytestmark or their
+    own decorator); a folder named gpu counts as a whole miss."""
+    found = [p.relative_to(tests_dir).as_posix() + "/" for p in tests_dir.rglob("gpu") if p.is_dir()]
+    for path in sorted(tests_dir.rglob("test_*.py")):
+        marker = "multigpu" if path.stem.endswith("_multigpu") else "gpu" if path.stem.endswith("_gpu") else None
+        if marker is None:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        module = set().union(*(_marks(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                               and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets)))
+        if marker in module:
+            continue
+        found += [f"{path.relative_to(tests_dir).as_posix()}::{n.name}" for n in tree.body
+                  if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
+                  and marker not in set().union(*(_marks(d) for d in n.decorator_list))]
+    return found
+
+
+def test_gpu_test_modules_carry_their_marker(tmp_path: Path) -> None:
+    assert unmarked_gpu_tests(TESTS_DIR) == []
+    # the check itself: a planted folder, an unmarked test, a multigpu module marked gpu only
+    (tmp_path / "gpu").mkdir()
+    (tmp_path / "test_a_gpu.py").write_text("import pytest\n\n@pytest.mark.gpu\ndef test_x(): pass\n\ndef test_y(): pass\n")
+    (tmp_path / "test_b_multigpu.py").write_text("import pytest\n\npytestmark = [pytest.mark.gpu]\n\ndef test_z(): pass\n")
+    (tmp_path / "test_c_gpu.py").write_text("import pytest\n\npytestmark = [pytest.mark.slow, pytest.mark.gpu]\n\n"
+                                            "def test_w(): pass\n")
+    assert unmarked_gpu_tests(tmp_path) == ["gpu/", "test_a_gpu.py::test_y", "test_b_multigpu.py::test_z"]

@@ -1,5 +1,6 @@
 """The import graph of moonep and moontrain, read from the source with ast: no module imports another
-that imports it back, directly or through others, and moonep imports nothing from moontrain.
+that imports it back, directly or through others, moonep imports nothing from moontrain, and moontrain
+reaches moonep through its package only (`import moonep`, `from moonep import X` with X in moonep.__all__).
 
 Every import counts, wherever it stands (module level, inside a function, under TYPE_CHECKING): a
 lazy import still ties the two modules together. `import a.b.c` or `from a.b.c import x` also runs
@@ -137,6 +138,39 @@ def test_moonep_imports_nothing_from_moontrain() -> None:
            for name, targets in _graph().items() if name.split(".")[0] == "moonep"}
     bad = {name: targets for name, targets in bad.items() if targets}
     assert not bad, f"moonep modules importing moontrain: {bad}"
+
+
+def moonep_submodule_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """moontrain modules -> the moonep submodules they import (the package `moonep` itself is allowed)."""
+    bad = {name: sorted(t for t in targets if t.startswith("moonep."))
+           for name, targets in graph.items() if name.split(".")[0] == "moontrain"}
+    return {name: targets for name, targets in bad.items() if targets}
+
+
+def test_moontrain_imports_only_the_moonep_package() -> None:
+    graph = _graph()
+    assert any("moonep" in targets for name, targets in graph.items() if name.startswith("moontrain."))
+    bad = moonep_submodule_imports(graph)
+    assert not bad, f"moontrain modules importing moonep's submodules (export the name from moonep/__init__.py): {bad}"
+
+
+def test_moontrain_uses_only_exported_names(tmp_path: Path) -> None:
+    """Every `from moonep import X` in moontrain names something moonep/__init__.py exports, and a planted
+    submodule import is caught both ways (`import moonep.x`, `from moonep import x` with x a module)."""
+    tree = ast.parse((ROOT / "moonep" / "__init__.py").read_text())
+    exported = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets))
+    used = {alias.name for path in (ROOT / "moontrain").rglob("*.py")
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)
+            and node.module == "moonep" and not node.level for alias in node.names}
+    assert used and used <= set(exported), sorted(used - set(exported))
+    (tmp_path / "a.py").write_text("import moonep.heap\n")
+    (tmp_path / "b.py").write_text("def f():\n    from moonep import routing, Buffer\n")
+    (tmp_path / "c.py").write_text("import moonep\nfrom moonep import Buffer\n")
+    modules = {**_modules(), **{f"moontrain.{n}": tmp_path / f"{n}.py" for n in "abc"}}
+    graph = {name: _imports(name, path, modules) for name, path in modules.items() if name.startswith("moontrain.")
+             and name[-1] in "abc" and path.parent == tmp_path}
+    assert moonep_submodule_imports(graph) == {"moontrain.a": ["moonep.heap"], "moontrain.b": ["moonep.routing"]}
 
 
 def test_the_checker_finds_a_planted_cycle(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moonep.planner.reference import plan_shared, receive_caps
-from tests.moonep.planner_cases import planner_cases, random_counts
+from tests.moonep.helpers.planner_cases import planner_cases, random_counts
 
 pytest.importorskip("cutlass")
 pytestmark = pytest.mark.gpu

@@ -2,8 +2,8 @@
 when the Buffer is built (BufferOptions.kernels).
 
 - `reference.ReferencePath`: pure PyTorch, any device. The specification: every kernel of the other
-  path is tested bitwise against it (tests/moonep/test_kernels_interpreted.py in Triton's
-  interpreter, tests/moonep/gpu on the GPU).
+  path is tested bitwise against it (tests/moonep/kernels/*_interpreted.py in Triton's interpreter,
+  the *_gpu.py and *_multigpu.py tests of tests/moonep on the GPU).
 - `triton_path.TritonPath`: the Triton kernels (moonep.kernels) and the fused planner
   (moonep.planner.fused); CUDA only, imported only there (CPU machines need no triton).
 

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from moonep.config import BufferOptions
+from moonep.config import BufferOptions, CombineReduce
 from moonep.layout import Layout
 from moonep.planner.plan import Plan
 
@@ -37,6 +37,9 @@ class DataPath(Protocol):
     name: str  # "torch" or "triton"
     # plan() counts the histogram from topk_sK itself (tokens_per_expert_E is then not read)
     counts_topk: bool
+    # where combine sums a token's rows (BufferOptions.combine_reduce, fixed when the path is built); with
+    # "destination" combine is also where row_weights multiply and add_rows add, in fp32 as it sums
+    combine_reduce: CombineReduce
 
     # ------------------------------------------------------------------ Buffer
     def plan(self, topk_sK: torch.Tensor, tokens_per_expert_E: torch.Tensor | None, total_num_tokens: int | None,

@@ -67,6 +67,7 @@ class ReferencePath:
 
     def __init__(self, comm: CommViews) -> None:
         self.comm = comm
+        self.combine_reduce = comm.options.combine_reduce
         self._rows_plan: Plan | None = None  # plan of the last dispatch: its rows' sources are in row_src
 
     # ------------------------------------------------------------------ Buffer
@@ -129,7 +130,7 @@ class ReferencePath:
     def combine(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None,
                 row_weights: torch.Tensor | None = None, add_rows: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.comm.options.combine_reduce == "destination":
+        if self.combine_reduce == "destination":
             return self._combine_destination(plan, y_rows, row_scalars, row_weights, add_rows)
         c = self.comm
         comb = c.mine["comb"][: plan.nvs_s]

@@ -12,10 +12,10 @@ moonep.datapath.reference (the specification) except where a docstring below say
   touch occupied slots and non-empty groups only).
 - the expert GEMMs: torch._grouped_mm, or with BufferOptions.fused_expert_gemm the fused kernels
   moonep.kernels.grouped_glu (gate, up and the activation) and .grouped_wgrad (the weight gradient into
-  the fp32 grads): other summation orders, within the bounds of tests/moonep/grouped_gemm_cases.py.
+  the fp32 grads): other summation orders, within the bounds of tests/moonep/helpers/grouped_gemm_cases.py.
 - the activation and the route weights: moonep.kernels.swiglu / .situ_glu and moonep.kernels.route_weights
   (the route-weight gradient sums in another order than torch.sum: within a bound the tests derive;
-  SiTU-GLU's device exp and division are approximate: within the bound of tests/moonep/situ_glu_cases.py).
+  SiTU-GLU's device exp and division are approximate: within the bound of tests/moonep/helpers/situ_glu_cases.py).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class TritonPath:
         self._planner = FusedPlanner(comm.layout, comm.rank, comm.every["hist"],
                                      lambda: comm.barrier("dispatch:histograms"))
         self._rows_plan: Plan | None = None  # plan of the last dispatch: its rows' sources are in row_src
-        self._reduce_first = opts.combine_reduce == "destination"  # the chain links: written and read
+        self.combine_reduce = opts.combine_reduce
+        self._reduce_first = self.combine_reduce == "destination"  # the chain links: written and read
         self._chain_scratch = (dispatch_combine.chain_scratch(comm.layout.nvs, comm.layout.config.topk, comm.device)
                                if self._reduce_first else None)  # the destination's resolved chains
 

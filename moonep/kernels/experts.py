@@ -28,7 +28,7 @@ reduce_grad: program c adds, for d = 0..R-1 ascending (d != rank) and each used 
     written: grads of empty groups are zero).
 
 Checked bitwise against the PyTorch path in Triton's interpreter on the CPU heap (R = 2, 4) and on
-2xH200 (tests/moonep/gpu/test_expert_kernels.py, 2026-11-29). Measured there with
+2xH200 (tests/moonep/kernels/test_experts_multigpu.py, 2026-11-29). Measured there with
 benchmarks/bench_comm.py (H=7168, F=2048, one expert copy of 88 MB, E=96 and 384, maxvio 0-20):
 prefetch 272-290 us and reduce_grad 588-601 us, against 1471-1473 us and 3022-3059 us for
 (chunks x slots) grids.

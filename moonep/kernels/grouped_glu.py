@@ -14,7 +14,7 @@ elementwise backward reads them, and recomputing them would cost two of the thre
 With save_preact=False only a is written (a forward without backward).
 
 Numerics: h and u are the fp32-accumulated products rounded once to bf16, as torch._grouped_mm's are,
-but summed in another order (not bitwise equal; within the bound tests/moonep/grouped_gemm_cases.py
+but summed in another order (not bitwise equal; within the bound tests/moonep/helpers/grouped_gemm_cases.py
 derives). a is bitwise equal to the activation kernel applied to the returned h and u: the same
 function of the same bf16 values.
 

@@ -16,7 +16,7 @@ values zero-then-add would give. These are accumulate_groups' semantics (and the
 accumulate_wgrad signature).
 
 Numerics: the products of bf16 values are exact in fp32; the row sum runs in the tensor cores' order,
-then one multiply by scale and one add: within the fp32 bound tests/moonep/grouped_gemm_cases.py
+then one multiply by scale and one add: within the fp32 bound tests/moonep/helpers/grouped_gemm_cases.py
 derives (at most 2 (n + 3) 2^-23 of the summed magnitudes for n rows), not bitwise equal to the PyTorch path,
 which on CUDA also rounds the whole product to bf16 (2^-8 relative).
 

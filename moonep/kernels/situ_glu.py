@@ -1,4 +1,4 @@
-"""Triton kernels of SiTU-GLU, forward and the one-pass elementwise backward (moonep.situ_glu is the
+"""Triton kernels of SiTU-GLU, forward and the one-pass elementwise backward (moonep.activation holds the
 specification: same formulas, same operation order, one rounding per output).
 
 Forward: a = situ(h) * cap(u), read h and u (bf16), write a (bf16).
@@ -8,9 +8,9 @@ elementwise part of the expert backward (the eager form makes ~20 fp32 passes ov
 Rounding fp32 -> bf16 is done on the bits (round to nearest, ties to even; finite values) rather than
 by a cast, because Triton's interpreter casts by truncating: written this way the interpreter and the
 GPU round as torch does, so under TRITON_INTERPRET=1 the outputs equal the specification's bit for bit
-once both use the same exp (tests/moonep/test_expert_math_interpreted.py). On the GPU, exp and fp32
+once both use the same exp (tests/moonep/kernels/test_expert_math_interpreted.py). On the GPU, exp and fp32
 division are the device's (approximate) instructions: within one bf16 ulp of the specification
-(tests/moonep/gpu/test_expert_math.py).
+(tests/moonep/kernels/test_expert_math_gpu.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from moonep.kernels.glu_launch import launch_backward, launch_forward
 
 @triton.jit
 def _tanh_sech2(x):
-    """moonep.situ_glu._tanh_sech2, operation for operation."""
+    """moonep.activation._tanh_sech2, operation for operation."""
     x2 = x * x
     poly = x + x * (x2 * (x2 * (2.0 / 15.0) - (1.0 / 3.0)))
     e = tl.exp(-2.0 * tl.abs(x))
@@ -37,7 +37,7 @@ def _tanh_sech2(x):
 
 @triton.jit
 def _sigmoid_dsigmoid(x):
-    """moonep.situ_glu._sigmoid_dsigmoid, operation for operation."""
+    """moonep.activation._sigmoid_dsigmoid, operation for operation."""
     e = tl.exp(-tl.abs(x))
     inv = 1.0 / (1.0 + e)
     return tl.where(x < 0, e * inv, inv), e * (inv * inv)
@@ -88,11 +88,11 @@ def _situ_glu_bwd_kernel(ga_ptr, h_ptr, u_ptr, gh_ptr, gu_ptr, a_ptr, n, BLOCK: 
 
 
 def situ_glu_forward(h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """a = situ(h) * cap(u) (bf16); see moonep.situ_glu.situ_glu_forward."""
+    """a = situ(h) * cap(u) (bf16); see moonep.activation.situ_glu_forward."""
     return launch_forward(_situ_glu_fwd_kernel, "situ_glu_forward", h, u, dtype=torch.bfloat16)
 
 
 def situ_glu_backward(grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad_h, grad_u, a) (bf16); see moonep.situ_glu.situ_glu_backward."""
+    """(grad_h, grad_u, a) (bf16); see moonep.activation.situ_glu_backward."""
     return launch_backward(_situ_glu_bwd_kernel, "situ_glu_backward", grad_a, h, u, dtype=torch.bfloat16)

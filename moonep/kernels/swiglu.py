@@ -11,7 +11,7 @@ Given grad_a = dL/da for a = silu(h) * u (bf16 [N, F]), one pass computes
 with the PyTorch path's operation order. The eager version makes ~12 fp32 passes over [N, F]
 (k3_small_moe: N ~ 68k rows, F = 1024, ~280 MB per fp32 pass); this reads three bf16 tensors and
 writes three. Values agree with the eager path to an ulp or so of bf16 (the device's exp differs from
-torch.sigmoid's), which tests/moonep/test_kernels_interpreted.py and the GPU tests bound.
+torch.sigmoid's), which tests/moonep/kernels/test_expert_math_interpreted.py and the GPU tests bound.
 """
 
 from __future__ import annotations

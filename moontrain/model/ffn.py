@@ -16,7 +16,7 @@ from moontrain.model.config import FFNActivation
 def glu_activation(name: FFNActivation, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """act(g, u) of the gate and up projections' outputs (ModelConfig.ffn_activation)."""
     if name == "situ_glu":
-        from moonep.situ_glu import situ_glu  # moonep is imported only where it is used
+        from moonep import situ_glu  # moonep is imported only where it is used
 
         return situ_glu(g, u)
     return F.silu(g) * u

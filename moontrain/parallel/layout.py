@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from moonep.hierarchical import host_groups
+from moonep import host_groups
 
 
 @dataclass(kw_only=True)

@@ -31,7 +31,7 @@ FSDP ignores them.
 
 Memory, next to FSDP at world 1 with the blocks kept gathered: the same bf16 copies and fp32 grads, plus an
 fp32 scratch the size of the dense grads from the second pass on (FSDP's fp32 reduce buffer is that size).
-Host work (benchmarks/host_overhead.py, k3_small's structure on the CPU, 4 passes, 2026-12-01): 6,289 ->
+Host work (benchmarks/diagnostics/host_overhead.py, k3_small's structure on the CPU, 4 passes, 2026-12-01): 6,289 ->
 3,761 eager aten ops per step that launch a kernel on the GPU; the step time on the H200 is not measured.
 Rejected: casting inside the autograd graph (a cast per parameter and pass instead of one foreach copy
 per step); foreach adds of the bf16 grads into fp32 (mixed dtypes take the per-tensor path: one kernel per

@@ -19,7 +19,7 @@ import torch
 from moonep import Buffer, BufferConfig, BufferOptions, ExpertPools, expert_glu, glu_projections, make_plan
 from moonep.layout import Layout
 from tests.dist_utils import run_ranks
-from tests.moonep.planner_reference import reference_plan
+from tests.moonep.helpers.planner_reference import reference_plan
 
 S, H, K, E, PAD = 8, 32, 2, 4, 4
 

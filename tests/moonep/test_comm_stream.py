@@ -1,6 +1,6 @@
 """Buffer.dispatch_async / combine_async (moonep.comm_stream) on the CPU heap: the same bits as the
 synchronous calls, a completed CommEvent, and async and sync calls mixed in one sequence. The
-stream ordering itself is tested on 2 GPUs (tests/moonep/gpu/test_comm_stream_gpu.py)."""
+stream ordering itself is tested on 2 GPUs (tests/moonep/test_comm_stream_multigpu.py)."""
 
 from __future__ import annotations
 

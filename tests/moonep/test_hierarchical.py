@@ -15,7 +15,7 @@ cross "hosts" through all-to-alls over the rail groups. The same 8 ranks also ru
 
 The routing is skewed (redundant experts inside each host, asserted) and a third of the tokens are forced
 onto one host's experts (so both kinds of token are present, asserted). The problem and the three runs are
-in tests/moonep/hierarchical_case.py (tests/moonep/gpu/test_hierarchical_multigpu.py runs them on 2 GPUs).
+in tests/moonep/helpers/hierarchical_case.py (tests/moonep/test_hierarchical_multigpu.py runs them on 2 GPUs).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 from moonep import Buffer, ExpertPools, glu_projections
 from moonep.hierarchical import HierarchicalBuffer, hierarchical_expert_glu, host_groups
 from tests.dist_utils import run_ranks
-from tests.moonep.hierarchical_case import Case, check_rank, hosts_per_token, problem, run_case
-from tests.moonep.moe_reference import reference_grads
+from tests.moonep.helpers.hierarchical_case import Case, check_rank, hosts_per_token, problem, run_case
+from tests.moonep.helpers.moe_reference import reference_grads
 
 BF16_EPS = 2.0**-8
 

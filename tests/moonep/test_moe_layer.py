@@ -14,8 +14,8 @@ import torch
 from moonep import Buffer, BufferConfig, BufferOptions, ExpertPools, expert_glu, glu_projections
 from moonep.routing import generate_routing
 from tests.dist_utils import run_ranks
-from tests.moonep.moe_reference import reference_grads
-from tests.moonep.two_layer_case import check_two_layers, run_two_layers
+from tests.moonep.helpers.moe_reference import reference_grads
+from tests.moonep.helpers.two_layer_case import check_two_layers, run_two_layers
 
 H, F, K, S = 32, 64, 4, 24
 BF16_EPS = 2.0**-8
@@ -110,7 +110,7 @@ def _two_layers(rank: int, world: int, chain: bool) -> dict:
 def test_two_layers_early_prefetch_and_async_reduce_grad_change_no_bit(chain: bool) -> None:
     """Layer 1's backward refills the slots for layer 0 (unless ExpertPools.chain_prefetch is off)
     and leaves reduce_grad queued; the results equal the layers run one at a time, bitwise
-    (tests/moonep/two_layer_case.py)."""
+    (tests/moonep/helpers/two_layer_case.py)."""
     for out in run_ranks(_two_layers, 2, chain, timeout_s=240):
         check_two_layers(out)
 

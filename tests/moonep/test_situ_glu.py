@@ -1,5 +1,5 @@
-"""moonep.situ_glu, the PyTorch specification of SiTU-GLU, against the exact (fp64, textbook formula)
-values within the bound derived in tests/moonep/situ_glu_cases.py; the differentiable op's gradients
+"""SiTU-GLU's PyTorch specification in moonep.activation, against the exact (fp64, textbook formula)
+values within the bound derived in tests/moonep/helpers/situ_glu_cases.py; the differentiable op's gradients
 are the one-pass backward's."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moonep.situ_glu import situ_glu, situ_glu_backward, situ_glu_forward
-from tests.moonep.situ_glu_cases import assert_close_to_exact, exact, situ_inputs
+from moonep.activation import situ_glu, situ_glu_backward, situ_glu_forward
+from tests.moonep.helpers.situ_glu_cases import assert_close_to_exact, exact, situ_inputs
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 import moonep
-from moonep.hierarchical import HierarchicalBuffer, hierarchical_expert_glu
+from moonep import HierarchicalBuffer, hierarchical_expert_glu
 from moontrain.model.experts.backend import ExpertsContext
 from moontrain.model.experts.weights import ExpertWeights
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 # first: sets TRITON_INTERPRET=1 before triton is imported and skips this module where triton is absent
-import tests.moonep.test_kernels_interpreted  # noqa: F401
+import tests.moonep.helpers.triton_interpreted  # noqa: F401
 from tests.moontrain.optim.write_back_cases import check_write_back_matches_adamw
 
 

@@ -94,7 +94,7 @@ def test_hierarchical_one_rank_equals_one_level(one_rank: dist.ProcessGroup) -> 
         layer = _layer(pools, w)
         got = _run(lambda a, b: hierarchical_expert_glu(hbuf, pools, layer, a, b, topk.to(DEVICE)),
                    x, weights, grad_y, layer, hbuf.host.wait_pending)
-    for kernels in ("torch",):  # the Triton path's expert math matches it within tolerance only (tests/moonep/gpu)
+    for kernels in ("torch",):  # the Triton path's expert math matches it within tolerance only (tests/moonep/kernels)
         buf = Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E,
                                   options=BufferOptions(kernels=kernels)), one_rank)
         try:

@@ -29,7 +29,7 @@ CUDA = torch.device("cuda", 0)
 
 def _config(dense: str, optim: str, run_dir: Path) -> RunConfig:
     # epn * H * F * 2 bytes = 8 * 512 * 256 * 2 = 2 MiB: one VMM granule (moonep's GPU heap). KDA: 16 heads of
-    # 128 (k3_small's), whose fla tile choices launch/fla_autotune_h200 holds; other head counts autotune for minutes
+    # 128 (k3_small's), whose fla tile choices recipes/data/fla_autotune_h200 holds; other head counts autotune for minutes
     return from_dict(RunConfig, {
         "model": dict(vocab_size=512, hidden_size=512, num_layers=4, num_dense_layers=1, dense_intermediate_size=1024,
                       num_heads=4, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=128, qk_rope_head_dim=64,

@@ -67,7 +67,7 @@ def test_flex_causal_backward_is_deterministic_and_matches_sdpa() -> None:
 
 @pytest.mark.skipif(not fla_available(), reason="needs fla-core (bash ../shared/device/stage.sh fla)")
 def test_fla_chunk_kda_is_deterministic_in_process() -> None:
-    B, T, H, K = 2, 1000, 16, 128  # k3_small's heads: fla's tile choices are in launch/fla_autotune_h200
+    B, T, H, K = 2, 1000, 16, 128  # k3_small's heads: fla's tile choices are in recipes/data/fla_autotune_h200
     inputs = _inputs(B, T, H, K, seed=0)
     go = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(1))
     doc_start = torch.zeros(B, T, dtype=torch.bool, device="cuda")
@@ -101,7 +101,7 @@ def one_rank() -> Iterator[None]:
 
 def _config(backend: str, hybrid: bool, run_dir: Path) -> RunConfig:
     # epn * H * F * 2 bytes = 8 * 512 * 256 * 2 = 2 MiB: one VMM granule (moonep's GPU heap). KDA: 16 heads of
-    # 128 (k3_small's), whose fla tile choices launch/fla_autotune_h200 holds; other head counts autotune for minutes
+    # 128 (k3_small's), whose fla tile choices recipes/data/fla_autotune_h200 holds; other head counts autotune for minutes
     return from_dict(RunConfig, {
         "model": dict(vocab_size=512, hidden_size=512, num_layers=4, num_dense_layers=1, dense_intermediate_size=1024,
                       num_heads=4, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=128, qk_rope_head_dim=64,

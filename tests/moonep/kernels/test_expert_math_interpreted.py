@@ -1,0 +1,103 @@
+"""Expert-side math kernels (moonep.kernels.swiglu, .route_weights, .experts.accumulate_groups) in
+Triton's interpreter on the CPU, against the PyTorch specification in moonep.moe / moonep.grouped_gemm."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+# first: sets TRITON_INTERPRET=1 before triton is imported (triton reads it then), installs the
+# interpreter's numpy-2 shim, and skips this module too where triton is absent
+import tests.moonep.helpers.triton_interpreted  # noqa: F401
+from moonep.activation import swiglu_backward as swiglu_backward_ref
+from tests.moonep.helpers.accumulate_cases import check_accumulate_groups, check_accumulate_groups_write
+from tests.moonep.helpers.route_weight_cases import check_route_weights
+from tests.moonep.helpers.situ_glu_cases import assert_bitwise, assert_close_to_exact, exact, situ_inputs
+
+
+def test_swiglu_backward_kernel_matches_pytorch() -> None:
+    from moonep.kernels.swiglu import swiglu_backward
+
+    g = torch.Generator().manual_seed(0)
+    N, F = 67, 300  # not multiples of the block: masked tail
+    h = (3 * torch.randn(N, F, generator=g)).to(torch.bfloat16)
+    u = torch.randn(N, F, generator=g).to(torch.bfloat16)
+    grad_a = torch.randn(N, F, generator=g).to(torch.bfloat16)
+    got = swiglu_backward(grad_a, h, u)
+    want = swiglu_backward_ref(grad_a, h, u)
+    # grad_h, grad_u: one fp32 value rounded once to bf16; the interpreter truncates where torch rounds
+    # to nearest, and exp may differ in the last fp32 bits: at most 1 bf16 ulp (2**-7 relative) apart.
+    # a: two roundings (silu, then the product): at most 2 ulps.
+    for name, a, b, ulps in zip(("grad_h", "grad_u", "a"), got, want, (1, 1, 2), strict=True):
+        assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
+        diff = (a.float() - b.float()).abs()
+        bound = torch.maximum(a.float().abs(), b.float().abs()) * ulps * 2.0**-7
+        assert bool((diff <= bound).all()), f"{name}: max diff {float(diff.max())}"
+
+
+def test_swiglu_forward_kernel_matches_pytorch() -> None:
+    """a = silu(h) * u: two roundings (silu, then the product) as F.silu(h) * u: at most 2 bf16 ulps."""
+    from moonep.kernels.swiglu import swiglu_forward
+
+    g = torch.Generator().manual_seed(1)
+    N, F = 67, 300
+    h = (3 * torch.randn(N, F, generator=g)).to(torch.bfloat16)
+    u = torch.randn(N, F, generator=g).to(torch.bfloat16)
+    got, want = swiglu_forward(h, u), torch.nn.functional.silu(h) * u
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    diff = (got.float() - want.float()).abs()
+    assert bool((diff <= torch.maximum(got.float().abs(), want.float().abs()) * 2 * 2.0**-7).all())
+    with pytest.raises(ValueError, match="contiguous tensors of one shape"):
+        swiglu_forward(h, u.t())
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
+def test_accumulate_groups_skips_empty_groups_bitwise(scale: float) -> None:
+    check_accumulate_groups([3, 0, 16, 0, 0, 1], 5, 700, scale, "cpu")  # groups 1, 3, 4 empty
+
+
+def test_route_weight_kernels_match_pytorch() -> None:
+    check_route_weights("cpu", exact_rounding=False)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_accumulate_groups_writes_stale_groups(scale: float) -> None:
+    check_accumulate_groups_write([3, 0, 16, 0, 5, 1], 3, 5, 700, scale, "cpu")  # groups 0-2 stale, 1 empty
+
+
+
+def _numpy_exp(x: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.exp(x.numpy()))
+
+
+def test_situ_glu_kernels_match_specification_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one exp on both sides (the interpreter's is numpy's) every output equals the specification's
+    bit for bit: the kernels evaluate its formulas in its order with its rounding. Both are within the
+    derived bound of the exact values (tests/moonep/helpers/situ_glu_cases.py)."""
+    from moonep import activation as spec
+    from moonep.kernels.situ_glu import situ_glu_backward, situ_glu_forward
+
+    h, u, grad_a = situ_inputs(2)
+    got_fwd, got_bwd = situ_glu_forward(h, u), situ_glu_backward(grad_a, h, u)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "exp", _numpy_exp)
+        want_fwd, want_bwd = spec.situ_glu_forward(h, u), spec.situ_glu_backward(grad_a, h, u)
+    assert_bitwise("a (forward)", got_fwd, want_fwd)
+    ref = exact(grad_a, h, u)
+    assert_close_to_exact("a (forward)", got_fwd, ref["a"])
+    for name, got, want in zip(("grad_h", "grad_u", "a"), got_bwd, want_bwd, strict=True):
+        assert_bitwise(name, got, want)
+        assert_close_to_exact(name, got, ref[name])
+    with pytest.raises(ValueError, match="contiguous bf16 tensors of one shape"):
+        situ_glu_forward(h, u.t())
+    with pytest.raises(ValueError, match="contiguous bf16 tensors of one shape"):
+        situ_glu_backward(grad_a.float(), h, u)
+
+
+def test_every_activation_has_triton_kernels() -> None:
+    """moonep.activation is the registry: the triton path fuses each registered activation."""
+    from moonep.activation import ACTIVATIONS
+    from moonep.datapath.triton_path import GLU_KERNELS
+
+    assert sorted(GLU_KERNELS) == sorted(ACTIVATIONS)
