@@ -1,10 +1,12 @@
-"""Model configuration for the K3-like decoder (KDA / gated MLA attention, dense FFN first, latent MoE after)."""
+"""Model configuration for the K3-like decoder (KDA / gated MLA attention, dense FFN first, latent MoE after):
+the architecture (ModelConfig), the kernels that run it (KernelsConfig) and the routed experts' execution
+(ExpertsConfig)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from moonep import BufferOptions
 
@@ -36,6 +38,21 @@ class YarnConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
+    """The model: its architecture and its training settings (init, router balancing:
+    moontrain.checkpoint.hf_config.NOT_ARCHITECTURE). A checkpoint saves it; a resumed run must match it whole,
+    an imported model in its architecture."""
+
+    # keys that left ModelConfig. Each was a setting that never changed what the weights compute, so a
+    # checkpoint or HF export that still carries one loads without it (saved_model_dict); a recipe naming one
+    # is refused with its replacement
+    RETIRED_KEYS: ClassVar[dict[str, str]] = {
+        "kda_kernel": "write kernels.kda=auto|torch|fla instead (kernels: the execution choices)",
+        "router_tf32": "write kernels.router_tf32 instead (kernels: the execution choices)",
+        "attn_pad_head_dims": "write kernels.attn_pad_head_dims instead (kernels: the execution choices)",
+        "router_skew": "the forced routing skew is a benchmark's setting (benchmarks/bench_train.py sets it on "
+                       "the routers, Router.set_skew); drop it from the recipe",
+    }
+
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -76,9 +93,6 @@ class ModelConfig:
     # decay g = bound * sigmoid(exp(A_log) (f + dt_bias)) in [bound, 0] (K3: -5); None: the unbounded
     # g = -exp(A_log) softplus(f + dt_bias) of Kimi Linear
     kda_gate_lower_bound: float | None = -5.0
-    # execution: "auto" runs fla's chunk_kda (Triton) on CUDA when fla-core is installed, else the
-    # pure-PyTorch chunked KDA (moontrain.model.kda_ops, the specification); "torch" / "fla" force one
-    kda_kernel: Literal["auto", "torch", "fla"] = "auto"
     # packed rows: attention and the KDA state stop at each end-of-document token of the token source
     # (no effect with a source without documents, e.g. data.source=markov)
     document_mask: bool = True
@@ -98,19 +112,6 @@ class ModelConfig:
     # popularity moves through the bias only (moontrain.model.router_updates; false: plain updates)
     router_mean_free_updates: bool = True
     seq_aux_loss_coef: float = 0.0  # sequence-wise balance loss (DeepSeek-V3); 0 disables it
-    # benchmarks: sigma of a fixed log-normal expert popularity whose log is added to the selection scores
-    # (same on every rank and layer), to force a routing skew; 0 leaves routing untouched
-    router_skew: float = 0.0
-    # execution: on CUDA the router's logits GEMM (fp32) and its backward run on TF32 tensor cores. The
-    # forward's operands are bf16 values (the compute-dtype activations and FSDP's bf16 weight copy),
-    # exact in TF32, so the logits are the fp32 GEMM's up to summation order; the backward rounds the
-    # fp32 logit grads to TF32's 10-bit mantissa. Off, cuBLAS runs IEEE fp32 GEMMs on FFMA (the cost:
-    # docs/performance.md). No effect on the CPU
-    router_tf32: bool = True
-    # execution: zero-pad q/k and v to one head dim before SDPA (flash attention wants equal dims).
-    # Off: SDPA gets qk_head_dim and v_head_dim as they are (cuDNN and memory-efficient attention take
-    # them; on 2xH200 cuDNN's backward at a padded 192/192 took 3.3 ms per k3_small_moe layer)
-    attn_pad_head_dims: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_lora_rank", "v_head_dim",
@@ -129,8 +130,6 @@ class ModelConfig:
                 f"model.attn_res_block_size must be an even number of sub-layers >= 2 (K3: 12), or 0 for standard "
                 f"residuals; got {self.attn_res_block_size}"
             )
-        if self.router_skew < 0:
-            raise ValueError(f"model.router_skew must be >= 0 (0: no skew), got {self.router_skew}")
         for name in ("norm_eps", "init_std", "init_embed_std", "rope_theta"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"model.{name} must be a finite number > 0, got {getattr(self, name)}")
@@ -151,8 +150,6 @@ class ModelConfig:
         if self.kda_gate_lower_bound is not None and not self.kda_gate_lower_bound < 0:
             raise ValueError(f"model.kda_gate_lower_bound must be < 0 (or null: unbounded), "
                              f"got {self.kda_gate_lower_bound}")
-        if self.kda_kernel not in ("auto", "torch", "fla"):
-            raise ValueError(f"model.kda_kernel must be 'auto', 'torch' or 'fla', got {self.kda_kernel!r}")
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(
                 f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}"
@@ -206,6 +203,35 @@ class ModelConfig:
     @property
     def mla_eps(self) -> float:
         return self.norm_eps if self.mla_norm_eps is None else self.mla_norm_eps
+
+
+def saved_model_dict(saved: dict[str, Any]) -> dict[str, Any]:
+    """A ModelConfig mapping as a checkpoint or an HF export of any moontrain version holds it, less the keys
+    that have left ModelConfig (RETIRED_KEYS: execution settings, never part of what the weights compute)."""
+    return {k: v for k, v in saved.items() if k not in ModelConfig.RETIRED_KEYS}
+
+
+@dataclass(kw_only=True, slots=True)
+class KernelsConfig:
+    """How the model's layers run: none of it is part of the weights or the checkpoint (a run may resume or
+    import with other choices); results differ at most in summation order and TF32 rounding."""
+
+    # KDA layers: "auto" runs fla's chunk_kda (Triton) on CUDA when fla-core is installed, else the pure-PyTorch
+    # chunked KDA (moontrain.model.kda_ops, the specification); "torch" / "fla" force one
+    kda: Literal["auto", "torch", "fla"] = "auto"
+    # on CUDA the router's logits GEMM (fp32) and its backward run on TF32 tensor cores. The forward's operands
+    # are bf16 values (the compute-dtype activations and FSDP's bf16 weight copy), exact in TF32, so the logits
+    # are the fp32 GEMM's up to summation order; the backward rounds the fp32 logit grads to TF32's 10-bit
+    # mantissa. Off, cuBLAS runs IEEE fp32 GEMMs on FFMA (the cost: docs/performance.md). No effect on the CPU
+    router_tf32: bool = True
+    # zero-pad q/k and v to one head dim before SDPA (flash attention wants equal dims). Off: SDPA gets
+    # qk_head_dim and v_head_dim as they are (cuDNN and memory-efficient attention take them; on 2xH200
+    # cuDNN's backward at a padded 192/192 took 3.3 ms per k3_small_moe layer)
+    attn_pad_head_dims: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kda not in ("auto", "torch", "fla"):
+            raise ValueError(f"kernels.kda must be 'auto', 'torch' or 'fla', got {self.kda!r}")
 
 
 ExpertsBackendName = Literal["local", "alltoall", "moonep"]

@@ -37,16 +37,18 @@ K3_BLOCK = {"ffn_activation": "situ_glu", "attn_res_block_size": 2}
 
 def tiny_config(backend: str, ep: int, activation_checkpointing: bool = False,
                 micro_batch_size: int | None = None, reshard_after_forward: bool = True,
-                compile: bool = False, k3_block: bool = False, combine_reduce: str = "source") -> RunConfig:
+                compile: bool = False, k3_block: bool = False, combine_reduce: str = "source",
+                dense: str = "fsdp") -> RunConfig:
     return from_dict(RunConfig, {
         "model": dict(vocab_size=128, hidden_size=64, num_layers=2, num_dense_layers=0, dense_intermediate_size=128,
                       num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                       v_head_dim=16, num_experts=8, num_experts_per_tok=3, num_shared_experts=1,
                       moe_intermediate_size=64, moe_latent_size=32, routed_scaling_factor=2.0,
                       router_bias_update_rate=0.01, seq_aux_loss_coef=0.01, kda_layers_per_mla=1,
-                      kda_num_heads=2, kda_head_dim=16, kda_kernel="torch", **(K3_BLOCK if k3_block else {})),
+                      kda_num_heads=2, kda_head_dim=16, **(K3_BLOCK if k3_block else {})),
+        "kernels": {"kda": "torch"},
         "experts": {"backend": backend, "moonep": {"combine_reduce": combine_reduce}},
-        "parallel": {"ep": ep, "fsdp_reshard_after_forward": reshard_after_forward},
+        "parallel": {"ep": ep, "fsdp_reshard_after_forward": reshard_after_forward, "dense": dense},
         "optim": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant", "grad_clip": 1.0},
         "train": {"steps": STEPS, "global_batch_size": 8, "seq_len": 16, "seed": 3,
                   "activation_checkpointing": activation_checkpointing, "micro_batch_size": micro_batch_size,
