@@ -35,7 +35,7 @@ def checkpoint_dir(cfg: RunConfig) -> Path:
 
 def check_resume(cfg: RunConfig) -> Resume | None:
     """The checkpoint a launch will continue (None: a fresh start); raises ValueError when it cannot."""
-    path = resolve_resume(cfg.checkpoint, checkpoint_dir(cfg))
+    path, _ = resolve_resume(cfg.checkpoint, checkpoint_dir(cfg))  # the worker reports what auto passed over
     if path is None:
         return None
     state, _ = open_checkpoint(path)

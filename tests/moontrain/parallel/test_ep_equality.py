@@ -106,7 +106,7 @@ def _capture_first_grads(trainer: Trainer, out: dict[str, torch.Tensor]) -> None
 def _train(trainer: Trainer) -> tuple[list[tuple[float, float]], list[float], dict[str, torch.Tensor]]:
     _skew(trainer)
     assert trainer.model.layers[0].is_kda and not trainer.model.layers[1].is_kda
-    trainer.model.document_eos_id = EOS
+    trainer.model.document_eos_id = EOS  # a token the Markov data uses often (the source itself has no documents)
     first_grads: dict[str, torch.Tensor] = {}
     _capture_first_grads(trainer, first_grads)
     stats = trainer.fit()
@@ -125,10 +125,10 @@ def train_reference(reverse: bool, compile: bool = False, k3_block: bool = False
 
 def train_sharded(rank: int, world: int, backend: str, ep: int, activation_checkpointing: bool = False,
                   micro_batch_size: int | None = None, reshard_after_forward: bool = True,
-                  compile: bool = False, k3_block: bool = False, combine_reduce: str = "source"
-                  ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+                  compile: bool = False, k3_block: bool = False, combine_reduce: str = "source",
+                  dense: str = "fsdp") -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     trainer = Trainer(tiny_config(backend, ep, activation_checkpointing, micro_batch_size, reshard_after_forward,
-                                  compile, k3_block, combine_reduce), build_layout(ep, torch.device("cpu")))
+                                  compile, k3_block, combine_reduce, dense), build_layout(ep, torch.device("cpu")))
     fsdp_group = trainer.layout.fsdp_mesh.get_group()
     gathers = []  # FSDP's parameter all-gathers
     all_gather_single = dist.all_gather_single
@@ -246,6 +246,15 @@ def test_unsharded_between_passes_matches_single_process(reference, backend: str
     assert result[2]["fsdp_gathers"].item() == 3 * STEPS, f"{result[2]['fsdp_gathers'].item()} all-gathers in {STEPS} steps"
     default = run_ranks(train_sharded, 2, backend, 2, False, 1, True, timeout_s=300)[0]
     assert default[2]["fsdp_gathers"].item() > 4 * 3 * STEPS, "the default should gather in every pass"
+    _check(result, reference)
+
+
+def test_allreduce_dense_matches_single_process(reference) -> None:
+    """parallel.dense=allreduce (the fp32 dense parameters whole on every rank, their grads all-reduced after
+    the last of 2 accumulated passes): the reference's results, and no FSDP all-gather ran."""
+    result = run_ranks(train_sharded, 2, "alltoall", 2, False, 2, True, False, False, "source", "allreduce",
+                       timeout_s=300)[0]
+    assert result[2]["fsdp_gathers"].item() == 0
     _check(result, reference)
 
 
