@@ -18,11 +18,16 @@ from moontrain.trainer.eval_config import EvalConfig
 class RunConfig:
     """A run: one section per component, each handed to the component that owns it.
 
-    model: the architecture and its training settings (ModelConfig). train: steps, batch geometry, run
-    directory (TrainConfig). kernels: which kernels run the model's layers (KernelsConfig). experts: the
-    routed experts' backend (ExpertsConfig). parallel: the layout over the ranks (ParallelConfig). optim:
-    the optimizer and schedule (OptimConfig). data: the token source (DataConfig). checkpoint: saving and
-    resuming (CheckpointConfig). metrics: wandb and heatmaps (MetricsConfig). eval: held-out loss (EvalConfig).
+    model: the architecture and its training settings (ModelConfig)
+    train: steps, batch geometry, the run directory (TrainConfig)
+    kernels: which kernels run the model's layers (KernelsConfig)
+    experts: the routed experts' backend (ExpertsConfig)
+    parallel: the layout over the ranks (ParallelConfig)
+    optim: the optimizer and the lr schedule (OptimConfig)
+    data: the token source (DataConfig)
+    checkpoint: saving and resuming (CheckpointConfig)
+    metrics: wandb and the expert-load heatmaps (MetricsConfig)
+    eval: the held-out loss (EvalConfig)
     """
 
     model: ModelConfig

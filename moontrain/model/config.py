@@ -22,12 +22,12 @@ class YarnConfig:
     by m(mscale) / m(mscale_all_dim) (m(1) when either is 0), and a nonzero mscale_all_dim multiplies the
     softmax scale by m(mscale_all_dim)^2."""
 
-    factor: float
-    original_max_position: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
+    factor: float  # context extension factor (>= 1)
+    original_max_position: int  # the context length before the extension
+    beta_fast: float = 32.0  # dims with more rotations than this over original_max_position extrapolate
+    beta_slow: float = 1.0  # dims with fewer rotations than this are interpolated by factor
+    mscale: float = 1.0  # cos/sin scale m(mscale) / m(mscale_all_dim)
+    mscale_all_dim: float = 0.0  # nonzero: also the softmax scale times m(mscale_all_dim)^2
 
     def __post_init__(self) -> None:
         if self.factor < 1:
@@ -53,32 +53,32 @@ class ModelConfig:
                        "the routers, Router.set_skew); drop it from the recipe",
     }
 
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
+    vocab_size: int  # token ids 0 .. vocab_size - 1 (embedding rows, LM-head outputs)
+    hidden_size: int  # D, the width of the residual stream
+    num_layers: int  # transformer blocks
     num_dense_layers: int = 1  # the first layers use a dense gated FFN instead of MoE
-    dense_intermediate_size: int
+    dense_intermediate_size: int  # the dense FFN's inner width
     # gated activation of every FFN (dense, shared and routed experts): silu(g) * u, or K3's SiTU-GLU
     # 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25) (moonep.situ_glu)
     ffn_activation: FFNActivation = "swiglu"
     # Block Attention Residuals (arXiv 2603.15031): sub-layers per block (attention and FFN count one
     # each, so a block is attn_res_block_size / 2 transformer layers; K3: 12). 0: standard residuals
     attn_res_block_size: int = 0
-    norm_eps: float = 1e-6
+    norm_eps: float = 1e-6  # RMSNorm's epsilon
     # init (moontrain.model.init): matrices N(0, init_std^2), residual writers and routers depth-scaled,
     # the token embedding N(0, init_embed_std^2) so that it dominates the residual stream at init
     init_std: float = 0.02
-    init_embed_std: float = 1.0
+    init_embed_std: float = 1.0  # see init_std
     # MLA attention
     num_heads: int
     q_lora_rank: int | None = None  # None: a full-rank q projection
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
+    kv_lora_rank: int  # width of the compressed kv latent every head's keys and values expand from
+    qk_nope_head_dim: int  # per head: query/key dims without rotation
+    qk_rope_head_dim: int  # per head: query/key dims rotated by rope (even; one rope key shared by all heads)
+    v_head_dim: int  # per head: value dims
     use_nope: bool = False  # True: no positional rotation at all (the rope dims stay, unrotated)
     attn_output_gate: bool = True  # sigmoid(x W_g) * attention output, per head and channel
-    rope_theta: float = 50000.0
+    rope_theta: float = 50000.0  # rope's base
     rope_yarn: YarnConfig | None = None  # None: plain rope
     mla_norm_eps: float | None = None  # eps of the q and kv latent norms (None: norm_eps; DeepSeek-V3/K2: 1e-6)
     # hybrid layout: n Kimi Delta Attention (KDA) layers, then one MLA layer, repeated; the last layer is
@@ -97,16 +97,16 @@ class ModelConfig:
     # (no effect with a source without documents, e.g. data.source=markov)
     document_mask: bool = True
     # MoE
-    num_experts: int
-    num_experts_per_tok: int
-    num_shared_experts: int = 0
-    moe_intermediate_size: int
+    num_experts: int  # E, routed experts per MoE layer (a multiple of parallel.ep)
+    num_experts_per_tok: int  # K, the routed experts each token goes to (top-k)
+    num_shared_experts: int = 0  # experts every token goes to (one gated FFN num_shared_experts times as wide)
+    moe_intermediate_size: int  # the inner width of each routed and shared expert
     moe_latent_size: int | None = None  # routed experts run at this width between down and up projections
-    routed_scaling_factor: float = 1.0
+    routed_scaling_factor: float = 1.0  # route weights (renormalised over the K chosen) are multiplied by this
     # group-limited routing (DeepSeek-V3): experts form num_expert_groups equal groups, each scored by the
     # sum of its two best selection scores; a token picks its top-k among the topk_expert_groups best groups
     num_expert_groups: int = 1
-    topk_expert_groups: int = 1
+    topk_expert_groups: int = 1  # see num_expert_groups
     router_bias_update_rate: float = 1e-3  # aux-loss-free balancing step on the score-correction bias
     # optimizer steps leave each router's weights along the step's mean router input unchanged: expert
     # popularity moves through the bias only (moontrain.model.router_updates; false: plain updates)
@@ -241,6 +241,8 @@ ExpertsBackendName = Literal["local", "alltoall", "moonep"]
 class ExpertsConfig:
     """How routed experts are computed and where their tokens travel."""
 
+    # local: every expert on each rank (parallel.ep=1; the reference the others are tested against); alltoall:
+    # NCCL all-to-all dispatch and combine (as torchtitan); moonep: moonep's balanced EP (moontrain.model.experts)
     backend: ExpertsBackendName = "alltoall"
     token_padding: int = 16  # each expert's row group is padded to this many rows (grouped-GEMM alignment)
     moonep: BufferOptions = field(default_factory=BufferOptions)  # how the moonep backend's Buffer runs
