@@ -2,8 +2,9 @@
 token the Markov data uses often) trained 3 steps on one global batch gives the same losses, grad
 norms, step-1 gradients, parameters and router biases at EP = 1 (local backend, one process, no FSDP) and at
 EP = 2, EP = 4 and dp_replicate 2 x EP 2 (expert data parallel on), FSDP on, with both the alltoall and the
-moonep backend (fp32 on CPU; moonep must use redundant experts, asserted). The K3 block (SiTU-GLU
-experts, shared expert and AttnRes with a block per layer) against its own single-process reference.
+moonep backend (fp32 on CPU; moonep must use redundant experts, asserted), and with the dense parameters
+whole on every rank (parallel.dense=allreduce). The K3 block (SiTU-GLU experts, shared expert and AttnRes
+with a block per layer) against its own single-process reference.
 
 Tolerance: derived from an fp32 reference against itself. The reference is run twice in one process,
 once with the global batch rows reversed: the loss is the same mean, only the fp32 summation order
