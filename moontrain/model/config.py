@@ -213,8 +213,8 @@ def saved_model_dict(saved: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(kw_only=True, slots=True)
 class KernelsConfig:
-    """How the model's layers run: none of it is part of the weights or the checkpoint (a run may resume or
-    import with other choices); results differ at most in summation order and TF32 rounding."""
+    """How the model's layers run: the same math in other kernels, orders and precisions. None of it is part
+    of the weights or the checkpoint: a run may resume or import with other choices."""
 
     # KDA layers: "auto" runs fla's chunk_kda (Triton) on CUDA when fla-core is installed, else the pure-PyTorch
     # chunked KDA (moontrain.model.kda_ops, the specification); "torch" / "fla" force one
@@ -225,8 +225,8 @@ class KernelsConfig:
     # mantissa. Off, cuBLAS runs IEEE fp32 GEMMs on FFMA (the cost: docs/performance.md). No effect on the CPU
     router_tf32: bool = True
     # zero-pad q/k and v to one head dim before SDPA (flash attention wants equal dims). Off: SDPA gets
-    # qk_head_dim and v_head_dim as they are (cuDNN and memory-efficient attention take them; on 2xH200
-    # cuDNN's backward at a padded 192/192 took 3.3 ms per k3_small_moe layer)
+    # qk_head_dim and v_head_dim as they are (cuDNN and memory-efficient attention take them; the padded
+    # call's cost: docs/performance.md)
     attn_pad_head_dims: bool = False
 
     def __post_init__(self) -> None:
