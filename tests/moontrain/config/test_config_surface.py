@@ -119,12 +119,15 @@ RETIRED = [  # (override, what the error must name)
     ("parallel.fsdp=true", r"parallel\.fsdp is no longer a config key: write parallel\.dense=fsdp\|allreduce\|plain "
                            r"instead \(parallel\.fsdp=true was parallel\.dense=fsdp, the default; parallel\.fsdp=false "
                            r"was parallel\.dense=allreduce\)"),
-    ("parallel.fsdp=false", r"parallel\.fsdp is no longer a config key: .*parallel\.fsdp=false was parallel\.dense=allreduce"),
-    ("model.kda_kernel=torch", r"model\.kda_kernel is no longer a config key: write kernels\.kda=auto\|torch\|fla instead"),
+    ("parallel.fsdp=false",
+     r"parallel\.fsdp is no longer a config key: .*parallel\.fsdp=false was parallel\.dense=allreduce"),
+    ("model.kda_kernel=torch",
+     r"model\.kda_kernel is no longer a config key: write kernels\.kda=auto\|torch\|fla instead"),
     ("model.router_tf32=false", r"model\.router_tf32 is no longer a config key: write kernels\.router_tf32 instead"),
     ("model.attn_pad_head_dims=true",
      r"model\.attn_pad_head_dims is no longer a config key: write kernels\.attn_pad_head_dims instead"),
-    ("model.router_skew=0.5", r"model\.router_skew is no longer a config key: .*Router\.set_skew\); drop it from the recipe"),
+    ("model.router_skew=0.5",
+     r"model\.router_skew is no longer a config key: .*Router\.set_skew\); drop it from the recipe"),
 ]
 
 
