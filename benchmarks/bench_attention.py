@@ -5,7 +5,7 @@ GEMMs in IEEE fp32 vs TF32.
     python benchmarks/bench_attention.py [--batch 4] [--seq 4096]      (one GPU; k3_small_moe shapes)
 
 Attention: forward + backward of F.scaled_dot_product_attention (causal, bf16) as MLAttention calls
-it with model.attn_pad_head_dims off (q/k 192, v 128) and on (all 192), plus which SDPA backend ran
+it with kernels.attn_pad_head_dims off (q/k 192, v 128) and on (all 192), plus which SDPA backend ran
 (from the profiler's kernel names), and whether two runs give the same bits ("repeatable": the
 output and every gradient; flex_attention's backward has no atomics, SDPA's usually do). Router: logits = x W^T with its two backward GEMMs, fp32 operands
 holding bf16 values, through moontrain.model.router.RouterLogits (TF32) and F.linear (IEEE fp32, on
@@ -49,7 +49,7 @@ def kernels_of(fn: Callable[[], object]) -> str:
 
 
 def attention_case(B: int, N: int, T: int, dqk: int, dv: int, kind: str, iters: int, warmup: int) -> dict:
-    """kind: "padded" / "unpadded" (SDPA, as MLAttention with model.attn_pad_head_dims on / off) or "flex"
+    """kind: "padded" / "unpadded" (SDPA, as MLAttention with kernels.attn_pad_head_dims on / off) or "flex"
     (compiled flex_attention with causal_flex_mask, as MLAttention under train.deterministic)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k = (torch.randn(B, N, T, dqk, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))

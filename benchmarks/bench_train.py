@@ -11,7 +11,7 @@ variant that reaches 20 with the same expert parameter count (less expert comput
 model.num_experts=192 model.moe_intermediate_size=320 (reachable 23; 96*1024*320*2 bytes per projection
 and rank is a multiple of 2 MiB, as the GPU heap needs).
 
-Skew: the router's forced skew (model.router_skew, moontrain/model/router.py: a fixed log-normal expert
+Skew: the router's forced skew (Router.set_skew, moontrain/model/router.py: a fixed log-normal expert
 popularity with spread sigma, seeded identically on every rank). Per target maxvio, sigma is bisected on a
 log scale against the realised expert-level maxvio of the routed counts of --calib-batches forward
 passes at the initial weights (counts reduced over the world, max over MoE layers: the statistic the
@@ -229,7 +229,8 @@ def calibrate(trainer: Trainer, batches: list, target: float, args: argparse.Nam
 
 
 def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, side: dist.ProcessGroup,
-              mm_flops: float, bias_LE: torch.Tensor | None) -> dict:
+              mm_flops: float, bias_LE: torch.Tensor | None, sigma: float) -> dict:
+    """One (backend, skew sigma) point: a fresh trainer of `cfg`, its routers skewed by `sigma`."""
     device = layout.device
     gc.collect()
     if device.type == "cuda":
@@ -243,14 +244,14 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
     oom_where, heap_bytes, flops_per_token, pooled, syncs, trace_peak = None, 0, None, 0, None, None
     window_s = window_wait_s = None
     trainer = None
-    diagnosed = at_diagnosed_point(args, cfg)  # the same answer on every rank (collectives follow)
+    diagnosed = at_diagnosed_point(args, cfg, sigma)  # the same answer on every rank (collectives follow)
     traced = args.memory_trace and diagnosed and device.type == "cuda"
     if traced:
         start_memory_history()  # call sites of what the trainer keeps between steps (slows this point)
     try:
         trainer = Trainer(cfg, layout)
         set_router_biases(trainer, bias_LE)
-        apply_skew(trainer, cfg.model.router_skew, args.placement)
+        apply_skew(trainer, sigma, args.placement)
         flops_per_token = trainer.flops_per_token
         buf = trainer.experts_runtime.buffer if isinstance(trainer.experts_runtime, MoonEPRuntime) else None
         heap_bytes = buf.heap.local_bytes if buf is not None else 0
@@ -286,7 +287,7 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
             window_wait_s = trainer.data.take_metrics()["data/wait_ms"] / 1e3  # mean per step of the window
             trainer.cfg.train.log_every = 1  # the diagnostics below read a step's stats
         pooled = buf.pooled_plans if buf is not None else 0
-        if args.sync_debug and cfg.model.router_skew == args.sync_skew and args.current_round == 0 \
+        if args.sync_debug and sigma == args.sync_skew and args.current_round == 0 \
                 and ("syncs", cfg.experts.backend) not in args.diagnosed and device.type == "cuda":
             args.diagnosed.add(("syncs", cfg.experts.backend))  # once per backend
             syncs = count_syncs(trainer, layout, args, cfg, side)  # one extra, untimed step
@@ -368,11 +369,11 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
     return point
 
 
-def at_diagnosed_point(args: argparse.Namespace, cfg: RunConfig) -> bool:
+def at_diagnosed_point(args: argparse.Namespace, cfg: RunConfig, sigma: float) -> bool:
     """The --profile-at points (default: the first target), in the first round, once per (backend,
     skew): targets below the unskewed router's own imbalance all run at skew 0."""
-    key = (cfg.experts.backend, cfg.model.router_skew)
-    if cfg.model.router_skew not in args.profile_skews or args.current_round != 0 or key in args.diagnosed:
+    key = (cfg.experts.backend, sigma)
+    if sigma not in args.profile_skews or args.current_round != 0 or key in args.diagnosed:
         return False
     args.diagnosed.add(key)
     return True
@@ -536,8 +537,8 @@ def run(args: argparse.Namespace, device: torch.device, side: dist.ProcessGroup)
         for backend in args.backends:
             for c in calib:
                 t0 = time.perf_counter()
-                cfg = build_config(args, run_dir, **{"experts.backend": backend, "model.router_skew": c["sigma"]})
-                point = {"backend": backend, **c, **run_point(cfg, layout, args, side, mm_flops, bias_LE)}
+                cfg = build_config(args, run_dir, **{"experts.backend": backend})
+                point = {"backend": backend, **c, **run_point(cfg, layout, args, side, mm_flops, bias_LE, c["sigma"])}
                 point["wall_s"] = time.perf_counter() - t0
                 point["round"] = rnd
                 raw.append(point)
@@ -552,7 +553,7 @@ def run(args: argparse.Namespace, device: torch.device, side: dist.ProcessGroup)
     if args.learning_row:  # the same step at the recipe's learning rate, on text, the routers balancing
         cfg = build_learning_config(args, run_dir)
         point = {"backend": cfg.experts.backend, "lr": cfg.optim.lr, "data": cfg.data.path,
-                 **run_point(cfg, layout, args, side, mm_flops, None)}
+                 **run_point(cfg, layout, args, side, mm_flops, None, 0.0)}
         result["learning"] = point
         if is_main:
             print(learning_row(point), flush=True)

@@ -46,10 +46,17 @@ class LayerExperts:
 
 
 class ExpertPools:
-    """Collective: every rank builds it with the same projections, then adds the same layers."""
+    """Collective: every rank builds it with the same projections, then adds the same layers.
+
+    wgrad_scale: weight grads accumulate as wgrad_scale * x^T grad: a trainer folds its loss-mean factor
+        (e.g. 1 / world size) in here instead of scaling the fp32 grads in a pass of their own.
+    chain_prefetch: backward refills the slots for the previous layer early (previous_forward). Turn it off
+        where the forwards are recomputed in backward (activation checkpointing): the recompute plans again,
+        so the early copy (made with the first forward's plan) would be copied once more.
+    """
 
     def __init__(self, buffer: Buffer, projections: dict[str, tuple[int, int]],
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, *, wgrad_scale: float = 1.0, chain_prefetch: bool = True) -> None:
         if not projections:
             raise ValueError("ExpertPools needs at least one projection, e.g. {'gate': (H, F), 'up': (H, F), "
                              "'down': (F, H)}")
@@ -67,19 +74,14 @@ class ExpertPools:
         self.projections = dict(projections)
         self.dtype = dtype or buffer.config.dtype
         self.layers: list[LayerExperts] = []
-        # weight grads accumulate as wgrad_scale * x^T grad: a trainer folds its loss-mean factor
-        # (e.g. 1 / world size) in here instead of scaling the fp32 grads in a pass of their own
-        self.wgrad_scale = 1.0
+        self.wgrad_scale = wgrad_scale
         self._owner: tuple[int, Plan] | None = None  # (layer index, plan) whose copies the slots hold
         self._side: torch.cuda.Stream | None = None  # prefetch_async's / copy_async's stream (CUDA)
         self._prefetched: torch.cuda.Event | None = None  # completion of the last prefetch_async
         self._copied: torch.cuda.Event | None = None  # completion of the last copy_async
         self._zero_pending: set[tuple[int, str]] = set()  # (layer index, projection): see defer_zero_grads
         self._last_forward: tuple[LayerExperts, Plan] | None = None  # see previous_forward
-        # backward refills the slots for the previous layer early (previous_forward); off where the
-        # forwards are recomputed in backward (activation checkpointing): the recompute plans again,
-        # so the early copy (made with the first forward's plan) would be copied once more
-        self.chain_prefetch = True
+        self.chain_prefetch = chain_prefetch
         self._path = buffer.path
         # one rank has no remote expert, so its plans fill no slot (§5.2): prefetch and reduce_grad
         # have nothing to copy, fold or zero, and skip their launches

@@ -1,10 +1,12 @@
 """Strict conversion between the dataclass configs and plain mappings (what YAML reads and writes).
 
 from_dict builds a dataclass from a mapping whose keys are exactly its fields (nested dataclasses
-recursively, and `dict[str, X]` fields as name -> X); unknown keys, wrong types and missing required fields raise ValueError naming the dotted
-key and what is allowed. Nothing is coerced except int -> float (YAML writes round numbers like `lr: 1`
-as ints, which loses nothing) and, for float fields, PyYAML's `1e-3` string (YAML 1.1 reads an exponent
-without a dot as a string); nan and inf are refused. to_dict is its inverse. The recipe layer (files, base:, overrides) is
+recursively, and `dict[str, X]` fields as name -> X); unknown keys, wrong types and missing required
+fields raise ValueError naming the dotted key and what is allowed. A key a dataclass has retired (its
+class attribute RETIRED_KEYS: old name -> what to write instead) is refused with that replacement.
+Nothing is coerced except int -> float (YAML writes round numbers like `lr: 1` as ints, which loses
+nothing) and, for float fields, PyYAML's `1e-3` string (YAML 1.1 reads an exponent without a dot as a
+string); nan and inf are refused. to_dict is its inverse. The recipe layer (files, base:, overrides) is
 moontrain.config.loader; this module has no moontrain imports, so any package may use it.
 """
 
@@ -31,6 +33,10 @@ def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
+    retired = getattr(cls, "RETIRED_KEYS", {})
+    for name in unknown:
+        if name in retired:
+            raise ValueError(f"{_join(prefix, name)} is no longer a config key: {retired[name]}")
     if unknown:
         keys = ", ".join(_join(prefix, k) + _did_you_mean(k, fields, prefix) for k in unknown)
         raise ValueError(f"unknown key(s) {keys}; allowed keys under {where}: {sorted(fields)}")

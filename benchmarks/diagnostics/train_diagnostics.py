@@ -38,8 +38,9 @@ def _write_all_ranks(text: str, name: str, args: argparse.Namespace, side: dist.
         print(f"written: {path}", flush=True)
 
 
-def _point_name(kind: str, cfg: RunConfig) -> str:
-    return f"{kind}_{cfg.experts.backend}_skew{cfg.model.router_skew:.3g}.txt"
+def _point_name(kind: str, trainer: Trainer) -> str:
+    skew = max((moe.router.skew for moe in trainer.model.moe_layers()), default=0.0)  # bench_train's skew
+    return f"{kind}_{trainer.cfg.experts.backend}_skew{skew:.3g}.txt"
 
 
 def profile_step(trainer: Trainer, layout: ParallelLayout, args: argparse.Namespace, cfg: RunConfig,
@@ -60,7 +61,7 @@ def profile_step(trainer: Trainer, layout: ParallelLayout, args: argparse.Namesp
     except Exception as err:
         timeline = f"no timeline: {err!r}\n"
     _write_all_ranks(f"{timeline}\n{table}\n\nby input shapes (self CUDA time):\n{shapes}\n",
-                     _point_name("profile", cfg), args, side, layout)
+                     _point_name("profile", trainer), args, side, layout)
 
 
 def _gpu_kernels(prof) -> list[tuple[int, int, int, str]]:
@@ -183,7 +184,7 @@ def count_syncs(trainer: Trainer, layout: ParallelLayout, args: argparse.Namespa
     total = sum(sites.values())
     lines = [f"{n:5d}  {site}" for site, n in sites.most_common()]
     _write_all_ranks(f"{total} host synchronisations in one step\n" + "\n".join(lines) + "\n",
-                     _point_name("syncs", cfg), args, side, layout)
+                     _point_name("syncs", trainer), args, side, layout)
     return total
 
 
@@ -217,7 +218,7 @@ def memory_trace(trainer: Trainer, layout: ParallelLayout, args: argparse.Namesp
         text += "\nlive at the step's start:\n" + _live_blocks(at_start)
     except Exception as err:  # a diagnostic must not end the benchmark
         text, peak = f"could not analyse the snapshot: {err!r}\n", 0
-    _write_all_ranks(text, _point_name("memory", cfg), args, side, layout)
+    _write_all_ranks(text, _point_name("memory", trainer), args, side, layout)
     return start + peak
 
 

@@ -42,7 +42,7 @@ from moontrain.checkpoint.safetensors_io import SafetensorsReader, write_safeten
 from moontrain.checkpoint.store import MANIFEST, load_model_tensors, open_checkpoint
 from moontrain.checkpoint.tensors import CheckpointError, TensorSource
 from moontrain.dataclass_dict import from_dict
-from moontrain.model.config import ModelConfig
+from moontrain.model.config import ModelConfig, saved_model_dict
 
 if TYPE_CHECKING:
     from moontrain.checkpoint.state import TrainState
@@ -64,7 +64,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "bflo
     if dtype not in DTYPES:
         raise ValueError(f"export dtype {dtype!r} is not one of {sorted(DTYPES)}")
     state, source = open_checkpoint(checkpoint)
-    cfg = from_dict(ModelConfig, state["model"], "model")
+    cfg = from_dict(ModelConfig, saved_model_dict(state["model"]), "model")
     # refused before anything is written
     with_tokenizer = tokenizer_of_checkpoint(Path(checkpoint), state, None if tokenizer is None else str(tokenizer))
     out_dir = Path(out_dir)
@@ -294,7 +294,7 @@ def init_weights_from(run: TrainState, path: str | Path) -> None:
     path = Path(path)
     if (path / MANIFEST).is_file():
         state, source = open_checkpoint(path)
-        diff = architecture_diff(from_dict(ModelConfig, state["model"], "model"), run.model_config)
+        diff = architecture_diff(from_dict(ModelConfig, saved_model_dict(state["model"]), "model"), run.model_config)
         if diff:
             raise CheckpointError(f"checkpoint {path} holds another model than the recipe's model: section; "
                                   "differing (checkpoint vs recipe): " + ", ".join(diff))

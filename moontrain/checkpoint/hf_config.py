@@ -13,14 +13,14 @@ from typing import Any
 
 from moontrain.checkpoint.tensors import CheckpointError
 from moontrain.dataclass_dict import from_dict, to_dict
-from moontrain.model.config import ModelConfig, YarnConfig
+from moontrain.model.config import ModelConfig, YarnConfig, saved_model_dict
 
 MODEL_TYPE = "moontrain"
 IMPORTABLE = ("moontrain", "deepseek_v3", "kimi_k2")
-# ModelConfig fields that do not change what the weights compute (training and execution settings):
-# a recipe may differ from an imported model in these
-NOT_ARCHITECTURE = frozenset({"init_std", "init_embed_std", "router_bias_update_rate", "router_bias_update", "router_mean_free_updates",
-                              "seq_aux_loss_coef", "router_skew", "router_tf32", "attn_pad_head_dims"})
+# ModelConfig fields that do not change what the weights compute (training settings): a recipe may differ
+# from an imported model in these (the execution settings are not in ModelConfig: KernelsConfig)
+NOT_ARCHITECTURE = frozenset({"init_std", "init_embed_std", "router_bias_update_rate", "router_bias_update",
+                              "router_mean_free_updates", "seq_aux_loss_coef"})
 
 
 def hf_config(cfg: ModelConfig, *, dtype: str, max_position_embeddings: int, extra: dict[str, Any]) -> dict[str, Any]:
@@ -85,7 +85,7 @@ def model_config(raw: dict[str, Any], where: str) -> ModelConfig:
     if model_type not in IMPORTABLE:
         raise CheckpointError(f"{where}: model_type {model_type!r} cannot be imported; moontrain reads {list(IMPORTABLE)}")
     if model_type == MODEL_TYPE and "moontrain_model" in raw:
-        return from_dict(ModelConfig, raw["moontrain_model"], "moontrain_model")
+        return from_dict(ModelConfig, saved_model_dict(raw["moontrain_model"]), "moontrain_model")
     refuse = {"norm_topk_prob": (raw.get("norm_topk_prob", True), True),
               "hidden_act": (raw.get("hidden_act", "silu"), "silu"),
               "attention_bias": (raw.get("attention_bias", False), False),

@@ -64,6 +64,7 @@ from moontrain.checkpoint.tensors import (
     ownership,
 )
 from moontrain.dataclass_dict import to_dict
+from moontrain.model.config import saved_model_dict
 from moontrain.optim.config import OptimConfig
 
 if TYPE_CHECKING:
@@ -253,7 +254,7 @@ def load_checkpoint(run: TrainState, path: str | Path, *, verified: bool = False
     """Restore the whole train state into `run` (any EP / DP layout); returns the train state.
     verified: see open_checkpoint."""
     state, source = open_checkpoint(path, verified=verified)
-    saved_model, model = state["model"], to_dict(run.model_config)
+    saved_model, model = saved_model_dict(state["model"]), to_dict(run.model_config)
     if saved_model != model:
         diff = sorted(k for k in set(saved_model) | set(model) if saved_model.get(k) != model.get(k))
         raise CheckpointError(f"checkpoint {path} was saved with a different model config; differing keys: "

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from moontrain.checkpoint.config import CheckpointConfig
 from moontrain.data.config import DataConfig
 from moontrain.metrics.config import MetricsConfig
-from moontrain.model.config import ExpertsConfig, ModelConfig
+from moontrain.model.config import ExpertsConfig, KernelsConfig, ModelConfig
 from moontrain.optim.config import OptimConfig
 from moontrain.parallel.config import ParallelConfig
 from moontrain.trainer.config import TrainConfig
@@ -16,8 +16,23 @@ from moontrain.trainer.eval_config import EvalConfig
 
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
+    """A run: one section per component, each handed to the component that owns it.
+
+    model: the architecture and its training settings (ModelConfig)
+    train: steps, batch geometry, the run directory (TrainConfig)
+    kernels: which kernels run the model's layers (KernelsConfig)
+    experts: the routed experts' backend (ExpertsConfig)
+    parallel: the layout over the ranks (ParallelConfig)
+    optim: the optimizer and the lr schedule (OptimConfig)
+    data: the token source (DataConfig)
+    checkpoint: saving and resuming (CheckpointConfig)
+    metrics: wandb and the expert-load heatmaps (MetricsConfig)
+    eval: the held-out loss (EvalConfig)
+    """
+
     model: ModelConfig
     train: TrainConfig
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
     experts: ExpertsConfig = field(default_factory=ExpertsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -47,7 +62,7 @@ class RunConfig:
         if self.parallel.dense == "plain" and world_size > 1:
             raise ValueError(f"parallel.dense=plain holds every dense parameter unsharded on one rank and reduces no "
                              f"grads: it runs at world size 1 only, got {world_size} ranks; use parallel.dense=fsdp "
-                             f"(the default) for {world_size} ranks, or one rank")
+                             f"(the default) or allreduce for {world_size} ranks, or one rank")
         if self.train.global_batch_size % world_size:
             raise ValueError(
                 f"train.global_batch_size={self.train.global_batch_size} is not divisible by the world size "

@@ -36,16 +36,16 @@ class SourceConfig:
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    source: Literal["markov", "dataset"] = "markov"
+    source: Literal["markov", "dataset"] = "markov"  # markov: synthetic tokens; dataset: files (path or sources)
     seed: int = 1234  # markov: the chain and its walks; dataset: document orders and the mixture's draws
     branching: int = 2  # markov: each token has this many likely successors (achievable loss ~log(branching))
     # dataset, one source (the fields of SourceConfig); or data.sources for a mixture
     path: str | None = None
-    format: FileFormat = "auto"
-    text_field: str = "text"
-    ids_field: str = "input_ids"
-    text_unit: Literal["file", "line"] = "file"
-    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    format: FileFormat = "auto"  # as SourceConfig.format
+    text_field: str = "text"  # as SourceConfig.text_field
+    ids_field: str = "input_ids"  # as SourceConfig.ids_field
+    text_unit: Literal["file", "line"] = "file"  # as SourceConfig.text_unit
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # as SourceConfig.token_dtype
     sources: dict[str, SourceConfig] = field(default_factory=dict)  # name -> source: a weighted mixture
     # `bytes` (UTF-8 bytes + EOS 256) or a local Hugging Face tokenizer: a tokenizer.json file or a directory
     tokenizer: str = "bytes"

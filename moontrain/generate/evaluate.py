@@ -57,19 +57,13 @@ def evaluate(model: K3Model, tokenizer: ByteTokenizer | HFTokenizer, data: Sourc
     if tail:  # the remainder: one shorter row
         pieces.append(torch.from_numpy(stream[full_rows * seq_len:]).view(1, tail + 1))
     device = model.embed.weight.device
-    routers = [moe.router for moe in model.moe_layers()]
-    for r in routers:  # evaluation leaves the expert-bias statistics alone
-        r.count_tokens = False
     ce_sum, tokens = 0.0, 0
-    try:
+    with model.not_counting():  # evaluation leaves the expert-bias statistics alone
         for rows_BT1 in pieces:
             rows_BT1 = rows_BT1.to(device)
             _, ce = model(rows_BT1[:, :-1], rows_BT1[:, 1:])
             n = rows_BT1[:, 1:].numel()
             ce_sum += ce.double().item() * n
             tokens += n
-    finally:
-        for r in routers:
-            r.count_tokens = True
     loss = ce_sum / tokens
     return EvalResult(loss=loss, perplexity=math.exp(min(loss, 700.0)), tokens=tokens, available=available)

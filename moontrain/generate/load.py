@@ -20,19 +20,21 @@ from moontrain.checkpoint.store import MANIFEST, _model_tensors, open_checkpoint
 from moontrain.checkpoint.tensors import CheckpointError
 from moontrain.config.loader import from_dict
 from moontrain.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
-from moontrain.model.config import ModelConfig
+from moontrain.model.config import KernelsConfig, ModelConfig, saved_model_dict
 from moontrain.model.experts import ExpertsContext
 from moontrain.model.transformer import K3Model
 
 
 def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | None = None,
-               max_tokens: int = 4096, tokenizer: str | None = None) -> tuple[K3Model, ByteTokenizer | HFTokenizer]:
+               max_tokens: int = 4096, tokenizer: str | None = None, kernels: KernelsConfig | None = None
+               ) -> tuple[K3Model, ByteTokenizer | HFTokenizer]:
     """(model in eval mode with the local experts backend, tokenizer) of a checkpoint or an HF directory.
-    max_tokens: the most tokens one forward may route (batch x new tokens); tokenizer: --tokenizer."""
+    max_tokens: the most tokens one forward may route (batch x new tokens); tokenizer: --tokenizer; kernels:
+    how the layers run (default KernelsConfig(): fla's KDA on CUDA when installed)."""
     path = Path(path)
     if (path / MANIFEST).is_file():
         state, source = open_checkpoint(path)
-        cfg, prefix = from_dict(ModelConfig, state["model"], "model"), "model."
+        cfg, prefix = from_dict(ModelConfig, saved_model_dict(state["model"]), "model"), "model."
         found = tokenizer_of_checkpoint(path, state, tokenizer)
         if found is None:
             raise ValueError(f"{path} was trained on synthetic Markov tokens (data.source=markov): it has no "
@@ -47,8 +49,8 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
                               f"directory (no {CONFIG})")
     check_fits(tok, cfg.vocab_size, path)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model = K3Model(cfg, device=device)
-    ctx = ExpertsContext(num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep_size=1,
+    model = K3Model(cfg, kernels=kernels, device=device)  # no document_eos_id: one sequence per row
+    ctx = ExpertsContext(num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep=1,
                          compute_dtype=dtype, token_padding=16, max_tokens=max_tokens, device=device,
                          activation=cfg.ffn_activation)
     model.attach_experts_backends("local", ctx)
@@ -62,7 +64,6 @@ def load_model(path: str | Path, *, device: torch.device, dtype: torch.dtype | N
         for name, p in model.named_parameters():
             if ".experts.master." not in name and ".router." not in name:  # routing stays fp32
                 p.data = p.data.to(dtype)
-    model.document_eos_id = None  # one sequence per row: decoding does not restart at an EOS
     return model.eval(), tok
 
 

@@ -9,7 +9,7 @@ With use_nope the rope dims are kept but never rotated (no positional encoding a
 output gate, o = o * sigmoid(W_g x) per head and channel before W_o (gated attention). In the hybrid
 K3 stack these layers are the gated NoPE MLA between the KDA layers (moontrain.model.kda).
 SDPA gets q/k and v at their own head dims (cuDNN and memory-efficient attention accept Dv != Dn + Dr);
-with model.attn_pad_head_dims they are zero-padded to one head dim (flash attention wants equal dims;
+with kernels.attn_pad_head_dims they are zero-padded to one head dim (flash attention wants equal dims;
 zero padding changes neither scores nor values) and the padding is sliced off the output.
 While `max_logit_N` is a tensor (QK-Clip on: moontrain.optim.qk_clip owns it), each forward folds the
 exact per-head maximum logit of its q and k into it (a separate no-grad pass; SDPA does not return it).
@@ -29,9 +29,11 @@ from moontrain.optim.qk_clip import causal_max_logit
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, *, pad_head_dims: bool = False, device: torch.device | str | None = None
+                 ) -> None:
         super().__init__()
         self.cfg = cfg
+        self.pad_head_dims = pad_head_dims  # kernels.attn_pad_head_dims (see the module docstring)
         D, N = cfg.hidden_size, cfg.num_heads
         if cfg.q_lora_rank is None:
             self.wq = nn.Linear(D, N * cfg.qk_head_dim, bias=False, device=device)
@@ -73,7 +75,7 @@ class MLAttention(nn.Module):
         if self.max_logit_N is not None:  # in place: one tensor for the run (no recompiles under compile)
             self.max_logit_N.copy_(torch.maximum(self.max_logit_N, causal_max_logit(
                 q_BNTd, k_BNTd, softmax_scale(cfg), None if docs is None else docs.id_BT)))
-        if cfg.attn_pad_head_dims and Dn + Dr != Dv:
+        if self.pad_head_dims and Dn + Dr != Dv:
             d = max(Dn + Dr, Dv)
             q_BNTd, k_BNTd = F.pad(q_BNTd, (0, d - Dn - Dr)), F.pad(k_BNTd, (0, d - Dn - Dr))
             v_BNTd = F.pad(v_BNTDv, (0, d - Dv))

@@ -1,10 +1,12 @@
-"""Model configuration for the K3-like decoder (KDA / gated MLA attention, dense FFN first, latent MoE after)."""
+"""Model configuration for the K3-like decoder (KDA / gated MLA attention, dense FFN first, latent MoE after):
+the architecture (ModelConfig), the kernels that run it (KernelsConfig) and the routed experts' execution
+(ExpertsConfig)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from moonep import BufferOptions
 
@@ -20,12 +22,12 @@ class YarnConfig:
     by m(mscale) / m(mscale_all_dim) (m(1) when either is 0), and a nonzero mscale_all_dim multiplies the
     softmax scale by m(mscale_all_dim)^2."""
 
-    factor: float
-    original_max_position: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
+    factor: float  # context extension factor (>= 1)
+    original_max_position: int  # the context length before the extension
+    beta_fast: float = 32.0  # dims with more rotations than this over original_max_position extrapolate
+    beta_slow: float = 1.0  # dims with fewer rotations than this are interpolated by factor
+    mscale: float = 1.0  # cos/sin scale m(mscale) / m(mscale_all_dim)
+    mscale_all_dim: float = 0.0  # nonzero: also the softmax scale times m(mscale_all_dim)^2
 
     def __post_init__(self) -> None:
         if self.factor < 1:
@@ -36,32 +38,52 @@ class YarnConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
+    """The model: its architecture and its training settings (init, router balancing:
+    moontrain.checkpoint.hf_config.NOT_ARCHITECTURE). A checkpoint saves it; a resumed run must match it whole,
+    an imported model in its architecture."""
+
+    # keys that left ModelConfig. Each was a setting that never changed what the weights compute, so a
+    # checkpoint or HF export that still carries one loads without it (saved_model_dict); a recipe naming one
+    # is refused with its replacement
+    RETIRED_KEYS: ClassVar[dict[str, str]] = {
+        "kda_kernel": "write kernels.kda=auto|torch|fla instead (kernels: the execution choices)",
+        "router_tf32": "write kernels.router_tf32 instead (kernels: the execution choices)",
+        "attn_pad_head_dims": "write kernels.attn_pad_head_dims instead (kernels: the execution choices)",
+        "router_skew": "the forced routing skew is a benchmark's setting (benchmarks/bench_train.py sets it on "
+                       "the routers, Router.set_skew); drop it from the recipe",
+    }
+
+    # keys that joined ModelConfig after checkpoints were written: a saved mapping without one was trained
+    # the way moontrain worked before the key existed (saved_model_dict fills that in, so resuming such a
+    # checkpoint under today's defaults is refused with the key named, not silently switched)
+    ADDED_KEYS: ClassVar[dict[str, Any]] = {"router_mean_free_updates": False, "router_bias_update": "sign"}
+
+    vocab_size: int  # token ids 0 .. vocab_size - 1 (embedding rows, LM-head outputs)
+    hidden_size: int  # D, the width of the residual stream
+    num_layers: int  # transformer blocks
     num_dense_layers: int = 1  # the first layers use a dense gated FFN instead of MoE
-    dense_intermediate_size: int
+    dense_intermediate_size: int  # the dense FFN's inner width
     # gated activation of every FFN (dense, shared and routed experts): silu(g) * u, or K3's SiTU-GLU
     # 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25) (moonep.situ_glu)
     ffn_activation: FFNActivation = "swiglu"
     # Block Attention Residuals (arXiv 2603.15031): sub-layers per block (attention and FFN count one
     # each, so a block is attn_res_block_size / 2 transformer layers; K3: 12). 0: standard residuals
     attn_res_block_size: int = 0
-    norm_eps: float = 1e-6
+    norm_eps: float = 1e-6  # RMSNorm's epsilon
     # init (moontrain.model.init): matrices N(0, init_std^2), residual writers and routers depth-scaled,
     # the token embedding N(0, init_embed_std^2) so that it dominates the residual stream at init
     init_std: float = 0.02
-    init_embed_std: float = 1.0
+    init_embed_std: float = 1.0  # see init_std
     # MLA attention
     num_heads: int
     q_lora_rank: int | None = None  # None: a full-rank q projection
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
+    kv_lora_rank: int  # width of the compressed kv latent every head's keys and values expand from
+    qk_nope_head_dim: int  # per head: query/key dims without rotation
+    qk_rope_head_dim: int  # per head: query/key dims rotated by rope (even; one rope key shared by all heads)
+    v_head_dim: int  # per head: value dims
     use_nope: bool = False  # True: no positional rotation at all (the rope dims stay, unrotated)
     attn_output_gate: bool = True  # sigmoid(x W_g) * attention output, per head and channel
-    rope_theta: float = 50000.0
+    rope_theta: float = 50000.0  # rope's base
     rope_yarn: YarnConfig | None = None  # None: plain rope
     mla_norm_eps: float | None = None  # eps of the q and kv latent norms (None: norm_eps; DeepSeek-V3/K2: 1e-6)
     # hybrid layout: n Kimi Delta Attention (KDA) layers, then one MLA layer, repeated; the last layer is
@@ -76,23 +98,20 @@ class ModelConfig:
     # decay g = bound * sigmoid(exp(A_log) (f + dt_bias)) in [bound, 0] (K3: -5); None: the unbounded
     # g = -exp(A_log) softplus(f + dt_bias) of Kimi Linear
     kda_gate_lower_bound: float | None = -5.0
-    # execution: "auto" runs fla's chunk_kda (Triton) on CUDA when fla-core is installed, else the
-    # pure-PyTorch chunked KDA (moontrain.model.kda_ops, the specification); "torch" / "fla" force one
-    kda_kernel: Literal["auto", "torch", "fla"] = "auto"
     # packed rows: attention and the KDA state stop at each end-of-document token of the token source
     # (no effect with a source without documents, e.g. data.source=markov)
     document_mask: bool = True
     # MoE
-    num_experts: int
-    num_experts_per_tok: int
-    num_shared_experts: int = 0
-    moe_intermediate_size: int
+    num_experts: int  # E, routed experts per MoE layer (a multiple of parallel.ep)
+    num_experts_per_tok: int  # K, the routed experts each token goes to (top-k)
+    num_shared_experts: int = 0  # experts every token goes to (one gated FFN num_shared_experts times as wide)
+    moe_intermediate_size: int  # the inner width of each routed and shared expert
     moe_latent_size: int | None = None  # routed experts run at this width between down and up projections
-    routed_scaling_factor: float = 1.0
+    routed_scaling_factor: float = 1.0  # route weights (renormalised over the K chosen) are multiplied by this
     # group-limited routing (DeepSeek-V3): experts form num_expert_groups equal groups, each scored by the
     # sum of its two best selection scores; a token picks its top-k among the topk_expert_groups best groups
     num_expert_groups: int = 1
-    topk_expert_groups: int = 1
+    topk_expert_groups: int = 1  # see num_expert_groups
     router_bias_update_rate: float = 1e-2  # aux-loss-free balancing step on the score-correction bias
     # how the bias moves after a step: "proportional" (rate * (mean - count_e) / mean: an expert's correction
     # grows with its imbalance) or "sign" (DeepSeek-V3's rate * sign(mean - count_e); its paper: rate 1e-3).
@@ -102,19 +121,6 @@ class ModelConfig:
     # popularity moves through the bias only (moontrain.model.router_updates; false: plain updates)
     router_mean_free_updates: bool = True
     seq_aux_loss_coef: float = 0.0  # sequence-wise balance loss (DeepSeek-V3); 0 disables it
-    # benchmarks: sigma of a fixed log-normal expert popularity whose log is added to the selection scores
-    # (same on every rank and layer), to force a routing skew; 0 leaves routing untouched
-    router_skew: float = 0.0
-    # execution: on CUDA the router's logits GEMM (fp32) and its backward run on TF32 tensor cores. The
-    # forward's operands are bf16 values (the compute-dtype activations and FSDP's bf16 weight copy),
-    # exact in TF32, so the logits are the fp32 GEMM's up to summation order; the backward rounds the
-    # fp32 logit grads to TF32's 10-bit mantissa. Off, cuBLAS runs IEEE fp32 GEMMs on FFMA (the cost:
-    # docs/performance.md). No effect on the CPU
-    router_tf32: bool = True
-    # execution: zero-pad q/k and v to one head dim before SDPA (flash attention wants equal dims).
-    # Off: SDPA gets qk_head_dim and v_head_dim as they are (cuDNN and memory-efficient attention take
-    # them; on 2xH200 cuDNN's backward at a padded 192/192 took 3.3 ms per k3_small_moe layer)
-    attn_pad_head_dims: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "kv_lora_rank", "v_head_dim",
@@ -137,8 +143,6 @@ class ModelConfig:
             raise ValueError(
                 f"model.router_bias_update must be 'sign' or 'proportional', got {self.router_bias_update!r}"
             )
-        if self.router_skew < 0:
-            raise ValueError(f"model.router_skew must be >= 0 (0: no skew), got {self.router_skew}")
         for name in ("norm_eps", "init_std", "init_embed_std", "rope_theta"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"model.{name} must be a finite number > 0, got {getattr(self, name)}")
@@ -159,8 +163,6 @@ class ModelConfig:
         if self.kda_gate_lower_bound is not None and not self.kda_gate_lower_bound < 0:
             raise ValueError(f"model.kda_gate_lower_bound must be < 0 (or null: unbounded), "
                              f"got {self.kda_gate_lower_bound}")
-        if self.kda_kernel not in ("auto", "torch", "fla"):
-            raise ValueError(f"model.kda_kernel must be 'auto', 'torch' or 'fla', got {self.kda_kernel!r}")
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(
                 f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}"
@@ -216,6 +218,37 @@ class ModelConfig:
         return self.norm_eps if self.mla_norm_eps is None else self.mla_norm_eps
 
 
+def saved_model_dict(saved: dict[str, Any]) -> dict[str, Any]:
+    """A ModelConfig mapping as a checkpoint or an HF export of any moontrain version holds it, less the keys
+    that have left ModelConfig (RETIRED_KEYS: execution settings, never part of what the weights compute),
+    with the keys that joined it later at the value it was trained with (ADDED_KEYS)."""
+    kept = {k: v for k, v in saved.items() if k not in ModelConfig.RETIRED_KEYS}
+    return {**ModelConfig.ADDED_KEYS, **kept}
+
+
+@dataclass(kw_only=True, slots=True)
+class KernelsConfig:
+    """How the model's layers run: the same math in other kernels, orders and precisions. None of it is part
+    of the weights or the checkpoint: a run may resume or import with other choices."""
+
+    # KDA layers: "auto" runs fla's chunk_kda (Triton) on CUDA when fla-core is installed, else the pure-PyTorch
+    # chunked KDA (moontrain.model.kda_ops, the specification); "torch" / "fla" force one
+    kda: Literal["auto", "torch", "fla"] = "auto"
+    # on CUDA the router's logits GEMM (fp32) and its backward run on TF32 tensor cores. The forward's operands
+    # are bf16 values (the compute-dtype activations and FSDP's bf16 weight copy), exact in TF32, so the logits
+    # are the fp32 GEMM's up to summation order; the backward rounds the fp32 logit grads to TF32's 10-bit
+    # mantissa. Off, cuBLAS runs IEEE fp32 GEMMs on FFMA (the cost: docs/performance.md). No effect on the CPU
+    router_tf32: bool = True
+    # zero-pad q/k and v to one head dim before SDPA (flash attention wants equal dims). Off: SDPA gets
+    # qk_head_dim and v_head_dim as they are (cuDNN and memory-efficient attention take them; the padded
+    # call's cost: docs/performance.md)
+    attn_pad_head_dims: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kda not in ("auto", "torch", "fla"):
+            raise ValueError(f"kernels.kda must be 'auto', 'torch' or 'fla', got {self.kda!r}")
+
+
 ExpertsBackendName = Literal["local", "alltoall", "moonep"]
 
 
@@ -223,6 +256,8 @@ ExpertsBackendName = Literal["local", "alltoall", "moonep"]
 class ExpertsConfig:
     """How routed experts are computed and where their tokens travel."""
 
+    # local: every expert on each rank (parallel.ep=1; the reference the others are tested against); alltoall:
+    # NCCL all-to-all dispatch and combine (as torchtitan); moonep: moonep's balanced EP (moontrain.model.experts)
     backend: ExpertsBackendName = "alltoall"
     token_padding: int = 16  # each expert's row group is padded to this many rows (grouped-GEMM alignment)
     moonep: BufferOptions = field(default_factory=BufferOptions)  # how the moonep backend's Buffer runs

@@ -14,7 +14,7 @@ the Hugging Face export maps them one to one. The short convolutions see no toke
 and the recurrence restarts at each document start, so nothing crosses an end-of-document.
 No positional encoding: the recurrence and the convolutions are order-aware.
 
-Kernel: model.kda_kernel picks kda_ops.kda (pure PyTorch, chunked; CPU and GPU) or kda_ops.kda_fla
+Kernel: kernels.kda picks kda_ops.kda (pure PyTorch, chunked; CPU and GPU) or kda_ops.kda_fla
 (fla-core's chunk_kda, Triton, with the gate and the L2 norm fused) once, at construction. The call is
 excluded from torch.compile (fla's autograd function is opaque to it; the reference's chunk loop would
 unroll); the projections, convolutions and the output norm around it compile.
@@ -45,21 +45,22 @@ def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def select_kda_kernel(cfg: ModelConfig, device: torch.device | str | None) -> Callable[..., torch.Tensor]:
-    if cfg.kda_kernel == "torch":
+def select_kda_kernel(choice: str, device: torch.device | str | None) -> Callable[..., torch.Tensor]:
+    """The KDA function of kernels.kda = `choice` (auto, torch or fla) on `device`."""
+    if choice == "torch":
         return kda
-    if cfg.kda_kernel == "fla":
+    if choice == "fla":
         if not fla_available():
-            raise ValueError("model.kda_kernel=fla needs fla-core (pip install fla-core, or on the GPU machine "
-                             "bash ../shared/device/stage.sh fla); model.kda_kernel=torch runs the PyTorch KDA")
+            raise ValueError("kernels.kda=fla needs fla-core (pip install fla-core, or on the GPU machine "
+                             "bash ../shared/device/stage.sh fla); kernels.kda=torch runs the PyTorch KDA")
         return kda_fla
     on_cuda = device is not None and torch.device(device).type == "cuda"
     return kda_fla if on_cuda and fla_available() else kda
 
 
-def uses_fla(cfg: ModelConfig, device: torch.device | str | None) -> bool:
-    """Whether the model's KDA layers (if any) run fla's kernels on `device`."""
-    return cfg.kda_layers_per_mla > 0 and select_kda_kernel(cfg, device) is kda_fla
+def uses_fla(cfg: ModelConfig, choice: str, device: torch.device | str | None) -> bool:
+    """Whether the model's KDA layers (if any) run fla's kernels on `device` under kernels.kda = `choice`."""
+    return cfg.kda_layers_per_mla > 0 and select_kda_kernel(choice, device) is kda_fla
 
 
 def short_conv(x_BTC: torch.Tensor, w_C1W: torch.Tensor, doc_id_BT: torch.Tensor | None) -> torch.Tensor:
@@ -92,7 +93,7 @@ class GatedRMSNorm(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, *, kernel: str = "auto", device: torch.device | str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         D, H, K, W, r = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_conv_size, cfg.kda_gate_rank
@@ -115,7 +116,7 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(H * K, device=device))  # 1-D: no weight decay, like A_log
         self.o_norm = GatedRMSNorm(K, cfg.norm_eps, device=device)
         self.o_proj = nn.Linear(H * K, D, bias=False, device=device)
-        self.kernel = torch.compiler.disable(select_kda_kernel(cfg, device))
+        self.kernel = torch.compiler.disable(select_kda_kernel(kernel, device))  # kernel: kernels.kda
 
     @torch.no_grad()
     def init_parameters(self, gen: torch.Generator) -> None:

@@ -22,15 +22,15 @@ from moontrain.model.router import Router
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, ep_rank: int, ep_size: int,
+    def __init__(self, cfg: ModelConfig, *, ep_rank: int, ep: int, router_tf32: bool = True,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.router = Router(cfg, device=device)
+        self.router = Router(cfg, tf32=router_tf32, device=device)
         if cfg.moe_latent_size is not None:
             self.latent_down = nn.Linear(cfg.hidden_size, cfg.moe_latent_size, bias=False, device=device)
             self.latent_norm = RMSNorm(cfg.moe_latent_size, cfg.norm_eps, device=device)
             self.latent_up = nn.Linear(cfg.moe_latent_size, cfg.hidden_size, bias=False, device=device)
-        self.experts = ExpertWeights(num_experts=cfg.num_experts, ep_rank=ep_rank, ep_size=ep_size,
+        self.experts = ExpertWeights(num_experts=cfg.num_experts, ep_rank=ep_rank, ep=ep,
                                      hidden=cfg.expert_width, intermediate=cfg.moe_intermediate_size,
                                      device=device)
         self.shared = (GatedFFN(cfg.hidden_size, cfg.num_shared_experts * cfg.moe_intermediate_size,

@@ -10,17 +10,20 @@ by gradients: after every optimizer step it moves by `update_rate * sign(mean_co
 model.router_mean_free_updates the optimizer step leaves each router's weights along the step's mean
 input unchanged, so expert popularity is the bias's alone (moontrain.model.router_updates).
 Routing math runs in fp32 whatever the compute dtype: near-ties in bf16 would flip top-k choices.
-On CUDA with model.router_tf32 the logits GEMM and its backward use TF32 tensor cores (RouterLogits):
+On CUDA with kernels.router_tf32 the logits GEMM and its backward use TF32 tensor cores (RouterLogits):
 the forward's operands are bf16 values, exact in TF32, so only the summation order differs.
 
-Forced skew (benchmarks, model.router_skew = sigma > 0): a fixed expert popularity p_e = exp(sigma * z_e),
-z ~ N(0, 1) from SKEW_SEED on the CPU (so every rank and every layer gets the same z), enters the
-selection as log p_e = sigma * z_e added to the biased scores; the combine weights stay unbiased. The
-realised expert maxvio rises with sigma (benchmarks/bench_train.py bisects sigma to a target maxvio).
-sigma = 0 skips the addition, so routing is bitwise what it is without the knob.
+Forced skew (benchmarks call set_skew(sigma), sigma > 0; no recipe key): a fixed expert popularity
+p_e = exp(sigma * z_e), z ~ N(0, 1) from SKEW_SEED on the CPU (so every rank and every layer gets the
+same z), enters the selection as log p_e = sigma * z_e added to the biased scores; the combine weights
+stay unbiased. The realised expert maxvio rises with sigma (benchmarks/bench_train.py bisects sigma to a
+target maxvio). sigma = 0 skips the addition, so routing is bitwise what it is without the knob.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +75,9 @@ def skew_bias_E(num_experts: int, sigma: float) -> torch.Tensor:
 
 
 class Router(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None) -> None:
+    """tf32: kernels.router_tf32 (the logits GEMMs on TF32 tensor cores on CUDA)."""
+
+    def __init__(self, cfg: ModelConfig, *, tf32: bool = True, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.num_experts = cfg.num_experts
         self.topk = cfg.num_experts_per_tok
@@ -80,15 +85,15 @@ class Router(nn.Module):
         self.update_rate = cfg.router_bias_update_rate
         self.proportional_update = cfg.router_bias_update == "proportional"
         self.seq_aux_loss_coef = cfg.seq_aux_loss_coef
-        self.tf32 = cfg.router_tf32
+        self.tf32 = tf32
         self.num_groups, self.topk_groups = cfg.num_expert_groups, cfg.topk_expert_groups
-        self.count_tokens = True  # off while activation checkpointing recomputes this layer
+        self._counting = True  # off inside not_counting()
         self.mean_free_updates = cfg.router_mean_free_updates
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, device=device))
         self.register_buffer("score_bias_E", torch.zeros(cfg.num_experts, device=device))
-        # derived from model.router_skew, never trained or checkpointed
-        self.skew = cfg.router_skew
-        self.register_buffer("skew_bias_E", skew_bias_E(cfg.num_experts, self.skew).to(device), persistent=False)
+        # the forced skew (set_skew; 0: none), never trained or checkpointed
+        self.skew = 0.0
+        self.register_buffer("skew_bias_E", torch.zeros(cfg.num_experts, device=device), persistent=False)
         # tokens routed to each expert since the last bias update (this rank only; reduced by the trainer).
         # int64: a world-reduced count passes 2^24 (fp32's exact range) at K3 scale
         self.register_buffer("tokens_per_expert_E", torch.zeros(cfg.num_experts, dtype=torch.long, device=device),
@@ -114,7 +119,7 @@ class Router(nn.Module):
         topk_sK = torch.topk(select_sE, self.topk, dim=-1).indices
         weights_sK = scores_sE.gather(1, topk_sK)
         weights_sK = weights_sK / weights_sK.sum(-1, keepdim=True) * self.scaling
-        if self.count_tokens:
+        if self._counting:
             # index_add_, not bincount: CUDA bincount reads the max id on the host (a sync per layer)
             flat = topk_sK.flatten()
             self.tokens_per_expert_E.index_add_(0, flat, torch.ones_like(flat))
@@ -145,9 +150,19 @@ class Router(nn.Module):
         p_BE = probs_BTE.mean(1)
         return self.seq_aux_loss_coef * (f_BE * p_BE).sum(-1).mean()
 
+    @contextmanager
+    def not_counting(self) -> Iterator[None]:
+        """Forwards inside leave the balancing statistics (token counts, input sums) alone: a recompute under
+        activation checkpointing, an evaluation."""
+        self._counting = False
+        try:
+            yield
+        finally:
+            self._counting = True
+
     @torch.no_grad()
     def set_skew(self, sigma: float) -> None:
-        """Change the forced skew in place (benchmark calibration); same as building with router_skew=sigma."""
+        """Force a routing skew of spread `sigma` (benchmarks; 0: none), in place."""
         if sigma < 0:
             raise ValueError(f"router skew must be >= 0 (0: no skew), got {sigma}")
         self.skew = sigma

@@ -11,17 +11,17 @@ so they stay matched. early_stop is off so a recompute always runs the whole blo
 could stop inside a collective call). The router does not count tokens again while recomputing.
 
 Hybrid layout: model.kda_layers_per_mla picks, per block, Kimi Delta Attention or MLA (ModelConfig.
-layer_is_kda). Documents: with document_eos_id set (the trainer sets the token source's EOS when
+layer_is_kda). Documents: with document_eos_id (the trainer passes the token source's EOS when
 model.document_mask is on), every forward derives the packed documents from the input ids once and
-every attention layer stays inside them (moontrain.model.documents). With deterministic_attention (set by
-the trainer under train.deterministic) causal attention on CUDA goes through flex_attention, whose
+every attention layer stays inside them (moontrain.model.documents). With deterministic_attention (the
+trainer passes train.deterministic) causal attention on CUDA goes through flex_attention, whose
 backward is deterministic, also without documents.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from moontrain.model.attention import MLAttention
 from moontrain.model.attn_res import DepthAttention, starts_block
-from moontrain.model.config import ModelConfig
+from moontrain.model.config import KernelsConfig, ModelConfig
 from moontrain.model.documents import DocumentMask, causal_flex_mask, document_mask
 from moontrain.model.experts import ExpertsContext, ExpertsRuntime, build_experts_runtime
 from moontrain.model.ffn import GatedFFN
@@ -42,15 +42,16 @@ from moontrain.model.rope import rope_cos_sin
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, *, ep_rank: int, ep_size: int,
+    def __init__(self, cfg: ModelConfig, layer_idx: int, *, kernels: KernelsConfig, ep_rank: int, ep: int,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
         self.is_kda = cfg.layer_is_kda(layer_idx)
-        self.attn = KimiDeltaAttention(cfg, device=device) if self.is_kda else MLAttention(cfg, device=device)
+        self.attn = (KimiDeltaAttention(cfg, kernel=kernels.kda, device=device) if self.is_kda
+                     else MLAttention(cfg, pad_head_dims=kernels.attn_pad_head_dims, device=device))
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
         self.is_moe = layer_idx >= cfg.num_dense_layers
-        self.ffn = (MoE(cfg, ep_rank=ep_rank, ep_size=ep_size, device=device) if self.is_moe
+        self.ffn = (MoE(cfg, ep_rank=ep_rank, ep=ep, router_tf32=kernels.router_tf32, device=device) if self.is_moe
                     else GatedFFN(cfg.hidden_size, cfg.dense_intermediate_size, cfg.ffn_activation, device=device))
         self.attn_res = cfg.attn_res_block_size > 0
         if self.attn_res:  # AttnRes: the attention's and the FFN's inputs are depth aggregations
@@ -70,16 +71,8 @@ class Block(nn.Module):
                               context_fn=lambda: (nullcontext(), self._recomputing()))
         return self._forward(blocks, x_BTD, cos, sin, docs)
 
-    @contextmanager
-    def _recomputing(self) -> Iterator[None]:
-        if not self.is_moe:
-            yield
-            return
-        self.ffn.router.count_tokens = False
-        try:
-            yield
-        finally:
-            self.ffn.router.count_tokens = True
+    def _recomputing(self) -> AbstractContextManager[None]:
+        return self.ffn.router.not_counting() if self.is_moe else nullcontext()
 
     def _forward(self, blocks: tuple[torch.Tensor, ...], x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  docs: DocumentMask | None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor | None]:
@@ -115,13 +108,20 @@ class Block(nn.Module):
 
 
 class K3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, ep_rank: int = 0, ep_size: int = 1,
+    """kernels: how the layers run (default: KernelsConfig()). ep_rank / ep: this rank's index in its EP group
+    and the EP degree (the expert rows it holds). document_eos_id: packed documents end with this id (None:
+    one sequence per row). deterministic_attention: on CUDA causal attention goes through flex_attention,
+    documents or not (train.deterministic)."""
+
+    def __init__(self, cfg: ModelConfig, *, kernels: KernelsConfig | None = None, ep_rank: int = 0, ep: int = 1,
+                 document_eos_id: int | None = None, deterministic_attention: bool = False,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        kernels = kernels or KernelsConfig()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device)
         self.layers = nn.ModuleList(
-            Block(cfg, i, ep_rank=ep_rank, ep_size=ep_size, device=device) for i in range(cfg.num_layers)
+            Block(cfg, i, kernels=kernels, ep_rank=ep_rank, ep=ep, device=device) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
@@ -129,11 +129,19 @@ class K3Model(nn.Module):
         self.final_res = (DepthAttention(cfg.hidden_size, cfg.norm_eps, device=device)
                           if cfg.attn_res_block_size else None)
         self._loss = _cross_entropy
-        self.document_eos_id: int | None = None  # packed documents end with this id (None: one sequence per row)
-        self.deterministic_attention = False  # CUDA: causal attention through flex_attention, documents or not
+        self.document_eos_id = document_eos_id
+        self.deterministic_attention = deterministic_attention
 
     def moe_layers(self) -> list[MoE]:
         return [block.ffn for block in self.layers if block.is_moe]
+
+    @contextmanager
+    def not_counting(self) -> Iterator[None]:
+        """Forwards inside leave every router's balancing statistics alone (evaluation, calibration)."""
+        with ExitStack() as stack:
+            for moe in self.moe_layers():
+                stack.enter_context(moe.router.not_counting())
+            yield
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

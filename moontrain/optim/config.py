@@ -12,13 +12,15 @@ class OptimConfig:
     # adamw: AdamW everywhere. muon: Muon for the matrices (dense and per expert), AdamW for the embedding,
     # head, norms and router weights (moontrain.optim.muon); lr and weight_decay carry over
     name: Literal["adamw", "muon"] = "adamw"
-    lr: float = 3e-4
+    lr: float = 3e-4  # the peak learning rate (after warmup)
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    warmup_steps: int = 0
+    weight_decay: float = 0.1  # decoupled weight decay of the matrices and experts (not the embedding, 1-D params)
+    beta1: float = 0.9  # Adam's first-moment decay
+    beta2: float = 0.95  # Adam's second-moment decay
+    eps: float = 1e-8  # Adam's epsilon
+    warmup_steps: int = 0  # the lr rises linearly to its peak over these steps
+    # after warmup: cosine (down to min_lr over the schedule), wsd (warmup-stable-decay: the peak, then a linear
+    # decay over the last decay_fraction), constant (the peak throughout)
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly to min_lr
     # the steps the schedule spans (None: train.steps); steps past it run at the final lr. A resumed run whose
@@ -29,8 +31,8 @@ class OptimConfig:
     # expert masters: one Triton pass per projection for the AdamW step, the compute-copy write and the
     # grad zeroing (moontrain.optim.write_back); None: on when `fused` is on
     write_back: bool | None = None
-    muon_momentum: float = 0.95
-    muon_nesterov: bool = True
+    muon_momentum: float = 0.95  # Muon's momentum coefficient
+    muon_nesterov: bool = True  # Nesterov momentum in Muon
     muon_ns_steps: int = 5  # quintic Newton-Schulz iterations
     muon_per_head_qkv: bool = False  # orthogonalise each head's query, key and value rows separately (K3)
     # QK-Clip (moontrain.optim.qk_clip): after each step, rescale the query/key weights of every attention

@@ -4,26 +4,33 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
+    RETIRED_KEYS: ClassVar[dict[str, str]] = {
+        "fsdp": "write parallel.dense=fsdp|allreduce|plain instead (parallel.fsdp=true was parallel.dense=fsdp, "
+                "the default; parallel.fsdp=false was parallel.dense=allreduce)"}
+
     ep: int = 1  # expert-parallel degree; dp_replicate = world_size // ep is derived, never set
     # hosts one EP group spans (hierarchical EP, experts.backend=moonep only): ep / ep_hosts ranks per host
     # run moonep among themselves, rows cross hosts through all-to-alls (moonep.hierarchical, docs/scale.md)
     ep_hosts: int = 1
-    fsdp: bool = True  # shard dense parameters with FSDP2 over the whole world (when world > 1)
-    # False keeps each block's gathered (bf16) dense parameters from forward to backward, and, with
-    # gradient accumulation, from one pass to the next: one all-gather per block per optimizer step
-    # instead of two per pass, for the memory of the unsharded dense parameters (small next to the
-    # experts in a K3-like MoE: 0.8 GiB in k3_small_moe, whose experts hold ~80 GB per rank)
+    # how the dense (non-expert) parameters are held and their grads reduced:
+    #   fsdp: FSDP2 over the whole world, compute-dtype copies gathered per block, fp32 grads reduce-scattered
+    #     (moontrain.parallel.fsdp; without a process group the model runs as built, in fp32)
+    #   allreduce: every rank holds the fp32 parameters whole and runs them as they are; their grads are
+    #     all-reduced (mean) after backward (moontrain.parallel.fsdp.allreduce_dense_grads)
+    #   plain (world size 1 only): fp32 masters as plain tensors, their compute-dtype copies cast once per step
+    #     with one foreach copy, each pass's grads added into fp32 with foreach ops (moontrain.parallel.plain_dense):
+    #     FSDP2's world-1 numerics bit for bit, without its per-parameter, per-pass work
+    dense: Literal["fsdp", "allreduce", "plain"] = "fsdp"
+    # dense=fsdp. False keeps each block's gathered (bf16) dense parameters from forward to backward, and, with
+    # gradient accumulation, from one pass to the next: one all-gather per block per optimizer step instead of
+    # two per pass, for the memory of the unsharded dense parameters (small next to the experts in a K3-like
+    # MoE: 0.8 GiB in k3_small_moe, whose experts hold ~80 GB per rank)
     fsdp_reshard_after_forward: bool = True
-    # how the dense parameters are held. fsdp: FSDP2 (above). plain (world size 1 only): fp32 masters as plain
-    # tensors, their compute-dtype copies cast once per step with one foreach copy, each pass's grads added into
-    # fp32 with foreach ops (moontrain.parallel.plain_dense): FSDP2's world-1 numerics bit for bit, without its
-    # per-parameter, per-pass work; the copies stay allocated between steps, so fsdp_reshard_after_forward is moot
-    dense: Literal["fsdp", "plain"] = "fsdp"
     # auto: bf16 compute with fp32 reduction on GPU, fp32 everywhere on CPU
     compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     # seconds a collective may wait before the process group fails it (NCCL / gloo timeout)
@@ -42,10 +49,6 @@ class ParallelConfig:
         if self.ep_hosts < 1 or self.ep % self.ep_hosts:
             raise ValueError(f"parallel.ep_hosts={self.ep_hosts} must be >= 1 and divide parallel.ep={self.ep} (the EP "
                              f"group spans ep_hosts hosts of ep / ep_hosts ranks each); use a divisor of {self.ep}")
-        if self.dense == "plain" and not self.fsdp:
-            raise ValueError("parallel.dense=plain reproduces FSDP's mixed precision at world size 1 and needs "
-                             "parallel.fsdp=true; parallel.fsdp=false runs fp32 dense parameters with all-reduced "
-                             "grads instead: set parallel.dense=fsdp with it, or drop parallel.fsdp=false")
         if not 0 < self.timeout_s < math.inf:
             raise ValueError(f"parallel.timeout_s must be a finite number of seconds > 0, got {self.timeout_s}")
         if not 0 <= self.heartbeat_timeout_s < self.timeout_s:

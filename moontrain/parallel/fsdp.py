@@ -1,4 +1,5 @@
-"""Dense parameters: FSDP2 fully_shard per block and at the root; expert masters are ignored by FSDP.
+"""Dense parameters: FSDP2 fully_shard per block and at the root (parallel.dense=fsdp), or whole on every rank
+with all-reduced grads (parallel.dense=allreduce); expert masters are ignored by both.
 
 The expert masters never take part in forward (the backends read the compute tensors), and their
 grads are reduced over the expert-data-parallel group by ExpertWeights.reduce_grads, so FSDP must not
@@ -35,7 +36,7 @@ def apply_fsdp(model: K3Model, layout: ParallelLayout, param_dtype: torch.dtype,
 
 @torch.no_grad()
 def allreduce_dense_grads(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """Without FSDP (parallel.fsdp=false): plain data-parallel mean of the dense grads."""
+    """parallel.dense=allreduce: the plain data-parallel mean of the dense grads."""
     world = dist.get_world_size(group)
     ignored = expert_master_params(model)
     for p in model.parameters():

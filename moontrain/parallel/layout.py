@@ -5,7 +5,7 @@ Rank r sits at (dp_replicate index r // ep, ep index r % ep): the ranks of one E
 (hierarchical EP) EP index i is rank i % (ep / N) of host i // (ep / N): the host groups (moonep's
 groups, contiguous ranks, one host each) and the rail groups (one rank per host) come from
 moonep.hierarchical.host_groups. Dense parameters are
-sharded with FSDP over the whole world; expert local rows are replicated over the dp_replicate axis
+sharded with FSDP over the whole world (parallel.dense=fsdp); expert local rows are replicated over the dp_replicate axis
 (the expert-data-parallel group: same ep index, every replica) and reduced there explicitly.
 
 FSDP2 on CPU: gloo in this torch (2.13) implements reduce_scatter and all_gather_into_tensor, so
@@ -55,9 +55,10 @@ class ParallelLayout:
         return self.world_group is not None
 
     def describe(self, dense: str = "fsdp") -> str:
-        """One line for the startup log; `dense` is parallel.dense (plain: bf16 copies, no FSDP, world 1)."""
-        dense_line = (f"FSDP over {self.world_size} ranks" if dense == "fsdp"
-                      else "plain (bf16 copies cast once per step, no FSDP)")
+        """One line for the startup log; `dense` is parallel.dense."""
+        dense_line = {"fsdp": f"FSDP over {self.world_size} ranks",
+                      "allreduce": "fp32 on every rank, grads all-reduced (no FSDP)",
+                      "plain": "plain (bf16 copies cast once per step, no FSDP)"}[dense]
         hier = (f" over {self.ep_hosts} hosts of {self.ep // self.ep_hosts} (hierarchical)"
                 if self.ep_hosts > 1 else "")
         return (f"world={self.world_size} = dp_replicate {self.dp_replicate} x ep {self.ep}; "

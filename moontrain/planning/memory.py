@@ -1,7 +1,8 @@
 """Per-rank memory estimate for a training layout, computed from shapes only (nothing is allocated).
 
 Legend: W world, R = ep, epn = E/R, B = epn prefetch slots (training), S tokens per rank per step,
-K top-k, H expert width, F expert FFN width, P dense (FSDP-sharded) parameters.
+K top-k, H expert width, F expert FFN width, P dense parameters (FSDP-sharded unless parallel.dense says
+otherwise).
 
 Each row is split into the dense part (FSDP over W) and the expert part (this rank's local rows,
 L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
@@ -14,6 +15,9 @@ L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
 - parallel.dense=plain (one rank, moontrain.parallel.plain_dense): the dense weights are compute-dtype
   copies of all P, the grads one pass's compute-dtype grads plus the fp32 accumulators, and from the
   second accumulated pass on an fp32 scratch of the same size.
+- parallel.dense=allreduce: every rank holds all P as fp32 masters and runs them as they are (no
+  copies), with fp32 grads of all P and Adam's moments of all P (the dense activations, fp32 then, are
+  still counted at the compute dtype).
 - optimizer: Adam's two fp32 moments on the master (sharded as the master; the expert grads and
   compute rows stay whole).
 - symmetric heap (moonep, beyond the local weight/grad rows above; moonep.Layout.slot_pool_bytes): per
@@ -73,15 +77,18 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
     P = counts.dense
     gathered = counts.embedding + 2 * counts.max_block_dense(m)
     dense_grads = 4 * P / world_size + 2 * counts.max_block_dense(m) * compute_bytes
+    dense_shards = world_size  # the ranks the fp32 dense masters and their Adam state are split over
     if cfg.parallel.dense == "plain":  # world 1: every dense weight's copy, fp32 accumulators (+ scratch)
         gathered = P
         dense_grads = P * compute_bytes + 4 * P * (2 if cfg.train.accumulation_steps(world_size) > 1 else 1)
+    elif cfg.parallel.dense == "allreduce":  # the fp32 parameters whole on every rank, run as they are
+        gathered, dense_grads, dense_shards = 0, 4 * P, 1
     moonep = cfg.experts.backend == "moonep"
     dense = {
         "weights": gathered * compute_bytes,
-        "master": 4 * P / world_size,
+        "master": 4 * P / dense_shards,
         "grads": dense_grads,
-        "optimizer": 8 * P / world_size,
+        "optimizer": 8 * P / dense_shards,
         "activations": S * _activation_bytes_per_token(cfg, compute_bytes, cfg.train.activation_checkpointing),
     }
     shards = world_size // R if cfg.parallel.shard_expert_state else 1  # the replicas the expert state splits over

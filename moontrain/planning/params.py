@@ -53,7 +53,7 @@ def cfg_block_ffn(cfg: ModelConfig, moe: bool) -> int:
 
 def count_params(cfg: ModelConfig) -> ParamCounts:
     with torch.device("meta"):
-        model = K3Model(cfg, ep_rank=0, ep_size=1, device="meta")
+        model = K3Model(cfg, device="meta")
     buckets = {k: 0 for k in ("embedding", "attention", "kda_attention", "dense_ffn", "routed_experts",
                               "shared_experts", "router_and_latent", "norms", "attn_res")}
     kda_prefixes = tuple(f"layers.{i}.attn." for i in range(cfg.num_layers) if cfg.layer_is_kda(i))

@@ -20,6 +20,7 @@ from moontrain.checkpoint.store import find_latest, open_checkpoint
 from moontrain.config.loader import to_dict
 from moontrain.config.run_config import RunConfig
 from moontrain.data.tokenizer import tokenizer_digest
+from moontrain.model.config import saved_model_dict
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +59,7 @@ def check_resume(cfg: RunConfig) -> Resume | None:
 
 def _differences(state: dict, cfg: RunConfig) -> list[str]:
     """'key saved -> now' for what the checkpoint cannot continue under `cfg`."""
-    saved_model, model = state["model"], to_dict(cfg.model)
+    saved_model, model = saved_model_dict(state["model"]), to_dict(cfg.model)
     out = [f"model.{k} {saved_model.get(k)!r} -> {model.get(k)!r}"
            for k in sorted(set(saved_model) | set(model)) if saved_model.get(k) != model.get(k)]
     saved_optim = (state["optim"]["name"] if "optim" in state else  # older: Muon's groups are named adamw, muon

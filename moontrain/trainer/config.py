@@ -7,15 +7,15 @@ from dataclasses import dataclass
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
-    steps: int
+    steps: int  # optimizer steps of the run
     global_batch_size: int  # sequences per optimizer step over all ranks
-    seq_len: int
+    seq_len: int  # tokens per sequence
     # sequences per rank per forward/backward; None: global_batch_size / world size (one pass per step).
     # Smaller values accumulate gradients over global / (world * micro) passes per optimizer step
     micro_batch_size: int | None = None
-    seed: int = 0
-    log_every: int = 1
-    run_dir: str = "runs/default"
+    seed: int = 0  # the model's initial weights (data.seed seeds the data)
+    log_every: int = 1  # a metrics line (console, metrics.jsonl, wandb) every this many steps
+    run_dir: str = "runs/default"  # config.yaml, console.log, metrics, heatmaps and (by default) checkpoints
     activation_checkpointing: bool = False  # recompute every block in backward (saves its activations)
     # torch.compile the dense parts of every block (norms, attention, dense FFN / shared experts) and the
     # loss: fuses their elementwise work and casts; routed experts and their communication stay eager.

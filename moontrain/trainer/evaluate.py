@@ -30,32 +30,34 @@ from moontrain.data.packed import PackedStream
 from moontrain.data.tokenizer import check_vocab, load_tokenizer
 
 if TYPE_CHECKING:
-    from moontrain.config.run_config import RunConfig
+    from moontrain.data.config import DataConfig
     from moontrain.model.transformer import K3Model
     from moontrain.parallel.layout import ParallelLayout
+    from moontrain.trainer.config import TrainConfig
+    from moontrain.trainer.eval_config import EvalConfig
 
 
 class Evaluator:
-    """reshard_dense: drops FSDP's gathered blocks after the evaluation's forwards (Trainer.reshard_dense)."""
+    """Reads eval (what to evaluate, how often), train (batch geometry, the last step) and data (the tokenizer).
+    reshard_dense: drops FSDP's gathered blocks after the evaluation's forwards (Trainer.reshard_dense)."""
 
-    def __init__(self, cfg: RunConfig, layout: ParallelLayout, model: K3Model,
+    def __init__(self, ev: EvalConfig, train: TrainConfig, data: DataConfig, model: K3Model, layout: ParallelLayout,
                  reshard_dense: Callable[[], None]) -> None:
-        ev = cfg.eval
         assert ev.data is not None
         self.model, self.layout, self.reshard_dense = model, layout, reshard_dense
-        self.every, self.total_steps = ev.every, cfg.train.steps
-        G, T, W = cfg.train.global_batch_size, cfg.train.seq_len, layout.world_size
-        tokenizer = load_tokenizer(cfg.data.tokenizer, eos_id=cfg.data.eos_id)
-        check_vocab(cfg.data.tokenizer, tokenizer.vocab_size, cfg.model.vocab_size)
+        self.every, self.total_steps = ev.every, train.steps
+        G, T, W = train.global_batch_size, train.seq_len, layout.world_size
+        vocab_size = model.cfg.vocab_size
+        tokenizer = load_tokenizer(data.tokenizer, eos_id=data.eos_id)
+        check_vocab(data.tokenizer, tokenizer.vocab_size, vocab_size)
         stream = PackedStream(open_documents(ev.data, streaming=False, seq_len=T), tokenizer, name="eval", index=0,
-                              seed=0, shuffle=False, vocab_size=cfg.model.vocab_size, seq_len=T, rank=0,
-                              world_size=1)
+                              seed=0, shuffle=False, vocab_size=vocab_size, seq_len=T, rank=0, world_size=1)
         rows_nGT1 = torch.from_numpy(stream.rows(ev.steps * G)).view(ev.steps, G, T + 1)
         b = G // W
         mine = rows_nGT1[:, layout.rank * b:(layout.rank + 1) * b].to(layout.device)
         self.tokens_nbT, self.targets_nbT = mine[..., :-1].contiguous(), mine[..., 1:].contiguous()
         self.num_tokens = ev.steps * G * T
-        self.micro = cfg.train.micro_batch(W)
+        self.micro = train.micro_batch(W)
 
     def due(self, step: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or step == self.total_steps)
@@ -65,18 +67,14 @@ class Evaluator:
         """Collective: {'eval/loss', 'eval/ppl', 'eval/time_s'}."""
         t0 = time.perf_counter()
         model, layout = self.model, self.layout
-        routers = [moe.router for moe in model.moe_layers()]
-        for r in routers:
-            r.count_tokens = False
         ce_sum = torch.zeros((), dtype=torch.float64, device=layout.device)
         try:
-            for tokens_bT, targets_bT in zip(self.tokens_nbT, self.targets_nbT, strict=True):
-                for tok, tgt in zip(tokens_bT.split(self.micro), targets_bT.split(self.micro), strict=True):
-                    _, ce = model(tok, tgt)
-                    ce_sum += ce.double() * tgt.numel()
+            with model.not_counting():
+                for tokens_bT, targets_bT in zip(self.tokens_nbT, self.targets_nbT, strict=True):
+                    for tok, tgt in zip(tokens_bT.split(self.micro), targets_bT.split(self.micro), strict=True):
+                        _, ce = model(tok, tgt)
+                        ce_sum += ce.double() * tgt.numel()
         finally:
-            for r in routers:
-                r.count_tokens = True
             self.reshard_dense()
         if layout.distributed:
             dist.all_reduce(ce_sum, group=layout.world_group)

@@ -66,16 +66,21 @@ class Trainer:
         self.cfg, self.layout, self.log = cfg, layout, log
         device = layout.device
         if cfg.train.deterministic:
-            enable_determinism(device, kda_fla=uses_fla(cfg.model, device))
+            enable_determinism(device, kda_fla=uses_fla(cfg.model, cfg.kernels.kda, device))
         self.compute_dtype = resolve_compute_dtype(cfg.parallel.compute_dtype, device)
-        self.model = K3Model(cfg.model, ep_rank=layout.ep_rank, ep_size=layout.ep, device=device)
+        self.data = build_loader(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
+                                 global_batch=cfg.train.global_batch_size, rank=layout.rank,
+                                 world_size=layout.world_size, device=device)
+        self.model = K3Model(cfg.model, kernels=cfg.kernels, ep_rank=layout.ep_rank, ep=layout.ep,
+                             # packed documents: attention and the KDA state stop at each EOS
+                             document_eos_id=self.data.eos_id if cfg.model.document_mask else None,
+                             deterministic_attention=cfg.train.deterministic, device=device)
         self.model.init_weights(cfg.train.seed)
-        self.model.deterministic_attention = cfg.train.deterministic
         if cfg.train.activation_checkpointing:
             self.model.enable_activation_checkpointing()
         if cfg.train.compile:  # before FSDP wraps the blocks (compiled parts live inside them)
             self.model.compile_dense_parts()
-        self.fsdp = layout.distributed and cfg.parallel.fsdp and cfg.parallel.dense == "fsdp"
+        self.fsdp = layout.distributed and cfg.parallel.dense == "fsdp"
         # parallel.dense=plain (one rank): FSDP's mixed precision without FSDP (moontrain.parallel.plain_dense)
         self.plain_dense = PlainDense(self.model, self.compute_dtype) if cfg.parallel.dense == "plain" else None
         if self.fsdp:
@@ -85,7 +90,7 @@ class Trainer:
         self.accumulation_steps = cfg.train.accumulation_steps(layout.world_size)
         self.experts_ctx = ExpertsContext(
             num_experts=cfg.model.num_experts, topk=cfg.model.num_experts_per_tok, ep_group=layout.ep_group,
-            ep_size=layout.ep, compute_dtype=self.compute_dtype, token_padding=cfg.experts.token_padding,
+            ep=layout.ep, compute_dtype=self.compute_dtype, token_padding=cfg.experts.token_padding,
             max_tokens=micro_batch * cfg.train.seq_len, device=device, activation=cfg.model.ffn_activation,
             loss_scale=1.0 / layout.world_size,
             recomputed_in_backward=cfg.train.activation_checkpointing, moonep=cfg.experts.moonep,
@@ -109,11 +114,6 @@ class Trainer:
         self.qk_clip = (QKClip([self.model.layers[i].attn for i in mla_ids], cfg.optim.qk_clip_tau,
                                group=layout.world_group, layer_ids=mla_ids)
                         if cfg.optim.qk_clip_tau > 0 else None)
-        self.data = build_loader(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
-                                 global_batch=cfg.train.global_batch_size, rank=layout.rank,
-                                 world_size=layout.world_size, device=device)
-        if cfg.model.document_mask:  # packed documents: attention and KDA state stop at each EOS
-            self.model.document_eos_id = self.data.eos_id
         # what checkpoints save and restore; optimizer, scheduler, step, tokens_seen and wandb_run_id are
         # read and set through it (a replaced optimizer is the one checkpoints see)
         self.state = TrainState(layout=layout, model=self.model, optimizer=optimizer, scheduler=scheduler,
@@ -136,7 +136,8 @@ class Trainer:
         self.moe_stats = MoEStats(self.model.moe_layers(), ep=layout.ep)
         moe_ids = [i for i, block in enumerate(self.model.layers) if block.is_moe]
         self.window = MetricsWindow(moe_ids, layout)
-        self.evaluator = (Evaluator(cfg, layout, self.model, self.reshard_dense) if cfg.eval.every else None)
+        self.evaluator = (Evaluator(cfg.eval, cfg.train, cfg.data, self.model, layout, self.reshard_dense)
+                          if cfg.eval.every else None)
 
     def _tokenizer_record(self) -> dict | None:
         tokenizer = self.data.source.tokenizer
@@ -321,7 +322,7 @@ class Trainer:
         self.experts_runtime.finish_backward()  # moonep's last reduce_grad may still be queued
         if self.plain_dense is not None:  # the fp32 masters back on the model, with their accumulated grads
             self.plain_dense.reshard()
-        if layout.distributed and not self.fsdp and self.plain_dense is None:
+        if layout.distributed and self.cfg.parallel.dense == "allreduce":
             allreduce_dense_grads(self.model, layout.world_group)
         for w in self.experts:
             w.reduce_grads(layout.edp_group)

@@ -21,7 +21,8 @@ def small_config(backend: str, ep: int, *, steps: int = 6, run_dir: str = "runs/
                       v_head_dim=16, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
                       moe_intermediate_size=64, moe_latent_size=32, routed_scaling_factor=2.0,
                       router_bias_update_rate=0.01, kda_layers_per_mla=2, kda_num_heads=2, kda_head_dim=16,
-                      kda_kernel="torch", **(K3_BLOCK if k3_block else {})),  # KDA, KDA, MLA
+                      **(K3_BLOCK if k3_block else {})),  # KDA, KDA, MLA
+        "kernels": {"kda": "torch"},
         "experts": {"backend": backend},
         "parallel": {"ep": ep},
         "optim": {"lr": 3e-3, "warmup_steps": 2, "schedule": "cosine", "grad_clip": 1.0},

@@ -39,14 +39,14 @@ class _AllToAll(torch.autograd.Function):
 
 class AllToAllExperts:
     def __init__(self, ctx: ExpertsContext, weights: ExpertWeights) -> None:
-        if ctx.ep_size > 1 and ctx.ep_group is None:
-            raise ValueError(f"the alltoall backend needs a process group for ep={ctx.ep_size}")
+        if ctx.ep > 1 and ctx.ep_group is None:
+            raise ValueError(f"the alltoall backend needs a process group for ep={ctx.ep}")
         self.ctx = ctx
         self.weights = weights
         weights.bind_owned(ctx.compute_dtype, ctx.loss_scale)
 
     def forward(self, x_sH: torch.Tensor, weights_sK: torch.Tensor, topk_sK: torch.Tensor) -> torch.Tensor:
-        ctx, R = self.ctx, self.ctx.ep_size
+        ctx, R = self.ctx, self.ctx.ep
         epn = ctx.num_experts // R
         K = topk_sK.shape[1]
         expert_n = topk_sK.reshape(-1)

@@ -50,7 +50,7 @@ class ExpertsContext:
     num_experts: int
     topk: int
     ep_group: dist.ProcessGroup | None
-    ep_size: int
+    ep: int  # the EP degree: ranks in ep_group (parallel.ep)
     compute_dtype: torch.dtype
     token_padding: int
     max_tokens: int  # tokens per rank per call (S)

@@ -14,8 +14,8 @@ from moontrain.model.experts.weights import ExpertWeights
 
 class LocalExperts:
     def __init__(self, ctx: ExpertsContext, weights: ExpertWeights) -> None:
-        if ctx.ep_size != 1:
-            raise ValueError(f"the local experts backend holds all experts and needs ep=1, got ep={ctx.ep_size}")
+        if ctx.ep != 1:
+            raise ValueError(f"the local experts backend holds all experts and needs ep=1, got ep={ctx.ep}")
         self.ctx = ctx
         self.weights = weights
         weights.bind_owned(ctx.compute_dtype, ctx.loss_scale)

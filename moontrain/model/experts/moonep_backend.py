@@ -47,9 +47,9 @@ class MoonEPRuntime:
                 self.buffer = self.hier.host
             else:
                 self.buffer = moonep.Buffer(config, ctx.ep_group, device=ctx.device)
-            self.pools = moonep.ExpertPools(self.buffer, projections=dict(weights.shapes), dtype=ctx.compute_dtype)
-            self.pools.chain_prefetch = not ctx.recomputed_in_backward
-            self.pools.wgrad_scale = ctx.loss_scale  # weight grads accumulate pre-scaled
+            self.pools = moonep.ExpertPools(self.buffer, projections=dict(weights.shapes), dtype=ctx.compute_dtype,
+                                            wgrad_scale=ctx.loss_scale,  # weight grads accumulate pre-scaled
+                                            chain_prefetch=not ctx.recomputed_in_backward)
         return MoonEPExperts(self.buffer, self.pools, weights, ctx.activation, self.hier)
 
     def finish_backward(self) -> None:

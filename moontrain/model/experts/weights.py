@@ -54,16 +54,16 @@ PROJECTIONS = ("gate", "up", "down")
 
 
 class ExpertWeights(nn.Module):
-    def __init__(self, *, num_experts: int, ep_rank: int, ep_size: int, hidden: int, intermediate: int,
+    def __init__(self, *, num_experts: int, ep_rank: int, ep: int, hidden: int, intermediate: int,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
-        if num_experts % ep_size:
+        if num_experts % ep:
             raise ValueError(
-                f"num_experts={num_experts} is not divisible by the expert-parallel size {ep_size}; "
+                f"num_experts={num_experts} is not divisible by the expert-parallel degree ep={ep}; "
                 f"choose parallel.ep among the divisors of {num_experts}"
             )
         self.num_experts = num_experts
-        self.num_local = num_experts // ep_size
+        self.num_local = num_experts // ep
         self.expert_offset = ep_rank * self.num_local
         self.shapes = {"gate": (hidden, intermediate), "up": (hidden, intermediate), "down": (intermediate, hidden)}
         self.master = nn.ParameterDict({

@@ -237,7 +237,7 @@ def test_kda_hybrid_export_parity_and_import(tmp_path: Path, gate_rank: int | No
     KDA) gives moontrain's logits (chunked KDA) within fp32 rounding; the import is bitwise."""
     torch.set_num_threads(1)
     model = {**_tiny_model(), "num_layers": 4, "kda_layers_per_mla": 1, "kda_num_heads": 2, "kda_head_dim": 16,
-             "kda_gate_rank": gate_rank, "kda_kernel": "torch"}
+             "kda_gate_rank": gate_rank}
     trainer = Trainer(_run_config(model, "local", 1, str(tmp_path / "run")), single_process_layout(CPU))
     train(trainer, 2)
     assert [b.is_kda for b in trainer.model.layers] == [True, False, True, False]

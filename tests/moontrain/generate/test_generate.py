@@ -49,7 +49,7 @@ def _trainer(run_dir: Path, **model_over) -> Trainer:
      "num_expert_groups": 4, "topk_expert_groups": 2, "q_lora_rank": None, "attn_output_gate": False},
     {"ffn_activation": "swiglu", "attn_res_block_size": 0},
     {"attn_res_block_size": 2},
-    {"kda_layers_per_mla": 1, "kda_num_heads": 2, "kda_head_dim": 16, "kda_gate_rank": 8, "kda_kernel": "torch"},
+    {"kda_layers_per_mla": 1, "kda_num_heads": 2, "kda_head_dim": 16, "kda_gate_rank": 8},
 ], ids=["k3_tiny", "yarn_groups_fullrank_q", "swiglu_standard_residuals", "attn_res_block_per_layer", "kda_hybrid"])
 def test_greedy_with_cache_equals_without(tmp_path: Path, variant: dict) -> None:
     trainer = _trainer(tmp_path, **variant)

@@ -13,6 +13,7 @@ from moontrain.config import RunConfig, from_dict, load_recipe
 from moontrain.data.tokenizer import ByteTokenizer
 from moontrain.generate.decoder import forward_cached, generate, new_cache
 from moontrain.generate.load import load_model
+from moontrain.model.config import KernelsConfig
 from moontrain.parallel.layout import single_process_layout
 from moontrain.trainer.trainer import Trainer
 
@@ -25,14 +26,15 @@ def test_cached_decoding_on_gpu(tmp_path: Path, dtype: torch.dtype) -> None:
     cfg = from_dict(RunConfig, {
         # the KDA layers through the PyTorch chunked form: fla's kernel computes in bf16 whatever the input
         # dtype, which the fp32 comparisons below would measure instead of the cache
-        "model": {**load_recipe(ROOT / "recipes/k3_tiny.yaml")["model"], "kda_kernel": "torch"},
+        "model": load_recipe(ROOT / "recipes/k3_tiny.yaml")["model"],
         "experts": {"backend": "local"},
         "parallel": {"ep": 1}, "train": {"steps": 1, "global_batch_size": 2, "seq_len": 16, "run_dir": str(tmp_path)},
         "metrics": {"wandb": False},
     })
     ckpt = Trainer(cfg, single_process_layout(torch.device("cpu"))).save_checkpoint()
     dev = torch.device("cuda")
-    model, _ = load_model(ckpt, device=dev, dtype=dtype, tokenizer="bytes")  # trained on Markov tokens
+    model, _ = load_model(ckpt, device=dev, dtype=dtype, tokenizer="bytes",  # trained on Markov tokens
+                          kernels=KernelsConfig(kda="torch"))
     tok = ByteTokenizer()
     first = tok.encode("The quick brown fox")
     prompt = torch.tensor([first, tok.encode("Once upon a time, there")[:len(first)]], device=dev)

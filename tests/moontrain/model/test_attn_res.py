@@ -85,7 +85,7 @@ def _model(cfg: ModelConfig) -> K3Model:
             if name.endswith(".query"):
                 p.copy_(torch.randn(p.shape, generator=gen))
     model.attach_experts_backends("local", ExpertsContext(
-        num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep_size=1,
+        num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep=1,
         compute_dtype=torch.float32, token_padding=8, max_tokens=18, device=torch.device("cpu"),
         activation=cfg.ffn_activation))
     return model
@@ -161,7 +161,7 @@ def test_init_zeroes_the_queries_and_block_size_is_validated() -> None:
         _cfg(ffn_activation="gelu")
     with pytest.raises(ValueError, match=r"computes 'swiglu' experts, the model has model\.ffn_activation='situ_glu'"):
         model.attach_experts_backends("local", ExpertsContext(
-            num_experts=8, topk=3, ep_group=None, ep_size=1, compute_dtype=torch.float32, token_padding=8,
+            num_experts=8, topk=3, ep_group=None, ep=1, compute_dtype=torch.float32, token_padding=8,
             max_tokens=18, device=torch.device("cpu")))
 
 

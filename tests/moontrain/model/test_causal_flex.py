@@ -42,7 +42,7 @@ def _cfg(**over) -> ModelConfig:
     base = dict(vocab_size=64, hidden_size=32, num_layers=2, num_dense_layers=1, dense_intermediate_size=64,
                 num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
                 use_nope=False, num_experts=8, num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=128,
-                moe_latent_size=16, kda_layers_per_mla=1, kda_num_heads=3, kda_head_dim=8, kda_kernel="torch")
+                moe_latent_size=16, kda_layers_per_mla=1, kda_num_heads=3, kda_head_dim=8)
     return ModelConfig(**{**base, **over})
 
 

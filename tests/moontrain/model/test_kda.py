@@ -33,7 +33,7 @@ def _cfg(**over) -> ModelConfig:
     base = dict(vocab_size=64, hidden_size=32, num_layers=4, num_dense_layers=1, dense_intermediate_size=64,
                 num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
                 use_nope=True, num_experts=8, num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=128,
-                moe_latent_size=16, kda_layers_per_mla=1, kda_num_heads=3, kda_head_dim=8, kda_kernel="torch")
+                moe_latent_size=16, kda_layers_per_mla=1, kda_num_heads=3, kda_head_dim=8)
     return ModelConfig(**{**base, **over})
 
 
@@ -99,17 +99,16 @@ def test_k3_layout() -> None:
 def test_fla_kernel_needs_fla() -> None:
     if fla_available():
         pytest.skip("fla-core is installed")
-    with pytest.raises(ValueError, match="kda_kernel=fla needs fla-core"):
-        KimiDeltaAttention(_cfg(kda_kernel="fla"))
+    with pytest.raises(ValueError, match=r"kernels\.kda=fla needs fla-core"):
+        KimiDeltaAttention(_cfg(), kernel="fla")
 
 
 def _model(cfg: ModelConfig, tokens: int) -> tuple[K3Model, dict[str, torch.Tensor]]:
-    model = K3Model(cfg)
+    model = K3Model(cfg, document_eos_id=EOS)
     model.init_weights(seed=0)
     model.attach_experts_backends("local", ExpertsContext(
-        num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep_size=1,
+        num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep=1,
         compute_dtype=torch.float32, token_padding=8, max_tokens=tokens, device=torch.device("cpu")))
-    model.document_eos_id = EOS
     out: dict[str, torch.Tensor] = {}
     model.lm_head.register_forward_hook(lambda mod, inp, y: out.__setitem__("logits", y.detach().clone()))
     return model, out

@@ -1,7 +1,7 @@
 """fla-core's chunk_kda (kda_ops.kda_fla) against the pure-PyTorch specification (kda_ops.kda) on one GPU:
 forward and every gradient (q, k, v, the raw forget input f, beta, A_log, dt_bias), with and without
 document starts, the K3 bounded gate and the Kimi Linear softplus gate; then the KDA layer and a whole
-hybrid model step with model.kda_kernel=fla against =torch.
+hybrid model step with kernels.kda=fla against =torch.
 
 Tolerance, derived from bf16: the kernel reads bf16 inputs and keeps its intermediates (the chunk's
 inverted L x L matrix, the WY factors, the chunk-boundary states) in bf16, each a rounding of relative
@@ -63,7 +63,7 @@ def test_fla_matches_spec(bound: float | None, documents: bool) -> None:
 
 def test_layer_fla_vs_torch_bf16() -> None:
     """The KDA layer in bf16 (as FSDP's mixed precision runs it) with packed documents: output and every
-    parameter gradient of model.kda_kernel=fla against =torch (same weights)."""
+    parameter gradient of kernels.kda=fla against =torch (same weights)."""
     from moontrain.model.config import ModelConfig
     from moontrain.model.documents import document_mask
     from moontrain.model.kda import KimiDeltaAttention
@@ -79,9 +79,9 @@ def test_layer_fla_vs_torch_bf16() -> None:
         cfg = ModelConfig(vocab_size=257, hidden_size=512, num_layers=4, dense_intermediate_size=1024, num_heads=4,
                           kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, num_experts=8,
                           num_experts_per_tok=2, moe_intermediate_size=256, kda_layers_per_mla=3, kda_num_heads=16,
-                          kda_head_dim=128, kda_kernel=kernel)
+                          kda_head_dim=128)
         torch.manual_seed(0)
-        m = KimiDeltaAttention(cfg, device="cuda")
+        m = KimiDeltaAttention(cfg, kernel=kernel, device="cuda")
         with torch.no_grad():
             for p in m.parameters():
                 p.normal_(0, 0.02)

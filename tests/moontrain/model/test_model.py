@@ -75,8 +75,8 @@ def _attention_reference(m: MLAttention, x_BTD: torch.Tensor, cfg: ModelConfig) 
     (False, {"qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 16}),  # v wider (padded: q/k are)
 ], ids=["rope", "nope", "wide-v"])
 def test_mla_matches_explicit_attention(use_nope: bool, dims: dict, pad: bool) -> None:
-    cfg = _cfg(use_nope=use_nope, attn_pad_head_dims=pad, **dims)
-    m = MLAttention(cfg)
+    cfg = _cfg(use_nope=use_nope, **dims)
+    m = MLAttention(cfg, pad_head_dims=pad)
     _init(m)
     x = torch.randn(2, 7, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     cos, sin = rope_cos_sin(7, cfg.qk_rope_head_dim, cfg.rope_theta, x.device)
@@ -158,9 +158,9 @@ def test_unpadded_attention_matches_padded_on_cuda() -> None:
                 qk_rope_head_dim=64, v_head_dim=128)
     outs = []
     for pad in (False, True):
-        cfg = _cfg(attn_pad_head_dims=pad, **dims)
+        cfg = _cfg(**dims)
         torch.manual_seed(0)
-        m = MLAttention(cfg, device=dev).to(torch.bfloat16)
+        m = MLAttention(cfg, pad_head_dims=pad, device=dev).to(torch.bfloat16)
         x = torch.randn(2, 512, cfg.hidden_size, device=dev, generator=torch.Generator(device=dev).manual_seed(1),
                         dtype=torch.bfloat16, requires_grad=True)
         cos, sin = rope_cos_sin(512, cfg.qk_rope_head_dim, cfg.rope_theta, dev)
@@ -206,12 +206,12 @@ def _situ_glu_reference(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def test_latent_moe_matches_per_token_loop(activation: str) -> None:
     cfg = _cfg(ffn_activation=activation)
     act = _situ_glu_reference if activation == "situ_glu" else (lambda g, u: F.silu(g) * u)
-    moe = MoE(cfg, ep_rank=0, ep_size=1)
+    moe = MoE(cfg, ep_rank=0, ep=1)
     _init(moe)
     from moontrain.model.experts import build_experts_runtime
 
     moe.backend = build_experts_runtime("local", ExpertsContext(
-        num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep_size=1,
+        num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep=1,
         compute_dtype=torch.float32, token_padding=8, max_tokens=12,
         device=torch.device("cpu"), activation=activation)).layer(moe.experts)
     x = torch.randn(2, 6, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
@@ -238,17 +238,17 @@ def test_activation_checkpointing_same_grads_and_counts_once(variant: str) -> No
     from moontrain.model.transformer import K3Model
 
     extra = {"standard": {}, "situ_attnres": dict(ffn_activation="situ_glu", attn_res_block_size=2),
-             "kda-hybrid-documents": dict(kda_layers_per_mla=1, kda_head_dim=8, kda_kernel="torch")}[variant]
+             "kda-hybrid-documents": dict(kda_layers_per_mla=1, kda_head_dim=8)}[variant]
     cfg = _cfg(num_dense_layers=1, num_layers=3, **extra)
     tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(6))
     if variant == "kda-hybrid-documents":
         tokens[:, 3] = 7  # an end of document
     grads, counts = [], []
     for ac in (False, True):
-        model = K3Model(cfg)
+        model = K3Model(cfg, document_eos_id=7 if variant == "kda-hybrid-documents" else None)
         model.init_weights(seed=0)
         model.attach_experts_backends("local", ExpertsContext(
-            num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep_size=1,
+            num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep=1,
             compute_dtype=torch.float32, token_padding=8, max_tokens=18, device=torch.device("cpu"),
             activation=cfg.ffn_activation))
         if variant == "situ_attnres":  # non-zero pseudo-queries: depth weights that are not uniform
@@ -256,8 +256,6 @@ def test_activation_checkpointing_same_grads_and_counts_once(variant: str) -> No
                 for name, p in model.named_parameters():
                     if name.endswith(".query"):
                         p.normal_(generator=torch.Generator().manual_seed(len(name)))
-        if variant == "kda-hybrid-documents":
-            model.document_eos_id = 7
         if ac:
             model.enable_activation_checkpointing()
         loss, _ = model(tokens, tokens.roll(-1, 1))

@@ -429,7 +429,7 @@ def test_muon_groups_on_the_hybrid_stack() -> None:
     the routers, KDA's convolution taps and everything 1-D; QK-Clip measures the MLA layers only."""
     cfg = tiny_config("local", 1)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=2, kda_layers_per_mla=1,
-                                                             kda_head_dim=16, kda_kernel="torch"),
+                                                             kda_head_dim=16),
                               optim=dataclasses.replace(cfg.optim, name="muon", qk_clip_tau=1.0))
     torch.set_num_threads(1)
     trainer = Trainer(cfg, single_process_layout(CPU))

@@ -2,8 +2,9 @@
 token the Markov data uses often) trained 3 steps on one global batch gives the same losses, grad
 norms, step-1 gradients, parameters and router biases at EP = 1 (local backend, one process, no FSDP) and at
 EP = 2, EP = 4 and dp_replicate 2 x EP 2 (expert data parallel on), FSDP on, with both the alltoall and the
-moonep backend (fp32 on CPU; moonep must use redundant experts, asserted). The K3 block (SiTU-GLU
-experts, shared expert and AttnRes with a block per layer) against its own single-process reference.
+moonep backend (fp32 on CPU; moonep must use redundant experts, asserted), and with the dense parameters
+whole on every rank (parallel.dense=allreduce). The K3 block (SiTU-GLU experts, shared expert and AttnRes
+with a block per layer) against its own single-process reference.
 
 Tolerance: derived from an fp32 reference against itself. The reference is run twice in one process,
 once with the global batch rows reversed: the loss is the same mean, only the fp32 summation order
@@ -37,16 +38,18 @@ K3_BLOCK = {"ffn_activation": "situ_glu", "attn_res_block_size": 2}
 
 def tiny_config(backend: str, ep: int, activation_checkpointing: bool = False,
                 micro_batch_size: int | None = None, reshard_after_forward: bool = True,
-                compile: bool = False, k3_block: bool = False, combine_reduce: str = "source") -> RunConfig:
+                compile: bool = False, k3_block: bool = False, combine_reduce: str = "source",
+                dense: str = "fsdp") -> RunConfig:
     return from_dict(RunConfig, {
         "model": dict(vocab_size=128, hidden_size=64, num_layers=2, num_dense_layers=0, dense_intermediate_size=128,
                       num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                       v_head_dim=16, num_experts=8, num_experts_per_tok=3, num_shared_experts=1,
                       moe_intermediate_size=64, moe_latent_size=32, routed_scaling_factor=2.0,
                       router_bias_update_rate=0.01, seq_aux_loss_coef=0.01, kda_layers_per_mla=1,
-                      kda_num_heads=2, kda_head_dim=16, kda_kernel="torch", **(K3_BLOCK if k3_block else {})),
+                      kda_num_heads=2, kda_head_dim=16, **(K3_BLOCK if k3_block else {})),
+        "kernels": {"kda": "torch"},
         "experts": {"backend": backend, "moonep": {"combine_reduce": combine_reduce}},
-        "parallel": {"ep": ep, "fsdp_reshard_after_forward": reshard_after_forward},
+        "parallel": {"ep": ep, "fsdp_reshard_after_forward": reshard_after_forward, "dense": dense},
         "optim": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant", "grad_clip": 1.0},
         "train": {"steps": STEPS, "global_batch_size": 8, "seq_len": 16, "seed": 3,
                   "activation_checkpointing": activation_checkpointing, "micro_batch_size": micro_batch_size,
@@ -104,7 +107,7 @@ def _capture_first_grads(trainer: Trainer, out: dict[str, torch.Tensor]) -> None
 def _train(trainer: Trainer) -> tuple[list[tuple[float, float]], list[float], dict[str, torch.Tensor]]:
     _skew(trainer)
     assert trainer.model.layers[0].is_kda and not trainer.model.layers[1].is_kda
-    trainer.model.document_eos_id = EOS
+    trainer.model.document_eos_id = EOS  # a token the Markov data uses often (the source itself has no documents)
     first_grads: dict[str, torch.Tensor] = {}
     _capture_first_grads(trainer, first_grads)
     stats = trainer.fit()
@@ -123,10 +126,10 @@ def train_reference(reverse: bool, compile: bool = False, k3_block: bool = False
 
 def train_sharded(rank: int, world: int, backend: str, ep: int, activation_checkpointing: bool = False,
                   micro_batch_size: int | None = None, reshard_after_forward: bool = True,
-                  compile: bool = False, k3_block: bool = False, combine_reduce: str = "source"
-                  ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+                  compile: bool = False, k3_block: bool = False, combine_reduce: str = "source",
+                  dense: str = "fsdp") -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     trainer = Trainer(tiny_config(backend, ep, activation_checkpointing, micro_batch_size, reshard_after_forward,
-                                  compile, k3_block, combine_reduce), build_layout(ep, torch.device("cpu")))
+                                  compile, k3_block, combine_reduce, dense), build_layout(ep, torch.device("cpu")))
     fsdp_group = trainer.layout.fsdp_mesh.get_group()
     gathers = []  # FSDP's parameter all-gathers
     all_gather_single = dist.all_gather_single
@@ -247,6 +250,15 @@ def test_unsharded_between_passes_matches_single_process(reference, backend: str
     assert result[2]["fsdp_gathers"].item() == 3 * STEPS, f"{result[2]['fsdp_gathers'].item()} all-gathers in {STEPS} steps"
     default = run_ranks(train_sharded, 2, backend, 2, False, 1, True, timeout_s=300)[0]
     assert default[2]["fsdp_gathers"].item() > 4 * 3 * STEPS, "the default should gather in every pass"
+    _check(result, reference)
+
+
+def test_allreduce_dense_matches_single_process(reference) -> None:
+    """parallel.dense=allreduce (the fp32 dense parameters whole on every rank, their grads all-reduced after
+    the last of 2 accumulated passes): the reference's results, and no FSDP all-gather ran."""
+    result = run_ranks(train_sharded, 2, "alltoall", 2, False, 2, True, False, False, "source", "allreduce",
+                       timeout_s=300)[0]
+    assert result[2]["fsdp_gathers"].item() == 0
     _check(result, reference)
 
 

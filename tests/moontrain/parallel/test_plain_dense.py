@@ -157,13 +157,12 @@ def test_checkpoints_cross_load_with_fsdp_at_world_2(tmp_path: Path) -> None:
     assert_bitwise(reloaded, state_2, "fsdp at world 2 -> plain at world 1")
 
 
-def test_plain_needs_world_1_and_fsdp_on() -> None:
+def test_plain_needs_world_1() -> None:
     cfg = _config("plain", "runs/test")
-    with pytest.raises(ValueError, match=r"parallel.dense=plain .* world size 1 only, got 2 ranks; use parallel.dense="):
+    with pytest.raises(ValueError, match=r"parallel.dense=plain .* world size 1 only, got 2 ranks; use "
+                                         r"parallel.dense=fsdp \(the default\) or allreduce for 2 ranks"):
         cfg.check_world(2)
     cfg.check_world(1)
-    with pytest.raises(ValueError, match=r"parallel.dense=plain .* needs parallel.fsdp=true"):
-        from_dict(RunConfig, {**to_dict(cfg), "parallel": {**to_dict(cfg.parallel), "fsdp": False}})
     with pytest.raises(ValueError, match=r"parallel\.dense"):
         from_dict(RunConfig, {**to_dict(cfg), "parallel": {**to_dict(cfg.parallel), "dense": "replicate"}})
 

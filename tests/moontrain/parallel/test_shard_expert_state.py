@@ -108,7 +108,7 @@ def test_sharded_equals_unsharded_and_resumes(tmp_path: Path, world: int, backen
 
 
 def test_rejects_indivisible_local_experts() -> None:
-    w = ExpertWeights(num_experts=6, ep_rank=0, ep_size=2, hidden=4, intermediate=8)
+    w = ExpertWeights(num_experts=6, ep_rank=0, ep=2, hidden=4, intermediate=8)
     with pytest.raises(ValueError, match=r"3 local experts per EP rank over dp_replicate=2"):
         w.shard_state(0, 2, None)
 
@@ -127,7 +127,7 @@ def _reduce_at_four_replicas(rank: int, world: int) -> None:
     assert layout.dp_replicate == world == 4
     weights = {}
     for shard in (False, True):
-        w = ExpertWeights(num_experts=8, ep_rank=0, ep_size=1, hidden=6, intermediate=10)
+        w = ExpertWeights(num_experts=8, ep_rank=0, ep=1, hidden=6, intermediate=10)
         w.bind_owned(torch.float32, 1.0)
         gen = torch.Generator().manual_seed(100 + rank)  # each replica its own grads, wide magnitudes
         for name in PROJECTIONS:

@@ -79,8 +79,8 @@ def _final(losses: list[float]) -> float:
 
 
 def _k3_block() -> dict:
-    """recipes/k3_tiny.yaml's model (KDA, KDA, gated NoPE MLA; SiTU-GLU, AttnRes, latent MoE) on the PyTorch KDA."""
-    return {**load_recipe(ROOT / "recipes/k3_tiny.yaml")["model"], "kda_kernel": "torch"}
+    """recipes/k3_tiny.yaml's model (KDA, KDA, gated NoPE MLA; SiTU-GLU, AttnRes, latent MoE)."""
+    return load_recipe(ROOT / "recipes/k3_tiny.yaml")["model"]
 
 
 def _assert_learns(losses: list[float], what: str) -> None:

@@ -26,13 +26,13 @@ def _close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert diff <= tol, f"{what}: max |diff| {diff:.3g} > {tol:.3g}"
 
 
-def _ctx(ep_size: int, group=None) -> ExpertsContext:
-    return ExpertsContext(num_experts=E, topk=K, ep_group=group, ep_size=ep_size, compute_dtype=torch.float32,
+def _ctx(ep: int, group=None) -> ExpertsContext:
+    return ExpertsContext(num_experts=E, topk=K, ep_group=group, ep=ep, compute_dtype=torch.float32,
                           token_padding=16, max_tokens=S, device=torch.device("cpu"))
 
 
-def _weights(ep_rank: int, ep_size: int) -> ExpertWeights:
-    w = ExpertWeights(num_experts=E, ep_rank=ep_rank, ep_size=ep_size, hidden=H, intermediate=FF)
+def _weights(ep_rank: int, ep: int) -> ExpertWeights:
+    w = ExpertWeights(num_experts=E, ep_rank=ep_rank, ep=ep, hidden=H, intermediate=FF)
     w.init_master(seed=1, layer_idx=0, stds=dict.fromkeys(("gate", "up", "down"), 0.1))
     return w
 

@@ -46,7 +46,7 @@ def _local_grad(rank: int, e: int, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _rank_fn(rank: int, world: int) -> dict:
-    w = ExpertWeights(num_experts=E, ep_rank=0, ep_size=EP, hidden=H, intermediate=FF)
+    w = ExpertWeights(num_experts=E, ep_rank=0, ep=EP, hidden=H, intermediate=FF)
     w.init_master(seed=0, layer_idx=0, stds=dict.fromkeys(("gate", "up", "down"), 0.02))
     epn, slots = w.num_local, w.num_local
     mirrors, compute = {}, {}
@@ -80,7 +80,7 @@ def test_dp_reduction_sees_local_rows_only() -> None:
 
 
 def test_bind_external_rejects_wrong_views() -> None:
-    w = ExpertWeights(num_experts=E, ep_rank=0, ep_size=2, hidden=H, intermediate=FF)
+    w = ExpertWeights(num_experts=E, ep_rank=0, ep=2, hidden=H, intermediate=FF)
     good = {n: torch.zeros(2, *s) for n, s in w.shapes.items()}
     bad = dict(good, up=torch.zeros(3, H, FF))
     with pytest.raises(ValueError, match=r"'up': backend views \(2, 16, 32\) / \(3, 16, 32\) do not match the "
@@ -153,7 +153,7 @@ def test_owned_weights_are_freed_when_dropped() -> None:
     import gc
     import weakref
 
-    w = ExpertWeights(num_experts=E, ep_rank=0, ep_size=1, hidden=H, intermediate=FF)
+    w = ExpertWeights(num_experts=E, ep_rank=0, ep=1, hidden=H, intermediate=FF)
     w.bind_owned(torch.float32, loss_scale=0.5)
     loss = sum((c * 1.0).sum() for c in w.compute.values())
     loss.backward()  # the hook runs: grad = 0.5 * ones

@@ -1,0 +1,46 @@
+"""The dry run's dense rows follow parallel.dense: FSDP splits the fp32 masters, grads and Adam moments of
+the P dense parameters over the world and holds compute-dtype copies of the root and two blocks; allreduce
+holds all P in fp32 on every rank (no copies); the expert rows and the activations do not depend on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moontrain.cli import main
+from moontrain.config import RunConfig, from_dict
+from moontrain.planning.memory import estimate_memory
+from moontrain.planning.params import count_params
+
+REPO = Path(__file__).resolve().parents[3]
+WORLD, BF16 = 4, 2
+
+
+def _k3_small(dense: str) -> RunConfig:
+    raw = yaml.safe_load((REPO / "recipes" / "k3_small.yaml").read_text())
+    raw["parallel"]["dense"] = dense
+    return from_dict(RunConfig, raw)
+
+
+def test_dense_rows_follow_parallel_dense() -> None:
+    counts = count_params(_k3_small("fsdp").model)
+    P = counts.dense
+    fsdp = estimate_memory(_k3_small("fsdp"), counts, WORLD, BF16)
+    allreduce = estimate_memory(_k3_small("allreduce"), counts, WORLD, BF16)
+    block = counts.max_block_dense(_k3_small("fsdp").model)
+    assert fsdp.dense["weights"] == (counts.embedding + 2 * block) * BF16
+    assert (fsdp.dense["master"], fsdp.dense["optimizer"]) == (4 * P / WORLD, 8 * P / WORLD)
+    assert fsdp.dense["grads"] == 4 * P / WORLD + 2 * block * BF16
+    assert allreduce.dense["weights"] == 0
+    assert (allreduce.dense["master"], allreduce.dense["grads"], allreduce.dense["optimizer"]) == (4 * P, 4 * P, 8 * P)
+    assert allreduce.experts == fsdp.experts
+    assert allreduce.dense["activations"] == fsdp.dense["activations"]
+
+
+@pytest.mark.parametrize(("dense", "line"), [("fsdp", "dense params: FSDP2 over 2 ranks"),
+                                             ("allreduce", "dense params: fp32 on every rank, grads all-reduced")])
+def test_the_dry_run_names_the_dense_layout(dense: str, line: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "recipes/k3_tiny.yaml", f"parallel.dense={dense}", "--dry-run", "--device", "cpu"]) == 0
+    assert line in capsys.readouterr().out
