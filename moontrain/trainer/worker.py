@@ -262,7 +262,7 @@ def first_step_note(cfg: RunConfig, device: torch.device) -> str | None:
         return None
     work = [what for what, on in (
         ("torch.compile compiles the dense layers (train.compile)", cfg.train.compile),
-        ("fla autotunes its KDA kernels", uses_fla(cfg.model, device)),
+        ("fla autotunes its KDA kernels", uses_fla(cfg.model, cfg.kernels.kda, device)),
         ("Triton compiles moonep's kernels", cfg.experts.backend == "moonep")) if on]
     if not work:
         return None

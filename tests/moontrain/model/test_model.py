@@ -171,13 +171,17 @@ def test_unpadded_attention_matches_padded_on_cuda() -> None:
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item(), msg=what)
 
 
-def test_bias_update_moves_toward_balance() -> None:
-    cfg = _cfg(router_bias_update_rate=0.01)
+@pytest.mark.parametrize("rule, want", [
+    ("sign", [-0.01, 0.01, 0, 0, 0, 0, 0.01, -0.01]),  # 0.01 * sign(5 - count)
+    ("proportional", [-0.01, 0.01, 0, 0, 0, 0, 0.004, -0.004]),  # 0.01 * (5 - count) / 5
+])
+def test_bias_update_moves_toward_balance(rule: str, want: list[float]) -> None:
+    cfg = _cfg(router_bias_update_rate=0.01, router_bias_update=rule)
     r = Router(cfg)
     counts = torch.tensor([10, 0, 5, 5, 5, 5, 3, 7])  # mean 5
     r.tokens_per_expert_E.fill_(1)
     r.update_bias(counts)
-    assert r.score_bias_E.tolist() == pytest.approx([-0.01, 0.01, 0, 0, 0, 0, 0.01, -0.01])
+    assert r.score_bias_E.tolist() == pytest.approx(want, abs=1e-7)
     assert r.tokens_per_expert_E.abs().sum() == 0
 
 
