@@ -5,10 +5,9 @@ projection, a weight segment per layer ([epn, in, out] in `dtype`), a grad segme
 ([epn, in, out] fp32), one slot pool ([B, in, out] in `dtype`) and one reduce pool ([B, in, out]
 fp32) shared by all layers. Views are assembled from these by `moonep.pools` and `moonep.buffer`.
 
-Every region is sized from what the planner can use (docs/moonep.md §4.2): a rank computes at most
-`remote_experts` experts of other ranks, epn at R > 1 (§5.2: it receives from at most one remote home
-group) and none at R = 1 (every expert is home). B defaults to that (no slot or reduce pool on one
-rank), and the receive rows hold epn + remote_experts padded groups.
+Every region holds what the planner can use (docs/moonep.md §4.2): a rank computes at most `remote_experts`
+experts of other ranks, epn at R > 1 (§5.2) and none at R = 1; B defaults to that (no slot or reduce pool
+on one rank), and the receive rows hold epn + remote_experts padded groups.
 
 Comm segment regions (rows are token rows of width H):
     recv        [NvS + 2, H] dtype   dispatch destination; row NvS is a trash row for masked-out

@@ -21,10 +21,8 @@ L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
 - optimizer: Adam's two fp32 moments on the master (sharded as the master; the expert grads and
   compute rows stay whole).
 - symmetric heap (moonep, beyond the local weight/grad rows above): per projection B slot rows in the
-  compute dtype and B reduce-pool rows in fp32, shared by all layers; B = epn at R > 1 and 0 at R = 1
-  (the planner gives one rank no remote expert). MemoryEstimate.heap holds every heap region as
-  moonep.Layout.heap_bytes sizes it (comm segment, expert weights and grads, slot and reduce pools): the
-  memory outside the PyTorch allocator.
+  compute dtype and B reduce-pool rows in fp32, shared by all layers (B = epn, 0 at R = 1). The heap's
+  regions (moonep.Layout.heap_bytes) are MemoryEstimate.heap: the memory outside the PyTorch allocator.
 - receive buffers: moonep's comm segment (moonep.Layout.comm_bytes: receive and combine rows of NvS x H,
   landing rows S*K x H, row metadata; static); alltoall S*K*H at
   balance (dynamic: up to R times that under full skew). Hierarchical EP (parallel.ep_hosts = N > 1): the
