@@ -15,7 +15,7 @@ from moonep.comm_stream import CommEvent
 from moonep.config import BufferConfig, BufferOptions
 from moonep.errors import MoonEPTimeoutError
 from moonep.hierarchical import HierarchicalBuffer, hierarchical_expert_glu, host_groups
-from moonep.layout import Layout, receive_rows
+from moonep.layout import Layout, receive_rows, remote_experts
 from moonep.moe import expert_glu, glu_projections
 from moonep.planner import Plan, make_plan
 from moonep.pools import ExpertPools, LayerExperts
@@ -39,5 +39,6 @@ __all__ = [
     "host_groups",
     "make_plan",
     "receive_rows",
+    "remote_experts",
     "situ_glu",
 ]

@@ -85,8 +85,9 @@ class BufferConfig:
     hidden: H, row width seen by the experts.
     topk: K experts per token.
     num_experts: E routed experts, E % R == 0.
-    num_slots: B prefetch slots per rank; None means E // R. ExpertPools (training) needs B >= E // R:
-        every remote expert a rank computes must have a slot.
+    num_slots: B prefetch slots per rank; None means what the planner can fill (Layout.remote_experts):
+        E // R, and 0 on one rank (no remote expert). ExpertPools (training) needs that many: every remote
+        expert a rank computes must have a slot.
     token_padding: every non-empty expert group on a rank is padded to a multiple of this.
     dtype: dtype of token rows and expert weights (grads are always fp32).
     entries: entries mode: each of the s rows of a call carries 0 to K (row, expert) entries, an absent
@@ -118,7 +119,8 @@ class BufferConfig:
             raise ValueError(f"BufferConfig.topk={self.topk} exceeds num_experts={self.num_experts}; "
                              "each token needs topk distinct experts")
         if self.num_slots is not None and (not isinstance(self.num_slots, int) or self.num_slots < 1):
-            raise ValueError(f"BufferConfig.num_slots must be None (= E // R) or an int >= 1, got {self.num_slots!r}")
+            raise ValueError(f"BufferConfig.num_slots must be None (derived: E // R, 0 on one rank) or an int >= 1, "
+                             f"got {self.num_slots!r}")
         if not isinstance(self.entries, bool):
             raise ValueError(f"BufferConfig.entries must be True or False, got {self.entries!r}")
         if not isinstance(self.options, BufferOptions):

@@ -5,6 +5,10 @@ projection, a weight segment per layer ([epn, in, out] in `dtype`), a grad segme
 ([epn, in, out] fp32), one slot pool ([B, in, out] in `dtype`) and one reduce pool ([B, in, out]
 fp32) shared by all layers. Views are assembled from these by `moonep.pools` and `moonep.buffer`.
 
+Every region holds what the planner can use (docs/moonep.md §4.2): a rank computes at most `remote_experts`
+experts of other ranks, epn at R > 1 (§5.2) and none at R = 1; B defaults to that (no slot or reduce pool
+on one rank), and the receive rows hold epn + remote_experts padded groups.
+
 Comm segment regions (rows are token rows of width H):
     recv        [NvS + 2, H] dtype   dispatch destination; row NvS is a trash row for masked-out
                                      writes, row NvS + 1 stays zero (source of padding rows)
@@ -28,12 +32,12 @@ Comm segment regions (rows are token rows of width H):
                                      path's masked-out writes
     land_scalar [S*K + 1]    fp32    row scalars of the same entries (where land is used)
 
-NvS = round_up(S*K + 2*epn*(token_padding - 1), token_padding) (`receive_rows`): every rank
-receives exactly cap_d <= S*K rows in at most 2*epn non-empty groups (epn local experts plus at
-most epn experts of one remote home group), each padded by at most token_padding - 1 rows.
+NvS = round_up(S*K + (epn + remote_experts)*(token_padding - 1), token_padding) (`receive_rows`):
+every rank receives exactly cap_d <= S*K rows in at most epn + remote_experts non-empty groups (its
+epn local experts plus, at R > 1, at most epn experts of one remote home group), each padded by at
+most token_padding - 1 rows.
 
-`Layout(config, R)` needs no process group or memory: a dry run sizes a job with it (`comm_bytes`,
-`slot_pool_bytes`).
+`Layout(config, R)` needs no process group or memory: a dry run sizes a job with it (`heap_bytes`).
 """
 
 from __future__ import annotations
@@ -70,10 +74,16 @@ class Region:
         return n
 
 
+def remote_experts(num_experts: int, num_ranks: int) -> int:
+    """The most experts of other ranks the planner gives one rank to compute: epn when R > 1 (a
+    receiver takes tokens from one remote home group at most, §5.2), none on one rank."""
+    return num_experts // num_ranks if num_ranks > 1 else 0
+
+
 def receive_rows(max_tokens: int, topk: int, num_experts: int, num_ranks: int, token_padding: int) -> int:
     """NvS: receive rows per rank, enough for any routing of max_tokens tokens per rank."""
-    epn = num_experts // num_ranks
-    return round_up(max_tokens * topk + 2 * epn * (token_padding - 1), token_padding)
+    groups = num_experts // num_ranks + remote_experts(num_experts, num_ranks)
+    return round_up(max_tokens * topk + groups * (token_padding - 1), token_padding)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +95,7 @@ class Layout:
     num_ranks: int
     granularity: int = 1
     epn: int = field(init=False)
+    remote_experts: int = field(init=False)
     num_slots: int = field(init=False)
     nvs: int = field(init=False)
     comm: dict[str, Region] = field(init=False)
@@ -98,7 +109,8 @@ class Layout:
                 f"use a multiple of {R} experts or another group size"
             )
         epn = cfg.num_experts // R
-        num_slots = epn if cfg.num_slots is None else cfg.num_slots
+        remote = remote_experts(cfg.num_experts, R)
+        num_slots = remote if cfg.num_slots is None else cfg.num_slots
         nvs = receive_rows(cfg.max_tokens, cfg.topk, cfg.num_experts, R, cfg.token_padding)
         H, E = cfg.hidden, cfg.num_experts
         specs = [
@@ -118,6 +130,7 @@ class Layout:
             regions[name] = Region(offset, shape, dtype)
             offset = round_up(offset + regions[name].nbytes, _ALIGN)
         object.__setattr__(self, "epn", epn)
+        object.__setattr__(self, "remote_experts", remote)
         object.__setattr__(self, "num_slots", num_slots)
         object.__setattr__(self, "nvs", nvs)
         object.__setattr__(self, "comm", regions)
@@ -134,7 +147,7 @@ class Layout:
     def nvs_rows(self, max_cap: int) -> int:
         """Rows a call may fill when no rank receives more than `max_cap` token slots."""
         pad = self.config.token_padding
-        return round_up(max_cap + 2 * self.epn * (pad - 1), pad)
+        return round_up(max_cap + (self.epn + self.remote_experts) * (pad - 1), pad)
 
     def call_rows(self, num_tokens: int, total_num_tokens: int | None) -> int:
         """nvs_s of a call with s = num_tokens on this rank (and total_num_tokens over the ranks when
@@ -143,11 +156,17 @@ class Layout:
         max_cap = num_tokens * K if total_num_tokens is None else -(-total_num_tokens * K // self.num_ranks)
         return self.nvs_rows(max_cap)
 
-    def slot_pool_bytes(self, projections: dict[str, tuple[int, int]], dtype: torch.dtype | None = None) -> int:
-        """Bytes of ExpertPools' slot pools (B slots in `dtype`, default the config's) and reduce
-        pools (B slots in fp32) over the projections, shared by every layer."""
-        itemsize = dtype_bytes(dtype or self.config.dtype) + dtype_bytes(torch.float32)
-        return sum(self.num_slots * i * o * itemsize for i, o in projections.values())
+    def heap_bytes(self, projections: dict[str, tuple[int, int]], num_layers: int,
+                   dtype: torch.dtype | None = None) -> dict[str, int]:
+        """Bytes per rank of each symmetric-heap region of this Buffer and ExpertPools over `projections`
+        with `num_layers` layers (weights and slots in `dtype`, default the config's; grads fp32):
+        comm (the comm segment), weights and grads (epn rows per layer), slot_pool and reduce_pool
+        (B rows, shared by the layers; none when B = 0)."""
+        per_row = sum(i * o for i, o in projections.values())
+        w, g = dtype_bytes(dtype or self.config.dtype), dtype_bytes(torch.float32)
+        return {"comm": self.comm_bytes, "weights": num_layers * self.epn * per_row * w,
+                "grads": num_layers * self.epn * per_row * g, "slot_pool": self.num_slots * per_row * w,
+                "reduce_pool": self.num_slots * per_row * g}
 
     def expert_block_bytes(self, shape: tuple[int, int], dtype: torch.dtype, num_rows: int) -> int:
         """Bytes of `num_rows` expert matrices of `shape`; must be a multiple of the granularity."""

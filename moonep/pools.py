@@ -14,7 +14,8 @@ Per pool: w_slots_all / g_slots_all [R, B, in, out], every rank's slots.
 
 The copies and folds themselves are the Buffer's data path (moonep.datapath: the PyTorch
 specification or the Triton kernels); on CUDA, prefetch_async and copy_async run them on a side
-stream. Every remote expert a rank computes needs a slot: B >= epn (BufferConfig.num_slots None).
+stream. Every remote expert a rank computes needs a slot: B >= Layout.remote_experts (epn at R > 1;
+none on one rank, where no slot or reduce pool is allocated; BufferConfig.num_slots None).
 
 The slots hold one layer's copies at a time. `ensure(plan, layer)` re-prefetches when another
 layer (or another plan) used them since; all ranks run the same call sequence, so they agree. In
@@ -64,11 +65,11 @@ class ExpertPools:
             if len(shape) != 2 or any((not isinstance(n, int)) or n < 1 for n in shape):
                 raise ValueError(f"projection {name!r} has shape {shape}; expected (in_features, out_features)")
         layout = buffer.layout
-        if layout.num_slots < layout.epn:
+        if layout.num_slots < layout.remote_experts:
             raise ValueError(
-                f"ExpertPools needs one prefetch slot per local expert: the buffer has num_slots="
-                f"{layout.num_slots} < E // R = {layout.epn}, so tokens of a remote expert without a slot would "
-                "meet no weights; build the BufferConfig with num_slots=None (= E // R)")
+                f"ExpertPools needs one prefetch slot per remote expert a rank may compute: the buffer has "
+                f"num_slots={layout.num_slots} < E // R = {layout.remote_experts}, so tokens of a remote expert "
+                "without a slot would meet no weights; build the BufferConfig with num_slots=None (derived)")
         self.buffer = buffer
         self.heap = buffer.heap
         self.projections = dict(projections)
@@ -95,6 +96,11 @@ class ExpertPools:
             w_bytes = layout.expert_block_bytes(shape, self.dtype, B)
             g_bytes = layout.expert_block_bytes(shape, torch.float32, B)
             layout.expert_block_bytes(shape, self.dtype, layout.epn)
+            if B == 0:  # one rank: no pools (Layout.remote_experts), empty views keep the shapes
+                self._slot_segments[name] = (None, None)
+                self.w_slots_all[name] = torch.empty((R, 0, *shape), dtype=self.dtype, device=buffer.device)
+                self.g_slots_all[name] = torch.empty((R, 0, *shape), dtype=torch.float32, device=buffer.device)
+                continue
             w_seg = heap.alloc(f"w_slots:{name}", w_bytes)
             g_seg = heap.alloc(f"g_slots:{name}", g_bytes)
             self._slot_segments[name] = (w_seg, g_seg)
@@ -115,10 +121,10 @@ class ExpertPools:
             w_slot_seg, g_slot_seg = self._slot_segments[name]
             for kind, dtype, slot_seg in (("w", self.dtype, w_slot_seg), ("g", torch.float32, g_slot_seg)):
                 local_bytes = layout.expert_block_bytes(shape, dtype, epn)
-                slot_bytes = layout.expert_block_bytes(shape, dtype, B)
+                slot = [Piece(slot_seg, rank, 0, layout.expert_block_bytes(shape, dtype, B))] if B else []
                 seg = heap.alloc(f"{kind}:{index}:{name}", local_bytes)
-                full = heap.map([Piece(seg, r, 0, local_bytes) for r in range(R)] + [Piece(slot_seg, rank, 0, slot_bytes)])
-                compact = heap.map([Piece(seg, rank, 0, local_bytes), Piece(slot_seg, rank, 0, slot_bytes)])
+                full = heap.map([Piece(seg, r, 0, local_bytes) for r in range(R)] + slot)
+                compact = heap.map([Piece(seg, rank, 0, local_bytes), *slot])
                 views[f"{kind}_full"][name] = view(full, 0, (E + B, *shape), dtype)
                 views[f"{kind}_compact"][name] = view(compact, 0, (epn + B, *shape), dtype)
                 views[f"{kind}_local"][name] = views[f"{kind}_compact"][name][:epn]

@@ -160,11 +160,12 @@ def shared_step(rank: int, hist_RE: torch.Tensor, work: _Workspace, out: dict[st
     epn = E // R
     assert hist_RE.is_contiguous()
     r_p, epn_p = triton.next_power_of_2(R), triton.next_power_of_2(epn)
+    b_p = max(1, triton.next_power_of_2(B))  # B = 0 (one rank): a one-lane tile, every lane masked
     _shared_kernel[(R,)](
         hist_RE, out["counts_RE"], out["cap_R"], out["quota_RR"], out["alloc_ER"], out["slot_expert_RB"],
         out["group_rows_RG"], out["offs_RG"], work.end_ER, work.rowbase_ER, rank, cap_base, cap_rem,
         R=R, EPN=epn, B=B, PAD=layout.config.token_padding, R_P=r_p, EPN_P=epn_p,
-        G_P=triton.next_power_of_2(E + B), B_P=triton.next_power_of_2(B), LOG_R_P=r_p.bit_length() - 1,
+        G_P=triton.next_power_of_2(E + B), B_P=b_p, LOG_R_P=r_p.bit_length() - 1,
         LOG_EPN_P=epn_p.bit_length() - 1, KEY64=_key64(layout), num_warps=work.shared_warps)
 
 

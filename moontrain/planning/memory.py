@@ -20,9 +20,9 @@ L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
   still counted at the compute dtype).
 - optimizer: Adam's two fp32 moments on the master (sharded as the master; the expert grads and
   compute rows stay whole).
-- symmetric heap (moonep, beyond the local weight/grad rows above; moonep.Layout.slot_pool_bytes): per
-  projection B slot rows in the
-  compute dtype and B reduce-pool rows in fp32, shared by all layers.
+- symmetric heap (moonep, beyond the local weight/grad rows above): per projection B slot rows in the
+  compute dtype and B reduce-pool rows in fp32, shared by all layers (B = epn, 0 at R = 1). The heap's
+  regions (moonep.Layout.heap_bytes) are MemoryEstimate.heap: the memory outside the PyTorch allocator.
 - receive buffers: moonep's comm segment (moonep.Layout.comm_bytes: receive and combine rows of NvS x H,
   landing rows S*K x H, row metadata; static); alltoall S*K*H at
   balance (dynamic: up to R times that under full skew). Hierarchical EP (parallel.ep_hosts = N > 1): the
@@ -59,6 +59,7 @@ ROWS = ("weights", "master", "grads", "optimizer", "symmetric_heap", "receive_bu
 class MemoryEstimate:
     dense: dict[str, float]  # bytes per row of ROWS
     experts: dict[str, float]
+    heap: dict[str, int]  # bytes per symmetric-heap region (moonep.Layout.heap_bytes; empty for other backends)
 
     def row(self, name: str) -> float:
         return self.dense.get(name, 0.0) + self.experts.get(name, 0.0)
@@ -66,6 +67,11 @@ class MemoryEstimate:
     @property
     def total(self) -> float:
         return sum(self.row(name) for name in ROWS)
+
+    @property
+    def allocator(self) -> float:
+        """The part of the total the PyTorch allocator holds (all but the symmetric heap)."""
+        return self.total - sum(self.heap.values())
 
 
 def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, compute_bytes: int) -> MemoryEstimate:
@@ -100,14 +106,17 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
         "symmetric_heap": 0.0,
         "receive_buffers": S * K * H * compute_bytes,
     }
+    heap: dict[str, int] = {}
     if moonep:  # the sizes moonep's Buffer and ExpertPools allocate, from its Layout
         dtype = {2: torch.bfloat16, 4: torch.float32}[compute_bytes]
         N = cfg.parallel.ep_hosts  # hierarchical EP: the host Buffer of moonep.HierarchicalBuffer
         layout = Layout(BufferConfig(max_tokens=N * S, hidden=H, topk=K, num_experts=m.num_experts // N,
                                      token_padding=cfg.experts.token_padding, dtype=dtype, entries=N > 1), R // N)
-        experts["symmetric_heap"] = layout.slot_pool_bytes(glu_projections(H, F))
-        experts["receive_buffers"] = layout.comm_bytes
-    return MemoryEstimate(dense=dense, experts=experts)
+        heap = layout.heap_bytes(glu_projections(H, F), m.num_moe_layers)
+        experts["weights"], experts["grads"] = heap["weights"], heap["grads"]
+        experts["symmetric_heap"] = heap["slot_pool"] + heap["reduce_pool"]
+        experts["receive_buffers"] = heap["comm"]
+    return MemoryEstimate(dense=dense, experts=experts, heap=heap)
 
 
 def _activation_bytes_per_token(cfg: RunConfig, c: int, checkpointed: bool) -> float:

@@ -3,8 +3,9 @@ step time (moontrain.planning.step_time)."""
 
 from __future__ import annotations
 
+from moonep import remote_experts
 from moontrain.config.run_config import RunConfig
-from moontrain.planning.memory import ROWS, estimate_memory
+from moontrain.planning.memory import ROWS, MemoryEstimate, estimate_memory
 from moontrain.planning.params import count_params
 from moontrain.planning.step_time import step_time_lines
 
@@ -27,7 +28,8 @@ def dry_run_report(cfg: RunConfig, world_size: int, device: str) -> str:
            f"ranks (moonep inside each host, all-to-alls between hosts; host stage sized for "
            f"{cfg.parallel.ep_hosts} x the tokens per rank)"] if cfg.parallel.ep_hosts > 1 else []),
         f"experts: E={m.num_experts}, epn={epn} per rank"
-        + (f", B={epn} prefetch slots per projection (training needs B = epn)" if cfg.experts.backend == "moonep" else "")
+        + (f", B={_slots(cfg)} prefetch slots per projection (what the planner can fill: epn, none on one rank)"
+           if cfg.experts.backend == "moonep" else "")
         + f", top-{m.num_experts_per_tok}, expert shape {m.expert_width}x{m.moe_intermediate_size}",
         ("dense params: " + {"fsdp": f"FSDP2 over {world_size} ranks", "plain": "plain (one rank, no FSDP)",
                              "allreduce": "fp32 on every rank, grads all-reduced (no FSDP)"}[cfg.parallel.dense]
@@ -50,10 +52,38 @@ def dry_run_report(cfg: RunConfig, world_size: int, device: str) -> str:
     if device == "cuda":
         lines.append(f"  (activations {recompute} recomputation; an H200 has {_bytes(H200_BYTES)}: "
                      f"{'fits' if mem.total <= H200_BYTES else 'does NOT fit'})")
-        lines += step_time_lines(cfg, world_size)
     else:  # the host-memory check follows under == checks ==
         lines.append(f"  (activations {recompute} recomputation)")
+    if mem.heap:
+        lines += _heap_lines(cfg, mem)
+    if device == "cuda":
+        lines += step_time_lines(cfg, world_size)
     return "\n".join(lines)
+
+
+_HEAP_ROLES = {
+    "comm": "receive and combine rows [NvS+2, H], landing rows [S*K+1, H], row metadata",
+    "weights": "this rank's expert rows, every MoE layer (the weights row above)",
+    "grads": "their fp32 grad mirror (the grads row above)",
+    "slot_pool": "B copies of remote experts, one set for all layers",
+    "reduce_pool": "the slot copies' fp32 grads",
+}
+
+
+def _slots(cfg: RunConfig) -> int:
+    """B of the moonep Buffer the trainer builds (the host Buffer under hierarchical EP)."""
+    N = cfg.parallel.ep_hosts
+    return remote_experts(cfg.model.num_experts // N, cfg.parallel.ep // N)
+
+
+def _heap_lines(cfg: RunConfig, mem: MemoryEstimate) -> list[str]:
+    """The symmetric heap region by region (moonep.Layout.heap_bytes), and the allocator's share of the estimate:
+    a GPU's peak is the allocator's peak plus the heap."""
+    lines = [f"== symmetric heap per rank (moonep, outside the PyTorch allocator; B={_slots(cfg)}) =="]
+    lines += [f"  {name:<16} {_bytes(n):>12}   {_HEAP_ROLES[name]}" for name, n in mem.heap.items()]
+    lines.append(f"  {'heap total':<16} {_bytes(sum(mem.heap.values())):>12}")
+    lines.append(f"  {'allocator':<16} {_bytes(mem.allocator):>12}   the estimate's total less the heap")
+    return lines
 
 
 def _num(n: int) -> str:

@@ -1,8 +1,11 @@
-"""moonep.Layout sizes a job without a process group: its byte counts equal what a Buffer and its
-ExpertPools allocate in the symmetric heap (a dry run asks moonep instead of re-deriving them)."""
+"""moonep.Layout sizes a job without a process group: every heap region is sized from what the planner
+can use (no slot or reduce pool on one rank, epn + remote_experts padded receive groups), the sizes are
+those derived by hand here, and they equal what a Buffer and its ExpertPools allocate in the symmetric
+heap (a dry run asks moonep instead of re-deriving them)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moonep import Buffer, BufferConfig, ExpertPools, Layout, glu_projections, receive_rows
@@ -10,30 +13,74 @@ from tests.dist_utils import run_ranks
 
 CFG = BufferConfig(max_tokens=24, hidden=32, topk=3, num_experts=8, token_padding=4)
 PROJ = glu_projections(32, 64)  # (32, 64) in bf16 is one 4096-byte page of the CPU heap
+LAYERS = 2
+EXPERT = 3 * 32 * 64  # elements of one expert over the three projections
+
+
+def _up(n: int) -> int:  # regions start on 256-byte boundaries
+    return -(-n // 256) * 256
+
+
+def _comm_by_hand(R: int, nvs: int) -> int:
+    """The comm segment of CFG (H = 32, bf16 rows; S*K = 72 landing rows), region by region."""
+    H, SK, E = 32, 24 * 3, 8
+    rows = 2 * _up((nvs + 2) * H * 2)  # recv, comb
+    meta = _up(R * E * 4) + 3 * _up((nvs + 1) * 4) + _up((nvs + 1) * 8)  # hist, row_weight/chain/scalar, row_link
+    return rows + meta + _up((SK + 1) * H * 2) + _up((SK + 1) * 4)  # land, land_scalar
+
+
+# R -> (epn, B, NvS): one rank has no remote expert (B = 0, epn groups); R > 1 receives from at most
+# one remote home group (B = epn, 2 epn groups), each group padded by up to token_padding - 1 = 3 rows
+BY_HAND = {1: (8, 0, 72 + 8 * 3), 2: (4, 4, 72 + 8 * 3), 4: (2, 2, 72 + 4 * 3)}
+
+
+@pytest.mark.parametrize("R", sorted(BY_HAND))
+def test_heap_regions_by_hand(R: int) -> None:
+    epn, B, nvs = BY_HAND[R]
+    layout = Layout(CFG, R)
+    assert (layout.epn, layout.num_slots, layout.remote_experts, layout.nvs) == (epn, B, B, nvs)
+    assert receive_rows(24, 3, 8, R, 4) == nvs
+    assert layout.heap_bytes(PROJ, LAYERS) == {
+        "comm": _comm_by_hand(R, nvs),
+        "weights": LAYERS * epn * EXPERT * 2, "grads": LAYERS * epn * EXPERT * 4,
+        "slot_pool": B * EXPERT * 2, "reduce_pool": B * EXPERT * 4}
+    assert layout.heap_bytes(PROJ, LAYERS, torch.float32)["slot_pool"] == B * EXPERT * 4
+
+
+def test_one_rank_has_no_slot_rows() -> None:
+    """At R = 1 the pools add nothing to the weights and grads, and an explicit B is still honoured."""
+    pools = Layout(CFG, 1).heap_bytes(PROJ, LAYERS)
+    assert pools["slot_pool"] == pools["reduce_pool"] == 0
+    explicit = Layout(BufferConfig(max_tokens=24, hidden=32, topk=3, num_experts=8, token_padding=4, num_slots=2), 1)
+    assert explicit.num_slots == 2 and explicit.remote_experts == 0
 
 
 def _allocated(rank: int, world: int) -> dict[str, int]:
     buf = Buffer(CFG)
     try:
         comm = buf.heap.local_bytes
-        ExpertPools(buf, PROJ)
-        return {"comm": comm, "pools": buf.heap.local_bytes - comm, "granularity": buf.heap.granularity,
-                "nvs": buf.layout.nvs}
+        pools = ExpertPools(buf, PROJ)
+        slots = buf.heap.local_bytes - comm
+        for _ in range(LAYERS):
+            pools.add_layer()
+        return {"comm": comm, "slots": slots, "layers": buf.heap.local_bytes - comm - slots,
+                "granularity": buf.heap.granularity, "nvs": buf.layout.nvs,
+                "w_compact": tuple(pools.layers[0].w_compact["gate"].shape),
+                "g_slots_all": tuple(pools.g_slots_all["down"].shape)}
     finally:
         buf.destroy()
 
 
-def test_layout_bytes_equal_the_heap_allocations() -> None:
-    got = run_ranks(_allocated, 1, timeout_s=120)[0]
-    layout = Layout(CFG, 1, got["granularity"])
-    assert got["comm"] == layout.comm_bytes
-    assert got["pools"] == layout.slot_pool_bytes(PROJ)
-    # unrounded (granularity 1) for estimates: the comm segment less at most one page of rounding
-    assert 0 <= layout.comm_bytes - Layout(CFG, 1).comm_bytes < got["granularity"]
-    assert got["nvs"] == receive_rows(24, 3, 8, 1, 4) == 24 * 3 + 2 * 8 * 3  # a multiple of 4 already
-
-
-def test_slot_pool_bytes_by_hand() -> None:
-    layout = Layout(CFG, 2)  # epn = B = 4
-    assert layout.slot_pool_bytes(PROJ) == 4 * 3 * 32 * 64 * (2 + 4)
-    assert layout.slot_pool_bytes(PROJ, torch.float32) == 4 * 3 * 32 * 64 * (4 + 4)
+@pytest.mark.parametrize("R", [1, 2])
+def test_layout_bytes_equal_the_heap_allocations(R: int) -> None:
+    epn, B, nvs = BY_HAND[R]
+    for got in run_ranks(_allocated, R, timeout_s=120):
+        layout = Layout(CFG, R, got["granularity"])
+        want = layout.heap_bytes(PROJ, LAYERS)
+        assert got["comm"] == layout.comm_bytes == want["comm"]
+        assert got["slots"] == want["slot_pool"] + want["reduce_pool"] == B * EXPERT * 6
+        assert got["layers"] == want["weights"] + want["grads"]
+        assert got["nvs"] == nvs
+        assert got["w_compact"] == (epn + B, 32, 64) and got["g_slots_all"] == (R, B, 64, 32)
+        # unrounded (granularity 1) for estimates: the comm segment less at most one page of rounding
+        assert 0 <= layout.comm_bytes - Layout(CFG, R).comm_bytes < got["granularity"]

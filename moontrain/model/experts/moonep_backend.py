@@ -11,7 +11,8 @@ the host Buffer of a moonep.HierarchicalBuffer (this host's ranks, entries mode)
 local experts as one-level EP rank ep_rank, and each layer runs moonep.hierarchical_expert_glu (rows cross
 hosts through all-to-alls over the rail group).
 
-num_slots=None means B = epn, which training requires (docs/moonep.md §5.2).
+num_slots=None means B = what the planner can fill: epn at EP > 1, which training requires, and no slot
+or reduce pool at EP = 1 (docs/moonep.md §4.2).
 """
 
 from __future__ import annotations

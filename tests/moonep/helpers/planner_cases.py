@@ -64,7 +64,7 @@ def check_fused_cases(cases: list[FusedCase], g: torch.Generator, device: str = 
         check_fused_topk(topk_R, E, B, pad, per_rank, f"sigma={sigma:.2f}", device, chunk)
 
 
-def check_fused_topk(topk_R: list[torch.Tensor], E: int, B: int, pad: int, per_rank: bool, context: str = "",
+def check_fused_topk(topk_R: list[torch.Tensor], E: int, B: int | None, pad: int, per_rank: bool, context: str = "",
                      device: str = "cpu", chunk: int | None = None, max_tokens: int | None = None) -> None:
     """simulate_fused for the given routing of every rank, bitwise against make_plan on the CPU
     (max_tokens: the layout's, max(s) if None)."""

@@ -143,7 +143,8 @@ def reference_plan(topk_R: list[list[list[int]]], num_experts: int, num_slots: i
             ends.append(acc)
         offs.append(ends)
     max_cap = s_R[0] * K if entries else max(cap)
-    nvs_s = round_up(max_cap + 2 * epn * (pad - 1), pad)
+    groups = epn if R == 1 else 2 * epn  # its own experts, and at R > 1 those of at most one remote home group
+    nvs_s = round_up(max_cap + groups * (pad - 1), pad)
 
     # 5.5 token destinations: per expert, entries in (source rank, t*K + k) order
     dst_rank = [[[0] * K for _ in range(s_R[r])] for r in range(R)]

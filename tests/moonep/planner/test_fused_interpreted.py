@@ -69,6 +69,14 @@ def test_fused_planner_other_chunk_sizes(chunk: int) -> None:
     check_fused_cases(cases, g, chunk=chunk)
 
 
+def test_fused_planner_one_rank_without_slots() -> None:
+    """One rank's default layout has B = 0 (no remote expert, docs/moonep.md §4.2): the shared kernel's slot
+    tile is one masked lane, the plan has no slot column and its groups are the E experts."""
+    g = torch.Generator().manual_seed(6)
+    for E, K, s, pad, sigma in ((8, 2, 37, 4, 2.0), (96, 8, 64, 16, 0.5)):
+        check_fused_topk([random_topk(s, E, K, sigma, g)], E, None, pad, False, "B=None at R=1")
+
+
 def test_fused_chunk_kernel_matches_reference() -> None:
     """The chunk pass's kernel alone against a one-hot reference: per-chunk histograms and each
     entry's rank among the chunk's entries of its expert; E a power of two (the padding id E needs

@@ -102,6 +102,9 @@ def check_properties(layout: Layout, plans: list[Plan], topk_R: list[torch.Tenso
         remote = (alloc[:, d] > 0) & (home_E != d)
         groups = sorted(set(home_E[remote].tolist()))
         assert len(groups) <= 1, f"{ctx}: rank {d} receives from remote home groups {groups}"
+        # the bound the heap's slot rows are sized by (Layout.remote_experts: epn, none on one rank)
+        assert int(remote.sum()) <= layout.remote_experts == (epn if R > 1 else 0), \
+            f"{ctx}: rank {d} computes {int(remote.sum())} remote experts > {layout.remote_experts}"
         slots = p0.slot_expert_RB[d].tolist()
         used = [e for e in slots if e >= 0]
         assert slots == used + [-1] * (B - len(used)), f"{ctx}: rank {d} slots {slots} not packed"
@@ -109,7 +112,7 @@ def check_properties(layout: Layout, plans: list[Plan], topk_R: list[torch.Tenso
         assert len(used) <= B
         for e in used:
             assert alloc[e, d] > 0 and e // epn != d, f"{ctx}: rank {d} slot expert {e} is local or unused"
-        if B >= epn:  # training: every remote expert with tokens here has a slot
+        if B >= layout.remote_experts:  # training: every remote expert with tokens here has a slot
             assert used == torch.nonzero(remote).flatten().tolist(), f"{ctx}: rank {d} slots {used}"
     # offsets: nondecreasing, every group padded, within nvs_s
     rows = p0.group_rows_RG.long()
@@ -124,7 +127,7 @@ def check_properties(layout: Layout, plans: list[Plan], topk_R: list[torch.Tenso
         lo = p.rank * epn
         want = torch.cat([p.offs_RG[p.rank, lo:lo + epn], p.offs_RG[p.rank, E:]])
         assert torch.equal(p.cu_seqlens, want) and p.cu_seqlens.dtype == torch.int32
-        if B >= epn:  # every group of this rank is a local expert or a slot: compact offs end at the total
+        if B >= layout.remote_experts:  # every group of this rank is a local expert or a slot: compact offs end at the total
             assert int(p.cu_seqlens[-1]) == int(offs[p.rank, -1]), f"{ctx}: cu_seqlens {p.cu_seqlens.tolist()}"
     # destinations: distinct and exactly the valid rows of every rank
     valid = [set() for _ in range(R)]
