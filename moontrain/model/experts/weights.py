@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moontrain.parallel.collectives import all_gather_single, reduce_scatter_single
+from moontrain.collectives import all_gather_single, reduce_scatter_single
 
 PROJECTIONS = ("gate", "up", "down")
 
