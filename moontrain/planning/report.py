@@ -4,8 +4,8 @@ step time (moontrain.planning.step_time)."""
 from __future__ import annotations
 
 from moontrain.config.run_config import RunConfig
+from moontrain.model.params import count_params
 from moontrain.planning.memory import ROWS, estimate_memory
-from moontrain.planning.params import count_params
 from moontrain.planning.step_time import step_time_lines
 
 H200_BYTES = 141e9
