@@ -20,7 +20,7 @@ initialised) and the model a train step runs. It applies, in this order:
 The model keeps the mechanisms (what a recompute must not count again, how a backend attaches); this module
 decides whether and in which order they apply, so the trainer, a benchmark or a test that wants the training
 model calls one function. Rejected: the model applying them itself from a layout it was given (the model
-then knows the mesh), and the trainer applying them one by one (the order lived in Trainer.__init__).
+then knows the mesh), and the trainer applying them one by one (the order then hides among the rest it builds).
 """
 
 from __future__ import annotations
