@@ -1,6 +1,8 @@
 """The import graph of moonep and moontrain, read from the source with ast: no module imports another
 that imports it back, directly or through others, moonep imports nothing from moontrain, and moontrain
 reaches moonep through its package only (`import moonep`, `from moonep import X` with X in moonep.__all__).
+No two folders of moontrain import each other (a top-level module such as cli.py counts as its own folder):
+the folders stack in floors, so each can be read knowing only those below it.
 
 Every import counts, wherever it stands (module level, inside a function, under TYPE_CHECKING): a
 lazy import still ties the two modules together. `import a.b.c` or `from a.b.c import x` also runs
@@ -131,6 +133,49 @@ def test_no_import_cycles() -> None:
     assert len(graph) > 50 and "moontrain.trainer.trainer" in graph and "moonep.buffer" in graph
     cycles = _cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(_path(graph, c) for c in cycles)
+
+
+def _folder(module: str) -> str | None:
+    """The folder of moontrain a module belongs to (moontrain.model.experts.weights -> model, moontrain.cli ->
+    cli); None outside moontrain's folders (the package moontrain itself, moonep)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "moontrain" and len(parts) > 1 else None
+
+
+def mutual_folder_pairs(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[str]]:
+    """(A, B) with A < B -> the module imports behind A -> B and B -> A, for every pair of moontrain's
+    folders that import each other."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for name, targets in graph.items():
+        for target in targets:
+            a, b = _folder(name), _folder(target)
+            if a is not None and b is not None and a != b:
+                edges.setdefault((a, b), []).append(f"{name} -> {target}")
+    return {(a, b): sorted(found + edges[(b, a)]) for (a, b), found in edges.items() if a < b and (b, a) in edges}
+
+
+def test_no_two_moontrain_folders_import_each_other() -> None:
+    graph = _graph()
+    folders = {_folder(name) for name in graph} - {None}
+    assert {"model", "parallel", "optim", "trainer", "cli"} <= folders
+    pairs = mutual_folder_pairs(graph)
+    assert not pairs, "moontrain folders importing each other:\n" + "\n".join(
+        f"{a} <-> {b}: " + ", ".join(imports) for (a, b), imports in sorted(pairs.items()))
+
+
+def test_the_folder_check_finds_a_planted_pair() -> None:
+    """Known answer: model and parallel import each other through different modules, cli.py (a folder of its
+    own) and checkpoint too; one-way imports, imports inside a folder and the package root are no pair."""
+    graph = {"moontrain.model.experts.weights": {"moontrain.parallel.collectives", "moontrain.model"},
+             "moontrain.parallel.fsdp": {"moontrain.model.transformer", "moontrain.parallel"},
+             "moontrain.checkpoint.export": {"moontrain.cli"}, "moontrain.cli": {"moontrain.checkpoint"},
+             "moontrain.trainer.trainer": {"moontrain.model", "moontrain.cli"}, "moontrain": {"moontrain.cli"},
+             "moontrain.model": set(), "moontrain.model.transformer": set(), "moontrain.parallel": set(),
+             "moontrain.parallel.collectives": set(), "moontrain.checkpoint": set()}
+    assert mutual_folder_pairs(graph) == {
+        ("checkpoint", "cli"): ["moontrain.checkpoint.export -> moontrain.cli", "moontrain.cli -> moontrain.checkpoint"],
+        ("model", "parallel"): ["moontrain.model.experts.weights -> moontrain.parallel.collectives",
+                                "moontrain.parallel.fsdp -> moontrain.model.transformer"]}
 
 
 def test_moonep_imports_nothing_from_moontrain() -> None:

@@ -16,8 +16,8 @@ a short sequence, so that the arithmetic is negligible next to the host work.
 
 What runs differently from the GPU step, and how the count stays that of the GPU's launches:
 train.compile is on, but torch.compile is stood in for (inductor's CPU compile of 16 layers takes
-minutes): its regions, exactly those K3Model.compile_dense_parts picks (norms, attention, AttnRes math,
-dense FFNs, shared experts, the loss), run eagerly and are labelled "compiled", with the backward of the
+minutes): its regions, exactly those moontrain.parallel.parallelize.compile_dense_parts picks (norms,
+attention, AttnRes math, dense FFNs, shared experts, the loss), run eagerly and are labelled "compiled", with the backward of the
 autograd nodes they create; the KDA kernel (fla's Triton kernels on the GPU, its PyTorch chunk loop
 here) is labelled "kda". Those ops are counted apart: on the GPU they are a few fused kernels. The
 rest, "eager", i.e. the routed-expert op and its PyTorch glue, routers, FSDP, gradient accumulation,

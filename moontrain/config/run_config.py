@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moontrain.checkpoint.config import CheckpointConfig
+from moontrain.config.eval_config import EvalConfig
+from moontrain.config.train_config import TrainConfig
 from moontrain.data.config import DataConfig
 from moontrain.metrics.config import MetricsConfig
 from moontrain.model.config import ExpertsConfig, KernelsConfig, ModelConfig
 from moontrain.optim.config import OptimConfig
 from moontrain.parallel.config import ParallelConfig
-from moontrain.trainer.config import TrainConfig
-from moontrain.trainer.eval_config import EvalConfig
 
 
 @dataclass(kw_only=True, slots=True)

@@ -21,7 +21,7 @@ import torch
 from moontrain.model.attn_res import aggregation_sizes
 from moontrain.model.config import ModelConfig
 from moontrain.model.kda_ops import CHUNK as KDA_CHUNK
-from moontrain.planning.params import count_params
+from moontrain.model.params import count_params
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
 

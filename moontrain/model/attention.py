@@ -23,9 +23,9 @@ from torch import nn
 
 from moontrain.model.config import ModelConfig
 from moontrain.model.documents import DocumentMask, causal_attention
+from moontrain.model.max_logit import causal_max_logit
 from moontrain.model.norm import RMSNorm
 from moontrain.model.rope import apply_rope, softmax_scale
-from moontrain.optim.qk_clip import causal_max_logit
 
 
 class MLAttention(nn.Module):
@@ -49,6 +49,14 @@ class MLAttention(nn.Module):
             self.wg = nn.Linear(D, N * cfg.v_head_dim, bias=False, device=device)
         self.wo = nn.Linear(N * cfg.v_head_dim, D, bias=False, device=device)
         self.max_logit_N: torch.Tensor | None = None  # QK-Clip's running max logit per head, or None
+
+    def head_row_blocks(self) -> dict[str, tuple[int, ...]]:
+        """Per-head Muon (optim.muon_per_head_qkv): parameter name -> the row sizes of its per-head
+        matrices (the query: Dn + Dr rows per head; wkv_b: Dn key rows then Dv value rows per head)."""
+        cfg = self.cfg
+        N, Dn, Dr, Dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        q = "wq.weight" if cfg.q_lora_rank is None else "wq_b.weight"
+        return {q: (Dn + Dr,) * N, "wkv_b.weight": (Dn, Dv) * N}
 
     def forward(self, x_BTD: torch.Tensor, cos_TDr: torch.Tensor, sin_TDr: torch.Tensor,
                 docs: DocumentMask | None = None) -> torch.Tensor:

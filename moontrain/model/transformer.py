@@ -16,6 +16,10 @@ model.document_mask is on), every forward derives the packed documents from the 
 every attention layer stays inside them (moontrain.model.documents). With deterministic_attention (the
 trainer passes train.deterministic) causal attention on CUDA goes through flex_attention, whose
 backward is deterministic, also without documents.
+
+Layout: the model is built knowing only which expert rows it holds (ExpertPlacement); recompute, compile,
+the dense parameters' wrapping and the experts' backends are applied afterwards, in one order, by
+moontrain.parallel.parallelize, through enable_activation_checkpointing and attach_experts_backends.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from moontrain.model.attention import MLAttention
 from moontrain.model.attn_res import DepthAttention, starts_block
 from moontrain.model.config import KernelsConfig, ModelConfig
 from moontrain.model.documents import DocumentMask, causal_flex_mask, document_mask
-from moontrain.model.experts import ExpertsContext, ExpertsRuntime, build_experts_runtime
+from moontrain.model.experts import ExpertPlacement, ExpertsContext, ExpertsRuntime, build_experts_runtime
 from moontrain.model.ffn import GatedFFN
 from moontrain.model.init import expert_stds, init_dense
 from moontrain.model.kda import KimiDeltaAttention
@@ -42,7 +46,7 @@ from moontrain.model.rope import rope_cos_sin
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, *, kernels: KernelsConfig, ep_rank: int, ep: int,
+    def __init__(self, cfg: ModelConfig, layer_idx: int, *, kernels: KernelsConfig, placement: ExpertPlacement,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
@@ -51,7 +55,8 @@ class Block(nn.Module):
                      else MLAttention(cfg, pad_head_dims=kernels.attn_pad_head_dims, device=device))
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
         self.is_moe = layer_idx >= cfg.num_dense_layers
-        self.ffn = (MoE(cfg, ep_rank=ep_rank, ep=ep, router_tf32=kernels.router_tf32, device=device) if self.is_moe
+        self.ffn = (MoE(cfg, ep_rank=placement.ep_rank, ep=placement.ep, router_tf32=kernels.router_tf32, device=device)
+                    if self.is_moe
                     else GatedFFN(cfg.hidden_size, cfg.dense_intermediate_size, cfg.ffn_activation, device=device))
         self.attn_res = cfg.attn_res_block_size > 0
         if self.attn_res:  # AttnRes: the attention's and the FFN's inputs are depth aggregations
@@ -108,27 +113,29 @@ class Block(nn.Module):
 
 
 class K3Model(nn.Module):
-    """kernels: how the layers run (default: KernelsConfig()). ep_rank / ep: this rank's index in its EP group
-    and the EP degree (the expert rows it holds). document_eos_id: packed documents end with this id (None:
-    one sequence per row). deterministic_attention: on CUDA causal attention goes through flex_attention,
-    documents or not (train.deterministic)."""
+    """kernels: how the layers run (default: KernelsConfig()). placement: the expert rows this model holds (default:
+    all of them; ParallelLayout.expert_placement on a rank of an EP group): the only layout knowledge the
+    model is built with; moontrain.parallel.parallelize does the rest. document_eos_id: packed documents end
+    with this id (None: one sequence per row). deterministic_attention: on CUDA causal attention goes
+    through flex_attention, documents or not (train.deterministic)."""
 
-    def __init__(self, cfg: ModelConfig, *, kernels: KernelsConfig | None = None, ep_rank: int = 0, ep: int = 1,
-                 document_eos_id: int | None = None, deterministic_attention: bool = False,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, *, kernels: KernelsConfig | None = None,
+                 placement: ExpertPlacement | None = None, document_eos_id: int | None = None,
+                 deterministic_attention: bool = False, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         kernels = kernels or KernelsConfig()
+        placement = placement or ExpertPlacement()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device)
         self.layers = nn.ModuleList(
-            Block(cfg, i, kernels=kernels, ep_rank=ep_rank, ep=ep, device=device) for i in range(cfg.num_layers)
+            Block(cfg, i, kernels=kernels, placement=placement, device=device) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
         # AttnRes: the final norm's input is one more aggregation over the blocks and the last partial sum
         self.final_res = (DepthAttention(cfg.hidden_size, cfg.norm_eps, device=device)
                           if cfg.attn_res_block_size else None)
-        self._loss = _cross_entropy
+        self.loss_fn = cross_entropy  # parallelize's compile step replaces it with its compiled form
         self.document_eos_id = document_eos_id
         self.deterministic_attention = deterministic_attention
 
@@ -160,28 +167,6 @@ class K3Model(nn.Module):
                 block.ffn.router.score_bias_E.zero_()
                 moe_idx += 1
 
-    def compile_dense_parts(self) -> None:
-        """torch.compile (in place) what runs between the routed experts: per block the norms (the
-        MoE's latent norm included), the attention and the dense FFN or the shared experts; the
-        AttnRes aggregations' math; the final norm and the loss. The routed experts (custom autograd functions around
-        communication) stay eager."""
-        for module in self.modules():
-            if isinstance(module, DepthAttention):
-                module.compile_math()
-        for block in self.layers:
-            block.attn_norm.compile()
-            block.attn.compile()
-            block.ffn_norm.compile()
-            if not block.is_moe:
-                block.ffn.compile()
-                continue
-            if block.ffn.shared is not None:
-                block.ffn.shared.compile()
-            if block.ffn.latent:
-                block.ffn.latent_norm.compile()
-        self.norm.compile()
-        self._loss = torch.compile(_cross_entropy)
-
     def enable_activation_checkpointing(self) -> None:
         for block in self.layers:
             block.activation_checkpointing = True
@@ -200,7 +185,7 @@ class K3Model(nn.Module):
     def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (loss to backpropagate = CE + aux, CE alone for logging)."""
         logits_BTV, aux_total = self._logits_aux(tokens_BT)
-        ce = self._loss(logits_BTV, targets_BT)
+        ce = self.loss_fn(logits_BTV, targets_BT)
         return ce + aux_total, ce.detach()
 
     def logits(self, tokens_BT: torch.Tensor) -> torch.Tensor:
@@ -226,6 +211,6 @@ class K3Model(nn.Module):
         return self.lm_head(self.norm(x_BTD)), aux_total
 
 
-def _cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy, in fp32."""
     return F.cross_entropy(logits_BTV.float().view(-1, logits_BTV.shape[-1]), targets_BT.reshape(-1))

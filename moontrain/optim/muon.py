@@ -51,10 +51,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as adamw_step
 
-from moontrain.model.attention import MLAttention
+from moontrain.collectives import all_gather_single
 from moontrain.optim.config import OptimConfig
 from moontrain.optim.schedule import lr_multiplier
-from moontrain.parallel.collectives import all_gather_single
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 _NS_EPS = 1e-7
@@ -110,20 +109,15 @@ def split_muon_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
 
 
 def qkv_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Per-head Muon: parameter name -> the row sizes of its per-head matrices (query: Dn + Dr rows per
-    head; wkv_b: Dn key rows then Dv value rows per head)."""
-    cfg = model.cfg
-    N, Dn, Dr, Dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    """Per-head Muon: parameter name -> the row sizes of its per-head matrices, from every layer that
+    declares them (`head_row_blocks()`: the MLA layers; KDA's wq is not split per head)."""
     out = {}
     for module_name, module in model.named_modules():
-        if not isinstance(module, MLAttention):  # KDA layers have a wq too, not split per MLA head
+        head_row_blocks = getattr(module, "head_row_blocks", None)
+        if head_row_blocks is None:
             continue
-        for name, _ in module.named_parameters():
-            full = f"{module_name}.{name}"
-            if name in ("wq.weight", "wq_b.weight"):
-                out[full] = (Dn + Dr,) * N
-            elif name == "wkv_b.weight":
-                out[full] = (Dn, Dv) * N
+        for name, blocks in head_row_blocks().items():
+            out[f"{module_name}.{name}"] = blocks
     return out
 
 

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from moontrain.collectives import all_gather_single
 from moontrain.optim.protocol import TrainOptimizer
-from moontrain.parallel.collectives import all_gather_single
 from moontrain.parallel.layout import ParallelLayout
 
 _EPS = 1e-6

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moonep import host_groups
+from moontrain.model.experts import ExpertPlacement
 
 
 @dataclass(kw_only=True)
@@ -45,6 +46,11 @@ class ParallelLayout:
     @property
     def ep_rank(self) -> int:
         return self.rank % self.ep
+
+    @property
+    def expert_placement(self) -> ExpertPlacement:
+        """The expert rows this rank's model holds (K3Model's placement)."""
+        return ExpertPlacement(ep_rank=self.ep_rank, ep=self.ep)
 
     @property
     def dp_replicate_rank(self) -> int:

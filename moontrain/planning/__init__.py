@@ -1,1 +1,1 @@
-"""Dry-run planning: parameter counts from a meta-device model and a per-rank memory estimate."""
+"""Dry-run planning: a per-rank memory estimate and step time (parameter counts: moontrain.model.params)."""

@@ -50,7 +50,7 @@ from moonep import BufferConfig, Layout, glu_projections
 from moontrain.config.run_config import RunConfig
 from moontrain.model.attn_res import aggregation_sizes
 from moontrain.model.kda_ops import CHUNK as KDA_CHUNK
-from moontrain.planning.params import ParamCounts
+from moontrain.model.params import ParamCounts
 
 ROWS = ("weights", "master", "grads", "optimizer", "symmetric_heap", "receive_buffers", "activations")
 

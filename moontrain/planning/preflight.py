@@ -17,8 +17,8 @@ from pathlib import Path
 
 from moontrain.config.run_config import RunConfig
 from moontrain.data.config import SourceConfig
+from moontrain.model.params import count_params
 from moontrain.planning.memory import estimate_memory
-from moontrain.planning.params import count_params
 
 
 def check_data(cfg: RunConfig) -> list[str]:

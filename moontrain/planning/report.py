@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from moonep import remote_experts
 from moontrain.config.run_config import RunConfig
+from moontrain.model.params import count_params
 from moontrain.planning.memory import ROWS, MemoryEstimate, estimate_memory
-from moontrain.planning.params import count_params
 from moontrain.planning.step_time import step_time_lines
 
 H200_BYTES = 141e9

@@ -30,11 +30,11 @@ from moontrain.data.packed import PackedStream
 from moontrain.data.tokenizer import check_vocab, load_tokenizer
 
 if TYPE_CHECKING:
+    from moontrain.config.eval_config import EvalConfig
+    from moontrain.config.train_config import TrainConfig
     from moontrain.data.config import DataConfig
     from moontrain.model.transformer import K3Model
     from moontrain.parallel.layout import ParallelLayout
-    from moontrain.trainer.config import TrainConfig
-    from moontrain.trainer.eval_config import EvalConfig
 
 
 class Evaluator:

@@ -4,7 +4,7 @@ Gradient scaling: each rank's loss is the mean over its own tokens, so the globa
 the per-rank losses. FSDP's reduce-scatter averages dense grads over the world. An expert's grad on
 its owner already sums the contributions of every rank of its EP group (the backend's backward sums
 them: the reversed all-to-all, or moonep's combine-backward plus reduce_grad); the backends accumulate
-it times ExpertsContext.loss_scale = 1 / world size (the one place that factor is set), and summing
+it times ExpertsContext.loss_scale = 1 / world size (set in moontrain.parallel.parallelize only), and summing
 over the expert-data-parallel replicas gives the same mean.
 
 Metrics are accumulated on device (MetricsWindow) and read once per logging step. Checkpoints
@@ -33,16 +33,15 @@ from moontrain.metrics.heatmap import colorize, heatmap_path, write_png
 from moontrain.metrics.moe_stats import MoEStats
 from moontrain.metrics.progress import ProgressLog, StepStats
 from moontrain.metrics.window import MetricsWindow, memory_stats
-from moontrain.model.experts import ExpertsContext
 from moontrain.model.kda import uses_fla
 from moontrain.model.router_updates import MeanFreeRouterUpdates
 from moontrain.model.transformer import K3Model
 from moontrain.optim.adamw import build_optimizer
 from moontrain.optim.qk_clip import QKClip
 from moontrain.parallel.clip import clip_grad_norm_global
-from moontrain.parallel.fsdp import allreduce_dense_grads, apply_fsdp
+from moontrain.parallel.fsdp import allreduce_dense_grads
 from moontrain.parallel.layout import ParallelLayout
-from moontrain.parallel.plain_dense import PlainDense
+from moontrain.parallel.parallelize import parallelize
 from moontrain.trainer.determinism import enable_determinism
 from moontrain.trainer.evaluate import Evaluator
 from moontrain.trainer.guard import DivergenceGuard, step_verdict
@@ -71,36 +70,21 @@ class Trainer:
         self.data = build_loader(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.train.seq_len,
                                  global_batch=cfg.train.global_batch_size, rank=layout.rank,
                                  world_size=layout.world_size, device=device)
-        self.model = K3Model(cfg.model, kernels=cfg.kernels, ep_rank=layout.ep_rank, ep=layout.ep,
+        self.model = K3Model(cfg.model, kernels=cfg.kernels, placement=layout.expert_placement,
                              # packed documents: attention and the KDA state stop at each EOS
                              document_eos_id=self.data.eos_id if cfg.model.document_mask else None,
                              deterministic_attention=cfg.train.deterministic, device=device)
         self.model.init_weights(cfg.train.seed)
-        if cfg.train.activation_checkpointing:
-            self.model.enable_activation_checkpointing()
-        if cfg.train.compile:  # before FSDP wraps the blocks (compiled parts live inside them)
-            self.model.compile_dense_parts()
-        self.fsdp = layout.distributed and cfg.parallel.dense == "fsdp"
-        # parallel.dense=plain (one rank): FSDP's mixed precision without FSDP (moontrain.parallel.plain_dense)
-        self.plain_dense = PlainDense(self.model, self.compute_dtype) if cfg.parallel.dense == "plain" else None
-        if self.fsdp:
-            apply_fsdp(self.model, layout, param_dtype=self.compute_dtype,
-                       reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward)
         micro_batch = cfg.train.micro_batch(layout.world_size)
         self.accumulation_steps = cfg.train.accumulation_steps(layout.world_size)
-        self.experts_ctx = ExpertsContext(
-            num_experts=cfg.model.num_experts, topk=cfg.model.num_experts_per_tok, ep_group=layout.ep_group,
-            ep=layout.ep, compute_dtype=self.compute_dtype, token_padding=cfg.experts.token_padding,
-            max_tokens=micro_batch * cfg.train.seq_len, device=device, activation=cfg.model.ffn_activation,
-            loss_scale=1.0 / layout.world_size,
-            recomputed_in_backward=cfg.train.activation_checkpointing, moonep=cfg.experts.moonep,
-            ep_host_group=layout.ep_host_group, ep_rail_group=layout.ep_rail_group,
-        )
-        self.experts_runtime = self.model.attach_experts_backends(cfg.experts.backend, self.experts_ctx)
+        # recompute, compile, FSDP / plain dense, the experts' backends: in that order (moontrain.parallel.parallelize)
+        parallel = parallelize(self.model, layout, parallel=cfg.parallel, experts=cfg.experts,
+                               compute_dtype=self.compute_dtype, max_tokens=micro_batch * cfg.train.seq_len,
+                               activation_checkpointing=cfg.train.activation_checkpointing,
+                               compile_dense=cfg.train.compile)
+        self.fsdp, self.plain_dense = parallel.fsdp, parallel.plain_dense
+        self.experts_ctx, self.experts_runtime = parallel.experts_ctx, parallel.experts_runtime
         self.experts = [moe.experts for moe in self.model.moe_layers()]
-        if cfg.parallel.shard_expert_state:
-            for w in self.experts:
-                w.shard_state(layout.dp_replicate_rank, layout.dp_replicate, layout.edp_group)
         self.expert_params = [p for w in self.experts for p in w.master.values()]
         expert_ids = {id(p) for p in self.expert_params}
         self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]

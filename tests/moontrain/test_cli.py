@@ -18,7 +18,7 @@ import yaml
 
 from moontrain.cli import main
 from moontrain.config import RunConfig, from_dict, load_recipe
-from moontrain.planning.params import count_params
+from moontrain.model.params import count_params
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -2,6 +2,6 @@
 
 from moontrain.model.experts.backend import ExpertsBackend, ExpertsContext, ExpertsRuntime
 from moontrain.model.experts.registry import build_experts_runtime
-from moontrain.model.experts.weights import ExpertWeights
+from moontrain.model.experts.weights import ExpertPlacement, ExpertWeights
 
-__all__ = ["ExpertWeights", "ExpertsBackend", "ExpertsContext", "ExpertsRuntime", "build_experts_runtime"]
+__all__ = ["ExpertPlacement", "ExpertWeights", "ExpertsBackend", "ExpertsContext", "ExpertsRuntime", "build_experts_runtime"]

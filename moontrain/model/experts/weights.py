@@ -43,14 +43,24 @@ ring for the other (last-bit differences). The grad norm sums per row block in b
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moontrain.parallel.collectives import all_gather_single, reduce_scatter_single
+from moontrain.collectives import all_gather_single, reduce_scatter_single
 
 PROJECTIONS = ("gate", "up", "down")
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertPlacement:
+    """The experts a model's MoE layers hold: rank ep_rank of an EP group of ep ranks holds the global experts
+    [ep_rank * E / ep, (ep_rank + 1) * E / ep) of every layer. The default (0 of 1) holds them all."""
+
+    ep_rank: int = 0
+    ep: int = 1
 
 
 class ExpertWeights(nn.Module):

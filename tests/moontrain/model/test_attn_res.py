@@ -19,8 +19,8 @@ from moontrain.metrics.flops import flops_per_token
 from moontrain.model.attn_res import DepthAttention, aggregate_backward, aggregate_forward, aggregation_sizes
 from moontrain.model.config import ModelConfig
 from moontrain.model.experts import ExpertsContext
+from moontrain.model.params import count_params
 from moontrain.model.transformer import K3Model
-from moontrain.planning.params import count_params
 
 
 def naive_aggregate(values: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,

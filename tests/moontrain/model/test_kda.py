@@ -172,7 +172,7 @@ def test_mla_masks_documents_like_flex_attention() -> None:
 @pytest.mark.parametrize("rank", [None, 6], ids=["full-rank-gates", "low-rank-gates"])
 def test_param_counts_and_flops_cover_kda(rank: int | None) -> None:
     from moontrain.metrics.flops import flops_per_token
-    from moontrain.planning.params import count_params
+    from moontrain.model.params import count_params
 
     cfg = _cfg(num_layers=8, kda_layers_per_mla=3, kda_gate_rank=rank)  # KDA 1-3, 5-7; MLA 4, 8
     D, H, K, W = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_conv_size

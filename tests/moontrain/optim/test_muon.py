@@ -22,9 +22,10 @@ from moontrain.checkpoint import CheckpointError, find_latest
 from moontrain.config import RunConfig
 from moontrain.model.attention import MLAttention
 from moontrain.model.config import ModelConfig
+from moontrain.model.max_logit import causal_max_logit
 from moontrain.optim.config import OptimConfig
 from moontrain.optim.muon import NS_COEFFS, assign_owners, newton_schulz
-from moontrain.optim.qk_clip import QKClip, causal_max_logit
+from moontrain.optim.qk_clip import QKClip
 from moontrain.parallel.layout import build_layout, single_process_layout
 from moontrain.trainer.trainer import Trainer
 from tests.dist_utils import run_ranks
@@ -339,12 +340,12 @@ def test_qk_clip_scales_each_head_logit_by_gamma() -> None:
 
 
 def test_causal_max_logit_chunks_match_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
-    import moontrain.optim.qk_clip as qk_clip
+    import moontrain.model.max_logit as max_logit
 
     gen = torch.Generator().manual_seed(2)
     q, k = torch.randn(2, 3, 11, 5, generator=gen), torch.randn(2, 3, 11, 5, generator=gen)
     whole = causal_max_logit(q, k, 0.5)
-    monkeypatch.setattr(qk_clip, "_SCORES_PER_CHUNK", 2 * 3 * 11 * 2)  # 2 query rows per chunk
+    monkeypatch.setattr(max_logit, "_SCORES_PER_CHUNK", 2 * 3 * 11 * 2)  # 2 query rows per chunk
     # the same dot products, but a GEMM of another shape may take another CPU kernel (FMA order): D = 5
     # products summed in fp32 differ by at most a few ulp of the largest logit
     tol = dict(rtol=8 * torch.finfo(torch.float32).eps, atol=8 * torch.finfo(torch.float32).eps)

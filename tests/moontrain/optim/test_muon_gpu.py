@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from moontrain.model.config import ModelConfig
+from moontrain.model.max_logit import causal_max_logit
 from moontrain.model.transformer import K3Model
 from moontrain.optim.adamw import build_optimizer
 from moontrain.optim.config import OptimConfig
 from moontrain.optim.muon import rms_scale
-from moontrain.optim.qk_clip import causal_max_logit
 from tests.moontrain.optim.test_muon import NS_TOL, check_newton_schulz
 
 pytestmark = pytest.mark.gpu

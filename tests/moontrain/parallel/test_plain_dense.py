@@ -21,10 +21,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from moontrain.checkpoint import find_latest
 from moontrain.config import RunConfig, from_dict
+from moontrain.config.eval_config import EvalConfig
 from moontrain.dataclass_dict import to_dict
 from moontrain.parallel.layout import build_layout
 from moontrain.parallel.plain_dense import PlainDense
-from moontrain.trainer.eval_config import EvalConfig
 from moontrain.trainer.trainer import Trainer
 from tests.dist_utils import run_ranks
 from tests.moontrain.ckpt_utils import assert_bitwise, full_state, small_config

@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 
 from moontrain.model.experts.weights import PROJECTIONS, ExpertWeights
+from moontrain.model.params import count_params
 from moontrain.optim.adamw import build_optimizer
 from moontrain.optim.config import OptimConfig
 from moontrain.parallel.clip import global_grad_norm
 from moontrain.parallel.layout import build_layout
 from moontrain.planning.memory import estimate_memory
-from moontrain.planning.params import count_params
 from moontrain.trainer.trainer import Trainer
 from tests.dist_utils import run_ranks
 from tests.moontrain.ckpt_utils import _full, assert_bitwise, full_state, small_config

@@ -11,8 +11,8 @@ import yaml
 
 from moontrain.cli import main
 from moontrain.config import RunConfig, from_dict
+from moontrain.model.params import count_params
 from moontrain.planning.memory import estimate_memory
-from moontrain.planning.params import count_params
 
 REPO = Path(__file__).resolve().parents[3]
 WORLD, BF16 = 4, 2

@@ -13,8 +13,8 @@ import yaml
 from moonep import BufferConfig, Layout
 from moontrain.cli import main
 from moontrain.config import RunConfig, from_dict
+from moontrain.model.params import count_params
 from moontrain.planning.memory import estimate_memory
-from moontrain.planning.params import count_params
 from moontrain.planning.step_time import StepTimeAssumptions, predict_step_time
 
 REPO = Path(__file__).resolve().parents[3]

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from moontrain.config import RunConfig, from_dict
+from moontrain.config.eval_config import EvalConfig
 from moontrain.parallel.layout import build_layout, single_process_layout
-from moontrain.trainer.eval_config import EvalConfig
 from moontrain.trainer.trainer import Trainer
 from tests.dist_utils import run_ranks
 from tests.moontrain.ckpt_utils import small_config

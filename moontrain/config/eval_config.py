@@ -1,4 +1,4 @@
-"""Evaluation configuration: how often, how much, and which held-out data."""
+"""The eval: section (EvalConfig): how often, how much, and which held-out data."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Training-loop configuration: steps, batch geometry, logging, run directory."""
+"""The train: section (TrainConfig): steps, batch geometry, logging, run directory, compile, recompute."""
 
 from __future__ import annotations
 
