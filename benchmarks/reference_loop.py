@@ -150,7 +150,8 @@ class _ExpertCounts:
             c = counts.double()
             maxvio.append((c.max() / c.mean() - 1).item())
             if rule == "proportional":
-                step = rate * (c.mean().clamp_min(1.0) - c) / c.mean().clamp_min(1.0)
+                mean = c.mean().clamp_min(1.0)
+                step = rate * (mean - c) / mean
             else:
                 step = rate * torch.sign(c.mean() - c)
             gate.e_score_correction_bias += step.to(gate.e_score_correction_bias.dtype)

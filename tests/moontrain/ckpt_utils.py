@@ -3,10 +3,16 @@ views of a trainer's state."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from moontrain.checkpoint.manifest import DIGEST_KEY, MANIFEST, TRAIN_STATE, manifest_bytes
 from moontrain.config import RunConfig, from_dict
 from moontrain.trainer.trainer import Trainer
 
@@ -75,3 +81,17 @@ def train(trainer: Trainer, steps: int) -> list[float]:
         assert stats is not None  # log_every=1
         losses.append(stats.loss)
     return losses
+
+
+def rewrite_saved_model(ckpt: Path, edit: Callable[[dict], dict]) -> None:
+    """Replace the checkpoint's saved model config by edit(it), as another moontrain version would have
+    written it, with the manifest's digests made to match."""
+    state_path = ckpt / TRAIN_STATE
+    state = json.loads(state_path.read_text())
+    state["model"] = edit(state["model"])
+    raw = json.dumps(state).encode()
+    state_path.write_bytes(raw)
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    del manifest[DIGEST_KEY]
+    manifest["files"][TRAIN_STATE] = {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    (ckpt / MANIFEST).write_bytes(manifest_bytes(manifest))

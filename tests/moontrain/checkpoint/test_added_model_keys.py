@@ -8,36 +8,20 @@ resumes bit for bit. Reference: the state of the run that saved it.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from moontrain.checkpoint.manifest import DIGEST_KEY, MANIFEST, TRAIN_STATE, manifest_bytes
 from moontrain.checkpoint.store import CheckpointError
 from moontrain.model.config import ModelConfig
 from moontrain.parallel.layout import single_process_layout
 from moontrain.planning.resume_check import check_resume
 from moontrain.trainer.trainer import Trainer
-from tests.moontrain.ckpt_utils import assert_bitwise, full_state, small_config, train
+from tests.moontrain.ckpt_utils import assert_bitwise, full_state, rewrite_saved_model, small_config, train
 
 CPU = torch.device("cpu")
 OLD = {"router_mean_free_updates": False, "router_bias_update": "sign"}
-
-
-def _drop_added_keys(ckpt: Path) -> None:
-    """Remove the added keys from the checkpoint's saved model config, the manifest's digests made to match."""
-    state_path = ckpt / TRAIN_STATE
-    state = json.loads(state_path.read_text())
-    state["model"] = {k: v for k, v in state["model"].items() if k not in OLD}
-    raw = json.dumps(state).encode()
-    state_path.write_bytes(raw)
-    manifest = json.loads((ckpt / MANIFEST).read_text())
-    del manifest[DIGEST_KEY]
-    manifest["files"][TRAIN_STATE] = {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
-    (ckpt / MANIFEST).write_bytes(manifest_bytes(manifest))
 
 
 def test_an_older_checkpoint_resumes_only_under_its_own_balancing(tmp_path: Path) -> None:
@@ -50,7 +34,7 @@ def test_an_older_checkpoint_resumes_only_under_its_own_balancing(tmp_path: Path
     ckpt = trainer.save_checkpoint()
     state = full_state(trainer)
     trainer.close()
-    _drop_added_keys(ckpt)
+    rewrite_saved_model(ckpt, lambda model: {k: v for k, v in model.items() if k not in OLD})
 
     today = small_config("local", 1, steps=4, run_dir=str(tmp_path / "run"), checkpoint={"save_final": False})
     assert (today.model.router_mean_free_updates, today.model.router_bias_update) == (True, "proportional")

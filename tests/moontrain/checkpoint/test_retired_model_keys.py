@@ -7,7 +7,6 @@ saved the checkpoint. Each of these paths refused such a checkpoint before saved
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from moontrain.checkpoint import export_hf, init_weights_from, read_hf
-from moontrain.checkpoint.manifest import DIGEST_KEY, MANIFEST, TRAIN_STATE, manifest_bytes
+from moontrain.checkpoint.manifest import TRAIN_STATE
 from moontrain.config import RunConfig, from_dict
 from moontrain.config.loader import to_dict
 from moontrain.generate.load import load_model
@@ -23,25 +22,12 @@ from moontrain.model.config import ModelConfig
 from moontrain.parallel.layout import single_process_layout
 from moontrain.planning.resume_check import check_resume
 from moontrain.trainer.trainer import Trainer
-from tests.moontrain.ckpt_utils import assert_bitwise, full_state, small_config, train
+from tests.moontrain.ckpt_utils import assert_bitwise, full_state, rewrite_saved_model, small_config, train
 
 CPU = torch.device("cpu")
 # what a checkpoint of the version before the move wrote for them (values other than the defaults, so that
 # a path that still read them would be seen)
 OLD_KEYS = {"kda_kernel": "torch", "router_tf32": False, "attn_pad_head_dims": True, "router_skew": 0.0}
-
-
-def _as_older_version(ckpt: Path) -> None:
-    """Add OLD_KEYS to the checkpoint's saved model config, with the manifest's digests made to match."""
-    state_path = ckpt / TRAIN_STATE
-    state = json.loads(state_path.read_text())
-    state["model"] = {**state["model"], **OLD_KEYS}
-    raw = json.dumps(state).encode()
-    state_path.write_bytes(raw)
-    manifest = json.loads((ckpt / MANIFEST).read_text())
-    del manifest[DIGEST_KEY]
-    manifest["files"][TRAIN_STATE] = {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
-    (ckpt / MANIFEST).write_bytes(manifest_bytes(manifest))
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +45,7 @@ def older(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunConfig, Path, di
     with torch.no_grad():
         logits = trainer.model.logits(tokens)
     trainer.close()
-    _as_older_version(ckpt)
+    rewrite_saved_model(ckpt, lambda model: {**model, **OLD_KEYS})
     assert set(OLD_KEYS) <= set(json.loads((ckpt / TRAIN_STATE).read_text())["model"])
     return cfg, ckpt, state, logits
 
