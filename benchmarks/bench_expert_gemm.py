@@ -73,7 +73,7 @@ def autotuned(kernel, call: Callable[[], object]) -> dict:
 
 
 def glu_rows(name: str, H: int, F: int, offs: torch.Tensor, N: int, act: str, args) -> list[dict]:
-    from moonep.datapath.triton_path import GLU_KERNELS
+    from moonep.datapath.triton_path import GLU_FORWARD
     from moonep.kernels import grouped_glu
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -82,7 +82,7 @@ def glu_rows(name: str, H: int, F: int, offs: torch.Tensor, N: int, act: str, ar
     x = torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16)
     wg = (torch.randn(G, H, F, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16)
     wu = (torch.randn(G, H, F, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16)
-    act_kernel = GLU_KERNELS[act][0]
+    act_kernel = GLU_FORWARD[act]
     h, u = grouped_mm(x, wg, offs), grouped_mm(x, wu, offs)
     a_base = act_kernel(h, u)
     tuned = autotuned(grouped_glu._grouped_glu_kernel, lambda: grouped_glu.grouped_glu_forward(x, wg, wu, offs, act))

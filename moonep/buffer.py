@@ -319,6 +319,10 @@ class Buffer:
         """[nvs_s, H] symmetric rows; writing y rows here makes combine copy nothing."""
         self._check_alive("combine_input")
         self._check_plan("combine_input", plan)
+        if "comb" not in self._mine:
+            raise ValueError("combine_input: this buffer sums at the destination (BufferOptions.combine_reduce="
+                             "'destination'), which has no combine rows; pass the y rows to combine() itself "
+                             "(with row_weights), or build the buffer with combine_reduce='source'")
         return self._mine["comb"][: plan.nvs_s]
 
     def combine(self, plan: Plan, y_rows: torch.Tensor, row_scalars: torch.Tensor | None = None, *,

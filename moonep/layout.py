@@ -13,6 +13,7 @@ Comm segment regions (rows are token rows of width H):
     recv        [NvS + 2, H] dtype   dispatch destination; row NvS is a trash row for masked-out
                                      writes, row NvS + 1 stays zero (source of padding rows)
     comb        [NvS + 2, H] dtype   combine source rows (y_rows), read by the tokens' home ranks
+                                     (combine_reduce "source" only)
     hist        [R, E]       int32   every rank's tokens_per_expert, written by that rank
     row_weight  [NvS + 1]    fp32    route weight per received row (trash at NvS)
     row_link    [NvS + 1, 2] int32   per received row (row_copy, row_src), one 8-byte record so the
@@ -113,9 +114,12 @@ class Layout:
         num_slots = remote if cfg.num_slots is None else cfg.num_slots
         nvs = receive_rows(cfg.max_tokens, cfg.topk, cfg.num_experts, R, cfg.token_padding)
         H, E = cfg.hidden, cfg.num_experts
+        # combine_reduce "destination" pushes partial rows from the caller's tensor into the landing rows:
+        # no comb region (Buffer.combine_input is for "source")
+        comb = [("comb", (nvs + 2, H), cfg.dtype)] if cfg.options.combine_reduce == "source" else []
         specs = [
             ("recv", (nvs + 2, H), cfg.dtype),
-            ("comb", (nvs + 2, H), cfg.dtype),
+            *comb,
             ("hist", (R, E), torch.int32),
             ("row_weight", (nvs + 1,), torch.float32),
             ("row_link", (nvs + 1, 2), torch.int32),

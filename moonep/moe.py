@@ -6,18 +6,26 @@ forward:  plan -> prefetch (side stream, overlapping the dispatch of token rows)
           o = a W_down -> y_rows = o * route weight -> combine (with BufferOptions.combine_reduce
           "destination": combine takes o and the route weights and multiplies in fp32 as it sums)
 backward: re-prefetch if another layer used the slots (side stream) -> dispatch(grad_y) with the
-          saved plan -> grads of rows (the last read of the slots; then the previous layer's
-          copies start on the side stream, ExpertPools.previous_forward) -> weight grads (fp32
-          into the grad mirror: local rows accumulate into g_local, slot rows into the reduce
-          pool) -> combine(grad_x_rows) with the route-weight grads gathered per (token, k) (with
+          saved plan -> g = gy W_down^T, then grad_h, grad_u, the route-weight grads and a_w = w * a
+          in one elementwise pass (the path's glu_route_backward) -> W_down's grad (a_w^T gy) -> grads
+          of rows (the last read of the slots; then the previous layer's copies start on the side
+          stream, ExpertPools.previous_forward) -> dispatch(x) again into the receive rows -> W_gate's
+          and W_up's grads (fp32 into the grad mirror: local rows accumulate
+          into g_local, slot rows into the reduce pool) -> combine(grad_x_rows) with the route-weight grads gathered per (token, k) (with
           "destination": combine takes the gate and up halves of grad_x_rows and adds them in fp32) ->
           reduce_grad on the communication stream (it overlaps the backward upstream, e.g.
           attention, until the next moonep call joins it; Buffer.wait_pending before the grads
           are read)
 
+Saved for backward: x_sH [s, H] (the caller keeps it for its own backward anyway: the router's input),
+the route weights per row, h and u [S*K, F]. Not saved: the dispatched rows of x and the expert output o
+(each [S*K, H]): x's rows are dispatched again (a local copy at one rank, the forward dispatch's traffic
+at more), o is not needed. At the DeepSeek-V3 benchmark point (H 2048, F 1024, 32k tokens per pass) that
+is 2 of 3 GiB per layer and pass.
+
 The gated activation f is a parameter of the op, by name (moonep.activation: "swiglu", ...). The
-elementwise steps (f and its backward, the route weights) run on the buffer's data path
-(moonep.datapath): the PyTorch specification or its Triton kernels.
+elementwise steps (f, its backward with the route weights, the forward's route-weight scale) run on the
+buffer's data path (moonep.datapath): the PyTorch specification or its Triton kernels.
 
 Legend: s tokens, K top-k, H hidden (buffer width), F expert FFN width, G = epn + B groups.
 """
@@ -48,27 +56,24 @@ class _ExpertGLU(torch.autograd.Function):
         layer.pools.prefetch_async(plan, layer)  # expert copies overlap the token rows' dispatch
         res = buffer.dispatch(x_sH, weights_sK, plan=plan)
         offs = res.cu_seqlens
-        # the receive rows are reused by the next dispatch: backward's copy is made on the side stream
-        # while the gate/up and down GEMMs run; joined before combine, whose barriers are what let a
-        # peer's next dispatch write the receive rows again, and before anything here writes the
-        # symmetric rows. The small weights clone goes first: it is a device-to-device copy too, and
-        # queued after the side copy it waits for it (the copy engine serves them in order).
+        # the receive rows are reused by the next dispatch: backward dispatches x_sH again rather than
+        # keeping a copy of its rows ([S*K, H], the op's largest saved tensor). The route weights'
+        # copy is small and kept.
         w_rows = res.weights_rows.clone()
-        x_rows = layer.pools.copy_async(res.x_rows)
         layer.pools.wait_prefetch()
         w = layer.w_compact
         path = buffer.path
         a, h, u = path.gate_up(activation, res.x_rows, w["gate"], w["up"], offs)
         o = grouped_mm(a, w["down"], offs)
         del a  # not saved: backward recomputes it from h and u
-        layer.pools.wait_copy()
         if _fused_combine(buffer):  # the fp32 product summed as it is, no rounding, no pass of its own
             y_sH, _ = buffer.combine(plan, o, row_weights=w_rows)
         else:
             y_in = buffer.combine_input(plan)
             path.scale_rows(o, w_rows, y_in)  # fp32 product, rounded once into the symmetric rows
             y_sH, _ = buffer.combine(plan, y_in)
-        ctx.save_for_backward(x_rows, w_rows, h, u, o)
+        # o is not saved either: the route weights' grads come from g = gy W_down^T and a (glu_route_backward)
+        ctx.save_for_backward(x_sH, w_rows, h, u)
         ctx.plan, ctx.buffer, ctx.layer, ctx.activation = plan, buffer, layer, activation
         ctx.wgrad_scale = layer.pools.wgrad_scale  # as configured for this forward
         ctx.weights_dtype = weights_sK.dtype
@@ -76,31 +81,36 @@ class _ExpertGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y_sH):
-        x_rows, w_rows, h, u, o = ctx.saved_tensors
+        x_sH, w_rows, h, u = ctx.saved_tensors
         plan, buffer, layer = ctx.plan, ctx.buffer, ctx.layer
         offs = plan.cu_seqlens
         layer.pools.ensure_async(plan, layer)  # re-prefetch (another layer used the slots) overlaps dispatch
         gy = buffer.dispatch(grad_y_sH.contiguous(), plan=plan).x_rows
         path = buffer.path
-        grad_o, grad_w_rows = path.route_backward(gy, o, w_rows)
         layer.pools.wait_prefetch()
         w = layer.w_compact
-        grad_a = grouped_mm(grad_o, w["down"].transpose(1, 2), offs)
-        grad_h, grad_u, a = path.glu_backward(ctx.activation, grad_a, h, u)
+        g = grouped_mm(gy, w["down"].transpose(1, 2), offs)  # dL/da without the route weight
+        grad_h, grad_u, a_w, grad_w_rows = path.glu_route_backward(ctx.activation, g, h, u, w_rows)
+        del g
+        pools = layer.pools
+        pools.accumulate_wgrad(layer, "down", a_w, gy, offs, ctx.wgrad_scale)  # gy's last reader
+        del a_w, gy  # before the two [S*K, H] dgrad halves are allocated (the backward's memory peak)
         grad_x_rows = grouped_mm(grad_h, w["gate"].transpose(1, 2), offs)
         grad_x_up = grouped_mm(grad_u, w["up"].transpose(1, 2), offs)
         if not _fused_combine(buffer):  # else combine adds the halves in fp32 as it reads them
             # bf16 + bf16 adds in fp32 and rounds once (torch's opmath): the fp32 sum's bits, no fp32 temporary
             grad_x_rows.add_(grad_x_up)
             grad_x_up = None
-        pools = layer.pools
         if ctx.prev is not None:  # the slots' last reader is queued: the next layer's copies overlap the wgrads
             prev_layer, prev_plan = ctx.prev
             ctx.prev = None  # once (a retained graph's second backward just prefetches as usual)
             pools.prefetch_async(prev_plan, prev_layer)
-        pools.accumulate_wgrad(layer, "down", a, grad_o, offs, ctx.wgrad_scale)
+        # x's rows again, into the receive rows gy occupied (dispatch's "dispatch:enter" barrier orders a
+        # peer's writes after every rank's reads of gy)
+        x_rows = buffer.dispatch(x_sH, plan=plan).x_rows
         pools.accumulate_wgrad(layer, "gate", x_rows, grad_h, offs, ctx.wgrad_scale)
         pools.accumulate_wgrad(layer, "up", x_rows, grad_u, offs, ctx.wgrad_scale)
+        del grad_h, grad_u
         grad_x_sH, grad_weights_sK = buffer.combine(plan, grad_x_rows, row_scalars=grad_w_rows, add_rows=grad_x_up)
         buffer.reduce_grad_async(plan, layer)
         return grad_x_sH, grad_weights_sK.to(ctx.weights_dtype), None, None, None, None, None, None

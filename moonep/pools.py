@@ -13,7 +13,7 @@ Views per layer (same physical memory, docs/moonep.md §4.2):
 Per pool: w_slots_all / g_slots_all [R, B, in, out], every rank's slots.
 
 The copies and folds themselves are the Buffer's data path (moonep.datapath: the PyTorch
-specification or the Triton kernels); on CUDA, prefetch_async and copy_async run them on a side
+specification or the Triton kernels); on CUDA, prefetch_async runs them on a side
 stream. Every remote expert a rank computes needs a slot: B >= Layout.remote_experts (epn at R > 1;
 none on one rank, where no slot or reduce pool is allocated; BufferConfig.num_slots None).
 
@@ -77,9 +77,8 @@ class ExpertPools:
         self.layers: list[LayerExperts] = []
         self.wgrad_scale = wgrad_scale
         self._owner: tuple[int, Plan] | None = None  # (layer index, plan) whose copies the slots hold
-        self._side: torch.cuda.Stream | None = None  # prefetch_async's / copy_async's stream (CUDA)
+        self._side: torch.cuda.Stream | None = None  # prefetch_async's stream (CUDA)
         self._prefetched: torch.cuda.Event | None = None  # completion of the last prefetch_async
-        self._copied: torch.cuda.Event | None = None  # completion of the last copy_async
         self._zero_pending: set[tuple[int, str]] = set()  # (layer index, projection): see defer_zero_grads
         self._last_forward: tuple[LayerExperts, Plan] | None = None  # see previous_forward
         self.chain_prefetch = chain_prefetch
@@ -169,33 +168,12 @@ class ExpertPools:
         self._prefetched = torch.cuda.Event()
         self._prefetched.record(side)
 
-    def copy_async(self, src: torch.Tensor) -> torch.Tensor:
-        """A copy of src, made on the side stream on CUDA (a plain clone on the CPU), so it
-        overlaps the current stream's next kernels; `wait_copy()` orders it before the current stream's
-        later work (call it before src's memory may be written again). The copy is allocated on the
-        current stream, which uses it afterwards."""
-        if not src.is_cuda:
-            return src.clone()
-        dst = torch.empty_like(src)
-        side = self._side_after_current(src.device)
-        with torch.cuda.stream(side):
-            dst.copy_(src)
-        self._copied = torch.cuda.Event()
-        self._copied.record(side)
-        return dst
-
     def _side_after_current(self, device: torch.device) -> torch.cuda.Stream:
         """The side stream (created once), ordered after the current stream's work so far."""
         if self._side is None:
             self._side = torch.cuda.Stream(device)
         self._side.wait_stream(torch.cuda.current_stream(device))
         return self._side
-
-    def wait_copy(self) -> None:
-        """Order the last copy_async before the current stream's next work (no host sync)."""
-        if self._copied is not None:
-            torch.cuda.current_stream(self.buffer.device).wait_event(self._copied)
-            self._copied = None
 
     def ensure_async(self, plan: Plan, layer: LayerExperts) -> None:
         """ensure() through prefetch_async; pair with wait_prefetch()."""

@@ -79,7 +79,7 @@ TINY = [
 OUR_CODE = (f"{os.sep}moontrain{os.sep}", f"{os.sep}moonep{os.sep}")
 # moonep's data-path calls (moonep.datapath.interface): one to a few Triton kernels each on the GPU
 PATH_CALLS = ("plan", "scatter", "expand", "combine", "prefetch", "reduce_into_owner", "zero_slots",
-              "accumulate_wgrad", "gate_up", "glu_forward", "glu_backward", "scale_rows", "route_backward")
+              "accumulate_wgrad", "gate_up", "glu_forward", "glu_route_backward", "scale_rows")
 # ops that launch no kernel on the GPU besides the views (op.is_view): allocation, profiler ranges, host reads
 NO_KERNEL = {"empty", "empty_strided", "empty_like", "_record_function_enter_new", "_record_function_exit",
              "_local_scalar_dense", "lift_fresh", "set_", "resize_", "is_nonzero", "is_same_size", "promote_types",

@@ -102,16 +102,12 @@ class DataPath(Protocol):
         """a = f(h, u) for the registered activation (moonep.activation)."""
         ...
 
-    def glu_backward(self, activation: str, grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(grad_h, grad_u, a) of a = f(h, u)."""
+    def glu_route_backward(self, activation: str, g: torch.Tensor, h: torch.Tensor, u: torch.Tensor,
+                           w_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For y_rows = w * (f(h, u) W_down), from g = gy W_down^T: (grad_h, grad_u, a_w = w * f(h, u)
+        rounded once, grad_w = sum_f g * f(h, u) in fp32) (moonep.datapath.reference.glu_route_backward)."""
         ...
 
     def scale_rows(self, o: torch.Tensor, w_rows: torch.Tensor, out: torch.Tensor) -> None:
         """out[r] = o[r] * w[r], the fp32 product rounded once to out's dtype."""
-        ...
-
-    def route_backward(self, gy: torch.Tensor, o: torch.Tensor, w_rows: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """For y_rows = o * w per row: (grad_o in gy's dtype, grad_w = sum_h gy * o in fp32)."""
         ...

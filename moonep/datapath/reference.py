@@ -257,16 +257,12 @@ class ReferencePath:
     def glu_forward(self, activation: str, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return get_activation(activation).forward(h, u)
 
-    def glu_backward(self, activation: str, grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return get_activation(activation).backward(grad_a, h, u)
+    def glu_route_backward(self, activation: str, g: torch.Tensor, h: torch.Tensor, u: torch.Tensor,
+                           w_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return glu_route_backward(activation, g, h, u, w_rows)
 
     def scale_rows(self, o: torch.Tensor, w_rows: torch.Tensor, out: torch.Tensor) -> None:
         torch.mul(o, w_rows[:, None], out=out)  # fp32 product, rounded once into out
-
-    def route_backward(self, gy: torch.Tensor, o: torch.Tensor, w_rows: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        return route_backward(gy, o, w_rows)
 
 
 def row_values(y_rows: torch.Tensor, row_weights: torch.Tensor | None, add_rows: torch.Tensor | None
@@ -281,9 +277,14 @@ def row_values(y_rows: torch.Tensor, row_weights: torch.Tensor | None, add_rows:
     return v
 
 
-def route_backward(gy: torch.Tensor, o: torch.Tensor, w_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For y_rows = o * w (per row): (grad_o, grad_w) from gy; fp32 products, grad_o rounded once to
-    gy's dtype (the specification of moonep.kernels.route_weights.route_backward)."""
-    grad_w = (gy.float() * o).sum(-1)
-    grad_o = torch.mul(gy, w_rows[:, None], out=torch.empty_like(gy))
-    return grad_o, grad_w
+def glu_route_backward(activation: str, g: torch.Tensor, h: torch.Tensor, u: torch.Tensor, w_rows: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """expert_glu's elementwise backward with the route weights folded in, for y_rows = w * (a W_down),
+    a = f(h, u): from g = gy W_down^T (no weight applied) -> (grad_h, grad_u, a_w, grad_w) with
+    grad_a = w * g in fp32 (the activation's backward rounds grad_h and grad_u once), a_w = w * a rounded
+    once (dW_down = a_w^T gy) and grad_w = sum_f g * a in fp32 (= sum_h gy * o, without o). The
+    specification of moonep.kernels.glu_route."""
+    grad_h, grad_u, a = get_activation(activation).backward(g.float() * w_rows[:, None], h, u)
+    grad_w = (g.float() * a.float()).sum(-1)
+    a_w = torch.mul(a, w_rows[:, None], out=torch.empty_like(a))
+    return grad_h, grad_u, a_w, grad_w

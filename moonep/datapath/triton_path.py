@@ -13,8 +13,9 @@ moonep.datapath.reference (the specification) except where a docstring below say
 - the expert GEMMs: torch._grouped_mm, or with BufferOptions.fused_expert_gemm the fused kernels
   moonep.kernels.grouped_glu (gate, up and the activation) and .grouped_wgrad (the weight gradient into
   the fp32 grads): other summation orders, within the bounds of tests/moonep/helpers/grouped_gemm_cases.py.
-- the activation and the route weights: moonep.kernels.swiglu / .situ_glu and moonep.kernels.route_weights
-  (the route-weight gradient sums in another order than torch.sum: within a bound the tests derive;
+- the activation and the route weights: moonep.kernels.swiglu / .situ_glu (forward), moonep.kernels.glu_route
+  (the backward with the route weights folded in) and moonep.kernels.route_weights (the forward scale; the
+  route-weight gradient sums in another order than torch.sum: within a bound the tests derive;
   SiTU-GLU's device exp and division are approximate: within the bound of tests/moonep/helpers/situ_glu_cases.py).
 """
 
@@ -27,15 +28,21 @@ import torch
 from moonep.activation import get_activation
 from moonep.datapath.interface import CommViews
 from moonep.grouped_gemm import grouped_mm, grouped_mm_wgrad
-from moonep.kernels import dispatch_combine, experts, grouped_glu, grouped_wgrad, route_weights, situ_glu, swiglu
+from moonep.kernels import (
+    dispatch_combine,
+    experts,
+    glu_route,
+    grouped_glu,
+    grouped_wgrad,
+    route_weights,
+    situ_glu,
+    swiglu,
+)
 from moonep.planner.fused import FusedPlanner
 from moonep.planner.plan import Plan
 
-# activation name (moonep.activation) -> (forward, backward) kernels of the same signatures
-GLU_KERNELS: dict[str, tuple[Callable, Callable]] = {
-    "swiglu": (swiglu.swiglu_forward, swiglu.swiglu_backward),
-    "situ_glu": (situ_glu.situ_glu_forward, situ_glu.situ_glu_backward),
-}
+# activation name (moonep.activation) -> its forward kernel (backward: moonep.kernels.glu_route.ACTIVATION_IDS)
+GLU_FORWARD: dict[str, Callable] = {"swiglu": swiglu.swiglu_forward, "situ_glu": situ_glu.situ_glu_forward}
 
 
 class TritonPath:
@@ -138,21 +145,17 @@ class TritonPath:
         return self.glu_forward(activation, h, u), h, u
 
     def glu_forward(self, activation: str, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return _glu_kernels(activation)[0](h, u)
+        return _glu_forward(activation)(h, u)
 
-    def glu_backward(self, activation: str, grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _glu_kernels(activation)[1](grad_a, h, u)
+    def glu_route_backward(self, activation: str, g: torch.Tensor, h: torch.Tensor, u: torch.Tensor,
+                           w_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return glu_route.glu_route_backward(activation, g, h, u, w_rows)
 
     def scale_rows(self, o: torch.Tensor, w_rows: torch.Tensor, out: torch.Tensor) -> None:
         route_weights.scale_rows(o, w_rows, out)
 
-    def route_backward(self, gy: torch.Tensor, o: torch.Tensor, w_rows: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        return route_weights.route_backward(gy, o, w_rows)
 
-
-def _glu_kernels(activation: str) -> tuple[Callable, Callable]:
+def _glu_forward(activation: str) -> Callable:
     get_activation(activation)  # a ValueError for names moonep does not know
-    assert activation in GLU_KERNELS, f"activation {activation!r} has no Triton kernels (moonep.activation lists it)"
-    return GLU_KERNELS[activation]
+    assert activation in GLU_FORWARD, f"activation {activation!r} has no Triton kernels (moonep.activation lists it)"
+    return GLU_FORWARD[activation]

@@ -1,18 +1,13 @@
-"""Triton kernels for the route weights in expert_glu (moonep.datapath.reference is the specification).
+"""Triton kernel for the route weights in expert_glu's forward (moonep.datapath.reference is the
+specification; backward folds the weights into moonep.kernels.glu_route):
 
 forward   y_rows[r] = bf16(o[r] * w[r])                   (fp32 product, one rounding)
-backward  grad_o[r] = bf16(gy[r] * w[r])                  (same)
-          grad_w[r] = sum_h gy[r, h] * o[r, h]            (fp32)
 
 Why kernels: the eager `torch.mul(o_bf16, w_fp32[:, None], out=bf16)` mixes dtypes with a broadcast
 and runs TensorIterator's generic (not vectorised) loop: 603 us per call at k3_small_moe's
 [68416, 2048] on H200 where the bytes take ~170 us (bench_train profile, 2026-11-30), 14 calls per
-step; the eager grad_w takes an fp32 copy of gy, an fp32 product and a sum (~0.9 ms per layer).
-One kernel reads gy and o once and writes grad_o and grad_w.
-
-The products are exact in fp32 (bf16 x bf16, or bf16 x fp32 rounded once as torch does), so
-y_rows and grad_o equal the eager results bitwise. grad_w sums in another order than torch.sum
-(per BLOCK_H chunk, then across chunks): within n * eps * sum_h |gy * o| of it, which the tests bound.
+step. The product is exact in fp32 (bf16 x fp32 rounded once as torch does), so y_rows equals the
+eager result bitwise (on the GPU; Triton's interpreter truncates the cast: within one bf16 ulp).
 """
 
 from __future__ import annotations
@@ -37,23 +32,6 @@ def _scale_rows_kernel(x_ptr, w_ptr, out_ptr, n_rows, H, x_stride, out_stride,
         tl.store(out_ptr + r[:, None] * out_stride + hh[None, :], (x * w[:, None]).to(out_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
-def _route_backward_kernel(gy_ptr, o_ptr, w_ptr, go_ptr, gw_ptr, n_rows, H, gy_stride, o_stride, go_stride,
-                           BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    r_ok = r < n_rows
-    w = tl.load(w_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
-    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        hh = h0 + tl.arange(0, BLOCK_H)
-        m = r_ok[:, None] & (hh < H)[None, :]
-        gy = tl.load(gy_ptr + r[:, None] * gy_stride + hh[None, :], mask=m, other=0.0).to(tl.float32)
-        o = tl.load(o_ptr + r[:, None] * o_stride + hh[None, :], mask=m, other=0.0).to(tl.float32)
-        tl.store(go_ptr + r[:, None] * go_stride + hh[None, :], (gy * w[:, None]).to(go_ptr.dtype.element_ty), mask=m)
-        acc += tl.sum(gy * o, axis=1)
-    tl.store(gw_ptr + r, acc, mask=r_ok)
-
-
 def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     if tuple(t.shape) != shape or t.stride(-1) != 1:
         raise ValueError(f"{name} must be [{', '.join(map(str, shape))}] with unit stride along the last dim, "
@@ -70,16 +48,3 @@ def scale_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Ten
                                                     BLOCK_R=_BLOCK_R, BLOCK_H=_BLOCK_H, num_warps=_WARPS)
     return out
 
-
-def route_backward(gy: torch.Tensor, o: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_o = gy * w per row in gy's dtype, grad_w = sum_h gy * o in fp32); see the module docstring."""
-    n, H = gy.shape
-    _check_rows("gy", gy, (n, H))
-    _check_rows("o", o, (n, H))
-    _check_rows("w", w, (n,))
-    grad_o = torch.empty((n, H), dtype=gy.dtype, device=gy.device)
-    grad_w = torch.empty(n, dtype=torch.float32, device=gy.device)
-    _route_backward_kernel[(triton.cdiv(n, _BLOCK_R),)](gy, o, w, grad_o, grad_w, n, H, gy.stride(0), o.stride(0),
-                                                        grad_o.stride(0), BLOCK_R=_BLOCK_R, BLOCK_H=_BLOCK_H,
-                                                        num_warps=_WARPS)
-    return grad_o, grad_w

@@ -70,21 +70,29 @@ def _situ_glu_fwd_kernel(h_ptr, u_ptr, a_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _situ_glu_bwd_kernel(ga_ptr, h_ptr, u_ptr, gh_ptr, gu_ptr, a_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    ga = tl.load(ga_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    hf = tl.load(h_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    uf = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+def situ_glu_grads(ga, hf, uf):
+    """(grad_h, grad_u, a) in fp32 from fp32 grad_a, h, u (moonep.activation.situ_glu_backward's order);
+    rounded by the caller (here and in moonep.kernels.glu_route)."""
     t, sech2_t = _tanh_sech2(hf / 4.0)
     sig, dsig = _sigmoid_dsigmoid(hf)
     c, sech2_c = _tanh_sech2(uf / 25.0)
     situ = 4.0 * t * sig
     cap = 25.0 * c
     dsitu = sech2_t * sig + 4.0 * t * dsig
-    tl.store(gh_ptr + offs, to_bf16(ga * cap * dsitu), mask=m)
-    tl.store(gu_ptr + offs, to_bf16(ga * situ * sech2_c), mask=m)
-    tl.store(a_ptr + offs, to_bf16(situ * cap), mask=m)
+    return ga * cap * dsitu, ga * situ * sech2_c, situ * cap
+
+
+@triton.jit
+def _situ_glu_bwd_kernel(ga_ptr, h_ptr, u_ptr, gh_ptr, gu_ptr, a_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    ga = tl.load(ga_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    hf = tl.load(h_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    uf = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    grad_h, grad_u, a = situ_glu_grads(ga, hf, uf)
+    tl.store(gh_ptr + offs, to_bf16(grad_h), mask=m)
+    tl.store(gu_ptr + offs, to_bf16(grad_u), mask=m)
+    tl.store(a_ptr + offs, to_bf16(a), mask=m)
 
 
 def situ_glu_forward(h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,8 @@ class MLAttention(nn.Module):
             q_BNTd = torch.cat([q_nope, apply_rope(q_rope, cos_TDr, sin_TDr)], dim=-1)
             k_rope_BNTDr = apply_rope(k_rope_BNTDr, cos_TDr, sin_TDr)
         k_BNTd = torch.cat([k_nope_BNTDn, k_rope_BNTDr.expand(B, N, T, Dr)], dim=-1)
-        v_BNTd = v_BNTDv
+        # its own storage: a view would keep wkv_b's whole output ([T, N, Dn + Dv]) alive until backward
+        v_BNTd = v_BNTDv.contiguous()
         if self.max_logit_N is not None:  # in place: one tensor for the run (no recompiles under compile)
             self.max_logit_N.copy_(torch.maximum(self.max_logit_N, causal_max_logit(
                 q_BNTd, k_BNTd, softmax_scale(cfg), None if docs is None else docs.id_BT)))

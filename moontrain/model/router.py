@@ -46,14 +46,16 @@ class _TF32:
 
 
 class RouterLogits(torch.autograd.Function):
-    """logits_sE = x_sD @ w_ED^T in fp32 with the GEMMs of forward and backward on TF32 (CUDA). A
-    custom function because autograd runs the backward outside any context the forward sets."""
+    """logits_sE = x_sD @ w_ED^T in fp32 (x_sD's values widened) with the GEMMs of forward and backward
+    on TF32 (CUDA). A custom function because autograd runs the backward outside any context the forward
+    sets. x_sD is saved in its own dtype and widened again in backward: an fp32 copy kept for backward
+    would be [s, D] fp32 per MoE layer (7 x 256 MiB at 32k tokens per pass, DeepSeek-V3 widths)."""
 
     @staticmethod
     def forward(ctx, x_sD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x_sD, w_ED)
         with _TF32():
-            return x_sD @ w_ED.t()
+            return x_sD.float() @ w_ED.t()
 
     @staticmethod
     def backward(ctx, grad_sE: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -61,9 +63,9 @@ class RouterLogits(torch.autograd.Function):
         grad_x = grad_w = None
         with _TF32():
             if ctx.needs_input_grad[0]:
-                grad_x = grad_sE @ w_ED
+                grad_x = (grad_sE @ w_ED).to(x_sD.dtype)  # the fp32 grad rounded once, as x.float()'s backward
             if ctx.needs_input_grad[1]:
-                grad_w = grad_sE.t() @ x_sD
+                grad_w = grad_sE.t() @ x_sD.float()
         return grad_x, grad_w
 
 
@@ -105,11 +107,10 @@ class Router(nn.Module):
 
     def forward(self, x_sD: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Returns (weights_sK fp32, topk_sK int64, sequence aux loss or None)."""
-        x32_sD = x_sD.float()
         if self.tf32 and x_sD.is_cuda:
-            logits_sE = RouterLogits.apply(x32_sD, self.weight.float())
+            logits_sE = RouterLogits.apply(x_sD, self.weight.float())
         else:
-            logits_sE = F.linear(x32_sD, self.weight.float())
+            logits_sE = F.linear(x_sD.float(), self.weight.float())
         scores_sE = torch.sigmoid(logits_sE)
         select_sE = scores_sE.detach() + self.score_bias_E
         if self.skew:
@@ -124,7 +125,7 @@ class Router(nn.Module):
             flat = topk_sK.flatten()
             self.tokens_per_expert_E.index_add_(0, flat, torch.ones_like(flat))
             if self.mean_free_updates:  # the step's mean input direction (moontrain.model.router_updates)
-                self.input_sum_D += x32_sD.detach().sum(0)
+                self.input_sum_D += x_sD.detach().float().sum(0)
         aux = None
         if self.seq_aux_loss_coef > 0:
             aux = self._sequence_aux_loss(scores_sE, topk_sK, batch)

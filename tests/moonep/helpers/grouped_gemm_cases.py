@@ -61,7 +61,7 @@ def check_grouped_glu(rows_G: list[int], H: int, F: int, activation: str, device
     """torch_path False: against exact values only (torch._grouped_mm on CUDA wants groups of multiples of
     8 rows)."""
     from moonep.activation import get_activation
-    from moonep.datapath.triton_path import GLU_KERNELS
+    from moonep.datapath.triton_path import GLU_FORWARD
     from moonep.grouped_gemm import grouped_mm
     from moonep.kernels.grouped_glu import grouped_glu_forward
     from tests.moonep.helpers.situ_glu_cases import assert_close_to_exact, exact
@@ -85,7 +85,7 @@ def check_grouped_glu(rows_G: list[int], H: int, F: int, activation: str, device
             ref = grouped_mm(x, w, offs)[:n]
             _assert_within(f"{name} vs torch._grouped_mm", got, ref, 2 * bound)
 
-    fwd_kernel = GLU_KERNELS[activation][0]
+    fwd_kernel = GLU_FORWARD[activation]
     _assert_bitwise("a vs the activation kernel on (h, u)", a, fwd_kernel(h.contiguous(), u.contiguous()))
     spec = get_activation(activation).forward(h, u)
     if activation == "situ_glu":

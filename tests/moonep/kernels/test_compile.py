@@ -28,14 +28,17 @@ CASES = [
      {"G": 192, "G_P": 256, "ROW": 2097152, "BLOCK": 4096}),
     ("moonep.kernels.swiglu", "_swiglu_fwd_kernel",
      {"h_ptr": "*bf16", "u_ptr": "*bf16", "a_ptr": "*bf16", "n": "i64", "BLOCK": "constexpr"}, {"BLOCK": 2048}),
-    ("moonep.kernels.swiglu", "_swiglu_bwd_kernel",
-     {"ga_ptr": "*bf16", "h_ptr": "*bf16", "u_ptr": "*bf16", "gh_ptr": "*bf16", "gu_ptr": "*bf16",
-      "a_ptr": "*bf16", "n": "i64", "BLOCK": "constexpr"}, {"BLOCK": 2048}),
     ("moonep.kernels.situ_glu", "_situ_glu_fwd_kernel",
      {"h_ptr": "*bf16", "u_ptr": "*bf16", "a_ptr": "*bf16", "n": "i64", "BLOCK": "constexpr"}, {"BLOCK": 2048}),
     ("moonep.kernels.situ_glu", "_situ_glu_bwd_kernel",
      {"ga_ptr": "*bf16", "h_ptr": "*bf16", "u_ptr": "*bf16", "gh_ptr": "*bf16", "gu_ptr": "*bf16",
       "a_ptr": "*bf16", "n": "i64", "BLOCK": "constexpr"}, {"BLOCK": 2048}),
+] + [
+    ("moonep.kernels.glu_route", "_glu_route_bwd_kernel",
+     {"g_ptr": "*bf16", "h_ptr": "*bf16", "u_ptr": "*bf16", "w_ptr": "*fp32", "gh_ptr": "*bf16", "gu_ptr": "*bf16",
+      "aw_ptr": "*bf16", "gw_ptr": "*fp32", "n_rows": "i32", "F": "i32", "ACT": "constexpr", "BLOCK_R": "constexpr",
+      "BLOCK_F": "constexpr"}, {"ACT": act, "BLOCK_R": 4, "BLOCK_F": 512})
+    for act in (0, 1)
 ] + [
     ("moonep.planner.fused_kernels", "_chunk_match_kernel",  # K3: E = 896, ids and the padding id in 10 bits
      {"topk_ptr": "*i32", "rank_ptr": "*i32", "chunk_hist_ptr": "*i32", "plane_ptr": "*i32", "num_entries": "i32",

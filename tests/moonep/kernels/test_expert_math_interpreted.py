@@ -1,5 +1,6 @@
-"""Expert-side math kernels (moonep.kernels.swiglu, .route_weights, .experts.accumulate_groups) in
-Triton's interpreter on the CPU, against the PyTorch specification in moonep.moe / moonep.grouped_gemm."""
+"""Expert-side math kernels (moonep.kernels.swiglu, .situ_glu, .glu_route, .route_weights,
+.experts.accumulate_groups) in Triton's interpreter on the CPU, against the PyTorch specification
+(moonep.activation, moonep.datapath.reference, moonep.grouped_gemm)."""
 
 from __future__ import annotations
 
@@ -10,30 +11,28 @@ import torch
 # first: sets TRITON_INTERPRET=1 before triton is imported (triton reads it then), installs the
 # interpreter's numpy-2 shim, and skips this module too where triton is absent
 import tests.moonep.helpers.triton_interpreted  # noqa: F401
-from moonep.activation import swiglu_backward as swiglu_backward_ref
 from tests.moonep.helpers.accumulate_cases import check_accumulate_groups, check_accumulate_groups_write
+from tests.moonep.helpers.glu_route_cases import check_glu_route, glu_route_inputs
 from tests.moonep.helpers.route_weight_cases import check_route_weights
 from tests.moonep.helpers.situ_glu_cases import assert_bitwise, assert_close_to_exact, exact, situ_inputs
 
 
-def test_swiglu_backward_kernel_matches_pytorch() -> None:
-    from moonep.kernels.swiglu import swiglu_backward
+@pytest.mark.parametrize("activation", ["swiglu", "situ_glu"])
+def test_glu_route_kernel_matches_specification(activation: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """expert_glu's backward pass over [rows, F] with the route weights folded in: with one exp on both
+    sides SiTU-GLU's outputs are bitwise the specification's; swiglu's specification takes torch.sigmoid
+    (within ulps); grad_w within the derived bound (tests/moonep/helpers/glu_route_cases.py)."""
+    from moonep.kernels.glu_route import glu_route_backward
 
-    g = torch.Generator().manual_seed(0)
-    N, F = 67, 300  # not multiples of the block: masked tail
-    h = (3 * torch.randn(N, F, generator=g)).to(torch.bfloat16)
-    u = torch.randn(N, F, generator=g).to(torch.bfloat16)
-    grad_a = torch.randn(N, F, generator=g).to(torch.bfloat16)
-    got = swiglu_backward(grad_a, h, u)
-    want = swiglu_backward_ref(grad_a, h, u)
-    # grad_h, grad_u: one fp32 value rounded once to bf16; the interpreter truncates where torch rounds
-    # to nearest, and exp may differ in the last fp32 bits: at most 1 bf16 ulp (2**-7 relative) apart.
-    # a: two roundings (silu, then the product): at most 2 ulps.
-    for name, a, b, ulps in zip(("grad_h", "grad_u", "a"), got, want, (1, 1, 2), strict=True):
-        assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
-        diff = (a.float() - b.float()).abs()
-        bound = torch.maximum(a.float().abs(), b.float().abs()) * ulps * 2.0**-7
-        assert bool((diff <= bound).all()), f"{name}: max diff {float(diff.max())}"
+    g, h, u, w = glu_route_inputs(activation, 37, 700, "cpu")  # rows past a block, F past a chunk
+    got = glu_route_backward(activation, g, h, u, w)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "exp", _numpy_exp)
+        check_glu_route(activation, got, g, h, u, w, bitwise=activation == "situ_glu")
+    with pytest.raises(ValueError, match="contiguous fp32 route weights"):
+        glu_route_backward(activation, g, h, u, w.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="no kernel for activation 'gelu'"):
+        glu_route_backward("gelu", g, h, u, w)
 
 
 def test_swiglu_forward_kernel_matches_pytorch() -> None:
@@ -98,6 +97,7 @@ def test_situ_glu_kernels_match_specification_bitwise(monkeypatch: pytest.Monkey
 def test_every_activation_has_triton_kernels() -> None:
     """moonep.activation is the registry: the triton path fuses each registered activation."""
     from moonep.activation import ACTIVATIONS
-    from moonep.datapath.triton_path import GLU_KERNELS
+    from moonep.datapath.triton_path import GLU_FORWARD
+    from moonep.kernels.glu_route import ACTIVATION_IDS
 
-    assert sorted(GLU_KERNELS) == sorted(ACTIVATIONS)
+    assert sorted(GLU_FORWARD) == sorted(ACTIVATION_IDS) == sorted(ACTIVATIONS)

@@ -128,6 +128,24 @@ def test_router_logits_function_matches_linear() -> None:
         _close(a, b, what)
 
 
+def test_router_logits_keep_bf16_input_for_backward() -> None:
+    """A bf16 router input is saved as it is (an fp32 copy would be [s, D] fp32 per MoE layer kept until
+    backward) and the results equal the fp32 path's: x.float() through F.linear, bitwise on the CPU."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(37, 24, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(8, 24, generator=gen, requires_grad=True)
+    g = torch.randn(37, 8, generator=gen)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
+        got = RouterLogits.apply(x, w)
+    assert (torch.float32, (37, 24)) not in saved and (torch.bfloat16, (37, 24)) in saved, saved
+    gx, gw = torch.autograd.grad(got, (x, w), g)
+    ref = F.linear(x.float(), w)
+    rx, rw = torch.autograd.grad(ref, (x, w), g)
+    for a, b, what in ((got, ref, "logits"), (gx, rx, "grad x"), (gw, rw, "grad w")):
+        assert a.dtype == b.dtype and torch.equal(a, b), what
+
+
 @pytest.mark.gpu
 def test_router_tf32_logits_and_grads_on_cuda() -> None:
     """CUDA, bf16-valued operands as in training: the TF32 forward is the fp32 GEMM up to summation

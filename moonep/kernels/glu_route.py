@@ -1,0 +1,82 @@
+"""Triton kernel of expert_glu's elementwise backward with the route weights folded in (one pass; the
+specification is moonep.datapath.reference.glu_route_backward).
+
+For one row r of the expert output o = a W_down, weighted y = w o (w the row's route weight), backward
+starts from g = gy W_down^T, the dispatched output grad times the down projection (no weight applied),
+and needs neither o nor gy again:
+
+    grad_a = w * g                        (fp32)
+    grad_h, grad_u, a                     the activation's backward of grad_a (moonep.kernels.swiglu /
+                                          situ_glu: the same fp32 formulas), each rounded once to bf16
+    grad_w = sum_f g[f] * a[f]            (fp32; = sum_h gy[h] o[h], since o = a W_down)
+    a_w    = bf16(w * a)                  the down projection's weight-gradient input: dW_down = a_w^T gy
+
+So the op saves h and u only (not o [rows, H]), and the route-weight pass over gy and o (read two
+[rows, H] tensors, write grad_o) is gone: this kernel reads g, h, u and writes grad_h, grad_u, a_w,
+all [rows, F].
+
+Each program takes BLOCK_R rows and walks F in BLOCK_F chunks, summing grad_w per chunk then across
+chunks in a fixed order (deterministic; another order than torch.sum's, within the bound the tests
+derive). Rounding to bf16 is done on the bits (moonep.kernels.situ_glu.to_bf16) so that Triton's
+interpreter rounds as torch does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moonep.kernels.glu_launch import check_glu_inputs
+from moonep.kernels.situ_glu import situ_glu_grads, to_bf16
+from moonep.kernels.swiglu import swiglu_grads
+
+ACTIVATION_IDS = {"swiglu": 0, "situ_glu": 1}
+_BLOCK_R, _BLOCK_F, _WARPS = 4, 512, 4
+
+
+@triton.jit
+def _glu_route_bwd_kernel(g_ptr, h_ptr, u_ptr, w_ptr, gh_ptr, gu_ptr, aw_ptr, gw_ptr, n_rows, F,
+                          ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    r_ok = r < n_rows
+    w = tl.load(w_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        ff = f0 + tl.arange(0, BLOCK_F)
+        m = r_ok[:, None] & (ff < F)[None, :]
+        offs = r[:, None] * F + ff[None, :]
+        g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        hf = tl.load(h_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        uf = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        ga = g * w[:, None]
+        if ACT == 0:
+            grad_h, grad_u, a = swiglu_grads(ga, hf, uf)
+        else:
+            grad_h, grad_u, a = situ_glu_grads(ga, hf, uf)
+        a16 = to_bf16(a)
+        tl.store(gh_ptr + offs, to_bf16(grad_h), mask=m)
+        tl.store(gu_ptr + offs, to_bf16(grad_u), mask=m)
+        af = a16.to(tl.float32)
+        tl.store(aw_ptr + offs, to_bf16(af * w[:, None]), mask=m)
+        acc += tl.sum(g * af, axis=1)
+    tl.store(gw_ptr + r, acc, mask=r_ok)
+
+
+def glu_route_backward(activation: str, g: torch.Tensor, h: torch.Tensor, u: torch.Tensor, w_rows: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_h, grad_u, a_w, grad_w): bf16 [rows, F] x3 and fp32 [rows]; see the module docstring."""
+    if activation not in ACTIVATION_IDS:
+        raise ValueError(f"glu_route_backward has no kernel for activation {activation!r}; "
+                         f"it has {sorted(ACTIVATION_IDS)}")
+    check_glu_inputs("glu_route_backward", g, h, u, dtype=torch.bfloat16)
+    n, F = h.shape
+    if w_rows.shape != (n,) or w_rows.dtype != torch.float32 or not w_rows.is_contiguous():
+        raise ValueError(f"glu_route_backward needs contiguous fp32 route weights [{n}], got "
+                         f"{tuple(w_rows.shape)} {w_rows.dtype}")
+    grad_h, grad_u, a_w = torch.empty_like(h), torch.empty_like(h), torch.empty_like(h)
+    grad_w = torch.empty(n, dtype=torch.float32, device=h.device)
+    _glu_route_bwd_kernel[(triton.cdiv(n, _BLOCK_R),)](
+        g, h, u, w_rows, grad_h, grad_u, a_w, grad_w, n, F, ACT=ACTIVATION_IDS[activation],
+        BLOCK_R=_BLOCK_R, BLOCK_F=_BLOCK_F, num_warps=_WARPS)
+    return grad_h, grad_u, a_w, grad_w
