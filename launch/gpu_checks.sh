@@ -27,7 +27,7 @@ export FAULT_S=$(( tests_limit * 3 / 4 ))  # a hung test dumps its stack before 
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/moonep_triton_cache}"
 mkdir -p "$TRITON_CACHE_DIR"
 [ -f .tcache.tgz ] && tar -xzf .tcache.tgz -C "$TRITON_CACHE_DIR"
-cp -rn recipes/data/fla_autotune_h200/*/ "$TRITON_CACHE_DIR"/  # fla's tile choices for k3_small's KDA heads (its README)
+python -m moontrain.trainer.kernel_cache  # fla's tile choices for k3_small's KDA heads, where missing (its README)
 save_cache() {  # only what fits the 16 MiB a returned file may have
   tar -czf /tmp/tcache.tgz -C "$TRITON_CACHE_DIR" . 2>/dev/null
   [ "$(stat -c %s /tmp/tcache.tgz)" -lt 16000000 ] && cp /tmp/tcache.tgz "$out/tcache.tgz"

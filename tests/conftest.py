@@ -16,15 +16,14 @@ On a machine with a CUDA GPU two things differ from the CPU tier:
   every kernel of the session through the interpreter. tests/test_gpu_tier.py checks that every
   module which sets it, itself or through what it imports, is so named.
 - fla's autotune choices for the KDA heads the GPU tests use (recipes/data/fla_autotune_h200, its README) are
-  copied into Triton's cache where missing: without them a fresh machine searches fla's tile
-  configurations for minutes per shape before the first KDA call returns.
+  copied into Triton's cache where missing, as a run's worker does (moontrain.trainer.kernel_cache): without
+  them a fresh machine searches fla's tile configurations for minutes per shape before the first KDA call
+  returns.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,6 @@ import torch
 
 ON_GPU = torch.cuda.is_available()
 INTERPRETED_SUFFIX = "_interpreted.py"
-FLA_AUTOTUNE_DIR = Path(__file__).resolve().parent.parent / "recipes" / "data" / "fla_autotune_h200"
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -41,28 +39,11 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None  # no opinion: pytest's other rules decide
 
 
-def seed_fla_autotune(cache_dir: Path) -> int:
-    """Copy recipes/data/fla_autotune_h200's entries into `cache_dir` where absent; returns how many were copied.
-    Each file lands under a temporary name and is renamed into place, so a process reading the cache
-    (another pytest worker) sees either no entry or a whole one."""
-    copied = 0
-    for src in FLA_AUTOTUNE_DIR.glob("*/*.autotune.json"):
-        dst = cache_dir / src.parent.name / src.name
-        if dst.exists():
-            continue
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-        copied += 1
-    return copied
-
-
 def pytest_sessionstart(session: pytest.Session) -> None:
     if ON_GPU and importlib.util.find_spec("fla") is not None:
-        from triton import knobs
+        from moontrain.trainer.kernel_cache import seed_fla_cache
 
-        seed_fla_autotune(Path(knobs.cache.dir))
+        seed_fla_cache(torch.device("cuda"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -9,7 +9,7 @@ named *_interpreted.py and conftest does not collect them on a GPU machine. Chec
 - the GPU tier of tests/moonep (where most of them live) is collected in a subprocess whose torch reports
   one CUDA GPU: no *_interpreted module is collected, TRITON_INTERPRET is unset when collection ends, and
   the gpu tests are there (the whole tree would take ~10 s of CPU; the scan covers it).
-The seed copies every entry of recipes/data/fla_autotune_h200 byte for byte and never overwrites one the cache holds.
+(The seeding of fla's autotune choices is tests/moontrain/trainer/test_kernel_cache.py's.)
 The GPU tests' one convention (tests/conftest.py): the marker, no GPU folder; a module named *_gpu.py or
 *_multigpu.py marks every one of its tests so.
 """
@@ -121,20 +121,6 @@ def test_gpu_collection_leaves_the_interpreter_off(tmp_path: Path) -> None:
     assert "TRITON_INTERPRET after collection: None" in out.stdout, out.stdout[-3000:]
     assert not [n for n in node_ids if "_interpreted.py" in n], node_ids
     assert any(n.startswith("tests/moonep/datapath/test_triton_path_gpu.py::") for n in node_ids), out.stdout[-3000:]
-
-
-def test_fla_autotune_seed_copies_missing_entries_only(tmp_path: Path) -> None:
-    entries = sorted(conftest.FLA_AUTOTUNE_DIR.glob("*/*.autotune.json"))
-    assert len(entries) >= 40, entries  # fla's chunk_kda kernels, rows and documents (docs/kda.md)
-    kept = tmp_path / entries[0].parent.name / entries[0].name
-    kept.parent.mkdir()
-    kept.write_text("{}")  # an entry the cache already holds stays as it is
-    assert conftest.seed_fla_autotune(tmp_path) == len(entries) - 1
-    assert kept.read_text() == "{}"
-    for src in entries[1:]:
-        assert (tmp_path / src.parent.name / src.name).read_bytes() == src.read_bytes(), src
-    assert conftest.seed_fla_autotune(tmp_path) == 0
-    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith(".autotune.json")) == []
 
 
 def _marks(node: ast.AST) -> set[str]:

@@ -44,6 +44,7 @@ from moontrain.parallel.layout import ParallelLayout
 from moontrain.parallel.parallelize import parallelize
 from moontrain.trainer.determinism import enable_determinism
 from moontrain.trainer.evaluate import Evaluator
+from moontrain.trainer.first_step import FirstStepClock
 from moontrain.trainer.guard import DivergenceGuard, step_verdict
 from moontrain.trainer.preempt import PreemptionHandler
 
@@ -108,6 +109,7 @@ class Trainer:
         self.last_saved_step: int | None = None
         self.guard = DivergenceGuard(cfg.train.max_skipped_steps)
         self.preemption: PreemptionHandler | None = None  # set by the worker (signal handlers, main thread)
+        self.first_step: FirstStepClock | None = None  # set by the worker (rank 0 of a GPU job): the wait, said
         self.stop_requested = False  # agreed over the ranks after each step
         self.save_due = False  # checkpoint.every_minutes passed on some rank: agreed like stop_requested
         self.last_save_time = time.monotonic()  # the job's start, then each save's end
@@ -199,6 +201,9 @@ class Trainer:
         self.last_save_time = time.monotonic()  # checkpoint.every_minutes counts training time
         while self.step < self.cfg.train.steps:
             stats = self.train_step()
+            if self.first_step is not None:
+                print(f"moontrain: {self.first_step.line()}", flush=True)
+                self.first_step = None
             if stats is not None:
                 logged.append(stats)
             if (ckpt.every and self.step % ckpt.every == 0) or self.save_due:

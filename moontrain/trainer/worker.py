@@ -7,8 +7,9 @@ moontrain.trainer.run_lock), resumes from the latest good checkpoint unless chec
 checkpoint.init_from when set), writes the resolved config (rank 0, once the resume is settled), opens the
 wandb run (rank 0; the id comes from the checkpoint on resume, so the same run continues), trains and prints
 the end-of-run summary. Resuming names what changed since the checkpoint (optim settings, the LR schedule's
-span); a GPU job says what its first step compiles before it starts; known-harmless library warnings are
-filtered (trainer.quiet).
+span); a run that uses fla on CUDA seeds Triton's cache with fla's shipped tile choices on every rank
+(trainer.kernel_cache); a GPU job says what its first step compiles before it starts and how long it took
+after (trainer.first_step); known-harmless library warnings are filtered (trainer.quiet).
 
 Faults: the process group fails a collective after parallel.timeout_s; heartbeats (parallel.heartbeat)
 name a dead or frozen rank in every survivor's error; SIGTERM / SIGINT finish the step, save and exit 0
@@ -48,6 +49,8 @@ from moontrain.parallel.layout import ParallelLayout, build_layout
 from moontrain.supervisor import die_with_parent
 from moontrain.trainer.determinism import set_cublas_workspace
 from moontrain.trainer.errors import one_line
+from moontrain.trainer.first_step import FirstStepClock, first_step_note
+from moontrain.trainer.kernel_cache import seed_fla_cache
 from moontrain.trainer.preempt import PreemptionHandler
 from moontrain.trainer.quiet import silence_known_warnings
 from moontrain.trainer.run_lock import RunLock
@@ -161,6 +164,9 @@ def _train_locked(cfg: RunConfig, device: torch.device, preemption: PreemptionHa
                   layout: ParallelLayout) -> None:
     is_main = layout.rank == 0
     config_path = Path(cfg.train.run_dir) / "config.yaml"  # written once the resume is settled
+    # before any KDA kernel runs; on every rank, as ranks on several hosts have a cache each
+    fla_seed = (seed_fla_cache(device) if device.type == "cuda" and uses_fla(cfg.model, cfg.kernels.kda, device)
+                else None)
     if is_main:
         print(f"moontrain: {layout.describe(cfg.parallel.dense)}; experts backend {cfg.experts.backend}; device {device}"
               + ("; deterministic kernels" if cfg.train.deterministic else ""), flush=True)
@@ -204,9 +210,10 @@ def _train_locked(cfg: RunConfig, device: torch.device, preemption: PreemptionHa
             trainer.log = ProgressLog(cfg.train.run_dir, cfg.train.steps, sink=sink, start_step=trainer.step)
             if sink is not None and trainer.step:  # what a killed job logged but did not flush to wandb
                 sink.backfill(trainer.log.kept, cfg.train.run_dir)
-        note = first_step_note(cfg, device)
+        note = first_step_note(cfg, device, fla_seed)
         if is_main and note and trainer.step < cfg.train.steps:
             print(f"moontrain: {note}", flush=True)
+            trainer.first_step = FirstStepClock(fla_seed)
         trainer.fit()
         if trainer.log is not None:
             console = Path(cfg.train.run_dir) / "console.log"
@@ -254,19 +261,6 @@ def resume_notes(cfg: RunConfig, checkpoint_dir: Path, resumed: Path, state: dic
     if step == cfg.train.steps:
         notes.append(f"checkpoint is at train.steps={cfg.train.steps} already: nothing to train")
     return notes
-
-
-def first_step_note(cfg: RunConfig, device: torch.device) -> str | None:
-    """What makes the first GPU step slow, said before it starts (it can take a minute or more)."""
-    if device.type != "cuda":
-        return None
-    work = [what for what, on in (
-        ("torch.compile compiles the dense layers (train.compile)", cfg.train.compile),
-        ("fla autotunes its KDA kernels", uses_fla(cfg.model, cfg.kernels.kda, device)),
-        ("Triton compiles moonep's kernels", cfg.experts.backend == "moonep")) if on]
-    if not work:
-        return None
-    return f"the first step also {'; '.join(work)}: it can take a minute or more (later steps reuse them)"
 
 
 def schedule_change(state: dict, cfg: RunConfig) -> str | None:

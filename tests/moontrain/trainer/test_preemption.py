@@ -217,17 +217,6 @@ def test_a_time_based_save_on_one_rank_saves_on_every_rank_after_the_same_step(t
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000003", "step_00000006"]
 
 
-def test_first_step_note_names_what_compiles() -> None:
-    from moontrain.trainer.worker import first_step_note
-
-    cfg = small_config("moonep", 1)
-    assert first_step_note(cfg, CPU) is None
-    cfg.train.compile = True
-    assert first_step_note(cfg, torch.device("cuda", 0)) == (
-        "the first step also torch.compile compiles the dense layers (train.compile); Triton compiles moonep's "
-        "kernels: it can take a minute or more (later steps reuse them)")
-
-
 def test_resume_applies_and_names_changed_optim_settings(tmp_path: Path) -> None:
     trainer = _single(tmp_path)
     train(trainer, 3)

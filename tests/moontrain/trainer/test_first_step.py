@@ -1,0 +1,108 @@
+"""The first step's wait, said and accounted (moontrain.trainer.first_step), on the CPU:
+
+- the note before the step names what it compiles, and what seeding fla's cache did (seeded, or why not);
+- the line after it, built from given timings: total, torch.compile (left out below 0.05 s), fla's
+  searches and its seeding, or nothing about fla for a run without it;
+- the clock on a real compile: torch.compile's part (aot_eager, forward and lazily compiled backward) is
+  inside the measured wall time and counted in the step that compiled only; fla's searches are the
+  autotune entries the step added to the cache;
+- Trainer.fit prints the line once, after the first step's own line and before the second step's.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from moontrain.metrics.progress import ProgressLog
+from moontrain.parallel.layout import single_process_layout
+from moontrain.trainer import first_step
+from moontrain.trainer.first_step import FirstStepClock, first_step_line, first_step_note
+from moontrain.trainer.kernel_cache import SHIPPED_FLA_DIR, FlaSeed
+from moontrain.trainer.trainer import Trainer
+from tests.moontrain.ckpt_utils import small_config
+
+CUDA = torch.device("cuda", 0)
+SEEDED = FlaSeed(shipped=SHIPPED_FLA_DIR, cache_dir=Path("/c/triton"), in_cache=42, copied=5)
+FOREIGN = FlaSeed(shipped=SHIPPED_FLA_DIR, cache_dir=Path("/c/triton"), in_cache=0, copied=0,
+                  mismatch="triton 3.5.0 here, they are for 3.6.0")
+
+
+def test_first_step_note_names_what_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = small_config("moonep", 1)
+    assert first_step_note(cfg, torch.device("cpu")) is None
+    cfg.train.compile = True
+    assert first_step_note(cfg, CUDA) == (
+        "the first step also torch.compile compiles the dense layers (train.compile); Triton compiles moonep's "
+        "kernels: it can take a minute or more (later steps reuse them)")
+    monkeypatch.setattr(first_step, "uses_fla", lambda *args: True)  # fla-core is not installed on the CPU
+    cfg.train.compile = False
+    assert first_step_note(cfg, CUDA, SEEDED) == (
+        "the first step also fla autotunes its KDA kernels for shapes beyond the 42 entries seeded from "
+        "recipes/data/fla_autotune_h200 (Triton's cache: /c/triton); Triton compiles moonep's kernels: it can "
+        "take a minute or more (later steps reuse them)")
+    cfg.experts.backend = "local"
+    assert first_step_note(cfg, CUDA, FOREIGN) == (
+        "the first step also fla autotunes its KDA kernels for every shape (minutes; nothing seeded from "
+        "recipes/data/fla_autotune_h200: triton 3.5.0 here, they are for 3.6.0): it can take a minute or more "
+        "(later steps reuse them)")
+
+
+def test_first_step_line_from_given_timings() -> None:
+    assert first_step_line(41.23, 24.94, SEEDED, 0) == (
+        "first step 41.2 s (torch.compile 24.9 s; fla autotune: 0 shapes searched, 42 entries seeded from "
+        "recipes/data/fla_autotune_h200)")
+    timed_elsewhere = FlaSeed(shipped=SHIPPED_FLA_DIR, cache_dir=Path("/c"), in_cache=42, copied=0,
+                              timed_on="NVIDIA H200")
+    assert first_step_line(9.04, 0.0, timed_elsewhere, 1) == (
+        "first step 9.0 s (fla autotune: 1 shape searched, 42 entries seeded from recipes/data/fla_autotune_h200, "
+        "timed on an NVIDIA H200)")
+    assert first_step_line(239.0, 30.0, FOREIGN, 12) == (
+        "first step 239.0 s (torch.compile 30.0 s; fla autotune: 12 shapes searched, nothing seeded from "
+        "recipes/data/fla_autotune_h200: triton 3.5.0 here, they are for 3.6.0)")
+    assert first_step_line(3.04, 0.04, None, 0) == "first step 3.0 s"
+
+
+def test_clock_counts_the_compile_and_the_searches_of_its_step(tmp_path: Path) -> None:
+    (tmp_path / ("A" * 52)).mkdir()
+    (tmp_path / ("A" * 52) / "old_kernel.autotune.json").write_text("{}")  # there before: not this step's
+    seed = FlaSeed(shipped=SHIPPED_FLA_DIR, cache_dir=tmp_path, in_cache=42, copied=0)
+    step = torch.compile(lambda x: (x.sin() * x).sum(), backend="aot_eager")
+    x = torch.randn(16, requires_grad=True)
+    t0 = time.perf_counter()
+    clock = FirstStepClock(seed)
+    step(x).backward()
+    for key in ("B" * 52, "C" * 52):  # what fla writes for each shape it searched
+        (tmp_path / key).mkdir()
+        (tmp_path / key / "chunk_kda_fwd.autotune.json").write_text("{}")
+    total_s, compile_s, searched = clock.measure()
+    wall_s = time.perf_counter() - t0
+    assert 0 < compile_s <= total_s <= wall_s
+    assert searched == 2
+    later = FirstStepClock(seed)  # the compiled step again: nothing compiles, nothing is searched
+    step(x).backward()
+    total_s, compile_s, searched = later.measure()
+    assert (compile_s, searched) == (0.0, 0)
+    assert re.fullmatch(r"first step \d+\.\d s \(fla autotune: 0 shapes searched, 42 entries seeded from "
+                        r"recipes/data/fla_autotune_h200\)", later.line()), later.line()
+
+
+def test_fit_says_the_first_steps_wait_once_after_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch.set_num_threads(1)
+    cfg = small_config("local", 1, run_dir=str(tmp_path), steps=2, checkpoint={"save_final": False})
+    cfg.train.log_every = 1
+    trainer = Trainer(cfg, single_process_layout(torch.device("cpu")))
+    trainer.log = ProgressLog(tmp_path, cfg.train.steps)  # rank 0's step lines
+    trainer.first_step = FirstStepClock(None)  # as the worker sets it on rank 0 of a GPU job
+    try:
+        trainer.fit()
+    finally:
+        trainer.log.close()
+        trainer.close()
+    lines = [line for line in capsys.readouterr().out.splitlines() if "first step" in line or line.startswith("step")]
+    assert [line.split(" |")[0] for line in lines[::2]] == ["step 1/2", "step 2/2"], lines
+    assert len(lines) == 3 and re.fullmatch(r"moontrain: first step \d+\.\d s", lines[1]), lines
