@@ -30,7 +30,8 @@ step; they and the fp32 accumulators stay allocated between steps); the expert m
 FSDP ignores them.
 
 Memory, next to FSDP at world 1 with the blocks kept gathered: the same bf16 copies and fp32 grads, plus an
-fp32 scratch the size of the dense grads from the second pass on (FSDP's fp32 reduce buffer is that size).
+fp32 scratch from the second pass on: max(the largest dense tensor, 256 MiB), reused group by group (a few
+foreach pairs per pass instead of one; FSDP's fp32 reduce buffer is the size of all the dense grads).
 Host work (benchmarks/diagnostics/host_overhead.py, k3_small's structure on the CPU, 4 passes, 2026-12-01): 6,289 ->
 3,761 eager aten ops per step that launch a kernel on the GPU; the step time on the H200 is not measured.
 Rejected: casting inside the autograd graph (a cast per parameter and pass instead of one foreach copy
@@ -49,6 +50,23 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from moontrain.model.transformer import K3Model
 from moontrain.parallel.fsdp import expert_master_params
+
+# The fp32 scratch the later passes' grads are widened into before their add: one flat buffer reused group by
+# group (a whole copy of the dense grads would be 1.2 GiB at the DeepSeek-V3 benchmark point, held for the run)
+SCRATCH_BYTES = 1 << 28
+
+
+def _scratch_groups(numels: list[int], capacity: int) -> list[tuple[int, int]]:
+    """Consecutive [lo, hi) runs of tensors whose sizes fit `capacity` elements together (each tensor fits)."""
+    groups, lo, used = [], 0, 0
+    for i, n in enumerate(numels):
+        if used + n > capacity and i > lo:
+            groups.append((lo, i))
+            lo, used = i, 0
+        used += n
+    if lo < len(numels):
+        groups.append((lo, len(numels)))
+    return groups
 
 
 class _PassThrough(torch.autograd.Function):
@@ -87,7 +105,7 @@ class PlainDense:
         self.compute = ([nn.Parameter(torch.empty_like(p, dtype=compute_dtype), requires_grad=p.requires_grad)
                          for p in masters] if self.cast else masters)
         self.acc: list[torch.Tensor] = [torch.empty_like(p) for p in masters] if self.cast else []
-        self.scratch: list[torch.Tensor] | None = None  # fp32, from the second pass of a step on
+        self.scratch: torch.Tensor | None = None  # flat fp32, from the second pass of a step on (_scratch_groups)
         self.pending = [False] * len(masters)  # acc[i] holds this step's grad of masters[i]
         self.unsharded = False  # the compute copies are current and registered
         self._casts: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # this forward's casts of grad-free inputs
@@ -160,11 +178,18 @@ class PlainDense:
         if first_acc:
             torch._foreach_copy_(first_acc, first_grads)
         if later:
+            acc = [self.acc[i] for i in later]
             if self.scratch is None:
-                self.scratch = [torch.empty_like(a) for a in self.acc]
-            scratch = [self.scratch[i] for i in later]
-            torch._foreach_copy_(scratch, later_grads)
-            torch._foreach_add_([self.acc[i] for i in later], scratch)
+                biggest = max(a.numel() for a in self.acc)
+                self.scratch = torch.empty(max(biggest, SCRATCH_BYTES // 4), dtype=self.acc[0].dtype,
+                                           device=self.acc[0].device)
+            for lo, hi in _scratch_groups([a.numel() for a in acc], self.scratch.numel()):
+                views, offset = [], 0
+                for a in acc[lo:hi]:
+                    views.append(self.scratch[offset: offset + a.numel()].view_as(a))
+                    offset += a.numel()
+                torch._foreach_copy_(views, later_grads[lo:hi])
+                torch._foreach_add_(acc[lo:hi], views)
 
     @torch.no_grad()
     def reshard(self) -> None:
