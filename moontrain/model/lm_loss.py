@@ -4,7 +4,7 @@ Legend: N tokens, D hidden, V vocab, c tokens per chunk.
 
 Value: linear_cross_entropy(h, W, t) equals F.cross_entropy((h @ W^T).float(), t), the head as nn.Linear
 computes it (in h's dtype) and the CE in fp32, mean over all N tokens. There is no ignore index: every
-target is a token id in [0, V) (the data pipeline writes no other; the old call's default -100 never occurred).
+target is a token id in [0, V) (the data pipeline writes no other).
 
 Forward, per chunk of c tokens: logits_cV = h_c @ W^T in the compute dtype; in fp32 the log-softmax in ATen's
 order ((x - max) - log sum exp), the chunk's summed target log-probabilities, and the logits' grad as autograd
@@ -21,13 +21,13 @@ and grad_h carry one more rounding when the loss's grad is not a power of two (t
 
 Chunk size: the most tokens whose fp32 logits fit in LOGITS_BYTES_PER_CHUNK (1 GiB), in whole GEMM tiles of
 128 rows. Memory: with train.compile a chunk holds its compute-dtype logits and grad (half the budget
-each at bf16), eager about three times the budget (the fp32 log-softmax and one exp temporary), against
+each at bf16), eager about 2.5 times it (the logits, their fp32 log-softmax and one fp32 temporary), against
 [N, V] in the compute dtype plus fp32 and their grads for the unfused head (k3_small: 5.4 GiB bf16 + 10.7
 GiB fp32 at 16k tokens). Speed: every chunk reads and writes the fp32 accumulator (8 V D bytes) next to its
 6 c V D GEMM FLOPs, an overhead of 8 F / (6 c B) = 220 / c on an H200 (F / B = 790 TFLOP/s over 4.8 TB/s,
 an estimate): 256 MiB chunks (409 tokens at V = 163,840) would add about half the head's GEMM time, 1 GiB
-(1,536) about 14%, while the unfused head spends more than that in its fp32 [N, V] passes. Not measured
-yet: benchmarks/bench_lm_loss.py prints both on a GPU.
+(1,536) about 14%, the order of the unfused head's own fp32 passes over [N, V]. Not measured yet:
+benchmarks/bench_lm_loss.py prints both, and other budgets, on a GPU.
 
 train.compile: the per-chunk fp32 math (chunk_loss_and_grad, chunk_loss) runs through torch.compile, which
 fuses it into passes over the compute-dtype logits; the GEMMs stay eager ATen calls either way.
@@ -72,10 +72,11 @@ def chunk_loss_and_grad(logits_cV: torch.Tensor, targets_c: torch.Tensor, inv_n:
     """chunk_loss, and the grad of the mean over all N tokens (inv_n = 1 / N) with respect to the logits,
     in the logits' dtype: softmax * inv_n, plus -inv_n at the target (autograd's log-softmax backward)."""
     x_cV = _log_softmax_(logits_cV)
-    t_c1 = targets_c[:, None]
-    loss = -x_cV.gather(1, t_c1).sum()
+    loss = -x_cV.gather(1, targets_c[:, None]).sum()
     x_cV = x_cV.exp_().mul_(inv_n)
-    x_cV = x_cV.scatter_add_(1, t_c1, x_cV.new_full(t_c1.shape, -inv_n))
+    # one distinct entry per row: an indexed write, no scatter-add (atomics under inductor: docs/determinism.md)
+    rows_c = torch.arange(x_cV.shape[0], device=x_cV.device)
+    x_cV[rows_c, targets_c] -= inv_n
     return loss, x_cV.to(logits_cV.dtype)
 
 
