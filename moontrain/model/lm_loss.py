@@ -132,7 +132,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.mm(grad_cV, weight_VD, out=grad_h_ND[n0:n0 + chunk])
             if want_w:
                 _add_outer_(grad_w_VD, grad_cV.t(), h_cD)
-            del grad_cV
+            del grad_cV  # freed before the next chunk's logits are allocated
         ctx.save_for_backward(grad_h_ND, None if grad_w_VD is None else grad_w_VD.to(weight_VD.dtype))
         return loss / N
 

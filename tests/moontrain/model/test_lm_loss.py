@@ -201,11 +201,10 @@ def test_training_forward_matches_the_unfused_head(monkeypatch: pytest.MonkeyPat
         assert diff <= tol, f"{name}: max |diff| {diff:.3g} > {tol:.3g}"
 
 
-def _head_under_dense_wrapper(rank: int, world: int, run_dir: str, dense: str) -> tuple:
+def _head_under_dense_wrapper(run_dir: str, dense: str) -> tuple:
     """One bf16 step of 3 accumulated passes (the loss's grad 1/3) with parallel.dense=dense at world 1:
     the lm_head master before it, each pass's (h, weight, targets) as linear_cross_entropy received them and
     whether the weight was a DTensor, the master's grad as the optimizer sees it, and the logged loss."""
-    torch.set_num_threads(1)
     cfg = small_config("moonep", 1, run_dir=run_dir, k3_block=True)
     cfg = dataclasses.replace(
         cfg, parallel=dataclasses.replace(cfg.parallel, dense=dense, compute_dtype="bfloat16"),
@@ -234,17 +233,26 @@ def _head_under_dense_wrapper(rank: int, world: int, run_dir: str, dense: str) -
         loss = trainer.train_step().loss
     finally:
         trainer.close()
+        transformer.linear_cross_entropy, trainer_module.clip_grad_norm_global = linear_cross_entropy, clip
     return master, calls, seen["grad"], loss
 
 
-@pytest.mark.parametrize("dense", ["fsdp", "plain"])
-def test_head_grads_reach_the_master_under_fsdp_and_plain(tmp_path: Path, dense: str) -> None:
+def _fsdp_and_plain(rank: int, world: int, run_dir: str) -> dict[str, tuple]:
+    torch.set_num_threads(1)
+    return {dense: _head_under_dense_wrapper(f"{run_dir}/{dense}", dense) for dense in ("fsdp", "plain")}
+
+
+def test_head_grads_reach_the_master_under_fsdp_and_plain(tmp_path: Path) -> None:
     """parallel.dense=fsdp (FSDP2's root holds lm_head; its pre-forward hook has gathered the weight) and
     plain (the bf16 copy registered in the master's place), bf16 compute, 3 passes: every pass reads the
     gathered bf16 weight (no DTensor), bitwise the master rounded to bf16; the fp32 grad the optimizer sees
     is the sum over passes of autograd's grad over each pass's materialised logits, within the sum of the
     per-pass bounds (module docstring; the fp32 sum of 3 bf16 grads adds at most 2 u of its terms)."""
-    master, calls, grad, loss = run_ranks(_head_under_dense_wrapper, 1, str(tmp_path), dense)[0]
+    for dense, run in run_ranks(_fsdp_and_plain, 1, str(tmp_path))[0].items():
+        _check_head_step(dense, *run)
+
+
+def _check_head_step(dense: str, master: torch.Tensor, calls: list, grad: torch.Tensor, loss: float) -> None:
     assert len(calls) == 3
     want, bound, losses, loss_bounds = 0, 0, [], []
     for h, w, t, is_dtensor in calls:
@@ -262,9 +270,8 @@ def test_head_grads_reach_the_master_under_fsdp_and_plain(tmp_path: Path, dense:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_matches_cross_entropy_on_cuda_bf16(compiled: bool) -> None:
-    """The CUDA path: cuBLAS's bf16 GEMM accumulating grad_W into fp32 (addmm out_dtype), inductor's fused
-    chunk math; a vocab and N of k3_small's kind in miniature (V = 4,099: chunks of 256 rows at a 4 MiB budget
-    would be the same code path as 1 GiB at V = 163,840)."""
+    """The CUDA path: cuBLAS's bf16 GEMM accumulating grad_W into fp32 (addmm with out_dtype), and the chunk
+    math eager and through inductor; 1,000 tokens in chunks of 256 (a remainder of 232), V = 4,099."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     n, d, v = 1000, 256, 4099
     h = torch.randn(n, d, generator=gen, device="cuda").bfloat16().requires_grad_()
