@@ -17,6 +17,10 @@ every attention layer stays inside them (moontrain.model.documents). With determ
 trainer passes train.deterministic) causal attention on CUDA goes through flex_attention, whose
 backward is deterministic, also without documents.
 
+Head and loss: the training forward never materialises the [B, T, V] logits: lm_head's weight and the final
+norm's output go to moontrain.model.lm_loss.linear_cross_entropy (the head and the CE fused over chunks of
+tokens); logits() (generation, export parity) runs lm_head as a module. Evaluation calls the training forward.
+
 Layout: the model is built knowing only which expert rows it holds (ExpertPlacement); recompute, compile,
 the dense parameters' wrapping and the experts' backends are applied afterwards, in one order, by
 moontrain.parallel.parallelize, through enable_activation_checkpointing and attach_experts_backends.
@@ -28,7 +32,6 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -40,6 +43,7 @@ from moontrain.model.experts import ExpertPlacement, ExpertsContext, ExpertsRunt
 from moontrain.model.ffn import GatedFFN
 from moontrain.model.init import expert_stds, init_dense
 from moontrain.model.kda import KimiDeltaAttention
+from moontrain.model.lm_loss import EAGER, linear_cross_entropy
 from moontrain.model.moe import MoE
 from moontrain.model.norm import RMSNorm
 from moontrain.model.rope import rope_cos_sin
@@ -135,7 +139,7 @@ class K3Model(nn.Module):
         # AttnRes: the final norm's input is one more aggregation over the blocks and the last partial sum
         self.final_res = (DepthAttention(cfg.hidden_size, cfg.norm_eps, device=device)
                           if cfg.attn_res_block_size else None)
-        self.loss_fn = cross_entropy  # parallelize's compile step replaces it with its compiled form
+        self.loss_math = EAGER  # linear_cross_entropy's chunk math; parallelize's compile step compiles it
         self.document_eos_id = document_eos_id
         self.deterministic_attention = deterministic_attention
 
@@ -183,16 +187,19 @@ class K3Model(nn.Module):
         return runtime
 
     def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (loss to backpropagate = CE + aux, CE alone for logging)."""
-        logits_BTV, aux_total = self._logits_aux(tokens_BT)
-        ce = self.loss_fn(logits_BTV, targets_BT)
+        """Returns (loss to backpropagate = CE + aux, CE alone for logging). The CE is the fp32 mean over
+        the B T tokens of the head's logits, fused with the head (module docstring)."""
+        h_BTD, aux_total = self._hidden_aux(tokens_BT)
+        ce = linear_cross_entropy(h_BTD.flatten(0, 1), self.lm_head.weight, targets_BT.reshape(-1),
+                                  math=self.loss_math)
         return ce + aux_total, ce.detach()
 
     def logits(self, tokens_BT: torch.Tensor) -> torch.Tensor:
         """LM-head logits [B, T, V] of the training forward (evaluation, generation, export parity)."""
-        return self._logits_aux(tokens_BT)[0]
+        return self.lm_head(self._hidden_aux(tokens_BT)[0])
 
-    def _logits_aux(self, tokens_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hidden_aux(self, tokens_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final norm's output [B, T, D] (the head's input) and the summed MoE aux loss."""
         cfg = self.cfg
         T = tokens_BT.shape[1]
         cos, sin = rope_cos_sin(T, cfg.qk_rope_head_dim, cfg.rope_theta, tokens_BT.device, yarn=cfg.rope_yarn)
@@ -208,9 +215,4 @@ class K3Model(nn.Module):
                 aux_total = aux_total + aux
         if self.final_res is not None:
             x_BTD = self.final_res(blocks, x_BTD)
-        return self.lm_head(self.norm(x_BTD)), aux_total
-
-
-def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy, in fp32."""
-    return F.cross_entropy(logits_BTV.float().view(-1, logits_BTV.shape[-1]), targets_BT.reshape(-1))
+        return self.norm(x_BTD), aux_total

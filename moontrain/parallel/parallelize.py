@@ -6,8 +6,8 @@ initialised) and the model a train step runs. It applies, in this order:
    recompute re-runs their collectives.
 2. torch.compile (train.compile), in place, of what runs between the routed experts: per block the norms
    (the MoE's latent norm included), the attention and the dense FFN or the shared experts; the AttnRes
-   aggregations' math; the final norm and the loss. The routed experts (custom autograd functions around
-   communication) stay eager. Before step 3, so the compiled modules live inside FSDP's units.
+   aggregations' math; the final norm and the loss's per-chunk math (moontrain.model.lm_loss). The routed
+   experts (custom autograd functions around communication) stay eager. Before step 3, so the compiled modules live inside FSDP's units.
 3. the dense parameters (parallel.dense): fsdp with a process group: FSDP2 per block, then the root
    (moontrain.parallel.fsdp); plain: FSDP's world-1 mixed precision with foreach casts and its hooks on the
    same modules (moontrain.parallel.plain_dense); allreduce, or fsdp without a process group: as built
@@ -32,6 +32,7 @@ import torch
 from moontrain.model.attn_res import DepthAttention
 from moontrain.model.config import ExpertsConfig
 from moontrain.model.experts import ExpertsContext, ExpertsRuntime
+from moontrain.model.lm_loss import compiled_math
 from moontrain.model.transformer import K3Model
 from moontrain.parallel.config import ParallelConfig
 from moontrain.parallel.fsdp import apply_fsdp
@@ -94,5 +95,5 @@ def compile_dense_parts(model: K3Model) -> None:
         if block.ffn.latent:
             block.ffn.latent_norm.compile()
     model.norm.compile()
-    model.loss_fn = torch.compile(model.loss_fn)
+    model.loss_math = compiled_math()
 

@@ -30,7 +30,10 @@ L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
   of every rail peer's tokens visiting this host), and the routed experts' saved rows (static, NvS of the
   host Buffer) N times the one-level ones.
 - activations: tensors saved for backward per token per layer: the compute dtype for most, fp32 for
-  routing weights, the K-way combine and the logits (a rough model, ~30%). KDA layers (fla's kernel):
+  routing weights and the K-way combine (a rough model, ~30%). The head and the loss (moontrain.model.lm_loss,
+  never [S, V] logits): the saved grads of the head's input (D per token, compute dtype) and of its weight
+  (V x D), the fp32 weight-grad accumulator and one chunk's logits (compute dtype, fp32 and one fp32
+  temporary) while the loss's forward runs. KDA layers (fla's kernel):
   the projections before and after the short convolutions, gate, output, fp32 decays, the chunk's two
   L x L matrices per head and the chunk-boundary states (K x V per head per L tokens). With activation
   checkpointing: each block's input, plus one block's full activations during its recompute.
@@ -50,6 +53,7 @@ from moonep import BufferConfig, Layout, glu_projections
 from moontrain.config.run_config import RunConfig
 from moontrain.model.attn_res import aggregation_sizes
 from moontrain.model.kda_ops import CHUNK as KDA_CHUNK
+from moontrain.model.lm_loss import chunk_tokens
 from moontrain.model.params import ParamCounts
 
 ROWS = ("weights", "master", "grads", "optimizer", "symmetric_heap", "receive_buffers", "activations")
@@ -95,7 +99,8 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
         "master": 4 * P / dense_shards,
         "grads": dense_grads,
         "optimizer": 8 * P / dense_shards,
-        "activations": S * _activation_bytes_per_token(cfg, compute_bytes, cfg.train.activation_checkpointing),
+        "activations": (S * _activation_bytes_per_token(cfg, compute_bytes, cfg.train.activation_checkpointing)
+                        + _head_loss_bytes(cfg, compute_bytes, S)),
     }
     shards = world_size // R if cfg.parallel.shard_expert_state else 1  # the replicas the expert state splits over
     experts = {
@@ -119,6 +124,13 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
     return MemoryEstimate(dense=dense, experts=experts, heap=heap)
 
 
+def _head_loss_bytes(cfg: RunConfig, c: int, S: int) -> float:
+    """The head and the loss beyond the per-token grad: the saved weight grad (compute dtype), the fp32
+    accumulator, and a chunk of at most S tokens' logits in the compute dtype and twice in fp32."""
+    V, D = cfg.model.vocab_size, cfg.model.hidden_size
+    return V * D * (c + 4) + min(S, chunk_tokens(V)) * V * (c + 8)
+
+
 def _activation_bytes_per_token(cfg: RunConfig, c: int, checkpointed: bool) -> float:
     m = cfg.model
     D, N, K = m.hidden_size, m.num_heads, m.num_experts_per_tok
@@ -135,12 +147,12 @@ def _activation_bytes_per_token(cfg: RunConfig, c: int, checkpointed: bool) -> f
     moe = (2 * D + latent) * c + routed + shared
     HK, L = m.kda_heads * m.kda_head_dim, KDA_CHUNK
     kda = (2 * D + 11 * HK + m.kda_head_dim * HK // L) * c + (2 * HK + 2 * L * m.kda_heads) * 4
-    logits = cfg.model.vocab_size * (c + 8)
+    head = D * c  # the saved grad of the head's input; the per-step part is _head_loss_bytes
     sizes = aggregation_sizes(m.num_layers, m.attn_res_block_size)
     if checkpointed:
         recomputed_res = 2 * 8 * max(sizes) + 2 * D * c if sizes else 0  # one block's aggregations
         mixing = max(attn if m.num_mla_layers else 0, kda if m.num_kda_layers else 0)
-        return m.num_layers * D * c + mixing + max(dense_ffn, moe) + recomputed_res + logits
+        return m.num_layers * D * c + mixing + max(dense_ffn, moe) + recomputed_res + head
     attn_res = 8 * sum(sizes) + 2 * m.num_layers * D * c if sizes else 0
     return (m.num_mla_layers * attn + m.num_kda_layers * kda + m.num_dense_layers * dense_ffn
-            + m.num_moe_layers * moe + attn_res + logits)
+            + m.num_moe_layers * moe + attn_res + head)

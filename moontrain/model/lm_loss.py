@@ -1,0 +1,162 @@
+"""The LM head and the mean token cross-entropy in one op, over chunks of tokens: no [N, V] logits survive a chunk.
+
+Legend: N tokens, D hidden, V vocab, c tokens per chunk.
+
+Value: linear_cross_entropy(h, W, t) equals F.cross_entropy((h @ W^T).float(), t), the head as nn.Linear
+computes it (in h's dtype) and the CE in fp32, mean over all N tokens. There is no ignore index: every
+target is a token id in [0, V) (the data pipeline writes no other).
+
+Forward, per chunk of c tokens: logits_cV = h_c @ W^T in the compute dtype; in fp32 the log-softmax in ATen's
+order ((x - max) - log sum exp), the chunk's summed target log-probabilities, and the logits' grad as autograd
+makes it (softmax * 1/N, then -1/N at the target), rounded once to the compute dtype as the backward of
+`.float()` rounds it; then grad_h_c = grad_logits_cV @ W (complete: the sum runs over V) and grad_W +=
+grad_logits_cV^T @ h_c into an fp32 [V, D] accumulator (products of the compute dtype, fp32 sums, rounded
+once to W's dtype after the last chunk). Only grad_h [N, D] and grad_W [V, D] are saved; backward scales them
+by the scalar grad of the loss (in fp32, rounded once: 1 / accumulation steps need not be a power of two).
+Without grad (evaluation) the forward computes the loss alone, in the same chunks and order.
+
+Numerics against autograd over the materialised logits: the same formulas and roundings; the sums differ
+in order only (the loss over chunks, grad_W over chunks in fp32). With a compute dtype below fp32 grad_W
+and grad_h carry one more rounding when the loss's grad is not a power of two (the scale in backward).
+
+Chunk size: the most tokens whose fp32 logits fit in LOGITS_BYTES_PER_CHUNK (1 GiB), in whole GEMM tiles of
+128 rows. Memory: with train.compile a chunk holds its compute-dtype logits and grad (half the budget
+each at bf16), eager about 2.5 times it (the logits, their fp32 log-softmax and one fp32 temporary), against
+[N, V] in the compute dtype plus fp32 and their grads for the unfused head (k3_small: 5.4 GiB bf16 + 10.7
+GiB fp32 at 16k tokens). Speed: every chunk reads and writes the fp32 accumulator (8 V D bytes) next to its
+6 c V D GEMM FLOPs, an overhead of 8 F / (6 c B) = 220 / c on an H200 (F / B = 790 TFLOP/s over 4.8 TB/s,
+an estimate): 256 MiB chunks (409 tokens at V = 163,840) would add about half the head's GEMM time, 1 GiB
+(1,536) about 14%, the order of the unfused head's own fp32 passes over [N, V]. Not measured yet:
+benchmarks/bench_lm_loss.py prints both, and other budgets, on a GPU.
+
+train.compile: the per-chunk fp32 math (chunk_loss_and_grad, chunk_loss) runs through torch.compile, which
+fuses it into passes over the compute-dtype logits; the GEMMs stay eager ATen calls either way.
+Rejected: chunking over V (grad_W then needs every token's logsumexp first: the logits GEMM twice); a
+compiled whole op (the chunk loop unrolled into one graph per N); saving grad_W in fp32 (twice the bytes
+held from the end of forward to the start of backward, for a rounding that only matters when the loss's
+grad is not a power of two).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+LOGITS_BYTES_PER_CHUNK = 1 << 30  # a chunk's logits in fp32 (module docstring: memory against accumulator traffic)
+_TILE = 128  # GEMM rows per tile: chunks of whole tiles
+
+
+def chunk_tokens(vocab_size: int, logits_bytes: int = LOGITS_BYTES_PER_CHUNK) -> int:
+    """Tokens per chunk: the most whose fp32 logits fit in logits_bytes, in whole tiles when at least one fits."""
+    rows = max(1, logits_bytes // (4 * vocab_size))
+    return rows - rows % _TILE if rows >= _TILE else rows
+
+
+def _log_softmax_(logits_cV: torch.Tensor) -> torch.Tensor:
+    """fp32 log-softmax in ATen's order; in place when the logits are fp32 already (they are ours to overwrite)."""
+    x_cV = logits_cV.float()
+    x_cV -= x_cV.amax(dim=-1, keepdim=True)
+    x_cV -= x_cV.exp().sum(dim=-1, keepdim=True).log()
+    return x_cV
+
+
+def chunk_loss(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> torch.Tensor:
+    """Sum over the chunk's tokens of -log softmax(logits)[target], fp32."""
+    return -_log_softmax_(logits_cV).gather(1, targets_c[:, None]).sum()
+
+
+def chunk_loss_and_grad(logits_cV: torch.Tensor, targets_c: torch.Tensor, inv_n: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunk_loss, and the grad of the mean over all N tokens (inv_n = 1 / N) with respect to the logits,
+    in the logits' dtype: softmax * inv_n, plus -inv_n at the target (autograd's log-softmax backward)."""
+    x_cV = _log_softmax_(logits_cV)
+    loss = -x_cV.gather(1, targets_c[:, None]).sum()
+    x_cV = x_cV.exp_().mul_(inv_n)
+    # one distinct entry per row: an indexed write, no scatter-add (atomics under inductor: docs/determinism.md)
+    rows_c = torch.arange(x_cV.shape[0], device=x_cV.device)
+    x_cV[rows_c, targets_c] -= inv_n
+    return loss, x_cV.to(logits_cV.dtype)
+
+
+class ChunkMath(NamedTuple):
+    loss_and_grad: Any  # chunk_loss_and_grad or its compiled form
+    loss: Any  # chunk_loss or its compiled form
+
+
+EAGER = ChunkMath(chunk_loss_and_grad, chunk_loss)
+
+
+def compiled_math() -> ChunkMath:
+    """The chunk math through torch.compile (train.compile): one graph per chunk shape, the last chunk's
+    remainder being the second."""
+    return ChunkMath(torch.compile(chunk_loss_and_grad, dynamic=False), torch.compile(chunk_loss, dynamic=False))
+
+
+def _add_outer_(acc_VD: torch.Tensor, grad_Vc: torch.Tensor, h_cD: torch.Tensor) -> None:
+    """acc_VD (fp32) += grad_Vc @ h_cD with the products of the compute dtype summed in fp32."""
+    if grad_Vc.dtype == acc_VD.dtype:
+        acc_VD.addmm_(grad_Vc, h_cD)
+    elif acc_VD.is_cuda:  # cuBLAS: a bf16 GEMM accumulating into the fp32 output (PyTorch >= 2.8)
+        torch.addmm(acc_VD, grad_Vc, h_cD, out_dtype=torch.float32, out=acc_VD)
+    else:  # no mixed-dtype GEMM on the CPU: a product of two bf16 (fp16) values is exact in fp32, so the same sums
+        acc_VD.addmm_(grad_Vc.float(), h_cD.float())
+
+
+def _scaled(grad: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor | None:
+    """grad * scale computed in fp32 and rounded once to grad's dtype, in row blocks of at most the chunk budget."""
+    if grad is None or grad.dtype == torch.float32:
+        return None if grad is None else grad * scale
+    out = torch.empty_like(grad)
+    rows = max(1, LOGITS_BYTES_PER_CHUNK // (4 * grad.shape[1]))
+    for r0 in range(0, grad.shape[0], rows):
+        out[r0:r0 + rows] = grad[r0:r0 + rows].float() * scale
+    return out
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor, chunk: int,
+                math: ChunkMath) -> torch.Tensor:
+        want_h, want_w = ctx.needs_input_grad[:2]
+        N = h_ND.shape[0]
+        grad_h_ND = torch.empty(h_ND.shape, dtype=h_ND.dtype, device=h_ND.device) if want_h else None
+        grad_w_VD = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) if want_w else None
+        loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+        for n0 in range(0, N, chunk):
+            h_cD = h_ND[n0:n0 + chunk]
+            loss_c, grad_cV = math.loss_and_grad(F.linear(h_cD, weight_VD), targets_N[n0:n0 + chunk], 1.0 / N)
+            loss += loss_c
+            if want_h:
+                torch.mm(grad_cV, weight_VD, out=grad_h_ND[n0:n0 + chunk])
+            if want_w:
+                _add_outer_(grad_w_VD, grad_cV.t(), h_cD)
+            del grad_cV  # freed before the next chunk's logits are allocated
+        ctx.save_for_backward(grad_h_ND, None if grad_w_VD is None else grad_w_VD.to(weight_VD.dtype))
+        return loss / N
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_h_ND, grad_w_VD = ctx.saved_tensors
+        return _scaled(grad_h_ND, grad_loss), _scaled(grad_w_VD, grad_loss), None, None, None
+
+
+def linear_cross_entropy(h_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor, *,
+                         chunk: int | None = None, math: ChunkMath = EAGER) -> torch.Tensor:
+    """Mean token cross-entropy (fp32 scalar) of the logits h_ND @ weight_VD^T (in h's dtype, as nn.Linear) at
+    targets_N (token ids in [0, V)), differentiable in h and the weight, without materialising the [N, V]
+    logits. chunk: tokens per chunk (default: chunk_tokens(V)). math: EAGER or compiled_math()."""
+    if h_ND.dim() != 2 or targets_N.shape != h_ND.shape[:1]:
+        raise ValueError(f"linear_cross_entropy takes h [N, D] and targets [N], got h {tuple(h_ND.shape)} and "
+                         f"targets {tuple(targets_N.shape)}; flatten the batch and sequence dims of both")
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk={chunk}: tokens per chunk must be >= 1 (None derives it from the vocab size)")
+    chunk = chunk or chunk_tokens(weight_VD.shape[0])
+    if torch.is_grad_enabled() and (h_ND.requires_grad or weight_VD.requires_grad):
+        return _LinearCrossEntropy.apply(h_ND, weight_VD, targets_N, chunk, math)
+    loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+    with torch.no_grad():
+        for n0 in range(0, h_ND.shape[0], chunk):
+            loss += math.loss(F.linear(h_ND[n0:n0 + chunk], weight_VD), targets_N[n0:n0 + chunk])
+    return loss / h_ND.shape[0]
