@@ -138,12 +138,12 @@ def _activation_bytes_per_token(cfg: RunConfig, c: int, checkpointed: bool) -> f
     q_low = 2 * m.q_lora_rank if m.q_lora_rank is not None else 0
     attn = (2 * D + q_low + N * qk + (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
             + N * (m.qk_nope_head_dim + dv) + 2 * N * qk + 4 * N * dv) * c
-    dense_ffn = (2 * D + 3 * m.dense_intermediate_size) * c
+    dense_ffn = (2 * D + 2 * m.dense_intermediate_size) * c
     H, F = m.expert_width, m.moe_intermediate_size
     latent = 2 * H + D if m.moe_latent_size is not None else 0
     rows = K * cfg.parallel.ep_hosts  # hierarchical EP: the host stage's static rows (see the module docstring)
-    routed = rows * (2 * H + 3 * F) * c + rows * H * 4 + m.num_experts * 8
-    shared = (3 * m.num_shared_experts * F + D) * c
+    routed = rows * 2 * F * c + rows * 4 + m.num_experts * 8  # h, u and the route weight per row (moonep.expert_glu)
+    shared = (2 * m.num_shared_experts * F + D) * c  # h, u (moontrain.model.ffn recomputes the activation)
     moe = (2 * D + latent) * c + routed + shared
     HK, L = m.kda_heads * m.kda_head_dim, KDA_CHUNK
     kda = (2 * D + 11 * HK + m.kda_head_dim * HK // L) * c + (2 * HK + 2 * L * m.kda_heads) * 4
