@@ -37,9 +37,10 @@ def _activation_grads(name: FFNActivation, grad_a: torch.Tensor, h: torch.Tensor
     if h.is_cuda and h.dtype == torch.bfloat16:
         from moonep.kernels.glu_route import glu_route_backward
 
-        ones = torch.ones(h.shape[0], dtype=torch.float32, device=h.device)  # route weight 1: a_w = a
-        grad_h, grad_u, a, _ = glu_route_backward(name, grad_a.contiguous(), h, u, ones)
-        return grad_h, grad_u, a
+        rows = lambda t: t.reshape(-1, t.shape[-1])
+        ones = torch.ones(rows(h).shape[0], dtype=torch.float32, device=h.device)  # route weight 1: a_w = a
+        grads = glu_route_backward(name, rows(grad_a.contiguous()), rows(h.contiguous()), rows(u.contiguous()), ones)
+        return tuple(t.view(h.shape) for t in grads[:3])
     from moonep.activation import get_activation
 
     return get_activation(name).backward(grad_a, h, u)
