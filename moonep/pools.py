@@ -175,6 +175,11 @@ class ExpertPools:
         self._side.wait_stream(torch.cuda.current_stream(device))
         return self._side
 
+    @property
+    def uses_slots(self) -> bool:
+        """Whether the planner can fill slots (more than one rank): prefetch and reduce_grad have work."""
+        return self._uses_slots
+
     def ensure_async(self, plan: Plan, layer: LayerExperts) -> None:
         """ensure() through prefetch_async; pair with wait_prefetch()."""
         if self._owner is None or self._owner[0] != layer.index or self._owner[1] is not plan:
