@@ -24,10 +24,11 @@ Chunk size: the most tokens whose fp32 logits fit in LOGITS_BYTES_PER_CHUNK (1 G
 each at bf16), eager about 2.5 times it (the logits, their fp32 log-softmax and one fp32 temporary), against
 [N, V] in the compute dtype plus fp32 and their grads for the unfused head (k3_small: 5.4 GiB bf16 + 10.7
 GiB fp32 at 16k tokens). Speed: every chunk reads and writes the fp32 accumulator (8 V D bytes) next to its
-6 c V D GEMM FLOPs, an overhead of 8 F / (6 c B) = 220 / c on an H200 (F / B = 790 TFLOP/s over 4.8 TB/s,
-an estimate): 256 MiB chunks (409 tokens at V = 163,840) would add about half the head's GEMM time, 1 GiB
-(1,536) about 14%, the order of the unfused head's own fp32 passes over [N, V]. Not measured yet:
-benchmarks/bench_lm_loss.py prints both, and other budgets, on a GPU.
+6 c V D GEMM FLOPs. Measured on one H200 (benchmarks/bench_lm_loss.py, fwd + bwd, bf16, compiled; results
+bench_lm_loss_1xh200_20261202.json), unfused head against this at 256 MiB / 1 GiB / 2 GiB chunks:
+N 16384, D 2048, V 163,840: 54.1 ms, 10.0 GiB peak | 92.7 ms, 3.4 | 63.7 ms, 3.4 | 65.0 ms, 5.2;
+N 32768, D 2048, V 32,768: 22.7 ms, 4.0 GiB | 25.5 ms, 1.0 | 23.7 ms, 2.4 | 23.8 ms, 4.4.
+1 GiB is the knee: at k3_small's vocab 18 % slower than the unfused head for a third of its memory.
 
 train.compile: the per-chunk fp32 math (chunk_loss_and_grad, chunk_loss) runs through torch.compile, which
 fuses it into passes over the compute-dtype logits; the GEMMs stay eager ATen calls either way.

@@ -116,7 +116,8 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
         dtype = {2: torch.bfloat16, 4: torch.float32}[compute_bytes]
         N = cfg.parallel.ep_hosts  # hierarchical EP: the host Buffer of moonep.HierarchicalBuffer
         layout = Layout(BufferConfig(max_tokens=N * S, hidden=H, topk=K, num_experts=m.num_experts // N,
-                                     token_padding=cfg.experts.token_padding, dtype=dtype, entries=N > 1), R // N)
+                                     token_padding=cfg.experts.token_padding, dtype=dtype, entries=N > 1,
+                                     options=cfg.experts.moonep), R // N)
         heap = layout.heap_bytes(glu_projections(H, F), m.num_moe_layers)
         experts["weights"], experts["grads"] = heap["weights"], heap["grads"]
         experts["symmetric_heap"] = heap["slot_pool"] + heap["reduce_pool"]

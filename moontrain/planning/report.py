@@ -62,7 +62,7 @@ def dry_run_report(cfg: RunConfig, world_size: int, device: str) -> str:
 
 
 _HEAP_ROLES = {
-    "comm": "receive and combine rows [NvS+2, H], landing rows [S*K+1, H], row metadata",
+    "comm": "receive rows [NvS+2, H] (+ combine rows with combine_reduce=source), landing rows [S*K+1, H], row metadata",
     "weights": "this rank's expert rows, every MoE layer (the weights row above)",
     "grads": "their fp32 grad mirror (the grads row above)",
     "slot_pool": "B copies of remote experts, one set for all layers",
