@@ -45,12 +45,12 @@ def swiglu_forward(h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def swiglu_backward(grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad_h, grad_u, a) for a = silu(h) * u, in fp32 with one rounding to h's dtype."""
-    hf = h.float()
-    sig = torch.sigmoid(hf)
-    ga = grad_a.float()
-    grad_h = (ga * u.float() * sig * (1 + hf * (1 - sig))).to(h.dtype)
-    grad_u = (ga * (hf * sig)).to(h.dtype)
+    """(grad_h, grad_u, a) for a = silu(h) * u, in fp32 with one rounding to h's dtype: autograd's own
+    formulas (ATen's silu_backward of grad_a * u; grad_a * silu(h)), so that in fp32 the dense FFN op
+    (moontrain.model.ffn) gives autograd's bits."""
+    hf, uf, ga = h.float(), u.float(), grad_a.float()
+    grad_h = torch.ops.aten.silu_backward(ga * uf, hf).to(h.dtype)
+    grad_u = (ga * F.silu(hf)).to(h.dtype)
     return grad_h, grad_u, swiglu_forward(h, u)
 
 
@@ -138,6 +138,21 @@ def situ_glu(h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"situ_glu needs h and u of one shape and dtype, got {tuple(h.shape)} {h.dtype} and "
                          f"{tuple(u.shape)} {u.dtype}")
     return _SiTUGLU.apply(h, u)
+
+
+def glu_backward(activation: str, grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_h, grad_u, a) of a = f(h, u) for the registered `activation`, each one fp32 value rounded once,
+    for tensors of any leading shape: on bf16 CUDA tensors moonep.kernels.glu_route's one-pass kernel with
+    unit row weights, elsewhere the specification (the dense FFNs' backward, which recomputes a)."""
+    if not _uses_kernels(h):
+        return get_activation(activation).backward(grad_a, h, u)
+    from moonep.kernels.glu_route import glu_route_backward
+
+    rows = lambda t: t.contiguous().view(-1, t.shape[-1])
+    ones = torch.ones(rows(h).shape[0], dtype=torch.float32, device=h.device)  # route weight 1: a_w = a
+    grads = glu_route_backward(activation, rows(grad_a), rows(h), rows(u), ones)
+    return tuple(t.view(h.shape) for t in grads[:3])
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,8 +12,7 @@ on one rank), and the receive rows hold epn + remote_experts padded groups.
 Comm segment regions (rows are token rows of width H):
     recv        [NvS + 2, H] dtype   dispatch destination; row NvS is a trash row for masked-out
                                      writes, row NvS + 1 stays zero (source of padding rows)
-    comb        [NvS + 2, H] dtype   combine source rows (y_rows), read by the tokens' home ranks
-                                     (combine_reduce "source" only)
+    comb        [NvS + 2, H] dtype   combine source rows (y_rows), read by the home ranks ("source" only)
     hist        [R, E]       int32   every rank's tokens_per_expert, written by that rank
     row_weight  [NvS + 1]    fp32    route weight per received row (trash at NvS)
     row_link    [NvS + 1, 2] int32   per received row (row_copy, row_src), one 8-byte record so the

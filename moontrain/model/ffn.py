@@ -3,14 +3,14 @@
 The activation is SwiGLU's silu(g) * u or K3's SiTU-GLU (moonep.activation: the routed experts' op
 uses the same specification, so every FFN of a model computes one function).
 
-One autograd op (`gated_ffn`), like the routed experts' (moonep.expert_glu): it saves x, h = w_gate x
-and u = w_up x, and recomputes a = act(h, u) in backward for w_down's weight gradient. Built from
+One autograd op (`_GatedFFN`, GatedFFN's forward), like the routed experts' (moonep.expert_glu): it
+saves x, h = w_gate x and u = w_up x, and recomputes a = act(h, u) in backward for w_down's weight gradient. Built from
 nn.Linear and the activation, autograd (and torch.compile's partitioner) also kept a for w_down:
 [tokens, hidden] per FFN (DeepSeek-V3 widths at 32k tokens per pass: 128 MiB per shared-expert FFN,
 352 MiB for the dense layer). The forward is the modules' math op for op (the logits of
 transformers' DeepseekV3 are matched against it); backward is the activation's one-pass gradient
-(moonep.activation's specification; on bf16 CUDA tensors moonep.kernels.glu_route's kernel with unit
-row weights), the weight and input gradients as nn.Linear's.
+(moonep.glu_backward: the specification, or on bf16 CUDA tensors the routed experts' backward kernel
+with unit row weights), the weight and input gradients as nn.Linear's.
 """
 
 from __future__ import annotations
@@ -31,21 +31,6 @@ def glu_activation(name: FFNActivation, g: torch.Tensor, u: torch.Tensor) -> tor
     return F.silu(g) * u
 
 
-def _activation_grads(name: FFNActivation, grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad_h, grad_u, a) of a = act(h, u), each one fp32 value rounded once."""
-    if h.is_cuda and h.dtype == torch.bfloat16:
-        from moonep.kernels.glu_route import glu_route_backward
-
-        rows = lambda t: t.reshape(-1, t.shape[-1])
-        ones = torch.ones(rows(h).shape[0], dtype=torch.float32, device=h.device)  # route weight 1: a_w = a
-        grads = glu_route_backward(name, rows(grad_a.contiguous()), rows(h.contiguous()), rows(u.contiguous()), ones)
-        return tuple(t.view(h.shape) for t in grads[:3])
-    from moonep.activation import get_activation
-
-    return get_activation(name).backward(grad_a, h, u)
-
-
 class _GatedFFN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
@@ -60,7 +45,9 @@ class _GatedFFN(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         x, w_gate, w_up, w_down, h, u = ctx.saved_tensors
-        grad_h, grad_u, a = _activation_grads(ctx.activation, grad_y @ w_down, h, u)
+        from moonep import glu_backward  # moonep is imported only where it is used
+
+        grad_h, grad_u, a = glu_backward(ctx.activation, grad_y @ w_down, h, u)
         grad_x = grad_h @ w_gate + grad_u @ w_up
         flat = lambda t: t.reshape(-1, t.shape[-1])
         grad_w_down = flat(grad_y).t() @ flat(a)

@@ -12,9 +12,8 @@ L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
   parameter of the replica's 1/dp_replicate of the local rows, dp_replicate = W / R).
 - grads: dense: the fp32 reduce-scatter output 4P/W plus the gathered compute-dtype grads of two
   blocks; experts: fp32 local rows (moonep: the grad mirror's local rows, in the heap).
-- parallel.dense=plain (one rank, moontrain.parallel.plain_dense): the dense weights are compute-dtype
-  copies of all P, the grads one pass's compute-dtype grads plus the fp32 accumulators, and from the
-  second accumulated pass on an fp32 scratch of the same size.
+- parallel.dense=plain (one rank): compute-dtype copies of all P, one pass's compute-dtype grads, the fp32
+  accumulators and a bounded fp32 scratch (moontrain.parallel.plain_dense).
 - parallel.dense=allreduce: every rank holds all P as fp32 masters and runs them as they are (no
   copies), with fp32 grads of all P and Adam's moments of all P (the dense activations, fp32 then, are
   still counted at the compute dtype).
@@ -23,14 +22,12 @@ L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
 - symmetric heap (moonep, beyond the local weight/grad rows above): per projection B slot rows in the
   compute dtype and B reduce-pool rows in fp32, shared by all layers (B = epn, 0 at R = 1). The heap's
   regions (moonep.Layout.heap_bytes) are MemoryEstimate.heap: the memory outside the PyTorch allocator.
-- receive buffers: moonep's comm segment (moonep.Layout.comm_bytes: receive and combine rows of NvS x H,
-  landing rows S*K x H, row metadata; static); alltoall S*K*H at
-  balance (dynamic: up to R times that under full skew). Hierarchical EP (parallel.ep_hosts = N > 1): the
-  host Buffer's segment (N*S rows of up to K entries per rank, E/N experts over R/N ranks: the worst case
-  of every rail peer's tokens visiting this host), and the routed experts' saved rows (static, NvS of the
-  host Buffer) N times the one-level ones.
+- receive buffers: moonep's comm segment (moonep.Layout.comm_bytes; static); alltoall S*K*H at balance
+  (dynamic: up to R times that under full skew). Hierarchical EP (parallel.ep_hosts = N > 1): the host
+  Buffer's segment (N*S rows of up to K entries per rank, E/N experts over R/N ranks: the worst case of
+  every rail peer's tokens visiting this host), and the routed experts' saved rows N times the one-level ones.
 - activations: tensors saved for backward per token per layer: the compute dtype for most, fp32 for
-  routing weights and the K-way combine (a rough model, ~30%). The head and the loss (moontrain.model.lm_loss,
+  routing weights (a rough model, ~30%; the routed experts keep h, u and a weight per row). The head and the loss (moontrain.model.lm_loss,
   never [S, V] logits): the saved grads of the head's input (D per token, compute dtype) and of its weight
   (V x D), the fp32 weight-grad accumulator and one chunk's logits (compute dtype, fp32 and one fp32
   temporary) while the loss's forward runs. KDA layers (fla's kernel):

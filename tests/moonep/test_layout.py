@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moonep import Buffer, BufferConfig, ExpertPools, Layout, glu_projections, receive_rows
+from moonep import Buffer, BufferConfig, BufferOptions, ExpertPools, Layout, glu_projections, receive_rows
+from moonep.layout import round_up
 from tests.dist_utils import run_ranks
 
 CFG = BufferConfig(max_tokens=24, hidden=32, topk=3, num_experts=8, token_padding=4)
@@ -53,6 +54,32 @@ def test_one_rank_has_no_slot_rows() -> None:
     assert pools["slot_pool"] == pools["reduce_pool"] == 0
     explicit = Layout(BufferConfig(max_tokens=24, hidden=32, topk=3, num_experts=8, token_padding=4, num_slots=2), 1)
     assert explicit.num_slots == 2 and explicit.remote_experts == 0
+
+
+def _combine_input_error(rank: int, world: int) -> str:
+    buf = Buffer(DEST)
+    try:
+        topk = torch.arange(3).repeat(24, 1)  # every token to experts 0, 1, 2
+        plan = buf.plan(topk, torch.tensor([24, 24, 24, 0, 0, 0, 0, 0]))
+        with pytest.raises(ValueError) as err:
+            buf.combine_input(plan)
+        return str(err.value)
+    finally:
+        buf.destroy()
+
+
+DEST = BufferConfig(max_tokens=24, hidden=32, topk=3, num_experts=8, token_padding=4,
+                    options=BufferOptions(combine_reduce="destination"))
+
+
+def test_destination_combine_has_no_combine_rows() -> None:
+    """combine_reduce "destination" pushes from the caller's rows into the landing rows: the comm segment
+    has no comb region (NvS + 2 rows of H), and Buffer.combine_input says why it has none."""
+    src, dst = Layout(CFG, 1), Layout(DEST, 1)
+    assert "comb" in src.comm and "comb" not in dst.comm
+    assert src.comm_bytes - dst.comm_bytes == round_up(src.comm["comb"].nbytes, 256)
+    (msg,) = run_ranks(_combine_input_error, 1, timeout_s=60)
+    assert "combine_reduce='destination'" in msg and "no combine rows" in msg, msg
 
 
 def _allocated(rank: int, world: int) -> dict[str, int]:

@@ -1,5 +1,6 @@
 """The dry run prints moonep's symmetric heap region by region, equal to moonep.Layout's sizes and to the sizes
-derived by hand here (no slot or reduce pool at EP = 1, B = epn rows at EP = 2), and the allocator's share of
+derived by hand here (no slot or reduce pool at EP = 1, B = epn rows at EP = 2, no combine rows with the recipe's destination
+combine), and the allocator's share of
 the estimate (its total less the heap). Model: k3_small_moe as the DSV3 block of issue 35 (E = 96 at EP = 1,
 the recipe's E = 192 at EP = 2: 96 local experts of 2048 x 1024 in either case, 7 MoE layers, bf16)."""
 
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from moonep import BufferConfig, Layout
+from moonep import BufferConfig, BufferOptions, Layout
 from moontrain.cli import main
 from moontrain.planning.report import _bytes
 
@@ -30,7 +31,10 @@ def test_dry_run_prints_the_heap(ep: int, overrides: list[str], slots: int, caps
     assert main(argv) == 0
     out = capsys.readouterr().out
     rows = _heap_rows(out)
-    layout = Layout(BufferConfig(max_tokens=S, hidden=2048, topk=K, num_experts=96 * ep, token_padding=16), ep)
+    # the recipe sums at the destination: no combine rows in the comm segment
+    layout = Layout(BufferConfig(max_tokens=S, hidden=2048, topk=K, num_experts=96 * ep, token_padding=16,
+                                 options=BufferOptions(combine_reduce="destination")), ep)
+    assert "comb" not in layout.comm and "land" in layout.comm
     want = {"comm": layout.comm_bytes, "weights": 7 * 96 * EXPERT * 2, "grads": 7 * 96 * EXPERT * 4,
             "slot_pool": slots * EXPERT * 2, "reduce_pool": slots * EXPERT * 4}
     assert want == layout.heap_bytes({"gate": (2048, 1024), "up": (2048, 1024), "down": (1024, 2048)}, 7)
