@@ -95,38 +95,37 @@ class _ExpertGLU(torch.autograd.Function):
         pools = layer.pools
         pools.accumulate_wgrad(layer, "down", a_w, gy, offs, ctx.wgrad_scale)  # gy's last reader
         del a_w, gy
-        if not pools.uses_slots:  # one rank: the weight grads first, then each dgrad half frees its input
+        if not pools.uses_slots:  # one rank: the weight grads first, so that each dgrad half frees its input
             ctx.prev = None  # no slot to refill
-            x_rows = buffer.dispatch(x_sH, plan=plan).x_rows  # x's rows again, where gy was
-            pools.accumulate_wgrad(layer, "gate", x_rows, grad_h, offs, ctx.wgrad_scale)
-            pools.accumulate_wgrad(layer, "up", x_rows, grad_u, offs, ctx.wgrad_scale)
-            grad_x_rows = grouped_mm(grad_h, w["gate"].transpose(1, 2), offs)
+            _gate_up_weight_grads(ctx, x_sH, grad_h, grad_u)
+        grad_x_rows = grouped_mm(grad_h, w["gate"].transpose(1, 2), offs)
+        if not pools.uses_slots:
             del grad_h
-            grad_x_up = grouped_mm(grad_u, w["up"].transpose(1, 2), offs)
-            del grad_u
-            if not _fused_combine(buffer):
-                grad_x_rows.add_(grad_x_up)
-                grad_x_up = None
-        else:  # the dgrads first: they are the slots' last readers, and the previous layer's copies overlap the wgrads
-            grad_x_rows = grouped_mm(grad_h, w["gate"].transpose(1, 2), offs)
-            grad_x_up = grouped_mm(grad_u, w["up"].transpose(1, 2), offs)
-            if not _fused_combine(buffer):  # else combine adds the halves in fp32 as it reads them
-                # bf16 + bf16 adds in fp32 and rounds once (torch's opmath): the fp32 sum's bits, no fp32 temporary
-                grad_x_rows.add_(grad_x_up)
-                grad_x_up = None
+        grad_x_up = grouped_mm(grad_u, w["up"].transpose(1, 2), offs)
+        if not _fused_combine(buffer):  # else combine adds the halves in fp32 as it reads them
+            # bf16 + bf16 adds in fp32 and rounds once (torch's opmath): the fp32 sum's bits, no fp32 temporary
+            grad_x_rows.add_(grad_x_up)
+            grad_x_up = None
+        if pools.uses_slots:  # the dgrads were the slots' last readers: the previous layer's copies overlap the wgrads
             if ctx.prev is not None:
                 prev_layer, prev_plan = ctx.prev
                 ctx.prev = None  # once (a retained graph's second backward just prefetches as usual)
                 pools.prefetch_async(prev_plan, prev_layer)
-            # x's rows again, into the receive rows gy occupied (dispatch's "dispatch:enter" barrier orders a
-            # peer's writes after every rank's reads of gy)
-            x_rows = buffer.dispatch(x_sH, plan=plan).x_rows
-            pools.accumulate_wgrad(layer, "gate", x_rows, grad_h, offs, ctx.wgrad_scale)
-            pools.accumulate_wgrad(layer, "up", x_rows, grad_u, offs, ctx.wgrad_scale)
-            del grad_h, grad_u
+            _gate_up_weight_grads(ctx, x_sH, grad_h, grad_u)
+            del grad_h
+        del grad_u
         grad_x_sH, grad_weights_sK = buffer.combine(plan, grad_x_rows, row_scalars=grad_w_rows, add_rows=grad_x_up)
         buffer.reduce_grad_async(plan, layer)
         return grad_x_sH, grad_weights_sK.to(ctx.weights_dtype), None, None, None, None, None, None
+
+
+def _gate_up_weight_grads(ctx, x_sH: torch.Tensor, grad_h: torch.Tensor, grad_u: torch.Tensor) -> None:
+    """W_gate's and W_up's grads: x's rows dispatched again with the saved plan, into the receive rows gy
+    occupied (dispatch's "dispatch:enter" barrier orders a peer's writes after every rank's reads of gy)."""
+    x_rows = ctx.buffer.dispatch(x_sH, plan=ctx.plan).x_rows
+    offs = ctx.plan.cu_seqlens
+    ctx.layer.pools.accumulate_wgrad(ctx.layer, "gate", x_rows, grad_h, offs, ctx.wgrad_scale)
+    ctx.layer.pools.accumulate_wgrad(ctx.layer, "up", x_rows, grad_u, offs, ctx.wgrad_scale)
 
 
 def _fused_combine(buffer: Buffer) -> bool:
