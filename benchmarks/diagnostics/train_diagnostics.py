@@ -57,10 +57,11 @@ def profile_step(trainer: Trainer, layout: ParallelLayout, args: argparse.Namesp
     shapes = prof.key_averages(group_by_input_shape=True).table(
         sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=50, max_shapes_column_width=90)
     try:  # a diagnostic: a surprise in the profiler's event format must not end the benchmark
-        timeline = timeline_summary(_gpu_kernels(prof))
+        kernels = _gpu_kernels(prof)
+        timeline, every_kernel = timeline_summary(kernels), kernel_table(kernels)
     except Exception as err:
-        timeline = f"no timeline: {err!r}\n"
-    _write_all_ranks(f"{timeline}\n{table}\n\nby input shapes (self CUDA time):\n{shapes}\n",
+        timeline, every_kernel = f"no timeline: {err!r}\n", ""
+    _write_all_ranks(f"{timeline}\n{table}\n\nby input shapes (self CUDA time):\n{shapes}\n\n{every_kernel}",
                      _point_name("profile", trainer), args, side, layout)
 
 
@@ -81,6 +82,7 @@ KERNEL_CLASSES = (
     ("attention", r"fmha|flash|sdpa|attention|^triton_tem_"),  # inductor templates here: flex_attention
     ("kda (fla)", r"kda|delta_rule|wy_repr|recompute_w_u|chunk_fwd_kernel_o|chunk_bwd_kernel|l2norm|"
                   r"chunk_local_cumsum|kkt|solve_tril|merge_16x16|inverse_kernel"),
+    ("inductor fused", r"^triton_(poi|red|per)_"),  # torch.compile's generated kernels (names may say _to_copy)
     ("moonep comm", r"_scatter_kernel|_expand_kernel|_push_kernel|_chain_list_kernel|_reduce_kernel|_barrier_kernel|"
                     r"_signal|_wait_kernel|plan|_prefix|_histogram"),
     ("gemm", r"gemm|cutlass|nvjet|xmma|wgmma|_grouped_mm|splitK"),
@@ -157,6 +159,19 @@ def timeline_summary(kernels: list[tuple[int, int, int, str]], top: int = 12) ->
     lines.append("  top kernels (count, ms):")
     for name, (n, d) in sorted(names.items(), key=lambda kv: -kv[1][1])[:2 * top]:
         lines.append(f"    {n:6d} {d / 1e6:9.2f}  {name}")
+    return "\n".join(lines) + "\n"
+
+
+def kernel_table(kernels: list[tuple[int, int, int, str]]) -> str:
+    """Every GPU kernel name of the step (all streams), longest total first: count, total ms, class."""
+    names: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for _, _, d, name in kernels:
+        n = names[name]
+        n[0] += 1
+        n[1] += d
+    lines = ["every kernel (count, total ms, class, name):"]
+    for name, (n, d) in sorted(names.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"  {n:6d} {d / 1e6:9.3f}  {kernel_class(name):20s} {name[:160]}")
     return "\n".join(lines) + "\n"
 
 

@@ -80,15 +80,15 @@ def _attend_kda(attn: KimiDeltaAttention, x_BTD: torch.Tensor, cache: KDACache, 
     doc_start_BT = conv_id_BT = None
     if docs is not None:  # the tails' positions before the sequence hold zeros: any document id will do
         doc_start_BT, conv_id_BT = docs[0][:, start:], F.pad(docs[1], (W - 1, 0))[:, start:]
-    qkv = [short_conv(cache.extend(i, proj(x_BTD)), w, conv_id_BT)[:, -T:].reshape(B, T, H, K)
-           for i, (proj, w) in enumerate(((attn.q_proj, attn.q_conv1d), (attn.k_proj, attn.k_conv1d),
-                                          (attn.v_proj, attn.v_conv1d)))]
-    g = kda_gate(attn.forget(x_BTD).view(B, T, H, K), attn.A_log, attn.dt_bias, cfg.kda_gate_lower_bound)
-    beta = torch.sigmoid(attn.b_proj(x_BTD).float())
+    q_in, k_in, v_in, f_in, g_in, b_in = attn.project(x_BTD)
+    qkv = [short_conv(cache.extend(i, x_in), w, conv_id_BT)[:, -T:].reshape(B, T, H, K)
+           for i, (x_in, w) in enumerate(((q_in, attn.q_conv1d), (k_in, attn.k_conv1d), (v_in, attn.v_conv1d)))]
+    g = kda_gate(attn.forget(f_in).view(B, T, H, K), attn.A_log, attn.dt_bias, cfg.kda_gate_lower_bound)
+    beta = torch.sigmoid(b_in.float())
     o_BTHK, cache.state_BHKV = chunk_kda_with_state(l2_normalize(qkv[0]), l2_normalize(qkv[1]), qkv[2], g, beta,
                                                     scale=K ** -0.5, doc_start_BT=doc_start_BT,
                                                     initial_state_BHKV=cache.state_BHKV)
-    o_BTHK = attn.o_norm(o_BTHK, attn.output_gate(x_BTD).view(B, T, H, K))
+    o_BTHK = attn.o_norm(o_BTHK, attn.output_gate(g_in).view(B, T, H, K))
     return attn.o_proj(o_BTHK.reshape(B, T, H * K))
 
 

@@ -12,7 +12,9 @@ Parameter names and layouts are Kimi Linear's (q_proj, q_conv1d [C, 1, W] in nn.
 f_a_proj / f_b_proj or the full-rank f_proj, b_proj, A_log, dt_bias [H * K], g_*_proj, o_norm, o_proj), so
 the Hugging Face export maps them one to one. The short convolutions see no token of an earlier document (taps across a document start are zeroed),
 and the recurrence restarts at each document start, so nothing crosses an end-of-document.
-No positional encoding: the recurrence and the convolutions are order-aware.
+No positional encoding: the recurrence and the convolutions are order-aware. The six input projections
+(q, k, v, f or f_a, g or g_a, b) run as one GEMM over their stacked weights (project); the parameters stay
+separate, under their names.
 
 Kernel: kernels.kda picks kda_ops.kda (pure PyTorch, chunked; CPU and GPU) or kda_ops.kda_fla
 (fla-core's chunk_kda, Triton, with the gate and the L2 norm fused) once, at construction. The call is
@@ -142,21 +144,34 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x_BTD.shape
         H, K = cfg.kda_heads, cfg.kda_head_dim
         doc_id = docs.id_BT if docs is not None else None
-        q_BTHK = short_conv(self.q_proj(x_BTD), self.q_conv1d, doc_id).view(B, T, H, K)
-        k_BTHK = short_conv(self.k_proj(x_BTD), self.k_conv1d, doc_id).view(B, T, H, K)
-        v_BTHK = short_conv(self.v_proj(x_BTD), self.v_conv1d, doc_id).view(B, T, H, K)
-        f_BTHK = self.forget(x_BTD).view(B, T, H, K)
-        beta_BTH = torch.sigmoid(at_least_fp32(self.b_proj(x_BTD)))
+        q_in, k_in, v_in, f_in, g_in, b_in = self.project(x_BTD)
+        q_BTHK = short_conv(q_in, self.q_conv1d, doc_id).view(B, T, H, K)
+        k_BTHK = short_conv(k_in, self.k_conv1d, doc_id).view(B, T, H, K)
+        v_BTHK = short_conv(v_in, self.v_conv1d, doc_id).view(B, T, H, K)
+        f_BTHK = self.forget(f_in).view(B, T, H, K)
+        beta_BTH = torch.sigmoid(at_least_fp32(b_in))
         o_BTHK = self.kernel(q_BTHK, k_BTHK, v_BTHK, f_BTHK, beta_BTH, self.A_log, self.dt_bias,
                              lower_bound=cfg.kda_gate_lower_bound, scale=K ** -0.5,
                              doc_start_BT=docs.start_BT if docs is not None else None)
-        o_BTHK = self.o_norm(o_BTHK, self.output_gate(x_BTD).view(B, T, H, K))
+        o_BTHK = self.o_norm(o_BTHK, self.output_gate(g_in).view(B, T, H, K))
         return self.o_proj(o_BTHK.reshape(B, T, H * K))
 
-    def forget(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """The raw forget-gate input f (before dt_bias and the gate's nonlinearity)."""
-        return self.f_proj(x_BTD) if self.cfg.kda_gate_rank is None else self.f_b_proj(self.f_a_proj(x_BTD))
+    def project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The six input projections of x (q, k, v before their convolutions, f or f_a, g or g_a, beta's
+        logits) as column slices of one GEMM over the stacked weights: one GEMM forward and one dgrad and
+        one wgrad GEMM backward instead of six each, and no sum of six input gradients."""
+        weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        if self.cfg.kda_gate_rank is None:
+            weights += [self.f_proj.weight, self.g_proj.weight]
+        else:
+            weights += [self.f_a_proj.weight, self.g_a_proj.weight]
+        weights.append(self.b_proj.weight)
+        return F.linear(x_BTD, torch.cat(weights)).split([w.shape[0] for w in weights], dim=-1)
 
-    def output_gate(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """The output gate's input (sigmoid in o_norm)."""
-        return self.g_proj(x_BTD) if self.cfg.kda_gate_rank is None else self.g_b_proj(self.g_a_proj(x_BTD))
+    def forget(self, f_in: torch.Tensor) -> torch.Tensor:
+        """The raw forget-gate input f (before dt_bias and the gate's nonlinearity) from project()'s slice."""
+        return f_in if self.cfg.kda_gate_rank is None else self.f_b_proj(f_in)
+
+    def output_gate(self, g_in: torch.Tensor) -> torch.Tensor:
+        """The output gate's input (sigmoid in o_norm) from project()'s slice."""
+        return g_in if self.cfg.kda_gate_rank is None else self.g_b_proj(g_in)

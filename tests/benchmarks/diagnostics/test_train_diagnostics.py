@@ -48,13 +48,15 @@ def test_live_blocks_grouped_by_size_and_call_site() -> None:
 
 
 def test_timeline_summary_busy_idle_and_classes() -> None:
-    from benchmarks.diagnostics.train_diagnostics import _union_ns, kernel_class, timeline_summary
+    from benchmarks.diagnostics.train_diagnostics import _union_ns, kernel_class, kernel_table, timeline_summary
 
     assert _union_ns([(0, 10), (5, 20), (30, 40), (32, 35)]) == 30
     assert kernel_class("ncclDevKernel_AllGather_RING_LL") == "nccl"
     assert kernel_class("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT") == "gemm"
     assert kernel_class("_scatter_kernel") == "moonep comm"
     assert kernel_class("void at::native::vectorized_elementwise_kernel<4, mul>") == "elementwise / reduce"
+    assert kernel_class("triton_red_fused__to_copy_exp_log_mul_0") == "inductor fused"  # not "copy / cast"
+    assert kernel_class("triton_tem_fused_0") == "attention"  # flex_attention's template
     # in ms (x 1e6 ns): compute stream 7: gemm [0, 1) and [0.3, 0.5), gap, attention [1.5, 2), gap to the
     # step's end at 3 (stream 9: nccl [1, 1.4))
     ms = 1_000_000
@@ -73,3 +75,6 @@ def test_timeline_summary_busy_idle_and_classes() -> None:
     gaps = lines[lines.index("  longest gaps (ms: after -> before):") + 1:][:2]
     assert gaps[0].split() == ["1.000:", "flash_fwd_kernel", "->", "(end", "of", "step)"]
     assert gaps[1].split() == ["0.500:", "sm90_xmma_gemm_bf16", "->", "flash_fwd_kernel"]
+    table = kernel_table(kernels).splitlines()  # every name, all streams, longest total first
+    assert [x.split()[:3] for x in table[1:]] == [["2", "1.200", "gemm"], ["1", "1.000", "nccl"],
+                                                 ["1", "0.500", "attention"], ["1", "0.400", "nccl"]]
