@@ -10,6 +10,9 @@ under torchrun), as a module's `pytestmark` when every test of the module needs 
 a GPU test sits beside the CPU tests of the code it checks, in a module named test_<subject>_gpu.py or
 test_<subject>_multigpu.py when all of its tests need the device (a CPU module may mark single tests).
 
+Fixture `one_rank` (here, for every package's single-GPU tests): this process as a one-rank NCCL group, per
+module (or the group already initialised, if it has one rank).
+
 On a machine with a CUDA GPU two things differ from the CPU tier:
 - modules named `*_interpreted.py` (at any depth) are not collected. They run the Triton kernels in Triton's
   interpreter on the CPU and set TRITON_INTERPRET=1 at import, before triton reads it, which would push
@@ -24,10 +27,12 @@ On a machine with a CUDA GPU two things differ from the CPU tier:
 from __future__ import annotations
 
 import importlib.util
+import socket
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 ON_GPU = torch.cuda.is_available()
 INTERPRETED_SUFFIX = "_interpreted.py"
@@ -55,3 +60,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if item.get_closest_marker("multigpu") is not None and num_gpus < 2:
             item.add_marker(skip_multigpu)
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> dist.ProcessGroup:
+    """This process as a one-rank NCCL group (or the group already initialised, if it has one rank)."""
+    if not ON_GPU:
+        pytest.skip("needs a CUDA GPU")
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            pytest.skip("a one-GPU test; the torchrun tests cover several ranks")
+        yield dist.group.WORLD
+        return
+    torch.cuda.set_device(0)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    yield dist.group.WORLD
+    dist.destroy_process_group()

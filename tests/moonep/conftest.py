@@ -2,8 +2,7 @@
 tests/dist_utils.py):
 - `group`: one NCCL group for the whole multigpu session under torchrun (re-initialising per module races
   on the store port under torchrun); skips without torchrun;
-- `one_rank`: this process as a one-rank NCCL group, per module, for the single-GPU tests (or the group
-  already initialised, if it has one rank).
+- `one_rank` (tests/conftest.py): this process as a one-rank NCCL group, for the single-GPU tests.
 A failure of a gpu or multigpu test is printed as it happens (a failure on one rank can leave the other
 waiting in a collective until the step's time limit, and pytest prints its summary only at the end).
 """
@@ -11,7 +10,6 @@ waiting in a collective until the step's time limit, and pytest prints its summa
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import pytest
@@ -26,24 +24,6 @@ def group() -> dist.ProcessGroup:
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), timeout=timedelta(seconds=120))
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def one_rank() -> dist.ProcessGroup:
-    """This process as a one-rank NCCL group (or the group already initialised, if it has one rank)."""
-    if dist.is_initialized():
-        if dist.get_world_size() != 1:
-            pytest.skip("a one-GPU test; the torchrun tests cover several ranks")
-        yield dist.group.WORLD
-        return
-    torch.cuda.set_device(0)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            device_id=torch.device("cuda", 0))
     yield dist.group.WORLD
     dist.destroy_process_group()
 

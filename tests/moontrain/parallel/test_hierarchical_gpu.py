@@ -15,7 +15,6 @@ The two-host GPU run (2 hosts of 1 GPU) belongs to the 2xH200 run.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -31,26 +30,6 @@ pytestmark = pytest.mark.gpu
 # 512 x 2048 bf16 = 2 MiB per expert matrix: one VMM granule, as the CUDA heap requires
 E, H, F, K, S = 16, 512, 2048, 4, 64
 DEVICE = torch.device("cuda")
-
-
-@pytest.fixture(scope="module")
-def one_rank() -> dist.ProcessGroup:
-    """This process as a one-rank NCCL group (or the group already initialised, if it has one rank)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if dist.is_initialized():
-        if dist.get_world_size() != 1:
-            pytest.skip("a one-GPU test")
-        yield dist.group.WORLD
-        return
-    torch.cuda.set_device(0)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            device_id=torch.device("cuda", 0))
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _problem():

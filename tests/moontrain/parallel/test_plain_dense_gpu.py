@@ -20,7 +20,6 @@ from moontrain.parallel.layout import build_layout
 from moontrain.trainer.trainer import Trainer
 from tests.moontrain.ckpt_utils import assert_bitwise, full_state
 from tests.moontrain.trainer.test_determinism import restore_switches  # noqa: F401 (fixture)
-from tests.moontrain.trainer.test_determinism_gpu import one_rank  # noqa: F401 (fixture: a one-rank NCCL group)
 
 pytestmark = pytest.mark.gpu
 

@@ -13,13 +13,10 @@ reference being SDPA's math backend on the upcast inputs.
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from moontrain.config import RunConfig, from_dict
@@ -80,23 +77,6 @@ def test_fla_chunk_kda_is_deterministic_in_process() -> None:
     names = ("o", "dq", "dk", "dv", "df", "dbeta", "dA_log", "ddt_bias")
     for name, a, b in zip(names, runs[1], runs[2], strict=True):
         assert torch.equal(a, b), f"chunk_kda {name}: two calls differ"
-
-
-@pytest.fixture(scope="module")
-def one_rank() -> Iterator[None]:
-    """This process as a one-rank NCCL group (moonep needs a process group even at EP=1)."""
-    if dist.is_initialized():
-        if dist.get_world_size() != 1:
-            pytest.skip("a one-GPU test")
-        yield
-        return
-    torch.cuda.set_device(0)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, device_id=CUDA)
-    yield
-    dist.destroy_process_group()
 
 
 def _config(backend: str, hybrid: bool, run_dir: Path) -> RunConfig:
