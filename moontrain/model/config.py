@@ -234,6 +234,9 @@ class KernelsConfig:
     # KDA layers: "auto" runs fla's chunk_kda (Triton) on CUDA when fla-core is installed, else the pure-PyTorch
     # chunked KDA (moontrain.model.kda_ops, the specification); "torch" / "fla" force one
     kda: Literal["auto", "torch", "fla"] = "auto"
+    # KDA's causal short convolutions (+ SiLU): "auto" runs the Triton kernel (moontrain.model.short_conv_kernel)
+    # on CUDA, else the PyTorch specification (moontrain.model.kda.short_conv); "torch" / "triton" force one
+    short_conv: Literal["auto", "torch", "triton"] = "auto"
     # on CUDA the router's logits GEMM (fp32) and its backward run on TF32 tensor cores. The forward's operands
     # are bf16 values (the compute-dtype activations and FSDP's bf16 weight copy), exact in TF32, so the logits
     # are the fp32 GEMM's up to summation order; the backward rounds the fp32 logit grads to TF32's 10-bit
@@ -247,6 +250,8 @@ class KernelsConfig:
     def __post_init__(self) -> None:
         if self.kda not in ("auto", "torch", "fla"):
             raise ValueError(f"kernels.kda must be 'auto', 'torch' or 'fla', got {self.kda!r}")
+        if self.short_conv not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernels.short_conv must be 'auto', 'torch' or 'triton', got {self.short_conv!r}")
 
 
 ExpertsBackendName = Literal["local", "alltoall", "moonep"]

@@ -17,7 +17,9 @@ No positional encoding: the recurrence and the convolutions are order-aware. The
 separate, under their names.
 
 Kernel: kernels.kda picks kda_ops.kda (pure PyTorch, chunked; CPU and GPU) or kda_ops.kda_fla
-(fla-core's chunk_kda, Triton, with the gate and the L2 norm fused) once, at construction. The call is
+(fla-core's chunk_kda, Triton, with the gate and the L2 norm fused) once, at construction; kernels.short_conv
+likewise the convolutions (short_conv, or moontrain.model.short_conv_kernel's Triton kernel, which reads
+project()'s column slices in place and which torch.compile traces through). The KDA call is
 excluded from torch.compile (fla's autograd function is opaque to it; the reference's chunk loop would
 unroll); the projections, convolutions and the output norm around it compile.
 
@@ -65,6 +67,19 @@ def uses_fla(cfg: ModelConfig, choice: str, device: torch.device | str | None) -
     return cfg.kda_layers_per_mla > 0 and select_kda_kernel(choice, device) is kda_fla
 
 
+def select_short_conv(choice: str, device: torch.device | str | None) -> Callable[..., torch.Tensor]:
+    """The short convolution of kernels.short_conv = `choice` (auto, torch or triton) on `device`."""
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    if choice == "torch" or (choice == "auto" and not on_cuda):
+        return short_conv
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError("kernels.short_conv=triton needs triton (installed with torch's CUDA builds); "
+                         "kernels.short_conv=torch runs the PyTorch convolution")
+    from moontrain.model.short_conv_kernel import short_conv_silu  # imports triton: only where it runs
+
+    return short_conv_silu
+
+
 def short_conv(x_BTC: torch.Tensor, w_C1W: torch.Tensor, doc_id_BT: torch.Tensor | None) -> torch.Tensor:
     """silu(sum_s w[:, 0, W-1-s] * x_{t-s}) over taps s = 0..W-1 (nn.Conv1d's weight with causal padding),
     a tap counting only inside x_t's document."""
@@ -95,7 +110,8 @@ class GatedRMSNorm(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, kernel: str = "auto", device: torch.device | str | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, *, kernel: str = "auto", conv: str = "auto",
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         D, H, K, W, r = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_conv_size, cfg.kda_gate_rank
@@ -119,6 +135,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(K, cfg.norm_eps, device=device)
         self.o_proj = nn.Linear(H * K, D, bias=False, device=device)
         self.kernel = torch.compiler.disable(select_kda_kernel(kernel, device))  # kernel: kernels.kda
+        self.conv = select_short_conv(conv, device)  # conv: kernels.short_conv (traceable by torch.compile)
 
     @torch.no_grad()
     def init_parameters(self, gen: torch.Generator) -> None:
@@ -145,9 +162,9 @@ class KimiDeltaAttention(nn.Module):
         H, K = cfg.kda_heads, cfg.kda_head_dim
         doc_id = docs.id_BT if docs is not None else None
         q_in, k_in, v_in, f_in, g_in, b_in = self.project(x_BTD)
-        q_BTHK = short_conv(q_in, self.q_conv1d, doc_id).view(B, T, H, K)
-        k_BTHK = short_conv(k_in, self.k_conv1d, doc_id).view(B, T, H, K)
-        v_BTHK = short_conv(v_in, self.v_conv1d, doc_id).view(B, T, H, K)
+        q_BTHK = self.conv(q_in, self.q_conv1d, doc_id).view(B, T, H, K)
+        k_BTHK = self.conv(k_in, self.k_conv1d, doc_id).view(B, T, H, K)
+        v_BTHK = self.conv(v_in, self.v_conv1d, doc_id).view(B, T, H, K)
         f_BTHK = self.forget(f_in).view(B, T, H, K)
         beta_BTH = torch.sigmoid(at_least_fp32(b_in))
         o_BTHK = self.kernel(q_BTHK, k_BTHK, v_BTHK, f_BTHK, beta_BTH, self.A_log, self.dt_bias,

@@ -55,7 +55,7 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
         self.is_kda = cfg.layer_is_kda(layer_idx)
-        self.attn = (KimiDeltaAttention(cfg, kernel=kernels.kda, device=device) if self.is_kda
+        self.attn = (KimiDeltaAttention(cfg, kernel=kernels.kda, conv=kernels.short_conv, device=device) if self.is_kda
                      else MLAttention(cfg, pad_head_dims=kernels.attn_pad_head_dims, device=device))
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
         self.is_moe = layer_idx >= cfg.num_dense_layers
