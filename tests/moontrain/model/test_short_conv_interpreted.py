@@ -99,14 +99,15 @@ def capture(gm, example_inputs):
 def f(x, w, doc_id, a, b):
     return short_conv_silu((x @ a)[..., :8], w, doc_id) @ b  # the conv reads a column slice
 
-compiled = torch.compile(f, fullgraph=True, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
-args = (torch.randn(2, 9, 6), torch.randn(8, 1, 4, requires_grad=True), torch.zeros(2, 9, dtype=torch.long),
-        torch.randn(6, 16, requires_grad=True), torch.randn(8, 5))
-with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-    try:
-        compiled(*args)
-    except RuntimeError as e:  # the traced graph's first launch: no Triton driver on this machine
-        assert "active drivers" in str(e), e
+for doc_id in (torch.zeros(2, 9, dtype=torch.long), None):
+    compiled = torch.compile(f, fullgraph=True, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
+    args = (torch.randn(2, 9, 6), torch.randn(8, 1, 4, requires_grad=True), doc_id,
+            torch.randn(6, 16, requires_grad=True), torch.randn(8, 5))
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        try:
+            compiled(*args)
+        except RuntimeError as e:  # the traced graph's first launch: no Triton driver on this machine
+            assert "active drivers" in str(e), e
 for gm in graphs:
     kernels = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in gm.graph.nodes
                if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
@@ -116,7 +117,7 @@ for gm in graphs:
 
 def test_torch_compile_traces_through_fullgraph() -> None:
     """torch.compile(fullgraph=True) of matmul -> column slice -> short_conv_silu -> matmul gives one forward
-    and one backward graph holding the Triton kernels and the matmuls around them. Tracing needs the
+    and one backward graph (with document ids and without) holding the Triton kernels and the matmuls around them. Tracing needs the
     uninterpreted kernels (wrap_triton returns an interpreted one as is), so it runs in a subprocess
     without TRITON_INTERPRET; on the CPU the graph cannot launch them, so it stops at the first launch."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -126,4 +127,5 @@ def test_torch_compile_traces_through_fullgraph() -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     graphs = [line.split()[1:] for line in run.stdout.splitlines() if line.startswith("GRAPH")]
     # forward: two matmuls around the conv; backward: dx's and da's matmuls (b and x need no grad)
-    assert graphs == [["_short_conv_fwd_kernel", "2"], ["_short_conv_bwd_kernel", "2"]], run.stdout + run.stderr[-3000:]
+    want = [["_short_conv_fwd_kernel", "2"], ["_short_conv_bwd_kernel", "2"]] * 2  # with document ids, without
+    assert graphs == want, run.stdout + run.stderr[-3000:]
