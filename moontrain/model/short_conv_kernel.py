@@ -14,22 +14,23 @@ rebuilds pre and dpre at rows t+s, the W-1 halo rows of the next time block incl
 dx without a dpre round trip through memory. dw is deterministic: each (batch, time block) program writes
 its fp32 [C, W] partial to its own slot of an [NB, C, W] buffer, one torch sum over NB follows (no atomics).
 
-Inputs: x [B, T, C] with unit channel stride and any batch and time strides (a column slice of a wider
-projection output is read in place); w the [C, 1, W] parameter (fp32 or bf16, any strides); doc_id [B, T]
-int64 or None (one document per row; a constexpr, so the no-document kernel loads no ids). dx is contiguous
-in x's dtype, dw in w's dtype.
+Inputs: x [B, T, C] with unit channel stride, any batch and time strides (a column slice of a projection
+output is read in place); w the [C, 1, W] parameter (fp32 or bf16); doc_id int64 [B, T] or None (a constexpr:
+the no-document kernel loads no ids). dx is contiguous in x's dtype, dw in w's dtype.
 
 torch.compile: the launches are torch.library.triton_ops (wrap_triton), the backward is registered with
 register_autograd from ShortConvFunction's setup_context/backward, so a compiled region traces through the
 convolution without a graph break (Inductor sees the Triton kernels). Under TRITON_INTERPRET=1 wrap_triton
 hands back the interpreted kernel, which runs eagerly but cannot be traced with fake tensors.
 
-Cost: the backward loads W * W + 2 W shifted x / dy tiles per program (recomputation instead of a second
-kernel); only the halo is extra HBM traffic, the rest is cache reuse.
+Measured (H200, 2026-12, [4, 4096, 2048] bf16, x a column slice, random documents; kernel time only):
+forward ~55 us, backward ~480 us + 12 us for the dw sum, against ~25 us and ~60 us of HBM traffic. The
+backward is bound by its W * W + 2 W shifted tile loads per program (each with its document-id loads), not
+by HBM; the forward by its W shifted loads. Reaching memory speed needs each x row loaded once per program
+(a register window sliding over time, or 2W - 1 loads shared by all shifts), not a different tile size.
 
 Rejected: atomics into dw (order-dependent sums); saving y or pre (one more [B, T, C] tensor per conv);
-a dpre kernel plus a dx kernel (one more read and write of [B, T, C] in fp32); autotuning (fixed tiles keep
-the dw partials' reduction order, hence the result, independent of the run).
+autotuning (fixed tiles keep the dw partials' reduction order, hence the result, independent of the run).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-FWD_BLOCK_T, FWD_BLOCK_C = 128, 64
+FWD_BLOCK_T, FWD_BLOCK_C = 32, 128  # measured best of 16-128 x 64-256 rows x channels, 4 or 8 warps
 BWD_BLOCK_T, BWD_BLOCK_C = 64, 64
 NUM_WARPS = 4
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

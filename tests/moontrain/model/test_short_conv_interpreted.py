@@ -32,9 +32,10 @@ DTYPES = {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch
 
 @pytest.fixture
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Time tiles smaller than the GPU's, so T = 70 spans three blocks (the last partial); C = 72 spans two
-    channel blocks of 64 either way."""
-    monkeypatch.setattr(short_conv_kernel, "FWD_BLOCK_T", 32)
+    """Tiles smaller than the GPU's, so T = 70 spans several time blocks (the last partial) and C = 72 two
+    channel blocks of 64 (the second partial) in both kernels."""
+    monkeypatch.setattr(short_conv_kernel, "FWD_BLOCK_T", 16)
+    monkeypatch.setattr(short_conv_kernel, "FWD_BLOCK_C", 64)
     monkeypatch.setattr(short_conv_kernel, "BWD_BLOCK_T", 32)
 
 
@@ -47,7 +48,8 @@ def test_short_conv_matches_spec(dtypes: str, W: int, docs: bool, small_blocks: 
 
 
 def test_short_conv_gpu_tiles_match_spec() -> None:
-    """The GPU's tile sizes: T inside one time block, C over two channel blocks."""
+    """The GPU's tile sizes: T over three forward time blocks and two backward ones, C inside one forward
+    channel block and over two backward ones."""
     x, w, dy = conv_inputs(B, T, C, 4, torch.bfloat16, torch.float32, "cpu", seed=1)
     check_short_conv(x, w, doc_ids(B, T, STARTS, "cpu"), dy)
 
