@@ -9,10 +9,11 @@ Legend: B batch, T sequence, C channels, W conv taps (kda_conv_size), NB (batch,
     dw[c, W-1-s] = sum_{b,t} dpre[t] x[t-s]  over the forward's taps
 Every program covers (a channel block, a time block, a batch row). The forward reads the W shifted x tiles
 (rows t-W+1..t; the overlap between neighbouring programs hits the cache), accumulates in fp32, stores y in
-x's dtype. The backward recomputes pre (nothing but x, w and the document ids is saved): for each shift s it
-rebuilds pre and dpre at rows t+s, the W-1 halo rows of the next time block included, so one kernel produces
-dx without a dpre round trip through memory. dw is deterministic: each (batch, time block) program writes
-its fp32 [C, W] partial to its own slot of an [NB, C, W] buffer, one torch sum over NB follows (no atomics).
+x's dtype. The backward is two kernels: the first recomputes pre (nothing but x, w and the document ids is
+saved), stores dpre in x's dtype (the precision the specification's autograd has it in) and writes its
+fp32 dw partial; the second sums dx from W shifted dpre tiles. dw is deterministic: each (batch, time block)
+program writes its fp32 [C, W] partial to its own slot of an [NB, C, W] buffer, one torch sum over NB
+follows (no atomics).
 
 Inputs: x [B, T, C] with unit channel stride, any batch and time strides (a column slice of a projection
 output is read in place); w the [C, 1, W] parameter (fp32 or bf16); doc_id int64 [B, T] or None (a constexpr:
@@ -23,13 +24,12 @@ register_autograd from ShortConvFunction's setup_context/backward, so a compiled
 convolution without a graph break (Inductor sees the Triton kernels). Under TRITON_INTERPRET=1 wrap_triton
 hands back the interpreted kernel, which runs eagerly but cannot be traced with fake tensors.
 
-Measured (H200, 2026-12, [4, 4096, 2048] bf16, x a column slice, random documents; kernel time only):
-forward ~55 us, backward ~480 us + 12 us for the dw sum, against ~25 us and ~60 us of HBM traffic. The
-backward is bound by its W * W + 2 W shifted tile loads per program (each with its document-id loads), not
-by HBM; the forward by its W shifted loads. Reaching memory speed needs each x row loaded once per program
-(a register window sliding over time, or 2W - 1 loads shared by all shifts), not a different tile size.
+Cost at [4, 4096, 2048] bf16, x a column slice (H200, 2026-12-02): forward ~55 us (W shifted loads; HBM
+alone ~25 us); the backward's numbers are in docs/performance.md.
 
-Rejected: atomics into dw (order-dependent sums); saving y or pre (one more [B, T, C] tensor per conv);
+Rejected: atomics into dw (order-dependent sums); saving y or pre (one more [B, T, C] tensor per conv); one
+backward kernel recomputing dpre for every shift (W * W + 2 W tile loads per program: ~480 us, 8x its
+traffic);
 autotuning (fixed tiles keep the dw partials' reduction order, hence the result, independent of the run).
 """
 
@@ -98,19 +98,10 @@ def _short_conv_fwd_kernel(x_ptr, w_ptr, doc_ptr, y_ptr, T, C,
 
 
 @triton.jit
-def _dpre(x_ptr, w_ptr, doc_ptr, dy_ptr, rows, cols, stride_xt, stride_wc, stride_ww, stride_dt, stride_gt,
-          T, C, W: tl.constexpr, HAS_DOCS: tl.constexpr):
-    """dpre[rows, cols] = dy silu'(pre) in fp32, pre recomputed; 0 on rows >= T."""
-    pre = _pre(x_ptr, w_ptr, doc_ptr, rows, cols, stride_xt, stride_wc, stride_ww, stride_dt, T, C, W, HAS_DOCS)
-    sig = 1.0 / (1.0 + tl.exp(-pre))
-    dy = _load_rows(dy_ptr, rows, cols, stride_gt, T, C)
-    return dy * sig * (1.0 + pre * (1.0 - sig))
-
-
-@triton.jit
-def _short_conv_bwd_kernel(x_ptr, w_ptr, doc_ptr, dy_ptr, dx_ptr, dw_part_ptr, T, C,
-                           stride_xb, stride_xt, stride_wc, stride_ww, stride_db, stride_dt, stride_gb, stride_gt,
-                           W: tl.constexpr, HAS_DOCS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+def _short_conv_dpre_kernel(x_ptr, w_ptr, doc_ptr, dy_ptr, dpre_ptr, dw_part_ptr, T, C,
+                            stride_xb, stride_xt, stride_wc, stride_ww, stride_db, stride_dt, stride_gb, stride_gt,
+                            W: tl.constexpr, HAS_DOCS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dpre = dy silu'(pre) (pre recomputed) stored in x's dtype, and the program's fp32 dw partial."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     b = tl.program_id(2).to(tl.int64)
@@ -119,26 +110,37 @@ def _short_conv_bwd_kernel(x_ptr, w_ptr, doc_ptr, dy_ptr, dx_ptr, dw_part_ptr, T
     if HAS_DOCS:
         doc_ptr += b * stride_db
     cmask = cols < C
-
-    # shift 0: the block's own rows give dx's first term and, with the forward's taps, dw's partials
-    dpre = _dpre(x_ptr, w_ptr, doc_ptr, dy_ptr, rows, cols, stride_xt, stride_wc, stride_ww, stride_dt, stride_gt,
-                 T, C, W, HAS_DOCS)
+    pre = _pre(x_ptr, w_ptr, doc_ptr, rows, cols, stride_xt, stride_wc, stride_ww, stride_dt, T, C, W, HAS_DOCS)
+    sig = 1.0 / (1.0 + tl.exp(-pre))
+    dpre = _load_rows(dy_ptr, rows, cols, stride_gt, T, C) * sig * (1.0 + pre * (1.0 - sig))
+    mask = (rows < T)[:, None] & cmask[None, :]
+    dpre_ptr += b * T * C
+    tl.store(dpre_ptr + rows[:, None] * C + cols[None, :], dpre.to(dpre_ptr.dtype.element_ty), mask=mask)
     part_ptr = dw_part_ptr + ((b * tl.num_programs(1) + tl.program_id(1)) * C + cols) * W
     for s in tl.static_range(W):
         x = _tap(x_ptr, doc_ptr, rows, s, cols, stride_xt, stride_dt, T, C, HAS_DOCS)
         tl.store(part_ptr + (W - 1 - s), tl.sum(dpre * x, axis=0), mask=cmask)
-    w = tl.load(w_ptr + cols * stride_wc + (W - 1) * stride_ww, mask=cmask, other=0.0).to(tl.float32)
-    dx = dpre * w[None, :]
 
-    # shifts 1..W-1: dpre at rows t+s (the halo past the block recomputed here), inside t's document
-    for s in tl.static_range(1, W):
-        dpre_s = _dpre(x_ptr, w_ptr, doc_ptr, dy_ptr, rows + s, cols, stride_xt, stride_wc, stride_ww, stride_dt,
-                       stride_gt, T, C, W, HAS_DOCS)
+
+@triton.jit
+def _short_conv_dx_kernel(dpre_ptr, w_ptr, doc_ptr, dx_ptr, T, C, stride_wc, stride_ww, stride_db, stride_dt,
+                          W: tl.constexpr, HAS_DOCS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dx[t] = sum_s w[W-1-s] dpre[t+s] over t+s < T inside t's document (dpre contiguous [B, T, C])."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    b = tl.program_id(2).to(tl.int64)
+    dpre_ptr += b * T * C
+    if HAS_DOCS:
+        doc_ptr += b * stride_db
+    cmask = cols < C
+    dx = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for s in tl.static_range(W):
+        d = _load_rows(dpre_ptr, rows + s, cols, C, T, C)
         if HAS_DOCS:
-            dpre_s = tl.where(_same_doc(doc_ptr, rows + s, rows, stride_dt, T)[:, None], dpre_s, 0.0)
+            if s > 0:
+                d = tl.where(_same_doc(doc_ptr, rows + s, rows, stride_dt, T)[:, None], d, 0.0)
         w = tl.load(w_ptr + cols * stride_wc + (W - 1 - s) * stride_ww, mask=cmask, other=0.0).to(tl.float32)
-        dx += dpre_s * w[None, :]
-
+        dx += d * w[None, :]
     dx_ptr += b * T * C
     mask = (rows < T)[:, None] & cmask[None, :]
     tl.store(dx_ptr + rows[:, None] * C + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
@@ -161,21 +163,35 @@ def _short_conv_silu_op(x_BTC: torch.Tensor, w_C1W: torch.Tensor, doc_id_BT: tor
     return y_BTC
 
 
-@torch.library.triton_op("moontrain::short_conv_silu_backward", mutates_args=())
-def _short_conv_silu_backward_op(dy_BTC: torch.Tensor, x_BTC: torch.Tensor, w_C1W: torch.Tensor,
-                                 doc_id_BT: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.library.triton_op("moontrain::short_conv_silu_dpre", mutates_args=())
+def _short_conv_silu_dpre_op(dy_BTC: torch.Tensor, x_BTC: torch.Tensor, w_C1W: torch.Tensor,
+                             doc_id_BT: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dpre [B, T, C] in x's dtype, dw in w's dtype)."""
     B, T, C = x_BTC.shape
     W = w_C1W.shape[-1]
     num_t_blocks = triton.cdiv(T, BWD_BLOCK_T)
-    dx_BTC = torch.empty((B, T, C), dtype=x_BTC.dtype, device=x_BTC.device)
+    dpre_BTC = torch.empty((B, T, C), dtype=x_BTC.dtype, device=x_BTC.device)
     dw_part_NCW = torch.empty((B * num_t_blocks, C, W), dtype=torch.float32, device=x_BTC.device)
     grid = (triton.cdiv(C, BWD_BLOCK_C), num_t_blocks, B)
-    torch.library.wrap_triton(_short_conv_bwd_kernel)[grid](
-        x_BTC, w_C1W, doc_id_BT, dy_BTC, dx_BTC, dw_part_NCW, T, C,
+    torch.library.wrap_triton(_short_conv_dpre_kernel)[grid](
+        x_BTC, w_C1W, doc_id_BT, dy_BTC, dpre_BTC, dw_part_NCW, T, C,
         x_BTC.stride(0), x_BTC.stride(1), w_C1W.stride(0), w_C1W.stride(2), *_doc_strides(doc_id_BT),
         dy_BTC.stride(0), dy_BTC.stride(1),
         W=W, HAS_DOCS=doc_id_BT is not None, BLOCK_T=BWD_BLOCK_T, BLOCK_C=BWD_BLOCK_C, num_warps=NUM_WARPS)
-    return dx_BTC, dw_part_NCW.sum(0).to(w_C1W.dtype).unsqueeze(1)
+    return dpre_BTC, dw_part_NCW.sum(0).to(w_C1W.dtype).unsqueeze(1)
+
+
+@torch.library.triton_op("moontrain::short_conv_silu_dx", mutates_args=())
+def _short_conv_silu_dx_op(dpre_BTC: torch.Tensor, w_C1W: torch.Tensor, doc_id_BT: torch.Tensor | None
+                           ) -> torch.Tensor:
+    B, T, C = dpre_BTC.shape
+    dx_BTC = torch.empty((B, T, C), dtype=dpre_BTC.dtype, device=dpre_BTC.device)
+    grid = (triton.cdiv(C, FWD_BLOCK_C), triton.cdiv(T, FWD_BLOCK_T), B)
+    torch.library.wrap_triton(_short_conv_dx_kernel)[grid](
+        dpre_BTC, w_C1W, doc_id_BT, dx_BTC, T, C, w_C1W.stride(0), w_C1W.stride(2), *_doc_strides(doc_id_BT),
+        W=w_C1W.shape[-1], HAS_DOCS=doc_id_BT is not None, BLOCK_T=FWD_BLOCK_T, BLOCK_C=FWD_BLOCK_C,
+        num_warps=NUM_WARPS)
+    return dx_BTC
 
 
 class ShortConvFunction(torch.autograd.Function):
@@ -196,8 +212,8 @@ class ShortConvFunction(torch.autograd.Function):
         x_BTC, w_C1W, doc_id_BT = ctx.saved_tensors
         if dy_BTC.stride(-1) != 1:  # e.g. an expanded gradient of a sum
             dy_BTC = dy_BTC.contiguous()
-        dx_BTC, dw_C1W = torch.ops.moontrain.short_conv_silu_backward(dy_BTC, x_BTC, w_C1W, doc_id_BT)
-        return dx_BTC, dw_C1W, None
+        dpre_BTC, dw_C1W = torch.ops.moontrain.short_conv_silu_dpre(dy_BTC, x_BTC, w_C1W, doc_id_BT)
+        return torch.ops.moontrain.short_conv_silu_dx(dpre_BTC, w_C1W, doc_id_BT), dw_C1W, None
 
 
 torch.library.register_autograd("moontrain::short_conv_silu", ShortConvFunction.backward,
