@@ -139,3 +139,36 @@ def test_torch_compile_traces_through_fullgraph() -> None:
     # forward: two matmuls around the conv; backward: dx's and da's matmuls (b and x need no grad)
     want = [["_short_conv_fwd_kernel", "2"], ["_short_conv_dpre_kernel,_short_conv_dx_kernel", "2"]] * 2  # docs, none
     assert graphs == want, run.stdout + run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("gate_rank", [None, 4])
+def test_kda_layer_with_the_kernel_equals_the_specification(gate_rank: int | None) -> None:
+    """KimiDeltaAttention with kernels.short_conv=triton (the kernel reading project()'s column slices) against
+    the same layer with the PyTorch convolution, fp32, with documents: output and every parameter's grad
+    within 1e-5 relative (the two differ by the conv's summation order and rounding only)."""
+    from moontrain.model.config import ModelConfig
+    from moontrain.model.documents import document_mask
+    from moontrain.model.kda import KimiDeltaAttention
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_dense_layers=1, dense_intermediate_size=64,
+                      num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                      v_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      kda_layers_per_mla=1, kda_num_heads=3, kda_head_dim=8, kda_gate_rank=gate_rank)
+    torch.manual_seed(0)
+    spec = KimiDeltaAttention(cfg, kernel="torch", conv="torch")
+    spec.init_parameters(torch.Generator().manual_seed(0))  # A_log, dt_bias, the conv taps (torch.empty before)
+    kern = KimiDeltaAttention(cfg, kernel="torch", conv="triton")
+    kern.load_state_dict(spec.state_dict())
+    tokens = torch.randint(0, 63, (2, 40))
+    tokens[0, 9] = tokens[1, 0] = tokens[1, 25] = 63  # documents start at 10 and at 1 and 26
+    docs = document_mask(tokens, 63)
+    x = torch.randn(2, 40, 32)
+    outs = []
+    for m in (spec, kern):
+        y = m(x, docs=docs)
+        grads = torch.autograd.grad(y, list(m.parameters()), torch.randn_like(y, generator=torch.Generator().manual_seed(1)))
+        outs.append((y, grads))
+    (y_ref, g_ref), (y, g) = outs
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5 * y_ref.abs().max().item())
+    for (name, _), a, b in zip(spec.named_parameters(), g, g_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=lambda m, n=name: f"{n}: {m}")
