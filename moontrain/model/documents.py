@@ -37,6 +37,9 @@ class DocumentMask:
     start_BT: torch.Tensor | None  # bool: the first token of a document that is not the row's first
     id_BT: torch.Tensor | None  # long: the document's index within the row (0 for the row's first)
     block_mask: Any = None  # CUDA: flex_attention's BlockMask (causal and same document)
+    # CUDA: (device, host) cu_seqlens of the batch flattened to one row (flat_sequence_bounds), fla's KDA layout,
+    # made once per forward (one host sync) for every KDA layer instead of once per layer
+    seq_bounds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def document_ids(tokens_BT: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,8 +51,20 @@ def document_ids(tokens_BT: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, to
 
 def document_mask(tokens_BT: torch.Tensor, eos_id: int) -> DocumentMask:
     start_BT, id_BT = document_ids(tokens_BT, eos_id)
-    block_mask = flex_block_mask(id_BT) if tokens_BT.is_cuda else None
-    return DocumentMask(start_BT=start_BT, id_BT=id_BT, block_mask=block_mask)
+    if not tokens_BT.is_cuda:
+        return DocumentMask(start_BT=start_BT, id_BT=id_BT)
+    return DocumentMask(start_BT=start_BT, id_BT=id_BT, block_mask=flex_block_mask(id_BT),
+                        seq_bounds=flat_sequence_bounds(start_BT))
+
+
+def flat_sequence_bounds(start_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cu_seqlens of the batch flattened to one row, where every row start and every document start opens a
+    sequence: [0, ..., B * T] (int64), on start_BT's device and on the host (one host sync)."""
+    B, T = start_BT.shape
+    starts_BT = start_BT.clone()
+    starts_BT[:, 0] = True
+    cu_seqlens = F.pad(starts_BT.flatten().nonzero().flatten(), (0, 1), value=B * T)
+    return cu_seqlens, cu_seqlens.cpu()
 
 
 def flex_block_mask(id_BT: torch.Tensor) -> Any:

@@ -134,7 +134,7 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(H * K, device=device))  # 1-D: no weight decay, like A_log
         self.o_norm = GatedRMSNorm(K, cfg.norm_eps, device=device)
         self.o_proj = nn.Linear(H * K, D, bias=False, device=device)
-        self.kernel = torch.compiler.disable(select_kda_kernel(kernel, device))  # kernel: kernels.kda
+        self.kernel = select_kda_kernel(kernel, device)  # kernel: kernels.kda; called by recurrence()
         self.conv = select_short_conv(conv, device)  # conv: kernels.short_conv (traceable by torch.compile)
 
     @torch.no_grad()
@@ -167,11 +167,20 @@ class KimiDeltaAttention(nn.Module):
         v_BTHK = self.conv(v_in, self.v_conv1d, doc_id).view(B, T, H, K)
         f_BTHK = self.forget(f_in).view(B, T, H, K)
         beta_BTH = torch.sigmoid(at_least_fp32(b_in))
-        o_BTHK = self.kernel(q_BTHK, k_BTHK, v_BTHK, f_BTHK, beta_BTH, self.A_log, self.dt_bias,
-                             lower_bound=cfg.kda_gate_lower_bound, scale=K ** -0.5,
-                             doc_start_BT=docs.start_BT if docs is not None else None)
+        o_BTHK = self.recurrence(q_BTHK, k_BTHK, v_BTHK, f_BTHK, beta_BTH, docs)
         o_BTHK = self.o_norm(o_BTHK, self.output_gate(g_in).view(B, T, H, K))
         return self.o_proj(o_BTHK.reshape(B, T, H * K))
+
+    @torch.compiler.disable
+    def recurrence(self, q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHK: torch.Tensor, f_BTHK: torch.Tensor,
+                   beta_BTH: torch.Tensor, docs: DocumentMask | None) -> torch.Tensor:
+        """The KDA kernel (kernels.kda), outside torch.compile: fla's autograd function is opaque to it and the
+        reference's chunk loop would unroll. The documents are read here, where torch.compile installs no
+        guards on them: the sequence bounds' length changes with every batch."""
+        return self.kernel(q_BTHK, k_BTHK, v_BTHK, f_BTHK, beta_BTH, self.A_log, self.dt_bias,
+                           lower_bound=self.cfg.kda_gate_lower_bound, scale=self.cfg.kda_head_dim ** -0.5,
+                           doc_start_BT=docs.start_BT if docs is not None else None,
+                           seq_bounds=docs.seq_bounds if docs is not None else None)
 
     def project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The six input projections of x (q, k, v before their convolutions, f or f_a, g or g_a, beta's

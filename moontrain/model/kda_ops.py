@@ -41,6 +41,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moontrain.model.documents import flat_sequence_bounds
+
 CHUNK = 64  # tokens per chunk (fla's default; its kernels take 32 or 64)
 
 
@@ -139,9 +141,11 @@ def kda_gate(f_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tens
 
 def kda(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, f_BTHK: torch.Tensor,
         beta_BTH: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor, *, lower_bound: float | None,
-        scale: float, doc_start_BT: torch.Tensor | None = None) -> torch.Tensor:
+        scale: float, doc_start_BT: torch.Tensor | None = None,
+        seq_bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """KDA from the layer's projections (q/k/v after the short convolution, f the raw forget projection,
-    beta after its sigmoid): o_BTHV in v's dtype. The pure-PyTorch path (the specification)."""
+    beta after its sigmoid): o_BTHV in v's dtype. The pure-PyTorch path (the specification). seq_bounds
+    (the same documents in kda_fla's layout) is not needed here."""
     g = kda_gate(f_BTHK, A_log_H, dt_bias_HK, lower_bound)
     q, k = l2_normalize(q_BTHK), l2_normalize(k_BTHK)
     return chunk_kda_reference(q, k, v_BTHV, g, beta_BTH, scale=scale, doc_start_BT=doc_start_BT)
@@ -149,21 +153,23 @@ def kda(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, f_BTHK
 
 def kda_fla(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, f_BTHK: torch.Tensor,
             beta_BTH: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor, *, lower_bound: float | None,
-            scale: float, doc_start_BT: torch.Tensor | None = None) -> torch.Tensor:
+            scale: float, doc_start_BT: torch.Tensor | None = None,
+            seq_bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """kda() on fla-core's chunk_kda (CUDA). With document starts the batch is flattened to one row and
-    every row start and document start opens a sequence of cu_seqlens (one host sync for their count)."""
+    every row start and document start opens a sequence of cu_seqlens: seq_bounds, the (device, host) pair
+    of moontrain.model.documents.flat_sequence_bounds that the forward's DocumentMask carries for all KDA
+    layers, or derived here (one host sync) when not given. With the host copy fla needs no sync of its own."""
     from fla.ops.kda import chunk_kda
 
     B, T = q_BTHK.shape[:2]
-    cu_seqlens = None
+    cu_seqlens = cu_seqlens_cpu = None
     if doc_start_BT is not None:
-        starts_BT = doc_start_BT.clone()
-        starts_BT[:, 0] = True
-        cu_seqlens = F.pad(starts_BT.flatten().nonzero().flatten(), (0, 1), value=B * T)
+        cu_seqlens, cu_seqlens_cpu = seq_bounds if seq_bounds is not None else flat_sequence_bounds(doc_start_BT)
         q_BTHK, k_BTHK, v_BTHV, f_BTHK, beta_BTH = (
             x.reshape(1, B * T, *x.shape[2:]) for x in (q_BTHK, k_BTHK, v_BTHV, f_BTHK, beta_BTH))
     o, _ = chunk_kda(q=q_BTHK, k=k_BTHK, v=v_BTHV, g=f_BTHK, beta=beta_BTH, scale=scale,
                      A_log=A_log_H.float(), dt_bias=dt_bias_HK.float().flatten(),
                      use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                     safe_gate=lower_bound is not None, lower_bound=lower_bound, cu_seqlens=cu_seqlens)
+                     safe_gate=lower_bound is not None, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
+                     cu_seqlens_cpu=cu_seqlens_cpu)
     return o.reshape(B, T, *o.shape[2:])

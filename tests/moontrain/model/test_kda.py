@@ -184,3 +184,17 @@ def test_param_counts_and_flops_cover_kda(rank: int | None) -> None:
     # only the MLA layers' attention grows with the sequence: KDA is linear in it
     grow = flops_per_token(cfg, 2048) - flops_per_token(cfg, 1024)
     assert grow == 2 * 6 * cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * 1024 / 2
+
+
+def test_flat_sequence_bounds_open_a_sequence_at_every_row_and_document_start() -> None:
+    """fla's cu_seqlens for the flattened batch: rows of 6 tokens, documents starting after the EOS at 1 (row 0)
+    and at 0 and 4 (row 1: an EOS first opens a document at 1). Host and device copies agree; on the CPU a
+    DocumentMask carries none (only the CUDA forward, where fla runs, makes them)."""
+    from moontrain.model.documents import flat_sequence_bounds
+
+    tokens = torch.tensor([[5, EOS, 7, 8, 9, 10], [EOS, 2, 3, 4, EOS, 6]])
+    docs = document_mask(tokens, EOS)
+    device_cu, host_cu = flat_sequence_bounds(docs.start_BT)
+    assert host_cu.tolist() == [0, 2, 6, 7, 11, 12] and torch.equal(device_cu, host_cu)
+    assert host_cu.dtype == torch.int64 and host_cu.device.type == "cpu"
+    assert docs.seq_bounds is None

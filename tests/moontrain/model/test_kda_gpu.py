@@ -61,6 +61,25 @@ def test_fla_matches_spec(bound: float | None, documents: bool) -> None:
     assert all(e <= REL_RMS for e in errors.values()), errors
 
 
+def test_fla_with_the_forward_shared_bounds_is_bitwise_the_derived() -> None:
+    """kda_fla given the forward's shared (device, host) cu_seqlens (DocumentMask.seq_bounds) equals kda_fla
+    deriving them itself, output and every gradient bitwise (the same sequences; only the host syncs differ)."""
+    from moontrain.model.documents import flat_sequence_bounds
+
+    B, T, H, K = 2, 1000, 16, 128
+    inputs = _inputs(B, T, H, K, seed=3)
+    doc_start = torch.zeros(B, T, dtype=torch.bool, device="cuda")
+    doc_start[0, [1, 64, 300]] = doc_start[1, 513] = True
+    go = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(4))
+    results = []
+    for bounds in (None, flat_sequence_bounds(doc_start)):
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        o = kda_fla(*leaves, lower_bound=-5.0, scale=K ** -0.5, doc_start_BT=doc_start, seq_bounds=bounds)
+        results.append((o, *torch.autograd.grad(o, leaves, go)))
+    for name, a, b in zip(("o", "dq", "dk", "dv", "df", "dbeta", "dA_log", "ddt_bias"), *results, strict=True):
+        assert torch.equal(a, b), f"{name}: first mismatch at {(a != b).nonzero()[0].tolist()}"
+
+
 def test_layer_fla_vs_torch_bf16() -> None:
     """The KDA layer in bf16 (as FSDP's mixed precision runs it) with packed documents: output and every
     parameter gradient of kernels.kda=fla against =torch (same weights)."""
