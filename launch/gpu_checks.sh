@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|optim|determinism|ckpt|dense|mfu|learning ...]
-#   (default: the first four, in order; comm and train need 2 GPUs; push, kda, optim, determinism, ckpt, dense and
-#   mfu run on one GPU)
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|optim|determinism|ckpt|dense|mfu|learning ...]
+#   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, optim, determinism, ckpt, dense
+#   and mfu run on one GPU)
 # tests: on one GPU the single-GPU tier (`pytest -m "gpu or multigpu"`, the multigpu tests skip) in TEST_WORKERS
 # (default 4) pytest-xdist workers sharing the GPU, whole files per worker, TEST_LIMIT s (default 300) per test
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
@@ -107,6 +107,9 @@ for step in "${steps[@]}"; do
              echo "mfu combine_reduce=$c rc=$?"; grep -v "^\[rank" "$out/mfu_$c.log" | grep -E "^  moonep" | tail -1
              mkdir -p "$out/profile_$c"; mv "$out"/profile_moonep_*.txt "$out/profile_$c/" 2>/dev/null
            done ;;
-    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, kda, optim, determinism, ckpt, dense, mfu)"; exit 2 ;;
+    conv)  # KDA's short convolution kernels against the compiled specification, and the dpre tile sweep
+           timeout "${CONV_TIMEOUT:-200}" python benchmarks/bench_short_conv.py --out "$out/bench_short_conv.json" > "$out/conv.log" 2>&1
+           echo "bench_short_conv rc=$?"; tail -20 "$out/conv.log" ;;
+    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, optim, determinism, ckpt, dense, mfu, learning)"; exit 2 ;;
   esac
 done

@@ -24,13 +24,14 @@ register_autograd from ShortConvFunction's setup_context/backward, so a compiled
 convolution without a graph break (Inductor sees the Triton kernels). Under TRITON_INTERPRET=1 wrap_triton
 hands back the interpreted kernel, which runs eagerly but cannot be traced with fake tensors.
 
-Cost at [4, 4096, 2048] bf16, x a column slice (H200, 2026-12-02): forward ~55 us (W shifted loads; HBM
-alone ~25 us); the backward's numbers are in docs/performance.md.
+Cost at [4, 4096, 2048] bf16, x a column slice, no documents (H200, 2026-12-02, in a training step): forward
+50 us, dpre 239 us, dx 43 us (HBM alone: ~25, ~60, ~40 us). The dpre programs may take BWD_STEPS time blocks
+each, summing the weight grad's products over rows once; its tiles are swept by benchmarks/bench_short_conv.py
+(not yet run; at the default BWD_STEPS = 1 the kernel does the measured loads and sums).
 
 Rejected: atomics into dw (order-dependent sums); saving y or pre (one more [B, T, C] tensor per conv); one
 backward kernel recomputing dpre for every shift (W * W + 2 W tile loads per program: ~480 us, 8x its
-traffic);
-autotuning (fixed tiles keep the dw partials' reduction order, hence the result, independent of the run).
+traffic); autotuning (fixed tiles keep the dw partials' reduction order, hence the result, independent of the run).
 """
 
 from __future__ import annotations

@@ -1,0 +1,93 @@
+"""KDA's short convolution + SiLU on one GPU: the Triton kernels (moontrain.model.short_conv_kernel) against
+the PyTorch specification compiled by inductor (what train.compile ran before the kernel), forward and
+backward, and a sweep of the backward's dpre tiles.
+
+    python benchmarks/bench_short_conv.py [--iters 20] [--warmup 3] [--out bench_short_conv.json]
+
+Shape: one KDA projection of k3_small at 4 x 4096 tokens, [4, 4096, 2048] bf16, x a column slice of the
+[4, 4096, 10256] output of the layer's stacked input GEMM (as the layer calls it), W = 4, with and
+without packed documents (~6 per row). Rows: the specification compiled, forward and forward + backward;
+the kernel's forward, dpre (+ the weight grad's partials and their sum) and dx; then dpre per tile
+(BWD_BLOCK_T x BWD_BLOCK_C, BWD_STEPS time blocks per program, warps), each checked against the default
+tiles (dpre bitwise; dw to the fp32 summation order). Median ms of CUDA-event timings. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+import moontrain.model.short_conv_kernel as kernel
+from benchmarks.timing import median_ms
+from moontrain.model.kda import short_conv
+
+B, T, C, W, WIDE = 4, 4096, 2048, 4, 10256
+TILES = [(64, 64, 1, 4), (64, 64, 4, 4), (32, 64, 8, 4), (32, 128, 8, 4), (16, 128, 16, 4), (32, 64, 16, 4),
+         (32, 128, 16, 8), (16, 256, 16, 8)]  # BWD_BLOCK_T, BWD_BLOCK_C, BWD_STEPS, warps
+
+
+def inputs(docs: bool) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(B, T, WIDE, device="cuda", generator=gen).to(torch.bfloat16)[..., :C]
+    w = (torch.rand(C, 1, W, device="cuda", generator=gen) - 0.5).to(torch.bfloat16)
+    dy = torch.randn(B, T, C, device="cuda", generator=gen).to(torch.bfloat16)
+    doc_id = None
+    if docs:
+        start = torch.rand(B, T, device="cuda", generator=gen) < 1 / 700
+        start[:, 0] = False
+        doc_id = start.long().cumsum(1)
+    return x, w, dy, doc_id
+
+
+def bench_case(docs: bool, time_ms: Callable[[Callable[[], object]], float]) -> list[dict]:
+    """The rows of one case (with or without documents); prints them."""
+    x, w, dy, doc_id = inputs(docs)
+    xg = x.detach().requires_grad_()
+    spec = torch.compile(short_conv, dynamic=False)
+    spec_fwd = time_ms(lambda: spec(x, w, doc_id))
+    spec_both = time_ms(lambda: spec(xg, w, doc_id).backward(dy))
+    fwd = time_ms(lambda: kernel.short_conv_silu(x, w, doc_id))
+    ref = torch.ops.moontrain.short_conv_silu_dpre(dy, x, w, doc_id)
+    dx = time_ms(lambda: torch.ops.moontrain.short_conv_silu_dx(ref[0], w, doc_id))
+    rows = [dict(docs=docs, spec_fwd_ms=spec_fwd, spec_fwd_bwd_ms=spec_both, fwd_ms=fwd, dx_ms=dx)]
+    print(f"docs {docs!s:5}: specification compiled fwd {spec_fwd * 1e3:6.1f} us, fwd + bwd {spec_both * 1e3:6.1f}"
+          f" us; kernel fwd {fwd * 1e3:6.1f} us, dx {dx * 1e3:6.1f} us")
+    default = (kernel.BWD_BLOCK_T, kernel.BWD_BLOCK_C, kernel.BWD_STEPS, kernel.NUM_WARPS)
+    for tile in TILES:
+        kernel.BWD_BLOCK_T, kernel.BWD_BLOCK_C, kernel.BWD_STEPS, kernel.NUM_WARPS = tile
+        out = torch.ops.moontrain.short_conv_silu_dpre(dy, x, w, doc_id)
+        ms = time_ms(lambda: torch.ops.moontrain.short_conv_silu_dpre(dy, x, w, doc_id))
+        same = torch.equal(out[0], ref[0])
+        dw_diff = (out[1].float() - ref[1].float()).abs().max().item()
+        rows.append(dict(docs=docs, tile=list(tile), dpre_ms=ms, dpre_bitwise=same, dw_max_diff=dw_diff))
+        print(f"  dpre {tile[0]:3d} x {tile[1]:3d}, {tile[2]:2d} blocks per program, {tile[3]} warps: "
+              f"{ms * 1e3:7.1f} us (dpre bitwise {same}, dw max diff {dw_diff:.2e})")
+    kernel.BWD_BLOCK_T, kernel.BWD_BLOCK_C, kernel.BWD_STEPS, kernel.NUM_WARPS = default
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", type=str, default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_short_conv needs a CUDA GPU")
+    rows = []
+    for docs in (False, True):
+        rows += bench_case(docs, lambda fn: median_ms(fn, args.iters, args.warmup))
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), shape=[B, T, C, W],
+                                                  rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
