@@ -21,7 +21,7 @@ and grad_h carry one more rounding when the loss's grad is not a power of two (t
 
 Chunk size: the most tokens whose fp32 logits fit in LOGITS_BYTES_PER_CHUNK (1 GiB), in whole GEMM tiles of
 128 rows. Memory: with train.compile a chunk holds its compute-dtype logits and grad (half the budget
-each at bf16), eager about 2.5 times it (the logits, their fp32 log-softmax and one fp32 temporary), against
+each at bf16), eager about 3.5 times it (the logits, their fp32 log-softmax and two fp32 temporaries), against
 [N, V] in the compute dtype plus fp32 and their grads for the unfused head (k3_small: 5.4 GiB bf16 + 10.7
 GiB fp32 at 16k tokens). Speed: every chunk reads and writes the fp32 accumulator (8 V D bytes) next to its
 6 c V D GEMM FLOPs. Measured on one H200 (benchmarks/bench_lm_loss.py, fwd + bwd, bf16, compiled; results
@@ -71,14 +71,15 @@ def chunk_loss(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> torch.Tensor
 def chunk_loss_and_grad(logits_cV: torch.Tensor, targets_c: torch.Tensor, inv_n: float
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """chunk_loss, and the grad of the mean over all N tokens (inv_n = 1 / N) with respect to the logits,
-    in the logits' dtype: softmax * inv_n, plus -inv_n at the target (autograd's log-softmax backward)."""
+    in the logits' dtype: softmax * inv_n, minus inv_n at the target (autograd's log-softmax backward), in fp32
+    and rounded once. The target's subtraction is a select, not an indexed write, so that torch.compile
+    fuses the whole grad into one pass from the logits to its rounded output (an indexed write makes it
+    materialise the fp32 grad first: one more write and read of [c, V] fp32)."""
     x_cV = _log_softmax_(logits_cV)
     loss = -x_cV.gather(1, targets_c[:, None]).sum()
-    x_cV = x_cV.exp_().mul_(inv_n)
-    # one distinct entry per row: an indexed write, no scatter-add (atomics under inductor: docs/determinism.md)
-    rows_c = torch.arange(x_cV.shape[0], device=x_cV.device)
-    x_cV[rows_c, targets_c] -= inv_n
-    return loss, x_cV.to(logits_cV.dtype)
+    p_cV = x_cV.exp_().mul_(inv_n)
+    at_target_cV = torch.arange(p_cV.shape[1], device=p_cV.device)[None, :] == targets_c[:, None]
+    return loss, torch.where(at_target_cV, p_cV - inv_n, p_cV).to(logits_cV.dtype)
 
 
 class ChunkMath(NamedTuple):
