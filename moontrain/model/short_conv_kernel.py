@@ -42,8 +42,6 @@ import triton.language as tl
 
 FWD_BLOCK_T, FWD_BLOCK_C = 32, 128  # measured best of 16-128 x 64-256 rows x channels, 4 or 8 warps
 BWD_BLOCK_T, BWD_BLOCK_C = 64, 64
-BWD_STEPS = 1  # time blocks per dpre program (the dw partial's row sum runs once per program)
-MAX_TAPS = 4  # the dpre kernel keeps one register tile per tap
 NUM_WARPS = 4
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -103,45 +101,26 @@ def _short_conv_fwd_kernel(x_ptr, w_ptr, doc_ptr, y_ptr, T, C,
 @triton.jit
 def _short_conv_dpre_kernel(x_ptr, w_ptr, doc_ptr, dy_ptr, dpre_ptr, dw_part_ptr, T, C,
                             stride_xb, stride_xt, stride_wc, stride_ww, stride_db, stride_dt, stride_gb, stride_gt,
-                            W: tl.constexpr, HAS_DOCS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                            STEPS: tl.constexpr):
-    """dpre = dy silu'(pre) (pre recomputed) stored in x's dtype, over STEPS consecutive time blocks, and the
-    program's fp32 dw partial: the products dpre * x_{t-s} accumulate elementwise over the blocks (one register
-    tile per tap, W <= 4) and are summed over rows once at the end."""
+                            W: tl.constexpr, HAS_DOCS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dpre = dy silu'(pre) (pre recomputed) stored in x's dtype, and the program's fp32 dw partial."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     b = tl.program_id(2).to(tl.int64)
     x_ptr += b * stride_xb
     dy_ptr += b * stride_gb
-    dpre_ptr += b * T * C
     if HAS_DOCS:
         doc_ptr += b * stride_db
     cmask = cols < C
-    acc0 = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-    for step in range(STEPS):
-        rows = (tl.program_id(1) * STEPS + step) * BLOCK_T + tl.arange(0, BLOCK_T)
-        pre = _pre(x_ptr, w_ptr, doc_ptr, rows, cols, stride_xt, stride_wc, stride_ww, stride_dt, T, C, W, HAS_DOCS)
-        sig = 1.0 / (1.0 + tl.exp(-pre))
-        dpre = _load_rows(dy_ptr, rows, cols, stride_gt, T, C) * sig * (1.0 + pre * (1.0 - sig))
-        mask = (rows < T)[:, None] & cmask[None, :]
-        tl.store(dpre_ptr + rows[:, None] * C + cols[None, :], dpre.to(dpre_ptr.dtype.element_ty), mask=mask)
-        acc0 += dpre * _tap(x_ptr, doc_ptr, rows, 0, cols, stride_xt, stride_dt, T, C, HAS_DOCS)
-        if W > 1:
-            acc1 += dpre * _tap(x_ptr, doc_ptr, rows, 1, cols, stride_xt, stride_dt, T, C, HAS_DOCS)
-        if W > 2:
-            acc2 += dpre * _tap(x_ptr, doc_ptr, rows, 2, cols, stride_xt, stride_dt, T, C, HAS_DOCS)
-        if W > 3:
-            acc3 += dpre * _tap(x_ptr, doc_ptr, rows, 3, cols, stride_xt, stride_dt, T, C, HAS_DOCS)
+    pre = _pre(x_ptr, w_ptr, doc_ptr, rows, cols, stride_xt, stride_wc, stride_ww, stride_dt, T, C, W, HAS_DOCS)
+    sig = 1.0 / (1.0 + tl.exp(-pre))
+    dpre = _load_rows(dy_ptr, rows, cols, stride_gt, T, C) * sig * (1.0 + pre * (1.0 - sig))
+    mask = (rows < T)[:, None] & cmask[None, :]
+    dpre_ptr += b * T * C
+    tl.store(dpre_ptr + rows[:, None] * C + cols[None, :], dpre.to(dpre_ptr.dtype.element_ty), mask=mask)
     part_ptr = dw_part_ptr + ((b * tl.num_programs(1) + tl.program_id(1)) * C + cols) * W
-    tl.store(part_ptr + (W - 1), tl.sum(acc0, axis=0), mask=cmask)
-    if W > 1:
-        tl.store(part_ptr + (W - 2), tl.sum(acc1, axis=0), mask=cmask)
-    if W > 2:
-        tl.store(part_ptr + (W - 3), tl.sum(acc2, axis=0), mask=cmask)
-    if W > 3:
-        tl.store(part_ptr + (W - 4), tl.sum(acc3, axis=0), mask=cmask)
+    for s in tl.static_range(W):
+        x = _tap(x_ptr, doc_ptr, rows, s, cols, stride_xt, stride_dt, T, C, HAS_DOCS)
+        tl.store(part_ptr + (W - 1 - s), tl.sum(dpre * x, axis=0), mask=cmask)
 
 
 @triton.jit
@@ -191,16 +170,15 @@ def _short_conv_silu_dpre_op(dy_BTC: torch.Tensor, x_BTC: torch.Tensor, w_C1W: t
     """(dpre [B, T, C] in x's dtype, dw in w's dtype)."""
     B, T, C = x_BTC.shape
     W = w_C1W.shape[-1]
-    num_groups = triton.cdiv(T, BWD_BLOCK_T * BWD_STEPS)
+    num_t_blocks = triton.cdiv(T, BWD_BLOCK_T)
     dpre_BTC = torch.empty((B, T, C), dtype=x_BTC.dtype, device=x_BTC.device)
-    dw_part_NCW = torch.empty((B * num_groups, C, W), dtype=torch.float32, device=x_BTC.device)
-    grid = (triton.cdiv(C, BWD_BLOCK_C), num_groups, B)
+    dw_part_NCW = torch.empty((B * num_t_blocks, C, W), dtype=torch.float32, device=x_BTC.device)
+    grid = (triton.cdiv(C, BWD_BLOCK_C), num_t_blocks, B)
     torch.library.wrap_triton(_short_conv_dpre_kernel)[grid](
         x_BTC, w_C1W, doc_id_BT, dy_BTC, dpre_BTC, dw_part_NCW, T, C,
         x_BTC.stride(0), x_BTC.stride(1), w_C1W.stride(0), w_C1W.stride(2), *_doc_strides(doc_id_BT),
         dy_BTC.stride(0), dy_BTC.stride(1),
-        W=W, HAS_DOCS=doc_id_BT is not None, BLOCK_T=BWD_BLOCK_T, BLOCK_C=BWD_BLOCK_C, STEPS=BWD_STEPS,
-        num_warps=NUM_WARPS)
+        W=W, HAS_DOCS=doc_id_BT is not None, BLOCK_T=BWD_BLOCK_T, BLOCK_C=BWD_BLOCK_C, num_warps=NUM_WARPS)
     return dpre_BTC, dw_part_NCW.sum(0).to(w_C1W.dtype).unsqueeze(1)
 
 
@@ -254,9 +232,6 @@ def short_conv_silu(x_BTC: torch.Tensor, w_C1W: torch.Tensor, doc_id_BT: torch.T
     if w_C1W.dim() != 3 or w_C1W.shape[:2] != (C, 1) or w_C1W.shape[2] < 1:
         raise ValueError(f"short_conv_silu: w must be [C, 1, W] = [{C}, 1, W] (nn.Conv1d's depthwise weight), "
                          f"got shape {tuple(w_C1W.shape)}; pass the conv parameter itself")
-    if w_C1W.shape[2] > MAX_TAPS:
-        raise ValueError(f"short_conv_silu: {w_C1W.shape[2]} taps, the kernel takes at most {MAX_TAPS}; set "
-                         "kernels.short_conv=torch for longer convolutions")
     if x_BTC.stride(-1) != 1:
         raise ValueError(f"short_conv_silu: x needs unit channel stride, got strides {x_BTC.stride()}; "
                          "slice columns of a row-major tensor, or call .contiguous() first")
