@@ -40,7 +40,7 @@ def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(("dtypes", "W", "docs"), [(d, W, docs) for d in ("fp32", "bf16")
-                                                    for W, docs in ((4, True), (4, False), (3, True))]
+                                                    for W, docs in ((4, True), (4, False), (3, True), (1, True))]
                          + [("bf16_w", 4, True)])
 def test_short_conv_matches_spec(dtypes: str, W: int, docs: bool, small_blocks: None) -> None:
     x, w, dy = conv_inputs(B, T, C, W, *DTYPES[dtypes], "cpu", seed=W)
