@@ -157,3 +157,18 @@ def test_gpu_test_modules_carry_their_marker(tmp_path: Path) -> None:
     (tmp_path / "test_c_gpu.py").write_text("import pytest\n\npytestmark = [pytest.mark.slow, pytest.mark.gpu]\n\n"
                                             "def test_w(): pass\n")
     assert unmarked_gpu_tests(tmp_path) == ["gpu/", "test_a_gpu.py::test_y", "test_b_multigpu.py::test_z"]
+
+
+def test_importing_the_library_imports_no_triton() -> None:
+    """On the CPU the interpreted tests need triton imported after TRITON_INTERPRET is set; the test modules
+    collected before them import the trainer, the model and the benchmarks' diagnostics, so none of those may
+    import triton (or torch._dynamo, which does) at import time: a kernel module or torch.compiler.disable as
+    a decorator is imported or applied where it runs, not with the module."""
+    modules = ["moontrain.trainer.trainer", "moontrain.model.transformer", "moontrain.model.kda", "moontrain.cli",
+               "moonep", "benchmarks.diagnostics.train_diagnostics"]
+    code = (f"import sys\nfor m in {modules!r}:\n    __import__(m)\n"
+            "print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))")
+    env = {k: v for k, v in os.environ.items() if k != VAR}
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]", run.stdout

@@ -135,6 +135,9 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(K, cfg.norm_eps, device=device)
         self.o_proj = nn.Linear(H * K, D, bias=False, device=device)
         self.kernel = select_kda_kernel(kernel, device)  # kernel: kernels.kda; called by recurrence()
+        # recurrence() outside torch.compile; wrapped here, not as a decorator, which would import torch._dynamo
+        # (and with it triton) with this module; the class's function, not a bound method (copies stay apart)
+        self._uncompiled_recurrence = torch.compiler.disable(KimiDeltaAttention.recurrence)
         self.conv = select_short_conv(conv, device)  # conv: kernels.short_conv (traceable by torch.compile)
 
     @torch.no_grad()
@@ -167,11 +170,10 @@ class KimiDeltaAttention(nn.Module):
         v_BTHK = self.conv(v_in, self.v_conv1d, doc_id).view(B, T, H, K)
         f_BTHK = self.forget(f_in).view(B, T, H, K)
         beta_BTH = torch.sigmoid(at_least_fp32(b_in))
-        o_BTHK = self.recurrence(q_BTHK, k_BTHK, v_BTHK, f_BTHK, beta_BTH, docs)
+        o_BTHK = self._uncompiled_recurrence(self, q_BTHK, k_BTHK, v_BTHK, f_BTHK, beta_BTH, docs)
         o_BTHK = self.o_norm(o_BTHK, self.output_gate(g_in).view(B, T, H, K))
         return self.o_proj(o_BTHK.reshape(B, T, H * K))
 
-    @torch.compiler.disable
     def recurrence(self, q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHK: torch.Tensor, f_BTHK: torch.Tensor,
                    beta_BTH: torch.Tensor, docs: DocumentMask | None) -> torch.Tensor:
         """The KDA kernel (kernels.kda), outside torch.compile: fla's autograd function is opaque to it and the
