@@ -37,8 +37,9 @@ class DocumentMask:
     start_BT: torch.Tensor | None  # bool: the first token of a document that is not the row's first
     id_BT: torch.Tensor | None  # long: the document's index within the row (0 for the row's first)
     block_mask: Any = None  # CUDA: flex_attention's BlockMask (causal and same document)
-    # CUDA: (device, host) cu_seqlens of the batch flattened to one row (flat_sequence_bounds), fla's KDA layout,
-    # made once per forward (one host sync) for every KDA layer instead of once per layer
+    # (device, host) cu_seqlens of the batch flattened to one row (flat_sequence_bounds), fla's KDA layout, made
+    # once per forward (one host sync) for every KDA layer instead of once per layer; only for a model whose KDA
+    # layers run fla
     seq_bounds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -49,12 +50,12 @@ def document_ids(tokens_BT: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, to
     return start_BT, start_BT.long().cumsum(1)
 
 
-def document_mask(tokens_BT: torch.Tensor, eos_id: int) -> DocumentMask:
+def document_mask(tokens_BT: torch.Tensor, eos_id: int, *, seq_bounds: bool = False) -> DocumentMask:
+    """seq_bounds: also fla's sequence bounds (a model whose KDA layers run fla)."""
     start_BT, id_BT = document_ids(tokens_BT, eos_id)
-    if not tokens_BT.is_cuda:
-        return DocumentMask(start_BT=start_BT, id_BT=id_BT)
-    return DocumentMask(start_BT=start_BT, id_BT=id_BT, block_mask=flex_block_mask(id_BT),
-                        seq_bounds=flat_sequence_bounds(start_BT))
+    return DocumentMask(start_BT=start_BT, id_BT=id_BT,
+                        block_mask=flex_block_mask(id_BT) if tokens_BT.is_cuda else None,
+                        seq_bounds=flat_sequence_bounds(start_BT) if seq_bounds else None)
 
 
 def flat_sequence_bounds(start_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

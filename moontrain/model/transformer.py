@@ -42,7 +42,7 @@ from moontrain.model.documents import DocumentMask, causal_flex_mask, document_m
 from moontrain.model.experts import ExpertPlacement, ExpertsContext, ExpertsRuntime, build_experts_runtime
 from moontrain.model.ffn import GatedFFN
 from moontrain.model.init import expert_stds, init_dense
-from moontrain.model.kda import KimiDeltaAttention
+from moontrain.model.kda import KimiDeltaAttention, uses_fla
 from moontrain.model.lm_loss import EAGER, linear_cross_entropy
 from moontrain.model.moe import MoE
 from moontrain.model.norm import RMSNorm
@@ -141,6 +141,7 @@ class K3Model(nn.Module):
                           if cfg.attn_res_block_size else None)
         self.loss_math = EAGER  # linear_cross_entropy's chunk math; parallelize's compile step compiles it
         self.document_eos_id = document_eos_id
+        self.fla_seq_bounds = uses_fla(cfg, kernels.kda, device)  # the documents carry fla's cu_seqlens
         self.deterministic_attention = deterministic_attention
 
     def moe_layers(self) -> list[MoE]:
@@ -203,7 +204,8 @@ class K3Model(nn.Module):
         cfg = self.cfg
         T = tokens_BT.shape[1]
         cos, sin = rope_cos_sin(T, cfg.qk_rope_head_dim, cfg.rope_theta, tokens_BT.device, yarn=cfg.rope_yarn)
-        docs = document_mask(tokens_BT, self.document_eos_id) if self.document_eos_id is not None else None
+        docs = (document_mask(tokens_BT, self.document_eos_id, seq_bounds=self.fla_seq_bounds)
+                if self.document_eos_id is not None else None)
         if docs is None and self.deterministic_attention and tokens_BT.is_cuda:
             docs = causal_flex_mask(T, tokens_BT.device)
         x_BTD = self.embed(tokens_BT)

@@ -189,7 +189,7 @@ def test_param_counts_and_flops_cover_kda(rank: int | None) -> None:
 def test_flat_sequence_bounds_open_a_sequence_at_every_row_and_document_start() -> None:
     """fla's cu_seqlens for the flattened batch: rows of 6 tokens, documents starting after the EOS at 1 (row 0)
     and at 0 and 4 (row 1: an EOS first opens a document at 1). Host and device copies agree; on the CPU a
-    DocumentMask carries none (only the CUDA forward, where fla runs, makes them)."""
+    DocumentMask carries them only for a model whose KDA layers run fla."""
     from moontrain.model.documents import flat_sequence_bounds
 
     tokens = torch.tensor([[5, EOS, 7, 8, 9, 10], [EOS, 2, 3, 4, EOS, 6]])
@@ -198,3 +198,5 @@ def test_flat_sequence_bounds_open_a_sequence_at_every_row_and_document_start() 
     assert host_cu.tolist() == [0, 2, 6, 7, 11, 12] and torch.equal(device_cu, host_cu)
     assert host_cu.dtype == torch.int64 and host_cu.device.type == "cpu"
     assert docs.seq_bounds is None
+    with_bounds = document_mask(tokens, EOS, seq_bounds=True).seq_bounds
+    assert torch.equal(with_bounds[0], device_cu) and torch.equal(with_bounds[1], host_cu)
