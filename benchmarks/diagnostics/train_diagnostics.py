@@ -10,6 +10,7 @@ import collections
 import re
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -127,15 +128,8 @@ def timeline_summary(kernels: list[tuple[int, int, int, str]], top: int = 12) ->
         tag = "  <- compute (busiest)" if s == main else ""
         lines.append(f"  stream {s:>4}: {len(by_stream[s]):6d} {busy[s] / 1e6:9.2f} ({100 * busy[s] / span:5.1f}%){tag}")
     ks = sorted(by_stream[main], key=lambda k: k[1])
-    classes: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    names: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    for _, _, d, name in ks:
-        c = classes[kernel_class(name)]
-        c[0] += 1
-        c[1] += d
-        n = names[name[:90]]
-        n[0] += 1
-        n[1] += d
+    classes = _totals(ks, key=kernel_class)
+    names = _totals(ks, key=lambda name: name[:90])
     lines.append(f"compute stream {main}: kernel time by class (count, ms, % of span)")
     for c, (n, d) in sorted(classes.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"  {c:22s} {n:6d} {d / 1e6:9.2f} ({100 * d / span:5.1f}%)")
@@ -162,13 +156,19 @@ def timeline_summary(kernels: list[tuple[int, int, int, str]], top: int = 12) ->
     return "\n".join(lines) + "\n"
 
 
+def _totals(kernels: list[tuple[int, int, int, str]], key: Callable[[str], str]) -> dict[str, list[int]]:
+    """[count, total ns] of the kernels per key(name)."""
+    totals: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for _, _, d, name in kernels:
+        t = totals[key(name)]
+        t[0] += 1
+        t[1] += d
+    return totals
+
+
 def kernel_table(kernels: list[tuple[int, int, int, str]]) -> str:
     """Every GPU kernel name of the step (all streams), longest total first: count, total ms, class."""
-    names: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    for _, _, d, name in kernels:
-        n = names[name]
-        n[0] += 1
-        n[1] += d
+    names = _totals(kernels, key=lambda name: name)
     lines = ["every kernel (count, total ms, class, name):"]
     for name, (n, d) in sorted(names.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"  {n:6d} {d / 1e6:9.3f}  {kernel_class(name):20s} {name[:160]}")
