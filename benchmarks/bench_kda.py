@@ -9,6 +9,7 @@ Per case:
 - kda docs: the same with a document start every --doc-len tokens (cu_seqlens over the flattened batch).
 - sdpa: F.scaled_dot_product_attention, causal, bf16 (the MLA layers without document masking).
 - flex docs: the compiled flex_attention with the same documents' block mask (the MLA layers' CUDA path).
+- kda kept (docs): the first case's kda rows with kernels.kda_recompute=False (fla's disable_recompute).
 - kda torch: the pure-PyTorch specification, at the first case only (it is the reference, not a kernel).
 Median of --iters timed by CUDA events after --warmup; model TFLOP/s from moontrain.metrics.flops' per-token
 counts (KDA: the chunked recurrence; attention: causal scores and values). Table printed; JSON to --out.
@@ -17,6 +18,7 @@ counts (KDA: the chunked recurrence; attention: causal scores and values). Table
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -34,7 +36,8 @@ from moontrain.model.kda_ops import CHUNK, kda, kda_fla
 DQK, DV, K = 192, 128, 128
 
 
-def kda_case(B: int, T: int, H: int, doc_len: int | None, torch_spec: bool, iters: int, warmup: int) -> dict:
+def kda_case(B: int, T: int, H: int, doc_len: int | None, torch_spec: bool, iters: int, warmup: int,
+             recompute: bool = True) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     bf = dict(device="cuda", dtype=torch.bfloat16)
     q, k, v, f = (torch.randn(B, T, H, K, generator=gen, **bf) for _ in range(4))
@@ -47,17 +50,20 @@ def kda_case(B: int, T: int, H: int, doc_len: int | None, torch_spec: bool, iter
     if doc_len is not None:
         doc_start = torch.zeros(B, T, dtype=torch.bool, device="cuda")
         doc_start[:, doc_len::doc_len] = True
-    fn = kda if torch_spec else kda_fla
+    fn = kda if torch_spec else functools.partial(kda_fla, recompute=recompute)
 
     def run() -> tuple[torch.Tensor, ...]:
         o = fn(*leaves, A_log, dt_bias, lower_bound=-5.0, scale=K ** -0.5, doc_start_BT=doc_start)
         return (o, *torch.autograd.grad(o, leaves, go))
 
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
     ms = median_ms(run, iters, warmup)
+    peak_gib = (torch.cuda.max_memory_allocated() - base) / 2 ** 30  # what a forward+backward adds
     flops = 3 * B * T * H * (CHUNK * 5 * K + 6 * K * K)  # moontrain.metrics.flops.kda_mixing_flops_per_token
-    name = "kda torch" if torch_spec else "kda"
+    name = "kda torch" if torch_spec else "kda" if recompute else "kda kept"
     return {"case": name + (" docs" if doc_len else ""), "B": B, "T": T, "H": H, "ms": ms,
-            "tflops": flops / ms / 1e9}
+            "tflops": flops / ms / 1e9, "peak_gib": peak_gib}
 
 
 def attention_case(B: int, T: int, H: int, doc_len: int | None, iters: int, warmup: int) -> dict:
@@ -103,10 +109,13 @@ def main() -> None:
         rows.append(attention_case(B, T, H, None, args.iters, args.warmup))
         rows.append(attention_case(B, T, H, args.doc_len, args.iters, args.warmup))
         if i == 0:
+            rows.append(kda_case(B, T, H, None, False, args.iters, args.warmup, recompute=False))
+            rows.append(kda_case(B, T, H, args.doc_len, False, args.iters, args.warmup, recompute=False))
             rows.append(kda_case(B, T, H, None, True, max(3, args.iters // 5), 1))
-    print(f"{'case':<12} {'B':>3} {'T':>6} {'H':>4} {'ms':>9} {'TFLOP/s':>9}")
+    print(f"{'case':<14} {'B':>3} {'T':>6} {'H':>4} {'ms':>9} {'TFLOP/s':>9} {'+GiB':>6}")
     for r in rows:
-        print(f"{r['case']:<12} {r['B']:>3} {r['T']:>6} {r['H']:>4} {r['ms']:>9.3f} {r['tflops']:>9.1f}")
+        gib = f"{r['peak_gib']:>6.2f}" if "peak_gib" in r else f"{'':>6}"
+        print(f"{r['case']:<14} {r['B']:>3} {r['T']:>6} {r['H']:>4} {r['ms']:>9.3f} {r['tflops']:>9.1f} {gib}")
     out = Path(args.out or Path(__file__).parent / "results" / f"bench_kda_{time.strftime('%Y%m%d')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

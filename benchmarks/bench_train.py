@@ -229,8 +229,9 @@ def calibrate(trainer: Trainer, batches: list, target: float, args: argparse.Nam
 
 
 def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, side: dist.ProcessGroup,
-              mm_flops: float, bias_LE: torch.Tensor | None, sigma: float) -> dict:
-    """One (backend, skew sigma) point: a fresh trainer of `cfg`, its routers skewed by `sigma`."""
+              mm_flops: float, bias_LE: torch.Tensor | None, sigma: float, learning: bool = False) -> dict:
+    """One (backend, skew sigma) point: a fresh trainer of `cfg`, its routers skewed by `sigma`; learning: the
+    --learning-row point."""
     device = layout.device
     gc.collect()
     if device.type == "cuda":
@@ -244,7 +245,8 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
     oom_where, heap_bytes, flops_per_token, pooled, syncs, trace_peak = None, 0, None, 0, None, None
     window_s = window_wait_s = None
     trainer = None
-    diagnosed = at_diagnosed_point(args, cfg, sigma)  # the same answer on every rank (collectives follow)
+    # the same answer on every rank (collectives follow); the learning row when --diagnose-learning
+    diagnosed = at_diagnosed_point(args, cfg, sigma) or (learning and args.diagnose_learning)
     traced = args.memory_trace and diagnosed and device.type == "cuda"
     if traced:
         start_memory_history()  # call sites of what the trainer keeps between steps (slows this point)
@@ -287,9 +289,10 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
             window_wait_s = trainer.data.take_metrics()["data/wait_ms"] / 1e3  # mean per step of the window
             trainer.cfg.train.log_every = 1  # the diagnostics below read a step's stats
         pooled = buf.pooled_plans if buf is not None else 0
-        if args.sync_debug and sigma == args.sync_skew and args.current_round == 0 \
-                and ("syncs", cfg.experts.backend) not in args.diagnosed and device.type == "cuda":
-            args.diagnosed.add(("syncs", cfg.experts.backend))  # once per backend
+        if args.sync_debug and device.type == "cuda" and (
+                (learning and args.diagnose_learning) or (sigma == args.sync_skew and args.current_round == 0
+                                                          and ("syncs", cfg.experts.backend) not in args.diagnosed)):
+            args.diagnosed.add(("syncs", cfg.experts.backend))  # once per backend (and the learning row)
             syncs = count_syncs(trainer, layout, args, cfg, side)  # one extra, untimed step
         if diagnosed and wants_profile(args, cfg) and device.type == "cuda":  # one extra, untimed step, profiled
             profile_step(trainer, layout, args, cfg, side)
@@ -458,6 +461,9 @@ def main() -> None:
                    help="at the --profile-at points: the allocations live at the start and at the peak of one extra "
                         "step, per rank (benchmarks/diagnostics/train_diagnostics.py; GPU). Records allocation call sites from "
                         "the trainer's construction on, which slows those points: use it in a run of its own")
+    p.add_argument("--diagnose-learning", action="store_true",
+                   help="--profile, --sync-debug and --memory-trace at the --learning-row point too (files named "
+                        "..._text.txt): what text with documents costs beside the first target's synthetic tokens")
     p.add_argument("--sync-debug", action="store_true",
                    help="count the host synchronisations of one extra step at the first target (GPU)")
     p.add_argument("--show", metavar="JSON", help="print the table of a saved result and exit (no GPU needed)")
@@ -553,7 +559,7 @@ def run(args: argparse.Namespace, device: torch.device, side: dist.ProcessGroup)
     if args.learning_row:  # the same step at the recipe's learning rate, on text, the routers balancing
         cfg = build_learning_config(args, run_dir)
         point = {"backend": cfg.experts.backend, "lr": cfg.optim.lr, "data": cfg.data.path,
-                 **run_point(cfg, layout, args, side, mm_flops, None, 0.0)}
+                 **run_point(cfg, layout, args, side, mm_flops, None, 0.0, learning=True)}
         result["learning"] = point
         if is_main:
             print(learning_row(point), flush=True)

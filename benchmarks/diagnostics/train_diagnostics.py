@@ -41,7 +41,8 @@ def _write_all_ranks(text: str, name: str, args: argparse.Namespace, side: dist.
 
 def _point_name(kind: str, trainer: Trainer) -> str:
     skew = max((moe.router.skew for moe in trainer.model.moe_layers()), default=0.0)  # bench_train's skew
-    return f"{kind}_{trainer.cfg.experts.backend}_skew{skew:.3g}.txt"
+    text = "_text" if trainer.cfg.data.source == "dataset" else ""  # bench_train's --diagnose-learning row
+    return f"{kind}_{trainer.cfg.experts.backend}_skew{skew:.3g}{text}.txt"
 
 
 def profile_step(trainer: Trainer, layout: ParallelLayout, args: argparse.Namespace, cfg: RunConfig,

@@ -34,6 +34,7 @@ class BatchLoader:
         self._state: dict[str, Any] | None = None  # after the last batch taken (None: the source's own)
         self._metrics: dict[str, float] = {}
         self.wait_s, self.batches = 0.0, 0
+        self.host_tokens: torch.Tensor | None = None  # batch()'s last ids on the host
         self.eos_id = source.eos_id
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,6 +56,7 @@ class BatchLoader:
             self._next_step = step + 1
         self.wait_s += time.perf_counter() - t0
         self.batches += 1
+        self.host_tokens = tokens  # the ids of the batch just returned, on the host (pinned on CUDA)
         non_blocking = self.device.type == "cuda"
         return tokens.to(self.device, non_blocking=non_blocking), targets.to(self.device, non_blocking=non_blocking)
 

@@ -38,8 +38,8 @@ class DocumentMask:
     id_BT: torch.Tensor | None  # long: the document's index within the row (0 for the row's first)
     block_mask: Any = None  # CUDA: flex_attention's BlockMask (causal and same document)
     # (device, host) cu_seqlens of the batch flattened to one row (flat_sequence_bounds), fla's KDA layout, made
-    # once per forward (one host sync) for every KDA layer instead of once per layer; only for a model whose KDA
-    # layers run fla
+    # once per forward for every KDA layer (from the host's copy of the ids: no host sync; else one); only for a
+    # model whose KDA layers run fla
     seq_bounds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -50,12 +50,20 @@ def document_ids(tokens_BT: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, to
     return start_BT, start_BT.long().cumsum(1)
 
 
-def document_mask(tokens_BT: torch.Tensor, eos_id: int, *, seq_bounds: bool = False) -> DocumentMask:
-    """seq_bounds: also fla's sequence bounds (a model whose KDA layers run fla)."""
+def document_mask(tokens_BT: torch.Tensor, eos_id: int, *, seq_bounds: bool = False,
+                  host_tokens_BT: torch.Tensor | None = None) -> DocumentMask:
+    """seq_bounds: also fla's sequence bounds (a model whose KDA layers run fla), from host_tokens_BT (the same ids
+    on the host: no host sync) when given, else from the device's (one sync)."""
     start_BT, id_BT = document_ids(tokens_BT, eos_id)
+    bounds = None
+    if seq_bounds:
+        if host_tokens_BT is not None and host_tokens_BT.shape != tokens_BT.shape:
+            raise ValueError(f"host_tokens_BT {tuple(host_tokens_BT.shape)} must be tokens_BT's shape "
+                             f"{tuple(tokens_BT.shape)}: the same ids on the host")
+        bounds = (flat_sequence_bounds(start_BT) if host_tokens_BT is None
+                  else host_sequence_bounds(document_ids(host_tokens_BT.cpu(), eos_id)[0], tokens_BT.device))
     return DocumentMask(start_BT=start_BT, id_BT=id_BT,
-                        block_mask=flex_block_mask(id_BT) if tokens_BT.is_cuda else None,
-                        seq_bounds=flat_sequence_bounds(start_BT) if seq_bounds else None)
+                        block_mask=flex_block_mask(id_BT) if tokens_BT.is_cuda else None, seq_bounds=bounds)
 
 
 def flat_sequence_bounds(start_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +74,15 @@ def flat_sequence_bounds(start_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     starts_BT[:, 0] = True
     cu_seqlens = F.pad(starts_BT.flatten().nonzero().flatten(), (0, 1), value=B * T)
     return cu_seqlens, cu_seqlens.cpu()
+
+
+def host_sequence_bounds(host_start_BT: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """flat_sequence_bounds of host document starts without a host sync: computed on the host, copied to
+    `device` asynchronously (from pinned memory on CUDA)."""
+    _, host = flat_sequence_bounds(host_start_BT)
+    if torch.device(device).type != "cuda":
+        return host.to(device), host
+    return host.pin_memory().to(device, non_blocking=True), host
 
 
 def flex_block_mask(id_BT: torch.Tensor) -> Any:

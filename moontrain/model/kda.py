@@ -30,6 +30,7 @@ the step: long and short memories from the start), conv taps U(+-1/sqrt(W)) (nn.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from collections.abc import Callable
@@ -110,7 +111,7 @@ class GatedRMSNorm(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, kernel: str = "auto", conv: str = "auto",
+    def __init__(self, cfg: ModelConfig, *, kernel: str = "auto", conv: str = "auto", recompute: bool = True,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
@@ -135,6 +136,8 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(K, cfg.norm_eps, device=device)
         self.o_proj = nn.Linear(H * K, D, bias=False, device=device)
         self.kernel = select_kda_kernel(kernel, device)  # kernel: kernels.kda; called by recurrence()
+        if self.kernel is kda_fla and not recompute:  # recompute: kernels.kda_recompute
+            self.kernel = functools.partial(kda_fla, recompute=False)
         # recurrence() outside torch.compile; wrapped here, not as a decorator, which would import torch._dynamo
         # (and with it triton) with this module; the class's function, not a bound method (copies stay apart)
         self._uncompiled_recurrence = torch.compiler.disable(KimiDeltaAttention.recurrence)

@@ -154,22 +154,28 @@ def kda(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, f_BTHK
 def kda_fla(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, f_BTHK: torch.Tensor,
             beta_BTH: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor, *, lower_bound: float | None,
             scale: float, doc_start_BT: torch.Tensor | None = None,
-            seq_bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """kda() on fla-core's chunk_kda (CUDA). With document starts the batch is flattened to one row and
-    every row start and document start opens a sequence of cu_seqlens: seq_bounds, the (device, host) pair
-    of moontrain.model.documents.flat_sequence_bounds that the forward's DocumentMask carries for all KDA
-    layers, or derived here (one host sync) when not given. With the host copy fla needs no sync of its own."""
+            seq_bounds: tuple[torch.Tensor, torch.Tensor] | None = None, recompute: bool = True,
+            device_chunks: bool = True) -> torch.Tensor:
+    """kda() on fla-core's chunk_kda (CUDA); recompute: kernels.kda_recompute (fla's disable_recompute negated).
+    With document starts the batch is flattened to one row and every row start and document start opens a
+    sequence of cu_seqlens: seq_bounds, the (device, host) pair of moontrain.model.documents.flat_sequence_bounds
+    that the forward's DocumentMask carries for all KDA layers, or derived here (one host sync) when not given.
+    device_chunks (with recompute): fla lists the sequences' chunks on the device (its use_graph mode, with
+    max_num_seqs the host's exact count), not on the host with a blocking copy per forward: no host sync."""
     from fla.ops.kda import chunk_kda
 
     B, T = q_BTHK.shape[:2]
     cu_seqlens = cu_seqlens_cpu = None
+    graph = {}
     if doc_start_BT is not None:
         cu_seqlens, cu_seqlens_cpu = seq_bounds if seq_bounds is not None else flat_sequence_bounds(doc_start_BT)
         q_BTHK, k_BTHK, v_BTHV, f_BTHK, beta_BTH = (
             x.reshape(1, B * T, *x.shape[2:]) for x in (q_BTHK, k_BTHK, v_BTHV, f_BTHK, beta_BTH))
+        if device_chunks and recompute:
+            graph = {"use_graph": True, "max_num_seqs": cu_seqlens_cpu.numel() - 1}
     o, _ = chunk_kda(q=q_BTHK, k=k_BTHK, v=v_BTHV, g=f_BTHK, beta=beta_BTH, scale=scale,
                      A_log=A_log_H.float(), dt_bias=dt_bias_HK.float().flatten(),
                      use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                      safe_gate=lower_bound is not None, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
-                     cu_seqlens_cpu=cu_seqlens_cpu)
+                     cu_seqlens_cpu=cu_seqlens_cpu, disable_recompute=not recompute, **graph)
     return o.reshape(B, T, *o.shape[2:])

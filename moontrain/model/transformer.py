@@ -55,7 +55,8 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
         self.is_kda = cfg.layer_is_kda(layer_idx)
-        self.attn = (KimiDeltaAttention(cfg, kernel=kernels.kda, conv=kernels.short_conv, device=device) if self.is_kda
+        self.attn = (KimiDeltaAttention(cfg, kernel=kernels.kda, conv=kernels.short_conv,
+                                        recompute=kernels.kda_recompute, device=device) if self.is_kda
                      else MLAttention(cfg, pad_head_dims=kernels.attn_pad_head_dims, device=device))
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
         self.is_moe = layer_idx >= cfg.num_dense_layers
@@ -143,6 +144,17 @@ class K3Model(nn.Module):
         self.document_eos_id = document_eos_id
         self.fla_seq_bounds = uses_fla(cfg, kernels.kda, device)  # the documents carry fla's cu_seqlens
         self.deterministic_attention = deterministic_attention
+        self._rope_tables: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}  # rope_table's
+
+    def rope_table(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope_cos_sin of positions 0 .. seq_len - 1, made once per (length, device): building it copies the
+        inverse frequencies from the host, a host sync on CUDA that every forward would pay."""
+        key = (seq_len, str(device))
+        if key not in self._rope_tables:
+            cfg = self.cfg
+            self._rope_tables[key] = rope_cos_sin(seq_len, cfg.qk_rope_head_dim, cfg.rope_theta, device,
+                                                  yarn=cfg.rope_yarn)
+        return self._rope_tables[key]
 
     def moe_layers(self) -> list[MoE]:
         return [block.ffn for block in self.layers if block.is_moe]
@@ -187,10 +199,13 @@ class K3Model(nn.Module):
             moe.backend = runtime.layer(moe.experts)
         return runtime
 
-    def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor, *,
+                host_tokens_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (loss to backpropagate = CE + aux, CE alone for logging). The CE is the fp32 mean over
-        the B T tokens of the head's logits, fused with the head (module docstring)."""
-        h_BTD, aux_total = self._hidden_aux(tokens_BT)
+        the B T tokens of the head's logits, fused with the head (module docstring). host_tokens_BT: the same
+        ids on the host (the data loader's copy), from which the documents' sequence bounds for fla come
+        without a host sync; optional."""
+        h_BTD, aux_total = self._hidden_aux(tokens_BT, host_tokens_BT)
         ce = linear_cross_entropy(h_BTD.flatten(0, 1), self.lm_head.weight, targets_BT.reshape(-1),
                                   math=self.loss_math)
         return ce + aux_total, ce.detach()
@@ -199,12 +214,13 @@ class K3Model(nn.Module):
         """LM-head logits [B, T, V] of the training forward (evaluation, generation, export parity)."""
         return self.lm_head(self._hidden_aux(tokens_BT)[0])
 
-    def _hidden_aux(self, tokens_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hidden_aux(self, tokens_BT: torch.Tensor,
+                    host_tokens_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The final norm's output [B, T, D] (the head's input) and the summed MoE aux loss."""
-        cfg = self.cfg
         T = tokens_BT.shape[1]
-        cos, sin = rope_cos_sin(T, cfg.qk_rope_head_dim, cfg.rope_theta, tokens_BT.device, yarn=cfg.rope_yarn)
-        docs = (document_mask(tokens_BT, self.document_eos_id, seq_bounds=self.fla_seq_bounds)
+        cos, sin = self.rope_table(T, tokens_BT.device)
+        docs = (document_mask(tokens_BT, self.document_eos_id, seq_bounds=self.fla_seq_bounds,
+                              host_tokens_BT=host_tokens_BT)
                 if self.document_eos_id is not None else None)
         if docs is None and self.deterministic_attention and tokens_BT.is_cuda:
             docs = causal_flex_mask(T, tokens_BT.device)

@@ -139,19 +139,21 @@ class Trainer:
     def train_step(self) -> StepStats | None:
         """One optimizer step; returns the logged stats on a logging step (the only host read), else None."""
         tokens_BT, targets_BT = self.data.batch(self.step)
+        host_BT = self.data.host_tokens  # the documents' bounds for fla come from these: no host sync
         n = self.accumulation_steps
         if n == 1:
-            loss, ce = self.model(tokens_BT, targets_BT)
+            loss, ce = self.model(tokens_BT, targets_BT, host_tokens_BT=host_BT)
             loss.backward()
             self._accumulate_dense_grads()
         else:  # gradient accumulation: equal micro-batches, each loss weighted 1/n (the step's mean)
             ce = torch.zeros((), device=self.layout.device)
-            for i, (tok_bT, tgt_bT) in enumerate(zip(tokens_BT.chunk(n), targets_BT.chunk(n), strict=True)):
+            for i, (tok_bT, tgt_bT, host_bT) in enumerate(zip(tokens_BT.chunk(n), targets_BT.chunk(n),
+                                                              host_BT.chunk(n), strict=True)):
                 if self.fsdp:  # FSDP reduce-scatters the dense grads once, after the last pass
                     self.model.set_requires_gradient_sync(i == n - 1)
                     if not self.cfg.parallel.fsdp_reshard_after_forward:  # and gathers once, in the first
                         self.model.set_reshard_after_backward(i == n - 1)
-                loss, ce_i = self.model(tok_bT, tgt_bT)
+                loss, ce_i = self.model(tok_bT, tgt_bT, host_tokens_BT=host_bT)
                 (loss / n).backward()
                 self._accumulate_dense_grads()
                 ce += ce_i.detach() / n

@@ -200,3 +200,19 @@ def test_flat_sequence_bounds_open_a_sequence_at_every_row_and_document_start() 
     assert docs.seq_bounds is None
     with_bounds = document_mask(tokens, EOS, seq_bounds=True).seq_bounds
     assert torch.equal(with_bounds[0], device_cu) and torch.equal(with_bounds[1], host_cu)
+    # from the host's copy of the ids (the loader's): the same bounds, no sync; a copy of another shape refused
+    from_host = document_mask(tokens, EOS, seq_bounds=True, host_tokens_BT=tokens.clone()).seq_bounds
+    assert torch.equal(from_host[0], device_cu) and torch.equal(from_host[1], host_cu)
+    with pytest.raises(ValueError, match=r"host_tokens_BT \(1, 6\) must be tokens_BT's shape \(2, 6\)"):
+        document_mask(tokens, EOS, seq_bounds=True, host_tokens_BT=tokens[:1])
+
+
+def test_rope_table_is_made_once_per_length_and_equals_rope_cos_sin() -> None:
+    """K3Model.rope_table: rope_cos_sin's values, built once per (length, device) (building it copies from the
+    host: a sync per forward on CUDA otherwise)."""
+    cfg = _cfg(num_layers=2)
+    model = K3Model(cfg)
+    cos, sin = model.rope_table(12, torch.device("cpu"))
+    want = rope_cos_sin(12, cfg.qk_rope_head_dim, cfg.rope_theta, torch.device("cpu"), yarn=cfg.rope_yarn)
+    assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+    assert model.rope_table(12, torch.device("cpu"))[0] is cos and model.rope_table(8, torch.device("cpu"))[0].shape[0] == 8

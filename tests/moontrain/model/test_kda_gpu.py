@@ -12,6 +12,8 @@ the output and for each gradient (same inputs, same upstream gradient).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -41,7 +43,9 @@ def _inputs(B: int, T: int, H: int, K: int, seed: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("bound", [-5.0, None], ids=["k3-bounded-gate", "softplus-gate"])
 @pytest.mark.parametrize("documents", [False, True], ids=["rows", "documents"])
-def test_fla_matches_spec(bound: float | None, documents: bool) -> None:
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "kept"])
+def test_fla_matches_spec(bound: float | None, documents: bool, recompute: bool) -> None:
+    """recompute: kernels.kda_recompute (False: fla's backward reads the forward's saved states)."""
     B, T, H, K = 2, 1000, 16, 128  # T not a multiple of the chunk; k3_small's heads (fla's autotune keys)
     inputs = _inputs(B, T, H, K, seed=0)
     doc_start = None
@@ -51,7 +55,7 @@ def test_fla_matches_spec(bound: float | None, documents: bool) -> None:
         doc_start[1, 513] = True
     go = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(1))
     results = []
-    for fn, cast in ((kda_fla, lambda t: t), (kda, lambda t: t.float())):
+    for fn, cast in ((functools.partial(kda_fla, recompute=recompute), lambda t: t), (kda, lambda t: t.float())):
         leaves = [cast(t).detach().requires_grad_() for t in inputs]
         o = fn(*leaves, lower_bound=bound, scale=K ** -0.5, doc_start_BT=doc_start)
         grads = torch.autograd.grad(o, leaves, go.to(o.dtype))
@@ -112,3 +116,34 @@ def test_layer_fla_vs_torch_bf16() -> None:
         results.append({"o": o.detach(), **{n: p.grad.clone() for n, p in m.named_parameters()}})
     errors = {n: _rel_rms(results[0][n], results[1][n]) for n in results[1]}
     assert all(e <= REL_RMS for e in errors.values()), errors
+
+
+def test_device_listed_chunks_match_the_host_listed_through_a_stack() -> None:
+    """kda_fla's device_chunks (fla's use_graph mode: the chunk list built on the device, no host sync) against
+    the host-listed chunks, through three stacked KDA layers with residuals and packed documents: output and
+    every input and parameter gradient. The stack matters: in that mode fla's backward returns some gradients in
+    buffers it reuses for the next layer's backward, so a gradient read late would be overwritten (an error of
+    the signal's size). The mode's kernels may tile differently, so the bound is the fla-vs-spec one (2^-6 of
+    the RMS), not bitwise."""
+    from moontrain.model.documents import flat_sequence_bounds
+
+    B, T, H, K, L = 2, 1000, 16, 128, 3
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x0 = torch.randn(B, T, H, K, generator=gen, device="cuda", dtype=torch.bfloat16)
+    layers = [_inputs(B, T, H, K, seed=10 + i)[3:] for i in range(L)]  # per layer: f, beta, A_log, dt_bias
+    doc_start = torch.zeros(B, T, dtype=torch.bool, device="cuda")
+    doc_start[0, [1, 64, 65, 300, 999]] = doc_start[1, 513] = True
+    bounds = flat_sequence_bounds(doc_start)
+    go = torch.randn(B, T, H, K, generator=gen, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for device_chunks in (True, False):
+        x = x0.detach().requires_grad_()
+        params = [[t.detach().requires_grad_() for t in p] for p in layers]
+        h = x
+        for f, beta, A_log, dt_bias in params:
+            h = h + kda_fla(h, h * 0.5, h.flip(-1), f, beta, A_log, dt_bias, lower_bound=-5.0, scale=K ** -0.5,
+                            doc_start_BT=doc_start, seq_bounds=bounds, device_chunks=device_chunks)
+        leaves = [x, *(t for p in params for t in p)]
+        results.append((h, *torch.autograd.grad(h, leaves, go)))
+    errors = [_rel_rms(a, b) for a, b in zip(*results, strict=True)]  # 0: output, 1: dx, then f, beta, A_log,
+    assert all(e <= REL_RMS for e in errors), errors                   # dt_bias per layer
