@@ -17,7 +17,8 @@ class ParallelConfig:
     # hosts one EP group spans (hierarchical EP, experts.backend=moonep only): ep / ep_hosts ranks per host
     # run moonep among themselves, rows cross hosts through all-to-alls (moonep.hierarchical, docs/scale.md)
     ep_hosts: int = 1
-    # how the dense (non-expert) parameters are held and their grads reduced:
+    # how the dense (non-expert) parameters are held and their grads reduced (dense_at resolves auto):
+    #   auto (default): plain at world size 1 (FSDP over one rank shards nothing and costs per-pass work), else fsdp
     #   fsdp: FSDP2 over the whole world, compute-dtype copies gathered per block, fp32 grads reduce-scattered
     #     (moontrain.parallel.fsdp; without a process group the model runs as built, in fp32)
     #   allreduce: every rank holds the fp32 parameters whole and runs them as they are; their grads are
@@ -25,7 +26,7 @@ class ParallelConfig:
     #   plain (world size 1 only): fp32 masters as plain tensors, their compute-dtype copies cast once per step
     #     with one foreach copy, each pass's grads added into fp32 with foreach ops (moontrain.parallel.plain_dense):
     #     FSDP2's world-1 numerics bit for bit, without its per-parameter, per-pass work
-    dense: Literal["fsdp", "allreduce", "plain"] = "fsdp"
+    dense: Literal["auto", "fsdp", "allreduce", "plain"] = "auto"
     # dense=fsdp. False keeps each block's gathered (bf16) dense parameters from forward to backward, and, with
     # gradient accumulation, from one pass to the next: one all-gather per block per optimizer step instead of
     # two per pass, for the memory of the unsharded dense parameters (small next to the experts in a K3-like
@@ -55,3 +56,11 @@ class ParallelConfig:
             raise ValueError(f"parallel.heartbeat_timeout_s={self.heartbeat_timeout_s} must be >= 0 (0 disables) and "
                              f"below parallel.timeout_s={self.timeout_s}, so the heartbeat names a dead rank before "
                              "the collective times out")
+
+    def dense_at(self, world_size: int, distributed: bool = True) -> str:
+        """The dense mode a job of world_size ranks runs (parallel.dense with auto resolved): auto is plain at one
+        rank under a process group (FSDP2's world-1 numerics bit for bit, without its per-parameter work), fsdp
+        otherwise (without a process group fsdp runs the model as built)."""
+        if self.dense != "auto":
+            return self.dense
+        return "plain" if world_size == 1 and distributed else "fsdp"

@@ -59,8 +59,9 @@ def parallelize(model: K3Model, layout: ParallelLayout, *, parallel: ParallelCon
         model.enable_activation_checkpointing()
     if compile_dense:
         compile_dense_parts(model)
-    fsdp = layout.distributed and parallel.dense == "fsdp"
-    plain_dense = PlainDense(model, compute_dtype) if parallel.dense == "plain" else None
+    dense = parallel.dense_at(layout.world_size, layout.distributed)
+    fsdp = layout.distributed and dense == "fsdp"
+    plain_dense = PlainDense(model, compute_dtype) if dense == "plain" else None
     if fsdp:
         apply_fsdp(model, layout, param_dtype=compute_dtype, reshard_after_forward=parallel.fsdp_reshard_after_forward)
     cfg = model.cfg

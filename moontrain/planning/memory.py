@@ -85,10 +85,11 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
     gathered = counts.embedding + 2 * counts.max_block_dense(m)
     dense_grads = 4 * P / world_size + 2 * counts.max_block_dense(m) * compute_bytes
     dense_shards = world_size  # the ranks the fp32 dense masters and their Adam state are split over
-    if cfg.parallel.dense == "plain":  # world 1: every dense weight's copy, fp32 accumulators (+ scratch)
+    dense_mode = cfg.parallel.dense_at(world_size)
+    if dense_mode == "plain":  # world 1: every dense weight's copy, fp32 accumulators (+ scratch)
         gathered = P
         dense_grads = P * compute_bytes + 4 * P * (2 if cfg.train.accumulation_steps(world_size) > 1 else 1)
-    elif cfg.parallel.dense == "allreduce":  # the fp32 parameters whole on every rank, run as they are
+    elif dense_mode == "allreduce":  # the fp32 parameters whole on every rank, run as they are
         gathered, dense_grads, dense_shards = 0, 4 * P, 1
     moonep = cfg.experts.backend == "moonep"
     dense = {

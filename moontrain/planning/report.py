@@ -32,7 +32,7 @@ def dry_run_report(cfg: RunConfig, world_size: int, device: str) -> str:
            if cfg.experts.backend == "moonep" else "")
         + f", top-{m.num_experts_per_tok}, expert shape {m.expert_width}x{m.moe_intermediate_size}",
         ("dense params: " + {"fsdp": f"FSDP2 over {world_size} ranks", "plain": "plain (one rank, no FSDP)",
-                             "allreduce": "fp32 on every rank, grads all-reduced (no FSDP)"}[cfg.parallel.dense]
+                             "allreduce": "fp32 on every rank, grads all-reduced (no FSDP)"}[cfg.parallel.dense_at(world_size)]
          + f"; expert grads: reduced over {world_size // R} replicas (local rows only)"),
         f"tokens per rank per step: {tokens_per_rank} ({cfg.train.global_batch_size // world_size} x {cfg.train.seq_len}"
         f"{_accumulation(cfg, world_size)})",

@@ -168,7 +168,7 @@ def _train_locked(cfg: RunConfig, device: torch.device, preemption: PreemptionHa
     fla_seed = (seed_fla_cache(device) if device.type == "cuda" and uses_fla(cfg.model, cfg.kernels.kda, device)
                 else None)
     if is_main:
-        print(f"moontrain: {layout.describe(cfg.parallel.dense)}; experts backend {cfg.experts.backend}; device {device}"
+        print(f"moontrain: {layout.describe(cfg.parallel.dense_at(layout.world_size, layout.distributed))}; experts backend {cfg.experts.backend}; device {device}"
               + ("; deterministic kernels" if cfg.train.deterministic else ""), flush=True)
         print(f"moontrain: config: {config_path} (the recipe with its overrides, resolved)", flush=True)
     trainer = Trainer(cfg, layout)

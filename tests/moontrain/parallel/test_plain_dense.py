@@ -168,11 +168,25 @@ def test_checkpoints_cross_load_with_fsdp_at_world_2(tmp_path: Path) -> None:
 def test_plain_needs_world_1() -> None:
     cfg = _config("plain", "runs/test")
     with pytest.raises(ValueError, match=r"parallel.dense=plain .* world size 1 only, got 2 ranks; use "
-                                         r"parallel.dense=fsdp \(the default\) or allreduce for 2 ranks"):
+                                         r"parallel.dense=auto \(the default: fsdp at more than one rank\), fsdp or "
+                                         r"allreduce for 2 ranks"):
         cfg.check_world(2)
     cfg.check_world(1)
     with pytest.raises(ValueError, match=r"parallel\.dense"):
         from_dict(RunConfig, {**to_dict(cfg), "parallel": {**to_dict(cfg.parallel), "dense": "replicate"}})
+
+
+def test_auto_is_plain_at_one_rank_under_a_process_group_else_fsdp() -> None:
+    """parallel.dense=auto (the default): plain where FSDP would shard over one rank, fsdp at more ranks, and fsdp
+    (the model as built) without a process group; an explicit mode is kept at every world size."""
+    from moontrain.parallel.config import ParallelConfig
+
+    auto = ParallelConfig()
+    assert auto.dense == "auto"
+    assert [auto.dense_at(1), auto.dense_at(2), auto.dense_at(8), auto.dense_at(1, distributed=False)] == \
+        ["plain", "fsdp", "fsdp", "fsdp"]
+    for mode in ("fsdp", "allreduce", "plain"):
+        assert ParallelConfig(dense=mode).dense_at(1) == mode and ParallelConfig(dense=mode).dense_at(4) == mode
 
 
 class _Block(torch.nn.Module):
