@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|optim|determinism|ckpt|dense|mfu|learning ...]
-#   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, optim, determinism, ckpt, dense
-#   and mfu run on one GPU)
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|glu|optim|determinism|ckpt|dense|mfu|learning ...]
+#   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, glu, optim, determinism, ckpt,
+#   dense and mfu run on one GPU)
 # tests: on one GPU the single-GPU tier (`pytest -m "gpu or multigpu"`, the multigpu tests skip) in TEST_WORKERS
 # (default 4) pytest-xdist workers sharing the GPU, whole files per worker, TEST_LIMIT s (default 300) per test
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
@@ -110,6 +110,9 @@ for step in "${steps[@]}"; do
     conv)  # KDA's short convolution kernels against the compiled specification, and the dpre tile sweep
            timeout "${CONV_TIMEOUT:-200}" python benchmarks/bench_short_conv.py --out "$out/bench_short_conv.json" > "$out/conv.log" 2>&1
            echo "bench_short_conv rc=$?"; tail -20 "$out/conv.log" ;;
-    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, optim, determinism, ckpt, dense, mfu, learning)"; exit 2 ;;
+    glu)   # moonep's SiTU-GLU kernels at k3_small's shapes: the fused routed backward's and the forward's tiles swept
+           timeout "${GLU_TIMEOUT:-200}" python benchmarks/bench_glu_route.py --out "$out/bench_glu_route.json" > "$out/glu.log" 2>&1
+           echo "bench_glu_route rc=$?"; tail -40 "$out/glu.log" ;;
+    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, glu, optim, determinism, ckpt, dense, mfu, learning)"; exit 2 ;;
   esac
 done

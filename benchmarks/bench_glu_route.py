@@ -1,0 +1,104 @@
+"""moonep's gated-activation kernels on one GPU at k3_small's shapes: the routed experts' fused backward
+(moonep.kernels.glu_route: the activation's grads, the route-weighted activation and the route weights' grad)
+and the SiTU-GLU forward (moonep.kernels.situ_glu through glu_launch), each over a sweep of its tiles.
+
+    python benchmarks/bench_glu_route.py [--iters 20] [--warmup 3] [--out bench_glu_route.json]
+
+Shapes (rows x F, bf16, SiTU-GLU): the routed experts of one pass at 4 x 4096 tokens, top-8 and padding
+(132,032 x 896), the two shared experts (16,384 x 1,792) and the dense FFN (16,384 x 5,632). Per tile: the
+median ms of CUDA-event timings, the HBM rate its traffic implies (backward: g, h, u read and grad_h,
+grad_u, a_w written, 12 bytes an element; forward: 6), and whether its outputs equal the default tile's
+(elementwise outputs bitwise; the route weights' grad, a row sum in fp32, to its summation order). GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+import moonep.kernels.glu_launch as launch
+import moonep.kernels.glu_route as route
+from benchmarks.timing import median_ms
+from moonep.kernels.situ_glu import situ_glu_forward
+
+SHAPES = {"routed": (132032, 896), "shared": (16384, 1792), "dense": (16384, 5632)}
+BWD_TILES = [(4, 512, 4), (4, 1024, 4), (2, 1024, 4), (1, 1024, 4), (8, 1024, 8), (4, 256, 4), (8, 512, 8),
+             (16, 256, 8)]  # BLOCK_R, BLOCK_F, warps; the first is the default
+FWD_TILES = [(2048, 8), (1024, 4), (4096, 8), (8192, 16), (2048, 4)]  # BLOCK, warps; the first is the default
+
+
+def inputs(rows: int, F: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h, u, g = (torch.randn(rows, F, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
+    w = torch.rand(rows, device="cuda", generator=gen)
+    return g, h, u, w
+
+
+def sweep_backward(name: str, rows: int, F: int, iters: int, warmup: int) -> list[dict]:
+    g, h, u, w = inputs(rows, F)
+    default = (route._BLOCK_R, route._BLOCK_F, route._WARPS)
+    ref = None
+    out = []
+    for tile in BWD_TILES:
+        route._BLOCK_R, route._BLOCK_F, route._WARPS = tile
+        try:
+            got = route.glu_route_backward("situ_glu", g, h, u, w)
+        except Exception as err:  # a tile Triton cannot compile: reported, the sweep goes on
+            print(f"  bwd {name:<6} {tile}: {type(err).__name__}: {str(err).splitlines()[0][:120]}", flush=True)
+            continue
+        ref = got if ref is None else ref
+        ms = median_ms(lambda: route.glu_route_backward("situ_glu", g, h, u, w), iters, warmup)
+        same = all(torch.equal(a, b) for a, b in zip(got[:3], ref[:3], strict=True))
+        gw_diff = (got[3] - ref[3]).abs().max().item()
+        gbs = 12 * rows * F / ms / 1e6
+        out.append(dict(kernel="glu_route_backward", shape=name, rows=rows, F=F, tile=list(tile), ms=ms,
+                        gb_per_s=gbs, bitwise=same, grad_w_max_diff=gw_diff))
+        print(f"  bwd {name:<6} {tile[0]:3d} x {tile[1]:4d}, {tile[2]:2d} warps: {ms * 1e3:7.1f} us "
+              f"({gbs:6.0f} GB/s; grads bitwise {same}, grad_w max diff {gw_diff:.1e})", flush=True)
+    route._BLOCK_R, route._BLOCK_F, route._WARPS = default
+    return out
+
+
+def sweep_forward(name: str, rows: int, F: int, iters: int, warmup: int) -> list[dict]:
+    _, h, u, _ = inputs(rows, F)
+    default = (launch._BLOCK, launch._WARPS)
+    ref = None
+    out = []
+    for tile in FWD_TILES:
+        launch._BLOCK, launch._WARPS = tile
+        got = situ_glu_forward(h, u)
+        ref = got if ref is None else ref
+        ms = median_ms(lambda: situ_glu_forward(h, u), iters, warmup)
+        gbs = 6 * rows * F / ms / 1e6
+        out.append(dict(kernel="situ_glu_forward", shape=name, rows=rows, F=F, tile=list(tile), ms=ms,
+                        gb_per_s=gbs, bitwise=torch.equal(got, ref)))
+        print(f"  fwd {name:<6} {tile[0]:5d}, {tile[1]:2d} warps: {ms * 1e3:7.1f} us ({gbs:6.0f} GB/s; bitwise "
+              f"{torch.equal(got, ref)})", flush=True)
+    launch._BLOCK, launch._WARPS = default
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", type=str, default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_glu_route needs a CUDA GPU")
+    rows = []
+    for name, (n, F) in SHAPES.items():
+        rows += sweep_backward(name, n, F, args.iters, args.warmup)
+        rows += sweep_forward(name, n, F, args.iters, args.warmup)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
