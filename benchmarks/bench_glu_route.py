@@ -1,13 +1,14 @@
 """moonep's gated-activation kernels on one GPU at k3_small's shapes: the routed experts' fused backward
 (moonep.kernels.glu_route: the activation's grads, the route-weighted activation and the route weights' grad)
-and the SiTU-GLU forward (moonep.kernels.situ_glu through glu_launch), each over a sweep of its tiles.
+and the SiTU-GLU forward (moonep.kernels.situ_glu through glu_launch), each over a sweep of its tiles (the
+backward's last row: the tiles glu_route.backward_tiles picks for that F).
 
     python benchmarks/bench_glu_route.py [--iters 20] [--warmup 3] [--out bench_glu_route.json]
 
 Shapes (rows x F, bf16, SiTU-GLU): the routed experts of one pass at 4 x 4096 tokens, top-8 and padding
 (132,032 x 896), the two shared experts (16,384 x 1,792) and the dense FFN (16,384 x 5,632). Per tile: the
 median ms of CUDA-event timings, the HBM rate its traffic implies (backward: g, h, u read and grad_h,
-grad_u, a_w written, 12 bytes an element; forward: 6), and whether its outputs equal the default tile's
+grad_u, a_w written, 12 bytes an element; forward: 6), and whether its outputs equal the first tile's
 (elementwise outputs bitwise; the route weights' grad, a row sum in fp32, to its summation order). GPU only.
 """
 
@@ -29,7 +30,8 @@ from moonep.kernels.situ_glu import situ_glu_forward
 
 SHAPES = {"routed": (132032, 896), "shared": (16384, 1792), "dense": (16384, 5632)}
 BWD_TILES = [(4, 512, 4), (4, 1024, 4), (2, 1024, 4), (1, 1024, 4), (8, 1024, 8), (4, 256, 4), (8, 512, 8),
-             (16, 256, 8)]  # BLOCK_R, BLOCK_F, warps; the first is the default
+             (16, 256, 8)]  # BLOCK_R, BLOCK_F, warps; the first is the reference (glu_route.backward_tiles's until
+# 2026-12-02, whose sweep chose (2, 1024, 4) for F <= 1024 and (4, 256, 4) above)
 FWD_TILES = [(2048, 8), (1024, 4), (4096, 8), (8192, 16), (2048, 4)]  # BLOCK, warps; the first is the default
 
 
@@ -42,11 +44,11 @@ def inputs(rows: int, F: int) -> tuple[torch.Tensor, ...]:
 
 def sweep_backward(name: str, rows: int, F: int, iters: int, warmup: int) -> list[dict]:
     g, h, u, w = inputs(rows, F)
-    default = (route._BLOCK_R, route._BLOCK_F, route._WARPS)
+    default = route.backward_tiles
     ref = None
     out = []
-    for tile in BWD_TILES:
-        route._BLOCK_R, route._BLOCK_F, route._WARPS = tile
+    for tile in [*BWD_TILES, default(F)]:
+        route.backward_tiles = lambda _F, tile=tile: tile
         try:
             got = route.glu_route_backward("situ_glu", g, h, u, w)
         except Exception as err:  # a tile Triton cannot compile: reported, the sweep goes on
@@ -61,7 +63,7 @@ def sweep_backward(name: str, rows: int, F: int, iters: int, warmup: int) -> lis
                         gb_per_s=gbs, bitwise=same, grad_w_max_diff=gw_diff))
         print(f"  bwd {name:<6} {tile[0]:3d} x {tile[1]:4d}, {tile[2]:2d} warps: {ms * 1e3:7.1f} us "
               f"({gbs:6.0f} GB/s; grads bitwise {same}, grad_w max diff {gw_diff:.1e})", flush=True)
-    route._BLOCK_R, route._BLOCK_F, route._WARPS = default
+    route.backward_tiles = default
     return out
 
 

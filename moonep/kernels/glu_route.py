@@ -17,7 +17,10 @@ all [rows, F].
 
 Each program takes BLOCK_R rows and walks F in BLOCK_F chunks, summing grad_w per chunk then across
 chunks in a fixed order (deterministic; another order than torch.sum's, within the bound the tests
-derive). Rounding to bf16 is done on the bits (moonep.kernels.situ_glu.to_bf16) so that Triton's
+derive). The tiles depend on F only (backward_tiles): 2 rows x 1024 for F <= 1024 (one chunk, the routed
+experts of k3_small), else 4 rows x 256; measured on one H200 against the former 4 x 512 at k3_small's
+shapes (benchmarks/bench_glu_route.py): routed 132,032 x 896 753 -> 674 us, shared 16,384 x 1,792
+202 -> 192 us, dense 16,384 x 5,632 483 -> 466 us. Rounding to bf16 is done on the bits (moonep.kernels.situ_glu.to_bf16) so that Triton's
 interpreter rounds as torch does.
 """
 
@@ -32,7 +35,11 @@ from moonep.kernels.situ_glu import situ_glu_grads, to_bf16
 from moonep.kernels.swiglu import swiglu_grads
 
 ACTIVATION_IDS = {"swiglu": 0, "situ_glu": 1}
-_BLOCK_R, _BLOCK_F, _WARPS = 4, 512, 4
+
+
+def backward_tiles(F: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_F, warps) of the backward kernel for rows of F (module docstring)."""
+    return (2, 1024, 4) if F <= 1024 else (4, 256, 4)
 
 
 @triton.jit
@@ -76,7 +83,8 @@ def glu_route_backward(activation: str, g: torch.Tensor, h: torch.Tensor, u: tor
                          f"{tuple(w_rows.shape)} {w_rows.dtype}")
     grad_h, grad_u, a_w = torch.empty_like(h), torch.empty_like(h), torch.empty_like(h)
     grad_w = torch.empty(n, dtype=torch.float32, device=h.device)
-    _glu_route_bwd_kernel[(triton.cdiv(n, _BLOCK_R),)](
+    block_r, block_f, warps = backward_tiles(F)
+    _glu_route_bwd_kernel[(triton.cdiv(n, block_r),)](
         g, h, u, w_rows, grad_h, grad_u, a_w, grad_w, n, F, ACT=ACTIVATION_IDS[activation],
-        BLOCK_R=_BLOCK_R, BLOCK_F=_BLOCK_F, num_warps=_WARPS)
+        BLOCK_R=block_r, BLOCK_F=block_f, num_warps=warps)
     return grad_h, grad_u, a_w, grad_w

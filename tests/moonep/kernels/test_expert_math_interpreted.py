@@ -18,13 +18,16 @@ from tests.moonep.helpers.situ_glu_cases import assert_bitwise, assert_close_to_
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "situ_glu"])
-def test_glu_route_kernel_matches_specification(activation: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("F", [700, 1100], ids=["one-chunk", "chunks"])
+def test_glu_route_kernel_matches_specification(activation: str, F: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """expert_glu's backward pass over [rows, F] with the route weights folded in: with one exp on both
     sides SiTU-GLU's outputs are bitwise the specification's; swiglu's specification takes torch.sigmoid
-    (within ulps); grad_w within the derived bound (tests/moonep/helpers/glu_route_cases.py)."""
-    from moonep.kernels.glu_route import glu_route_backward
+    (within ulps); grad_w within the derived bound (tests/moonep/helpers/glu_route_cases.py). Both tile
+    choices of glu_route.backward_tiles: F <= 1024 in one masked chunk, F > 1024 over chunks, the last partial."""
+    from moonep.kernels.glu_route import backward_tiles, glu_route_backward
 
-    g, h, u, w = glu_route_inputs(activation, 37, 700, "cpu")  # rows past a block, F past a chunk
+    assert backward_tiles(F)[1] >= F if F <= 1024 else F % backward_tiles(F)[1]
+    g, h, u, w = glu_route_inputs(activation, 37, F, "cpu")  # rows past a block
     got = glu_route_backward(activation, g, h, u, w)
     with monkeypatch.context() as m:
         m.setattr(torch, "exp", _numpy_exp)
