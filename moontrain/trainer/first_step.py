@@ -13,12 +13,17 @@ After (FirstStepClock, read by Trainer.fit after the job's first step), one line
 - torch.compile: the host time torch._dynamo spent compiling during the step, frames and their lazily
   compiled backward graphs (calculate_time_spent's total_wall_time, the sum of its entire_frame_compile and
   entire_backward_compile), read without a GPU sync; left out below 0.05 s;
+- Triton: the kernels Triton compiled in this process during the step because its cache had none (fla's,
+  moonep's, the short convolutions'; not inductor's, whose compile workers are other processes and whose
+  time is torch.compile's) and the host seconds it spent on them, from Triton's compilation listener; left
+  out when none. On a fresh machine this is most of the wait (a cold cache: 309.8 s for k3_small on one
+  H200, 2026-12-02, against 13.5 s warm); later runs on the machine reuse the cache (TRITON_CACHE_DIR);
 - fla autotune: the autotune results the step added to Triton's cache (fla writes one per kernel and
   shape it searched; by default nothing else writes them: moonep's autotune keeps its choices in memory),
   counted on rank 0's host, with what seeding did (moontrain.trainer.kernel_cache).
 
-The rest of the total (fla's searches, Triton compiling moonep's and fla's kernels, the step's own work)
-cannot be told apart without a sync per kernel, so it is not split.
+The rest of the total (fla's searches, the step's own work) cannot be told apart without a sync per kernel,
+so it is not split.
 """
 
 from __future__ import annotations
@@ -58,12 +63,40 @@ def compile_seconds() -> float:
     return calculate_time_spent()["total_wall_time"]
 
 
-class FirstStepClock:
-    """Started right before the first step; line() after it says what the wait was."""
+class TritonCompiles:
+    """Counts the kernels Triton compiles in this process (cache misses) and their host seconds, through
+    triton.knobs.compilation.listener, until close(); a listener already installed keeps being called."""
 
-    def __init__(self, fla_seed: FlaSeed | None) -> None:
+    def __init__(self) -> None:
+        from triton import knobs  # here, not at import: the library imports no Triton on the CPU
+
+        self.kernels, self.seconds = 0, 0.0
+        self._knobs = knobs.compilation
+        self._previous = self._knobs.listener
+        self._knobs.listener = self.record
+
+    def record(self, *, src, metadata, metadata_group, times, cache_hit: bool) -> None:
+        """Triton's CompilationListener protocol (times in microseconds)."""
+        if not cache_hit:
+            self.kernels += 1
+            self.seconds += times.total / 1e6
+        if self._previous is not None:
+            self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
+                           cache_hit=cache_hit)
+
+    def close(self) -> None:
+        if self._knobs.listener == self.record:
+            self._knobs.listener = self._previous
+
+
+class FirstStepClock:
+    """Started right before the first step; line() after it says what the wait was. triton: count Triton's
+    compiles (a GPU job)."""
+
+    def __init__(self, fla_seed: FlaSeed | None, triton: bool = True) -> None:
         self.fla_seed = fla_seed
         self.entries = autotune_entries(fla_seed.cache_dir) if fla_seed is not None else 0
+        self.compiles = TritonCompiles() if triton else None
         self.compiled_s = compile_seconds()
         self.t0 = time.perf_counter()
 
@@ -74,13 +107,24 @@ class FirstStepClock:
         return total_s, compile_seconds() - self.compiled_s, searched
 
     def line(self) -> str:
+        """The line (once: the Triton count stops here)."""
         total_s, compile_s, searched = self.measure()
-        return first_step_line(total_s, compile_s, self.fla_seed, searched)
+        triton = None
+        if self.compiles is not None:
+            self.compiles.close()
+            triton = (self.compiles.kernels, self.compiles.seconds)
+        return first_step_line(total_s, compile_s, self.fla_seed, searched, triton)
 
 
-def first_step_line(total_s: float, compile_s: float, fla_seed: FlaSeed | None, searched: int) -> str:
-    """The console line after the first step. fla_seed None: the run does not use fla."""
+def first_step_line(total_s: float, compile_s: float, fla_seed: FlaSeed | None, searched: int,
+                    triton: tuple[int, float] | None = None) -> str:
+    """The console line after the first step. fla_seed None: the run does not use fla. triton: (kernels
+    Triton compiled, their host seconds), said when any were."""
     parts = [f"torch.compile {compile_s:.1f} s"] if compile_s >= 0.05 else []
+    if triton is not None and triton[0]:
+        n, sec = triton
+        parts.append(f"Triton compiled {n} kernel{'' if n == 1 else 's'} in {sec:.1f} s: a cold cache, which later "
+                     "runs on this machine reuse")
     if fla_seed is not None:
         parts.append(f"fla autotune: {searched} shape{'' if searched == 1 else 's'} searched, {fla_seed.describe()}")
     return f"first step {total_s:.1f} s" + (f" ({'; '.join(parts)})" if parts else "")

@@ -6,6 +6,7 @@
 - the clock on a real compile: torch.compile's part (aot_eager, forward and lazily compiled backward) is
   inside the measured wall time and counted in the step that compiled only; fla's searches are the
   autotune entries the step added to the cache;
+- Triton's compiles (cache misses) counted through its compilation listener, called as Triton calls it;
 - Trainer.fit prints the line once, after the first step's own line and before the second step's.
 """
 
@@ -65,6 +66,36 @@ def test_first_step_line_from_given_timings() -> None:
         "first step 239.0 s (torch.compile 30.0 s; fla autotune: 12 shapes searched, nothing seeded from "
         "recipes/data/fla_autotune_h200: triton 3.5.0 here, they are for 3.6.0)")
     assert first_step_line(3.04, 0.04, None, 0) == "first step 3.0 s"
+    assert first_step_line(309.8, 38.7, SEEDED, 0, triton=(212, 250.44)) == (
+        "first step 309.8 s (torch.compile 38.7 s; Triton compiled 212 kernels in 250.4 s: a cold cache, which later "
+        "runs on this machine reuse; fla autotune: 0 shapes searched, 42 entries seeded from "
+        "recipes/data/fla_autotune_h200)")
+    assert first_step_line(3.04, 0.0, None, 0, triton=(0, 0.0)) == "first step 3.0 s"
+
+
+def test_triton_compiles_counts_cache_misses_and_keeps_the_listener_before_it() -> None:
+    """TritonCompiles on Triton's compilation listener (called here as Triton's compile() calls it: the CPU
+    compiles no kernel): misses counted with their seconds, hits not; a listener installed before it keeps
+    being called and is back after close()."""
+    from triton import knobs
+    from triton.knobs import CompileTimes
+
+    seen = []
+    before = knobs.compilation.listener
+    knobs.compilation.listener = lambda **kw: seen.append(kw["cache_hit"])
+    try:
+        compiles = first_step.TritonCompiles()
+        listener = knobs.compilation.listener
+        for hit, us in ((False, 2_000_000), (True, 300), (False, 500_000)):
+            listener(src=None, metadata={}, metadata_group={}, cache_hit=hit,
+                     times=CompileTimes(ir_initialization=us // 2, lowering_stages=[("ttir", us // 2)],
+                                        store_results=0))
+        assert (compiles.kernels, compiles.seconds) == (2, 2.5) and seen == [False, True, False]
+        compiles.close()
+        assert knobs.compilation.listener is not listener and knobs.compilation.listener(
+            src=None, metadata={}, metadata_group={}, times=None, cache_hit=True) is None and seen[-1] is True
+    finally:
+        knobs.compilation.listener = before
 
 
 def test_clock_counts_the_compile_and_the_searches_of_its_step(tmp_path: Path) -> None:
@@ -80,6 +111,7 @@ def test_clock_counts_the_compile_and_the_searches_of_its_step(tmp_path: Path) -
         (tmp_path / key).mkdir()
         (tmp_path / key / "chunk_kda_fwd.autotune.json").write_text("{}")
     total_s, compile_s, searched = clock.measure()
+    clock.compiles.close()
     wall_s = time.perf_counter() - t0
     assert 0 < compile_s <= total_s <= wall_s
     assert searched == 2
