@@ -5,7 +5,8 @@ Legend: B batch, N heads, T sequence, d head dim.
 A packed row holds several documents, each ended by the tokenizer's EOS. The token after an EOS starts a
 new document: attention (here) and the KDA state and short convolutions (moontrain.model.kda) must not
 reach back across it. Derived from the input ids alone, so the data pipeline needs no change and resuming
-or resharding the data changes nothing.
+or resharding the data changes nothing; fla's sequence bounds come from the host's copy of the same ids when
+the trainer passes it (the loader keeps it), which spares the forward its host syncs.
 
 Attention paths, one per device kind, same math:
 - CPU: SDPA with a boolean [B, 1, T, T] mask (causal and same document). The T x T mask is fine at CPU
