@@ -68,24 +68,29 @@ class TritonCompiles:
     triton.knobs.compilation.listener, until close(); a listener already installed keeps being called."""
 
     def __init__(self) -> None:
-        from triton import knobs  # here, not at import: the library imports no Triton on the CPU
-
         self.kernels, self.seconds = 0, 0.0
-        self._knobs = knobs.compilation
-        self._previous = self._knobs.listener
-        self._knobs.listener = self.record
+        self._knobs, self._previous = None, None
+        try:  # here, not at import: the library imports no Triton on the CPU
+            from triton import knobs
+        except ImportError:
+            return
+        compilation = getattr(knobs, "compilation", None)
+        if compilation is None or not hasattr(compilation, "listener"):  # a Triton without the listener: no count
+            return
+        self._knobs, self._previous = compilation, compilation.listener
+        compilation.listener = self.record
 
     def record(self, *, src, metadata, metadata_group, times, cache_hit: bool) -> None:
         """Triton's CompilationListener protocol (times in microseconds)."""
         if not cache_hit:
             self.kernels += 1
-            self.seconds += times.total / 1e6
+            self.seconds += getattr(times, "total", 0) / 1e6
         if self._previous is not None:
             self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
                            cache_hit=cache_hit)
 
     def close(self) -> None:
-        if self._knobs.listener == self.record:
+        if self._knobs is not None and self._knobs.listener == self.record:
             self._knobs.listener = self._previous
 
 
