@@ -39,6 +39,8 @@ while every op of a training step still runs (forward, backward, gradient reduct
 master push); --lr recipe keeps the recipe's schedule. --learning-row runs one more point at the recipe's
 learning rate with the router balancing on, on text (recipes/data/learning), and reports its step time
 beside its first and last loss and realised maxvio: a speed figure always comes with a model that learns.
+--diagnose-learning gives that point the diagnostics of the first target too (--profile, --sync-debug,
+--memory-trace; files named ..._text.txt): what text with documents costs beside synthetic tokens.
 
 Per (backend, target) point a fresh Trainer (the same seed, so the same initial weights) trains
 --warmup + --steps optimizer steps through Trainer.train_step, ranks aligned before each step (a step's
