@@ -64,7 +64,7 @@ class ParallelLayout:
         """One line for the startup log; `dense` is parallel.dense."""
         dense_line = {"fsdp": f"FSDP over {self.world_size} ranks",
                       "allreduce": "fp32 on every rank, grads all-reduced (no FSDP)",
-                      "plain": "plain (bf16 copies cast once per step, no FSDP)"}[dense]
+                      "plain": "plain (compute-dtype copies cast once per step, no FSDP)"}[dense]
         hier = (f" over {self.ep_hosts} hosts of {self.ep // self.ep_hosts} (hierarchical)"
                 if self.ep_hosts > 1 else "")
         return (f"world={self.world_size} = dp_replicate {self.dp_replicate} x ep {self.ep}; "
