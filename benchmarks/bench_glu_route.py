@@ -14,7 +14,6 @@ grad_u, a_w written, 12 bytes an element; forward: 6), and whether its outputs e
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -25,13 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import moonep.kernels.glu_launch as launch
 import moonep.kernels.glu_route as route
-from benchmarks.timing import median_ms
+from benchmarks.timing import kernel_bench_args, median_ms
 from moonep.kernels.situ_glu import situ_glu_forward
 
 SHAPES = {"routed": (132032, 896), "shared": (16384, 1792), "dense": (16384, 5632)}
 BWD_TILES = [(4, 512, 4), (4, 1024, 4), (2, 1024, 4), (1, 1024, 4), (8, 1024, 8), (4, 256, 4), (8, 512, 8),
-             (16, 256, 8)]  # BLOCK_R, BLOCK_F, warps; the first is the reference (glu_route.backward_tiles's until
-# 2026-12-02, whose sweep chose (2, 1024, 4) for F <= 1024 and (4, 256, 4) above)
+             (16, 256, 8)]  # BLOCK_R, BLOCK_F, warps; the first is the reference the others are compared with
 FWD_TILES = [(2048, 8), (1024, 4), (4096, 8), (8192, 16), (2048, 4)]  # BLOCK, warps; the first is the default
 
 
@@ -87,13 +85,7 @@ def sweep_forward(name: str, rows: int, F: int, iters: int, warmup: int) -> list
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", type=str, default=None)
-    args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_glu_route needs a CUDA GPU")
+    args = kernel_bench_args(__doc__, "bench_glu_route")
     rows = []
     for name, (n, F) in SHAPES.items():
         rows += sweep_backward(name, n, F, args.iters, args.warmup)

@@ -14,7 +14,6 @@ tiles (dpre bitwise; dw to the fp32 summation order). Median ms of CUDA-event ti
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Callable
@@ -25,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 import moontrain.model.short_conv_kernel as kernel
-from benchmarks.timing import median_ms
+from benchmarks.timing import kernel_bench_args, median_ms
 from moontrain.model.kda import short_conv
 
 B, T, C, W, WIDE = 4, 4096, 2048, 4, 10256
@@ -74,13 +73,7 @@ def bench_case(docs: bool, time_ms: Callable[[Callable[[], object]], float]) -> 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", type=str, default=None)
-    args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_short_conv needs a CUDA GPU")
+    args = kernel_bench_args(__doc__, "bench_short_conv")
     rows = []
     for docs in (False, True):
         rows += bench_case(docs, lambda fn: median_ms(fn, args.iters, args.warmup))

@@ -1,7 +1,9 @@
-"""GPU timing shared by the one-GPU kernel benchmarks: the median of CUDA-event times after a warm-up."""
+"""GPU timing shared by the one-GPU kernel benchmarks: the median of CUDA-event times after a warm-up, and the
+command line of a kernel sweep."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from collections.abc import Callable
 
@@ -22,3 +24,15 @@ def median_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def kernel_bench_args(doc: str | None, name: str) -> argparse.Namespace:
+    """--iters, --warmup and --out of a one-GPU kernel benchmark (`doc` its help); exits without a CUDA GPU."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", type=str, default=None, help="JSON path (none: the table only)")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{name} needs a CUDA GPU")
+    return args

@@ -18,9 +18,8 @@ all [rows, F].
 Each program takes BLOCK_R rows and walks F in BLOCK_F chunks, summing grad_w per chunk then across
 chunks in a fixed order (deterministic; another order than torch.sum's, within the bound the tests
 derive). The tiles depend on F only (backward_tiles): 2 rows x 1024 for F <= 1024 (one chunk, the routed
-experts of k3_small), else 4 rows x 256; measured on one H200 against the former 4 x 512 at k3_small's
-shapes (benchmarks/bench_glu_route.py): routed 132,032 x 896 753 -> 674 us, shared 16,384 x 1,792
-202 -> 192 us, dense 16,384 x 5,632 483 -> 466 us. Rounding to bf16 is done on the bits (moonep.kernels.situ_glu.to_bf16) so that Triton's
+experts of k3_small), else 4 rows x 256: the best of the tiles benchmarks/bench_glu_route.py sweeps at
+k3_small's shapes on an H200 (its figures: docs/performance.md). Rounding to bf16 is done on the bits (moonep.kernels.situ_glu.to_bf16) so that Triton's
 interpreter rounds as torch does.
 """
 

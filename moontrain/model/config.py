@@ -236,7 +236,7 @@ class KernelsConfig:
     kda: Literal["auto", "torch", "fla"] = "auto"
     # fla's KDA backward recomputes the forward's chunk states and WY factors (less memory); False keeps them from
     # the forward (fla's disable_recompute: fewer backward kernels, more activation memory; measured slower at
-    # k3_small's shapes, docs/performance.md session 17). The PyTorch KDA keeps what autograd keeps either way
+    # k3_small's shapes: docs/performance.md). The PyTorch KDA keeps what autograd keeps either way
     kda_recompute: bool = True
     # KDA's causal short convolutions (+ SiLU): "auto" runs the Triton kernel (moontrain.model.short_conv_kernel)
     # on CUDA, else the PyTorch specification (moontrain.model.kda.short_conv); "torch" / "triton" force one

@@ -26,7 +26,7 @@ hands back the interpreted kernel, which runs eagerly but cannot be traced with 
 
 Cost at [4, 4096, 2048] bf16, x a column slice, no documents (H200, 2026-12-02, in a training step): forward
 50 us, dpre 239 us, dx 43 us (HBM alone: ~25, ~60, ~40 us): dpre is the one to speed up. Its tiles, swept by
-benchmarks/bench_short_conv.py, do not help (docs/performance.md, session 17): it is slow by structure.
+benchmarks/bench_short_conv.py, do not help (docs/performance.md): it is slow by structure.
 
 Rejected: atomics into dw (order-dependent sums); saving y or pre (one more [B, T, C] tensor per conv); one
 backward kernel recomputing dpre for every shift (W * W + 2 W tile loads per program: ~480 us, 8x its

@@ -16,8 +16,8 @@ After (FirstStepClock, read by Trainer.fit after the job's first step), one line
 - Triton: the kernels Triton compiled in this process during the step because its cache had none (fla's,
   moonep's, the short convolutions'; not inductor's, whose compile workers are other processes and whose
   time is torch.compile's) and the host seconds it spent on them, from Triton's compilation listener; left
-  out when none. On a fresh machine this is most of the wait (a cold cache: 309.8 s for k3_small on one
-  H200, 2026-12-02, against 13.5 s warm); later runs on the machine reuse the cache (TRITON_CACHE_DIR);
+  out when none. On a fresh machine this is most of the wait (minutes for k3_small: docs/performance.md);
+  later runs on the machine reuse the cache (TRITON_CACHE_DIR);
 - fla autotune: the autotune results the step added to Triton's cache (fla writes one per kernel and
   shape it searched; by default nothing else writes them: moonep's autotune keeps its choices in memory),
   counted on rank 0's host, with what seeding did (moontrain.trainer.kernel_cache).
