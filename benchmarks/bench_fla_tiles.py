@@ -1,0 +1,228 @@
+"""fla's KDA kernels' tiles re-timed at the training shape: every autotuned Triton kernel that chunk_kda's forward
+and backward launch, searched over fla's own configurations plus wider ones (8 warps, which fla leaves out on
+Hopper for some kernels; larger K and V blocks), at B x T x H heads of 128 (default k3_small's pass: 4 x 4096 x
+16), without and with packed documents (device-listed chunks, as moontrain calls fla).
+
+    python benchmarks/bench_fla_tiles.py [--cases 4x4096x16] [--doc-len 1024] [--iters 20] [--warmup 3]
+        [--entries DIR] [--out bench_fla_tiles.json]
+
+Why: fla's autotune key leaves out B and T, so each kernel keeps the tile it timed at the first shape it met;
+the shipped entries (recipes/data/fla_autotune_h200) were timed at whatever shape came first.
+
+The kernels searched: SWEPT (those of >= 75 us a call in k3_small's profile) or --kernels. Per kernel and key: the tile the seeded cache picks (shipped), the best of fla's list and the best of all, each
+timed here by Triton's autotuner (median of its repeats). Then chunk_kda's forward + backward end to end
+(median of --iters CUDA-event timings) with the shipped tiles and with the best ones, and the largest
+difference of the output and the input grads between the two (a tile changes summation orders only).
+--entries DIR writes, per kernel and key, the autotune file Triton reads (<key folder>/<kernel>.autotune.json,
+for fla's own configuration list, all timings measured here): copied into the shipped folder they make every
+run pick the best tile. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from benchmarks.timing import median_ms
+from moontrain.model.kda_ops import kda_fla
+
+MODULES = ("fla.ops.kda.chunk_bwd", "fla.ops.kda.chunk_intra", "fla.ops.kda.wy_fast", "fla.ops.kda.gate",
+           "fla.ops.common.chunk_delta_h", "fla.ops.gla.chunk", "fla.modules.norm.l2norm", "fla.ops.utils.cumsum",
+           "fla.ops.kda.chunk_fwd")
+HEAD_DIM = 128
+SWEPT = ("chunk_kda_bwd_kernel_wy_dqkg_fused", "chunk_kda_bwd_kernel_intra", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
+         "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64", "recompute_w_u_fwd_kda_kernel",
+         "chunk_kda_fwd_kernel_intra_sub_chunk", "chunk_kda_fwd_kernel_inter_solve_fused", "chunk_gla_fwd_kernel_o",
+         "chunk_kda_bwd_kernel_dAv")  # the kernels of >= 75 us per call in k3_small's profile (docs/performance.md)
+
+
+def extra_configs(name: str) -> list:
+    """The configurations tried beyond fla's list, per kernel (fla's own kwargs names)."""
+    import triton
+
+    def grid(kwargs_list: list[dict], warps: tuple[int, ...], stages: tuple[int, ...]) -> list:
+        return [triton.Config(kw, num_warps=w, num_stages=s) for kw in kwargs_list for w in warps for s in stages]
+
+    if name == "chunk_kda_bwd_kernel_wy_dqkg_fused":  # BK 32 with 4 warps faults on Hopper (fla leaves it out too)
+        return grid([{"BK": bk, "BV": bv} for bk in (64, 128) for bv in (32, 64, 128)], (4, 8), (2, 3))
+    if name in ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64"):
+        return grid([{"BV": bv} for bv in (16, 32, 64)], (4, 8), (2, 3))
+    if name == "chunk_kda_fwd_kernel_inter_solve_fused":
+        return [triton.Config({"BK": bk}, num_warps=w, num_stages=s) for bk in (32, 64, 128) for w in (2, 4, 8)
+                for s in (2, 3)]
+    if name == "chunk_gla_fwd_kernel_o":
+        return grid([{"BK": bk, "BV": bv} for bk in (64, 128) for bv in (64, 128)], (4, 8), (2, 3))
+    if name in ("chunk_kda_bwd_kernel_intra", "recompute_w_u_fwd_kda_kernel", "chunk_kda_fwd_kernel_intra_sub_chunk",
+                "chunk_kda_bwd_kernel_dAv"):
+        return grid([{}], (2, 4, 8), (1, 2, 3))
+    return []
+
+
+def autotuners(names: tuple[str, ...] | None = None) -> dict[str, object]:
+    """fla's autotuned kernels that chunk_kda may launch, by kernel name (only `names` if given)."""
+    from triton.runtime.autotuner import Autotuner
+
+    found = {}
+    for module in MODULES:
+        for obj in vars(importlib.import_module(module)).values():
+            while not isinstance(obj, Autotuner) and hasattr(obj, "fn"):  # under triton.heuristics
+                obj = obj.fn
+            if isinstance(obj, Autotuner) and (names is None or obj.base_fn.__name__ in names):
+                found[obj.base_fn.__name__] = obj
+    return found
+
+
+def make_inputs(B: int, T: int, H: int, doc_len: int | None) -> tuple[list[torch.Tensor], tuple, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    q, k, v, f = (torch.randn(B, T, H, HEAD_DIM, generator=gen, **bf) for _ in range(4))
+    beta = torch.rand(B, T, H, generator=gen, device="cuda")
+    A_log = torch.empty(H, device="cuda").uniform_(1, 16, generator=gen).log()
+    dt_bias = torch.randn(H, HEAD_DIM, generator=gen, device="cuda") - 4
+    go = torch.randn(B, T, H, HEAD_DIM, generator=gen, **bf)
+    doc_start = None
+    if doc_len is not None:
+        doc_start = torch.zeros(B, T, dtype=torch.bool, device="cuda")
+        doc_start[:, doc_len::doc_len] = True
+    return [t.requires_grad_() for t in (q, k, v, f, beta)], (A_log, dt_bias, doc_start), go
+
+
+def fwd_bwd(leaves: list[torch.Tensor], rest: tuple, go: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    A_log, dt_bias, doc_start = rest
+    o = kda_fla(*leaves, A_log, dt_bias, lower_bound=-5.0, scale=HEAD_DIM ** -0.5, doc_start_BT=doc_start)
+    return (o, *torch.autograd.grad(o, leaves, go))
+
+
+def config_row(config, timing) -> dict:
+    t = timing[0] if isinstance(timing, list) else timing
+    return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps, "num_stages": config.num_stages,
+            "ms": None if t == float("inf") else round(float(t), 4)}
+
+
+def sweep_case(B: int, T: int, H: int, doc_len: int | None, iters: int, warmup: int, entries: Path | None,
+               names: tuple[str, ...]) -> dict:
+    tuners = autotuners(names)
+    leaves, rest, go = make_inputs(B, T, H, doc_len)
+    missing = set(names) - set(tuners)
+    if missing:
+        raise SystemExit(f"--kernels {sorted(missing)}: not autotuned kernels of fla's chunk_kda (known: {sorted(tuners)})")
+    for tuner in tuners.values():  # the tiles a training run uses: the seeded (shipped) entries
+        tuner.cache.clear()
+    shipped_out = fwd_bwd(leaves, rest, go)
+    torch.cuda.synchronize()
+    shipped = {name: dict(t.cache) for name, t in tuners.items() if t.cache}
+    shipped_ms = median_ms(lambda: fwd_bwd(leaves, rest, go), iters, warmup)
+
+    saved = {name: (t.configs, t.cache_results) for name, t in tuners.items()}
+    for name, tuner in tuners.items():  # search every configuration at this shape
+        own = list(tuner.configs)
+        tuner.configs = own + [c for c in extra_configs(name) if str(c) not in {str(o) for o in own}]
+        tuner.cache.clear()
+        tuner.cache_results = False
+        tuner.configs_timings = None
+    import triton
+
+    print(f"searching {sum(len(t.configs) for t in tuners.values())} tiles of {len(tuners)} kernels at "
+          f"{B}x{T}x{H}{', documents' if doc_len else ''} (Triton prints each kernel's search)", flush=True)
+    triton.knobs.autotuning.print = True
+    fwd_bwd(leaves, rest, go)
+    torch.cuda.synchronize()
+    triton.knobs.autotuning.print = False
+    rows, best = [], {}
+    for name, tuner in tuners.items():
+        if name not in shipped or not tuner.configs_timings:
+            continue
+        own = {str(c) for c in saved[name][0]}
+        timings = dict(tuner.configs_timings)
+        ms = {c: (t[0] if isinstance(t, list) else t) for c, t in timings.items()}
+        key = next(iter(shipped[name]))
+        was = shipped[name][key]
+        top = min(ms, key=ms.get)
+        top_own = min((c for c in ms if str(c) in own), key=ms.get)
+        best[name] = top
+        shipped_t = next((ms[c] for c in ms if str(c) == str(was)), None)
+        rows.append({"kernel": name, "key": [str(x) for x in key], "configs": len(ms),
+                     "shipped": config_row(was, shipped_t if shipped_t is not None else float("inf")),
+                     "best_fla_list": config_row(top_own, ms[top_own]), "best": config_row(top, ms[top]),
+                     "all": [config_row(c, t) for c, t in timings.items()]})
+        if entries is not None:
+            write_entry(tuner, key, saved[name][0], timings, entries)
+    for name, tuner in tuners.items():  # the best tiles, fixed
+        tuner.configs = [best[name]] if name in best else saved[name][0]
+        tuner.cache.clear()
+    tuned_out = fwd_bwd(leaves, rest, go)
+    tuned_ms = median_ms(lambda: fwd_bwd(leaves, rest, go), iters, warmup)
+    diffs = {n: (a.float() - b.float()).abs().max().item() / max(b.float().abs().max().item(), 1e-30)
+             for n, a, b in zip(("o", "dq", "dk", "dv", "df", "dbeta"), tuned_out, shipped_out, strict=True)}
+    for name, tuner in tuners.items():  # restored for the next case
+        tuner.configs, tuner.cache_results = saved[name]
+        tuner.cache.clear()
+    return {"case": f"{B}x{T}x{H}", "doc_len": doc_len, "kernels": rows, "shipped_ms": round(shipped_ms, 4),
+            "tuned_ms": round(tuned_ms, 4), "max_rel_diff_tuned_vs_shipped": diffs}
+
+
+def write_entry(tuner, key: tuple, fla_configs: list, timings: dict, entries: Path) -> None:
+    """The autotune file Triton's check_disk_cache reads for (kernel, key, fla's configuration list), holding
+    the timings measured here (of fla's configurations and the extra ones): Triton picks the fastest."""
+    from triton import knobs
+
+    previous = knobs.cache.dir
+    knobs.cache.dir = str(entries)
+    try:
+        tuner.configs_timings = timings
+        tuner.check_disk_cache(key, fla_configs, lambda: None)  # no file there yet: writes configs_timings
+    finally:
+        knobs.cache.dir = previous
+
+
+def print_case(res: dict) -> None:
+    docs = f", documents every {res['doc_len']}" if res["doc_len"] else ""
+    print(f"\n{res['case']}{docs}: chunk_kda fwd + bwd {res['shipped_ms']:.3f} ms (shipped tiles) -> "
+          f"{res['tuned_ms']:.3f} ms (best tiles); max rel diff " +
+          ", ".join(f"{k} {v:.1e}" for k, v in res["max_rel_diff_tuned_vs_shipped"].items()))
+    print(f"  {'kernel':48s} {'n':>3s} {'shipped ms':>10s} {'fla best':>9s} {'best':>8s}  best tile")
+    fmt = lambda r: "-" if r["ms"] is None else f"{r['ms']:.4f}"
+    for r in sorted(res["kernels"], key=lambda r: -(r["shipped"]["ms"] or 0)):
+        b = r["best"]
+        print(f"  {r['kernel']:48s} {r['configs']:3d} {fmt(r['shipped']):>10s} {fmt(r['best_fla_list']):>9s} "
+              f"{fmt(b):>8s}  {b['kwargs']} w{b['num_warps']} s{b['num_stages']}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", nargs="+", default=["4x4096x16"], help="B x T x H (heads of 128)")
+    p.add_argument("--doc-len", type=int, default=1024, help="documents case: a start every this many tokens "
+                   "(0: no documents case)")
+    p.add_argument("--kernels", nargs="+", default=list(SWEPT), help="the kernels searched (the others keep "
+                   "the shipped tiles)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--entries", type=Path, default=None, help="folder for the autotune files (empty or new)")
+    p.add_argument("--out", type=str, default=None, help="JSON path (none: the table only)")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_fla_tiles needs a CUDA GPU")
+    if args.entries is not None and args.entries.exists() and any(args.entries.iterdir()):
+        raise SystemExit(f"--entries {args.entries} is not empty: give a new folder (entries are never replaced)")
+    results = []
+    for case in args.cases:
+        B, T, H = (int(x) for x in case.split("x"))
+        for doc_len in [None] + ([args.doc_len] if args.doc_len else []):
+            res = sweep_case(B, T, H, doc_len, args.iters, args.warmup, args.entries, tuple(args.kernels))
+            print_case(res)
+            results.append(res)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                              "results": results}, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
