@@ -24,6 +24,7 @@ import argparse
 import importlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -107,63 +108,69 @@ def config_row(config, timing) -> dict:
 
 
 def sweep_case(B: int, T: int, H: int, doc_len: int | None, iters: int, warmup: int, entries: Path | None,
-               names: tuple[str, ...]) -> dict:
+               names: tuple[str, ...], on_row: Callable[[dict], None]) -> dict:
+    """One shape: the shipped tiles' end-to-end time, then one search per kernel (the others keep their shipped
+    tile; each finished kernel goes to on_row at once, so a time limit loses only the kernel being searched),
+    then the end-to-end time with every kernel's best tile."""
     tuners = autotuners(names)
-    leaves, rest, go = make_inputs(B, T, H, doc_len)
     missing = set(names) - set(tuners)
     if missing:
         raise SystemExit(f"--kernels {sorted(missing)}: not autotuned kernels of fla's chunk_kda (known: {sorted(tuners)})")
+    leaves, rest, go = make_inputs(B, T, H, doc_len)
     for tuner in tuners.values():  # the tiles a training run uses: the seeded (shipped) entries
         tuner.cache.clear()
     shipped_out = fwd_bwd(leaves, rest, go)
     torch.cuda.synchronize()
     shipped = {name: dict(t.cache) for name, t in tuners.items() if t.cache}
     shipped_ms = median_ms(lambda: fwd_bwd(leaves, rest, go), iters, warmup)
-
-    saved = {name: (t.configs, t.cache_results) for name, t in tuners.items()}
-    for name, tuner in tuners.items():  # search every configuration at this shape
-        own = list(tuner.configs)
+    print(f"\n{B}x{T}x{H}{f', documents every {doc_len}' if doc_len else ''}: chunk_kda fwd + bwd {shipped_ms:.3f} "
+          f"ms with the shipped tiles", flush=True)
+    print_header()
+    rows, best = [], {}
+    for name in (n for n in names if n in shipped):
+        tuner = tuners[name]
+        own, cache_results = list(tuner.configs), tuner.cache_results
         tuner.configs = own + [c for c in extra_configs(name) if str(c) not in {str(o) for o in own}]
         tuner.cache.clear()
         tuner.cache_results = False
         tuner.configs_timings = None
-    import triton
-
-    print(f"searching {sum(len(t.configs) for t in tuners.values())} tiles of {len(tuners)} kernels at "
-          f"{B}x{T}x{H}{', documents' if doc_len else ''} (Triton prints each kernel's search)", flush=True)
-    triton.knobs.autotuning.print = True
-    fwd_bwd(leaves, rest, go)
-    torch.cuda.synchronize()
-    triton.knobs.autotuning.print = False
-    rows, best = [], {}
-    for name, tuner in tuners.items():
-        if name not in shipped or not tuner.configs_timings:
+        print(f"  ({name}: searching {len(tuner.configs)} tiles)", flush=True)
+        fwd_bwd(leaves, rest, go)  # only this kernel searches (at its last key, if it has several)
+        torch.cuda.synchronize()
+        timings = dict(tuner.configs_timings or {})
+        tuner.configs, tuner.cache_results = own, cache_results
+        tuner.cache.clear()
+        tuner.cache.update(shipped[name])  # the shipped tile again while the next kernels search
+        if not timings:
             continue
-        own = {str(c) for c in saved[name][0]}
-        timings = dict(tuner.configs_timings)
         ms = {c: (t[0] if isinstance(t, list) else t) for c, t in timings.items()}
-        key = next(iter(shipped[name]))
+        key = next(k for k in reversed(shipped[name]))
         was = shipped[name][key]
         top = min(ms, key=ms.get)
-        top_own = min((c for c in ms if str(c) in own), key=ms.get)
+        top_own = min((c for c in ms if str(c) in {str(o) for o in own}), key=ms.get)
         best[name] = top
-        shipped_t = next((ms[c] for c in ms if str(c) == str(was)), None)
-        rows.append({"kernel": name, "key": [str(x) for x in key], "configs": len(ms),
-                     "shipped": config_row(was, shipped_t if shipped_t is not None else float("inf")),
-                     "best_fla_list": config_row(top_own, ms[top_own]), "best": config_row(top, ms[top]),
-                     "all": [config_row(c, t) for c, t in timings.items()]})
+        shipped_t = next((ms[c] for c in ms if str(c) == str(was)), float("inf"))
+        row = {"kernel": name, "key": [str(x) for x in key], "configs": len(ms), "shipped": config_row(was, shipped_t),
+               "best_fla_list": config_row(top_own, ms[top_own]), "best": config_row(top, ms[top]),
+               "all": [config_row(c, t) for c, t in timings.items()]}
+        rows.append(row)
+        print_row(row)
+        on_row(row)
         if entries is not None:
-            write_entry(tuner, key, saved[name][0], timings, entries)
-    for name, tuner in tuners.items():  # the best tiles, fixed
-        tuner.configs = [best[name]] if name in best else saved[name][0]
-        tuner.cache.clear()
+            write_entry(tuner, key, own, timings, entries)
+    saved = {name: tuners[name].configs for name in best}
+    for name in best:  # the best tiles, fixed
+        tuners[name].configs = [best[name]]
+        tuners[name].cache.clear()
     tuned_out = fwd_bwd(leaves, rest, go)
     tuned_ms = median_ms(lambda: fwd_bwd(leaves, rest, go), iters, warmup)
     diffs = {n: (a.float() - b.float()).abs().max().item() / max(b.float().abs().max().item(), 1e-30)
              for n, a, b in zip(("o", "dq", "dk", "dv", "df", "dbeta"), tuned_out, shipped_out, strict=True)}
-    for name, tuner in tuners.items():  # restored for the next case
-        tuner.configs, tuner.cache_results = saved[name]
-        tuner.cache.clear()
+    for name, configs in saved.items():  # restored for the next case
+        tuners[name].configs = configs
+        tuners[name].cache.clear()
+    print(f"  chunk_kda fwd + bwd: {shipped_ms:.3f} ms (shipped tiles) -> {tuned_ms:.3f} ms (best tiles); max rel "
+          "diff " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()), flush=True)
     return {"case": f"{B}x{T}x{H}", "doc_len": doc_len, "kernels": rows, "shipped_ms": round(shipped_ms, 4),
             "tuned_ms": round(tuned_ms, 4), "max_rel_diff_tuned_vs_shipped": diffs}
 
@@ -182,17 +189,17 @@ def write_entry(tuner, key: tuple, fla_configs: list, timings: dict, entries: Pa
         knobs.cache.dir = previous
 
 
-def print_case(res: dict) -> None:
-    docs = f", documents every {res['doc_len']}" if res["doc_len"] else ""
-    print(f"\n{res['case']}{docs}: chunk_kda fwd + bwd {res['shipped_ms']:.3f} ms (shipped tiles) -> "
-          f"{res['tuned_ms']:.3f} ms (best tiles); max rel diff " +
-          ", ".join(f"{k} {v:.1e}" for k, v in res["max_rel_diff_tuned_vs_shipped"].items()))
-    print(f"  {'kernel':48s} {'n':>3s} {'shipped ms':>10s} {'fla best':>9s} {'best':>8s}  best tile")
-    fmt = lambda r: "-" if r["ms"] is None else f"{r['ms']:.4f}"
-    for r in sorted(res["kernels"], key=lambda r: -(r["shipped"]["ms"] or 0)):
-        b = r["best"]
-        print(f"  {r['kernel']:48s} {r['configs']:3d} {fmt(r['shipped']):>10s} {fmt(r['best_fla_list']):>9s} "
-              f"{fmt(b):>8s}  {b['kwargs']} w{b['num_warps']} s{b['num_stages']}")
+def print_header() -> None:
+    print(f"  {'kernel':48s} {'n':>3s} {'shipped ms':>10s} {'fla best':>9s} {'best':>8s}  best tile", flush=True)
+
+
+def print_row(r: dict) -> None:
+    def fmt(c: dict) -> str:
+        return "-" if c["ms"] is None else f"{c['ms']:.4f}"
+
+    b = r["best"]
+    print(f"  {r['kernel']:48s} {r['configs']:3d} {fmt(r['shipped']):>10s} {fmt(r['best_fla_list']):>9s} "
+          f"{fmt(b):>8s}  {b['kwargs']} w{b['num_warps']} s{b['num_stages']}", flush=True)
 
 
 def main() -> None:
@@ -211,16 +218,23 @@ def main() -> None:
         raise SystemExit("bench_fla_tiles needs a CUDA GPU")
     if args.entries is not None and args.entries.exists() and any(args.entries.iterdir()):
         raise SystemExit(f"--entries {args.entries} is not empty: give a new folder (entries are never replaced)")
-    results = []
+    results, partial = [], []
+
+    def save(row: dict | None = None) -> None:  # after every kernel: a time limit keeps what finished
+        if row is not None:
+            partial.append(row)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                                  "results": results, "searching": partial}, indent=1))
+
     for case in args.cases:
         B, T, H = (int(x) for x in case.split("x"))
         for doc_len in [None] + ([args.doc_len] if args.doc_len else []):
-            res = sweep_case(B, T, H, doc_len, args.iters, args.warmup, args.entries, tuple(args.kernels))
-            print_case(res)
-            results.append(res)
+            results.append(sweep_case(B, T, H, doc_len, args.iters, args.warmup, args.entries, tuple(args.kernels),
+                                      save))
+            partial.clear()
+            save()
     if args.out:
-        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                              "results": results}, indent=1))
         print(f"wrote {args.out}")
 
 

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|glu|optim|determinism|ckpt|dense|mfu|learning ...]
-#   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, glu, optim, determinism, ckpt,
-#   dense and mfu run on one GPU)
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|glu|tiles|dqkg|optim|determinism|ckpt|dense|mfu|learning ...]
+#   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, glu, tiles, dqkg, optim,
+#   determinism, ckpt, dense and mfu run on one GPU)
 # tests: on one GPU the single-GPU tier (`pytest -m "gpu or multigpu"`, the multigpu tests skip) in TEST_WORKERS
 # (default 4) pytest-xdist workers sharing the GPU, whole files per worker, TEST_LIMIT s (default 300) per test
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
 # absent. On 2+ GPUs the tier under torchrun --nproc_per_node=2, one log per rank (OUT_DIR/tests_r<rank>.log).
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
-# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT (s), MFU_ARGS (extra overrides for the mfu step), DET_ONLY (runs of check_determinism, default A,B,P,C,D), COMM_ARGS (bench_comm.py
+# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / TILES_TIMEOUT / DQKG_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT (s), MFU_ARGS (extra overrides for the mfu step), DET_ONLY (runs of check_determinism, default A,B,P,C,D), COMM_ARGS (bench_comm.py
 # arguments instead of --experts 96 384, e.g. --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
 # --experts 896 --topk 16 --ranks 8).
 # Every step has its own time limit so one hang cannot eat the rest.
@@ -22,15 +22,15 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}" OUT_DIR="$out"
 num_gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 tests_limit=${TESTS_TIMEOUT:-$([ "$num_gpus" -ge 2 ] && echo 480 || echo 600)}
 export FAULT_S=$(( tests_limit * 3 / 4 ))  # a hung test dumps its stack before the step's time limit
-# Triton's compile cache travels as one archive (.tcache.tgz in, OUT/tcache.tgz out): a cold cache
-# costs minutes of compiles per fresh machine
+# Triton's compile cache travels in parts of < 16 MB (the most a returned file may have): .device/tcache/part-*
+# in (the kit folder, carried), OUT/tcache/part-* out; copy those into .device/tcache/ for the next call. A cold
+# cache costs minutes per fresh machine (torch.compile's, moonep's and fla's kernels; fla's tile searches)
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/moonep_triton_cache}"
 mkdir -p "$TRITON_CACHE_DIR"
-[ -f .tcache.tgz ] && tar -xzf .tcache.tgz -C "$TRITON_CACHE_DIR"
+if compgen -G ".device/tcache/part-*" > /dev/null; then cat .device/tcache/part-* | tar -xz -C "$TRITON_CACHE_DIR"; fi
 python -m moontrain.trainer.kernel_cache  # fla's tile choices for k3_small's KDA heads, where missing (its README)
-save_cache() {  # only what fits the 16 MiB a returned file may have
-  tar -czf /tmp/tcache.tgz -C "$TRITON_CACHE_DIR" . 2>/dev/null
-  [ "$(stat -c %s /tmp/tcache.tgz)" -lt 16000000 ] && cp /tmp/tcache.tgz "$out/tcache.tgz"
+save_cache() {
+  mkdir -p "$out/tcache" && tar -cz -C "$TRITON_CACHE_DIR" . 2>/dev/null | split -b 15000000 -d -a 2 - "$out/tcache/part-"
 }
 trap save_cache EXIT
 for step in "${steps[@]}"; do
@@ -113,6 +113,16 @@ for step in "${steps[@]}"; do
     glu)   # moonep's SiTU-GLU kernels at k3_small's shapes: the fused routed backward's and the forward's tiles swept
            timeout "${GLU_TIMEOUT:-200}" python benchmarks/bench_glu_route.py --out "$out/bench_glu_route.json" > "$out/glu.log" 2>&1
            echo "bench_glu_route rc=$?"; tail -40 "$out/glu.log" ;;
-    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, glu, optim, determinism, ckpt, dense, mfu, learning)"; exit 2 ;;
+    tiles) # fla's KDA kernels' tiles re-timed at k3_small's pass (4 x 4096 x 16 heads of 128), one kernel at a time;
+           # the autotune files of the best tiles in OUT/fla_entries (to ship: recipes/data/fla_autotune_h200/README)
+           timeout "${TILES_TIMEOUT:-500}" python benchmarks/bench_fla_tiles.py --iters 10 ${TILES_ARGS:-} --entries "$out/fla_entries" \
+             --out "$out/bench_fla_tiles.json" > "$out/tiles.log" 2>&1
+           echo "bench_fla_tiles rc=$?"; grep -vE "^(Triton autotuning|with key|finished after|best config|Autotuning kernel)" "$out/tiles.log" | tail -30 ;;
+    dqkg)  # the KDA backward's WY / inter-chunk stage written here (moontrain.model.kda_dqkg_kernel) against fla's kernel
+           timeout "${DQKG_TIMEOUT:-300}" python -m pytest -q -m gpu tests/moontrain/model/test_kda_dqkg_kernel_gpu.py > "$out/dqkg_tests.log" 2>&1
+           echo "dqkg tests rc=$?"; tail -3 "$out/dqkg_tests.log"
+           timeout "${DQKG_TIMEOUT:-300}" python benchmarks/bench_kda_dqkg.py --out "$out/bench_kda_dqkg.json" > "$out/dqkg_bench.log" 2>&1
+           echo "bench_kda_dqkg rc=$?"; tail -10 "$out/dqkg_bench.log" ;;
+    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, glu, tiles, dqkg, optim, determinism, ckpt, dense, mfu, learning)"; exit 2 ;;
   esac
 done
