@@ -21,6 +21,7 @@ run pick the best tile. GPU only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
@@ -101,6 +102,26 @@ def fwd_bwd(leaves: list[torch.Tensor], rest: tuple, go: torch.Tensor) -> tuple[
     return (o, *torch.autograd.grad(o, leaves, go))
 
 
+@contextlib.contextmanager
+def recording(tuner):
+    """The timings of every search `tuner` runs inside the block, in order (Triton keeps only the last in
+    configs_timings): its class is swapped for a subclass that records each assignment."""
+    searches: list[dict] = []
+
+    class Recording(type(tuner)):
+        def __setattr__(self, name, value):
+            if name == "configs_timings" and value is not None:
+                searches.append(dict(value))
+            super().__setattr__(name, value)
+
+    cls = tuner.__class__
+    tuner.__class__ = Recording
+    try:
+        yield searches
+    finally:
+        tuner.__class__ = cls
+
+
 def config_row(config, timing) -> dict:
     t = timing[0] if isinstance(timing, list) else timing
     return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps, "num_stages": config.num_stages,
@@ -126,49 +147,45 @@ def sweep_case(B: int, T: int, H: int, doc_len: int | None, iters: int, warmup: 
     print(f"\n{B}x{T}x{H}{f', documents every {doc_len}' if doc_len else ''}: chunk_kda fwd + bwd {shipped_ms:.3f} "
           f"ms with the shipped tiles", flush=True)
     print_header()
-    rows, best = [], {}
+    rows, best = [], {}  # best: kernel -> {key: config}
     for name in (n for n in names if n in shipped):
         tuner = tuners[name]
         own, cache_results = list(tuner.configs), tuner.cache_results
         tuner.configs = own + [c for c in extra_configs(name) if str(c) not in {str(o) for o in own}]
         tuner.cache.clear()
         tuner.cache_results = False
-        tuner.configs_timings = None
         print(f"  ({name}: searching {len(tuner.configs)} tiles)", flush=True)
-        fwd_bwd(leaves, rest, go)  # only this kernel searches (at its last key, if it has several)
-        torch.cuda.synchronize()
-        timings = dict(tuner.configs_timings or {})
+        with recording(tuner) as searches:
+            fwd_bwd(leaves, rest, go)  # only this kernel searches, once per key it meets
+            torch.cuda.synchronize()
+        keys = list(tuner.cache)  # in the order searched, as `searches`
         tuner.configs, tuner.cache_results = own, cache_results
         tuner.cache.clear()
-        tuner.cache.update(shipped[name])  # the shipped tile again while the next kernels search
-        if not timings:
-            continue
-        ms = {c: (t[0] if isinstance(t, list) else t) for c, t in timings.items()}
-        key = next(k for k in reversed(shipped[name]))
-        was = shipped[name][key]
-        top = min(ms, key=ms.get)
-        top_own = min((c for c in ms if str(c) in {str(o) for o in own}), key=ms.get)
-        best[name] = top
-        shipped_t = next((ms[c] for c in ms if str(c) == str(was)), float("inf"))
-        row = {"kernel": name, "key": [str(x) for x in key], "configs": len(ms), "shipped": config_row(was, shipped_t),
-               "best_fla_list": config_row(top_own, ms[top_own]), "best": config_row(top, ms[top]),
-               "all": [config_row(c, t) for c, t in timings.items()]}
-        rows.append(row)
-        print_row(row)
-        on_row(row)
-        if entries is not None:
-            write_entry(tuner, key, own, timings, entries)
-    saved = {name: tuners[name].configs for name in best}
-    for name in best:  # the best tiles, fixed
-        tuners[name].configs = [best[name]]
+        tuner.cache.update(shipped[name])  # the shipped tiles again while the next kernels search
+        for key, timings in zip(keys, searches, strict=True):
+            ms = {c: (t[0] if isinstance(t, list) else t) for c, t in timings.items()}
+            was = shipped[name].get(key)  # None: a key the shipped run did not meet
+            top = min(ms, key=ms.get)
+            top_own = min((c for c in ms if str(c) in {str(o) for o in own}), key=ms.get)
+            best.setdefault(name, {})[key] = top
+            shipped_t = next((ms[c] for c in ms if str(c) == str(was)), float("inf"))
+            row = {"kernel": name, "key": [str(x) for x in key], "configs": len(ms),
+                   "shipped": None if was is None else config_row(was, shipped_t), "best_fla_list": config_row(top_own, ms[top_own]),
+                   "best": config_row(top, ms[top]), "all": [config_row(c, t) for c, t in timings.items()]}
+            rows.append(row)
+            print_row(row)
+            on_row(row)
+            if entries is not None:
+                write_entry(tuner, key, own, timings, entries)
+    for name, chosen in best.items():  # the best tiles, fixed per key
         tuners[name].cache.clear()
+        tuners[name].cache.update(chosen)
     tuned_out = fwd_bwd(leaves, rest, go)
     tuned_ms = median_ms(lambda: fwd_bwd(leaves, rest, go), iters, warmup)
     diffs = {n: (a.float() - b.float()).abs().max().item() / max(b.float().abs().max().item(), 1e-30)
              for n, a, b in zip(("o", "dq", "dk", "dv", "df", "dbeta"), tuned_out, shipped_out, strict=True)}
-    for name, configs in saved.items():  # restored for the next case
-        tuners[name].configs = configs
-        tuners[name].cache.clear()
+    for tuner in tuners.values():  # searched afresh (from the seeded files) by the next case
+        tuner.cache.clear()
     print(f"  chunk_kda fwd + bwd: {shipped_ms:.3f} ms (shipped tiles) -> {tuned_ms:.3f} ms (best tiles); max rel "
           "diff " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()), flush=True)
     return {"case": f"{B}x{T}x{H}", "doc_len": doc_len, "kernels": rows, "shipped_ms": round(shipped_ms, 4),
@@ -197,8 +214,8 @@ def print_row(r: dict) -> None:
     def fmt(c: dict) -> str:
         return "-" if c["ms"] is None else f"{c['ms']:.4f}"
 
-    b = r["best"]
-    print(f"  {r['kernel']:48s} {r['configs']:3d} {fmt(r['shipped']):>10s} {fmt(r['best_fla_list']):>9s} "
+    b, was = r["best"], r["shipped"] or {"ms": None}
+    print(f"  {r['kernel']:48s} {r['configs']:3d} {fmt(was):>10s} {fmt(r['best_fla_list']):>9s} "
           f"{fmt(b):>8s}  {b['kwargs']} w{b['num_warps']} s{b['num_stages']}", flush=True)
 
 
