@@ -4,7 +4,7 @@ moontrain.model.kda_dqkg_kernel.kda_dqkg (same arguments, same outputs).
     python benchmarks/bench_kda_dqkg.py [--iters 20] [--warmup 3] [--out bench_kda_dqkg.json]
 
 Shape: B=4, T=4096, H=16, K=V=128, chunk 64, bf16 q/k/v/h/A, fp32 g (random inputs at fla's scales, as
-tests/moontrain/model/test_kda_dqkg_kernel.stage_inputs builds them), without documents and with packed
+moontrain.model.kda_dqkg.random_stage_inputs builds them), without documents and with packed
 documents of 1024 tokens (cu_seqlens over the flattened batch, fla's host-listed chunks). Rows: median ms
 of CUDA-event timings per launcher (ours: both kernels, the workspace allocation included; the first call
 autotunes and is not timed), TFLOP/s of the stage's matmuls (6CKV + 4C^2 (K + V) + 4C^3 per chunk and
@@ -24,8 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import moontrain.model.kda_dqkg_kernel as kernel
 from benchmarks.timing import kernel_bench_args, median_ms
+from moontrain.model.kda_dqkg import STAGE_OUTPUTS as OUTPUTS
+from moontrain.model.kda_dqkg import random_stage_inputs as stage_inputs
 from moontrain.model.kda_dqkg_kernel import kda_dqkg
-from tests.moontrain.model.test_kda_dqkg_kernel import OUTPUTS, stage_inputs
 
 B, T, H, K, V, C = 4, 4096, 16, 128, 128, 64
 DOC_LEN = 1024

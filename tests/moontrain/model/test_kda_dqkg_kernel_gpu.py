@@ -18,7 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.moontrain.model.test_kda_dqkg_kernel import OUTPUTS, stage_inputs
+from moontrain.model.kda_dqkg import STAGE_OUTPUTS as OUTPUTS
+from moontrain.model.kda_dqkg import kda_dqkg_reference
+from moontrain.model.kda_dqkg import random_stage_inputs as stage_inputs
 
 # the kernel module and fla import triton: only inside the tests, which run on a GPU machine only. Imported
 # at collection they would import triton on the CPU tier before an *_interpreted module of the same session
@@ -66,7 +68,7 @@ def max_rel(x: torch.Tensor, y: torch.Tensor) -> float:
 @pytest.mark.parametrize("case", ["batch", "docs", "docs_graph"])
 def test_bf16_matches_fla_and_reference(case: str) -> None:
     fla_bwd = pytest.importorskip("fla.ops.kda.chunk_bwd", reason="needs fla-core (pip install fla-core==0.6.0)")
-    from moontrain.model.kda_dqkg_kernel import kda_dqkg, kda_dqkg_reference
+    from moontrain.model.kda_dqkg_kernel import kda_dqkg
 
     inputs = inputs_for(case, torch.bfloat16, seed=0)
     ours = kda_dqkg(**inputs)
@@ -84,7 +86,7 @@ def test_bf16_matches_fla_and_reference(case: str) -> None:
 @pytest.mark.parametrize("case", ["batch", "docs"])
 def test_fp32_matches_reference(case: str) -> None:
     pytest.importorskip("fla", reason="needs fla-core (pip install fla-core==0.6.0): its chunk lists")
-    from moontrain.model.kda_dqkg_kernel import kda_dqkg, kda_dqkg_reference
+    from moontrain.model.kda_dqkg_kernel import kda_dqkg
 
     inputs = inputs_for(case, torch.float32, seed=1)
     for name, x, r in zip(OUTPUTS, kda_dqkg(**inputs), kda_dqkg_reference(**inputs), strict=True):

@@ -1,4 +1,4 @@
-"""moontrain.model.kda_dqkg_kernel's specification (kda_dqkg_reference) against autograd, on the CPU in fp64.
+"""moontrain.model.kda_dqkg (kda_dqkg_reference, the specification of the stage) against autograd, on the CPU in fp64.
 
 The stage's outputs are gradients of the chunked KDA forward with two matrices held fixed: per chunk (g the
 chunk-local cumulative log-decay, natural log here; S the state at the chunk's start)
@@ -19,52 +19,11 @@ import math
 import pytest
 import torch
 
-from moontrain.model.kda_ops import CHUNK, chunk_kda_reference
+from moontrain.model.kda_dqkg import CHUNK, kda_dqkg_reference, prepare_chunk_indices
+from moontrain.model.kda_dqkg import STAGE_OUTPUTS as OUTPUTS
+from moontrain.model.kda_ops import chunk_kda_reference
 
-# moontrain.model.kda_dqkg_kernel is imported inside the functions: it imports triton (where installed), and
-# in a session with test_kda_dqkg_kernel_interpreted.py (which imports this module) the first import of
-# triton must come after that module has set TRITON_INTERPRET
-
-OUTPUTS = ("dq", "dk", "dv2", "db", "dg", "dA")
 CU_SEQLENS = [0, 100, 130, 150, 290]  # 2 chunks (the second partial), 1, 1 and 3 (the last of 2 tokens)
-
-
-def stage_inputs(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: str, seed: int,
-                 cu_seqlens: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
-                 gate: float = 5.0) -> dict:
-    """Random inputs of the stage at fla's scales, as keyword arguments: q, k unit rows; v, v_new, do, dv,
-    h N(0, 1), dh N(0, 0.01); beta U(0, 1); g (fp32) the chunk-local cumsum of per-token log2 gates in
-    [-gate log2(e), 0] (most near 0: -gate u^3); A per chunk (I + Lm)^-1 with Lm strictly lower N(0, 0.01),
-    stored as fla stores it (row t holds its chunk row, zeros above the diagonal). Rows of chunk_indices
-    with a negative sequence get random states too (the kernel must not read them)."""
-    from moontrain.model.kda_dqkg_kernel import _chunk_rows
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def rnd(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, device=device)
-
-    def unit(x: torch.Tensor) -> torch.Tensor:
-        return x / x.norm(dim=-1, keepdim=True)
-
-    C = CHUNK
-    row_R, batch_R, tok_RC, valid_RC = _chunk_rows(B, T, cu_seqlens, chunk_indices, torch.device(device))
-    b_RC = batch_R[:, None].expand_as(tok_RC)
-    q, k = unit(rnd(B, T, H, K)), unit(rnd(B, T, H, K))
-    v, v_new, do, dv = (rnd(B, T, H, V) for _ in range(4))
-    beta = torch.rand(B, T, H, generator=gen, device=device)
-    raw = -torch.rand(B, T, H, K, generator=gen, device=device) ** 3 * gate * math.log2(math.e)
-    g = torch.zeros(B, T, H, K, device=device)
-    g[b_RC[valid_RC], tok_RC[valid_RC]] = (raw[batch_R[:, None], tok_RC] * valid_RC[..., None, None]).cumsum(1)[valid_RC]
-    A_RHCC = torch.linalg.inv(torch.eye(C, device=device) + torch.tril(rnd(len(row_R), H, C, C), -1) * 0.1)
-    A = torch.zeros(B, T, H, C, device=device)
-    A[b_RC[valid_RC], tok_RC[valid_RC]] = A_RHCC.transpose(1, 2)[valid_RC]
-    state_rows = B * math.ceil(T / C) if cu_seqlens is None else chunk_indices.shape[0]
-    h = rnd(state_rows, H, K, V).view(B if cu_seqlens is None else 1, -1, H, K, V)
-    dh = rnd(*h.shape) * 0.1
-    out = dict(q=q, k=k, v=v, v_new=v_new, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv)
-    return {**{n: x.to(dtype) for n, x in out.items()}, "g": g, "scale": K ** -0.5, "cu_seqlens": cu_seqlens,
-            "chunk_indices": chunk_indices}
 
 
 def kda_chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: torch.Tensor, beta: torch.Tensor,
@@ -121,7 +80,6 @@ def kda_matrices(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.
 def test_reference_is_the_kda_gradient(case: str) -> None:
     """kda_dqkg_reference(fp64) == autograd's gradients (module docstring) to fp64 rounding (1e-10 of each
     output's largest value; the two compute the same sums in different orders)."""
-    from moontrain.model.kda_dqkg_kernel import kda_dqkg_reference, prepare_chunk_indices
 
     torch.manual_seed(0)
     H, K, V = 2, 64, 32  # K != V: a mix-up of the two fails
