@@ -9,7 +9,9 @@ documents of 1024 tokens (cu_seqlens over the flattened batch, fla's host-listed
 of CUDA-event timings per launcher (ours: both kernels, the workspace allocation included; the first call
 autotunes and is not timed), TFLOP/s of the stage's matmuls (6CKV + 4C^2 (K + V) + 4C^3 per chunk and
 head), GB/s of its compulsory traffic (inputs read once, outputs written once; ours also moves its fp32
-partials, not counted), and per output the max |ours - fla| and max |fla|. GPU only; needs fla-core.
+partials, not counted), and per output the max |ours - fla| and max |fla|. Then KDA's whole forward + backward
+(kda_fla: the numbers bench_kda reports and issue 35's 2.7 ms target) with fla's stage and with the stage
+routed here (kernels.kda_dqkg=moontrain). GPU only; needs fla-core.
 """
 
 from __future__ import annotations
@@ -80,11 +82,46 @@ def bench_case(docs: bool, iters: int, warmup: int) -> list[dict]:
     return rows
 
 
+def layer_case(docs: bool, iters: int, warmup: int) -> list[dict]:
+    """KDA's whole fwd + bwd (kda_fla, fla's chunk_kda with the gate and L2 norm fused) with fla's stage and
+    with the stage routed to kda_dqkg (kernels.kda_dqkg), as bench_kda times it."""
+    from moontrain.model.kda_ops import kda_fla
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    q, k, v, f = (torch.randn(B, T, H, K, generator=gen, **bf) for _ in range(4))
+    beta = torch.rand(B, T, H, generator=gen, device="cuda")
+    A_log = torch.empty(H, device="cuda").uniform_(1, 16, generator=gen).log()
+    dt_bias = torch.randn(H, K, generator=gen, device="cuda") - 4
+    go = torch.randn(B, T, H, K, generator=gen, **bf)
+    leaves = [t.requires_grad_() for t in (q, k, v, f, beta)]
+    doc_start = None
+    if docs:
+        doc_start = torch.zeros(B, T, dtype=torch.bool, device="cuda")
+        doc_start[:, DOC_LEN::DOC_LEN] = True
+
+    def run() -> None:
+        o = kda_fla(*leaves, A_log, dt_bias, lower_bound=-5.0, scale=K ** -0.5, doc_start_BT=doc_start)
+        torch.autograd.grad(o, leaves, go)
+
+    rows = []
+    for stage in ("fla", "moontrain"):
+        kernel.route_fla_stage(stage == "moontrain")
+        try:
+            rows.append(dict(docs=docs, layer_fwd_bwd=stage, ms=median_ms(run, iters, warmup)))
+        finally:
+            kernel.route_fla_stage(False)
+        print(f"docs {docs!s:5} KDA fwd + bwd, stage on {stage:9}: {rows[-1]['ms']:7.3f} ms", flush=True)
+    return rows
+
+
 def main() -> None:
     args = kernel_bench_args(__doc__, "bench_kda_dqkg")
     rows = []
     for docs in (False, True):
         rows += bench_case(docs, args.iters, args.warmup)
+    for docs in (False, True):
+        rows += layer_case(docs, args.iters, args.warmup)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), shape=dict(
             B=B, T=T, H=H, K=K, V=V, chunk=C, doc_len=DOC_LEN), rows=rows), indent=1))

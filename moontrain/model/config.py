@@ -238,6 +238,10 @@ class KernelsConfig:
     # the forward (fla's disable_recompute: fewer backward kernels, more activation memory; measured slower at
     # k3_small's shapes: docs/performance.md). The PyTorch KDA keeps what autograd keeps either way
     kda_recompute: bool = True
+    # the kernel of fla's KDA backward stage for dq, dk, dg, db and the WY matrix's grad (its slowest):
+    # "fla" (fla's chunk_kda_bwd_wy_dqkg_fused) or "moontrain" (moontrain.model.kda_dqkg_kernel, the same
+    # outputs; not yet measured on a GPU: docs/kda.md). Only where the KDA layers run fla; process-wide
+    kda_dqkg: Literal["fla", "moontrain"] = "fla"
     # KDA's causal short convolutions (+ SiLU): "auto" runs the Triton kernel (moontrain.model.short_conv_kernel)
     # on CUDA, else the PyTorch specification (moontrain.model.kda.short_conv); "torch" / "triton" force one
     short_conv: Literal["auto", "torch", "triton"] = "auto"
@@ -254,6 +258,8 @@ class KernelsConfig:
     def __post_init__(self) -> None:
         if self.kda not in ("auto", "torch", "fla"):
             raise ValueError(f"kernels.kda must be 'auto', 'torch' or 'fla', got {self.kda!r}")
+        if self.kda_dqkg not in ("fla", "moontrain"):
+            raise ValueError(f"kernels.kda_dqkg must be 'fla' or 'moontrain', got {self.kda_dqkg!r}")
         if self.short_conv not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels.short_conv must be 'auto', 'torch' or 'triton', got {self.short_conv!r}")
 

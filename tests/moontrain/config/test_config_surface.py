@@ -25,7 +25,7 @@ import yaml
 
 from moontrain.cli import main
 from moontrain.config import RunConfig, from_dict, load_recipe
-from moontrain.model.config import ModelConfig
+from moontrain.model.config import KernelsConfig, ModelConfig
 from moontrain.parallel.config import ParallelConfig
 
 REPO = Path(__file__).resolve().parents[3]
@@ -154,3 +154,15 @@ def test_a_retired_key_names_its_replacement(override: str, message: str, tmp_pa
     assert main(["launch", str(recipe), "--dry-run", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and re.match(r"moontrain: error: " + message, err), err
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("kernels.kda_dqkg=triton", r"kernels\.kda_dqkg: 'triton' is not one of the allowed values \['fla', 'moontrain'\]"),
+    ("kernels.short_conv=cuda", r"kernels\.short_conv: 'cuda' is not one of the allowed values \['auto', 'torch', 'triton'\]"),
+])
+def test_a_kernel_choice_outside_its_values_is_named(override: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        from_dict(RunConfig, load_recipe(REPO / "recipes" / "k3_tiny.yaml", [override]))
+    key = override.split("=")[0].split(".")[1]
+    with pytest.raises(ValueError, match=rf"kernels\.{key} must be .*, got '{override.split('=')[1]}'"):
+        KernelsConfig(**{key: override.split("=")[1]})

@@ -92,3 +92,47 @@ def test_fp32_matches_reference(case: str) -> None:
     for name, x, r in zip(OUTPUTS, kda_dqkg(**inputs), kda_dqkg_reference(**inputs), strict=True):
         assert x.dtype == r.dtype and x.shape == r.shape, name
         assert max_rel(x, r) <= TF32_TOL, f"{name}: {max_rel(x, r):.2e} of max |ref| > {TF32_TOL:.1e}"
+
+
+@pytest.mark.parametrize("docs", [False, True])
+def test_kda_layer_call_with_the_stage_routed_here_matches_fla(docs: bool) -> None:
+    """kernels.kda_dqkg=moontrain end to end: kda_fla's forward + backward (B=2, T=4096, 16 heads of 128, bf16;
+    documents every 1024 tokens on fla's device-listed chunks) with fla's stage routed to kda_dqkg, against the
+    same call on fla's kernel: the output bitwise (the stage is backward only), every input grad within 5e-2 of
+    its largest value (twice the stage's own bound against the specification, 2.3e-2, for the two paths; fla's
+    later kernels and the L2 norm's backward are shared), and the routed call reached kda_dqkg."""
+    pytest.importorskip("fla", reason="needs fla-core (pip install fla-core==0.6.0)")
+    from moontrain.model import kda_dqkg_kernel
+    from moontrain.model.kda_ops import kda_fla
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    q, k, v, f = (torch.randn(B, T, H, K, generator=gen, **bf) for _ in range(4))
+    beta = torch.rand(B, T, H, generator=gen, device="cuda")
+    A_log = torch.empty(H, device="cuda").uniform_(1, 16, generator=gen).log()
+    dt_bias = torch.randn(H, K, generator=gen, device="cuda") - 4
+    go = torch.randn(B, T, H, K, generator=gen, **bf)
+    doc_start = None
+    if docs:
+        doc_start = torch.zeros(B, T, dtype=torch.bool, device="cuda")
+        doc_start[:, 1024::1024] = True
+    leaves = [t.requires_grad_() for t in (q, k, v, f, beta)]
+
+    def run() -> list[torch.Tensor]:
+        o = kda_fla(*leaves, A_log, dt_bias, lower_bound=-5.0, scale=K ** -0.5, doc_start_BT=doc_start)
+        return [o.detach().clone(), *(g.clone() for g in torch.autograd.grad(o, leaves, go))]
+
+    calls = []
+    own = kda_dqkg_kernel.kda_dqkg
+    try:
+        kda_dqkg_kernel.kda_dqkg = lambda **kw: calls.append(1) or own(**kw)
+        kda_dqkg_kernel.route_fla_stage(True)
+        routed = run()
+    finally:
+        kda_dqkg_kernel.route_fla_stage(False)
+        kda_dqkg_kernel.kda_dqkg = own
+    base = run()
+    assert len(calls) == 1
+    assert torch.equal(routed[0], base[0])
+    for name, x, y in zip(("dq", "dk", "dv", "df", "dbeta"), routed[1:], base[1:], strict=True):
+        assert max_rel(x, y) <= 5e-2, f"{name}: {max_rel(x, y):.2e} of max |fla path| > 5e-2"
