@@ -15,7 +15,8 @@ H200). Here the stage is split in two:
 MMA operands are in the inputs' dtype (fp32 partials cast to A's dtype before meeting A, as fla does),
 accumulation in fp32. Tiles (BK, BV, warps, stages) are autotuned per (H, K, V, BT, documents or not) and
 dtype; the workspace is sized for the smallest BK, and the finish kernel reads NK from the BK the autotuner
-chose. Measured: not yet on a GPU (benchmarks/bench_kda_dqkg.py compares it with fla's kernel).
+chose. Measured: not yet on a GPU (benchmarks/bench_kda_dqkg.py compares it with fla's kernel); ptxas
+(benchmarks/diagnostics/kernel_registers.py) finds the first kernel spill-free at 8 warps where fla's spills.
 
 Rejected: atomics into dA (order-dependent sums); one program per (chunk, head) with the K loop outside
 (fla's shape: 4 live [C, C]-sized accumulators, serial over K x V); storing dw and contracting it with kg

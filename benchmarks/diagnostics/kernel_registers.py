@@ -1,0 +1,99 @@
+"""Registers and spills of the KDA backward's WY / inter-chunk stage per tile, from ptxas, without a GPU: fla's
+chunk_kda_bwd_kernel_wy_dqkg_fused and moontrain.model.kda_dqkg_kernel's two kernels, compiled by Triton for
+sm90 (H100 / H200) at k3_small's shape (16 heads, K = V = 128, chunk 64, bf16, no documents) and read back
+with the ptxas Triton ships (`ptxas -v`).
+
+    python benchmarks/diagnostics/kernel_registers.py        # fla's rows need fla-core importable
+
+A spilled register is a store to and a load from local memory (L1 / L2) per use: at 255 registers and
+kilobytes of spills per thread a kernel waits on those round trips, which is one hypothesis for a kernel
+far from both its FLOP and its HBM bound. The table is evidence about code generation only; time it on
+the GPU (benchmarks/bench_kda_dqkg.py, benchmarks/bench_fla_tiles.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
+
+SHAPE = dict(H=16, K=128, V=128, BT=64)
+FLA_TILES = [(64, 64, 4, 3), (64, 128, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (64, 128, 8, 2)]  # BK, BV, warps, stages
+KBLOCK_TILES = [(64, 64, 4, 2), (64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2)]
+FINISH_TILES = [(64, 4), (64, 8), (128, 8)]  # BV, warps (2 stages)
+
+
+def jit_function(kernel):
+    import triton
+
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):  # under autotune / heuristics
+        kernel = kernel.fn
+    return kernel
+
+
+def ptxas_report(kernel, pointers: dict[str, str], constants: dict, num_warps: int, num_stages: int) -> str:
+    """Compile `kernel` for sm90 (arguments not named in pointers or constants are i32) and return ptxas's
+    registers, spill stores and loads per thread, and Triton's shared memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = jit_function(kernel)
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}
+    src = ASTSource(fn=fn, signature=signature,
+                    constexprs={(fn.arg_names.index(n),): v for n, v in constants.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    try:
+        log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, check=True).stderr
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", log).group(1)
+    stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()
+    return f"{regs:>4} regs  spill {stores:>5} B stored {loads:>5} B loaded  smem {compiled.metadata.shared:>6} B"
+
+
+def main() -> None:
+    from moontrain.model import kda_dqkg_kernel as ours
+
+    print("kernel                         BK  BV warps stages")
+    try:
+        from fla.ops.kda import chunk_bwd as fla_bwd
+    except ImportError:
+        print("fla's kernel: fla-core not importable, skipped")
+        fla_bwd = None
+    if fla_bwd is not None:
+        pointers = {n: "*bf16" for n in ("q", "k", "v", "v_new", "A", "h", "do", "dh", "dv", "dv2")}
+        pointers |= {n: "*fp32" for n in ("g", "beta", "dq", "dk", "dg", "db", "dA", "scale")}
+        pointers |= {"cu_seqlens": "*i64", "chunk_indices": "*i64", "scale": "fp32"}
+        for bk, bv, w, s in FLA_TILES:
+            consts = dict(SHAPE, HV=SHAPE["H"], BK=bk, BV=bv, STATE_V_FIRST=False, IS_VARLEN=False, USE_GRAPH=False)
+            print(f"fla wy_dqkg_fused             {bk:3d} {bv:3d} {w:5d} {s:6d}  "
+                  f"{ptxas_report(fla_bwd.chunk_kda_bwd_kernel_wy_dqkg_fused, pointers, consts, w, s)}", flush=True)
+    pointers = {n: "*bf16" for n in ("q", "k", "v_new", "A", "h", "do", "dh", "dv")}
+    pointers |= {n: "*fp32" for n in ("g", "beta", "dq", "dk", "dg", "dA_part", "db_part")}
+    pointers |= {"cu_seqlens": "*i64", "chunk_indices": "*i64", "scale": "fp32"}
+    for bk, bv, w, s in KBLOCK_TILES:
+        consts = dict(SHAPE, BK=bk, BV=bv, IS_VARLEN=False)
+        print(f"moontrain _kblock_kernel      {bk:3d} {bv:3d} {w:5d} {s:6d}  "
+              f"{ptxas_report(ours._kblock_kernel, pointers, consts, w, s)}", flush=True)
+    pointers = {n: "*bf16" for n in ("v", "A", "dv", "dv2")}
+    pointers |= {n: "*fp32" for n in ("beta", "db", "dA", "dA_part", "db_part")}
+    pointers |= {"cu_seqlens": "*i64", "chunk_indices": "*i64"}
+    for bv, w in FINISH_TILES:
+        consts = dict(SHAPE, NK=2, BV=bv, IS_VARLEN=False)
+        print(f"moontrain _finish_kernel        - {bv:3d} {w:5d} {2:6d}  "
+              f"{ptxas_report(ours._finish_kernel, pointers, consts, w, 2)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
