@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from benchmarks.timing import median_ms
-from moontrain.model.kda_ops import kda_fla
+from moontrain.model.kda_ops import kda_fla, random_kda_inputs
 
 MODULES = ("fla.ops.kda.chunk_bwd", "fla.ops.kda.chunk_intra", "fla.ops.kda.wy_fast", "fla.ops.kda.gate",
            "fla.ops.common.chunk_delta_h", "fla.ops.gla.chunk", "fla.modules.norm.l2norm", "fla.ops.utils.cumsum",
@@ -81,24 +81,8 @@ def autotuners(names: tuple[str, ...] | None = None) -> dict[str, object]:
     return found
 
 
-def make_inputs(B: int, T: int, H: int, doc_len: int | None) -> tuple[list[torch.Tensor], tuple, torch.Tensor]:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    q, k, v, f = (torch.randn(B, T, H, HEAD_DIM, generator=gen, **bf) for _ in range(4))
-    beta = torch.rand(B, T, H, generator=gen, device="cuda")
-    A_log = torch.empty(H, device="cuda").uniform_(1, 16, generator=gen).log()
-    dt_bias = torch.randn(H, HEAD_DIM, generator=gen, device="cuda") - 4
-    go = torch.randn(B, T, H, HEAD_DIM, generator=gen, **bf)
-    doc_start = None
-    if doc_len is not None:
-        doc_start = torch.zeros(B, T, dtype=torch.bool, device="cuda")
-        doc_start[:, doc_len::doc_len] = True
-    return [t.requires_grad_() for t in (q, k, v, f, beta)], (A_log, dt_bias, doc_start), go
-
-
-def fwd_bwd(leaves: list[torch.Tensor], rest: tuple, go: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    A_log, dt_bias, doc_start = rest
-    o = kda_fla(*leaves, A_log, dt_bias, lower_bound=-5.0, scale=HEAD_DIM ** -0.5, doc_start_BT=doc_start)
+def fwd_bwd(leaves: list[torch.Tensor], kwargs: dict, go: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    o = kda_fla(*leaves, **kwargs)
     return (o, *torch.autograd.grad(o, leaves, go))
 
 
@@ -137,13 +121,13 @@ def sweep_case(B: int, T: int, H: int, doc_len: int | None, iters: int, warmup: 
     missing = set(names) - set(tuners)
     if missing:
         raise SystemExit(f"--kernels {sorted(missing)}: not autotuned kernels of fla's chunk_kda (known: {sorted(tuners)})")
-    leaves, rest, go = make_inputs(B, T, H, doc_len)
+    leaves, kwargs, go = random_kda_inputs(B, T, H, HEAD_DIM, doc_len=doc_len)
     for tuner in tuners.values():  # the tiles a training run uses: the seeded (shipped) entries
         tuner.cache.clear()
-    shipped_out = fwd_bwd(leaves, rest, go)
+    shipped_out = fwd_bwd(leaves, kwargs, go)
     torch.cuda.synchronize()
     shipped = {name: dict(t.cache) for name, t in tuners.items() if t.cache}
-    shipped_ms = median_ms(lambda: fwd_bwd(leaves, rest, go), iters, warmup)
+    shipped_ms = median_ms(lambda: fwd_bwd(leaves, kwargs, go), iters, warmup)
     print(f"\n{B}x{T}x{H}{f', documents every {doc_len}' if doc_len else ''}: chunk_kda fwd + bwd {shipped_ms:.3f} "
           f"ms with the shipped tiles", flush=True)
     print_header()
@@ -156,7 +140,7 @@ def sweep_case(B: int, T: int, H: int, doc_len: int | None, iters: int, warmup: 
         tuner.cache_results = False
         print(f"  ({name}: searching {len(tuner.configs)} tiles)", flush=True)
         with recording(tuner) as searches:
-            fwd_bwd(leaves, rest, go)  # only this kernel searches, once per key it meets
+            fwd_bwd(leaves, kwargs, go)  # only this kernel searches, once per key it meets
             torch.cuda.synchronize()
         keys = list(tuner.cache)  # in the order searched, as `searches`
         tuner.configs, tuner.cache_results = own, cache_results
@@ -180,8 +164,8 @@ def sweep_case(B: int, T: int, H: int, doc_len: int | None, iters: int, warmup: 
     for name, chosen in best.items():  # the best tiles, fixed per key
         tuners[name].cache.clear()
         tuners[name].cache.update(chosen)
-    tuned_out = fwd_bwd(leaves, rest, go)
-    tuned_ms = median_ms(lambda: fwd_bwd(leaves, rest, go), iters, warmup)
+    tuned_out = fwd_bwd(leaves, kwargs, go)
+    tuned_ms = median_ms(lambda: fwd_bwd(leaves, kwargs, go), iters, warmup)
     diffs = {n: (a.float() - b.float()).abs().max().item() / max(b.float().abs().max().item(), 1e-30)
              for n, a, b in zip(("o", "dq", "dk", "dv", "df", "dbeta"), tuned_out, shipped_out, strict=True)}
     for tuner in tuners.values():  # searched afresh (from the seeded files) by the next case

@@ -31,29 +31,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from benchmarks.timing import median_ms
 from moontrain.model.documents import compiled_flex_attention, flex_block_mask
-from moontrain.model.kda_ops import CHUNK, kda, kda_fla
+from moontrain.model.kda_ops import CHUNK, kda, kda_fla, random_kda_inputs
 
 DQK, DV, K = 192, 128, 128
 
 
 def kda_case(B: int, T: int, H: int, doc_len: int | None, torch_spec: bool, iters: int, warmup: int,
              recompute: bool = True) -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    q, k, v, f = (torch.randn(B, T, H, K, generator=gen, **bf) for _ in range(4))
-    beta = torch.rand(B, T, H, generator=gen, device="cuda")
-    A_log = torch.empty(H, device="cuda").uniform_(1, 16, generator=gen).log()
-    dt_bias = torch.randn(H, K, generator=gen, device="cuda") - 4
-    go = torch.randn(B, T, H, K, generator=gen, **bf)
-    leaves = [t.requires_grad_() for t in (q, k, v, f, beta)]
-    doc_start = None
-    if doc_len is not None:
-        doc_start = torch.zeros(B, T, dtype=torch.bool, device="cuda")
-        doc_start[:, doc_len::doc_len] = True
+    leaves, kwargs, go = random_kda_inputs(B, T, H, K, doc_len=doc_len)
     fn = kda if torch_spec else functools.partial(kda_fla, recompute=recompute)
 
     def run() -> tuple[torch.Tensor, ...]:
-        o = fn(*leaves, A_log, dt_bias, lower_bound=-5.0, scale=K ** -0.5, doc_start_BT=doc_start)
+        o = fn(*leaves, **kwargs)
         return (o, *torch.autograd.grad(o, leaves, go))
 
     torch.cuda.reset_peak_memory_stats()

@@ -85,24 +85,12 @@ def bench_case(docs: bool, iters: int, warmup: int) -> list[dict]:
 def layer_case(docs: bool, iters: int, warmup: int) -> list[dict]:
     """KDA's whole fwd + bwd (kda_fla, fla's chunk_kda with the gate and L2 norm fused) with fla's stage and
     with the stage routed to kda_dqkg (kernels.kda_dqkg), as bench_kda times it."""
-    from moontrain.model.kda_ops import kda_fla
+    from moontrain.model.kda_ops import kda_fla, random_kda_inputs
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    q, k, v, f = (torch.randn(B, T, H, K, generator=gen, **bf) for _ in range(4))
-    beta = torch.rand(B, T, H, generator=gen, device="cuda")
-    A_log = torch.empty(H, device="cuda").uniform_(1, 16, generator=gen).log()
-    dt_bias = torch.randn(H, K, generator=gen, device="cuda") - 4
-    go = torch.randn(B, T, H, K, generator=gen, **bf)
-    leaves = [t.requires_grad_() for t in (q, k, v, f, beta)]
-    doc_start = None
-    if docs:
-        doc_start = torch.zeros(B, T, dtype=torch.bool, device="cuda")
-        doc_start[:, DOC_LEN::DOC_LEN] = True
+    leaves, kwargs, go = random_kda_inputs(B, T, H, K, doc_len=DOC_LEN if docs else None)
 
     def run() -> None:
-        o = kda_fla(*leaves, A_log, dt_bias, lower_bound=-5.0, scale=K ** -0.5, doc_start_BT=doc_start)
-        torch.autograd.grad(o, leaves, go)
+        torch.autograd.grad(kda_fla(*leaves, **kwargs), leaves, go)
 
     rows = []
     for stage in ("fla", "moontrain"):

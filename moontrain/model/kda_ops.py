@@ -179,3 +179,24 @@ def kda_fla(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, f_
                      safe_gate=lower_bound is not None, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
                      cu_seqlens_cpu=cu_seqlens_cpu, disable_recompute=not recompute, **graph)
     return o.reshape(B, T, *o.shape[2:])
+
+
+def random_kda_inputs(B: int, T: int, H: int, K: int, *, doc_len: int | None = None, seed: int = 0,
+                      device: str = "cuda") -> tuple[list[torch.Tensor], dict, torch.Tensor]:
+    """A KDA layer call's inputs at its scales, for the kernel benchmarks and GPU tests: ([q, k, v, f, beta]
+    requiring grad (bf16 q/k/v/f N(0, 1), fp32 beta U(0, 1)), the keyword arguments of kda() / kda_fla() (A_log
+    = log U(1, 16), dt_bias N(-4, 1), lower bound -5, scale K^-1/2, a document start every doc_len tokens if
+    given), and the output's grad N(0, 1) in bf16)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    bf = dict(device=device, dtype=torch.bfloat16)
+    q, k, v, f = (torch.randn(B, T, H, K, generator=gen, **bf) for _ in range(4))
+    beta = torch.rand(B, T, H, generator=gen, device=device)
+    A_log = torch.empty(H, device=device).uniform_(1, 16, generator=gen).log()
+    dt_bias = torch.randn(H, K, generator=gen, device=device) - 4
+    go = torch.randn(B, T, H, K, generator=gen, **bf)
+    doc_start = None
+    if doc_len is not None:
+        doc_start = torch.zeros(B, T, dtype=torch.bool, device=device)
+        doc_start[:, doc_len::doc_len] = True
+    kwargs = dict(A_log_H=A_log, dt_bias_HK=dt_bias, lower_bound=-5.0, scale=K ** -0.5, doc_start_BT=doc_start)
+    return [t.requires_grad_() for t in (q, k, v, f, beta)], kwargs, go

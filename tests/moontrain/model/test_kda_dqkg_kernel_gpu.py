@@ -103,23 +103,12 @@ def test_kda_layer_call_with_the_stage_routed_here_matches_fla(docs: bool) -> No
     later kernels and the L2 norm's backward are shared), and the routed call reached kda_dqkg."""
     pytest.importorskip("fla", reason="needs fla-core (pip install fla-core==0.6.0)")
     from moontrain.model import kda_dqkg_kernel
-    from moontrain.model.kda_ops import kda_fla
+    from moontrain.model.kda_ops import kda_fla, random_kda_inputs
 
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    q, k, v, f = (torch.randn(B, T, H, K, generator=gen, **bf) for _ in range(4))
-    beta = torch.rand(B, T, H, generator=gen, device="cuda")
-    A_log = torch.empty(H, device="cuda").uniform_(1, 16, generator=gen).log()
-    dt_bias = torch.randn(H, K, generator=gen, device="cuda") - 4
-    go = torch.randn(B, T, H, K, generator=gen, **bf)
-    doc_start = None
-    if docs:
-        doc_start = torch.zeros(B, T, dtype=torch.bool, device="cuda")
-        doc_start[:, 1024::1024] = True
-    leaves = [t.requires_grad_() for t in (q, k, v, f, beta)]
+    leaves, kwargs, go = random_kda_inputs(B, T, H, K, doc_len=1024 if docs else None, seed=3)
 
     def run() -> list[torch.Tensor]:
-        o = kda_fla(*leaves, A_log, dt_bias, lower_bound=-5.0, scale=K ** -0.5, doc_start_BT=doc_start)
+        o = kda_fla(*leaves, **kwargs)
         return [o.detach().clone(), *(g.clone() for g in torch.autograd.grad(o, leaves, go))]
 
     calls = []
