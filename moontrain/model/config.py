@@ -239,9 +239,9 @@ class KernelsConfig:
     # k3_small's shapes: docs/performance.md). The PyTorch KDA keeps what autograd keeps either way
     kda_recompute: bool = True
     # the kernel of fla's KDA backward stage for dq, dk, dg, db and the WY matrix's grad (its slowest):
-    # "fla" (fla's chunk_kda_bwd_wy_dqkg_fused) or "moontrain" (moontrain.model.kda_dqkg_kernel, the same
-    # outputs; not yet measured on a GPU: docs/kda.md). Only where the KDA layers run fla; process-wide
-    kda_dqkg: Literal["fla", "moontrain"] = "fla"
+    # "moontrain" (moontrain.model.kda_dqkg_kernel: the same outputs, ~1.9x faster at k3_small's shapes:
+    # docs/kda.md) or "fla" (fla's chunk_kda_bwd_wy_dqkg_fused). Only where the KDA layers run fla; process-wide
+    kda_dqkg: Literal["fla", "moontrain"] = "moontrain"
     # KDA's causal short convolutions (+ SiLU): "auto" runs the Triton kernel (moontrain.model.short_conv_kernel)
     # on CUDA, else the PyTorch specification (moontrain.model.kda.short_conv); "torch" / "triton" force one
     short_conv: Literal["auto", "torch", "triton"] = "auto"

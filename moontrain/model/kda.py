@@ -113,7 +113,7 @@ class GatedRMSNorm(nn.Module):
 
 class KimiDeltaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, *, kernel: str = "auto", conv: str = "auto", recompute: bool = True,
-                 dqkg: str = "fla", device: torch.device | str | None = None) -> None:
+                 dqkg: str = "moontrain", device: torch.device | str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         D, H, K, W, r = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_conv_size, cfg.kda_gate_rank
