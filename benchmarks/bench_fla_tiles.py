@@ -9,7 +9,8 @@ Hopper for some kernels; larger K and V blocks), at B x T x H heads of 128 (defa
 Why: fla's autotune key leaves out B and T, so each kernel keeps the tile it timed at the first shape it met;
 the shipped entries (recipes/data/fla_autotune_h200) were timed at whatever shape came first.
 
-The kernels searched: SWEPT (those of >= 75 us a call in k3_small's profile) or --kernels. Per kernel and key: the tile the seeded cache picks (shipped), the best of fla's list and the best of all, each
+The kernels searched: SWEPT (those of >= 75 us a call in k3_small's profile but the stage kernels.kda_dqkg
+replaces) or --kernels. Per kernel and key: the tile the seeded cache picks (shipped), the best of fla's list and the best of all, each
 timed here by Triton's autotuner (median of its repeats). Then chunk_kda's forward + backward end to end
 (median of --iters CUDA-event timings) with the shipped tiles and with the best ones, and the largest
 difference of the output and the input grads between the two (a tile changes summation orders only).
@@ -39,10 +40,13 @@ MODULES = ("fla.ops.kda.chunk_bwd", "fla.ops.kda.chunk_intra", "fla.ops.kda.wy_f
            "fla.ops.common.chunk_delta_h", "fla.ops.gla.chunk", "fla.modules.norm.l2norm", "fla.ops.utils.cumsum",
            "fla.ops.kda.chunk_fwd")
 HEAD_DIM = 128
-SWEPT = ("chunk_kda_bwd_kernel_wy_dqkg_fused", "chunk_kda_bwd_kernel_intra", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
+# the kernels of >= 75 us per call in k3_small's profile (docs/performance.md), less fla's WY / inter-chunk
+# backward stage, which training runs on moontrain's kernels (kernels.kda_dqkg; --kernels
+# chunk_kda_bwd_kernel_wy_dqkg_fused still searches it)
+SWEPT = ("chunk_kda_bwd_kernel_intra", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
          "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64", "recompute_w_u_fwd_kda_kernel",
          "chunk_kda_fwd_kernel_intra_sub_chunk", "chunk_kda_fwd_kernel_inter_solve_fused", "chunk_gla_fwd_kernel_o",
-         "chunk_kda_bwd_kernel_dAv")  # the kernels of >= 75 us per call in k3_small's profile (docs/performance.md)
+         "chunk_kda_bwd_kernel_dAv")
 
 
 def extra_configs(name: str) -> list:
