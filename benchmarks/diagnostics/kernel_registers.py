@@ -1,5 +1,6 @@
 """Registers and spills of the KDA backward's WY / inter-chunk stage per tile, from ptxas, without a GPU: fla's
-chunk_kda_bwd_kernel_wy_dqkg_fused and moontrain.model.kda_dqkg_kernel's two kernels, compiled by Triton for
+chunk_kda_bwd_kernel_wy_dqkg_fused and moontrain.model.kda_dqkg_kernel's two kernels (and fla's next
+slowest backward kernel, chunk_kda_bwd_kernel_intra, over its autotune list), compiled by Triton for
 sm90 (H100 / H200) at k3_small's shape (16 heads, K = V = 128, chunk 64, bf16, no documents) and read back
 with the ptxas Triton ships (`ptxas -v`).
 
@@ -13,6 +14,7 @@ the GPU (benchmarks/bench_kda_dqkg.py, benchmarks/bench_fla_tiles.py).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -26,6 +28,7 @@ SHAPE = dict(H=16, K=128, V=128, BT=64)
 FLA_TILES = [(64, 64, 4, 3), (64, 128, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (64, 128, 8, 2)]  # BK, BV, warps, stages
 KBLOCK_TILES = [(64, 64, 4, 2), (64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2)]
 FINISH_TILES = [(64, 4), (64, 8), (128, 8)]  # BV, warps (2 stages)
+INTRA_TILES = [(w, s) for w in (1, 2, 4, 8) for s in (2, 3)]  # fla's list for its intra backward (and 4 stages)
 
 
 def jit_function(kernel):
@@ -79,6 +82,17 @@ def main() -> None:
             consts = dict(SHAPE, HV=SHAPE["H"], BK=bk, BV=bv, STATE_V_FIRST=False, IS_VARLEN=False, USE_GRAPH=False)
             print(f"fla wy_dqkg_fused             {bk:3d} {bv:3d} {w:5d} {s:6d}  "
                   f"{ptxas_report(fla_bwd.chunk_kda_bwd_kernel_wy_dqkg_fused, pointers, consts, w, s)}", flush=True)
+    if fla_bwd is not None:  # the recipe's gate: safe_gate with lower_bound -5 (moontrain.model.kda_ops)
+        from fla.ops.kda import chunk_intra
+
+        pointers = {n: "*bf16" for n in ("q", "k")}
+        pointers |= {n: "*fp32" for n in ("g", "beta", "dAqk", "dAkk", "dq", "dq2", "dk", "dk2", "dg", "dg2", "db")}
+        pointers |= {"cu_seqlens": "*i64", "chunk_indices": "*i64"}
+        consts = dict(H=SHAPE["H"], HV=SHAPE["H"], K=SHAPE["K"], BT=SHAPE["BT"], BC=16, BK=32, NC=4, IS_VARLEN=False,
+                      SAFE_GATE=True, GATE_SHIFT=5.0 / math.log(2), USE_GATHER=False, USE_GRAPH=False)
+        for w, s in INTRA_TILES:
+            print(f"fla bwd_intra (BC 16)          32   - {w:5d} {s:6d}  "
+                  f"{ptxas_report(chunk_intra.chunk_kda_bwd_kernel_intra, pointers, consts, w, s)}", flush=True)
     pointers = {n: "*bf16" for n in ("q", "k", "v_new", "A", "h", "do", "dh", "dv")}
     pointers |= {n: "*fp32" for n in ("g", "beta", "dq", "dk", "dg", "dA_part", "db_part")}
     pointers |= {"cu_seqlens": "*i64", "chunk_indices": "*i64", "scale": "fp32"}
