@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|glu|tiles|dqkg|optim|determinism|ckpt|dense|mfu|learning ...]
-#   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, glu, tiles, dqkg, optim,
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|glu|tiles|kdabwd|optim|determinism|ckpt|dense|mfu|learning ...]
+#   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, glu, tiles, kdabwd, optim,
 #   determinism, ckpt, dense and mfu run on one GPU)
 # tests: on one GPU the single-GPU tier (`pytest -m "gpu or multigpu"`, the multigpu tests skip) in TEST_WORKERS
 # (default 4) pytest-xdist workers sharing the GPU, whole files per worker, TEST_LIMIT s (default 300) per test
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
 # absent. On 2+ GPUs the tier under torchrun --nproc_per_node=2, one log per rank (OUT_DIR/tests_r<rank>.log).
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
-# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / TILES_TIMEOUT / DQKG_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT (s), MFU_ARGS (extra overrides for the mfu step), DET_ONLY (runs of check_determinism, default A,B,P,C,D), COMM_ARGS (bench_comm.py
+# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT (s), MFU_ARGS (extra overrides for the mfu step), DET_ONLY (runs of check_determinism, default A,B,P,C,D), COMM_ARGS (bench_comm.py
 # arguments instead of --experts 96 384, e.g. --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
 # --experts 896 --topk 16 --ranks 8).
 # Every step has its own time limit so one hang cannot eat the rest.
@@ -118,11 +118,12 @@ for step in "${steps[@]}"; do
            timeout "${TILES_TIMEOUT:-500}" python benchmarks/bench_fla_tiles.py --iters 10 ${TILES_ARGS:-} --entries "$out/fla_entries" \
              --out "$out/bench_fla_tiles.json" > "$out/tiles.log" 2>&1
            echo "bench_fla_tiles rc=$?"; grep -vE "^(Triton autotuning|with key|finished after|best config|Autotuning kernel)" "$out/tiles.log" | tail -30 ;;
-    dqkg)  # the KDA backward's WY / inter-chunk stage written here (moontrain.model.kda_dqkg_kernel) against fla's kernel
-           timeout "${DQKG_TIMEOUT:-300}" python -m pytest -q -m gpu tests/moontrain/model/test_kda_dqkg_kernel_gpu.py > "$out/dqkg_tests.log" 2>&1
-           echo "dqkg tests rc=$?"; tail -3 "$out/dqkg_tests.log"
-           timeout "${DQKG_TIMEOUT:-300}" python benchmarks/bench_kda_dqkg.py --out "$out/bench_kda_dqkg.json" > "$out/dqkg_bench.log" 2>&1
-           echo "bench_kda_dqkg rc=$?"; tail -10 "$out/dqkg_bench.log" ;;
-    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, glu, tiles, dqkg, optim, determinism, ckpt, dense, mfu, learning)"; exit 2 ;;
+    kdabwd) # the KDA backward's stages written here (moontrain.model.kda_dqkg_kernel, kda_intra_kernel) against fla's kernels
+           timeout "${KDABWD_TIMEOUT:-300}" python -m pytest -q -s -m gpu tests/moontrain/model/test_kda_dqkg_kernel_gpu.py \
+             tests/moontrain/model/test_kda_intra_kernel_gpu.py tests/moontrain/model/test_kda_fla_backend_gpu.py > "$out/kdabwd_tests.log" 2>&1
+           echo "kda backward stage tests rc=$?"; tail -3 "$out/kdabwd_tests.log"
+           timeout "${KDABWD_TIMEOUT:-300}" python benchmarks/bench_kda_bwd.py --out "$out/bench_kda_bwd.json" > "$out/kdabwd_bench.log" 2>&1
+           echo "bench_kda_bwd rc=$?"; tail -16 "$out/kdabwd_bench.log" ;;
+    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, glu, tiles, kdabwd, optim, determinism, ckpt, dense, mfu, learning)"; exit 2 ;;
   esac
 done

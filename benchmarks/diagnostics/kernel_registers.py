@@ -9,7 +9,7 @@ with the ptxas Triton ships (`ptxas -v`).
 A spilled register is a store to and a load from local memory (L1 / L2) per use: at 255 registers and
 kilobytes of spills per thread a kernel waits on those round trips, which is one hypothesis for a kernel
 far from both its FLOP and its HBM bound. The table is evidence about code generation only; time it on
-the GPU (benchmarks/bench_kda_dqkg.py, benchmarks/bench_fla_tiles.py).
+the GPU (benchmarks/bench_kda_bwd.py, benchmarks/bench_fla_tiles.py).
 """
 
 from __future__ import annotations

@@ -242,6 +242,11 @@ class KernelsConfig:
     # "moontrain" (moontrain.model.kda_dqkg_kernel: the same outputs, ~1.9x faster at k3_small's shapes:
     # docs/kda.md) or "fla" (fla's chunk_kda_bwd_wy_dqkg_fused). Only where the KDA layers run fla; process-wide
     kda_dqkg: Literal["fla", "moontrain"] = "moontrain"
+    # the kernel of fla's KDA backward stage that adds the intra-chunk matrices' part to dq, dk, db and dg:
+    # "moontrain" (moontrain.model.kda_intra_kernel: the same outputs in one program per 64-row chunk: docs/kda.md)
+    # or "fla" (fla's chunk_kda_bwd_intra). moontrain's needs a bounded gate (model.kda_gate_lower_bound in
+    # [-10, 0)); with another bound fla's kernel runs. Only where the KDA layers run fla; process-wide
+    kda_intra: Literal["fla", "moontrain"] = "fla"
     # KDA's causal short convolutions (+ SiLU): "auto" runs the Triton kernel (moontrain.model.short_conv_kernel)
     # on CUDA, else the PyTorch specification (moontrain.model.kda.short_conv); "torch" / "triton" force one
     short_conv: Literal["auto", "torch", "triton"] = "auto"
@@ -260,6 +265,8 @@ class KernelsConfig:
             raise ValueError(f"kernels.kda must be 'auto', 'torch' or 'fla', got {self.kda!r}")
         if self.kda_dqkg not in ("fla", "moontrain"):
             raise ValueError(f"kernels.kda_dqkg must be 'fla' or 'moontrain', got {self.kda_dqkg!r}")
+        if self.kda_intra not in ("fla", "moontrain"):
+            raise ValueError(f"kernels.kda_intra must be 'fla' or 'moontrain', got {self.kda_intra!r}")
         if self.short_conv not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels.short_conv must be 'auto', 'torch' or 'triton', got {self.short_conv!r}")
 

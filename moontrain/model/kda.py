@@ -19,8 +19,9 @@ separate, under their names.
 Kernel: kernels.kda picks kda_ops.kda (pure PyTorch, chunked; CPU and GPU) or kda_ops.kda_fla
 (fla-core's chunk_kda, Triton, with the gate and the L2 norm fused) once, at construction; kernels.short_conv
 likewise the convolutions (short_conv, or moontrain.model.short_conv_kernel's Triton kernel, which reads
-project()'s column slices in place and which torch.compile traces through); kernels.kda_dqkg which kernel
-runs fla's backward stage moontrain.model.kda_dqkg specifies (fla's, or moontrain.model.kda_dqkg_kernel). The KDA call is
+project()'s column slices in place and which torch.compile traces through); kernels.kda_dqkg and
+kernels.kda_intra which kernels run the two fla backward stages moontrain.model.kda_dqkg and kda_intra specify
+(fla's, or moontrain's: moontrain.model.kda_fla_backend routes them). The KDA call is
 excluded from torch.compile (fla's autograd function is opaque to it; the reference's chunk loop would
 unroll); the projections, convolutions and the output norm around it compile.
 
@@ -113,7 +114,7 @@ class GatedRMSNorm(nn.Module):
 
 class KimiDeltaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, *, kernel: str = "auto", conv: str = "auto", recompute: bool = True,
-                 dqkg: str = "moontrain", device: torch.device | str | None = None) -> None:
+                 dqkg: str = "moontrain", intra: str = "fla", device: torch.device | str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         D, H, K, W, r = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_conv_size, cfg.kda_gate_rank
@@ -138,9 +139,14 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(H * K, D, bias=False, device=device)
         self.kernel = select_kda_kernel(kernel, device)  # kernel: kernels.kda; called by recurrence()
         if self.kernel is kda_fla:
-            from moontrain.model.kda_dqkg_kernel import route_fla_stage  # imports triton: only where fla runs
+            from moontrain.model.kda_fla_backend import route_fla_stages  # imports fla: only where fla runs
+            from moontrain.model.kda_intra import MIN_GATE_BOUND
 
-            route_fla_stage(dqkg == "moontrain")  # dqkg: kernels.kda_dqkg (process-wide, as fla's choice is)
+            # dqkg, intra: kernels.kda_dqkg / kda_intra (process-wide, as fla's choice is); moontrain's intra-chunk
+            # kernel factors the gate's exponentials and needs the bound (kernels.kda_intra's comment)
+            bound = cfg.kda_gate_lower_bound
+            route_fla_stages(dqkg=dqkg == "moontrain",
+                             intra=intra == "moontrain" and bound is not None and bound >= MIN_GATE_BOUND)
             if not recompute:  # recompute: kernels.kda_recompute
                 self.kernel = functools.partial(kda_fla, recompute=False)
         # recurrence() outside torch.compile; wrapped here, not as a decorator, which would import torch._dynamo

@@ -15,7 +15,7 @@ H200). Here the stage is split in two:
 MMA operands are in the inputs' dtype (fp32 partials cast to A's dtype before meeting A, as fla does),
 accumulation in fp32. Tiles (BK, BV, warps, stages) are autotuned per (H, K, V, BT, documents or not) and
 dtype; the workspace is sized for the smallest BK, and the finish kernel reads NK from the BK the autotuner
-chose. Measured: not yet on a GPU (benchmarks/bench_kda_dqkg.py compares it with fla's kernel); ptxas
+chose. Measured against fla's kernel by benchmarks/bench_kda_bwd.py (docs/kda.md); ptxas
 (benchmarks/diagnostics/kernel_registers.py) finds the first kernel spill-free at 8 warps where fla's spills.
 
 Rejected: atomics into dA (order-dependent sums); one program per (chunk, head) with the K loop outside
@@ -24,8 +24,6 @@ in the finish kernel (a [B, T, H, K] round trip and the finish kernel serial ove
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -243,40 +241,3 @@ def kda_dqkg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_new: torch.Ten
     _finish_tuned[(grid_t, B * H)](v=v, beta=beta, A=A, dv=dv, dv2=dv2, db=db, dA=dA, dA_part=dA_part,
                                    db_part=db_part, NK=nk, **common)
     return dq, dk, dv2, db, dg, dA
-
-
-def route_fla_stage(own: bool) -> None:
-    """Have fla's chunk_kda backward run its WY / inter-chunk stage on kda_dqkg (own) or on fla's kernel
-    (kernels.kda_dqkg). Process-wide, as fla's choice of the stage is: fla dispatches it through its backend
-    registry (fla.backends), where a backend registered here answers while enabled and only for the calls
-    kda_dqkg takes (its verifier; fla's kernel runs the others)."""
-    _fla_backend().enabled = own
-
-
-@functools.cache
-def _fla_backend() -> type:
-    """The backend class, registered with fla once per process (disabled until route_fla_stage enables it)."""
-    from fla.backends import BaseBackend, register
-
-    @register("kda")
-    class MoontrainStage(BaseBackend):
-        backend_type = "moontrain_kda_dqkg"
-        priority = 0  # before fla's own backends (theirs: 3 and up)
-        enabled = False
-
-        def is_enabled(self) -> bool:
-            return type(self).enabled
-
-        def chunk_kda_bwd_wy_dqkg_fused_verifier(self, **kwargs) -> tuple[bool, str | None]:
-            try:
-                validate(kwargs["q"], kwargs["k"], kwargs["v"], kwargs["g"], kwargs["beta"], kwargs["A"],
-                         kwargs["h"], kwargs.get("state_v_first", False), kwargs.get("cu_seqlens"),
-                         kwargs.get("chunk_size", CHUNK), kwargs.get("chunk_indices"))
-            except ValueError as err:
-                return False, str(err)
-            return True, None
-
-        def chunk_kda_bwd_wy_dqkg_fused(self, **kwargs) -> tuple[torch.Tensor, ...]:
-            return kda_dqkg(**kwargs)
-
-    return MoontrainStage

@@ -56,7 +56,8 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
         self.is_kda = cfg.layer_is_kda(layer_idx)
         self.attn = (KimiDeltaAttention(cfg, kernel=kernels.kda, conv=kernels.short_conv,
-                                        recompute=kernels.kda_recompute, dqkg=kernels.kda_dqkg, device=device)
+                                        recompute=kernels.kda_recompute, dqkg=kernels.kda_dqkg,
+                                        intra=kernels.kda_intra, device=device)
                      if self.is_kda
                      else MLAttention(cfg, pad_head_dims=kernels.attn_pad_head_dims, device=device))
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)

@@ -103,6 +103,7 @@ def test_kda_layer_call_with_the_stage_routed_here_matches_fla(docs: bool) -> No
     later kernels and the L2 norm's backward are shared), and the routed call reached kda_dqkg."""
     pytest.importorskip("fla", reason="needs fla-core (pip install fla-core==0.6.0)")
     from moontrain.model import kda_dqkg_kernel
+    from moontrain.model.kda_fla_backend import route_fla_stages
     from moontrain.model.kda_ops import kda_fla, random_kda_inputs
 
     leaves, kwargs, go = random_kda_inputs(B, T, H, K, doc_len=1024 if docs else None, seed=3)
@@ -115,10 +116,10 @@ def test_kda_layer_call_with_the_stage_routed_here_matches_fla(docs: bool) -> No
     own = kda_dqkg_kernel.kda_dqkg
     try:
         kda_dqkg_kernel.kda_dqkg = lambda **kw: calls.append(1) or own(**kw)
-        kda_dqkg_kernel.route_fla_stage(True)
+        route_fla_stages(dqkg=True, intra=False)
         routed = run()
     finally:
-        kda_dqkg_kernel.route_fla_stage(False)
+        route_fla_stages(dqkg=False, intra=False)
         kda_dqkg_kernel.kda_dqkg = own
     base = run()
     assert len(calls) == 1

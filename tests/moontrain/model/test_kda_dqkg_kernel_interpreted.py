@@ -89,28 +89,3 @@ def test_validation_messages(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match=r"packed documents \(cu_seqlens\) need batch 1, got B=2"):
         kda_dqkg(**dict(stage_inputs(2, 64, 2, 32, 32, torch.float32, "cpu", seed=0),
                         cu_seqlens=torch.tensor([0, 64])))
-
-
-def test_route_fla_stage_dispatches_fla_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    """kernels.kda_dqkg=moontrain: fla's dispatched chunk_kda_bwd_wy_dqkg_fused (what fla's backward calls)
-    reaches kda_dqkg with fla's keyword arguments; calls kda_dqkg cannot take (grouped value heads) are left to
-    fla's kernel by the verifier; off, the backend answers nothing. Needs fla-core (the GPU machines' kit)."""
-    pytest.importorskip("fla.ops.kda.chunk_bwd", reason="needs fla-core (pip install fla-core==0.6.0)")
-    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
-
-    calls = []
-    monkeypatch.setattr(kda_dqkg_kernel, "kda_dqkg", lambda **kw: calls.append(kw) or ("ours",))
-    inputs = stage_inputs(1, 64, 2, 32, 32, torch.float32, "cpu", seed=0)
-    backend = kda_dqkg_kernel._fla_backend()
-    try:
-        kda_dqkg_kernel.route_fla_stage(True)
-        assert chunk_kda_bwd_wy_dqkg_fused(**inputs) == ("ours",)
-        assert len(calls) == 1 and calls[0].keys() == inputs.keys()
-        assert all(calls[0][name] is x for name, x in inputs.items())
-        grouped = dict(inputs, v=torch.cat([inputs["v"]] * 2, dim=2))
-        accepted, why = backend().verify("chunk_kda_bwd_wy_dqkg_fused", **grouped)
-        assert not accepted and "grouped value heads" in why
-        assert backend().is_enabled()
-    finally:
-        kda_dqkg_kernel.route_fla_stage(False)
-    assert not backend().is_enabled()

@@ -1,0 +1,67 @@
+"""moontrain.model.kda_fla_backend: fla's dispatched KDA backward stages (what fla's chunk_kda_bwd calls) reach
+moontrain's launchers with fla's keyword arguments while routed, calls a kernel cannot take are left to fla's by
+the verifiers, and unrouted the backend answers nothing. The launchers are replaced by recorders: no kernel
+runs. Marked gpu: it needs fla-core, which the GPU machines' kit installs (the CPU tier has none)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moontrain.model import kda_dqkg, kda_intra
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def backend():
+    pytest.importorskip("fla.ops.kda.chunk_bwd", reason="needs fla-core (pip install fla-core==0.6.0)")
+    from moontrain.model.kda_fla_backend import _fla_backend, route_fla_stages
+
+    yield _fla_backend()
+    route_fla_stages(dqkg=False, intra=False)
+
+
+def test_dqkg_stage_routes(backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
+
+    from moontrain.model import kda_dqkg_kernel
+    from moontrain.model.kda_fla_backend import route_fla_stages
+
+    calls = []
+    monkeypatch.setattr(kda_dqkg_kernel, "kda_dqkg", lambda **kw: calls.append(kw) or ("ours",))
+    inputs = kda_dqkg.random_stage_inputs(1, 64, 2, 32, 32, torch.float32, "cpu", seed=0)
+    route_fla_stages(dqkg=True, intra=False)
+    assert chunk_kda_bwd_wy_dqkg_fused(**inputs) == ("ours",)
+    assert len(calls) == 1 and calls[0].keys() == inputs.keys()
+    assert all(calls[0][name] is x for name, x in inputs.items())
+    grouped = dict(inputs, v=torch.cat([inputs["v"]] * 2, dim=2))
+    accepted, why = backend().verify("chunk_kda_bwd_wy_dqkg_fused", **grouped)
+    assert not accepted and "grouped value heads" in why
+    accepted, why = backend().verify("chunk_kda_bwd_intra", **kda_intra.random_stage_inputs(
+        1, 64, 2, 32, torch.float32, "cpu", seed=0))
+    assert not accepted and why == "kernels.kda_intra=fla"
+    route_fla_stages(dqkg=False, intra=False)
+    assert not backend().is_enabled()
+
+
+def test_intra_stage_routes(backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
+
+    from moontrain.model import kda_intra_kernel
+    from moontrain.model.kda_fla_backend import route_fla_stages
+
+    calls = []
+    monkeypatch.setattr(kda_intra_kernel, "kda_intra", lambda **kw: calls.append(kw) or ("ours",))
+    inputs = kda_intra.random_stage_inputs(1, 64, 2, 32, torch.float32, "cpu", seed=0)
+    route_fla_stages(dqkg=False, intra=True)
+    assert chunk_kda_bwd_intra(**inputs) == ("ours",)
+    assert len(calls) == 1 and all(calls[0][name] is x for name, x in inputs.items())
+    for change, reason in ((dict(safe_gate=False), "safe_gate=False"),
+                           (dict(g=torch.cat([inputs["g"]] * 2, dim=2)), "grouped value heads"),
+                           (dict(dq=inputs["dq"].double()), "not all fp32")):
+        accepted, why = backend().verify("chunk_kda_bwd_intra", **dict(inputs, **change))
+        assert not accepted and reason in why, why
+    accepted, why = backend().verify("chunk_kda_bwd_wy_dqkg_fused", **kda_dqkg.random_stage_inputs(
+        1, 64, 2, 32, 32, torch.float32, "cpu", seed=0))
+    assert not accepted and why == "kernels.kda_dqkg=fla"
