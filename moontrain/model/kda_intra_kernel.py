@@ -85,7 +85,7 @@ if triton is not None:
             # pairs inside one block: anchor at the middle of the block's valid rows
             first = (o_t // BC) * BC
             mid = (first + tl.minimum(first + BC, n_t) - 1) // 2
-            b_d = tl.where(m_tk, b_g - tl.load(g + mid[:, None] * (H * K) + o_k[None, :]).to(tl.float32), 0.0)
+            b_d = tl.where(m_tk, b_g - tl.load(g + mid[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0), 0.0)
             e_up = tl.exp2(b_d)
             e_dn = tl.exp2(-b_d)
             same = (first[:, None] == first[None, :]) & m_t[:, None] & m_t[None, :]
