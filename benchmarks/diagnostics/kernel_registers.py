@@ -50,7 +50,7 @@ def ptxas_report(kernel, pointers: dict[str, str], constants: dict, num_warps: i
     signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}
     # pointers 16-byte aligned, as Triton's launcher specializes them for torch's allocations (without the
     # hint the loads are not vectorized and the registers differ from the kernel that runs)
-    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in pointers.items() if t.startswith("*")}
+    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in pointers.items() if t.startswith("*") and n in fn.arg_names}
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(n),): v for n, v in constants.items()}, attrs=aligned)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
