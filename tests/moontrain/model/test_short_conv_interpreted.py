@@ -84,6 +84,9 @@ def test_validation_messages() -> None:
         short_conv_silu(x, w, torch.zeros(2, 8, dtype=torch.long))
     with pytest.raises(ValueError, match=r"got torch\.int32"):
         short_conv_silu(x, w, torch.zeros(2, 9, dtype=torch.int32))
+    wide = torch.empty(1, 2 ** 20, 2 ** 11 + 8, device="meta")[..., :8]  # 2^20 rows of stride 2^11 + 8
+    with pytest.raises(ValueError, match=r"T \* row stride = 1048576 \* 2056 does not fit .* int32 row offsets"):
+        short_conv_silu(wide, w.to("meta"), None)
     with pytest.raises(ValueError, match=r"different devices \['cpu', 'meta'\]"):
         short_conv_silu(x, w.to("meta"), None)
 
