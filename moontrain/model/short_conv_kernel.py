@@ -1,21 +1,19 @@
 """Triton kernels of KDA's causal short convolution + SiLU, forward and backward
 (moontrain.model.kda.short_conv is the specification).
 
-Legend: B batch, T sequence, C channels, W conv taps (kda_conv_size), NB (batch, time span) programs.
+Legend: B batch, T sequence, C channels, W conv taps (kda_conv_size), NB (batch, time block) programs.
 
     pre[t] = sum_{s<W} w[c, W-1-s] x[t-s]  over taps with t-s >= 0 and doc[t-s] == doc[t]     y = silu(pre)
     dpre   = dy silu'(pre)                 silu'(p) = sig(p) (1 + p (1 - sig(p)))
     dx[t]  = sum_{s<W} w[c, W-1-s] dpre[t+s]  over t+s < T and doc[t+s] == doc[t]
     dw[c, W-1-s] = sum_{b,t} dpre[t] x[t-s]  over the forward's taps
-Every forward and dx program covers (a channel block, a time block, a batch row). The forward reads the W
-shifted x tiles (rows t-W+1..t; the overlap between neighbouring programs hits the cache), accumulates in
-fp32, stores y in x's dtype. The backward is two kernels: the first recomputes pre (nothing but x, w and the
-document ids is saved), stores dpre in x's dtype (the precision the specification's autograd has it in) and
-writes its fp32 dw partial; the second sums dx from W shifted dpre tiles. A dpre program walks BWD_SPAN_T
-rows of a channel block, BWD_BLOCK_T at a time, reading the W taps as one [W, rows, channels] tile that
-serves both pre and the products dpre x, which it sums elementwise over its rows and reduces across rows
-once, at the end. dw is deterministic: each (batch, span) program writes its fp32 [C, W] partial to its own
-slot of an [NB, C, W] buffer, one torch sum over NB follows (no atomics).
+Every program covers (a channel block, a time block, a batch row). The forward reads the W shifted x tiles
+(rows t-W+1..t; the overlap between neighbouring programs hits the cache), accumulates in fp32, stores y in
+x's dtype. The backward is two kernels: the first recomputes pre (nothing but x, w and the document ids is
+saved), stores dpre in x's dtype (the precision the specification's autograd has it in) and writes its
+fp32 dw partial; the second sums dx from W shifted dpre tiles. dw is deterministic: each (batch, time block)
+program writes its fp32 [C, W] partial to its own slot of an [NB, C, W] buffer, one torch sum over NB
+follows (no atomics).
 
 Inputs: x [B, T, C] with unit channel stride, any batch and time strides (a column slice of a projection
 output is read in place); w the [C, 1, W] parameter (fp32 or bf16); doc_id int64 [B, T] or None (a constexpr:
@@ -26,12 +24,15 @@ register_autograd from ShortConvFunction's setup_context/backward, so a compiled
 convolution without a graph break (Inductor sees the Triton kernels). Under TRITON_INTERPRET=1 wrap_triton
 hands back the interpreted kernel, which runs eagerly but cannot be traced with fake tensors.
 
-Measured costs and tiles: docs/performance.md (bench_short_conv.py).
+Cost at [4, 4096, 2048] bf16, x a column slice, no documents (H200, 2026-12-02, in a training step): forward
+50 us, dpre 239 us, dx 43 us (HBM alone: ~25, ~60, ~40 us): dpre is the one to speed up. Its tiles, swept by
+benchmarks/bench_short_conv.py, do not help (docs/performance.md): it is slow by structure.
 
 Rejected: atomics into dw (order-dependent sums); saving y or pre (one more [B, T, C] tensor per conv); one
-backward kernel recomputing dpre for every shift (W * W + 2 W tile loads per program, 8x its traffic); a dpre
-program per time block reducing each tap's products across rows (W reductions and W tap reloads a block);
-autotuning (fixed tiles keep the dw partials' reduction order, hence the result, independent of the run).
+backward kernel recomputing dpre for every shift (W * W + 2 W tile loads per program: ~480 us, 8x its
+traffic); a dpre program walking 256 rows with the W taps as one [W, rows, channels] tile and one reduction
+at the end (1.3-1.5x slower, docs/performance.md); autotuning (fixed tiles keep the dw partials' reduction
+order, hence the result, independent of the run).
 """
 
 from __future__ import annotations
@@ -41,10 +42,8 @@ import triton
 import triton.language as tl
 
 FWD_BLOCK_T, FWD_BLOCK_C = 32, 128  # measured best of 16-128 x 64-256 rows x channels, 4 or 8 warps
-BWD_BLOCK_T, BWD_BLOCK_C = 32, 64
-BWD_SPAN_T = 256  # rows of one dpre program (a multiple of BWD_BLOCK_T): its dw partial's rows
+BWD_BLOCK_T, BWD_BLOCK_C = 64, 64
 NUM_WARPS = 4
-DPRE_WARPS = 4
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -103,42 +102,26 @@ def _short_conv_fwd_kernel(x_ptr, w_ptr, doc_ptr, y_ptr, T, C,
 @triton.jit
 def _short_conv_dpre_kernel(x_ptr, w_ptr, doc_ptr, dy_ptr, dpre_ptr, dw_part_ptr, T, C,
                             stride_xb, stride_xt, stride_wc, stride_ww, stride_db, stride_dt, stride_gb, stride_gt,
-                            W: tl.constexpr, WP: tl.constexpr, HAS_DOCS: tl.constexpr, BLOCK_T: tl.constexpr,
-                            BLOCK_C: tl.constexpr, SPAN_T: tl.constexpr):
-    """dpre = dy silu'(pre) (pre recomputed) stored in x's dtype over SPAN_T rows, BLOCK_T at a time, and the
-    program's fp32 dw partial: the products dpre x of every tap summed elementwise in a [WP, BLOCK_T,
-    BLOCK_C] accumulator (WP = W rounded up to a power of two) and over rows once, at the end."""
+                            W: tl.constexpr, HAS_DOCS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dpre = dy silu'(pre) (pre recomputed) stored in x's dtype, and the program's fp32 dw partial."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rows = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     b = tl.program_id(2).to(tl.int64)
     x_ptr += b * stride_xb
     dy_ptr += b * stride_gb
-    dpre_ptr += b * T * C
     if HAS_DOCS:
         doc_ptr += b * stride_db
     cmask = cols < C
-    taps = tl.arange(0, WP)[:, None, None]  # s: the tap reading row t - s
-    w = tl.load(w_ptr + cols[None, None, :] * stride_wc + (W - 1 - taps) * stride_ww,
-                mask=(taps < W) & cmask[None, None, :], other=0.0).to(tl.float32)
-    acc = tl.zeros((WP, BLOCK_T, BLOCK_C), dtype=tl.float32)
-    for i in range(SPAN_T // BLOCK_T):
-        rows = tl.program_id(1) * SPAN_T + i * BLOCK_T + tl.arange(0, BLOCK_T)
-        src = rows[None, :, None] - taps  # [WP, BLOCK_T, 1]
-        keep = (taps < W) & (src >= 0) & (rows < T)[None, :, None]
-        if HAS_DOCS:
-            doc_src = tl.load(doc_ptr + src * stride_dt, mask=keep, other=-1)
-            doc_row = tl.load(doc_ptr + rows * stride_dt, mask=rows < T, other=-2)
-            keep &= doc_src == doc_row[None, :, None]
-        x = tl.load(x_ptr + src * stride_xt + cols[None, None, :], mask=keep & cmask[None, None, :],
-                    other=0.0).to(tl.float32)
-        pre = tl.sum(x * w, axis=0)
-        sig = 1.0 / (1.0 + tl.exp(-pre))
-        dpre = _load_rows(dy_ptr, rows, cols, stride_gt, T, C) * sig * (1.0 + pre * (1.0 - sig))
-        mask = (rows < T)[:, None] & cmask[None, :]
-        tl.store(dpre_ptr + rows[:, None] * C + cols[None, :], dpre.to(dpre_ptr.dtype.element_ty), mask=mask)
-        acc += x * dpre[None, :, :]
-    tap = tl.arange(0, WP)[:, None]
-    part_ptr = dw_part_ptr + ((b * tl.num_programs(1) + tl.program_id(1)) * C + cols[None, :]) * W + (W - 1 - tap)
-    tl.store(part_ptr, tl.sum(acc, axis=1), mask=(tap < W) & cmask[None, :])
+    pre = _pre(x_ptr, w_ptr, doc_ptr, rows, cols, stride_xt, stride_wc, stride_ww, stride_dt, T, C, W, HAS_DOCS)
+    sig = 1.0 / (1.0 + tl.exp(-pre))
+    dpre = _load_rows(dy_ptr, rows, cols, stride_gt, T, C) * sig * (1.0 + pre * (1.0 - sig))
+    mask = (rows < T)[:, None] & cmask[None, :]
+    dpre_ptr += b * T * C
+    tl.store(dpre_ptr + rows[:, None] * C + cols[None, :], dpre.to(dpre_ptr.dtype.element_ty), mask=mask)
+    part_ptr = dw_part_ptr + ((b * tl.num_programs(1) + tl.program_id(1)) * C + cols) * W
+    for s in tl.static_range(W):
+        x = _tap(x_ptr, doc_ptr, rows, s, cols, stride_xt, stride_dt, T, C, HAS_DOCS)
+        tl.store(part_ptr + (W - 1 - s), tl.sum(dpre * x, axis=0), mask=cmask)
 
 
 @triton.jit
@@ -188,16 +171,15 @@ def _short_conv_silu_dpre_op(dy_BTC: torch.Tensor, x_BTC: torch.Tensor, w_C1W: t
     """(dpre [B, T, C] in x's dtype, dw in w's dtype)."""
     B, T, C = x_BTC.shape
     W = w_C1W.shape[-1]
-    num_spans = triton.cdiv(T, BWD_SPAN_T)
+    num_t_blocks = triton.cdiv(T, BWD_BLOCK_T)
     dpre_BTC = torch.empty((B, T, C), dtype=x_BTC.dtype, device=x_BTC.device)
-    dw_part_NCW = torch.empty((B * num_spans, C, W), dtype=torch.float32, device=x_BTC.device)
-    grid = (triton.cdiv(C, BWD_BLOCK_C), num_spans, B)
+    dw_part_NCW = torch.empty((B * num_t_blocks, C, W), dtype=torch.float32, device=x_BTC.device)
+    grid = (triton.cdiv(C, BWD_BLOCK_C), num_t_blocks, B)
     torch.library.wrap_triton(_short_conv_dpre_kernel)[grid](
         x_BTC, w_C1W, doc_id_BT, dy_BTC, dpre_BTC, dw_part_NCW, T, C,
         x_BTC.stride(0), x_BTC.stride(1), w_C1W.stride(0), w_C1W.stride(2), *_doc_strides(doc_id_BT),
         dy_BTC.stride(0), dy_BTC.stride(1),
-        W=W, WP=triton.next_power_of_2(W), HAS_DOCS=doc_id_BT is not None, BLOCK_T=BWD_BLOCK_T,
-        BLOCK_C=BWD_BLOCK_C, SPAN_T=BWD_SPAN_T, num_warps=DPRE_WARPS)
+        W=W, HAS_DOCS=doc_id_BT is not None, BLOCK_T=BWD_BLOCK_T, BLOCK_C=BWD_BLOCK_C, num_warps=NUM_WARPS)
     return dpre_BTC, dw_part_NCW.sum(0).to(w_C1W.dtype).unsqueeze(1)
 
 

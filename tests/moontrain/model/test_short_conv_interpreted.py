@@ -33,12 +33,10 @@ DTYPES = {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch
 @pytest.fixture
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tiles smaller than the GPU's, so T = 70 spans several time blocks (the last partial) and C = 72 two
-    channel blocks of 64 (the second partial) in both kernels; dpre's programs two time blocks each (the
-    second program's second block wholly past T)."""
+    channel blocks of 64 (the second partial) in both kernels."""
     monkeypatch.setattr(short_conv_kernel, "FWD_BLOCK_T", 16)
     monkeypatch.setattr(short_conv_kernel, "FWD_BLOCK_C", 64)
     monkeypatch.setattr(short_conv_kernel, "BWD_BLOCK_T", 32)
-    monkeypatch.setattr(short_conv_kernel, "BWD_SPAN_T", 64)
 
 
 @pytest.mark.parametrize(("dtypes", "W", "docs"), [(d, W, docs) for d in ("fp32", "bf16")
