@@ -243,9 +243,10 @@ def short_conv_silu(x_BTC: torch.Tensor, w_C1W: torch.Tensor, doc_id_BT: torch.T
     if doc_id_BT is not None and (doc_id_BT.shape != (B, T) or doc_id_BT.dtype != torch.int64):
         raise ValueError(f"short_conv_silu: doc_id must be int64 [B, T] = [{B}, {T}], got {doc_id_BT.dtype} "
                          f"{tuple(doc_id_BT.shape)}; pass the batch's document ids (or None: one document per row)")
-    if T * max(x_BTC.stride(1), C) >= 2 ** 31:
-        raise ValueError(f"short_conv_silu: T * row stride = {T} * {max(x_BTC.stride(1), C)} does not fit the kernels' "
-                         "int32 row offsets (< 2^31); split the sequence into shorter rows (a larger batch)")
+    row_stride = max(x_BTC.stride(1), C)  # x's rows, and dpre's / dx's contiguous ones
+    if T * row_stride >= 2 ** 31:
+        raise ValueError(f"short_conv_silu: T * row stride = {T} * {row_stride} does not fit the kernels' int32 row "
+                         "offsets (< 2^31); split the sequence into shorter rows (a larger batch)")
     devices = {t.device for t in (x_BTC, w_C1W, doc_id_BT) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"short_conv_silu: x, w and doc_id on different devices {sorted(map(str, devices))}; "
