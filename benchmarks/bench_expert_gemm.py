@@ -1,12 +1,15 @@
 """The fused expert GEMMs against torch._grouped_mm plus the separate passes they replace, on one GPU.
 
     python benchmarks/bench_expert_gemm.py [--shapes k3_small_moe k3] [--iters 10] [--out DIR]
+    python benchmarks/bench_expert_gemm.py --shapes k3_small dsv3_E96 --quack pp128x192 co128x224 co256x128
 
 Shapes per rank (one pass of one MoE layer):
     k3_small_moe   H 2048 (latent = hidden), F 1024, E 192 at EP 2: 96 local groups + 96 slot groups,
                    4096 x 4 sequences x top-8 = 131072 rows, swiglu
     k3             H 3584 (latent), F 3072, E 896 at EP 8: 112 local + 112 slot groups,
                    8192 tokens x top-16 = 131072 rows, situ_glu
+    k3_small       the recipe's latent MoE at EP 1: H 1024 (latent), F 896, 64 groups, 16384 tokens x top-8, situ_glu
+    dsv3_E96       issue 35's DeepSeek-V3 point at EP 1: H 2048, F 1024, 96 groups, 32768 tokens x top-8, swiglu
 The rows go to the local groups (equal sizes, or log-normal with --spread sigma), each padded to 16 as
 moonep pads them; the slot groups stay empty (a balanced step: no copies), as in W_compact.
 
@@ -19,6 +22,10 @@ Cases, each timed with CUDA events (median of --iters after --warmup; Triton's a
                 torch._grouped_mm's bf16 wgrad, the masked accumulation into the fp32 grads
                 (moonep.kernels.experts.accumulate_groups), their sum; torch._grouped_mm with an fp32
                 output plus an fp32 add where this torch supports it; moonep.kernels.grouped_wgrad.
+  --quack TILE...: quack's grouped GEMMs (moonep.kernels.quack_gemm, BufferOptions.expert_gemm="quack") at
+                each named tile (quack_gemm.gemm_config): the gate GEMM (varlen M), the down GEMM and the
+                input gradient through W_gate^T (a transposed view), each beside torch._grouped_mm, and the
+                weight gradient added into the fp32 grads in the epilogue, beside the baseline's two passes.
 TFLOP/s counts 2 n I O per GEMM (n rows in groups); a fused or summed row counts the GEMMs it covers.
 Each fused result is compared with its baseline (max |diff| relative to max |baseline|). Table printed;
 JSON (rows, chosen tile configs, device) written to --out after every shape.
@@ -43,7 +50,10 @@ from moonep.grouped_gemm import grouped_mm, grouped_mm_wgrad
 SHAPES = {  # name -> (H, F, local groups, slot groups, rows, activation)
     "k3_small_moe": (2048, 1024, 96, 96, 4096 * 4 * 8, "swiglu"),
     "k3": (3584, 3072, 112, 112, 8192 * 16, "situ_glu"),
+    "k3_small": (1024, 896, 64, 0, 4096 * 4 * 8, "situ_glu"),
+    "dsv3_E96": (2048, 1024, 96, 0, 4096 * 8 * 8, "swiglu"),
 }
+DEFAULT_SHAPES = ["k3_small_moe", "k3"]
 PADDING = 16
 
 
@@ -168,6 +178,63 @@ def wgrad_rows(name: str, I: int, O: int, label: str, offs: torch.Tensor, N: int
     return rows
 
 
+def quack_rows(name: str, H: int, F: int, offs: torch.Tensor, N: int, g: torch.Tensor, args) -> list[dict]:
+    """quack's grouped GEMMs at each --quack tile beside torch._grouped_mm: the gate GEMM [n, H] x [G, H, F],
+    the down GEMM [n, F] x [G, F, H], the input gradient [n, F] x W_gate^T (a view) and the weight gradient
+    into the fp32 grads (scale 0.5, beta = 1) beside torch's bf16 wgrad plus accumulate_groups."""
+    from moonep.kernels import quack_gemm
+    from moonep.kernels.experts import accumulate_groups
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    G = offs.numel()
+    n = int(offs[-1])
+    x = torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16)
+    a = torch.randn(N, F, device="cuda", generator=gen).to(torch.bfloat16)
+    wg = (torch.randn(G, H, F, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16)
+    wd = (torch.randn(G, F, H, device="cuda", generator=gen) * F**-0.5).to(torch.bfloat16)
+    rows: list[dict] = []
+    gemm = 2 * n * H * F
+    for op, lhs, w in (("gate GEMM", x, wg), ("down GEMM", a, wd), ("dgrad through W_gate^T", a, wg.transpose(1, 2))):
+        want = grouped_mm(lhs, w, offs)
+        base_ms = median_ms(lambda lhs=lhs, w=w: grouped_mm(lhs, w, offs), args.iters, args.warmup)
+        rows.append({"shape": name, "op": f"quack {op}", "case": "torch._grouped_mm", "ms": base_ms,
+                     "tflops": gemm / base_ms / 1e9, "speedup_vs_baseline": None})
+        for tile in args.quack:
+            began = time.perf_counter()
+            got = quack_gemm.grouped_mm(lhs, w, offs, tile=tile)
+            torch.cuda.synchronize()
+            first_s = time.perf_counter() - began
+            ms = median_ms(lambda lhs=lhs, w=w, tile=tile: quack_gemm.grouped_mm(lhs, w, offs, tile=tile),
+                           args.iters, args.warmup)
+            rows.append({"shape": name, "op": f"quack {op}", "case": f"quack {tile}", "ms": ms,
+                         "tflops": gemm / ms / 1e9, "speedup_vs_baseline": base_ms / ms,
+                         "rel_diff_vs_baseline": rel_diff(got[:n], want[:n]), "first_call_s": first_s})
+    del a, wd, want, got
+    g = g.view(G, H, F)
+    d = torch.randn(N, F, device="cuda", generator=gen).to(torch.bfloat16)
+    scale = 0.5
+    g.zero_()
+    accumulate_groups(g, grouped_mm_wgrad(x, d, offs), offs, scale)
+    base = g.clone()
+    base_ms = median_ms(lambda: accumulate_groups(g, grouped_mm_wgrad(x, d, offs), offs, scale), args.iters,
+                        args.warmup)
+    rows.append({"shape": name, "op": "quack wgrad into fp32", "case": "torch wgrad (bf16) + accumulate", "ms": base_ms,
+                 "tflops": gemm / base_ms / 1e9, "speedup_vs_baseline": None})
+    for tile in args.quack:
+        g.zero_()
+        began = time.perf_counter()
+        quack_gemm.accumulate_wgrad(g, x, d, offs, scale, 0, tile=tile)
+        torch.cuda.synchronize()
+        first_s = time.perf_counter() - began
+        diff = rel_diff(g, base)
+        ms = median_ms(lambda tile=tile: quack_gemm.accumulate_wgrad(g, x, d, offs, scale, 0, tile=tile), args.iters,
+                       args.warmup)
+        rows.append({"shape": name, "op": "quack wgrad into fp32", "case": f"quack {tile} (beta = 1)", "ms": ms,
+                     "tflops": gemm / ms / 1e9, "speedup_vs_baseline": base_ms / ms, "rel_diff_vs_baseline": diff,
+                     "first_call_s": first_s})
+    return rows
+
+
 def print_rows(rows: list[dict]) -> None:
     for r in rows:
         tf = "" if r["tflops"] is None else f"{r['tflops']:8.1f}"
@@ -185,10 +252,13 @@ def print_rows(rows: list[dict]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=list(SHAPES))
+    p.add_argument("--quack", nargs="+", default=[], metavar="TILE",
+                   help="add quack's grouped GEMMs at these tiles (e.g. pp128x192 co256x128); needs quack-kernels")
     p.add_argument("--activation", choices=["swiglu", "situ_glu"], default=None,
                    help="instead of each shape's recipe activation")
     p.add_argument("--spread", type=float, default=0.0, help="log-normal sigma of the local groups' sizes")
+    p.add_argument("--quack-only", action="store_true", help="with --quack: only its rows (no Triton kernels)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None, help="directory for bench_expert_gemm_<date>.json")
@@ -203,13 +273,19 @@ def main() -> None:
         H, F, local, slots, N, act = SHAPES[name]
         act = args.activation or act
         offs = group_offs(local, slots, N, args.spread, torch.Generator().manual_seed(0))
-        shape_rows = glu_rows(name, H, F, offs, N, act, args)
-        print_rows(shape_rows)
         g = torch.empty(local + slots, H, F, device="cuda")  # the fp32 grad mirror, reused for [G, F, H]
-        for I, O, label in ((H, F, "gate/up"), (F, H, "down")):
-            more = wgrad_rows(name, I, O, label, offs, N, g, args)
+        shape_rows = []
+        if args.quack:
+            shape_rows = quack_rows(name, H, F, offs, N, g, args)
+            print_rows(shape_rows)
+        if not args.quack_only:
+            more = glu_rows(name, H, F, offs, N, act, args)
             print_rows(more)
             shape_rows += more
+            for I, O, label in ((H, F, "gate/up"), (F, H, "down")):
+                more = wgrad_rows(name, I, O, label, offs, N, g, args)
+                print_rows(more)
+                shape_rows += more
         del g
         torch.cuda.empty_cache()
         for r in shape_rows:

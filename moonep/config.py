@@ -13,12 +13,14 @@ KernelsChoice = Literal["auto", "torch", "triton"]
 KERNEL_CHOICES: tuple[str, ...] = ("auto", "torch", "triton")
 CombineReduce = Literal["source", "destination"]
 COMBINE_REDUCE_CHOICES: tuple[str, ...] = ("source", "destination")
+ExpertGemm = Literal["torch", "quack"]
+EXPERT_GEMM_CHOICES: tuple[str, ...] = ("torch", "quack")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class BufferOptions:
-    """How a Buffer runs; none of it changes a result, except fused_expert_gemm and combine_reduce
-    (summation orders).
+    """How a Buffer runs; none of it changes a result, except fused_expert_gemm, expert_gemm and
+    combine_reduce (summation orders).
 
     kernels: data-path implementation, chosen once when the Buffer is built: "torch" (the pure-PyTorch
         specification, moonep.datapath.reference, any device), "triton" (moonep.datapath.triton_path:
@@ -37,6 +39,10 @@ class BufferOptions:
         than torch._grouped_mm's (within bounds tests/moonep/helpers/grouped_gemm_cases.py derives) and no bf16
         rounding of the weight gradient. Off until measured (benchmarks/bench_expert_gemm.py); needs
         the triton path.
+    expert_gemm: the triton path's grouped GEMMs: "torch" (default: torch._grouped_mm, the weight gradient
+        added to the fp32 grads by moonep.kernels.experts) or "quack" (quack's CuTe DSL grouped GEMMs,
+        moonep.kernels.quack_gemm: the weight gradient added in the GEMM's epilogue; needs sm90 and the
+        gpu extra). Other summation orders, within the torch route's bounds.
     combine_reduce: where combine sums a token's rows (docs/moonep.md §6.2). "source" (default, the
         specification's order): the token's rank sums its K rows in fp32, one rounding. "destination":
         each rank first sums the rows of a token it holds and sends one partial row (fewer bytes over
@@ -50,6 +56,7 @@ class BufferOptions:
     num_sms: int | None = None
     scatter_tile: int = 16384
     fused_expert_gemm: bool = False
+    expert_gemm: ExpertGemm = "torch"
     combine_reduce: CombineReduce = "source"
 
     def __post_init__(self) -> None:
@@ -68,6 +75,11 @@ class BufferOptions:
             raise ValueError(f"BufferOptions.scatter_tile must be a power of two >= 256, got {tile!r}")
         if not isinstance(self.fused_expert_gemm, bool):
             raise ValueError(f"BufferOptions.fused_expert_gemm must be True or False, got {self.fused_expert_gemm!r}")
+        if self.expert_gemm not in EXPERT_GEMM_CHOICES:
+            raise ValueError(f"BufferOptions.expert_gemm must be one of {EXPERT_GEMM_CHOICES}, got {self.expert_gemm!r}")
+        if self.fused_expert_gemm and self.expert_gemm != "torch":
+            raise ValueError(f"BufferOptions.fused_expert_gemm (moonep's Triton GEMMs) and expert_gemm="
+                             f"{self.expert_gemm!r} name two GEMM routes; set one of them")
         if self.combine_reduce not in COMBINE_REDUCE_CHOICES:
             raise ValueError(f"BufferOptions.combine_reduce must be one of {COMBINE_REDUCE_CHOICES}, "
                              f"got {self.combine_reduce!r}")

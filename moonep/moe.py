@@ -36,7 +36,6 @@ import torch
 
 from moonep.activation import get_activation
 from moonep.buffer import Buffer
-from moonep.grouped_gemm import grouped_mm
 from moonep.pools import ExpertPools, LayerExperts
 
 PROJECTIONS = ("gate", "up", "down")
@@ -64,7 +63,7 @@ class _ExpertGLU(torch.autograd.Function):
         w = layer.w_compact
         path = buffer.path
         a, h, u = path.gate_up(activation, res.x_rows, w["gate"], w["up"], offs)
-        o = grouped_mm(a, w["down"], offs)
+        o = path.grouped_mm(a, w["down"], offs)
         del a  # not saved: backward recomputes it from h and u
         if _fused_combine(buffer):  # the fp32 product summed as it is, no rounding, no pass of its own
             y_sH, _ = buffer.combine(plan, o, row_weights=w_rows)
@@ -89,7 +88,7 @@ class _ExpertGLU(torch.autograd.Function):
         path = buffer.path
         layer.pools.wait_prefetch()
         w = layer.w_compact
-        g = grouped_mm(gy, w["down"].transpose(1, 2), offs)  # dL/da without the route weight
+        g = path.grouped_mm(gy, w["down"].transpose(1, 2), offs)  # dL/da without the route weight
         grad_h, grad_u, a_w, grad_w_rows = path.glu_route_backward(ctx.activation, g, h, u, w_rows)
         del g
         pools = layer.pools
@@ -98,10 +97,10 @@ class _ExpertGLU(torch.autograd.Function):
         if not pools.uses_slots:  # one rank: the weight grads first, so that each dgrad half frees its input
             ctx.prev = None  # no slot to refill
             _gate_up_weight_grads(ctx, x_sH, grad_h, grad_u)
-        grad_x_rows = grouped_mm(grad_h, w["gate"].transpose(1, 2), offs)
+        grad_x_rows = path.grouped_mm(grad_h, w["gate"].transpose(1, 2), offs)
         if not pools.uses_slots:
             del grad_h
-        grad_x_up = grouped_mm(grad_u, w["up"].transpose(1, 2), offs)
+        grad_x_up = path.grouped_mm(grad_u, w["up"].transpose(1, 2), offs)
         if not _fused_combine(buffer):  # else combine adds the halves in fp32 as it reads them
             # bf16 + bf16 adds in fp32 and rounds once (torch's opmath): the fp32 sum's bits, no fp32 temporary
             grad_x_rows.add_(grad_x_up)

@@ -92,6 +92,11 @@ class DataPath(Protocol):
         ...
 
     # ------------------------------------------------------------------ expert math (moonep.expert_glu)
+    def grouped_mm(self, x_rows: torch.Tensor, w_GIO: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+        """y[rows of g] = x[rows of g] @ w[g] (offs_G cumulative ends; w may be a transposed view) in x's
+        dtype; rows past offs_G[-1]: any value."""
+        ...
+
     def gate_up(self, activation: str, x_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                 offs_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(a, h, u) with h = x W_gate[g], u = x W_up[g] on the rows of group g (grouped GEMMs, bf16) and

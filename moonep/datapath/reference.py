@@ -249,6 +249,9 @@ class ReferencePath:
         accumulate_wgrad(g_GIO, x_rows, grad_rows, offs_G, scale)
 
     # ------------------------------------------------------------------ expert math
+    def grouped_mm(self, x_rows: torch.Tensor, w_GIO: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+        return grouped_mm(x_rows, w_GIO, offs_G)
+
     def gate_up(self, activation: str, x_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                 offs_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         h, u = grouped_mm(x_rows, w_gate, offs_G), grouped_mm(x_rows, w_up, offs_G)

@@ -341,6 +341,9 @@ def test_buffer_config_rejects_bad_sizes(kwargs: dict, match: str) -> None:
     ({"num_sms": 0}, r"BufferOptions.num_sms must be None \(every SM\) or an int >= 1, got 0"),
     ({"scatter_tile": 1000}, r"BufferOptions.scatter_tile must be a power of two >= 256, got 1000"),
     ({"fused_expert_gemm": 1}, r"BufferOptions.fused_expert_gemm must be True or False, got 1"),
+    ({"expert_gemm": "cutlass"}, r"BufferOptions.expert_gemm must be one of \('torch', 'quack'\), got 'cutlass'"),
+    ({"fused_expert_gemm": True, "expert_gemm": "quack"},
+     r"BufferOptions.fused_expert_gemm \(moonep's Triton GEMMs\) and expert_gemm='quack' name two GEMM routes"),
 ])
 def test_buffer_options_reject_bad_values(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -362,6 +365,20 @@ def test_fused_expert_gemm_needs_the_triton_path() -> None:
                      msg), msg
 
 
+def _quack_on_torch_path(rank: int, world: int) -> str:
+    try:
+        Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, options=BufferOptions(expert_gemm="quack")))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_quack_expert_gemm_needs_the_triton_path() -> None:
+    msg = run_ranks(_quack_on_torch_path, 1)[0]
+    assert re.search(r"expert_gemm='quack' needs the triton data path \(CUDA\), this buffer's is 'torch' on cpu; "
+                     r"set expert_gemm='torch'", msg), msg
+
+
 @pytest.mark.parametrize(("shape", "dtype"), [((3, 5), torch.bfloat16), ((3000, 7), torch.bfloat16),
                                               ((48, 10), torch.float32), ((6, 100), torch.bfloat16)])
 def test_granularity_error_suggests_a_size_that_works(shape: tuple[int, int], dtype: torch.dtype) -> None:
@@ -371,3 +388,10 @@ def test_granularity_error_suggests_a_size_that_works(shape: tuple[int, int], dt
         layout.expert_block_bytes(shape, dtype, 1)
     multiple = int(re.search(r"scale H' to a multiple of (\d+)", str(info.value)).group(1))
     layout.expert_block_bytes((shape[0], multiple), dtype, 1)  # must not raise
+
+
+def test_quack_tile_names_are_checked_before_quack_is_imported() -> None:
+    from moonep.kernels import quack_gemm
+
+    with pytest.raises(ValueError, match=r"quack tile name 'pp128': expected \(pp\|co\)<M>x<N>\[-c<cluster M><cluster N>\]"):
+        quack_gemm.gemm_config("pp128")

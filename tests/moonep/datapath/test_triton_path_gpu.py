@@ -1,7 +1,7 @@
 """The refactored data paths on one GPU (R = 1, a one-rank NCCL group of this process): the Triton
 path (kernels, fused planner, expert kernels, fused activations) against the PyTorch path, bitwise
 for data movement, and a whole MoE layer per activation (torch path, triton path, triton path with
-BufferOptions.fused_expert_gemm) against the dense reference with the derived tolerance of
+BufferOptions.fused_expert_gemm or with expert_gemm="quack") against the dense reference with the derived tolerance of
 tests/moonep/test_moe_layer.py. At R = 1 no expert is remote (no slot is used);
 the two-GPU tests (tests/moonep/**/*_multigpu.py, torchrun) cover the peers.
 
@@ -55,14 +55,22 @@ def _dense_reference(activation: str) -> tuple:
             reference_grads(*args, torch.float64, activation))
 
 
-# fused: BufferOptions.fused_expert_gemm; dest: BufferOptions.combine_reduce="destination"
-@pytest.mark.parametrize("kernels", ["torch", "triton", "triton+fused", "torch+dest", "triton+dest"])
+# fused: BufferOptions.fused_expert_gemm; quack: BufferOptions.expert_gemm="quack" (skipped where quack does not
+# import); dest: BufferOptions.combine_reduce="destination"
+@pytest.mark.parametrize("kernels", ["torch", "triton", "triton+fused", "triton+quack", "torch+dest", "triton+dest",
+                                     "triton+quack+dest"])
 @pytest.mark.parametrize("activation", ["swiglu", "situ_glu"])
 def test_moe_layer_one_gpu_matches_dense_reference(one_rank: dist.ProcessGroup, kernels: str, activation: str) -> None:
     x, w, topk, weights, grad_y, ref16, ref64 = _dense_reference(activation)
-    path, _, variant = kernels.partition("+")
-    options = BufferOptions(kernels=path, fused_expert_gemm=variant == "fused",
-                            combine_reduce="destination" if variant == "dest" else "source")
+    path, *variants = kernels.split("+")
+    if "quack" in variants:
+        from moonep.kernels import quack_gemm
+
+        if reason := quack_gemm.unavailable(torch.cuda.current_device()):
+            pytest.skip(reason)
+    options = BufferOptions(kernels=path, fused_expert_gemm="fused" in variants,
+                            expert_gemm="quack" if "quack" in variants else "torch",
+                            combine_reduce="destination" if "dest" in variants else "source")
     buf = Buffer(BufferConfig(max_tokens=Ss, hidden=Hs, topk=Ks, num_experts=Es, options=options), one_rank)
     try:
         pools = ExpertPools(buf, glu_projections(Hs, Fs))
