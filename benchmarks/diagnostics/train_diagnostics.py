@@ -48,11 +48,14 @@ def _point_name(kind: str, trainer: Trainer) -> str:
 def profile_step(trainer: Trainer, layout: ParallelLayout, args: argparse.Namespace, cfg: RunConfig,
                  side: dist.ProcessGroup) -> None:
     """Profile one more step: per rank the ops by CUDA time (top 40), then the ops by self CUDA time
-    split by input shapes (top 60), which tells apart the call sites of one op."""
+    split by input shapes (top 60), which tells apart the call sites of one op, then the Python call sites of
+    the copies and adds (STACKED_OPS) by self CUDA time."""
     from torch.profiler import ProfilerActivity, profile
 
     _align(layout)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+    # verbose: without it this torch records empty Python stacks (checked on 2.13)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True,
+                 experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True)) as prof:
         trainer.train_step()
         torch.cuda.synchronize(layout.device)
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
@@ -63,8 +66,28 @@ def profile_step(trainer: Trainer, layout: ParallelLayout, args: argparse.Namesp
         timeline, every_kernel = timeline_summary(kernels), kernel_table(kernels)
     except Exception as err:
         timeline, every_kernel = f"no timeline: {err!r}\n", ""
-    _write_all_ranks(f"{timeline}\n{table}\n\nby input shapes (self CUDA time):\n{shapes}\n\n{every_kernel}",
+    try:
+        stacks = _op_stacks(prof)
+    except Exception as err:
+        stacks = f"no call stacks: {err!r}\n"
+    _write_all_ranks(f"{timeline}\n{table}\n\nby input shapes (self CUDA time):\n{shapes}\n\n{every_kernel}\n"
+                     f"{stacks}",
                      _point_name("profile", trainer), args, side, layout)
+
+
+# eager ops whose call sites the profile lists: elementwise passes with no home in the op table
+STACKED_OPS = ("aten::copy_", "aten::add", "aten::add_", "aten::clone", "aten::mul", "aten::_to_copy")
+
+
+def _op_stacks(prof, top: int = 30, frames: int = 6) -> str:
+    """STACKED_OPS grouped by their innermost Python frames: count, self CUDA ms and the frames."""
+    rows = [e for e in prof.key_averages(group_by_stack_n=frames) if e.key in STACKED_OPS]
+    rows.sort(key=lambda e: -e.self_device_time_total)
+    out = [f"call sites of {', '.join(STACKED_OPS)} (self CUDA ms, count, innermost {frames} frames):"]
+    for e in rows[:top]:
+        out.append(f"  {e.self_device_time_total / 1e3:9.2f} ms {e.count:6d}  {e.key}")
+        out.extend(f"        {frame}" for frame in e.stack[:frames])
+    return "\n".join(out) + "\n"
 
 
 def _gpu_kernels(prof) -> list[tuple[int, int, int, str]]:
