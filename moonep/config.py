@@ -42,9 +42,8 @@ class BufferOptions:
     expert_gemm: the triton path's grouped GEMMs: "torch" (default: torch._grouped_mm, the weight gradient
         added to the fp32 grads by moonep.kernels.experts) or "quack" (quack's CuTe DSL grouped GEMMs,
         moonep.kernels.quack_gemm: the weight gradient added in the GEMM's epilogue; needs sm90 and the
-        gpu extra). The forward and input-gradient products are the torch route's bits (measured on one H200);
-        the weight gradient skips the bf16 rounding of each pass's product. Measured: docs/performance.md
-        (session 22): 2.4 % off the DeepSeek-V3 point's step, not yet measured on the K3 block.
+        gpu extra). The forward and input-gradient products are the torch route's bits; the weight gradient
+        skips the bf16 rounding of each pass's product. Measured: docs/performance.md.
     combine_reduce: where combine sums a token's rows (docs/moonep.md §6.2). "source" (default, the
         specification's order): the token's rank sums its K rows in fp32, one rounding. "destination":
         each rank first sums the rows of a token it holds and sends one partial row (fewer bytes over
