@@ -42,8 +42,9 @@ class BufferOptions:
     expert_gemm: the triton path's grouped GEMMs: "torch" (default: torch._grouped_mm, the weight gradient
         added to the fp32 grads by moonep.kernels.experts) or "quack" (quack's CuTe DSL grouped GEMMs,
         moonep.kernels.quack_gemm: the weight gradient added in the GEMM's epilogue; needs sm90 and the
-        gpu extra). The forward and input-gradient products are the torch route's bits; the weight gradient
-        skips the bf16 rounding of each pass's product. Measured: docs/performance.md.
+        gpu extra). The forward and input-gradient products: the torch route's products, summed in an order
+        of their own (bitwise equal where measured); the weight gradient skips the bf16 rounding of each
+        pass's product. Measured: docs/performance.md.
     combine_reduce: where combine sums a token's rows (docs/moonep.md §6.2). "source" (default, the
         specification's order): the token's rank sums its K rows in fp32, one rounding. "destination":
         each rank first sums the rows of a token it holds and sends one partial row (fewer bytes over

@@ -254,7 +254,7 @@ class ReferencePath:
 
     def gate_up(self, activation: str, x_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                 offs_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        h, u = grouped_mm(x_rows, w_gate, offs_G), grouped_mm(x_rows, w_up, offs_G)
+        h, u = self.grouped_mm(x_rows, w_gate, offs_G), self.grouped_mm(x_rows, w_up, offs_G)
         return self.glu_forward(activation, h, u), h, u
 
     def glu_forward(self, activation: str, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -5,16 +5,17 @@ by cumulative offsets: varlen M for the forward and the input gradient (y[rows o
 varlen K for the weight gradient, which it adds into the fp32 grads in its epilogue (out = alpha A B + out), so
 the bf16 [G, I, O] temporary of torch._grouped_mm's wgrad and the pass that adds it (moonep.kernels.experts.
 accumulate_groups) go away. The specification stays torch._grouped_mm (moonep.grouped_gemm): the forward and
-the input gradient are the same products with fp32 sums in another order, rounded once to bf16; the weight
-gradient skips the bf16 rounding of each pass's product (closer to the fp32 product than the torch route).
+the input gradient are the same products, fp32 sums rounded once to bf16 (bitwise equal to torch's at the
+benchmark's shapes on one H200, which nothing guarantees for other shapes or versions); the weight gradient
+skips the bf16 rounding of each pass's product (closer to the fp32 product than the torch route).
 tests/moonep/datapath/test_triton_path_gpu.py holds both to the bounds of the torch route.
 
 Offsets: moonep's offs are the cumulative ends of each group (torch._grouped_mm's format); quack takes them with
 a leading zero. Rows past offs[-1] are padding no caller reads; quack leaves them unwritten.
 
-Tiles: one config per GEMM kind (TILES), chosen by benchmarks/bench_expert_gemm.py --quack on one H200 (the
-figures are in docs/performance.md); quack's autotuner is not used (it compiles ~40 configs in the first
-step).
+Tiles: one config per GEMM kind (TILES): pp128x192, the faster of the two tiles benchmarks/bench_expert_gemm.py
+--quack measured on one H200 for every kind but k3_small's input gradient (docs/performance.md); quack's
+autotuner is not used (it compiles ~40 configs in the first step).
 
 Needs sm90 and quack-kernels with its nvidia-cutlass-dsl; `unavailable()` says what is missing, and the Buffer
 refuses the option with that reason.
