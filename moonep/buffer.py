@@ -99,8 +99,8 @@ class Buffer:
         if config.options.fused_expert_gemm and kind != "triton":
             raise ValueError(f"BufferOptions.fused_expert_gemm needs the triton data path (CUDA), this buffer's "
                              f"is {kind!r} on {self.device}; set fused_expert_gemm=False")
-        if config.options.expert_gemm == "quack":
-            _check_quack(kind, self.device)
+        if config.options.expert_gemm != "torch":
+            _check_quack(config.options.expert_gemm, kind, self.device)
         self.heap: SymmetricHeap = create_heap(self.group, self.device, timeout_s=config.options.timeout_s)
         try:
             self.layout = Layout(config, self.num_ranks, self.heap.granularity)
@@ -414,13 +414,14 @@ class Buffer:
         self.destroy()
 
 
-def _check_quack(kind: str, device: torch.device) -> None:
-    """BufferOptions.expert_gemm="quack" runs on the triton path of an sm90 GPU with quack-kernels installed."""
+def _check_quack(choice: str, kind: str, device: torch.device) -> None:
+    """BufferOptions.expert_gemm="quack" / "quack_wgrad" runs on the triton path of an sm90 GPU with quack-kernels
+    installed."""
     if kind != "triton":
-        raise ValueError(f"BufferOptions.expert_gemm='quack' needs the triton data path (CUDA), this buffer's is "
+        raise ValueError(f"BufferOptions.expert_gemm={choice!r} needs the triton data path (CUDA), this buffer's is "
                          f"{kind!r} on {device}; set expert_gemm='torch'")
     from moonep.kernels import quack_gemm
 
     reason = quack_gemm.unavailable(device.index if device.index is not None else torch.cuda.current_device())
     if reason:
-        raise ValueError(f"BufferOptions.expert_gemm='quack': {reason}; or set expert_gemm='torch'")
+        raise ValueError(f"BufferOptions.expert_gemm={choice!r}: {reason}; or set expert_gemm='torch'")

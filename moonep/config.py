@@ -13,8 +13,8 @@ KernelsChoice = Literal["auto", "torch", "triton"]
 KERNEL_CHOICES: tuple[str, ...] = ("auto", "torch", "triton")
 CombineReduce = Literal["source", "destination"]
 COMBINE_REDUCE_CHOICES: tuple[str, ...] = ("source", "destination")
-ExpertGemm = Literal["torch", "quack"]
-EXPERT_GEMM_CHOICES: tuple[str, ...] = ("torch", "quack")
+ExpertGemm = Literal["torch", "quack", "quack_wgrad"]
+EXPERT_GEMM_CHOICES: tuple[str, ...] = ("torch", "quack", "quack_wgrad")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -42,7 +42,9 @@ class BufferOptions:
     expert_gemm: the triton path's grouped GEMMs: "torch" (default: torch._grouped_mm, the weight gradient
         added to the fp32 grads by moonep.kernels.experts) or "quack" (quack's CuTe DSL grouped GEMMs,
         moonep.kernels.quack_gemm: the weight gradient added in the GEMM's epilogue; needs sm90 and the
-        gpu extra). The forward and input-gradient products: the torch route's products, summed in an order
+        gpu extra) or "quack_wgrad" (quack for the weight gradient only, torch._grouped_mm for the forward
+        and input-gradient GEMMs, where quack's tiles are not faster at every shape). The forward and
+        input-gradient products: the torch route's products, summed in an order
         of their own (bitwise equal where measured); the weight gradient skips the bf16 rounding of each
         pass's product. Measured: docs/performance.md.
     combine_reduce: where combine sums a token's rows (docs/moonep.md §6.2). "source" (default, the

@@ -13,7 +13,7 @@ moonep.datapath.reference (the specification) except where a docstring below say
 - the expert GEMMs: torch._grouped_mm, or with BufferOptions.fused_expert_gemm the fused kernels
   moonep.kernels.grouped_glu (gate, up and the activation) and .grouped_wgrad (the weight gradient into
   the fp32 grads), or with BufferOptions.expert_gemm="quack" quack's grouped GEMMs (moonep.kernels.quack_gemm,
-  the weight gradient added in their epilogue): other summation orders, within the bounds of
+  the weight gradient added in their epilogue; "quack_wgrad": that weight gradient only): other summation orders, within the bounds of
   tests/moonep/helpers/grouped_gemm_cases.py.
 - the activation and the route weights: moonep.kernels.swiglu / .situ_glu (forward), moonep.kernels.glu_route
   (the backward with the route weights folded in) and moonep.kernels.route_weights (the forward scale; the
@@ -61,7 +61,8 @@ class TritonPath:
                                      lambda: comm.barrier("dispatch:histograms"))
         self._rows_plan: Plan | None = None  # plan of the last dispatch: its rows' sources are in row_src
         self.combine_reduce = opts.combine_reduce
-        self._quack = opts.expert_gemm == "quack"
+        self._quack_rows = opts.expert_gemm == "quack"  # forward and input-gradient GEMMs
+        self._quack_wgrad = opts.expert_gemm in ("quack", "quack_wgrad")
         self._reduce_first = self.combine_reduce == "destination"  # the chain links: written and read
         self._chain_scratch = (dispatch_combine.chain_scratch(comm.layout.nvs, comm.layout.config.topk, comm.device)
                                if self._reduce_first else None)  # the destination's resolved chains
@@ -137,7 +138,7 @@ class TritonPath:
         if self.comm.options.fused_expert_gemm:
             grouped_wgrad.grouped_wgrad_accumulate(g_GIO, x_rows, grad_rows, offs_G, scale, write_groups)
             return
-        if self._quack:
+        if self._quack_wgrad:
             quack_gemm.accumulate_wgrad(g_GIO, x_rows, grad_rows, offs_G, scale, write_groups)
             return
         experts.accumulate_groups(g_GIO, grouped_mm_wgrad(x_rows, grad_rows, offs_G), offs_G, scale,
@@ -145,7 +146,7 @@ class TritonPath:
 
     # ------------------------------------------------------------------ expert math
     def grouped_mm(self, x_rows: torch.Tensor, w_GIO: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
-        return quack_gemm.grouped_mm(x_rows, w_GIO, offs_G) if self._quack else grouped_mm(x_rows, w_GIO, offs_G)
+        return quack_gemm.grouped_mm(x_rows, w_GIO, offs_G) if self._quack_rows else grouped_mm(x_rows, w_GIO, offs_G)
 
     def gate_up(self, activation: str, x_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                 offs_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

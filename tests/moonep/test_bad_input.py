@@ -341,7 +341,7 @@ def test_buffer_config_rejects_bad_sizes(kwargs: dict, match: str) -> None:
     ({"num_sms": 0}, r"BufferOptions.num_sms must be None \(every SM\) or an int >= 1, got 0"),
     ({"scatter_tile": 1000}, r"BufferOptions.scatter_tile must be a power of two >= 256, got 1000"),
     ({"fused_expert_gemm": 1}, r"BufferOptions.fused_expert_gemm must be True or False, got 1"),
-    ({"expert_gemm": "cutlass"}, r"BufferOptions.expert_gemm must be one of \('torch', 'quack'\), got 'cutlass'"),
+    ({"expert_gemm": "cutlass"}, r"BufferOptions.expert_gemm must be one of \('torch', 'quack', 'quack_wgrad'\), got 'cutlass'"),
     ({"fused_expert_gemm": True, "expert_gemm": "quack"},
      r"BufferOptions.fused_expert_gemm \(moonep's Triton GEMMs\) and expert_gemm='quack' name two GEMM routes"),
 ])
@@ -365,17 +365,18 @@ def test_fused_expert_gemm_needs_the_triton_path() -> None:
                      msg), msg
 
 
-def _quack_on_torch_path(rank: int, world: int) -> str:
+def _quack_on_torch_path(rank: int, world: int, choice: str = "quack") -> str:
     try:
-        Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, options=BufferOptions(expert_gemm="quack")))
+        Buffer(BufferConfig(max_tokens=S, hidden=H, topk=K, num_experts=E, options=BufferOptions(expert_gemm=choice)))
     except ValueError as e:
         return str(e)
     return "no error"
 
 
-def test_quack_expert_gemm_needs_the_triton_path() -> None:
-    msg = run_ranks(_quack_on_torch_path, 1)[0]
-    assert re.search(r"expert_gemm='quack' needs the triton data path \(CUDA\), this buffer's is 'torch' on cpu; "
+@pytest.mark.parametrize("choice", ["quack", "quack_wgrad"])
+def test_quack_expert_gemm_needs_the_triton_path(choice: str) -> None:
+    msg = run_ranks(_quack_on_torch_path, 1, choice)[0]
+    assert re.search(rf"expert_gemm='{choice}' needs the triton data path \(CUDA\), this buffer's is 'torch' on cpu; "
                      r"set expert_gemm='torch'", msg), msg
 
 

@@ -55,21 +55,22 @@ def _dense_reference(activation: str) -> tuple:
             reference_grads(*args, torch.float64, activation))
 
 
-# fused: BufferOptions.fused_expert_gemm; quack: BufferOptions.expert_gemm="quack" (skipped where quack does not
-# import); dest: BufferOptions.combine_reduce="destination"
-@pytest.mark.parametrize("kernels", ["torch", "triton", "triton+fused", "triton+quack", "torch+dest", "triton+dest",
-                                     "triton+quack+dest"])
+# fused: BufferOptions.fused_expert_gemm; quack / quack_wgrad: BufferOptions.expert_gemm (skipped where quack does
+# not import); dest: BufferOptions.combine_reduce="destination"
+@pytest.mark.parametrize("kernels", ["torch", "triton", "triton+fused", "triton+quack", "triton+quack_wgrad",
+                                     "torch+dest", "triton+dest", "triton+quack+dest"])
 @pytest.mark.parametrize("activation", ["swiglu", "situ_glu"])
 def test_moe_layer_one_gpu_matches_dense_reference(one_rank: dist.ProcessGroup, kernels: str, activation: str) -> None:
     x, w, topk, weights, grad_y, ref16, ref64 = _dense_reference(activation)
     path, *variants = kernels.split("+")
-    if "quack" in variants:
+    quack = next((v for v in variants if v.startswith("quack")), None)
+    if quack:
         from moonep.kernels import quack_gemm
 
         if reason := quack_gemm.unavailable(torch.cuda.current_device()):
             pytest.skip(reason)
     options = BufferOptions(kernels=path, fused_expert_gemm="fused" in variants,
-                            expert_gemm="quack" if "quack" in variants else "torch",
+                            expert_gemm=quack or "torch",
                             combine_reduce="destination" if "dest" in variants else "source")
     buf = Buffer(BufferConfig(max_tokens=Ss, hidden=Hs, topk=Ks, num_experts=Es, options=options), one_rank)
     try:
