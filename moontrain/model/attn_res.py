@@ -31,14 +31,17 @@ adds two [N, B, T] fp32 tensors per aggregation in backward and nothing between 
 FSDP: the queries and key-norm weights are ordinary dense parameters of their block (the final one of
 the root), gathered and reduced with it.
 
-Rejected: a fused kernel (fla-core ships one). Per aggregation the op reads N + 1 [B, T, D] tensors
-twice (logits, weighted sum), N <= 17 for K3: an elementwise-bound op next to the layer's GEMMs, to be
-fused only if a profile shows it matters.
+Kernels (kernels.attn_res): the math above in PyTorch (compiled with train.compile), or in Triton
+(moontrain.model.attn_res_kernel: one program per row block reads each value once per walk over D, where the
+compiled math reads each value three times in backward; the K3 step's profile put the compiled backward at
+~130 ms a step, docs/performance.md).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 from collections.abc import Callable
 
 import torch
@@ -119,6 +122,29 @@ def compiled_math() -> tuple[Callable, Callable]:
     return torch.compile(depth_forward, dynamic=False), torch.compile(depth_backward, dynamic=False)
 
 
+@functools.cache
+def triton_math() -> tuple[Callable, Callable]:
+    """depth_forward and depth_backward as Triton kernels (moontrain.model.attn_res_kernel)."""
+    from moontrain.model import attn_res_kernel  # imports triton: only where it runs
+
+    return attn_res_kernel.depth_forward, attn_res_kernel.depth_backward
+
+
+def uses_triton(choice: str, device: torch.device | str | None) -> bool:
+    """Whether kernels.attn_res = `choice` (auto, torch or triton) runs the Triton kernels on `device`."""
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    if choice == "torch" or (choice == "auto" and not on_cuda):
+        return False
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError("kernels.attn_res=triton needs triton (installed with torch's CUDA builds); "
+                         "kernels.attn_res=torch runs the PyTorch math")
+    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"kernels.attn_res=triton runs on a CUDA device (or in Triton's interpreter, "
+                         f"TRITON_INTERPRET=1), this model is on {device}; kernels.attn_res=auto picks the "
+                         "PyTorch math there")
+    return True
+
+
 class _DepthAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query: torch.Tensor, key_weight: torch.Tensor, eps: float, math: tuple[Callable, Callable],
@@ -139,15 +165,17 @@ class _DepthAttention(torch.autograd.Function):
 class DepthAttention(nn.Module):
     """One AttnRes aggregation: a zero-initialised pseudo-query and the keys' RMSNorm weight."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, device: torch.device | str | None = None) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, device: torch.device | str | None = None,
+                 kernel: str = "torch") -> None:
         super().__init__()
         self.query = nn.Parameter(torch.zeros(dim, device=device))
         self.key_norm = RMSNorm(dim, eps, device=device)  # only its weight and eps are used
-        self.math = EAGER
+        self.math = triton_math() if uses_triton(kernel, device) else EAGER
 
     def compile_math(self) -> None:
-        """Run the aggregation's forward and backward math through torch.compile (train.compile)."""
-        self.math = compiled_math()
+        """Run the aggregation's PyTorch math through torch.compile (train.compile); the Triton kernels stay."""
+        if self.math is EAGER:
+            self.math = compiled_math()
 
     def forward(self, blocks: tuple[torch.Tensor, ...], partial: torch.Tensor) -> torch.Tensor:
         """softmax-weighted sum of (*blocks, partial), each [B, T, D]."""

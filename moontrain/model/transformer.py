@@ -67,8 +67,8 @@ class Block(nn.Module):
                     else GatedFFN(cfg.hidden_size, cfg.dense_intermediate_size, cfg.ffn_activation, device=device))
         self.attn_res = cfg.attn_res_block_size > 0
         if self.attn_res:  # AttnRes: the attention's and the FFN's inputs are depth aggregations
-            self.res_attn = DepthAttention(cfg.hidden_size, cfg.norm_eps, device=device)
-            self.res_ffn = DepthAttention(cfg.hidden_size, cfg.norm_eps, device=device)
+            self.res_attn = DepthAttention(cfg.hidden_size, cfg.norm_eps, device=device, kernel=kernels.attn_res)
+            self.res_ffn = DepthAttention(cfg.hidden_size, cfg.norm_eps, device=device, kernel=kernels.attn_res)
             self.starts_block = starts_block(layer_idx, cfg.attn_res_block_size)
         self.activation_checkpointing = False
 
@@ -140,7 +140,7 @@ class K3Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
         # AttnRes: the final norm's input is one more aggregation over the blocks and the last partial sum
-        self.final_res = (DepthAttention(cfg.hidden_size, cfg.norm_eps, device=device)
+        self.final_res = (DepthAttention(cfg.hidden_size, cfg.norm_eps, device=device, kernel=kernels.attn_res)
                           if cfg.attn_res_block_size else None)
         self.loss_math = EAGER  # linear_cross_entropy's chunk math; parallelize's compile step compiles it
         self.document_eos_id = document_eos_id

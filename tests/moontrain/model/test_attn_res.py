@@ -253,3 +253,15 @@ def test_parameters_fold_into_the_compiled_op_bitwise_gpu() -> None:
     """train.compile: the product and the parameters' gradients fused into the compiled math give the
     bits of the product made outside it (eager casts and multiplies around the compiled aggregation)."""
     _fold_case("cuda", compiled=True)
+
+
+def test_triton_kernels_off_cuda_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels.attn_res=triton on the CPU without Triton's interpreter: an error that names the fix."""
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"kernels.attn_res=triton runs on a CUDA device .* this model is on cpu; "
+                                         r"kernels.attn_res=auto picks the PyTorch math there"):
+        DepthAttention(16, device="cpu", kernel="triton")
+    from moontrain.model import attn_res
+
+    assert DepthAttention(16, device="cpu", kernel="auto").math is attn_res.EAGER

@@ -1,0 +1,89 @@
+"""One AttnRes aggregation on one GPU at k3_small's shapes: the PyTorch math as train.compile runs it
+(moontrain.model.attn_res.compiled_math) against the Triton kernels (moontrain.model.attn_res_kernel), forward
+and backward, for N = 1..4 values (K3's 16 layers in blocks of 6 aggregate over 1 to 4), over a sweep of the
+kernels' tiles.
+
+    python benchmarks/bench_attn_res.py [--iters 20] [--warmup 3] [--out bench_attn_res.json]
+
+Shape: 4 x 4096 tokens of D 2048, bf16. Per case: the median ms of CUDA-event timings, the HBM rate the least
+traffic implies (forward: N values read, h written; backward: gh and N values read, N grads written; 2 bytes
+an element), and the largest difference from the compiled math relative to its largest magnitude (h and the
+values' grads; the query's grad separately). The step runs 33 aggregations a pass (docs/performance.md). GPU
+only.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from benchmarks.timing import kernel_bench_args, median_ms
+from moontrain.model import attn_res, attn_res_kernel
+
+B, T, D = 4, 4096, 2048
+TILES = [(8, 256, 4, 8), (8, 512, 4, 8), (4, 512, 4, 4), (8, 128, 4, 4)]  # BLOCK_M, BLOCK_D, fwd / bwd warps
+
+
+def inputs(N: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device="cuda").manual_seed(N)
+    values = tuple((torch.randn(B, T, D, device="cuda", generator=gen) * (1 + 0.5 * i)).to(torch.bfloat16)
+                   for i in range(N))
+    query = (0.05 * torch.randn(D, device="cuda", generator=gen)).to(torch.bfloat16)
+    key_weight = (1 + 0.1 * torch.randn(D, device="cuda", generator=gen)).to(torch.bfloat16)
+    grad_h = torch.randn(B, T, D, device="cuda", generator=gen).to(torch.bfloat16)
+    return query, key_weight, values, grad_h
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+def case(N: int, iters: int, warmup: int) -> list[dict]:
+    query, key_weight, values, grad_h = inputs(N)
+    fwd, bwd = attn_res.compiled_math()
+    h, r, p = fwd(query, key_weight, 1e-6, values)
+    ref_b = bwd(query, key_weight, r, p, grad_h, values)
+    gb_f, gb_b = 2 * (N + 1) * B * T * D / 1e9, 2 * (2 * N + 1) * B * T * D / 1e9
+    out = []
+    ms_f = median_ms(lambda: fwd(query, key_weight, 1e-6, values), iters, warmup)
+    ms_b = median_ms(lambda: bwd(query, key_weight, r, p, grad_h, values), iters, warmup)
+    out.append(dict(N=N, impl="compiled torch", fwd_ms=ms_f, bwd_ms=ms_b, fwd_gb_s=gb_f / ms_f * 1e3,
+                    bwd_gb_s=gb_b / ms_b * 1e3))
+    print(f"  N {N}  compiled torch           fwd {ms_f * 1e3:7.1f} us ({gb_f / ms_f * 1e3:5.0f} GB/s)  "
+          f"bwd {ms_b * 1e3:7.1f} us ({gb_b / ms_b * 1e3:5.0f} GB/s)", flush=True)
+    saved = (attn_res_kernel.BLOCK_M, attn_res_kernel.BLOCK_D, attn_res_kernel.FWD_WARPS, attn_res_kernel.BWD_WARPS)
+    for tile in TILES:
+        attn_res_kernel.BLOCK_M, attn_res_kernel.BLOCK_D, attn_res_kernel.FWD_WARPS, attn_res_kernel.BWD_WARPS = tile
+        kf, kb = attn_res_kernel.depth_forward, attn_res_kernel.depth_backward
+        h2, r2, p2 = kf(query, key_weight, 1e-6, values)
+        got_b = kb(query, key_weight, r2, p2, grad_h, values)
+        diff = max([rel(h2, h)] + [rel(a, b) for a, b in zip(got_b[2], ref_b[2], strict=True)])
+        diff_q = max(rel(got_b[0], ref_b[0]), rel(got_b[1], ref_b[1]))
+        ms_f = median_ms(lambda: kf(query, key_weight, 1e-6, values), iters, warmup)  # noqa: B023 (called here)
+        ms_b = median_ms(lambda: kb(query, key_weight, r2, p2, grad_h, values), iters, warmup)  # noqa: B023
+        out.append(dict(N=N, impl="triton", tile=list(tile), fwd_ms=ms_f, bwd_ms=ms_b, fwd_gb_s=gb_f / ms_f * 1e3,
+                        bwd_gb_s=gb_b / ms_b * 1e3, rel_diff=diff, rel_diff_query=diff_q))
+        print(f"  N {N}  triton {tile[0]:2d} x {tile[1]:3d}, {tile[2]}/{tile[3]} w  fwd {ms_f * 1e3:7.1f} us "
+              f"({gb_f / ms_f * 1e3:5.0f} GB/s)  bwd {ms_b * 1e3:7.1f} us ({gb_b / ms_b * 1e3:5.0f} GB/s)  "
+              f"rel diff {diff:.1e} (query {diff_q:.1e})", flush=True)
+    attn_res_kernel.BLOCK_M, attn_res_kernel.BLOCK_D, attn_res_kernel.FWD_WARPS, attn_res_kernel.BWD_WARPS = saved
+    return out
+
+
+def main() -> None:
+    args = kernel_bench_args(__doc__, "bench_attn_res")
+    rows = []
+    for N in (1, 2, 3, 4):
+        rows += case(N, args.iters, args.warmup)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), shape=[B, T, D], rows=rows),
+                                             indent=1))
+
+
+if __name__ == "__main__":
+    main()

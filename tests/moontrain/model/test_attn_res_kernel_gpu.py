@@ -1,0 +1,49 @@
+"""moontrain.model.attn_res_kernel on one GPU at k3_small's shape ([4, 4096, 2048] bf16, N = 1..4 values):
+h and every gradient against the specification (attn_res.depth_forward / depth_backward) in float64 on the
+same values. Bounds as tests/moontrain/model/test_attn_res_kernel_interpreted.py derives them, with the GPU's
+round-to-nearest bf16 cast (2^-8 relative) for the bf16 outputs; the query's grad sums over all M rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moontrain.model import attn_res
+
+pytestmark = pytest.mark.gpu
+
+B, T, D = 4, 4096, 2048
+U32 = 2.0**-24
+
+
+def _close(name: str, got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
+    diff = (got.double() - want.double()).abs().max().item()
+    tol = rel * max(want.abs().max().item(), 1.0)
+    assert diff <= tol, f"{name}: max |diff| {diff:.3g} > {tol:.3g}"
+
+
+@pytest.mark.parametrize("N", [1, 2, 4])
+def test_kernels_match_spec_at_k3_small_shape(N: int) -> None:
+    # imported here: collected on the CPU before a *_interpreted module sets TRITON_INTERPRET, a module-level
+    # import would decorate the kernels for the GPU driver
+    from moontrain.model import attn_res_kernel
+
+    gen = torch.Generator(device="cuda").manual_seed(N)
+    values = tuple((torch.randn(B, T, D, device="cuda", generator=gen) * (1 + 0.5 * i)).to(torch.bfloat16)
+                   for i in range(N))
+    query = 0.05 * torch.randn(D, device="cuda", generator=gen)
+    key_weight = 1 + 0.1 * torch.randn(D, device="cuda", generator=gen)
+    grad_h = torch.randn(B, T, D, device="cuda", generator=gen).to(torch.bfloat16)
+    h, r, p = attn_res_kernel.depth_forward(query, key_weight, 1e-6, values)
+    gq, gw, gv = attn_res_kernel.depth_backward(query, key_weight, r, p, grad_h, values)
+    v64 = tuple(v.double() for v in values)
+    h64, r64, p64 = attn_res.depth_forward(query.double(), key_weight.double(), 1e-6, v64)
+    gq64, gw64, gv64 = attn_res.depth_backward(query.double(), key_weight.double(), r64, p64, grad_h.double(), v64)
+    M = B * T
+    rel = 16 * (D + N) * U32 + 2.0**-8
+    _close("h", h, h64, rel)
+    _close("p", p, p64, 16 * (D + N) * U32)
+    _close("grad query", gq, gq64, 16 * (D + N + M) * U32)
+    _close("grad key weight", gw, gw64, 16 * (D + N + M) * U32)
+    for i, (a, b) in enumerate(zip(gv, gv64, strict=True)):
+        _close(f"grad value {i}", a, b, rel)

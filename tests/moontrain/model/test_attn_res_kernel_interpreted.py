@@ -1,0 +1,129 @@
+"""moontrain.model.attn_res_kernel in Triton's interpreter on the CPU: h, r, p and every gradient against the
+specification (attn_res.depth_forward / depth_backward) evaluated in float64 on the same values.
+
+Bounds. fp32 values: every output is a short chain of fp32 stages (two D-term row sums, a softmax over N, an
+N-term weighted sum; in backward two more D-term sums and the dq sum over rows and values). A k-term fp32 sum
+is within k u of its exact value relative to the sum of magnitudes (u = 2^-24, Higham's gamma_k), and the
+stages add such errors, so each output is within c (D + N) u of the float64 result relative to its largest
+magnitude, with c = 16 covering the chain's few stages and the magnitude sums (the tests' values are O(1));
+dq sums over all M rows as well: (D + N + M) u. bf16 values: the outputs are cast once to bf16 on top of
+that, which on the GPU rounds to nearest (2^-8 relative) and in the interpreter truncates (up to one bf16 ulp,
+2^-7 relative): 2^-7.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# first: sets TRITON_INTERPRET=1 before triton is imported and skips this module where triton is absent
+import tests.moonep.helpers.triton_interpreted  # noqa: F401
+from moontrain.model import attn_res, attn_res_kernel
+from moontrain.model.attn_res import DepthAttention
+
+U32 = 2.0**-24
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Columns in smaller tiles than the GPU's: D = 40 over three column blocks of 16 (the last partial); 3 x 7
+    = 21 rows over three row blocks of 8 (the last partial)."""
+    monkeypatch.setattr(attn_res_kernel, "BLOCK_D", 16)
+
+
+def _inputs(N: int, dtype: torch.dtype, D: int = 40, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    values = tuple((torch.randn(3, 7, D, generator=g) * (1 + 0.5 * i)).to(dtype) for i in range(N))
+    query = torch.randn(D, generator=g)
+    key_weight = 1 + 0.3 * torch.randn(D, generator=g)
+    grad_h = torch.randn(3, 7, D, generator=g).to(dtype)
+    return query, key_weight, values, grad_h
+
+
+def _close(name: str, got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
+    diff = (got.double() - want.double()).abs().max().item()
+    tol = rel * max(want.abs().max().item(), 1.0)
+    assert diff <= tol, f"{name}: max |diff| {diff:.3g} > {tol:.3g}"
+
+
+def _spec64(query, key_weight, eps, values, grad_h):
+    v64 = tuple(v.double() for v in values)
+    h, r, p = attn_res.depth_forward(query.double(), key_weight.double(), eps, v64)
+    gq, gw, gv = attn_res.depth_backward(query.double(), key_weight.double(), r, p, grad_h.double(), v64)
+    return h, r, p, gq, gw, gv
+
+
+@pytest.mark.parametrize(("N", "dtype"), [(1, torch.float32), (2, torch.float32), (4, torch.float32),
+                                          (5, torch.float32), (3, torch.bfloat16)])
+def test_kernels_match_spec(N: int, dtype: torch.dtype, small_blocks: None) -> None:
+    query, key_weight, values, grad_h = _inputs(N, dtype, seed=N)
+    eps = 1e-6
+    h, r, p = attn_res_kernel.depth_forward(query, key_weight, eps, values)
+    gq, gw, gv = attn_res_kernel.depth_backward(query, key_weight, r, p, grad_h, values)
+    want = _spec64(query, key_weight, eps, values, grad_h)
+    D, M = values[0].shape[-1], values[0].numel() // values[0].shape[-1]
+    rel = 16 * (D + N) * U32 + (2.0**-7 if dtype == torch.bfloat16 else 0.0)
+    rel_q = 16 * (D + N + M) * U32
+    assert h.dtype == dtype and all(g.dtype == dtype for g in gv)
+    assert r.shape == p.shape == (N, 3, 7)
+    _close("h", h, want[0], rel)
+    _close("r", r, want[1], 16 * D * U32)
+    _close("p", p, want[2], rel)
+    _close("grad query", gq, want[3], rel_q)
+    _close("grad key weight", gw, want[4], rel_q)
+    for i, (a, b) in enumerate(zip(gv, want[5], strict=True)):
+        _close(f"grad value {i}", a, b, rel)
+
+
+def test_gpu_tiles_match_spec() -> None:
+    """The GPU's tile sizes: D = 300 over two column blocks of 256 (the second partial), 21 rows over three
+    row blocks of 8 (the last partial)."""
+    query, key_weight, values, grad_h = _inputs(3, torch.float32, D=300, seed=7)
+    h, r, p = attn_res_kernel.depth_forward(query, key_weight, 1e-6, values)
+    gq, gw, gv = attn_res_kernel.depth_backward(query, key_weight, r, p, grad_h, values)
+    want = _spec64(query, key_weight, 1e-6, values, grad_h)
+    rel = 16 * (300 + 3) * U32
+    for name, a, b in (("h", h, want[0]), ("p", p, want[2]), ("grad value 2", gv[2], want[5][2])):
+        _close(name, a, b, rel)
+    _close("grad query", gq, want[3], 16 * (300 + 3 + 21) * U32)
+    _close("grad key weight", gw, want[4], 16 * (300 + 3 + 21) * U32)
+
+
+def test_more_values_than_the_kernel_takes_run_the_spec(small_blocks: None) -> None:
+    """N > MAX_VALUES: the specification's own results, bit for bit."""
+    N = attn_res_kernel.MAX_VALUES + 1
+    query, key_weight, values, grad_h = _inputs(N, torch.float32, D=8, seed=3)
+    got = attn_res_kernel.depth_forward(query, key_weight, 1e-6, values)
+    want = attn_res.depth_forward(query, key_weight, 1e-6, values)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    got_b = attn_res_kernel.depth_backward(query, key_weight, got[1], got[2], grad_h, values)
+    want_b = attn_res.depth_backward(query, key_weight, want[1], want[2], grad_h, values)
+    assert torch.equal(got_b[0], want_b[0]) and torch.equal(got_b[1], want_b[1])
+    assert all(torch.equal(a, b) for a, b in zip(got_b[2], want_b[2], strict=True))
+
+
+def test_module_with_triton_kernel_matches_torch_math(small_blocks: None) -> None:
+    """DepthAttention(kernel="triton") through autograd: h and the grads of the values, the pseudo-query and
+    the key-norm weight against the module with the PyTorch math (kernels.attn_res=torch)."""
+    query, key_weight, values, grad_h = _inputs(3, torch.float32, seed=11)
+    outs = []
+    for kernel in ("torch", "triton"):
+        m = DepthAttention(40, kernel=kernel)
+        assert (m.math is attn_res.EAGER) == (kernel == "torch")
+        with torch.no_grad():
+            m.query.copy_(query)
+            m.key_norm.weight.copy_(key_weight)
+        vals = [v.clone().requires_grad_() for v in values]
+        h = m(tuple(vals[:-1]), vals[-1])
+        grads = torch.autograd.grad(h, [*vals, m.query, m.key_norm.weight], grad_h)
+        outs.append((h, *grads))
+    rel = 16 * (40 + 3 + 21) * U32
+    for i, (a, b) in enumerate(zip(outs[1], outs[0], strict=True)):
+        _close(f"output {i}", a, b, rel)
+
+
+def test_values_of_different_shapes_are_refused() -> None:
+    query, key_weight, values, _ = _inputs(2, torch.float32, seed=1)
+    with pytest.raises(ValueError, match=r"AttnRes values must share shape, dtype and device: \(3, 7, 40\)"):
+        attn_res_kernel.depth_forward(query, key_weight, 1e-6, (values[0], values[1][:, :5]))
