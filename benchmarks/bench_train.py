@@ -38,7 +38,8 @@ target would not hold. --lr (default 1e-10) sets optim.lr so small that the fp32
 while every op of a training step still runs (forward, backward, gradient reductions, clipping, AdamW,
 master push); --lr recipe keeps the recipe's schedule. --learning-row runs one more point at the recipe's
 learning rate with the router balancing on, on text (recipes/data/learning), and reports its step time
-beside its first and last loss and realised maxvio: a speed figure always comes with a model that learns.
+beside its first and last loss and realised maxvio: a speed figure always comes with a model that learns
+(`--targets --learning-row`, no target value: the learning row alone, a speed row that learns).
 --diagnose-learning gives that point the diagnostics of the first target too (--profile, --sync-debug,
 --memory-trace; files named ..._text.txt): what text with documents costs beside synthetic tokens.
 
@@ -423,7 +424,8 @@ def main() -> None:
     p.add_argument("--recipe", default="recipes/k3_small.yaml")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. model.num_layers=8")
     p.add_argument("--backends", nargs="+", default=["moonep", "alltoall"], choices=["moonep", "alltoall"])
-    p.add_argument("--targets", type=float, nargs="+", default=[0.2, 1.0, 10.0, 20.0], help="target maxvio")
+    p.add_argument("--targets", type=float, nargs="*", default=[0.2, 1.0, 10.0, 20.0],
+                   help="target maxvio; none (--targets with no value) with --learning-row: the learning row alone")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per point")
     p.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps per point, before the timed ones")
     p.add_argument("--rounds", type=int, default=1,
@@ -470,6 +472,8 @@ def main() -> None:
                    help="count the host synchronisations of one extra step at the first target (GPU)")
     p.add_argument("--show", metavar="JSON", help="print the table of a saved result and exit (no GPU needed)")
     args = p.parse_args()
+    if not args.targets and not args.learning_row:
+        p.error("--targets with no value runs no cost point: add --learning-row (the learning row alone)")
     unknown = [t for t in (args.profile_at or []) if t not in args.targets]
     if unknown:
         p.error(f"--profile-at {unknown} are not among --targets {args.targets}")
@@ -514,10 +518,10 @@ def run(args: argparse.Namespace, device: torch.device, side: dist.ProcessGroup)
 
     # calibration: sigma per target at the initial weights (routing does not depend on the backend)
     t0 = time.perf_counter()
-    trainer = Trainer(cfg0, layout)
-    batches = [trainer.data.batch(i) for i in range(args.calib_batches)]  # the data source is a stream
+    trainer = Trainer(cfg0, layout) if args.targets else None  # no cost point: nothing to calibrate
+    batches = [trainer.data.batch(i) for i in range(args.calib_batches)] if trainer else []  # a stream
     bias_LE = None
-    if not args.no_prebalance:
+    if trainer is not None and not args.no_prebalance:
         bias_LE, before, after = prebalance(trainer, batches, args)
         meta["prebalance_maxvio"] = [before, after]
         if is_main:
@@ -531,12 +535,13 @@ def run(args: argparse.Namespace, device: torch.device, side: dist.ProcessGroup)
             print(f"calibrated target maxvio {target:g}: sigma {c['sigma']:.4g} -> realised {c['calib_maxvio']:.3f} "
                   f"(unskewed {c['unskewed_maxvio']:.3f}, reachable {c['reachable_maxvio']:.2f}, "
                   f"{c['calib_evals']} evals)", flush=True)
-    trainer.close()
+    if trainer is not None:
+        trainer.close()
     del trainer
     meta["calibration_s"] = time.perf_counter() - t0
     at = args.profile_at if args.profile_at is not None else args.targets[:1]
     args.profile_skews = [c["sigma"] for t, c in zip(args.targets, calib, strict=True) if t in at]  # --profile
-    args.sync_skew = calib[0]["sigma"]  # --sync-debug: the first target
+    args.sync_skew = calib[0]["sigma"] if calib else None  # --sync-debug: the first target
     args.diagnosed = set()  # (backend, skew) points already diagnosed
 
     raw: list[dict] = []  # one point per (round, backend, target)
