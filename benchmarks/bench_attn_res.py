@@ -3,7 +3,7 @@
 and backward, for N = 1..4 values (K3's 16 layers in blocks of 6 aggregate over 1 to 4), over a sweep of the
 kernels' tiles.
 
-    python benchmarks/bench_attn_res.py [--iters 20] [--warmup 3] [--out bench_attn_res.json]
+    python benchmarks/bench_attn_res.py [--values 1 2 3 4] [--iters 20] [--warmup 3] [--out bench_attn_res.json]
 
 Shape: 4 x 4096 tokens of D 2048, bf16. Per case: the median ms of CUDA-event timings, the HBM rate the least
 traffic implies (forward: N values read, h written; backward: gh and N values read, N grads written; 2 bytes
@@ -76,9 +76,10 @@ def case(N: int, iters: int, warmup: int) -> list[dict]:
 
 
 def main() -> None:
-    args = kernel_bench_args(__doc__, "bench_attn_res")
+    args = kernel_bench_args(__doc__, "bench_attn_res", values=dict(type=int, nargs="+", default=[1, 2, 3, 4],
+                                                                   help="numbers of values N to time"))
     rows = []
-    for N in (1, 2, 3, 4):
+    for N in args.values:
         rows += case(N, args.iters, args.warmup)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), shape=[B, T, D], rows=rows),

@@ -26,9 +26,12 @@ def median_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def kernel_bench_args(doc: str | None, name: str) -> argparse.Namespace:
-    """--iters, --warmup and --out of a one-GPU kernel benchmark (`doc` its help); exits without a CUDA GPU."""
+def kernel_bench_args(doc: str | None, name: str, **extra: dict) -> argparse.Namespace:
+    """--iters, --warmup and --out of a one-GPU kernel benchmark (`doc` its help), and --<key> for each of
+    `extra` (add_argument's keywords); exits without a CUDA GPU."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for key, kwargs in extra.items():
+        p.add_argument(f"--{key}", **kwargs)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", type=str, default=None, help="JSON path (none: the table only)")
