@@ -26,7 +26,8 @@ from benchmarks.timing import kernel_bench_args, median_ms
 from moontrain.model import attn_res, attn_res_kernel
 
 B, T, D = 4, 4096, 2048
-TILES = [(8, 256, 4, 8), (8, 512, 4, 8), (4, 512, 4, 4), (8, 128, 4, 4)]  # BLOCK_M, BLOCK_D, fwd / bwd warps
+TILES = [(4, 1024, 4, 4), (4, 2048, 8, 8), (2, 1024, 4, 4), (8, 1024, 8, 8), (4, 512, 4, 4), (8, 256, 4, 8)]
+# BLOCK_M, BLOCK_D, forward / backward warps; the first is the kernels' default
 
 
 def inputs(N: int) -> tuple[torch.Tensor, ...]:

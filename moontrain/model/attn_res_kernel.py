@@ -32,10 +32,10 @@ import triton
 import triton.language as tl
 
 MAX_VALUES = 16
-# rows, columns and warps per program: no spills for sm90 at N <= 4 (ptxas: forward 72 registers, backward 128;
-# 16 rows of 256 spill ~2 KB per thread in the backward)
-BLOCK_M, BLOCK_D = 8, 256
-FWD_WARPS, BWD_WARPS = 4, 8
+# rows, columns and warps per program: the fastest of 11 tiles benchmarks/bench_attn_res.py timed on one H200 at
+# k3_small's shape (docs/performance.md); no spills for sm90 at N <= 4 (ptxas: forward 128 registers, backward 213)
+BLOCK_M, BLOCK_D = 4, 1024
+FWD_WARPS, BWD_WARPS = 4, 4
 
 
 @triton.jit
