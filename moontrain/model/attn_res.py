@@ -124,10 +124,20 @@ def compiled_math() -> tuple[Callable, Callable]:
 
 @functools.cache
 def triton_math() -> tuple[Callable, Callable]:
-    """depth_forward and depth_backward as Triton kernels (moontrain.model.attn_res_kernel)."""
-    from moontrain.model import attn_res_kernel  # imports triton: only where it runs
+    """depth_forward and depth_backward as Triton kernels (moontrain.model.attn_res_kernel); an aggregation
+    over more values than the kernels take runs the functions above."""
+    from moontrain.model import attn_res_kernel as k  # imports triton: only where it runs
 
-    return attn_res_kernel.depth_forward, attn_res_kernel.depth_backward
+    def forward(query: torch.Tensor, key_weight: torch.Tensor, eps: float, values: tuple[torch.Tensor, ...]):
+        fn = k.depth_forward if len(values) <= k.MAX_VALUES else depth_forward
+        return fn(query, key_weight, eps, values)
+
+    def backward(query: torch.Tensor, key_weight: torch.Tensor, r_NBT: torch.Tensor, p_NBT: torch.Tensor,
+                 grad_h: torch.Tensor, values: tuple[torch.Tensor, ...]):
+        fn = k.depth_backward if len(values) <= k.MAX_VALUES else depth_backward
+        return fn(query, key_weight, r_NBT, p_NBT, grad_h, values)
+
+    return forward, backward
 
 
 def uses_triton(choice: str, device: torch.device | str | None) -> bool:

@@ -18,7 +18,7 @@ writes its fp32 [D] partial to its own row of a [programs, D] buffer, one torch 
 Values arrive as separate tensors (the completed blocks and the partial sum, never stacked: stacking is a
 copy of all of them): the kernels take MAX_VALUES pointer arguments, the unused ones None, and pick the n-th
 with a compile-time branch, so every pointer keeps Triton's alignment specialisation. N above MAX_VALUES
-runs the specification (depth_forward / depth_backward).
+is refused here; moontrain.model.attn_res.triton_math runs the specification for it.
 
 Numerics against the specification: the same formulas in fp32; the row sums of D products are summed in
 another order (tiles of BLOCK_D), so r, the logits, p and everything after them differ in the last bits;
@@ -170,6 +170,9 @@ def _bwd_kernel(gh_ptr, r_ptr, p_ptr, q_ptr, gq_ptr, M,
 
 def _check(values: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], int]:
     """The values as contiguous tensors of one shape and dtype, and D."""
+    if not 1 <= len(values) <= MAX_VALUES:
+        raise ValueError(f"the AttnRes kernels take 1 to {MAX_VALUES} values, got {len(values)}; more run the "
+                         "PyTorch math (moontrain.model.attn_res.triton_math does)")
     first = values[0]
     for v in values[1:]:
         if v.shape != first.shape or v.dtype != first.dtype or v.device != first.device:
@@ -189,10 +192,6 @@ def _slots(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> list[torch
 def depth_forward(query: torch.Tensor, key_weight: torch.Tensor, eps: float, values: tuple[torch.Tensor, ...]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """attn_res.depth_forward in the forward kernel: (h in the values' dtype, r [N, ...], p [N, ...])."""
-    from moontrain.model import attn_res
-
-    if len(values) > MAX_VALUES:
-        return attn_res.depth_forward(query, key_weight, eps, values)
     values, D = _check(values)
     N, M = len(values), values[0].numel() // D
     q = (query.float() * key_weight.float()).contiguous()
@@ -210,10 +209,6 @@ def depth_backward(query: torch.Tensor, key_weight: torch.Tensor, r_NBT: torch.T
                    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """attn_res.depth_backward in the backward kernel: (grad of the query, of the key-norm weight, of every
     value), the parameters' grads through the product rule in fp32, rounded once to their dtype."""
-    from moontrain.model import attn_res
-
-    if len(values) > MAX_VALUES:
-        return attn_res.depth_backward(query, key_weight, r_NBT, p_NBT, grad_h, values)
     values, D = _check(values)
     N, M = len(values), values[0].numel() // D
     qf, wf = query.float(), key_weight.float()

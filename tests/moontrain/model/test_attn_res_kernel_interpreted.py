@@ -90,14 +90,18 @@ def test_gpu_tiles_match_spec() -> None:
 
 
 def test_more_values_than_the_kernel_takes_run_the_spec(small_blocks: None) -> None:
-    """N > MAX_VALUES: the specification's own results, bit for bit."""
+    """N > MAX_VALUES: the kernels refuse it, and the math the module takes from attn_res.triton_math gives the
+    specification's own results, bit for bit."""
     N = attn_res_kernel.MAX_VALUES + 1
     query, key_weight, values, grad_h = _inputs(N, torch.float32, D=8, seed=3)
-    got = attn_res_kernel.depth_forward(query, key_weight, 1e-6, values)
+    with pytest.raises(ValueError, match=rf"the AttnRes kernels take 1 to {N - 1} values, got {N}"):
+        attn_res_kernel.depth_forward(query, key_weight, 1e-6, values)
+    fwd, bwd = attn_res.triton_math()
+    got = fwd(query, key_weight, 1e-6, values)
     want = attn_res.depth_forward(query, key_weight, 1e-6, values)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
-    got_b = attn_res_kernel.depth_backward(query, key_weight, got[1], got[2], grad_h, values)
+    got_b = bwd(query, key_weight, got[1], got[2], grad_h, values)
     want_b = attn_res.depth_backward(query, key_weight, want[1], want[2], grad_h, values)
     assert torch.equal(got_b[0], want_b[0]) and torch.equal(got_b[1], want_b[1])
     assert all(torch.equal(a, b) for a, b in zip(got_b[2], want_b[2], strict=True))
