@@ -4,6 +4,7 @@
     python benchmarks/diagnostics/host_overhead.py --out host.json --steps 3 experts.backend=local
     python benchmarks/diagnostics/host_overhead.py --show host.json # the table of a written JSON
     python benchmarks/diagnostics/host_overhead.py parallel.dense=plain  # dense params without FSDP
+    python benchmarks/diagnostics/host_overhead.py --op add         # where one aten op runs, with output shapes
 
 On one H200, k3_small's step keeps the GPU busy for well under half its wall time: the host launches
 ~4,450 kernels per forward/backward pass and cannot keep up. Every aten op the dispatcher runs below
@@ -146,9 +147,10 @@ class OpCounter(TorchDispatchMode):
     """Counts the aten ops dispatched below autograd by region (Regions), by name and by call site (the
     innermost frame in moontrain / moonep, FSDP, or the autograd node running)."""
 
-    def __init__(self, regions: Regions, sites: bool) -> None:
+    def __init__(self, regions: Regions, sites: bool, op: str | None = None) -> None:
         super().__init__()
-        self.regions, self.sites = regions, sites
+        self.regions, self.sites, self.op = regions, sites, op
+        self.op_sites: collections.Counter[str] = collections.Counter()  # --op: its calls in every region
         self.by_region: collections.Counter[str] = collections.Counter()
         self.ops: collections.Counter[str] = collections.Counter()  # eager ops only
         self.launching = 0  # eager ops that launch a kernel on the GPU (neither a view nor in NO_KERNEL)
@@ -164,7 +166,12 @@ class OpCounter(TorchDispatchMode):
             self.launching += not (func.is_view or name in NO_KERNEL)
             if self.sites:
                 self.by_site[f"{self.phase:8s} {_call_site()}"] += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if self.sites and self.op == func.overloadpacket.__name__:
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else "-"
+            dtype = str(out.dtype).removeprefix("torch.") if isinstance(out, torch.Tensor) else ""
+            self.op_sites[f"{self.phase:8s} {region:11s} {shape} {dtype} {_call_site()}"] += 1
+        return out
 
 
 def _call_site() -> str:
@@ -202,9 +209,9 @@ def build_trainer(overrides: list[str], run_dir: str, regions: Regions) -> Train
     return trainer
 
 
-def count_step(trainer: Trainer, regions: Regions, sites: bool) -> OpCounter:
+def count_step(trainer: Trainer, regions: Regions, sites: bool, op: str | None = None) -> OpCounter:
     """One training step under the counter; the phase of each op is forward, backward or step."""
-    counter = OpCounter(regions, sites)
+    counter = OpCounter(regions, sites, op)
     regions.calls.clear()
     forward, backward = trainer.model.forward, torch.Tensor.backward
 
@@ -268,7 +275,7 @@ def run(args: argparse.Namespace) -> dict:
                 t0 = time.perf_counter()
                 trainer.train_step()
                 times.append((time.perf_counter() - t0) * 1e3)
-            counter = count_step(trainer, regions, sites=True)
+            counter = count_step(trainer, regions, sites=True, op=args.op)
             plain = count_step(trainer, regions, sites=False)  # the sites' stack walks change no op
             assert plain.by_region == counter.by_region, "the op counts differ between two steps"
             functions = profile_step(trainer, args.top)
@@ -289,6 +296,8 @@ def run(args: argparse.Namespace) -> dict:
         "top_sites": counter.by_site.most_common(args.top),
         "all_sites": dict(counter.by_site),
         "top_functions": functions,
+        "op": args.op,
+        "op_sites": counter.op_sites.most_common(),
     }
 
 
@@ -307,6 +316,10 @@ def show(result: dict) -> None:
     print("\ntop call sites of eager ops (phase, innermost moontrain/moonep line, FSDP line or autograd node):")
     for site, n in result["top_sites"]:
         print(f"  {n:7d}  {site}")
+    if result.get("op"):
+        print(f"\ncall sites of aten.{result['op']} in every region (phase, region, output shape and dtype, site):")
+        for site, n in result["op_sites"]:
+            print(f"  {n:7d}  {site}")
     print("\ntop Python functions by self CPU time (one step under cProfile, which inflates them):")
     print(f"  {'self ms':>8s} {'cum ms':>8s} {'calls':>7s}  function")
     for r in result["top_functions"]:
@@ -321,6 +334,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=40, help="rows per table")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: host work, not math)")
     parser.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--op", help="an aten op (e.g. add, copy_, _to_copy): its call sites in every region, "
+                                     "with output shapes (tiny widths: hidden 64, 32 tokens a pass)")
     parser.add_argument("--out", help="write the result as JSON here")
     parser.add_argument("--show", help="print the table of a JSON written by --out and exit")
     args = parser.parse_args()
