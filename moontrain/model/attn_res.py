@@ -40,13 +40,13 @@ compiled math reads each value three times in backward; the K3 step's profile pu
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from moontrain.model.kernel_choice import runs_triton
 from moontrain.model.norm import RMSNorm
 
 
@@ -142,13 +142,9 @@ def triton_math() -> tuple[Callable, Callable]:
 
 def uses_triton(choice: str, device: torch.device | str | None) -> bool:
     """Whether kernels.attn_res = `choice` (auto, torch or triton) runs the Triton kernels on `device`."""
-    on_cuda = device is not None and torch.device(device).type == "cuda"
-    if choice == "torch" or (choice == "auto" and not on_cuda):
+    if not runs_triton("attn_res", choice, device, "the PyTorch math"):
         return False
-    if importlib.util.find_spec("triton") is None:
-        raise ValueError("kernels.attn_res=triton needs triton (installed with torch's CUDA builds); "
-                         "kernels.attn_res=torch runs the PyTorch math")
-    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if (device is None or torch.device(device).type != "cuda") and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"kernels.attn_res=triton runs on a CUDA device (or in Triton's interpreter, "
                          f"TRITON_INTERPRET=1), this model is on {device}; kernels.attn_res=auto picks the "
                          "PyTorch math there")

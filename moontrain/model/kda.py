@@ -44,6 +44,7 @@ from torch import nn
 from moontrain.model.config import ModelConfig
 from moontrain.model.documents import DocumentMask
 from moontrain.model.kda_ops import at_least_fp32, kda, kda_fla
+from moontrain.model.kernel_choice import runs_triton
 
 DECAY_RATE_RANGE = (1e-3, 1e-1)
 
@@ -72,12 +73,8 @@ def uses_fla(cfg: ModelConfig, choice: str, device: torch.device | str | None) -
 
 def select_short_conv(choice: str, device: torch.device | str | None) -> Callable[..., torch.Tensor]:
     """The short convolution of kernels.short_conv = `choice` (auto, torch or triton) on `device`."""
-    on_cuda = device is not None and torch.device(device).type == "cuda"
-    if choice == "torch" or (choice == "auto" and not on_cuda):
+    if not runs_triton("short_conv", choice, device, "the PyTorch convolution"):
         return short_conv
-    if importlib.util.find_spec("triton") is None:
-        raise ValueError("kernels.short_conv=triton needs triton (installed with torch's CUDA builds); "
-                         "kernels.short_conv=torch runs the PyTorch convolution")
     from moontrain.model.short_conv_kernel import short_conv_silu  # imports triton: only where it runs
 
     return short_conv_silu

@@ -1,0 +1,20 @@
+"""The auto / torch / triton choice of a KernelsConfig field (kernels.short_conv, kernels.attn_res): which
+implementation a layer built on a device runs."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+
+def runs_triton(option: str, choice: str, device: torch.device | str | None, torch_path: str) -> bool:
+    """Whether kernels.<option> = `choice` runs its Triton kernels on `device`: "auto" picks them on CUDA and the
+    PyTorch path (`torch_path`, named in the error) elsewhere; "triton" needs triton importable."""
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    if choice == "torch" or (choice == "auto" and not on_cuda):
+        return False
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError(f"kernels.{option}=triton needs triton (installed with torch's CUDA builds); "
+                         f"kernels.{option}=torch runs {torch_path}")
+    return True
