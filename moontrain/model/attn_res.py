@@ -28,6 +28,10 @@ Activation checkpointing: a block's recompute re-runs its two aggregations from 
 completed blocks (tuples: never mutated after a layer read them) and the partial sum it received; the
 completed blocks are partial sums some layer received, which the checkpoints hold anyway, so AttnRes
 adds two [N, B, T] fp32 tensors per aggregation in backward and nothing between forward and backward.
+Block gradients: a completed block is read by every later aggregation; complete_block marks it with a
+BlockGrad into which their backwards add its gradient in place (the kernels in their store), and the
+block's autograd node hands the sum on after the last of them, instead of autograd summing one new tensor
+per reader in a separate kernel (~90 bf16 adds a K3 pass).
 FSDP: the queries and key-norm weights are ordinary dense parameters of their block (the final one of
 the root), gathered and reduced with it.
 
@@ -111,7 +115,21 @@ def depth_backward(query: torch.Tensor, key_weight: torch.Tensor, r_NBT: torch.T
     return (grad_q * wf).to(query.dtype), (grad_q * qf).to(key_weight.dtype), grad_values
 
 
-EAGER = (depth_forward, depth_backward)
+def summing_into(backward: Callable) -> Callable:
+    """depth_backward's signature plus `into` (per value: None, or the gradient summed so far that the
+    value's gradient is added to, in place): the PyTorch math's form of the kernels' summing store."""
+
+    def run(query: torch.Tensor, key_weight: torch.Tensor, r_NBT: torch.Tensor, p_NBT: torch.Tensor,
+            grad_h: torch.Tensor, values: tuple[torch.Tensor, ...], into: list[torch.Tensor | None] | None = None):
+        grad_query, grad_weight, grad_values = backward(query, key_weight, r_NBT, p_NBT, grad_h, values)
+        into = into if into is not None else [None] * len(values)
+        return grad_query, grad_weight, [g if t is None else t.add_(g)
+                                         for g, t in zip(grad_values, into, strict=True)]
+
+    return run
+
+
+EAGER = (depth_forward, summing_into(depth_backward))
 
 
 @functools.cache
@@ -119,7 +137,8 @@ def compiled_math() -> tuple[Callable, Callable]:
     """depth_forward and depth_backward through torch.compile (one graph per number of values: at most
     num_layers / (block_size / 2) + 2 of them, so the recompile limit is raised to hold them all)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(depth_forward, dynamic=False), torch.compile(depth_backward, dynamic=False)
+    return (torch.compile(depth_forward, dynamic=False),
+            summing_into(torch.compile(depth_backward, dynamic=False)))
 
 
 @functools.cache
@@ -132,10 +151,13 @@ def triton_math() -> tuple[Callable, Callable]:
         fn = k.depth_forward if len(values) <= k.MAX_VALUES else depth_forward
         return fn(query, key_weight, eps, values)
 
+    spec_backward = summing_into(depth_backward)
+
     def backward(query: torch.Tensor, key_weight: torch.Tensor, r_NBT: torch.Tensor, p_NBT: torch.Tensor,
-                 grad_h: torch.Tensor, values: tuple[torch.Tensor, ...]):
-        fn = k.depth_backward if len(values) <= k.MAX_VALUES else depth_backward
-        return fn(query, key_weight, r_NBT, p_NBT, grad_h, values)
+                 grad_h: torch.Tensor, values: tuple[torch.Tensor, ...],
+                 into: list[torch.Tensor | None] | None = None):
+        fn = k.depth_backward if len(values) <= k.MAX_VALUES else spec_backward
+        return fn(query, key_weight, r_NBT, p_NBT, grad_h, values, into)
 
     return forward, backward
 
@@ -151,6 +173,51 @@ def uses_triton(choice: str, device: torch.device | str | None) -> bool:
     return True
 
 
+class BlockGrad:
+    """The gradient of one completed block, summed here by the aggregations that read the block (every later
+    one, 2 S / 2 + ... of them) instead of by autograd: autograd would take each aggregation's gradient of the
+    block as a new tensor and add it to the sum in a separate kernel; the aggregations' backward adds it in
+    place (the Triton kernel in its store). complete_block's node hands the sum on once all of them ran."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self) -> None:
+        self.grad: torch.Tensor | None = None
+
+    def take(self) -> torch.Tensor | None:
+        grad, self.grad = self.grad, None
+        return grad
+
+
+class _CompletedBlock(torch.autograd.Function):
+    """Identity whose backward returns the block's BlockGrad sum: the aggregations reading the block return
+    None for it and depend on this node, so autograd runs it after all of them."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sink: BlockGrad) -> torch.Tensor:
+        ctx.set_materialize_grads(False)  # the readers return None: no zeros made for them
+        ctx.sink = sink
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None):
+        total = ctx.sink.take()
+        if grad is not None:  # a reader that is not an aggregation
+            total = grad if total is None else total + grad
+        return total, None
+
+
+def complete_block(x: torch.Tensor) -> torch.Tensor:
+    """x (a partial sum) as a completed block: a tensor carrying the BlockGrad its readers sum into; x itself
+    where no gradient is taken (evaluation, decoding)."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return x
+    sink = BlockGrad()
+    block = _CompletedBlock.apply(x, sink)
+    block.attn_res_grad = sink
+    return block
+
+
 class _DepthAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query: torch.Tensor, key_weight: torch.Tensor, eps: float, math: tuple[Callable, Callable],
@@ -158,14 +225,21 @@ class _DepthAttention(torch.autograd.Function):
         h, r_NBT, p_NBT = math[0](query, key_weight, eps, values)
         ctx.save_for_backward(query, key_weight, r_NBT, p_NBT, *values)
         ctx.backward_math = math[1]
+        # the sinks of this forward: backward uses this ctx (a checkpoint's recompute makes another and drops it)
+        ctx.sinks = [getattr(v, "attn_res_grad", None) for v in values]
         return h
 
     @staticmethod
     def backward(ctx, grad_h: torch.Tensor):
         query, key_weight, r_NBT, p_NBT, *values = ctx.saved_tensors
+        into = [None if s is None else s.grad for s in ctx.sinks]
         grad_query, grad_weight, grad_values = ctx.backward_math(query, key_weight, r_NBT, p_NBT, grad_h,
-                                                                 tuple(values))
-        return grad_query, grad_weight, None, None, *grad_values
+                                                                 tuple(values), into)
+        for sink, grad in zip(ctx.sinks, grad_values, strict=True):
+            if sink is not None:
+                sink.grad = grad
+        return grad_query, grad_weight, None, None, *(None if s is not None else g
+                                                      for s, g in zip(ctx.sinks, grad_values, strict=True))
 
 
 class DepthAttention(nn.Module):

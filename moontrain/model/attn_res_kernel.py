@@ -14,6 +14,9 @@ every value, once for the value gradients and dq. A program's rows of the N valu
 read from HBM in the first walk and mostly from L2 in the second, where the compiled specification reads
 every value three times and gh twice per value in separate reductions. dq is deterministic: each program
 writes its fp32 [D] partial to its own row of a [programs, D] buffer, one torch sum follows (no atomics).
+A completed block's gradient is the sum over the aggregations that read it (attn_res.BlockGrad): for such a
+value the backward loads the sum so far and stores the sum (SUM_INTO, a compile-time bit per value), where
+autograd would store the gradient and add it in another kernel (one read and one write of it against four).
 
 Values arrive as separate tensors (the completed blocks and the partial sum, never stacked: stacking is a
 copy of all of them): the kernels take MAX_VALUES pointer arguments, the unused ones None, and pick the n-th
@@ -125,7 +128,8 @@ def _fwd_kernel(h_ptr, r_ptr, p_ptr, q_ptr, M, eps,
 def _bwd_kernel(gh_ptr, r_ptr, p_ptr, q_ptr, gq_ptr, M,
                 v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15,
                 g0, g1, g2, g3, g4, g5, g6, g7, g8, g9, g10, g11, g12, g13, g14, g15,
-                D: tl.constexpr, N: tl.constexpr, N_P: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+                D: tl.constexpr, N: tl.constexpr, N_P: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                SUM_INTO: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BM + tl.arange(0, BM)
     row_ok = rows < M
@@ -163,6 +167,8 @@ def _bwd_kernel(gh_ptr, r_ptr, p_ptr, q_ptr, gq_ptr, M,
             v = tl.load(v_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             b = _row_of(b_t, n_idx, n)[:, None]
             gv = gh * _row_of(p_t, n_idx, n)[:, None] + b * q[None, :] - _row_of(c_t, n_idx, n)[:, None] * v
+            if (SUM_INTO >> n) & 1:  # value n's gradient is added to the sum its g pointer holds
+                gv += tl.load(g_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             tl.store(g_ptr + base + cols[None, :], gv.to(g_ptr.dtype.element_ty), mask=mask)
             gq += tl.sum(b * v, axis=0)
         tl.store(gq_ptr + pid.to(tl.int64) * D + cols, gq, mask=col_ok)
@@ -205,19 +211,28 @@ def depth_forward(query: torch.Tensor, key_weight: torch.Tensor, eps: float, val
 
 
 def depth_backward(query: torch.Tensor, key_weight: torch.Tensor, r_NBT: torch.Tensor, p_NBT: torch.Tensor,
-                   grad_h: torch.Tensor, values: tuple[torch.Tensor, ...]
+                   grad_h: torch.Tensor, values: tuple[torch.Tensor, ...],
+                   into: list[torch.Tensor | None] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """attn_res.depth_backward in the backward kernel: (grad of the query, of the key-norm weight, of every
-    value), the parameters' grads through the product rule in fp32, rounded once to their dtype."""
+    value), the parameters' grads through the product rule in fp32, rounded once to their dtype. into: per
+    value None or a gradient summed so far (contiguous, the value's shape and dtype), to which the kernel adds
+    the value's gradient in fp32 before its one rounding, in place; that tensor is then the value's entry."""
     values, D = _check(values)
     N, M = len(values), values[0].numel() // D
+    into = into if into is not None else [None] * N
+    for v, t in zip(values, into, strict=True):
+        if t is not None and (t.shape != v.shape or t.dtype != v.dtype or not t.is_contiguous()):
+            raise ValueError(f"an AttnRes gradient sum must be contiguous with its value's shape and dtype: "
+                             f"{tuple(t.shape)} {t.dtype} against {tuple(v.shape)} {v.dtype}")
     qf, wf = query.float(), key_weight.float()
     q = (qf * wf).contiguous()
-    grads = [torch.empty_like(v) for v in values]
+    grads = [torch.empty_like(v) if t is None else t for v, t in zip(values, into, strict=True)]
+    sum_into = sum(1 << n for n, t in enumerate(into) if t is not None)
     programs = triton.cdiv(M, BLOCK_M)
     gq_parts = torch.empty(programs, D, dtype=torch.float32, device=q.device)
     _bwd_kernel[(programs,)](grad_h.contiguous(), r_NBT.contiguous(), p_NBT.contiguous(), q, gq_parts, M,
                              *_slots(values), *_slots(grads), D=D, N=N, N_P=triton.next_power_of_2(N), BM=BLOCK_M,
-                             BD=_block_d(D), num_warps=BWD_WARPS)
+                             BD=_block_d(D), SUM_INTO=sum_into, num_warps=BWD_WARPS)
     grad_q = gq_parts.sum(0)
     return (grad_q * wf).to(query.dtype), (grad_q * qf).to(key_weight.dtype), grads

@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moontrain.model.attention import MLAttention
-from moontrain.model.attn_res import DepthAttention, starts_block
+from moontrain.model.attn_res import DepthAttention, complete_block, starts_block
 from moontrain.model.config import KernelsConfig, ModelConfig
 from moontrain.model.documents import DocumentMask, causal_flex_mask, document_mask
 from moontrain.model.experts import ExpertPlacement, ExpertsContext, ExpertsRuntime, build_experts_runtime
@@ -106,7 +106,7 @@ class Block(nn.Module):
             return blocks, x_BTD + y, aux
         h_BTD = self.res_attn(blocks, x_BTD)
         if self.starts_block:  # the partial sum becomes a completed block; a new one starts here
-            blocks = (*blocks, x_BTD)
+            blocks = (*blocks, complete_block(x_BTD))
             x_BTD = attend(self.attn_norm(h_BTD))
         else:
             x_BTD = x_BTD + attend(self.attn_norm(h_BTD))

@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from moontrain.metrics.flops import flops_per_token
-from moontrain.model.attn_res import DepthAttention, aggregate_backward, aggregate_forward, aggregation_sizes
+from moontrain.model.attn_res import (
+    BlockGrad,
+    DepthAttention,
+    aggregate_backward,
+    aggregate_forward,
+    aggregation_sizes,
+    complete_block,
+)
 from moontrain.model.config import ModelConfig
 from moontrain.model.experts import ExpertsContext
 from moontrain.model.params import count_params
@@ -265,3 +272,82 @@ def test_triton_kernels_off_cuda_are_refused(monkeypatch: pytest.MonkeyPatch) ->
     from moontrain.model import attn_res
 
     assert DepthAttention(16, device="cpu", kernel="auto").math is attn_res.EAGER
+
+
+def _chain_grads(commit: bool, compiled: bool = False) -> list[torch.Tensor]:
+    """Five aggregations over two completed blocks (the second committed after the second aggregation, as a
+    layer commits its partial sum) and a changing partial sum, bf16 as in training: the gradients of the two
+    blocks' sources, the partial sums' source and every query. commit: the blocks through complete_block
+    (their readers sum into its BlockGrad), else plain tensors (autograd sums their gradients)."""
+    g = torch.Generator().manual_seed(5)
+    D = 32
+    x0, x1 = (torch.randn(2, 9, D, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(2))
+    aggs = [DepthAttention(D).to(torch.bfloat16) for _ in range(5)]
+    with torch.no_grad():
+        for m in aggs:
+            m.query.copy_(torch.randn(D, generator=g) * 0.5)
+    if compiled:
+        for m in aggs:
+            m.compile_math()
+    blocks = (complete_block(x0) if commit else x0 * 1,)
+    partial = x1 * 1
+    for i, m in enumerate(aggs):
+        partial = partial + torch.tanh(m(blocks, partial))
+        if i == 1:
+            blocks = (*blocks, complete_block(partial) if commit else partial * 1)
+            partial = partial * 0.5
+    return list(torch.autograd.grad(partial.float().pow(2).sum(), [x0, x1, *(m.query for m in aggs)]))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_block_gradients_summed_by_the_readers_equal_autograds_sum_bitwise(compiled: bool) -> None:
+    """complete_block: every aggregation adds its gradient of a completed block into the block's BlockGrad, in
+    the order autograd would have summed them, in the values' dtype: every gradient equals autograd's own
+    summing bit for bit (the partial sum that became a block also receives a plain gradient: both meet)."""
+    if compiled and shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("torch.compile on CPU needs a C compiler")
+    got, want = _chain_grads(commit=True, compiled=compiled), _chain_grads(commit=False, compiled=compiled)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"gradient {i}: max |diff| {(a.float() - b.float()).abs().max().item():.3g}"
+        assert bool(a.abs().sum() > 0), f"gradient {i} is zero: the test checks nothing"
+
+
+def test_complete_block_is_the_tensor_itself_without_gradients() -> None:
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    with torch.no_grad():
+        assert complete_block(x) is x
+    assert complete_block(x.detach()) is not x and not hasattr(complete_block(x.detach()), "attn_res_grad")
+    block = complete_block(x)
+    assert block is not x and isinstance(block.attn_res_grad, BlockGrad) and torch.equal(block, x)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation_checkpointing"])
+def test_model_gradients_with_block_sums_equal_autograds_bitwise(checkpointing: bool,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every parameter's gradient of the K3 block (KDA and MLA, MoE, block size 4: blocks committed at layers
+    0, 2 and 4 and read by up to eleven aggregations) with the readers summing into BlockGrad, against the
+    same model where autograd sums the blocks' gradients (complete_block replaced by the identity): bit for
+    bit. With activation checkpointing the sums cross the recomputed blocks' boundaries."""
+    from moontrain.model import transformer
+
+    cfg = _cfg(attn_res_block_size=4, kda_layers_per_mla=1, kda_head_dim=16)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    runs = []
+    for summed_by_readers in (True, False):
+        if not summed_by_readers:
+            monkeypatch.setattr(transformer, "complete_block", lambda x: x)
+        model = _model(cfg)
+        if checkpointing:
+            model.enable_activation_checkpointing()
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        loss = model(tokens, tokens.roll(-1, 1))[0]
+        runs.append(dict(zip([n for n, _ in named], torch.autograd.grad(loss, [p for _, p in named],
+                                                                        allow_unused=True), strict=True)))
+    checked = 0
+    for name, a in runs[0].items():
+        b = runs[1][name]
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert torch.equal(a, b), f"{name}: max |diff| {(a - b).abs().max().item():.3g}"
+            checked += bool(a.abs().max() > 0)
+    assert checked >= len(runs[0]) // 2, f"only {checked} of {len(runs[0])} gradients are non-zero"

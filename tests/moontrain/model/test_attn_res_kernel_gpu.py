@@ -47,3 +47,28 @@ def test_kernels_match_spec_at_k3_small_shape(N: int) -> None:
     _close("grad key weight", gw, gw64, 16 * (D + N + M) * U32)
     for i, (a, b) in enumerate(zip(gv, gv64, strict=True)):
         _close(f"grad value {i}", a, b, rel)
+
+
+def test_backward_sums_into_block_gradients_at_k3_small_shape() -> None:
+    """Three completed blocks' gradient sums (attn_res.BlockGrad) and the partial sum's fresh gradient, N = 4:
+    each sum gains the value's gradient in fp32 before one round-to-nearest bf16 rounding."""
+    from moontrain.model import attn_res_kernel
+
+    N = 4
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    values = tuple((torch.randn(B, T, D, device="cuda", generator=gen) * (1 + 0.5 * i)).to(torch.bfloat16)
+                   for i in range(N))
+    query = 0.05 * torch.randn(D, device="cuda", generator=gen)
+    key_weight = 1 + 0.1 * torch.randn(D, device="cuda", generator=gen)
+    grad_h = torch.randn(B, T, D, device="cuda", generator=gen).to(torch.bfloat16)
+    into = [torch.randn(B, T, D, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(N - 1)] + [None]
+    before = [t.double() for t in into[:-1]]
+    _, r, p = attn_res_kernel.depth_forward(query, key_weight, 1e-6, values)
+    _, _, gv = attn_res_kernel.depth_backward(query, key_weight, r, p, grad_h, values, into)
+    v64 = tuple(v.double() for v in values)
+    _, r64, p64 = attn_res.depth_forward(query.double(), key_weight.double(), 1e-6, v64)
+    gv64 = attn_res.depth_backward(query.double(), key_weight.double(), r64, p64, grad_h.double(), v64)[2]
+    rel = 16 * (D + N) * U32 + 2.0**-8
+    for i in range(N):
+        assert (gv[i] is into[i]) == (i < N - 1)
+        _close(f"grad value {i}", gv[i], gv64[i] + (before[i] if i < N - 1 else 0), rel)

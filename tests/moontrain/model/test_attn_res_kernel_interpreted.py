@@ -131,3 +131,62 @@ def test_values_of_different_shapes_are_refused() -> None:
     query, key_weight, values, _ = _inputs(2, torch.float32, seed=1)
     with pytest.raises(ValueError, match=r"AttnRes values must share shape, dtype and device: \(3, 7, 40\)"):
         attn_res_kernel.depth_forward(query, key_weight, 1e-6, (values[0], values[1][:, :5]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_sums_into_the_given_gradients(dtype: torch.dtype, small_blocks: None) -> None:
+    """into (attn_res.BlockGrad's sums): value n's gradient is added to into[n] in place, in fp32 before the one
+    rounding, and into[n] is the value's entry; a value without one gets a new tensor. Bound: the gradient's
+    (as in test_kernels_match_spec) relative to the sum's largest entry, plus one rounding of the sum."""
+    query, key_weight, values, grad_h = _inputs(3, dtype, seed=13)
+    g = torch.Generator().manual_seed(14)
+    into = [torch.randn(values[0].shape, generator=g).to(dtype), None,
+            torch.randn(values[0].shape, generator=g).to(dtype)]
+    before = [None if t is None else t.clone() for t in into]
+    _, r, p = attn_res_kernel.depth_forward(query, key_weight, 1e-6, values)
+    _, _, gv = attn_res_kernel.depth_backward(query, key_weight, r, p, grad_h, values, into)
+    want = _spec64(query, key_weight, 1e-6, values, grad_h)[5]
+    assert gv[0] is into[0] and gv[2] is into[2] and gv[1] is not None and gv[1].dtype == dtype
+    rel = 16 * (40 + 3) * U32 + (2.0**-7 if dtype == torch.bfloat16 else 0.0)
+    for i in range(3):
+        base = 0 if before[i] is None else before[i].double()
+        _close(f"grad value {i}", gv[i], want[i] + base, rel)
+    with pytest.raises(ValueError, match=r"an AttnRes gradient sum must be contiguous with its value's shape and dtype"):
+        attn_res_kernel.depth_backward(query, key_weight, r, p, grad_h, values, [None, None, into[0].double()])
+
+
+def test_model_with_triton_kernels_matches_torch_math(small_blocks: None) -> None:
+    """The K3 block (KDA and MLA, MoE, AttnRes blocks of 4 sub-layers read by up to eleven aggregations, summing
+    their gradients in the kernel's store): every parameter's gradient with kernels.attn_res=triton against
+    the PyTorch math, fp32. Bound: the aggregations' fp32 reordering (16 (D + N + M) u each, as above) carried
+    through the model's few layers: 1e-4 relative to each gradient's largest entry."""
+    from moontrain.model.config import KernelsConfig
+    from moontrain.model.experts import ExpertsContext
+    from moontrain.model.transformer import K3Model
+    from tests.moontrain.model.test_attn_res import _cfg
+
+    cfg = _cfg(attn_res_block_size=4, kda_layers_per_mla=1, kda_head_dim=16)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    runs = []
+    for kernel in ("torch", "triton"):
+        model = K3Model(cfg, kernels=KernelsConfig(attn_res=kernel))
+        model.init_weights(seed=0)
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(1)
+            for name, prm in model.named_parameters():
+                if name.endswith(".query"):
+                    prm.copy_(torch.randn(prm.shape, generator=gen))
+        model.attach_experts_backends("local", ExpertsContext(
+            num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep=1,
+            compute_dtype=torch.float32, token_padding=8, max_tokens=18, device=torch.device("cpu"),
+            activation=cfg.ffn_activation))
+        named = [(n, prm) for n, prm in model.named_parameters() if prm.requires_grad]
+        loss = model(tokens, tokens.roll(-1, 1))[0]
+        runs.append(dict(zip([n for n, _ in named], torch.autograd.grad(loss, [prm for _, prm in named],
+                                                                        allow_unused=True), strict=True)))
+    for name, want in runs[0].items():
+        got = runs[1][name]
+        assert (got is None) == (want is None), name
+        if want is not None:
+            diff, tol = (got - want).abs().max().item(), 1e-4 * want.abs().max().item()
+            assert diff <= tol, f"{name}: max |diff| {diff:.3g} > {tol:.3g}"
