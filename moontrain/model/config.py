@@ -250,10 +250,10 @@ class KernelsConfig:
     # KDA's causal short convolutions (+ SiLU): "auto" runs the Triton kernel (moontrain.model.short_conv_kernel)
     # on CUDA, else the PyTorch specification (moontrain.model.kda.short_conv); "torch" / "triton" force one
     short_conv: Literal["auto", "torch", "triton"] = "auto"
-    # AttnRes aggregations (model.attn_res_block_size): "triton" runs the Triton kernels
-    # (moontrain.model.attn_res_kernel), "torch" the PyTorch math (compiled with train.compile), "auto" the kernels
-    # on CUDA and the PyTorch math elsewhere
-    attn_res: Literal["auto", "torch", "triton"] = "torch"
+    # AttnRes aggregations (model.attn_res_block_size): "auto" runs the Triton kernels (moontrain.model.attn_res_kernel)
+    # on CUDA and the PyTorch math elsewhere; "torch" the PyTorch math (compiled with train.compile), "triton" the
+    # kernels (the K3 step with them and without: docs/performance.md)
+    attn_res: Literal["auto", "torch", "triton"] = "auto"
     # on CUDA the router's logits GEMM (fp32) and its backward run on TF32 tensor cores. The forward's operands
     # are bf16 values (the compute-dtype activations and FSDP's bf16 weight copy), exact in TF32, so the logits
     # are the fp32 GEMM's up to summation order; the backward rounds the fp32 logit grads to TF32's 10-bit

@@ -141,8 +141,10 @@ CASES = [
     ("moontrain.model.attn_res_kernel", "_bwd_kernel",
      {"gh_ptr": "*bf16", "r_ptr": "*fp32", "p_ptr": "*fp32", "q_ptr": "*fp32", "gq_ptr": "*fp32", "M": "i32",
       **{f"{c}{i}": "*bf16" if i < 3 else "constexpr" for c in "vg" for i in range(16)},
-      "D": "constexpr", "N": "constexpr", "N_P": "constexpr", "BM": "constexpr", "BD": "constexpr"},
-     {**{f"{c}{i}": None for c in "vg" for i in range(3, 16)}, "D": 2048, "N": 3, "N_P": 4, "BM": 4, "BD": 1024}),
+      "D": "constexpr", "N": "constexpr", "N_P": "constexpr", "BM": "constexpr", "BD": "constexpr",
+      "SUM_INTO": "constexpr"},  # two completed blocks' gradient sums, the partial sum's fresh gradient
+     {**{f"{c}{i}": None for c in "vg" for i in range(3, 16)}, "D": 2048, "N": 3, "N_P": 4, "BM": 4, "BD": 1024,
+      "SUM_INTO": 3}),
 ]
 
 _SCRIPT = """
