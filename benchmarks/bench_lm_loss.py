@@ -9,8 +9,10 @@ GPU cases, bf16: (N, D, V) = (16384, 2048, 163840) (k3_small's vocab at 16k toke
 CPU (no GPU) one small case, (1024, 256, 8192) in bf16 with chunks of 1 and 4 MiB, timed by the host clock
 (no memory column).
 Rows per case: unfused eager, unfused with the CE compiled (parallelize's old compile step: the head's GEMM
-eager, the loss through torch.compile), fused eager and fused compiled at each --chunk-mib (the fp32
-logits a chunk may take; the library's default is lm_loss.LOGITS_BYTES_PER_CHUNK). Columns: median ms of
+eager, the loss through torch.compile), fused eager, fused compiled and (GPU) fused with the Triton chunk math
+(kernels.lm_loss) at each --chunk-mib (the fp32 logits a chunk may take; the library's default is
+lm_loss.LOGITS_BYTES_PER_CHUNK); on the GPU two more: the per-chunk math alone at the library's chunk, compiled
+and Triton, with the HBM rate of its least traffic (the grad-h column there: the gradients' difference). Columns: median ms of
 --iters calls (CUDA events) after --warmup; peak GiB allocated during a call above what was allocated before
 it (inputs, and the grads of the previous call freed); loss and the grads' max relative difference from the
 unfused eager row (relative to each grad's largest element). Table printed; JSON to --out.
@@ -32,7 +34,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from benchmarks.timing import median_ms
-from moontrain.model.lm_loss import EAGER, LOGITS_BYTES_PER_CHUNK, chunk_tokens, compiled_math, linear_cross_entropy
+from moontrain.model.lm_loss import (
+    EAGER,
+    LOGITS_BYTES_PER_CHUNK,
+    chunk_tokens,
+    compiled_math,
+    linear_cross_entropy,
+    triton_math,
+)
 
 GPU_CASES = "16384x2048x163840,32768x2048x32768"
 CPU_CASE = "1024x256x8192"
@@ -72,6 +81,9 @@ def run_case(N: int, D: int, V: int, chunk_mib: list[int], iters: int, warmup: i
                          lambda c=c: linear_cross_entropy(h, w, t, chunk=c, math=EAGER)))
         variants.append((f"fused compiled {mib} MiB ({c} tok)",
                          lambda c=c: linear_cross_entropy(h, w, t, chunk=c, math=compiled)))
+        if device.type == "cuda":
+            variants.append((f"fused triton {mib} MiB ({c} tok)",
+                             lambda c=c: linear_cross_entropy(h, w, t, chunk=c, math=triton_math())))
     rows, ref = [], None
     for name, loss_fn in variants:
         def step(loss_fn=loss_fn) -> tuple[torch.Tensor, ...]:
@@ -99,6 +111,30 @@ def run_case(N: int, D: int, V: int, chunk_mib: list[int], iters: int, warmup: i
     return rows
 
 
+def run_chunk_math(N: int, V: int, iters: int, warmup: int) -> list[dict]:
+    """The per-chunk math alone (one chunk of the library's size, bf16 logits; the GEMMs left out): the compiled
+    specification against the Triton kernels (kernels.lm_loss), with the HBM rate of the least traffic (the
+    logits read twice, the gradient written once: 3 c V elements of the logits' size)."""
+    c = min(N, chunk_tokens(V))
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    logits = (torch.randn(c, V, generator=gen, device="cuda") * 2).to(torch.bfloat16)
+    t = torch.randint(0, V, (c,), generator=gen, device="cuda")
+    rows = []
+    for name, math in (("chunk math compiled", compiled_math()), ("chunk math triton", triton_math())):
+        work = logits.clone()  # the kernels write the gradient over their input: every call gets fresh logits
+        ms = median_ms(lambda math=math, work=work: math.loss_and_grad(work.copy_(logits), t, 1.0 / N), iters, warmup)
+        copy_ms = median_ms(lambda work=work: work.copy_(logits), iters, warmup)
+        ms -= copy_ms
+        rows.append({"N": c, "D": 0, "V": V, "variant": f"{name} ({c} tok)", "ms": ms, "peak_gib": None,
+                     "hbm_tb_s": 3 * c * V * logits.element_size() / (ms * 1e-3) / 1e12,
+                     "loss_rel_diff": 0.0, "grad_h_rel_diff": 0.0, "grad_w_rel_diff": 0.0})
+    loss_ref, grad_ref = compiled_math().loss_and_grad(logits.clone(), t, 1.0 / N)
+    loss_k, grad_k = triton_math().loss_and_grad(logits.clone(), t, 1.0 / N)
+    rows[-1]["loss_rel_diff"] = ((loss_k - loss_ref).abs() / loss_ref.abs()).item()
+    rows[-1]["grad_h_rel_diff"] = ((grad_k.float() - grad_ref.float()).abs().max() / grad_ref.float().abs().max()).item()
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default=None, help=f"comma-separated NxDxV (GPU default {GPU_CASES}, CPU {CPU_CASE})")
@@ -116,12 +152,15 @@ def main() -> None:
     for case in cases.split(","):
         N, D, V = (int(x) for x in case.split("x"))
         rows += run_case(N, D, V, chunk_mib, args.iters, args.warmup, device)
+        if device.type == "cuda":
+            rows += run_chunk_math(N, V, args.iters, args.warmup)
     print(f"{'N':>6} {'D':>5} {'V':>7}  {'variant':<36} {'ms':>9} {'peak GiB':>9} {'loss diff':>10} "
           f"{'grad_h diff':>11} {'grad_W diff':>11}")
     for r in rows:
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
         print(f"{r['N']:>6} {r['D']:>5} {r['V']:>7}  {r['variant']:<36} {r['ms']:>9.2f} {peak:>9} "
-              f"{r['loss_rel_diff']:>10.2e} {r['grad_h_rel_diff']:>11.2e} {r['grad_w_rel_diff']:>11.2e}")
+              f"{r['loss_rel_diff']:>10.2e} {r['grad_h_rel_diff']:>11.2e} {r['grad_w_rel_diff']:>11.2e}"
+              + (f" {r['hbm_tb_s']:>6.2f} TB/s" if "hbm_tb_s" in r else ""))
     if args.out or device.type == "cuda":
         out = Path(args.out or Path(__file__).parent / "results" / f"bench_lm_loss_{time.strftime('%Y%m%d')}.json")
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -44,13 +44,12 @@ compiled math reads each value three times in backward; the K3 step's profile pu
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from moontrain.model.kernel_choice import runs_triton
+from moontrain.model.kernel_choice import runs_cuda_kernels
 from moontrain.model.norm import RMSNorm
 
 
@@ -164,13 +163,7 @@ def triton_math() -> tuple[Callable, Callable]:
 
 def uses_triton(choice: str, device: torch.device | str | None) -> bool:
     """Whether kernels.attn_res = `choice` (auto, torch or triton) runs the Triton kernels on `device`."""
-    if not runs_triton("attn_res", choice, device, "the PyTorch math"):
-        return False
-    if (device is None or torch.device(device).type != "cuda") and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"kernels.attn_res=triton runs on a CUDA device (or in Triton's interpreter, "
-                         f"TRITON_INTERPRET=1), this model is on {device}; kernels.attn_res=auto picks the "
-                         "PyTorch math there")
-    return True
+    return runs_cuda_kernels("attn_res", choice, device, "the PyTorch math")
 
 
 class BlockGrad:

@@ -254,6 +254,10 @@ class KernelsConfig:
     # on CUDA and the PyTorch math elsewhere; "torch" the PyTorch math (compiled with train.compile), "triton" the
     # kernels (the K3 step with them and without: docs/performance.md)
     attn_res: Literal["auto", "torch", "triton"] = "auto"
+    # the fused head's per-chunk cross-entropy and logits gradient (moontrain.model.lm_loss): "triton" runs the
+    # Triton kernels (moontrain.model.lm_loss_kernel), "torch" the PyTorch math (compiled with train.compile),
+    # "auto" the kernels on CUDA and the PyTorch math elsewhere
+    lm_loss: Literal["auto", "torch", "triton"] = "torch"
     # on CUDA the router's logits GEMM (fp32) and its backward run on TF32 tensor cores. The forward's operands
     # are bf16 values (the compute-dtype activations and FSDP's bf16 weight copy), exact in TF32, so the logits
     # are the fp32 GEMM's up to summation order; the backward rounds the fp32 logit grads to TF32's 10-bit
@@ -275,6 +279,8 @@ class KernelsConfig:
             raise ValueError(f"kernels.short_conv must be 'auto', 'torch' or 'triton', got {self.short_conv!r}")
         if self.attn_res not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels.attn_res must be 'auto', 'torch' or 'triton', got {self.attn_res!r}")
+        if self.lm_loss not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernels.lm_loss must be 'auto', 'torch' or 'triton', got {self.lm_loss!r}")
 
 
 ExpertsBackendName = Literal["local", "alltoall", "moonep"]

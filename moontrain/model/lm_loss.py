@@ -32,6 +32,8 @@ N 32768, D 2048, V 32,768: 22.7 ms, 4.0 GiB | 25.5 ms, 1.0 | 23.7 ms, 2.4 | 23.8
 
 train.compile: the per-chunk fp32 math (chunk_loss_and_grad, chunk_loss) runs through torch.compile, which
 fuses it into passes over the compute-dtype logits; the GEMMs stay eager ATen calls either way.
+kernels.lm_loss: the same per-chunk math as Triton kernels (moontrain.model.lm_loss_kernel), which also write
+the gradient over the chunk's logits.
 Rejected: chunking over V (grad_W then needs every token's logsumexp first: the logits GEMM twice); a
 compiled whole op (the chunk loop unrolled into one graph per N); saving grad_W in fp32 (twice the bytes
 held from the end of forward to the start of backward, for a rounding that only matters when the loss's
@@ -40,10 +42,13 @@ grad is not a power of two).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from moontrain.model.kernel_choice import runs_cuda_kernels
 
 LOGITS_BYTES_PER_CHUNK = 1 << 30  # a chunk's logits in fp32 (module docstring: memory against accumulator traffic)
 _TILE = 128  # GEMM rows per tile: chunks of whole tiles
@@ -94,6 +99,21 @@ def compiled_math() -> ChunkMath:
     """The chunk math through torch.compile (train.compile): one graph per chunk shape, the last chunk's
     remainder being the second."""
     return ChunkMath(torch.compile(chunk_loss_and_grad, dynamic=False), torch.compile(chunk_loss, dynamic=False))
+
+
+@functools.cache
+def triton_math() -> ChunkMath:
+    """The chunk math as Triton kernels (moontrain.model.lm_loss_kernel: the gradient written over the chunk's
+    logits), the same with or without train.compile."""
+    from moontrain.model import lm_loss_kernel as k  # imports triton: only where it runs
+
+    return ChunkMath(k.chunk_loss_and_grad, k.chunk_loss)
+
+
+def chunk_math(choice: str, device: torch.device | str | None) -> ChunkMath:
+    """The chunk math kernels.lm_loss = `choice` (auto, torch or triton) runs on `device`: triton_math(), or
+    EAGER (which train.compile replaces by compiled_math())."""
+    return triton_math() if runs_cuda_kernels("lm_loss", choice, device, "the PyTorch chunk math") else EAGER
 
 
 def _add_outer_(acc_VD: torch.Tensor, grad_Vc: torch.Tensor, h_cD: torch.Tensor) -> None:

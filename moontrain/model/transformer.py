@@ -43,7 +43,7 @@ from moontrain.model.experts import ExpertPlacement, ExpertsContext, ExpertsRunt
 from moontrain.model.ffn import GatedFFN
 from moontrain.model.init import expert_stds, init_dense
 from moontrain.model.kda import KimiDeltaAttention, uses_fla
-from moontrain.model.lm_loss import EAGER, linear_cross_entropy
+from moontrain.model.lm_loss import chunk_math, linear_cross_entropy
 from moontrain.model.moe import MoE
 from moontrain.model.norm import RMSNorm
 from moontrain.model.rope import rope_cos_sin
@@ -142,7 +142,8 @@ class K3Model(nn.Module):
         # AttnRes: the final norm's input is one more aggregation over the blocks and the last partial sum
         self.final_res = (DepthAttention(cfg.hidden_size, cfg.norm_eps, device=device, kernel=kernels.attn_res)
                           if cfg.attn_res_block_size else None)
-        self.loss_math = EAGER  # linear_cross_entropy's chunk math; parallelize's compile step compiles it
+        # linear_cross_entropy's chunk math (kernels.lm_loss); parallelize's compile step compiles EAGER
+        self.loss_math = chunk_math(kernels.lm_loss, device)
         self.document_eos_id = document_eos_id
         self.fla_seq_bounds = uses_fla(cfg, kernels.kda, device)  # the documents carry fla's cu_seqlens
         self.deterministic_attention = deterministic_attention

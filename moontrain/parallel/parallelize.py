@@ -32,7 +32,7 @@ import torch
 from moontrain.model.attn_res import DepthAttention
 from moontrain.model.config import ExpertsConfig
 from moontrain.model.experts import ExpertsContext, ExpertsRuntime
-from moontrain.model.lm_loss import compiled_math
+from moontrain.model.lm_loss import EAGER, compiled_math
 from moontrain.model.transformer import K3Model
 from moontrain.parallel.config import ParallelConfig
 from moontrain.parallel.fsdp import apply_fsdp
@@ -96,5 +96,6 @@ def compile_dense_parts(model: K3Model) -> None:
         if block.ffn.latent:
             block.ffn.latent_norm.compile()
     model.norm.compile()
-    model.loss_math = compiled_math()
+    if model.loss_math is EAGER:  # the Triton chunk math (kernels.lm_loss) stays
+        model.loss_math = compiled_math()
 

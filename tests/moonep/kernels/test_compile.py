@@ -145,6 +145,13 @@ CASES = [
       "SUM_INTO": "constexpr"},  # two completed blocks' gradient sums, the partial sum's fresh gradient
      {**{f"{c}{i}": None for c in "vg" for i in range(3, 16)}, "D": 2048, "N": 3, "N_P": 4, "BM": 4, "BD": 1024,
       "SUM_INTO": 3}),
+    ("moontrain.model.lm_loss_kernel", "_row_stats_kernel",  # k3_small's vocab: 163,840 = 10 splits of 16,384
+     {"x_ptr": "*bf16", "max_ptr": "*fp32", "sum_ptr": "*fp32", "V": "i32", "S": "i32", "SPLIT": "constexpr",
+      "BV": "constexpr"},
+     {"SPLIT": 16384, "BV": 2048}),
+    ("moontrain.model.lm_loss_kernel", "_grad_kernel",
+     {"x_ptr": "*bf16", "lse_ptr": "*fp32", "t_ptr": "*i64", "V": "i32", "inv_n": "fp32", "BV": "constexpr"},
+     {"BV": 2048}),
 ]
 
 _SCRIPT = """

@@ -1,0 +1,102 @@
+"""Triton kernels of one chunk of the fused head's cross-entropy (moontrain.model.lm_loss's chunk_loss_and_grad
+and chunk_loss are the specification; kernels.lm_loss picks these).
+
+Legend: c tokens in the chunk, V vocab, S splits of a row's V, BV columns per tile.
+
+    lse = log sum_v exp(x_v)      loss = sum_rows (lse - x_target)      grad_v = exp(x_v - lse) / N - [v = target] / N
+
+Two passes over the chunk's logits (in the compute dtype, [c, V]):
+- _row_stats_kernel, one program per (row, split of V): the split's max and sum of exp(x - max), online over
+  its tiles (one exp per element, one rescale per tile), written to [c, S] fp32; torch combines the S parts
+  into each row's lse and gathers the target logits (c values).
+- _grad_kernel, one program per (row, tile of V): the gradient above in fp32, rounded once to the logits' dtype
+  and written over the logits (they are the chunk's own and dead after it: no second [c, V] tensor).
+The specification computes the same quantities in ATen's log-softmax order ((x - max) - log sum exp(x - max))
+through torch.compile, whose kernels walked each row of 163,840 logits in one program at a third of the HBM
+rate on the H200 (docs/performance.md, session 24); splitting V gives the first pass c x S programs.
+
+Numerics against the specification: the same formulas in fp32; the row sums are summed in another order (per
+split, then across splits), so the lse and the loss differ in the last bits of fp32 and the gradient by at
+most one rounding step of its dtype; tests/moontrain/model/test_lm_loss_kernel_interpreted.py holds them to
+the bounds it derives.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# columns per tile and warps (both passes); columns per split of a row in the first pass (a multiple of BLOCK_V)
+BLOCK_V, SPLIT_V, WARPS = 2048, 16384, 8
+
+
+@triton.jit
+def _row_stats_kernel(x_ptr, max_ptr, sum_ptr, V, S, SPLIT: tl.constexpr, BV: tl.constexpr):
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    base = x_ptr + row.to(tl.int64) * V
+    start = part * SPLIT
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    for v0 in tl.range(start, start + SPLIT, BV):
+        cols = v0 + tl.arange(0, BV)
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))  # finite: every split holds at least one column below V
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    tl.store(max_ptr + row * S + part, m)
+    tl.store(sum_ptr + row * S + part, s)
+
+
+@triton.jit
+def _grad_kernel(x_ptr, lse_ptr, t_ptr, V, inv_n, BV: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BV + tl.arange(0, BV)
+    ok = cols < V
+    ptrs = x_ptr + row.to(tl.int64) * V + cols
+    x = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + row)
+    target = tl.load(t_ptr + row)
+    p = tl.exp(x - lse) * inv_n
+    g = tl.where(cols == target, p - inv_n, p)
+    tl.store(ptrs, g.to(x_ptr.dtype.element_ty), mask=ok)
+
+
+def _check(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> None:
+    if logits_cV.dim() != 2 or not logits_cV.is_contiguous() or targets_c.shape != logits_cV.shape[:1]:
+        raise ValueError(f"the CE kernels take contiguous logits [c, V] and targets [c], got logits "
+                         f"{tuple(logits_cV.shape)} (contiguous: {logits_cV.is_contiguous()}) and targets "
+                         f"{tuple(targets_c.shape)}")
+
+
+def _lse_and_target_logits(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's log-sum-exp (fp32 [c]) and its target's logit (fp32 [c])."""
+    c, V = logits_cV.shape
+    split = min(SPLIT_V, triton.cdiv(V, BLOCK_V) * BLOCK_V)
+    S = triton.cdiv(V, split)
+    max_cS = torch.empty(c, S, dtype=torch.float32, device=logits_cV.device)
+    sum_cS = torch.empty_like(max_cS)
+    _row_stats_kernel[(c, S)](logits_cV, max_cS, sum_cS, V, S, SPLIT=split, BV=BLOCK_V, num_warps=WARPS)
+    row_max = max_cS.amax(dim=1, keepdim=True)
+    lse_c = (row_max + (sum_cS * (max_cS - row_max).exp()).sum(dim=1, keepdim=True).log()).squeeze(1)
+    return lse_c, logits_cV.gather(1, targets_c[:, None]).squeeze(1).float()
+
+
+def chunk_loss(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> torch.Tensor:
+    """lm_loss.chunk_loss in the first pass: the sum over the chunk's tokens of -log softmax(logits)[target], fp32."""
+    _check(logits_cV, targets_c)
+    lse_c, target_c = _lse_and_target_logits(logits_cV, targets_c)
+    return (lse_c - target_c).sum()
+
+
+def chunk_loss_and_grad(logits_cV: torch.Tensor, targets_c: torch.Tensor, inv_n: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """lm_loss.chunk_loss_and_grad in both passes: (the chunk's summed loss, fp32; the grad of the mean over all
+    N tokens (inv_n = 1 / N) with respect to the logits, in their dtype, written over logits_cV and returned)."""
+    _check(logits_cV, targets_c)
+    lse_c, target_c = _lse_and_target_logits(logits_cV, targets_c)
+    loss = (lse_c - target_c).sum()
+    c, V = logits_cV.shape
+    _grad_kernel[(c, triton.cdiv(V, BLOCK_V))](logits_cV, lse_c, targets_c, V, inv_n, BV=BLOCK_V, num_warps=WARPS)
+    return loss, logits_cV
