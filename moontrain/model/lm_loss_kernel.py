@@ -7,8 +7,8 @@ Legend: c tokens in the chunk, V vocab, S splits of a row's V, BV columns per ti
 
 Two passes over the chunk's logits (in the compute dtype, [c, V]):
 - _row_stats_kernel, one program per (row, split of V): the split's max and sum of exp(x - max), online over
-  its tiles (one exp per element, one rescale per tile), written to [c, S] fp32; torch combines the S parts
-  into each row's lse and gathers the target logits (c values).
+  its tiles (one exp per element, one rescale per tile), written to [c, S] fp32; _combine_kernel, one program
+  per row, combines the S parts into the row's lse and its loss lse - x_target.
 - _grad_kernel, one program per (row, tile of V): the gradient above in fp32, rounded once to the logits' dtype
   and written over the logits (they are the chunk's own and dead after it: no second [c, V] tensor).
 The specification computes the same quantities in ATen's log-softmax order ((x - max) - log sum exp(x - max))
@@ -50,6 +50,22 @@ def _row_stats_kernel(x_ptr, max_ptr, sum_ptr, V, S, SPLIT: tl.constexpr, BV: tl
 
 
 @triton.jit
+def _combine_kernel(x_ptr, t_ptr, max_ptr, sum_ptr, lse_ptr, loss_ptr, V, S, S_P: tl.constexpr):
+    """Per row: the lse from the S parts, and lse - x_target."""
+    row = tl.program_id(0)
+    parts = tl.arange(0, S_P)
+    ok = parts < S
+    m = tl.load(max_ptr + row * S + parts, mask=ok, other=float("-inf"))
+    s = tl.load(sum_ptr + row * S + parts, mask=ok, other=0.0)
+    row_max = tl.max(m, axis=0)
+    lse = row_max + tl.log(tl.sum(s * tl.exp(m - row_max), axis=0))
+    target = tl.load(t_ptr + row)
+    x_t = tl.load(x_ptr + row.to(tl.int64) * V + target).to(tl.float32)
+    tl.store(lse_ptr + row, lse)
+    tl.store(loss_ptr + row, lse - x_t)
+
+
+@triton.jit
 def _grad_kernel(x_ptr, lse_ptr, t_ptr, V, inv_n, BV: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BV + tl.arange(0, BV)
@@ -70,24 +86,25 @@ def _check(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> None:
                          f"{tuple(targets_c.shape)}")
 
 
-def _lse_and_target_logits(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's log-sum-exp (fp32 [c]) and its target's logit (fp32 [c])."""
+def _row_lse_and_loss(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's log-sum-exp and its loss lse - x_target (fp32 [c] both)."""
     c, V = logits_cV.shape
     split = min(SPLIT_V, triton.cdiv(V, BLOCK_V) * BLOCK_V)
     S = triton.cdiv(V, split)
     max_cS = torch.empty(c, S, dtype=torch.float32, device=logits_cV.device)
     sum_cS = torch.empty_like(max_cS)
     _row_stats_kernel[(c, S)](logits_cV, max_cS, sum_cS, V, S, SPLIT=split, BV=BLOCK_V, num_warps=WARPS)
-    row_max = max_cS.amax(dim=1, keepdim=True)
-    lse_c = (row_max + (sum_cS * (max_cS - row_max).exp()).sum(dim=1, keepdim=True).log()).squeeze(1)
-    return lse_c, logits_cV.gather(1, targets_c[:, None]).squeeze(1).float()
+    lse_c = torch.empty(c, dtype=torch.float32, device=logits_cV.device)
+    loss_c = torch.empty_like(lse_c)
+    _combine_kernel[(c,)](logits_cV, targets_c, max_cS, sum_cS, lse_c, loss_c, V, S, S_P=triton.next_power_of_2(S),
+                          num_warps=1)
+    return lse_c, loss_c
 
 
 def chunk_loss(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> torch.Tensor:
     """lm_loss.chunk_loss in the first pass: the sum over the chunk's tokens of -log softmax(logits)[target], fp32."""
     _check(logits_cV, targets_c)
-    lse_c, target_c = _lse_and_target_logits(logits_cV, targets_c)
-    return (lse_c - target_c).sum()
+    return _row_lse_and_loss(logits_cV, targets_c)[1].sum()
 
 
 def chunk_loss_and_grad(logits_cV: torch.Tensor, targets_c: torch.Tensor, inv_n: float
@@ -95,8 +112,8 @@ def chunk_loss_and_grad(logits_cV: torch.Tensor, targets_c: torch.Tensor, inv_n:
     """lm_loss.chunk_loss_and_grad in both passes: (the chunk's summed loss, fp32; the grad of the mean over all
     N tokens (inv_n = 1 / N) with respect to the logits, in their dtype, written over logits_cV and returned)."""
     _check(logits_cV, targets_c)
-    lse_c, target_c = _lse_and_target_logits(logits_cV, targets_c)
-    loss = (lse_c - target_c).sum()
+    lse_c, loss_c = _row_lse_and_loss(logits_cV, targets_c)
+    loss = loss_c.sum()
     c, V = logits_cV.shape
     _grad_kernel[(c, triton.cdiv(V, BLOCK_V))](logits_cV, lse_c, targets_c, V, inv_n, BV=BLOCK_V, num_warps=WARPS)
     return loss, logits_cV
