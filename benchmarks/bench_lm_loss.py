@@ -3,6 +3,7 @@ over them in fp32, as the training forward computed them before) against moontra
 linear_cross_entropy (head and CE fused over chunks of tokens), eager and with the chunk math compiled.
 
     python benchmarks/bench_lm_loss.py [--iters 10] [--warmup 3] [--chunk-mib 256 1024 2048] [--out x.json]
+    python benchmarks/bench_lm_loss.py --chunk-math-only --cases 16384x2048x163840   # the per-chunk math alone
 
 GPU cases, bf16: (N, D, V) = (16384, 2048, 163840) (k3_small's vocab at 16k tokens per pass) and
 (32768, 2048, 32768) (the DeepSeek-V3 benchmark point: 32k tokens per pass), --cases to change them. On the
@@ -140,6 +141,7 @@ def main() -> None:
     p.add_argument("--cases", default=None, help=f"comma-separated NxDxV (GPU default {GPU_CASES}, CPU {CPU_CASE})")
     p.add_argument("--chunk-mib", type=int, nargs="+", default=None,
                    help=f"GPU default 256 {LOGITS_BYTES_PER_CHUNK >> 20} 2048 (the library's in the middle), CPU 1 4")
+    p.add_argument("--chunk-math-only", action="store_true", help="GPU: only the per-chunk math rows (compiled, Triton)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=None, help="JSON path (default: none on the CPU, "
@@ -151,7 +153,8 @@ def main() -> None:
     rows = []
     for case in cases.split(","):
         N, D, V = (int(x) for x in case.split("x"))
-        rows += run_case(N, D, V, chunk_mib, args.iters, args.warmup, device)
+        if not (args.chunk_math_only and device.type == "cuda"):
+            rows += run_case(N, D, V, chunk_mib, args.iters, args.warmup, device)
         if device.type == "cuda":
             rows += run_chunk_math(N, V, args.iters, args.warmup)
     print(f"{'N':>6} {'D':>5} {'V':>7}  {'variant':<36} {'ms':>9} {'peak GiB':>9} {'loss diff':>10} "
