@@ -211,6 +211,19 @@ def complete_block(x: torch.Tensor) -> torch.Tensor:
     return block
 
 
+class CompletedBlocks:
+    """The completed blocks a transformer layer receives and passes on, in a holder that module hooks do not look
+    into (neither FSDP's nor parallel.dense=plain's pre-forward hooks traverse it). Those hooks route every tensor
+    input that needs grad through one identity autograd node per layer: each layer's readers would get a new
+    tensor without the block's BlockGrad, and autograd would sum their gradients again. The blocks are the
+    model's own activations in the compute dtype already, so the hooks' input casts have nothing to do on them."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: tuple[torch.Tensor, ...] = ()) -> None:
+        self.values = values
+
+
 class _DepthAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query: torch.Tensor, key_weight: torch.Tensor, eps: float, math: tuple[Callable, Callable],

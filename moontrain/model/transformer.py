@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moontrain.model.attention import MLAttention
-from moontrain.model.attn_res import DepthAttention, complete_block, starts_block
+from moontrain.model.attn_res import CompletedBlocks, DepthAttention, complete_block, starts_block
 from moontrain.model.config import KernelsConfig, ModelConfig
 from moontrain.model.documents import DocumentMask, causal_flex_mask, document_mask
 from moontrain.model.experts import ExpertPlacement, ExpertsContext, ExpertsRuntime, build_experts_runtime
@@ -72,11 +72,10 @@ class Block(nn.Module):
             self.starts_block = starts_block(layer_idx, cfg.attn_res_block_size)
         self.activation_checkpointing = False
 
-    def forward(self, blocks: tuple[torch.Tensor, ...], x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                docs: DocumentMask | None = None
-                ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor | None]:
+    def forward(self, blocks: CompletedBlocks, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: DocumentMask | None = None) -> tuple[CompletedBlocks, torch.Tensor, torch.Tensor | None]:
         """(completed AttnRes blocks, residual stream or AttnRes partial sum) -> the same after this
-        layer, and the MoE aux loss. Without AttnRes `blocks` is () and passes through. docs: the packed
+        layer, and the MoE aux loss. Without AttnRes `blocks` holds () and passes through. docs: the packed
         documents attention stays inside."""
         if self.activation_checkpointing and torch.is_grad_enabled():
             return checkpoint(self._forward, blocks, x_BTD, cos, sin, docs, use_reentrant=False, early_stop=False,
@@ -86,9 +85,10 @@ class Block(nn.Module):
     def _recomputing(self) -> AbstractContextManager[None]:
         return self.ffn.router.not_counting() if self.is_moe else nullcontext()
 
-    def _forward(self, blocks: tuple[torch.Tensor, ...], x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 docs: DocumentMask | None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor | None]:
-        return self.residuals(blocks, x_BTD, lambda h_BTD: self._mix(h_BTD, cos, sin, docs))
+    def _forward(self, blocks: CompletedBlocks, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 docs: DocumentMask | None) -> tuple[CompletedBlocks, torch.Tensor, torch.Tensor | None]:
+        values, x_BTD, aux = self.residuals(blocks.values, x_BTD, lambda h_BTD: self._mix(h_BTD, cos, sin, docs))
+        return CompletedBlocks(values), x_BTD, aux
 
     def _mix(self, h_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: DocumentMask | None) -> torch.Tensor:
         """The sequence mixing, under a profiler range naming its kind (a profile's KDA / MLA share)."""
@@ -229,11 +229,11 @@ class K3Model(nn.Module):
             docs = causal_flex_mask(T, tokens_BT.device)
         x_BTD = self.embed(tokens_BT)
         aux_total = x_BTD.new_zeros((), dtype=torch.float32)
-        blocks: tuple[torch.Tensor, ...] = ()
+        blocks = CompletedBlocks()
         for block in self.layers:
             blocks, x_BTD, aux = block(blocks, x_BTD, cos, sin, docs)
             if aux is not None:
                 aux_total = aux_total + aux
         if self.final_res is not None:
-            x_BTD = self.final_res(blocks, x_BTD)
+            x_BTD = self.final_res(blocks.values, x_BTD)
         return self.norm(x_BTD), aux_total

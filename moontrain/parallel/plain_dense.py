@@ -19,8 +19,8 @@ Two effects of FSDP's module hooks on the values are reproduced by the same hook
 modules (each block and the root): the floating-point forward inputs are cast to the compute dtype
 (MixedPrecisionPolicy.cast_forward_inputs: the rope tables arrive in fp32), and a block's inputs that
 require grad pass through one identity autograd node (FSDP's RegisterPostBackwardFunction), which sets the
-order in which their grads are summed in backward (the AttnRes block states are read by every later
-block). Inputs that need no grad are cast once per forward and reused by every block (same values, no
+order in which their grads are summed in backward (the AttnRes partial sum is read by both of a layer's
+aggregations; the completed blocks travel in a holder neither hook looks into, attn_res.CompletedBlocks). Inputs that need no grad are cast once per forward and reused by every block (same values, no
 autograd node), where FSDP casts them again per block.
 
 With the compute dtype equal to the masters' (fp32, the CPU default) nothing is copied: the masters run

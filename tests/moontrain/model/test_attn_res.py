@@ -351,3 +351,33 @@ def test_model_gradients_with_block_sums_equal_autograds_bitwise(checkpointing: 
             assert torch.equal(a, b), f"{name}: max |diff| {(a - b).abs().max().item():.3g}"
             checked += bool(a.abs().max() > 0)
     assert checked >= len(runs[0]) // 2, f"only {checked} of {len(runs[0])} gradients are non-zero"
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation_checkpointing"])
+def test_readers_sum_into_block_grads_under_the_dense_hooks(checkpointing: bool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """parallel.dense=plain's (and FSDP's) pre-forward hooks pass every block's tensor inputs that need grad
+    through an identity autograd node; the completed blocks travel in CompletedBlocks, which they do not look
+    into, so every aggregation still reads the committed blocks themselves and sums into their BlockGrad: all
+    sum(N - 1) block reads of the model (18 for 5 layers in blocks of 4 sub-layers; 6 if only the committing
+    layers and the final aggregation saw them)."""
+    from moontrain.model import attn_res
+    from moontrain.parallel.plain_dense import PlainDense
+
+    cfg = _cfg(attn_res_block_size=4, kda_layers_per_mla=1, kda_head_dim=16)
+    model = _model(cfg)
+    PlainDense(model, torch.float32)
+    if checkpointing:
+        model.enable_activation_checkpointing()
+    reads: list[int] = []
+    backward = attn_res._DepthAttention.backward
+
+    def counting(ctx, grad_h):
+        reads.append(sum(s is not None for s in ctx.sinks))
+        return backward(ctx, grad_h)
+
+    monkeypatch.setattr(attn_res._DepthAttention, "backward", staticmethod(counting))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    model(tokens, tokens.roll(-1, 1))[0].backward()
+    sizes = aggregation_sizes(cfg.num_layers, 4)
+    assert len(reads) == len(sizes) and sum(reads) == sum(n - 1 for n in sizes) == 18
