@@ -12,8 +12,8 @@ Two passes over the chunk's logits (in the compute dtype, [c, V]):
 - _grad_kernel, one program per (row, tile of V): the gradient above in fp32, rounded once to the logits' dtype
   and written over the logits (they are the chunk's own and dead after it: no second [c, V] tensor).
 The specification computes the same quantities in ATen's log-softmax order ((x - max) - log sum exp(x - max))
-through torch.compile, whose kernels walked each row of 163,840 logits in one program at a third of the HBM
-rate on the H200 (docs/performance.md, session 24); splitting V gives the first pass c x S programs.
+through torch.compile, which reduces each row of V logits in one program; splitting V gives the first pass
+c x S programs (the two timed against each other: docs/performance.md, session 24).
 
 Numerics against the specification: the same formulas in fp32; the row sums are summed in another order (per
 split, then across splits), so the lse and the loss differ in the last bits of fp32 and the gradient by at
