@@ -79,11 +79,14 @@ def _grad_kernel(x_ptr, lse_ptr, t_ptr, V, inv_n, BV: tl.constexpr):
     tl.store(ptrs, g.to(x_ptr.dtype.element_ty), mask=ok)
 
 
-def _check(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> None:
+def _check(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> torch.Tensor:
+    """The targets, contiguous. Their values are token ids in [0, V), as lm_loss's contract says (the data
+    pipeline checks every id against the vocabulary); the kernels do not check them again (a host sync)."""
     if logits_cV.dim() != 2 or not logits_cV.is_contiguous() or targets_c.shape != logits_cV.shape[:1]:
         raise ValueError(f"the CE kernels take contiguous logits [c, V] and targets [c], got logits "
                          f"{tuple(logits_cV.shape)} (contiguous: {logits_cV.is_contiguous()}) and targets "
                          f"{tuple(targets_c.shape)}")
+    return targets_c.contiguous()
 
 
 def _row_lse_and_loss(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +106,7 @@ def _row_lse_and_loss(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> tuple
 
 def chunk_loss(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> torch.Tensor:
     """lm_loss.chunk_loss in the first pass: the sum over the chunk's tokens of -log softmax(logits)[target], fp32."""
-    _check(logits_cV, targets_c)
+    targets_c = _check(logits_cV, targets_c)
     return _row_lse_and_loss(logits_cV, targets_c)[1].sum()
 
 
@@ -111,7 +114,7 @@ def chunk_loss_and_grad(logits_cV: torch.Tensor, targets_c: torch.Tensor, inv_n:
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """lm_loss.chunk_loss_and_grad in both passes: (the chunk's summed loss, fp32; the grad of the mean over all
     N tokens (inv_n = 1 / N) with respect to the logits, in their dtype, written over logits_cV and returned)."""
-    _check(logits_cV, targets_c)
+    targets_c = _check(logits_cV, targets_c)
     lse_c, loss_c = _row_lse_and_loss(logits_cV, targets_c)
     loss = loss_c.sum()
     c, V = logits_cV.shape
