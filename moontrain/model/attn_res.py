@@ -37,9 +37,7 @@ FSDP: the queries and key-norm weights are ordinary dense parameters of their bl
 the root), gathered and reduced with it.
 
 Kernels (kernels.attn_res): the math above in PyTorch (compiled with train.compile), or in Triton
-(moontrain.model.attn_res_kernel: one program per row block reads each value once per walk over D, where the
-compiled math reads each value three times in backward; the K3 step's profile put the compiled backward at
-~130 ms a step, docs/performance.md).
+(moontrain.model.attn_res_kernel: each value read about once per walk over D; docs/performance.md).
 """
 
 from __future__ import annotations
