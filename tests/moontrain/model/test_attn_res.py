@@ -381,3 +381,23 @@ def test_readers_sum_into_block_grads_under_the_dense_hooks(checkpointing: bool,
     model(tokens, tokens.roll(-1, 1))[0].backward()
     sizes = aggregation_sizes(cfg.num_layers, 4)
     assert len(reads) == len(sizes) and sum(reads) == sum(n - 1 for n in sizes) == 18
+
+
+def test_a_block_read_outside_the_aggregations_sums_both() -> None:
+    """A completed block that another op also reads: its node adds that op's gradient to the readers' sum. The
+    three gradients meet in another order than autograd's: fp32, within 2 u of the sum of their magnitudes."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 5, 16, generator=g, requires_grad=True)
+    partial = torch.randn(2, 5, 16, generator=g)
+    m = DepthAttention(16)
+    with torch.no_grad():
+        m.query.copy_(torch.randn(16, generator=g))
+
+    def terms(block: torch.Tensor) -> list[torch.Tensor]:
+        return [m((block,), partial).pow(2).sum(), m((block,), partial * 2).sum(), (block * 3).sum()]
+
+    got = torch.autograd.grad(sum(terms(complete_block(x))), x)[0]
+    parts = [torch.autograd.grad(terms(x * 1)[i], x)[0] for i in range(3)]
+    want = parts[0] + parts[1] + parts[2]
+    bound = 2 * 2.0**-24 * sum(p.abs() for p in parts)
+    assert bool(((got - want).abs() <= bound).all()) and bool(got.abs().sum() > 0)
