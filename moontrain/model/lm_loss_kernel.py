@@ -13,7 +13,7 @@ Two passes over the chunk's logits (in the compute dtype, [c, V]):
   and written over the logits (they are the chunk's own and dead after it: no second [c, V] tensor).
 The specification computes the same quantities in ATen's log-softmax order ((x - max) - log sum exp(x - max))
 through torch.compile, which reduces each row of V logits in one program; splitting V gives the first pass
-c x S programs (the two timed against each other: docs/performance.md, session 24).
+c x S programs (the two timed against each other: benchmarks/bench_lm_loss.py --chunk-math-only).
 
 Numerics against the specification: the same formulas in fp32; the row sums are summed in another order (per
 split, then across splits), so the lse and the loss differ in the last bits of fp32 and the gradient by at

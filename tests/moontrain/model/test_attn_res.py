@@ -24,7 +24,7 @@ from moontrain.model.attn_res import (
     aggregation_sizes,
     complete_block,
 )
-from moontrain.model.config import ModelConfig
+from moontrain.model.config import KernelsConfig, ModelConfig
 from moontrain.model.experts import ExpertsContext
 from moontrain.model.params import count_params
 from moontrain.model.transformer import K3Model
@@ -83,8 +83,8 @@ def _cfg(**over) -> ModelConfig:
     return ModelConfig(**{**base, **over})
 
 
-def _model(cfg: ModelConfig) -> K3Model:
-    model = K3Model(cfg)
+def _model(cfg: ModelConfig, kernels: KernelsConfig | None = None) -> K3Model:
+    model = K3Model(cfg, kernels=kernels)
     model.init_weights(seed=0)
     with torch.no_grad():  # non-zero queries so the depth weights are not uniform
         gen = torch.Generator().manual_seed(1)
@@ -96,6 +96,14 @@ def _model(cfg: ModelConfig) -> K3Model:
         compute_dtype=torch.float32, token_padding=8, max_tokens=18, device=torch.device("cpu"),
         activation=cfg.ffn_activation))
     return model
+
+
+def param_grads(model: K3Model, tokens_BT: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """Every trainable parameter's gradient of the model's loss on next-token targets, by name."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    loss = model(tokens_BT, tokens_BT.roll(-1, 1))[0]
+    grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    return dict(zip([n for n, _ in named], grads, strict=True))
 
 
 def naive_forward(model: K3Model, tokens_BT: torch.Tensor, block_size: int,
@@ -339,10 +347,7 @@ def test_model_gradients_with_block_sums_equal_autograds_bitwise(checkpointing: 
         model = _model(cfg)
         if checkpointing:
             model.enable_activation_checkpointing()
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        loss = model(tokens, tokens.roll(-1, 1))[0]
-        runs.append(dict(zip([n for n, _ in named], torch.autograd.grad(loss, [p for _, p in named],
-                                                                        allow_unused=True), strict=True)))
+        runs.append(param_grads(model, tokens))
     checked = 0
     for name, a in runs[0].items():
         b = runs[1][name]

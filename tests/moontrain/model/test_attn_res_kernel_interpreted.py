@@ -161,29 +161,11 @@ def test_model_with_triton_kernels_matches_torch_math(small_blocks: None) -> Non
     the PyTorch math, fp32. Bound: the aggregations' fp32 reordering (16 (D + N + M) u each, as above) carried
     through the model's few layers: 1e-4 relative to each gradient's largest entry."""
     from moontrain.model.config import KernelsConfig
-    from moontrain.model.experts import ExpertsContext
-    from moontrain.model.transformer import K3Model
-    from tests.moontrain.model.test_attn_res import _cfg
+    from tests.moontrain.model.test_attn_res import _cfg, _model, param_grads
 
     cfg = _cfg(attn_res_block_size=4, kda_layers_per_mla=1, kda_head_dim=16)
     tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
-    runs = []
-    for kernel in ("torch", "triton"):
-        model = K3Model(cfg, kernels=KernelsConfig(attn_res=kernel))
-        model.init_weights(seed=0)
-        with torch.no_grad():
-            gen = torch.Generator().manual_seed(1)
-            for name, prm in model.named_parameters():
-                if name.endswith(".query"):
-                    prm.copy_(torch.randn(prm.shape, generator=gen))
-        model.attach_experts_backends("local", ExpertsContext(
-            num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=None, ep=1,
-            compute_dtype=torch.float32, token_padding=8, max_tokens=18, device=torch.device("cpu"),
-            activation=cfg.ffn_activation))
-        named = [(n, prm) for n, prm in model.named_parameters() if prm.requires_grad]
-        loss = model(tokens, tokens.roll(-1, 1))[0]
-        runs.append(dict(zip([n for n, _ in named], torch.autograd.grad(loss, [prm for _, prm in named],
-                                                                        allow_unused=True), strict=True)))
+    runs = [param_grads(_model(cfg, KernelsConfig(attn_res=kernel)), tokens) for kernel in ("torch", "triton")]
     for name, want in runs[0].items():
         got = runs[1][name]
         assert (got is None) == (want is None), name
