@@ -7,9 +7,10 @@ GEMMs in IEEE fp32 vs TF32.
 Attention: forward + backward of F.scaled_dot_product_attention (causal, bf16) as MLAttention calls
 it with kernels.attn_pad_head_dims off (q/k 192, v 128) and on (all 192), plus which SDPA backend ran
 (from the profiler's kernel names), and whether two runs give the same bits ("repeatable": the
-output and every gradient; flex_attention's backward has no atomics, SDPA's usually do). Router: logits = x W^T with its two backward GEMMs, fp32 operands
-holding bf16 values, through moontrain.model.router.RouterLogits (TF32) and F.linear (IEEE fp32, on
-FFMA). Median of --iters timed by CUDA events after --warmup; the outputs of each pair are compared
+output and every gradient; flex_attention's backward has no atomics, SDPA's usually do). Router: logits = x W^T with its two backward GEMMs, bf16 x and fp32
+W as the router takes them: F.linear on x widened to fp32 (kernels.router_gemm=fp32: IEEE fp32 on FFMA), the
+same under allow_tf32 (the TF32 route that split_bf16 replaced), and moontrain.model.router.RouterLogits
+(split_bf16: bf16 tensor cores, no fp32 copy of x). Median of --iters timed by CUDA events after --warmup; the outputs of each pair are compared
 (max abs difference printed). Table printed; JSON to --out.
 """
 
@@ -77,19 +78,25 @@ def attention_case(B: int, N: int, T: int, dqk: int, dv: int, kind: str, iters: 
             "tflops": flops / ms / 1e9, "repeatable": all(map(torch.equal, first, second)), "out": first}
 
 
-def router_case(s: int, D: int, E: int, tf32: bool, iters: int, warmup: int) -> dict:
+def router_case(s: int, D: int, E: int, kind: str, iters: int, warmup: int) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(s, D, device="cuda", generator=gen).bfloat16().float().requires_grad_()
-    w = (torch.randn(E, D, device="cuda", generator=gen) * 0.02).bfloat16().float().requires_grad_()
+    x = torch.randn(s, D, device="cuda", generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(E, D, device="cuda", generator=gen) * 0.02).requires_grad_()
     g = torch.randn(s, E, device="cuda", generator=gen)
 
     def run() -> tuple[torch.Tensor, ...]:
-        y = RouterLogits.apply(x, w) if tf32 else F.linear(x, w)
+        y = RouterLogits.apply(x, w) if kind == "split bf16" else F.linear(x.float(), w)
         return (y, *torch.autograd.grad(y, (x, w), g))
 
-    ms = median_ms(run, iters, warmup)
-    return {"case": f"router {'tf32' if tf32 else 'ieee fp32'}", "ms": ms, "backend": "cublas",
-            "tflops": 3 * 2 * s * D * E / ms / 1e9, "out": run()}
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = kind == "tf32"
+    try:
+        ms = median_ms(run, iters, warmup)
+        out = run()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    return {"case": f"router {kind}", "ms": ms, "backend": "cublas", "tflops": 3 * 2 * s * D * E / ms / 1e9,
+            "out": out}
 
 
 def main() -> None:
@@ -110,12 +117,14 @@ def main() -> None:
     B, N, T = args.batch, args.heads, args.seq
     padded, unpadded, flex = (attention_case(B, N, T, args.qk_head_dim, args.v_head_dim, kind, args.iters, args.warmup)
                               for kind in ("padded", "unpadded", "flex"))
-    ieee, tf32 = (router_case(B * T, args.hidden, args.experts, on, args.iters, args.warmup) for on in (False, True))
-    for base, new in ((padded, unpadded), (unpadded, flex), (ieee, tf32)):  # each row against the one before
+    ieee, tf32, split = (router_case(B * T, args.hidden, args.experts, kind, args.iters, args.warmup)
+                         for kind in ("fp32", "tf32", "split bf16"))
+    # each row against the one before; the router's rows against IEEE fp32
+    for base, new in ((padded, unpadded), (unpadded, flex), (ieee, tf32), (ieee, split)):
         diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(base["out"], new["out"], strict=True))
         new["max_abs_diff_vs_" + base["case"].split()[-1]] = diff
         new["speedup"] = base["ms"] / new["ms"]
-    rows = [padded, unpadded, flex, ieee, tf32]
+    rows = [padded, unpadded, flex, ieee, tf32, split]
     for r in rows:
         r.pop("out")
     print(f"{'case':<22} {'ms':>8} {'TFLOP/s':>8} {'backend':<16} {'speedup':>8} {'repeatable':>10}  max|diff|")

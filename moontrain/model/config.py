@@ -47,7 +47,7 @@ class ModelConfig:
     # is refused with its replacement
     RETIRED_KEYS: ClassVar[dict[str, str]] = {
         "kda_kernel": "write kernels.kda=auto|torch|fla instead (kernels: the execution choices)",
-        "router_tf32": "write kernels.router_tf32 instead (kernels: the execution choices)",
+        "router_tf32": "write kernels.router_gemm=split_bf16|fp32 instead (kernels: the execution choices)",
         "attn_pad_head_dims": "write kernels.attn_pad_head_dims instead (kernels: the execution choices)",
         "router_skew": "the forced routing skew is a benchmark's setting (benchmarks/bench_train.py sets it on "
                        "the routers, Router.set_skew); drop it from the recipe",
@@ -231,6 +231,11 @@ class KernelsConfig:
     """How the model's layers run: the same math in other kernels, orders and precisions. None of it is part
     of the weights or the checkpoint: a run may resume or import with other choices."""
 
+    RETIRED_KEYS: ClassVar[dict[str, str]] = {
+        "router_tf32": "write kernels.router_gemm=split_bf16 (bf16 tensor cores, the default) or "
+                       "kernels.router_gemm=fp32 (IEEE fp32) instead: the TF32 route was replaced",
+    }
+
     # KDA layers: "auto" runs fla's chunk_kda (Triton) on CUDA when fla-core is installed, else the pure-PyTorch
     # chunked KDA (moontrain.model.kda_ops, the specification); "torch" / "fla" force one
     kda: Literal["auto", "torch", "fla"] = "auto"
@@ -256,13 +261,13 @@ class KernelsConfig:
     attn_res: Literal["auto", "torch", "triton"] = "auto"
     # the fused head's per-chunk cross-entropy and logits gradient (moontrain.model.lm_loss): "triton" runs the
     # Triton kernels (moontrain.model.lm_loss_kernel), "torch" the PyTorch math (compiled with train.compile),
-    # "auto" the kernels on CUDA and the PyTorch math elsewhere
-    lm_loss: Literal["auto", "torch", "triton"] = "torch"
-    # on CUDA the router's logits GEMM (fp32) and its backward run on TF32 tensor cores. The forward's operands
-    # are bf16 values (the compute-dtype activations and FSDP's bf16 weight copy), exact in TF32, so the logits
-    # are the fp32 GEMM's up to summation order; the backward rounds the fp32 logit grads to TF32's 10-bit
-    # mantissa. Off, cuBLAS runs IEEE fp32 GEMMs on FFMA (the cost: docs/performance.md). No effect on the CPU
-    router_tf32: bool = True
+    # "auto" the kernels on CUDA and the PyTorch math elsewhere (the K3 step with them: docs/performance.md)
+    lm_loss: Literal["auto", "torch", "triton"] = "auto"
+    # the router's fp32 logits GEMM and its backward: "split_bf16" runs them on bf16 tensor cores where the
+    # activations are bf16 on CUDA (moontrain.model.router.RouterLogits: each fp32 operand as two bf16 terms,
+    # within 2^-16 of it; no fp32 copy of the router's input), "fp32" as IEEE fp32 GEMMs (cuBLAS on FFMA on
+    # CUDA; the cost: docs/performance.md). The CPU and fp32 activations run fp32 either way
+    router_gemm: Literal["split_bf16", "fp32"] = "split_bf16"
     # zero-pad q/k and v to one head dim before SDPA (flash attention wants equal dims). Off: SDPA gets
     # qk_head_dim and v_head_dim as they are (cuDNN and memory-efficient attention take them; the padded
     # call's cost: docs/performance.md)
@@ -281,6 +286,8 @@ class KernelsConfig:
             raise ValueError(f"kernels.attn_res must be 'auto', 'torch' or 'triton', got {self.attn_res!r}")
         if self.lm_loss not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels.lm_loss must be 'auto', 'torch' or 'triton', got {self.lm_loss!r}")
+        if self.router_gemm not in ("split_bf16", "fp32"):
+            raise ValueError(f"kernels.router_gemm must be 'split_bf16' or 'fp32', got {self.router_gemm!r}")
 
 
 ExpertsBackendName = Literal["local", "alltoall", "moonep"]

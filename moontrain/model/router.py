@@ -10,8 +10,10 @@ by gradients: after every optimizer step it moves by `update_rate * sign(mean_co
 model.router_mean_free_updates the optimizer step leaves each router's weights along the step's mean
 input unchanged, so expert popularity is the bias's alone (moontrain.model.router_updates).
 Routing math runs in fp32 whatever the compute dtype: near-ties in bf16 would flip top-k choices.
-On CUDA with kernels.router_tf32 the logits GEMM and its backward use TF32 tensor cores (RouterLogits):
-the forward's operands are bf16 values, exact in TF32, so only the summation order differs.
+On CUDA with bf16 activations and kernels.router_gemm=split_bf16 the logits GEMM and its backward run on
+bf16 tensor cores (RouterLogits): each fp32 operand is split into two bf16 terms (hi + lo, within 2^-16 of
+it), the bf16 activations are exact, the products are exact in the fp32 accumulator. No fp32 copy of the
+[s, D] input or of its gradient is made (the copies and the precision: docs/performance.md).
 
 Forced skew (benchmarks call set_skew(sigma), sigma > 0; no recipe key): a fixed expert popularity
 p_e = exp(sigma * z_e), z ~ N(0, 1) from SKEW_SEED on the CPU (so every rank and every layer gets the
@@ -34,38 +36,48 @@ from moontrain.model.config import ModelConfig
 SKEW_SEED = 9
 
 
-class _TF32:
-    """cuBLAS fp32 GEMMs on TF32 tensor cores inside the block (the previous setting restored)."""
+def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (fp32) as hi + lo in bf16: hi = bf16(x), lo = bf16(x - hi) (x - hi is exact in fp32), so
+    |x - hi - lo| <= 2^-16 |x|."""
+    hi = x.bfloat16()
+    return hi, (x - hi.float()).bfloat16()
 
-    def __enter__(self) -> None:
-        self.prev = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = True
 
-    def __exit__(self, *exc) -> None:
-        torch.backends.cuda.matmul.allow_tf32 = self.prev
+def mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b for bf16 a and b, accumulated in fp32 and rounded once to out_dtype: cuBLAS on CUDA; on the CPU
+    (no aten::mm.dtype there) the same products in fp32, the specification the CUDA call is tested against."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=out_dtype) if out_dtype != a.dtype else torch.mm(a, b)
+    return (a.float() @ b.float()).to(out_dtype)
 
 
 class RouterLogits(torch.autograd.Function):
-    """logits_sE = x_sD @ w_ED^T in fp32 (x_sD's values widened) with the GEMMs of forward and backward
-    on TF32 (CUDA). A custom function because autograd runs the backward outside any context the forward
-    sets. x_sD is saved in its own dtype and widened again in backward: an fp32 copy kept for backward
-    would be [s, D] fp32 per MoE layer (7 x 256 MiB at 32k tokens per pass, DeepSeek-V3 widths)."""
+    """logits_sE = x_sD @ w_ED^T in fp32 on bf16 tensor cores, for bf16 x_sD and fp32 w_ED (kernels.router_gemm=
+    split_bf16). w = w_hi + w_lo (split_bf16): the forward is one GEMM of x against the [2E, D] stack of both
+    halves with fp32 output, summed over the halves. Backward, with the fp32 logit grads g = g_hi + g_lo:
+    grad_x = g_hi w_hi + g_hi w_lo + g_lo w_hi as one GEMM of K = 3E rounded once to bf16 (the dropped g_lo w_lo
+    is 2^-16 of |g||w|), grad_w = g_hi^T x + g_lo^T x as one GEMM with fp32 output. A custom function: autograd's
+    own would keep and make fp32 copies of x; x is saved as it is (bf16)."""
 
     @staticmethod
     def forward(ctx, x_sD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x_sD, w_ED)
-        with _TF32():
-            return x_sD.float() @ w_ED.t()
+        E = w_ED.shape[0]
+        w_hi, w_lo = split_bf16(w_ED.float())
+        ctx.save_for_backward(x_sD, w_hi, w_lo)
+        out_s2E = mm(x_sD, torch.cat([w_hi, w_lo]).t(), torch.float32)
+        return out_s2E[:, :E] + out_s2E[:, E:]
 
     @staticmethod
     def backward(ctx, grad_sE: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        x_sD, w_ED = ctx.saved_tensors
+        x_sD, w_hi, w_lo = ctx.saved_tensors
+        E = w_hi.shape[0]
+        g_hi, g_lo = split_bf16(grad_sE.float())
         grad_x = grad_w = None
-        with _TF32():
-            if ctx.needs_input_grad[0]:
-                grad_x = (grad_sE @ w_ED).to(x_sD.dtype)  # the fp32 grad rounded once, as x.float()'s backward
-            if ctx.needs_input_grad[1]:
-                grad_w = grad_sE.t() @ x_sD.float()
+        if ctx.needs_input_grad[0]:
+            grad_x = mm(torch.cat([g_hi, g_hi, g_lo], 1), torch.cat([w_hi, w_lo, w_hi]), x_sD.dtype)
+        if ctx.needs_input_grad[1]:
+            out_2ED = mm(torch.cat([g_hi, g_lo], 1).t(), x_sD, torch.float32)
+            grad_w = out_2ED[:E] + out_2ED[E:]
         return grad_x, grad_w
 
 
@@ -77,9 +89,11 @@ def skew_bias_E(num_experts: int, sigma: float) -> torch.Tensor:
 
 
 class Router(nn.Module):
-    """tf32: kernels.router_tf32 (the logits GEMMs on TF32 tensor cores on CUDA)."""
+    """gemm: kernels.router_gemm (split_bf16: the logits GEMMs on bf16 tensor cores for bf16 inputs on CUDA;
+    fp32: IEEE fp32 GEMMs)."""
 
-    def __init__(self, cfg: ModelConfig, *, tf32: bool = True, device: torch.device | str | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, *, gemm: str = "split_bf16",
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         self.num_experts = cfg.num_experts
         self.topk = cfg.num_experts_per_tok
@@ -87,7 +101,7 @@ class Router(nn.Module):
         self.update_rate = cfg.router_bias_update_rate
         self.proportional_update = cfg.router_bias_update == "proportional"
         self.seq_aux_loss_coef = cfg.seq_aux_loss_coef
-        self.tf32 = tf32
+        self.split_bf16 = gemm == "split_bf16"
         self.num_groups, self.topk_groups = cfg.num_expert_groups, cfg.topk_expert_groups
         self._counting = True  # off inside not_counting()
         self.mean_free_updates = cfg.router_mean_free_updates
@@ -107,7 +121,7 @@ class Router(nn.Module):
 
     def forward(self, x_sD: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Returns (weights_sK fp32, topk_sK int64, sequence aux loss or None)."""
-        if self.tf32 and x_sD.is_cuda:
+        if self.split_bf16 and x_sD.is_cuda and x_sD.dtype == torch.bfloat16:
             logits_sE = RouterLogits.apply(x_sD, self.weight.float())
         else:
             logits_sE = F.linear(x_sD.float(), self.weight.float())
@@ -125,7 +139,7 @@ class Router(nn.Module):
             flat = topk_sK.flatten()
             self.tokens_per_expert_E.index_add_(0, flat, torch.ones_like(flat))
             if self.mean_free_updates:  # the step's mean input direction (moontrain.model.router_updates)
-                self.input_sum_D += x_sD.detach().float().sum(0)
+                self.input_sum_D += x_sD.detach().sum(0, dtype=torch.float32)
         aux = None
         if self.seq_aux_loss_coef > 0:
             aux = self._sequence_aux_loss(scores_sE, topk_sK, batch)

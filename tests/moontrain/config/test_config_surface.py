@@ -123,7 +123,8 @@ RETIRED = [  # (override, what the error must name)
      r"parallel\.fsdp is no longer a config key: .*parallel\.fsdp=false was parallel\.dense=allreduce"),
     ("model.kda_kernel=torch",
      r"model\.kda_kernel is no longer a config key: write kernels\.kda=auto\|torch\|fla instead"),
-    ("model.router_tf32=false", r"model\.router_tf32 is no longer a config key: write kernels\.router_tf32 instead"),
+    ("model.router_tf32=false", r"model\.router_tf32 is no longer a config key: write kernels\.router_gemm"),
+    ("kernels.router_tf32=false", r"kernels\.router_tf32 is no longer a config key: write kernels\.router_gemm=split_bf16"),
     ("model.attn_pad_head_dims=true",
      r"model\.attn_pad_head_dims is no longer a config key: write kernels\.attn_pad_head_dims instead"),
     ("model.router_skew=0.5",
@@ -132,7 +133,8 @@ RETIRED = [  # (override, what the error must name)
 
 
 def test_the_retired_keys_are_the_listed_ones() -> None:
-    retired = {f"{section}.{name}" for section, cls in (("parallel", ParallelConfig), ("model", ModelConfig))
+    retired = {f"{section}.{name}" for section, cls in (("parallel", ParallelConfig), ("model", ModelConfig),
+                                                        ("kernels", KernelsConfig))
                for name in cls.RETIRED_KEYS}
     assert retired == {override.split("=")[0] for override, _ in RETIRED}
     assert not retired & set(_pinned())  # a retired key is not a key
@@ -146,7 +148,7 @@ def test_a_retired_key_names_its_replacement(override: str, message: str, tmp_pa
     key, value = override.split("=")
     section, name = key.split(".")
     old = yaml.safe_load((REPO / "recipes" / "k3_tiny.yaml").read_text())  # an old recipe file holding the key
-    old[section][name] = yaml.safe_load(value)
+    old.setdefault(section, {})[name] = yaml.safe_load(value)
     recipe = tmp_path / "old.yaml"
     recipe.write_text(yaml.safe_dump(old))
     with pytest.raises(ValueError, match=message):

@@ -113,58 +113,77 @@ def test_router_topk_renormalised_and_scaled() -> None:
     assert torch.equal(r.tokens_per_expert_E, torch.bincount(want_topk.flatten(), minlength=cfg.num_experts))
 
 
-def test_router_logits_function_matches_linear() -> None:
-    """RouterLogits (the TF32 path's autograd function) against F.linear's autograd, fp32 on the CPU
-    (no TF32 there): same products, at most another summation order."""
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(37, 24, generator=gen, requires_grad=True)
-    w = torch.randn(8, 24, generator=gen, requires_grad=True)
-    g = torch.randn(37, 8, generator=gen)
-    got = RouterLogits.apply(x, w)
-    gx, gw = torch.autograd.grad(got, (x, w), g)
-    ref = F.linear(x, w)
-    rx, rw = torch.autograd.grad(ref, (x, w), g)
-    for a, b, what in ((got, ref, "logits"), (gx, rx, "grad x"), (gw, rw, "grad w")):
-        _close(a, b, what)
+def _router_logits_case(s: int, D: int, E: int, device: str, seed: int) -> tuple[torch.Tensor, ...]:
+    """bf16 activations, fp32 weights at the router's init scale, fp32 logit grads."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(s, D, device=device, generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(E, D, device=device, generator=gen) * 0.02).requires_grad_()
+    g = torch.randn(s, E, device=device, generator=gen)
+    return x, w, g
+
+
+def _router_logits_and_grads(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    logits = RouterLogits.apply(x, w)
+    return (logits, *torch.autograd.grad(logits, (x, w), g))
+
+
+def _check_router_logits(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, logits: torch.Tensor, gx: torch.Tensor,
+                         gw: torch.Tensor) -> None:
+    """RouterLogits (kernels.router_gemm=split_bf16) against float64 with bounds derived from its rounding
+    (bf16's unit roundoff u = 2^-8, fp32's 2^-24): w = w_hi + w_lo within u^2 |w| = 2^-16 |w|, the bf16
+    products exact in fp32, a sum of n terms within n 2^-24 of sum |terms|. Logits: 2^-16 + (D + 1) 2^-24 of
+    |x| |w|^T; grad_x: its one rounding to bf16 (2^-8 of the value) plus three dropped terms of 2^-16 each;
+    grad_w: 2^-16 + (s + 1) 2^-24 of |g|^T |x|. Each bound twice the derived value. Dropping the lo halves
+    (plain bf16 operands) breaks them: errors of 2^-8 |x| |w|."""
+    assert (logits.dtype, gx.dtype, gw.dtype) == (torch.float32, torch.bfloat16, torch.float32)
+    s, D = x.shape
+    xd, wd, gd = x.detach().double(), w.detach().double(), g.double()
+    u = 2.0 ** -24
+    assert ((logits.double() - xd @ wd.t()).abs() <= 2 * (2.0 ** -16 + (D + 1) * u) * (xd.abs() @ wd.abs().t())).all()
+    ref_gx = gd @ wd
+    assert ((gx.double() - ref_gx).abs() <= 2 * (2.0 ** -8 * ref_gx.abs() + 3 * 2.0 ** -16 * (gd.abs() @ wd.abs()))).all()
+    assert ((gw.double() - gd.t() @ xd).abs() <= 2 * (2.0 ** -16 + (s + 1) * u) * (gd.abs().t() @ xd.abs())).all()
+
+
+def test_router_logits_split_bf16_within_derived_bounds() -> None:
+    """The split-bf16 router GEMMs' specification (moontrain.model.router.mm on the CPU: the same bf16 products
+    summed in fp32) against float64: module docstring of _check_router_logits."""
+    x, w, g = _router_logits_case(257, 96, 8, "cpu", 5)
+    _check_router_logits(x, w, g, *_router_logits_and_grads(x, w, g))
 
 
 def test_router_logits_keep_bf16_input_for_backward() -> None:
     """A bf16 router input is saved as it is (an fp32 copy would be [s, D] fp32 per MoE layer kept until
-    backward) and the results equal the fp32 path's: x.float() through F.linear, bitwise on the CPU."""
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(37, 24, generator=gen).bfloat16().requires_grad_()
-    w = torch.randn(8, 24, generator=gen, requires_grad=True)
-    g = torch.randn(37, 8, generator=gen)
+    backward), with the weight's two bf16 halves."""
+    x, w, _ = _router_logits_case(37, 24, 8, "cpu", 7)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
-        got = RouterLogits.apply(x, w)
-    assert (torch.float32, (37, 24)) not in saved and (torch.bfloat16, (37, 24)) in saved, saved
-    gx, gw = torch.autograd.grad(got, (x, w), g)
-    ref = F.linear(x.float(), w)
-    rx, rw = torch.autograd.grad(ref, (x, w), g)
-    for a, b, what in ((got, ref, "logits"), (gx, rx, "grad x"), (gw, rw, "grad w")):
-        assert a.dtype == b.dtype and torch.equal(a, b), what
+        RouterLogits.apply(x, w)
+    assert saved == [(torch.bfloat16, (37, 24)), (torch.bfloat16, (8, 24)), (torch.bfloat16, (8, 24))], saved
 
 
 @pytest.mark.gpu
-def test_router_tf32_logits_and_grads_on_cuda() -> None:
-    """CUDA, bf16-valued operands as in training: the TF32 forward is the fp32 GEMM up to summation
-    order (bound D * 2^-22 * |x||w|); the backward rounds the fp32 logit grads to TF32 (10-bit
-    mantissa: relative 2^-10 per product if the hardware truncates; bound 2^-9 * |g||w| and |g|^T|x|)."""
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(6)
-    s, D, E = 4096, 2048, 192
-    x = torch.randn(s, D, device=dev, generator=gen).bfloat16().float().requires_grad_()
-    w = (torch.randn(E, D, device=dev, generator=gen) * 0.02).bfloat16().float().requires_grad_()
-    g = torch.randn(s, E, device=dev, generator=gen)
-    logits = RouterLogits.apply(x, w)
-    gx, gw = torch.autograd.grad(logits, (x, w), g)
-    xd, wd, gd = x.detach().double(), w.detach().double(), g.double()
-    assert not torch.backends.cuda.matmul.allow_tf32  # restored
-    bound = D * 2.0 ** -22 * (xd.abs() @ wd.abs().t())
-    assert ((logits.double() - xd @ wd.t()).abs() <= bound).all()
-    assert ((gx.double() - gd @ wd).abs() <= 2.0 ** -9 * (gd.abs() @ wd.abs()) + 1e-30).all()
-    assert ((gw.double() - gd.t() @ xd).abs() <= 2.0 ** -9 * (gd.abs().t() @ xd.abs()) + 1e-30).all()
+def test_router_logits_split_bf16_on_cuda() -> None:
+    """CUDA (cuBLAS's bf16 GEMMs with fp32 accumulation), the shapes of a 4096-token pass at D 2048 and E 192:
+    the derived bounds of _check_router_logits, and no op of forward or backward makes an fp32 tensor of x's
+    size (the copies the fp32 and TF32 routes made)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, w, g = _router_logits_case(4096, 2048, 192, "cuda", 6)
+    big_fp32 = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() >= x.numel():
+                    big_fp32.append(str(func))
+            return out
+
+    with Watch():
+        got = _router_logits_and_grads(x, w, g)
+    assert not big_fp32, big_fp32
+    _check_router_logits(x, w, g, *got)
 
 
 @pytest.mark.gpu
