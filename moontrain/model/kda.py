@@ -66,6 +66,18 @@ def select_kda_kernel(choice: str, device: torch.device | str | None) -> Callabl
     return kda_fla if on_cuda and fla_available() else kda
 
 
+def kda_fallback_warning(cfg: ModelConfig, choice: str, device: torch.device | str | None) -> str | None:
+    """The warning a run gets where kernels.kda=auto leaves the KDA layers on the PyTorch KDA on a GPU because
+    fla-core is not installed (None where that is not so): that path keeps [B, H, T, 64, K] fp32 decays a layer
+    and runs the recipes' batches out of memory, so the job says it before the first step, not in an OOM."""
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    if cfg.kda_layers_per_mla == 0 or choice != "auto" or not on_cuda or fla_available():
+        return None
+    return ("warning: kernels.kda=auto runs the KDA layers on the PyTorch KDA on this GPU because fla-core is not "
+            "installed; it keeps [batch, heads, tokens, 64, head_dim] fp32 decays per layer and runs a recipe's batch "
+            "out of memory. Install the GPU extras (pip install -e '.[gpu]'), or write kernels.kda=torch to keep it")
+
+
 def uses_fla(cfg: ModelConfig, choice: str, device: torch.device | str | None) -> bool:
     """Whether the model's KDA layers (if any) run fla's kernels on `device` under kernels.kda = `choice`."""
     return cfg.kda_layers_per_mla > 0 and select_kda_kernel(choice, device) is kda_fla

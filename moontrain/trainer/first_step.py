@@ -14,9 +14,9 @@ After (FirstStepClock, read by Trainer.fit after the job's first step), one line
   compiled backward graphs (calculate_time_spent's total_wall_time, the sum of its entire_frame_compile and
   entire_backward_compile), read without a GPU sync; left out below 0.05 s;
 - Triton: the kernels Triton compiled in this process during the step because its cache had none (fla's,
-  moonep's, the short convolutions'; not inductor's, whose compile workers are other processes and whose
-  time is torch.compile's) and the host seconds it spent on them, from Triton's compilation listener; left
-  out when none. On a fresh machine this is most of the wait (minutes for k3_small: docs/performance.md);
+  moonep's, moontrain's; not inductor's, whose compile workers are other processes and whose time is
+  torch.compile's) and the host seconds it spent on them, from Triton's compilation listener, per package
+  with the slowest kernel named; left out when none. On a fresh machine this is most of the wait (minutes for k3_small: docs/performance.md);
   later runs on the machine reuse the cache (TRITON_CACHE_DIR);
 - fla autotune: the autotune results the step added to Triton's cache (fla writes one per kernel and
   shape it searched; by default nothing else writes them: moonep's autotune keeps its choices in memory),
@@ -64,11 +64,12 @@ def compile_seconds() -> float:
 
 
 class TritonCompiles:
-    """Counts the kernels Triton compiles in this process (cache misses) and their host seconds, through
+    """The kernels Triton compiles in this process (cache misses), each with its package (fla, moonep, moontrain,
+    or "other": inductor's own compiles run in its workers) and host seconds, through
     triton.knobs.compilation.listener, until close(); a listener already installed keeps being called."""
 
     def __init__(self) -> None:
-        self.kernels, self.seconds = 0, 0.0
+        self.compiled: list[tuple[str, str, float]] = []  # (package, kernel name, host seconds)
         self._knobs, self._previous = None, None
         try:  # here, not at import: the library imports no Triton on the CPU
             from triton import knobs
@@ -80,11 +81,23 @@ class TritonCompiles:
         self._knobs, self._previous = compilation, compilation.listener
         compilation.listener = self.record
 
+    @property
+    def kernels(self) -> int:
+        return len(self.compiled)
+
+    @property
+    def seconds(self) -> float:
+        return sum(sec for _, _, sec in self.compiled)
+
     def record(self, *, src, metadata, metadata_group, times, cache_hit: bool) -> None:
-        """Triton's CompilationListener protocol (times in microseconds)."""
+        """Triton's CompilationListener protocol (times in microseconds; src an ASTSource, whose fn is the
+        @triton.jit function, or an IRSource without one)."""
         if not cache_hit:
-            self.kernels += 1
-            self.seconds += getattr(times, "total", 0) / 1e6
+            fn = getattr(src, "fn", None)
+            module = getattr(fn, "__module__", None) or ""
+            package = module.split(".")[0] if module.split(".")[0] in PACKAGES else "other"
+            name = getattr(src, "name", None) or getattr(fn, "__name__", None) or "?"
+            self.compiled.append((package, name, getattr(times, "total", 0) / 1e6))
         if self._previous is not None:
             self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
                            cache_hit=cache_hit)
@@ -92,6 +105,21 @@ class TritonCompiles:
     def close(self) -> None:
         if self._knobs is not None and self._knobs.listener == self.record:
             self._knobs.listener = self._previous
+
+
+PACKAGES = ("fla", "moonep", "moontrain")  # whose compiles the first step's line counts apart
+
+
+def compiles_by_package(compiled: list[tuple[str, str, float]]) -> str:
+    """"fla 120: 90.1 s, moonep 70: 50.2 s" (kernels and host seconds per package, most seconds first), then
+    the slowest kernel: where a cold cache's wait goes, and what to look at to shorten it."""
+    per: dict[str, list[float]] = {}
+    for package, _, sec in compiled:
+        per.setdefault(package, []).append(sec)
+    parts = [f"{pkg} {len(secs)}: {sum(secs):.1f} s"
+             for pkg, secs in sorted(per.items(), key=lambda kv: (-sum(kv[1]), kv[0]))]
+    package, name, sec = max(compiled, key=lambda c: c[2])
+    return ", ".join(parts) + f"; slowest {package} {name} {sec:.1f} s"
 
 
 class FirstStepClock:
@@ -117,19 +145,19 @@ class FirstStepClock:
         triton = None
         if self.compiles is not None:
             self.compiles.close()
-            triton = (self.compiles.kernels, self.compiles.seconds)
+            triton = self.compiles.compiled
         return first_step_line(total_s, compile_s, self.fla_seed, searched, triton)
 
 
 def first_step_line(total_s: float, compile_s: float, fla_seed: FlaSeed | None, searched: int,
-                    triton: tuple[int, float] | None = None) -> str:
-    """The console line after the first step. fla_seed None: the run does not use fla. triton: (kernels
-    Triton compiled, their host seconds), said when any were."""
+                    triton: list[tuple[str, str, float]] | None = None) -> str:
+    """The console line after the first step. fla_seed None: the run does not use fla. triton: the kernels
+    Triton compiled (TritonCompiles.compiled: package, name, host seconds), said when any were."""
     parts = [f"torch.compile {compile_s:.1f} s"] if compile_s >= 0.05 else []
-    if triton is not None and triton[0]:
-        n, sec = triton
-        parts.append(f"Triton compiled {n} kernel{'' if n == 1 else 's'} in {sec:.1f} s: a cold cache, which later "
-                     "runs on this machine reuse")
+    if triton:
+        n, sec = len(triton), sum(s for _, _, s in triton)
+        parts.append(f"Triton compiled {n} kernel{'' if n == 1 else 's'} in {sec:.1f} s ({compiles_by_package(triton)}): "
+                     "a cold cache, which later runs on this machine reuse")
     if fla_seed is not None:
         parts.append(f"fla autotune: {searched} shape{'' if searched == 1 else 's'} searched, {fla_seed.describe()}")
     return f"first step {total_s:.1f} s" + (f" ({'; '.join(parts)})" if parts else "")

@@ -40,7 +40,7 @@ from moontrain.config import RunConfig, dump_config, from_dict, load_recipe
 from moontrain.config.loader import to_dict
 from moontrain.metrics.progress import ProgressLog
 from moontrain.metrics.wandb_run import WandbRun
-from moontrain.model.kda import uses_fla
+from moontrain.model.kda import kda_fallback_warning, uses_fla
 from moontrain.optim.schedule import lr_multiplier
 from moontrain.parallel.heartbeat import Heartbeat
 from moontrain.parallel.hosts import check_ep_group_hosts
@@ -171,6 +171,8 @@ def _train_locked(cfg: RunConfig, device: torch.device, preemption: PreemptionHa
         print(f"moontrain: {layout.describe(cfg.parallel.dense_at(layout.world_size, layout.distributed))}; experts backend {cfg.experts.backend}; device {device}"
               + ("; deterministic kernels" if cfg.train.deterministic else ""), flush=True)
         print(f"moontrain: config: {config_path} (the recipe with its overrides, resolved)", flush=True)
+        if (warning := kda_fallback_warning(cfg.model, cfg.kernels.kda, device)) is not None:
+            print(f"moontrain: {warning}", flush=True)
     trainer = Trainer(cfg, layout)
     trainer.preemption = preemption
     sink = None

@@ -16,11 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moontrain.model import kda as kda_module
 from moontrain.model.attention import MLAttention
 from moontrain.model.config import ModelConfig
 from moontrain.model.documents import causal_attention, document_mask, flex_block_mask
 from moontrain.model.experts import ExpertsContext
-from moontrain.model.kda import KimiDeltaAttention, fla_available
+from moontrain.model.kda import KimiDeltaAttention, fla_available, kda_fallback_warning
 from moontrain.model.kda_ops import kda_gate
 from moontrain.model.rope import rope_cos_sin
 from moontrain.model.transformer import K3Model
@@ -101,6 +102,19 @@ def test_fla_kernel_needs_fla() -> None:
         pytest.skip("fla-core is installed")
     with pytest.raises(ValueError, match=r"kernels\.kda=fla needs fla-core"):
         KimiDeltaAttention(_cfg(), kernel="fla")
+
+
+def test_auto_without_fla_on_a_gpu_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels.kda=auto on CUDA without fla-core: the run is warned before its first step (the PyTorch KDA runs
+    a recipe's batch out of memory); with fla, on the CPU, under kernels.kda=torch or with no KDA layer: not."""
+    monkeypatch.setattr(kda_module, "fla_available", lambda: False)
+    warning = kda_fallback_warning(_cfg(), "auto", "cuda")
+    assert warning is not None and "fla-core is not installed" in warning and "kernels.kda=torch" in warning
+    assert kda_fallback_warning(_cfg(), "auto", "cpu") is None
+    assert kda_fallback_warning(_cfg(), "torch", torch.device("cuda", 0)) is None
+    assert kda_fallback_warning(_cfg(kda_layers_per_mla=0), "auto", "cuda") is None
+    monkeypatch.setattr(kda_module, "fla_available", lambda: True)
+    assert kda_fallback_warning(_cfg(), "auto", "cuda") is None
 
 
 def _model(cfg: ModelConfig, tokens: int) -> K3Model:

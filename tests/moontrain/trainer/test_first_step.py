@@ -12,8 +12,13 @@
 
 from __future__ import annotations
 
+import ast
+import os
 import re
+import subprocess
+import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -66,11 +71,15 @@ def test_first_step_line_from_given_timings() -> None:
         "first step 239.0 s (torch.compile 30.0 s; fla autotune: 12 shapes searched, nothing seeded from "
         "recipes/data/fla_autotune_h200: triton 3.5.0 here, they are for 3.6.0)")
     assert first_step_line(3.04, 0.04, None, 0) == "first step 3.0 s"
-    assert first_step_line(309.8, 38.7, SEEDED, 0, triton=(212, 250.44)) == (
-        "first step 309.8 s (torch.compile 38.7 s; Triton compiled 212 kernels in 250.4 s: a cold cache, which later "
-        "runs on this machine reuse; fla autotune: 0 shapes searched, 42 entries seeded from "
+    compiled = [("moonep", "_scatter_kernel", 0.5), ("fla", "chunk_kda_bwd_kernel_intra", 6.25),
+                ("fla", "chunk_local_cumsum_vector_kernel", 0.75), ("moontrain", "_bwd_kernel", 3.0),
+                ("other", "?", 0.25)]
+    assert first_step_line(309.8, 38.7, SEEDED, 0, triton=compiled) == (
+        "first step 309.8 s (torch.compile 38.7 s; Triton compiled 5 kernels in 10.8 s (fla 2: 7.0 s, moontrain 1: "
+        "3.0 s, moonep 1: 0.5 s, other 1: 0.2 s; slowest fla chunk_kda_bwd_kernel_intra 6.2 s): a cold cache, which "
+        "later runs on this machine reuse; fla autotune: 0 shapes searched, 42 entries seeded from "
         "recipes/data/fla_autotune_h200)")
-    assert first_step_line(3.04, 0.0, None, 0, triton=(0, 0.0)) == "first step 3.0 s"
+    assert first_step_line(3.04, 0.0, None, 0, triton=[]) == "first step 3.0 s"
 
 
 def test_triton_compiles_counts_cache_misses_and_keeps_the_listener_before_it() -> None:
@@ -86,16 +95,50 @@ def test_triton_compiles_counts_cache_misses_and_keeps_the_listener_before_it() 
     try:
         compiles = first_step.TritonCompiles()
         listener = knobs.compilation.listener
-        for hit, us in ((False, 2_000_000), (True, 300), (False, 500_000)):
-            listener(src=None, metadata={}, metadata_group={}, cache_hit=hit,
+        fla_src = types.SimpleNamespace(name="chunk_kda_fwd_kernel", fn=types.SimpleNamespace(
+            __module__="fla.ops.kda.chunk_fwd", __name__="chunk_kda_fwd_kernel"))
+        for src, hit, us in ((fla_src, False, 2_000_000), (fla_src, True, 300), (None, False, 500_000)):
+            listener(src=src, metadata={}, metadata_group={}, cache_hit=hit,
                      times=CompileTimes(ir_initialization=us // 2, lowering_stages=[("ttir", us // 2)],
                                         store_results=0))
         assert (compiles.kernels, compiles.seconds) == (2, 2.5) and seen == [False, True, False]
+        assert compiles.compiled == [("fla", "chunk_kda_fwd_kernel", 2.0), ("other", "?", 0.5)]
         compiles.close()
         assert knobs.compilation.listener is not listener and knobs.compilation.listener(
             src=None, metadata={}, metadata_group={}, times=None, cache_hit=True) is None and seen[-1] is True
     finally:
         knobs.compilation.listener = before
+
+
+_COMPILE_SCRIPT = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moontrain.model import lm_loss_kernel
+from moontrain.trainer.first_step import TritonCompiles
+compiles = TritonCompiles()
+src = ASTSource(fn=lm_loss_kernel._grad_kernel, signature={"x_ptr": "*bf16", "lse_ptr": "*fp32", "t_ptr": "*i64",
+                "V": "i32", "inv_n": "fp32", "BV": "constexpr"}, constexprs={"BV": 2048})
+for _ in range(2):  # the second compile finds the first's result in the (fresh) cache: not counted
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+compiles.close()
+print(compiles.compiled)
+"""
+
+
+def test_triton_compiles_names_a_real_compiles_package_and_kernel(tmp_path: Path) -> None:
+    """A kernel Triton really compiles (for sm90, on the CPU, into a fresh cache) is counted once, under its
+    package and name, with the host seconds Triton reports."""
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="triton without its CUDA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[3]) + os.pathsep + env.get("PYTHONPATH", "")
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (package, name, seconds), = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert (package, name) == ("moontrain", "_grad_kernel") and 0 < seconds < 300
 
 
 def test_clock_counts_the_compile_and_the_searches_of_its_step(tmp_path: Path) -> None:
