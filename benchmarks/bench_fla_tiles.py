@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from benchmarks.timing import median_ms
-from moontrain.model.kda_ops import kda_fla, random_kda_inputs
+from moontrain.model.kda.ops import kda_fla, random_kda_inputs
 
 MODULES = ("fla.ops.kda.chunk_bwd", "fla.ops.kda.chunk_intra", "fla.ops.kda.wy_fast", "fla.ops.kda.gate",
            "fla.ops.common.chunk_delta_h", "fla.ops.gla.chunk", "fla.modules.norm.l2norm", "fla.ops.utils.cumsum",

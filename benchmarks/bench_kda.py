@@ -1,4 +1,4 @@
-"""Sequence mixing on one GPU: KDA (fla's chunk_kda through moontrain.model.kda_ops.kda_fla) against causal
+"""Sequence mixing on one GPU: KDA (fla's chunk_kda through moontrain.model.kda.ops.kda_fla) against causal
 softmax attention at MLA's head dims (q/k 192, v 128), forward + backward, with and without packed documents.
 
     python benchmarks/bench_kda.py [--iters 20] [--warmup 5] [--doc-len 1024] [--out results/bench_kda.json]
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from benchmarks.timing import median_ms
 from moontrain.model.documents import compiled_flex_attention, flex_block_mask
-from moontrain.model.kda_ops import CHUNK, kda, kda_fla, random_kda_inputs
+from moontrain.model.kda.ops import CHUNK, kda, kda_fla, random_kda_inputs
 
 DQK, DV, K = 192, 128, 128
 

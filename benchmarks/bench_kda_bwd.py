@@ -5,9 +5,9 @@ arguments, same outputs), then KDA's whole forward + backward with each stage on
 
 Stages:
 - dqkg, the WY / inter-chunk stage: fla's chunk_kda_bwd_wy_dqkg_fused against
-  moontrain.model.kda_dqkg_kernel.kda_dqkg (kernels.kda_dqkg).
+  moontrain.model.kda.dqkg_kernel.kda_dqkg (kernels.kda_dqkg).
 - intra, the intra-chunk stage: fla's chunk_kda_bwd_intra (safe gate, lower bound -5, as the model's KDA calls
-  it) against moontrain.model.kda_intra_kernel.kda_intra (kernels.kda_intra).
+  it) against moontrain.model.kda.intra_kernel.kda_intra (kernels.kda_intra).
 Shape: B=4, T=4096, H=16, K=V=128, chunk 64, bf16 q/k/v/h/A, fp32 g and gradients (random inputs at fla's
 scales, as the specifications' random_stage_inputs build them), without documents and with packed documents of
 1024 tokens (cu_seqlens over the flattened batch, fla's host-listed chunks). Rows: median ms of CUDA-event
@@ -30,8 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from benchmarks.timing import kernel_bench_args, median_ms
-from moontrain.model import kda_dqkg, kda_intra
-from moontrain.model.kda_fla_backend import route_fla_stages
+from moontrain.model.kda import dqkg as kda_dqkg
+from moontrain.model.kda import intra as kda_intra
+from moontrain.model.kda.fla_backend import route_fla_stages
 
 B, T, H, K, V, C = 4, 4096, 16, 128, 128, 64
 DOC_LEN = 1024
@@ -51,7 +52,7 @@ def stage_setup(stage: str, docs: bool) -> tuple[dict, object, object, tuple[str
     if stage == "dqkg":
         from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
 
-        from moontrain.model.kda_dqkg_kernel import kda_dqkg as ours
+        from moontrain.model.kda.dqkg_kernel import kda_dqkg as ours
 
         args = kda_dqkg.random_stage_inputs(shape.pop("B"), shape.pop("T"), H, K, V, torch.bfloat16, "cuda", seed=0,
                                             **shape)
@@ -60,7 +61,7 @@ def stage_setup(stage: str, docs: bool) -> tuple[dict, object, object, tuple[str
         return args, chunk_kda_bwd_wy_dqkg_fused, ours, kda_dqkg.STAGE_OUTPUTS, flops, names
     from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
 
-    from moontrain.model.kda_intra_kernel import kda_intra as ours
+    from moontrain.model.kda.intra_kernel import kda_intra as ours
 
     args = kda_intra.random_stage_inputs(shape.pop("B"), shape.pop("T"), H, K, torch.bfloat16, "cuda", seed=0,
                                          **shape)
@@ -96,10 +97,10 @@ def bench_stage(stage: str, docs: bool, iters: int, warmup: int) -> list[dict]:
 
 def tuned_configs(stage: str) -> list[str]:
     if stage == "dqkg":
-        from moontrain.model import kda_dqkg_kernel as kernel
+        from moontrain.model.kda import dqkg_kernel as kernel
 
         return [str(kernel._kblock_tuned.best_config), str(kernel._finish_tuned.best_config)]
-    from moontrain.model import kda_intra_kernel as kernel
+    from moontrain.model.kda import intra_kernel as kernel
 
     return [str(kernel._intra_tuned.best_config)]
 
@@ -107,7 +108,7 @@ def tuned_configs(stage: str) -> list[str]:
 def layer_case(docs: bool, iters: int, warmup: int) -> list[dict]:
     """KDA's whole fwd + bwd (kda_fla, fla's chunk_kda with the gate and L2 norm fused) with the two stages on
     fla's kernels, the dqkg stage routed here, and both routed here, as bench_kda times it."""
-    from moontrain.model.kda_ops import kda_fla, random_kda_inputs
+    from moontrain.model.kda.ops import kda_fla, random_kda_inputs
 
     leaves, kwargs, go = random_kda_inputs(B, T, H, K, doc_len=DOC_LEN if docs else None)
 

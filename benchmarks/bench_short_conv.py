@@ -1,4 +1,4 @@
-"""KDA's short convolution + SiLU on one GPU: the Triton kernels (moontrain.model.short_conv_kernel) against
+"""KDA's short convolution + SiLU on one GPU: the Triton kernels (moontrain.model.kda.short_conv_kernel) against
 the PyTorch specification compiled by inductor (what train.compile ran before the kernel), forward and
 backward, and a sweep of the backward's dpre tiles.
 
@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-import moontrain.model.short_conv_kernel as kernel
+import moontrain.model.kda.short_conv_kernel as kernel
 from benchmarks.timing import kernel_bench_args, median_ms
-from moontrain.model.kda import short_conv
+from moontrain.model.kda.short_conv import short_conv
 
 B, T, C, W, WIDE = 4, 4096, 2048, 4, 10256
 TILES = [(64, 64, 4), (32, 64, 4), (32, 128, 4), (16, 128, 4), (16, 256, 8), (128, 32, 4), (64, 128, 8)]

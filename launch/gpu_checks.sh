@@ -65,7 +65,7 @@ for step in "${steps[@]}"; do
            echo "gemm rc=$?"; tail -40 "$out/expert_gemm.log" ;;
     push)  timeout "${PUSH_TIMEOUT:-400}" python benchmarks/bench_push_reduce.py --out "$out" > "$out/push_reduce.log" 2>&1
            echo "push rc=$?"; tail -40 "$out/push_reduce.log" ;;
-    kda)   timeout "${KDA_TIMEOUT:-600}" python -m pytest -v -m gpu tests/moontrain/model/test_kda_gpu.py > "$out/kda.log" 2>&1
+    kda)   timeout "${KDA_TIMEOUT:-600}" python -m pytest -v -m gpu tests/moontrain/model/kda/test_layer_gpu.py > "$out/kda.log" 2>&1
            echo "kda rc=$?"; grep -hE "PASSED|FAILED|passed|failed" "$out/kda.log" | tail -6
            timeout "${KDA_TIMEOUT:-600}" python benchmarks/bench_kda.py --out "$out/bench_kda.json" > "$out/bench_kda.log" 2>&1
            echo "bench_kda rc=$?"; tail -10 "$out/bench_kda.log" ;;
@@ -118,9 +118,9 @@ for step in "${steps[@]}"; do
            timeout "${TILES_TIMEOUT:-500}" python benchmarks/bench_fla_tiles.py --iters 10 ${TILES_ARGS:-} --entries "$out/fla_entries" \
              --out "$out/bench_fla_tiles.json" > "$out/tiles.log" 2>&1
            echo "bench_fla_tiles rc=$?"; grep -vE "^(Triton autotuning|with key|finished after|best config|Autotuning kernel)" "$out/tiles.log" | tail -30 ;;
-    kdabwd) # the KDA backward's stages written here (moontrain.model.kda_dqkg_kernel, kda_intra_kernel) against fla's kernels
-           timeout "${KDABWD_TIMEOUT:-300}" python -m pytest -q -s -m gpu tests/moontrain/model/test_kda_dqkg_kernel_gpu.py \
-             tests/moontrain/model/test_kda_intra_kernel_gpu.py tests/moontrain/model/test_kda_fla_backend_gpu.py > "$out/kdabwd_tests.log" 2>&1
+    kdabwd) # the KDA backward's stages written here (moontrain.model.kda.dqkg_kernel, kda_intra_kernel) against fla's kernels
+           timeout "${KDABWD_TIMEOUT:-300}" python -m pytest -q -s -m gpu tests/moontrain/model/kda/test_dqkg_kernel_gpu.py \
+             tests/moontrain/model/kda/test_intra_kernel_gpu.py tests/moontrain/model/kda/test_fla_backend_gpu.py > "$out/kdabwd_tests.log" 2>&1
            echo "kda backward stage tests rc=$?"; tail -3 "$out/kdabwd_tests.log"
            timeout "${KDABWD_TIMEOUT:-300}" python benchmarks/bench_kda_bwd.py --out "$out/bench_kda_bwd.json" > "$out/kdabwd_bench.log" 2>&1
            echo "bench_kda_bwd rc=$?"; tail -16 "$out/kdabwd_bench.log" ;;

@@ -164,7 +164,7 @@ def test_importing_the_library_imports_no_triton() -> None:
     collected before them import the trainer, the model and the benchmarks' diagnostics, so none of those may
     import triton (or torch._dynamo, which does) at import time: a kernel module or torch.compiler.disable as
     a decorator is imported or applied where it runs, not with the module."""
-    modules = ["moontrain.trainer.trainer", "moontrain.model.transformer", "moontrain.model.kda", "moontrain.cli",
+    modules = ["moontrain.trainer.trainer", "moontrain.model.transformer", "moontrain.model.kda.layer", "moontrain.cli",
                "moonep", "benchmarks.diagnostics.train_diagnostics"]
     code = (f"import sys\nfor m in {modules!r}:\n    __import__(m)\n"
             "print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))")

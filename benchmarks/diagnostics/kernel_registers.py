@@ -1,6 +1,6 @@
 """Registers and spills of the KDA backward's WY / inter-chunk stage per tile, from ptxas, without a GPU: fla's
-chunk_kda_bwd_kernel_wy_dqkg_fused and moontrain.model.kda_dqkg_kernel's two kernels (and the intra-chunk
-stage: fla's chunk_kda_bwd_kernel_intra over its autotune list, moontrain.model.kda_intra_kernel over its
+chunk_kda_bwd_kernel_wy_dqkg_fused and moontrain.model.kda.dqkg_kernel's two kernels (and the intra-chunk
+stage: fla's chunk_kda_bwd_kernel_intra over its autotune list, moontrain.model.kda.intra_kernel over its
 own), compiled by Triton for
 sm90 (H100 / H200) at k3_small's shape (16 heads, K = V = 128, chunk 64, bf16, no documents) and read back
 with the ptxas Triton ships (`ptxas -v`).
@@ -70,7 +70,7 @@ def ptxas_report(kernel, pointers: dict[str, str], constants: dict, num_warps: i
 
 
 def main() -> None:
-    from moontrain.model import kda_dqkg_kernel as ours
+    from moontrain.model.kda import dqkg_kernel as ours
 
     print("kernel                         BK  BV warps stages")
     try:
@@ -103,7 +103,7 @@ def main() -> None:
         consts = dict(SHAPE, BK=bk, BV=bv, IS_VARLEN=False)
         print(f"moontrain _kblock_kernel      {bk:3d} {bv:3d} {w:5d} {s:6d}  "
               f"{ptxas_report(ours._kblock_kernel, pointers, consts, w, s)}", flush=True)
-    from moontrain.model import kda_intra_kernel as intra
+    from moontrain.model.kda import intra_kernel as intra
 
     pointers = {n: "*bf16" for n in ("q", "k")}
     pointers |= {n: "*fp32" for n in ("g", "beta", "dAqk", "dAkk", "dq", "dq2", "dk", "dk2", "dg", "dg2", "db_part")}

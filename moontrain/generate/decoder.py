@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from moontrain.generate.cache import DecodeCache, KDACache, MLACache
 from moontrain.model.attention import MLAttention
 from moontrain.model.documents import document_ids
-from moontrain.model.kda import KimiDeltaAttention, short_conv
-from moontrain.model.kda_ops import chunk_kda_with_state, kda_gate, l2_normalize
+from moontrain.model.kda.layer import KimiDeltaAttention
+from moontrain.model.kda.ops import chunk_kda_with_state, kda_gate, l2_normalize
+from moontrain.model.kda.short_conv import short_conv
 from moontrain.model.rope import apply_rope, rope_cos_sin, softmax_scale
 from moontrain.model.transformer import K3Model
 

@@ -3,7 +3,7 @@
 FLOPs per token = 6 * (active parameters that take part in matmuls: all but the embedding lookup; the few
 elementwise ones, norms and KDA's A_log / dt_bias, counted alike) + the sequence mixing beyond them:
 - MLA layer: attention scores and values, 6 * heads * (qk_head_dim + v_head_dim) * seq_len / 2 (causal).
-- KDA layer: the chunked recurrence (moontrain.model.kda_ops, chunk L = 64, key/value head dim K = V),
+- KDA layer: the chunked recurrence (moontrain.model.kda.ops, chunk L = 64, key/value head dim K = V),
   forward per token and head: the intra-chunk products q.k and k.k with the decay (2 * K * L/2 each), the
   two triangular solves (V * L and K * L), P U (V * L), and the state's read, correction and update
   (3 * 2 * K * V); backward twice that: 3 * (L * (3K + 2V) + 6 K V). Linear in seq_len: at K = 128 a KDA
@@ -20,7 +20,7 @@ import torch
 
 from moontrain.model.attn_res import aggregation_sizes
 from moontrain.model.config import ModelConfig
-from moontrain.model.kda_ops import CHUNK as KDA_CHUNK
+from moontrain.model.kda.ops import CHUNK as KDA_CHUNK
 from moontrain.model.params import count_params
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}

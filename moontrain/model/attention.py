@@ -7,7 +7,7 @@ q = W_qb(RMSNorm(W_qa x)) (or a full-rank W_q), kv latent c = RMSNorm(first Ckv 
 per-head k_nope and v through W_kvb; the last Dr dims of W_kva x are one rope key shared by all heads.
 With use_nope the rope dims are kept but never rotated (no positional encoding at all). With the
 output gate, o = o * sigmoid(W_g x) per head and channel before W_o (gated attention). In the hybrid
-K3 stack these layers are the gated NoPE MLA between the KDA layers (moontrain.model.kda).
+K3 stack these layers are the gated NoPE MLA between the KDA layers (moontrain.model.kda.layer).
 SDPA gets q/k and v at their own head dims (cuDNN and memory-efficient attention accept Dv != Dn + Dr);
 with kernels.attn_pad_head_dims they are zero-padded to one head dim (flash attention wants equal dims;
 zero padding changes neither scores nor values) and the padding is sliced off the output.

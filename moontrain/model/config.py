@@ -237,22 +237,22 @@ class KernelsConfig:
     }
 
     # KDA layers: "auto" runs fla's chunk_kda (Triton) on CUDA when fla-core is installed, else the pure-PyTorch
-    # chunked KDA (moontrain.model.kda_ops, the specification); "torch" / "fla" force one
+    # chunked KDA (moontrain.model.kda.ops, the specification); "torch" / "fla" force one
     kda: Literal["auto", "torch", "fla"] = "auto"
     # fla's KDA backward recomputes the forward's chunk states and WY factors (less memory); False keeps them from
     # the forward (fla's disable_recompute: fewer backward kernels, more activation memory; measured slower at
     # k3_small's shapes: docs/performance.md). The PyTorch KDA keeps what autograd keeps either way
     kda_recompute: bool = True
     # the kernel of fla's KDA backward stage for dq, dk, dg, db and the WY matrix's grad (its slowest):
-    # "moontrain" (moontrain.model.kda_dqkg_kernel: the same outputs, ~1.9x faster at k3_small's shapes:
+    # "moontrain" (moontrain.model.kda.dqkg_kernel: the same outputs, ~1.9x faster at k3_small's shapes:
     # docs/kda.md) or "fla" (fla's chunk_kda_bwd_wy_dqkg_fused). Only where the KDA layers run fla; process-wide
     kda_dqkg: Literal["fla", "moontrain"] = "moontrain"
     # the kernel of fla's KDA backward stage that adds the intra-chunk matrices' part to dq, dk, db and dg:
-    # "moontrain" (moontrain.model.kda_intra_kernel: the same outputs in one program per 64-row chunk: docs/kda.md)
+    # "moontrain" (moontrain.model.kda.intra_kernel: the same outputs in one program per 64-row chunk: docs/kda.md)
     # or "fla" (fla's chunk_kda_bwd_intra). moontrain's needs a bounded gate (model.kda_gate_lower_bound in
     # [-10, 0)); with another bound fla's kernel runs. Only where the KDA layers run fla; process-wide
     kda_intra: Literal["fla", "moontrain"] = "fla"
-    # KDA's causal short convolutions (+ SiLU): "auto" runs the Triton kernel (moontrain.model.short_conv_kernel)
+    # KDA's causal short convolutions (+ SiLU): "auto" runs the Triton kernel (moontrain.model.kda.short_conv_kernel)
     # on CUDA, else the PyTorch specification (moontrain.model.kda.short_conv); "torch" / "triton" force one
     short_conv: Literal["auto", "torch", "triton"] = "auto"
     # AttnRes aggregations (model.attn_res_block_size): "auto" runs the Triton kernels (moontrain.model.attn_res_kernel)

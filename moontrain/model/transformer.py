@@ -42,7 +42,7 @@ from moontrain.model.documents import DocumentMask, causal_flex_mask, document_m
 from moontrain.model.experts import ExpertPlacement, ExpertsContext, ExpertsRuntime, build_experts_runtime
 from moontrain.model.ffn import GatedFFN
 from moontrain.model.init import expert_stds, init_dense
-from moontrain.model.kda import KimiDeltaAttention, uses_fla
+from moontrain.model.kda.layer import KimiDeltaAttention, uses_fla
 from moontrain.model.lm_loss import chunk_math, linear_cross_entropy
 from moontrain.model.moe import MoE
 from moontrain.model.norm import RMSNorm

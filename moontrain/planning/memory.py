@@ -49,7 +49,7 @@ import torch
 from moonep import BufferConfig, Layout, glu_projections
 from moontrain.config.run_config import RunConfig
 from moontrain.model.attn_res import aggregation_sizes
-from moontrain.model.kda_ops import CHUNK as KDA_CHUNK
+from moontrain.model.kda.ops import CHUNK as KDA_CHUNK
 from moontrain.model.lm_loss import chunk_tokens
 from moontrain.model.params import ParamCounts
 

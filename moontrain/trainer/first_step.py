@@ -33,7 +33,7 @@ import time
 import torch
 
 from moontrain.config import RunConfig
-from moontrain.model.kda import uses_fla
+from moontrain.model.kda.layer import uses_fla
 from moontrain.trainer.kernel_cache import FlaSeed, autotune_entries
 
 

@@ -33,7 +33,7 @@ from moontrain.metrics.heatmap import colorize, heatmap_path, write_png
 from moontrain.metrics.moe_stats import MoEStats
 from moontrain.metrics.progress import ProgressLog, StepStats
 from moontrain.metrics.window import MetricsWindow, memory_stats
-from moontrain.model.kda import uses_fla
+from moontrain.model.kda.layer import uses_fla
 from moontrain.model.router_updates import MeanFreeRouterUpdates
 from moontrain.model.transformer import K3Model
 from moontrain.optim.adamw import build_optimizer

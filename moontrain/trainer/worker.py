@@ -40,7 +40,7 @@ from moontrain.config import RunConfig, dump_config, from_dict, load_recipe
 from moontrain.config.loader import to_dict
 from moontrain.metrics.progress import ProgressLog
 from moontrain.metrics.wandb_run import WandbRun
-from moontrain.model.kda import kda_fallback_warning, uses_fla
+from moontrain.model.kda.layer import kda_fallback_warning, uses_fla
 from moontrain.optim.schedule import lr_multiplier
 from moontrain.parallel.heartbeat import Heartbeat
 from moontrain.parallel.hosts import check_ep_group_hosts

@@ -20,7 +20,7 @@ import moontrain.model.documents as documents
 from moontrain.model.attention import MLAttention
 from moontrain.model.config import ModelConfig
 from moontrain.model.documents import causal_attention, causal_flex_mask
-from moontrain.model.kda import KimiDeltaAttention
+from moontrain.model.kda.layer import KimiDeltaAttention
 from moontrain.model.rope import rope_cos_sin
 
 CPU = torch.device("cpu")

@@ -21,12 +21,12 @@ import torch.nn.functional as F
 
 from moontrain.config import RunConfig, from_dict
 from moontrain.model.documents import causal_flex_mask, compiled_flex_attention
-from moontrain.model.kda import fla_available
-from moontrain.model.kda_ops import kda_fla
+from moontrain.model.kda.layer import fla_available
+from moontrain.model.kda.ops import kda_fla
 from moontrain.parallel.layout import build_layout, single_process_layout
 from moontrain.trainer.trainer import Trainer
 from tests.moontrain.ckpt_utils import assert_bitwise, full_state, train
-from tests.moontrain.model.test_kda_gpu import _inputs
+from tests.moontrain.model.kda.test_layer_gpu import _inputs
 from tests.moontrain.trainer.test_determinism import restore_switches  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.gpu

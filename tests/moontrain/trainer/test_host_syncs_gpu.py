@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moontrain.config import RunConfig, from_dict
-from moontrain.model.kda import fla_available
+from moontrain.model.kda.layer import fla_available
 from moontrain.parallel.layout import build_layout
 from moontrain.trainer.trainer import Trainer
 

@@ -1,5 +1,5 @@
 """KDA's chunked backward, the intra-chunk stage (fla-core's chunk_kda_bwd_intra) as one Triton kernel with
-fla's arguments and outputs; moontrain.model.kda_intra is the specification it matches (its docstring: the
+fla's arguments and outputs; moontrain.model.kda.intra is the specification it matches (its docstring: the
 sums, the legend and the contract).
 
 Kernel. One program per (chunk, K-block, head) holds the chunk's 64 rows of q, k, g and the three fp32
@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import torch
 
-from moontrain.model.kda_dqkg import prepare_chunk_indices
-from moontrain.model.kda_intra import CHUNK, validate
+from moontrain.model.kda.dqkg import prepare_chunk_indices
+from moontrain.model.kda.intra import CHUNK, validate
 
 try:
     import triton
     import triton.language as tl
 
-    from moontrain.model.kda_dqkg_kernel import _chunk
+    from moontrain.model.kda.dqkg_kernel import _chunk
 except ImportError:  # the specification runs without triton; kda_intra needs it
     triton = None
 
@@ -152,7 +152,7 @@ def kda_intra(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Ten
     takes unbounded gates); lower_bound and use_graph are accepted for fla's signature (padding rows of
     chunk_indices are always skipped)."""
     if triton is None:
-        raise ValueError("kda_intra: triton is not installed; use moontrain.model.kda_intra.kda_intra_reference "
+        raise ValueError("kda_intra: triton is not installed; use moontrain.model.kda.intra.kda_intra_reference "
                          "(the PyTorch specification)")
     if not safe_gate:
         raise ValueError("kda_intra: safe_gate=False (an unbounded gate); the kernel factors 2^(g_i - g_j) and "

@@ -1,6 +1,6 @@
-"""moontrain.model.short_conv_kernel on one GPU at a KDA layer's shape ([4, 4096, 2048] bf16, x a column
+"""moontrain.model.kda.short_conv_kernel on one GPU at a KDA layer's shape ([4, 4096, 2048] bf16, x a column
 slice of a wider projection output): y, dx and dw against the float64 specification within the derived
-bound of tests/moontrain/model/short_conv_cases.py, and torch.compile(fullgraph=True) through the custom
+bound of tests/moontrain/model/kda/short_conv_cases.py, and torch.compile(fullgraph=True) through the custom
 op giving the eager kernel's bits."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moontrain.model.short_conv_kernel import short_conv_silu
-from tests.moontrain.model.short_conv_cases import check_short_conv, conv_inputs, doc_ids
+from moontrain.model.kda.short_conv_kernel import short_conv_silu
+from tests.moontrain.model.kda.short_conv_cases import check_short_conv, conv_inputs, doc_ids
 
 pytestmark = pytest.mark.gpu
 

@@ -17,8 +17,8 @@ import functools
 import pytest
 import torch
 
-from moontrain.model.kda import fla_available
-from moontrain.model.kda_ops import kda, kda_fla
+from moontrain.model.kda.layer import fla_available
+from moontrain.model.kda.ops import kda, kda_fla
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not fla_available(), reason="needs fla-core (bash ../shared/device/stage.sh fla)")]
@@ -89,7 +89,7 @@ def test_layer_fla_vs_torch_bf16() -> None:
     parameter gradient of kernels.kda=fla against =torch (same weights)."""
     from moontrain.model.config import ModelConfig
     from moontrain.model.documents import document_mask
-    from moontrain.model.kda import KimiDeltaAttention
+    from moontrain.model.kda.layer import KimiDeltaAttention
 
     results = []
     gen = torch.Generator("cuda").manual_seed(2)

@@ -1,6 +1,6 @@
 """Which of fla-core's KDA backward stages run on moontrain's kernels (kernels.kda_dqkg: the WY / inter-chunk
-stage on moontrain.model.kda_dqkg_kernel; kernels.kda_intra: the intra-chunk stage on
-moontrain.model.kda_intra_kernel). Process-wide, as fla's choice is: fla dispatches both stages through its
+stage on moontrain.model.kda.dqkg_kernel; kernels.kda_intra: the intra-chunk stage on
+moontrain.model.kda.intra_kernel). Process-wide, as fla's choice is: fla dispatches both stages through its
 backend registry (fla.backends); the one backend registered here answers a stage's calls while that stage is
 routed here, and only the calls its kernel takes (its verifier); fla's kernels run the others."""
 
@@ -30,7 +30,7 @@ def _fla_backend() -> type:
     """The backend class, registered with fla once per process (routing nothing until route_fla_stages)."""
     from fla.backends import BaseBackend, register
 
-    from moontrain.model import kda_dqkg, kda_intra
+    from moontrain.model.kda import dqkg, intra
 
     @register("kda")
     class MoontrainStages(BaseBackend):
@@ -45,17 +45,17 @@ def _fla_backend() -> type:
             if not type(self).routed[DQKG]:
                 return False, "kernels.kda_dqkg=fla"
             try:
-                kda_dqkg.validate(kwargs["q"], kwargs["k"], kwargs["v"], kwargs["g"], kwargs["beta"], kwargs["A"],
+                dqkg.validate(kwargs["q"], kwargs["k"], kwargs["v"], kwargs["g"], kwargs["beta"], kwargs["A"],
                                   kwargs["h"], kwargs.get("state_v_first", False), kwargs.get("cu_seqlens"),
-                                  kwargs.get("chunk_size", kda_dqkg.CHUNK), kwargs.get("chunk_indices"))
+                                  kwargs.get("chunk_size", dqkg.CHUNK), kwargs.get("chunk_indices"))
             except ValueError as err:
                 return False, str(err)
             return True, None
 
         def chunk_kda_bwd_wy_dqkg_fused(self, **kwargs) -> tuple[torch.Tensor, ...]:
-            from moontrain.model import kda_dqkg_kernel
+            from moontrain.model.kda import dqkg_kernel
 
-            return kda_dqkg_kernel.kda_dqkg(**kwargs)
+            return dqkg_kernel.kda_dqkg(**kwargs)
 
         def chunk_kda_bwd_intra_verifier(self, **kwargs) -> tuple[bool, str | None]:
             if not type(self).routed[INTRA]:
@@ -64,8 +64,8 @@ def _fla_backend() -> type:
                 return False, "safe_gate=False: an unbounded gate runs on fla's kernel"
             names = ("q", "k", "g", "beta", "dAqk", "dAkk", "dq", "dk", "db", "dg")
             try:
-                kda_intra.validate(*(kwargs[n] for n in names), kwargs.get("cu_seqlens"),
-                                   kwargs.get("chunk_size", kda_intra.CHUNK))
+                intra.validate(*(kwargs[n] for n in names), kwargs.get("cu_seqlens"),
+                                   kwargs.get("chunk_size", intra.CHUNK))
             except ValueError as err:
                 return False, str(err)
             if any(kwargs[n].dtype != torch.float32 for n in ("dq", "dk", "db", "dg")):
@@ -73,8 +73,8 @@ def _fla_backend() -> type:
             return True, None
 
         def chunk_kda_bwd_intra(self, **kwargs) -> tuple[torch.Tensor, ...]:
-            from moontrain.model import kda_intra_kernel
+            from moontrain.model.kda import intra_kernel
 
-            return kda_intra_kernel.kda_intra(**kwargs)
+            return intra_kernel.kda_intra(**kwargs)
 
     return MoontrainStages

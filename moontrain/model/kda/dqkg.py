@@ -1,5 +1,5 @@
 """KDA's chunked backward, the WY / inter-chunk stage (fla-core's chunk_kda_bwd_wy_dqkg_fused): its PyTorch
-specification (moontrain.model.kda_dqkg_kernel: the Triton kernels that match it).
+specification (moontrain.model.kda.dqkg_kernel: the Triton kernels that match it).
 
 Legend: B batch, T tokens, H heads, K key head dim, V value head dim, C chunk length (BT = 64), R rows of
 the chunk list (h and dh are indexed by them).
@@ -14,7 +14,7 @@ the gradient of the state at its end, dv the gradient of v_new = u - w h):
     dA  = -tril_1(A^T (tril_1(dv v^T + dw kg^T) diag(beta)) A^T)   (tril_1: strictly lower, valid rows/cols)
 These are the gradients of o = (q scale 2^g) h + Aqk v_new and of the chunk's end state with respect to q,
 k, v, beta, g and the strictly lower matrix A inverts, with Aqk and that matrix held fixed (the intra-chunk
-kernel adds their part); tests/moontrain/model/test_kda_dqkg.py checks exactly that through autograd.
+kernel adds their part); tests/moontrain/model/kda/test_dqkg.py checks exactly that through autograd.
 
 Contract: H == HV (no GVA), state_v_first=False (h, dh [B, R, H, K, V]), C = 64, K and V powers of two in
 [32, 256]; packed documents as fla: B = 1, cu_seqlens, chunk_indices rows (sequence, chunk in it), rows

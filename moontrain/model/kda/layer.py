@@ -6,7 +6,7 @@ Legend: B batch, T sequence, D hidden, H KDA heads, K KDA head dim (keys and val
     f       = x W_f  (full rank, or low rank x W_fa W_fb)                       raw per-channel forget input
     g       = bound * sigmoid(exp(A_log_h) (f + dt_bias))   (or -exp(A_log_h) softplus(f + dt_bias))
     beta    = sigmoid(x W_b)                                                    one write strength per head
-    o       = KDA(l2norm(q), l2norm(k), v, g, beta)        (moontrain.model.kda_ops: spec and fla kernel)
+    o       = KDA(l2norm(q), l2norm(k), v, g, beta)        (moontrain.model.kda.ops: spec and fla kernel)
     out     = (RMSNorm_K(o) * sigmoid(x W_g)) W_o          per-head gated RMSNorm, output gate like W_f
 Parameter names and layouts are Kimi Linear's (q_proj, q_conv1d [C, 1, W] in nn.Conv1d's tap order,
 f_a_proj / f_b_proj or the full-rank f_proj, b_proj, A_log, dt_bias [H * K], g_*_proj, o_norm, o_proj), so
@@ -16,12 +16,12 @@ No positional encoding: the recurrence and the convolutions are order-aware. The
 (q, k, v, f or f_a, g or g_a, b) run as one GEMM over their stacked weights (project); the parameters stay
 separate, under their names.
 
-Kernel: kernels.kda picks kda_ops.kda (pure PyTorch, chunked; CPU and GPU) or kda_ops.kda_fla
+Kernel: kernels.kda picks ops.kda (pure PyTorch, chunked; CPU and GPU) or ops.kda_fla
 (fla-core's chunk_kda, Triton, with the gate and the L2 norm fused) once, at construction; kernels.short_conv
-likewise the convolutions (short_conv, or moontrain.model.short_conv_kernel's Triton kernel, which reads
+likewise the convolutions (short_conv, or moontrain.model.kda.short_conv_kernel's Triton kernel, which reads
 project()'s column slices in place and which torch.compile traces through); kernels.kda_dqkg and
-kernels.kda_intra which kernels run the two fla backward stages moontrain.model.kda_dqkg and kda_intra specify
-(fla's, or moontrain's: moontrain.model.kda_fla_backend routes them). The KDA call is
+kernels.kda_intra which kernels run the two fla backward stages moontrain.model.kda.dqkg and kda_intra specify
+(fla's, or moontrain's: moontrain.model.kda.fla_backend routes them). The KDA call is
 excluded from torch.compile (fla's autograd function is opaque to it; the reference's chunk loop would
 unroll); the projections, convolutions and the output norm around it compile.
 
@@ -43,8 +43,8 @@ from torch import nn
 
 from moontrain.model.config import ModelConfig
 from moontrain.model.documents import DocumentMask
-from moontrain.model.kda_ops import at_least_fp32, kda, kda_fla
-from moontrain.model.kernel_choice import runs_triton
+from moontrain.model.kda.ops import at_least_fp32, kda, kda_fla
+from moontrain.model.kda.short_conv import select_short_conv
 
 DECAY_RATE_RANGE = (1e-3, 1e-1)
 
@@ -81,30 +81,6 @@ def kda_fallback_warning(cfg: ModelConfig, choice: str, device: torch.device | s
 def uses_fla(cfg: ModelConfig, choice: str, device: torch.device | str | None) -> bool:
     """Whether the model's KDA layers (if any) run fla's kernels on `device` under kernels.kda = `choice`."""
     return cfg.kda_layers_per_mla > 0 and select_kda_kernel(choice, device) is kda_fla
-
-
-def select_short_conv(choice: str, device: torch.device | str | None) -> Callable[..., torch.Tensor]:
-    """The short convolution of kernels.short_conv = `choice` (auto, torch or triton) on `device`."""
-    if not runs_triton("short_conv", choice, device, "the PyTorch convolution"):
-        return short_conv
-    from moontrain.model.short_conv_kernel import short_conv_silu  # imports triton: only where it runs
-
-    return short_conv_silu
-
-
-def short_conv(x_BTC: torch.Tensor, w_C1W: torch.Tensor, doc_id_BT: torch.Tensor | None) -> torch.Tensor:
-    """silu(sum_s w[:, 0, W-1-s] * x_{t-s}) over taps s = 0..W-1 (nn.Conv1d's weight with causal padding),
-    a tap counting only inside x_t's document."""
-    T, W = x_BTC.shape[1], w_C1W.shape[-1]
-    w_CW = w_C1W.to(x_BTC.dtype)[:, 0].flip(-1)  # w_CW[:, s] multiplies x_{t-s}
-    y = x_BTC * w_CW[:, 0]
-    for s in range(1, min(W, T)):
-        x_s = F.pad(x_BTC, (0, 0, s, 0))[:, :T]
-        if doc_id_BT is not None:
-            same_BT = F.pad((doc_id_BT[:, s:] == doc_id_BT[:, :-s]).to(x_s.dtype), (s, 0))
-            x_s = x_s * same_BT.unsqueeze(-1)
-        y = y + x_s * w_CW[:, s]
-    return F.silu(y)
 
 
 class GatedRMSNorm(nn.Module):
@@ -148,8 +124,8 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(H * K, D, bias=False, device=device)
         self.kernel = select_kda_kernel(kernel, device)  # kernel: kernels.kda; called by recurrence()
         if self.kernel is kda_fla:
-            from moontrain.model.kda_fla_backend import route_fla_stages  # imports fla: only where fla runs
-            from moontrain.model.kda_intra import MIN_GATE_BOUND
+            from moontrain.model.kda.fla_backend import route_fla_stages  # imports fla: only where fla runs
+            from moontrain.model.kda.intra import MIN_GATE_BOUND
 
             # dqkg, intra: kernels.kda_dqkg / kda_intra (process-wide, as fla's choice is); moontrain's intra-chunk
             # kernel factors the gate's exponentials and needs the bound (kernels.kda_intra's comment)

@@ -1,4 +1,4 @@
-"""moontrain.model.kda_intra_kernel's Triton kernel in Triton's interpreter on the CPU against the specification
+"""moontrain.model.kda.intra_kernel's Triton kernel in Triton's interpreter on the CPU against the specification
 kda_intra_reference (itself checked against autograd in test_kda_intra.py): batch rows with a partial last
 chunk, packed documents (partial chunks and partial 16-row blocks inside them), fla's use_graph chunk list with
 padding rows, K-blocks narrower than K, gates at their bound (the widest exponent range), bf16 q/k; the
@@ -19,12 +19,12 @@ import torch
 # first: sets TRITON_INTERPRET=1 before triton is imported, installs the interpreter's shims, and skips this
 # module where triton is absent
 import tests.moonep.helpers.triton_interpreted  # noqa: F401
-from moontrain.model import kda_intra_kernel
-from moontrain.model.kda_dqkg import prepare_chunk_indices
-from moontrain.model.kda_intra import STAGE_OUTPUTS as OUTPUTS
-from moontrain.model.kda_intra import kda_intra_reference, random_stage_inputs
-from moontrain.model.kda_intra_kernel import kda_intra
-from tests.moontrain.model.test_kda_dqkg import CU_SEQLENS
+from moontrain.model.kda import intra_kernel as kda_intra_kernel
+from moontrain.model.kda.dqkg import prepare_chunk_indices
+from moontrain.model.kda.intra import STAGE_OUTPUTS as OUTPUTS
+from moontrain.model.kda.intra import kda_intra_reference, random_stage_inputs
+from moontrain.model.kda.intra_kernel import kda_intra
+from tests.moontrain.model.kda.test_dqkg import CU_SEQLENS
 
 TOL = 2e-5
 

@@ -1,4 +1,4 @@
-"""moontrain.model.kda_dqkg_kernel's Triton kernels in Triton's interpreter on the CPU against the
+"""moontrain.model.kda.dqkg_kernel's Triton kernels in Triton's interpreter on the CPU against the
 specification kda_dqkg_reference (itself checked against autograd in test_kda_dqkg.py): batch rows,
 packed documents (partial chunks inside them), fla's use_graph chunk list with padding rows, fp32 and bf16,
 and the validation messages.
@@ -20,12 +20,12 @@ import torch
 # first: sets TRITON_INTERPRET=1 before triton is imported, installs the interpreter's shims, and skips this
 # module where triton is absent
 import tests.moonep.helpers.triton_interpreted  # noqa: F401
-from moontrain.model import kda_dqkg_kernel
-from moontrain.model.kda_dqkg import STAGE_OUTPUTS as OUTPUTS
-from moontrain.model.kda_dqkg import kda_dqkg_reference, prepare_chunk_indices
-from moontrain.model.kda_dqkg import random_stage_inputs as stage_inputs
-from moontrain.model.kda_dqkg_kernel import kda_dqkg
-from tests.moontrain.model.test_kda_dqkg import CU_SEQLENS
+from moontrain.model.kda import dqkg_kernel as kda_dqkg_kernel
+from moontrain.model.kda.dqkg import STAGE_OUTPUTS as OUTPUTS
+from moontrain.model.kda.dqkg import kda_dqkg_reference, prepare_chunk_indices
+from moontrain.model.kda.dqkg import random_stage_inputs as stage_inputs
+from moontrain.model.kda.dqkg_kernel import kda_dqkg
+from tests.moontrain.model.kda.test_dqkg import CU_SEQLENS
 
 FP32_TOL = 2e-5
 BF16_TOL = {"dq": 2e-5, "dv2": 2 ** -7 + 2e-5, "dk": 2.3e-2, "dg": 2.3e-2, "db": 2.3e-2, "dA": 2.3e-2}

@@ -1,4 +1,4 @@
-"""moontrain.model.kda_dqkg (kda_dqkg_reference, the specification of the stage) against autograd, on the CPU in fp64.
+"""moontrain.model.kda.dqkg (kda_dqkg_reference, the specification of the stage) against autograd, on the CPU in fp64.
 
 The stage's outputs are gradients of the chunked KDA forward with two matrices held fixed: per chunk (g the
 chunk-local cumulative log-decay, natural log here; S the state at the chunk's start)
@@ -8,7 +8,7 @@ with Lm (the strictly lower matrix A inverts) and Aqk leaves. For loss = <do, o>
 gradients of q, k, v, beta, g and Lm are the stage's dq, dk, dv2, db, dg (before fla's reverse cumsum; in
 fla's log2 units g / ln 2 is the input) and dA, given h = S, dh = dL/dS' and dv = dL/dv_new, which autograd
 also supplies (retain_grad). Lm and Aqk take their KDA values, and the forward's o is checked against
-moontrain.model.kda_ops.chunk_kda_reference first, so these are gradients of KDA itself.
+moontrain.model.kda.ops.chunk_kda_reference first, so these are gradients of KDA itself.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import math
 import pytest
 import torch
 
-from moontrain.model.kda_dqkg import CHUNK, kda_dqkg_reference, prepare_chunk_indices
-from moontrain.model.kda_dqkg import STAGE_OUTPUTS as OUTPUTS
-from moontrain.model.kda_ops import chunk_kda_reference
+from moontrain.model.kda.dqkg import CHUNK, kda_dqkg_reference, prepare_chunk_indices
+from moontrain.model.kda.dqkg import STAGE_OUTPUTS as OUTPUTS
+from moontrain.model.kda.ops import chunk_kda_reference
 
 CU_SEQLENS = [0, 100, 130, 150, 290]  # 2 chunks (the second partial), 1, 1 and 3 (the last of 2 tokens)
 

@@ -16,16 +16,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moontrain.model import kda as kda_module
 from moontrain.model.attention import MLAttention
 from moontrain.model.config import ModelConfig
 from moontrain.model.documents import causal_attention, document_mask, flex_block_mask
 from moontrain.model.experts import ExpertsContext
-from moontrain.model.kda import KimiDeltaAttention, fla_available, kda_fallback_warning
-from moontrain.model.kda_ops import kda_gate
+from moontrain.model.kda import layer as kda_module
+from moontrain.model.kda.layer import KimiDeltaAttention, fla_available, kda_fallback_warning
+from moontrain.model.kda.ops import kda_gate
 from moontrain.model.rope import rope_cos_sin
 from moontrain.model.transformer import K3Model
-from tests.moontrain.model.test_kda_ops import recurrent_kda
+from tests.moontrain.model.kda.test_ops import recurrent_kda
 
 EOS = 63
 

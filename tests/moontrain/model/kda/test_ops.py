@@ -1,4 +1,4 @@
-"""The chunked KDA (moontrain.model.kda_ops) against a token-by-token recurrence written here, in fp64."""
+"""The chunked KDA (moontrain.model.kda.ops) against a token-by-token recurrence written here, in fp64."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moontrain.model.kda_ops import chunk_kda_reference
+from moontrain.model.kda.ops import chunk_kda_reference
 
 
 def recurrent_kda(q, k, v, g, beta, scale, doc_start=None):

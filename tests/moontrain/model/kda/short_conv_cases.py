@@ -1,4 +1,4 @@
-"""Inputs and the derived check for moontrain.model.short_conv_kernel (the interpreted and the GPU tests).
+"""Inputs and the derived check for moontrain.model.kda.short_conv_kernel (the interpreted and the GPU tests).
 
 Tolerance, derived: the exact values are the specification (kda.short_conv) evaluated in float64 on the
 same inputs, its gradients by float64 autograd. The specification run in the inputs' own precision is the
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from moontrain.model.kda import short_conv
-from moontrain.model.short_conv_kernel import short_conv_silu
+from moontrain.model.kda.short_conv import short_conv
+from moontrain.model.kda.short_conv_kernel import short_conv_silu
 
 
 def doc_ids(B: int, T: int, starts: list[list[int]], device: str, gen: torch.Generator | None = None,

@@ -1,4 +1,4 @@
-"""moontrain.model.kda_intra_kernel on one GPU at a KDA layer's shape (B=2, T=4096, H=16, K=128, bf16 q/k, fp32
+"""moontrain.model.kda.intra_kernel on one GPU at a KDA layer's shape (B=2, T=4096, H=16, K=128, bf16 q/k, fp32
 gradients): against fla-core's chunk_kda_bwd_intra (the kernel it replaces) and the fp32 specification
 kda_intra_reference, without and with packed documents (fla's host-listed and device-listed, use_graph, chunk
 lists), with gates at their bound; and KDA's whole backward with the stage routed here.
@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moontrain.model.kda_intra import STAGE_OUTPUTS as OUTPUTS
-from moontrain.model.kda_intra import kda_intra_reference, random_stage_inputs
-from tests.moontrain.model.test_kda_dqkg_kernel_gpu import max_rel, packed_documents
+from moontrain.model.kda.intra import STAGE_OUTPUTS as OUTPUTS
+from moontrain.model.kda.intra import kda_intra_reference, random_stage_inputs
+from tests.moontrain.model.kda.test_dqkg_kernel_gpu import max_rel, packed_documents
 
 # the kernel module and fla import triton: only inside the tests (test_kda_dqkg_kernel_gpu's note)
 pytestmark = pytest.mark.gpu
@@ -49,7 +49,7 @@ AT_BOUND_GAP = pytest.mark.xfail(strict=True, reason="TF32 diagonal blocks vs fl
                                                 pytest.param("batch", True, marks=AT_BOUND_GAP)])
 def test_matches_fla_and_reference(case: str, at_bound: bool) -> None:
     fla_intra = pytest.importorskip("fla.ops.kda.chunk_intra", reason="needs fla-core (pip install fla-core==0.6.0)")
-    from moontrain.model.kda_intra_kernel import kda_intra
+    from moontrain.model.kda.intra_kernel import kda_intra
 
     inputs = inputs_for(case, seed=0, at_bound=at_bound)
     ours = kda_intra(**inputs)
@@ -72,9 +72,9 @@ def test_kda_layer_call_with_the_stage_routed_here_matches_fla(docs: bool) -> No
     (2.5x the stage's bound against the specification; fla's later kernels are shared), and the routed call
     reached kda_intra."""
     pytest.importorskip("fla", reason="needs fla-core (pip install fla-core==0.6.0)")
-    from moontrain.model import kda_intra_kernel
-    from moontrain.model.kda_fla_backend import route_fla_stages
-    from moontrain.model.kda_ops import kda_fla, random_kda_inputs
+    from moontrain.model.kda import intra_kernel as kda_intra_kernel
+    from moontrain.model.kda.fla_backend import route_fla_stages
+    from moontrain.model.kda.ops import kda_fla, random_kda_inputs
 
     leaves, kwargs, go = random_kda_inputs(B, T, H, K, doc_len=1024 if docs else None, seed=3)
 

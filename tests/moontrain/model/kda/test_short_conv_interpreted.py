@@ -1,5 +1,5 @@
-"""moontrain.model.short_conv_kernel in Triton's interpreter on the CPU: y, dx and dw against the float64
-specification (kda.short_conv) within the derived bound of tests/moontrain/model/short_conv_cases.py, the
+"""moontrain.model.kda.short_conv_kernel in Triton's interpreter on the CPU: y, dx and dw against the float64
+specification (kda.short_conv) within the derived bound of tests/moontrain/model/kda/short_conv_cases.py, the
 validation messages, and torch.compile tracing through the custom op (in a subprocess without the
 interpreter: wrap_triton cannot trace an interpreted kernel)."""
 
@@ -17,9 +17,9 @@ import torch
 # first: sets TRITON_INTERPRET=1 before triton is imported (triton reads it then), installs the
 # interpreter's numpy-2 shim, and skips this module too where triton is absent
 import tests.moonep.helpers.triton_interpreted  # noqa: F401
-from moontrain.model import short_conv_kernel
-from moontrain.model.short_conv_kernel import ShortConvFunction, short_conv_silu
-from tests.moontrain.model.short_conv_cases import check_short_conv, conv_inputs, doc_ids
+from moontrain.model.kda import short_conv_kernel
+from moontrain.model.kda.short_conv_kernel import ShortConvFunction, short_conv_silu
+from tests.moontrain.model.kda.short_conv_cases import check_short_conv, conv_inputs, doc_ids
 
 B, T, C = 2, 70, 72
 # row 0: documents of length 1 (t = 0 and t = 20), a start on a 32-row block boundary (t = 32) and one a
@@ -94,7 +94,7 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 import torch._higher_order_ops.triton_kernel_wrap as triton_kernel_wrap
-from moontrain.model.short_conv_kernel import short_conv_silu
+from moontrain.model.kda.short_conv_kernel import short_conv_silu
 
 # without a driver torch cannot analyse a kernel and takes every argument as written; a GPU's analysis finds
 # the kernels' stores, which write only their outputs: stand in for it with those
@@ -151,7 +151,7 @@ def test_kda_layer_with_the_kernel_equals_the_specification(gate_rank: int | Non
     within 1e-5 relative (the two differ by the conv's summation order and rounding only)."""
     from moontrain.model.config import ModelConfig
     from moontrain.model.documents import document_mask
-    from moontrain.model.kda import KimiDeltaAttention
+    from moontrain.model.kda.layer import KimiDeltaAttention
 
     cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_dense_layers=1, dense_intermediate_size=64,
                       num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,

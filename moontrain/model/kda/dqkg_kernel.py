@@ -1,5 +1,5 @@
 """KDA's chunked backward, the WY / inter-chunk stage (fla-core's chunk_kda_bwd_wy_dqkg_fused) as two Triton
-kernels behind one launcher with fla's arguments and outputs; moontrain.model.kda_dqkg is the specification
+kernels behind one launcher with fla's arguments and outputs; moontrain.model.kda.dqkg is the specification
 they match (its docstring: the formulas, the legend and the contract).
 
 Kernels. fla's kernel runs one program per (chunk, head) that loops over K blocks and, inside, V blocks,
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from moontrain.model.kda_dqkg import CHUNK, prepare_chunk_indices, validate
+from moontrain.model.kda.dqkg import CHUNK, prepare_chunk_indices, validate
 
 try:
     import triton
@@ -206,7 +206,7 @@ def kda_dqkg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_new: torch.Ten
     [B, T, H, 64]), freshly allocated. chunk_offsets and use_graph are accepted for fla's signature: the
     kernels need neither (padding rows of chunk_indices are always skipped)."""
     if triton is None:
-        raise ValueError("kda_dqkg: triton is not installed; use moontrain.model.kda_dqkg.kda_dqkg_reference (the "
+        raise ValueError("kda_dqkg: triton is not installed; use moontrain.model.kda.dqkg.kda_dqkg_reference (the "
                          "PyTorch specification)")
     validate(q, k, v, g, beta, A, h, state_v_first, cu_seqlens, chunk_size, chunk_indices)
     tensors = dict(q=q, k=k, v=v, v_new=v_new, g=g, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv)

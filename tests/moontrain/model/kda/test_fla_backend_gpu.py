@@ -1,4 +1,4 @@
-"""moontrain.model.kda_fla_backend: fla's dispatched KDA backward stages (what fla's chunk_kda_bwd calls) reach
+"""moontrain.model.kda.fla_backend: fla's dispatched KDA backward stages (what fla's chunk_kda_bwd calls) reach
 moontrain's launchers with fla's keyword arguments while routed, calls a kernel cannot take are left to fla's by
 the verifiers, and unrouted the backend answers nothing. The launchers are replaced by recorders: no kernel
 runs. Marked gpu: it needs fla-core, which the GPU machines' kit installs (the CPU tier has none)."""
@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moontrain.model import kda_dqkg, kda_intra
+from moontrain.model.kda import dqkg as kda_dqkg
+from moontrain.model.kda import intra as kda_intra
 
 pytestmark = pytest.mark.gpu
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture
 def backend():
     pytest.importorskip("fla.ops.kda.chunk_bwd", reason="needs fla-core (pip install fla-core==0.6.0)")
-    from moontrain.model.kda_fla_backend import _fla_backend, route_fla_stages
+    from moontrain.model.kda.fla_backend import _fla_backend, route_fla_stages
 
     yield _fla_backend()
     route_fla_stages(dqkg=False, intra=False)
@@ -25,8 +26,8 @@ def backend():
 def test_dqkg_stage_routes(backend, monkeypatch: pytest.MonkeyPatch) -> None:
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
 
-    from moontrain.model import kda_dqkg_kernel
-    from moontrain.model.kda_fla_backend import route_fla_stages
+    from moontrain.model.kda import dqkg_kernel as kda_dqkg_kernel
+    from moontrain.model.kda.fla_backend import route_fla_stages
 
     calls = []
     monkeypatch.setattr(kda_dqkg_kernel, "kda_dqkg", lambda **kw: calls.append(kw) or ("ours",))
@@ -48,8 +49,8 @@ def test_dqkg_stage_routes(backend, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_intra_stage_routes(backend, monkeypatch: pytest.MonkeyPatch) -> None:
     from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
 
-    from moontrain.model import kda_intra_kernel
-    from moontrain.model.kda_fla_backend import route_fla_stages
+    from moontrain.model.kda import intra_kernel as kda_intra_kernel
+    from moontrain.model.kda.fla_backend import route_fla_stages
 
     calls = []
     monkeypatch.setattr(kda_intra_kernel, "kda_intra", lambda **kw: calls.append(kw) or ("ours",))

@@ -1,4 +1,4 @@
-"""moontrain.model.kda_intra (kda_intra_reference, the specification of the stage) against autograd, on the CPU in
+"""moontrain.model.kda.intra (kda_intra_reference, the specification of the stage) against autograd, on the CPU in
 fp64.
 
 The stage adds the gradients that flow through KDA's two intra-chunk matrices (test_kda_dqkg.kda_matrices: Aqk,
@@ -16,10 +16,10 @@ import math
 import pytest
 import torch
 
-from moontrain.model.kda_dqkg import CHUNK, prepare_chunk_indices
-from moontrain.model.kda_intra import STAGE_OUTPUTS as OUTPUTS
-from moontrain.model.kda_intra import kda_intra_reference, random_stage_inputs, validate
-from tests.moontrain.model.test_kda_dqkg import CU_SEQLENS, kda_matrices
+from moontrain.model.kda.dqkg import CHUNK, prepare_chunk_indices
+from moontrain.model.kda.intra import STAGE_OUTPUTS as OUTPUTS
+from moontrain.model.kda.intra import kda_intra_reference, random_stage_inputs, validate
+from tests.moontrain.model.kda.test_dqkg import CU_SEQLENS, kda_matrices
 
 
 def sequences(case: str) -> tuple[int, int, list[tuple[int, int, int]], torch.Tensor | None]:

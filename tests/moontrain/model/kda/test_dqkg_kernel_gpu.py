@@ -1,4 +1,4 @@
-"""moontrain.model.kda_dqkg_kernel on one GPU at a KDA layer's shape (B=2, T=4096, H=16, K=V=128, bf16):
+"""moontrain.model.kda.dqkg_kernel on one GPU at a KDA layer's shape (B=2, T=4096, H=16, K=V=128, bf16):
 against fla-core's chunk_kda_bwd_wy_dqkg_fused (the kernel it replaces) and the fp32 specification
 kda_dqkg_reference, without and with packed documents (fla's host-listed and device-listed, use_graph,
 chunk lists); and with fp32 inputs against the specification.
@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moontrain.model.kda_dqkg import STAGE_OUTPUTS as OUTPUTS
-from moontrain.model.kda_dqkg import kda_dqkg_reference
-from moontrain.model.kda_dqkg import random_stage_inputs as stage_inputs
+from moontrain.model.kda.dqkg import STAGE_OUTPUTS as OUTPUTS
+from moontrain.model.kda.dqkg import kda_dqkg_reference
+from moontrain.model.kda.dqkg import random_stage_inputs as stage_inputs
 
 # the kernel module and fla import triton: only inside the tests, which run on a GPU machine only. Imported
 # at collection they would import triton on the CPU tier before an *_interpreted module of the same session
@@ -68,7 +68,7 @@ def max_rel(x: torch.Tensor, y: torch.Tensor) -> float:
 @pytest.mark.parametrize("case", ["batch", "docs", "docs_graph"])
 def test_bf16_matches_fla_and_reference(case: str) -> None:
     fla_bwd = pytest.importorskip("fla.ops.kda.chunk_bwd", reason="needs fla-core (pip install fla-core==0.6.0)")
-    from moontrain.model.kda_dqkg_kernel import kda_dqkg
+    from moontrain.model.kda.dqkg_kernel import kda_dqkg
 
     inputs = inputs_for(case, torch.bfloat16, seed=0)
     ours = kda_dqkg(**inputs)
@@ -86,7 +86,7 @@ def test_bf16_matches_fla_and_reference(case: str) -> None:
 @pytest.mark.parametrize("case", ["batch", "docs"])
 def test_fp32_matches_reference(case: str) -> None:
     pytest.importorskip("fla", reason="needs fla-core (pip install fla-core==0.6.0): its chunk lists")
-    from moontrain.model.kda_dqkg_kernel import kda_dqkg
+    from moontrain.model.kda.dqkg_kernel import kda_dqkg
 
     inputs = inputs_for(case, torch.float32, seed=1)
     for name, x, r in zip(OUTPUTS, kda_dqkg(**inputs), kda_dqkg_reference(**inputs), strict=True):
@@ -102,9 +102,9 @@ def test_kda_layer_call_with_the_stage_routed_here_matches_fla(docs: bool) -> No
     its largest value (twice the stage's own bound against the specification, 2.3e-2, for the two paths; fla's
     later kernels and the L2 norm's backward are shared), and the routed call reached kda_dqkg."""
     pytest.importorskip("fla", reason="needs fla-core (pip install fla-core==0.6.0)")
-    from moontrain.model import kda_dqkg_kernel
-    from moontrain.model.kda_fla_backend import route_fla_stages
-    from moontrain.model.kda_ops import kda_fla, random_kda_inputs
+    from moontrain.model.kda import dqkg_kernel as kda_dqkg_kernel
+    from moontrain.model.kda.fla_backend import route_fla_stages
+    from moontrain.model.kda.ops import kda_fla, random_kda_inputs
 
     leaves, kwargs, go = random_kda_inputs(B, T, H, K, doc_len=1024 if docs else None, seed=3)
 

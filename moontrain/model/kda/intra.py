@@ -1,7 +1,7 @@
 """KDA's chunked backward, the intra-chunk stage (fla-core's chunk_kda_bwd_intra): its PyTorch specification
-(moontrain.model.kda_intra_kernel: the Triton kernel that matches it).
+(moontrain.model.kda.intra_kernel: the Triton kernel that matches it).
 
-Legend as moontrain.model.kda_dqkg: B batch, T tokens, H heads, K key head dim, C chunk length (64), g the
+Legend as moontrain.model.kda.dqkg: B batch, T tokens, H heads, K key head dim, C chunk length (64), g the
 chunk-local cumulative log2 gate (fp32, non-increasing along a chunk).
 
 The forward builds two [C, C] matrices per chunk and head from q, k, g and beta:
@@ -13,7 +13,7 @@ adds their parts to the gradients of q, k, beta and g that the dqkg stage produc
     db_i += sum_c r_ic k_ic                               dk_i += beta_i r_i + t_i
     t_j   = sum_{i>=j} dAqk_ij q_i E_ij + sum_{i>j} dAkk_ij beta_i k_i E_ij
     dg_i += q_i (dq_i's addition) + (beta_i r_i - t_i) k_i   (before fla's reverse cumsum)
-tests/moontrain/model/test_kda_intra.py checks these against autograd through the two matrices. Entries of
+tests/moontrain/model/kda/test_intra.py checks these against autograd through the two matrices. Entries of
 dAqk above the diagonal and of dAkk on or above it, and columns past a chunk's end, are not read.
 
 Contract: H == HV (no GVA), C = 64, K a power of two in [32, 256], dq/dk/dg/db fp32 (the dqkg stage's
@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from moontrain.model.kda_dqkg import CHUNK, chunk_rows, prepare_chunk_indices
+from moontrain.model.kda.dqkg import CHUNK, chunk_rows, prepare_chunk_indices
 
 STAGE_OUTPUTS = ("dq", "dk", "db", "dg")
 MIN_GATE_BOUND = -10.0  # the lowest per-token log-decay (nats) the kernel's factored exponentials stay finite for
