@@ -297,7 +297,7 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
                                                           and ("syncs", cfg.experts.backend) not in args.diagnosed)):
             args.diagnosed.add(("syncs", cfg.experts.backend))  # once per backend (and the learning row)
             syncs = count_syncs(trainer, layout, args, cfg, side)  # one extra, untimed step
-        if diagnosed and wants_profile(args, cfg) and device.type == "cuda":  # one extra, untimed step, profiled
+        if diagnosed and wants_profile(args, cfg) and device.type == "cuda":  # two extra, untimed steps, profiled
             profile_step(trainer, layout, args, cfg, side)
         if traced:
             trace_peak = memory_trace(trainer, layout, args, cfg, side)  # one extra, untimed step
@@ -457,8 +457,8 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="file tag (default: the recipe name, the device type and the date)")
     p.add_argument("--profile", nargs="*", choices=["moonep", "alltoall"], default=None, metavar="BACKEND",
-                   help="profile one extra step at the first target of these backends (none named: all; GPU; "
-                        "kernel tables to --out)")
+                   help="profile two extra steps at the first target of these backends (none named: all; GPU; "
+                        "the GPU's timeline of a step as it runs, then kernel tables and call sites, to --out)")
     p.add_argument("--profile-at", type=float, nargs="+", default=None, metavar="MAXVIO",
                    help="targets (of --targets) for --profile and --memory-trace (default: the first)")
     p.add_argument("--memory-trace", action="store_true",

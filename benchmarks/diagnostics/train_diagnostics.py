@@ -47,11 +47,22 @@ def _point_name(kind: str, trainer: Trainer) -> str:
 
 def profile_step(trainer: Trainer, layout: ParallelLayout, args: argparse.Namespace, cfg: RunConfig,
                  side: dist.ProcessGroup) -> None:
-    """Profile one more step: per rank the ops by CUDA time (top 40), then the ops by self CUDA time
-    split by input shapes (top 60), which tells apart the call sites of one op, then the Python call sites of
-    the copies and adds (STACKED_OPS) by self CUDA time."""
+    """Profile two more steps. The first records GPU activity alone (no host events: the step runs as it does
+    unprofiled), for its timeline: where the GPU waits for the host. The second records the host too, with
+    shapes and Python stacks (which slow the host several times over, so its idle time is not the step's):
+    per rank the ops by CUDA time (top 40), then the ops by self CUDA time split by input shapes (top 60),
+    which tells apart the call sites of one op, then the Python call sites of the copies and adds
+    (STACKED_OPS) by self CUDA time."""
     from torch.profiler import ProfilerActivity, profile
 
+    _align(layout)
+    with profile(activities=[ProfilerActivity.CUDA]) as light:
+        trainer.train_step()
+        torch.cuda.synchronize(layout.device)
+    try:
+        light_timeline = timeline_summary(_gpu_kernels(light))
+    except Exception as err:
+        light_timeline = f"no timeline: {err!r}\n"
     _align(layout)
     # verbose: without it this torch records empty Python stacks (checked on 2.13)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True,
@@ -70,8 +81,9 @@ def profile_step(trainer: Trainer, layout: ParallelLayout, args: argparse.Namesp
         stacks = _op_stacks(prof)
     except Exception as err:
         stacks = f"no call stacks: {err!r}\n"
-    _write_all_ranks(f"{timeline}\n{table}\n\nby input shapes (self CUDA time):\n{shapes}\n\n{every_kernel}\n"
-                     f"{stacks}",
+    _write_all_ranks(f"step as it runs (GPU activity alone), {light_timeline}\n"
+                     f"step profiled with host events, shapes and stacks, {timeline}\n{table}\n\n"
+                     f"by input shapes (self CUDA time):\n{shapes}\n\n{every_kernel}\n{stacks}",
                      _point_name("profile", trainer), args, side, layout)
 
 
@@ -171,6 +183,9 @@ def timeline_summary(kernels: list[tuple[int, int, int, str]], top: int = 12) ->
     covered = _union_ns([(k[1], k[1] + k[2]) for k in ks] + others) - busy[main]
     lines.append(f"  idle {idle / 1e6:.2f} ms in {len(gaps)} gaps ({100 * idle / span:.1f}% of span), of which "
                  f"{covered / 1e6:.2f} ms with another stream busy")
+    before = _totals([(0, 0, g, b) for g, _, b in gaps if b != "(end of step)"], key=kernel_class)
+    lines.append("  idle by the class of the kernel that ends the gap (gaps, ms): "
+                 + ", ".join(f"{c} {n} {d / 1e6:.2f}" for c, (n, d) in sorted(before.items(), key=lambda kv: -kv[1][1])))
     lines.append("  longest gaps (ms: after -> before):")
     for g, a, b in sorted(gaps, key=lambda g: -g[0])[:top]:
         lines.append(f"    {g / 1e6:7.3f}: {(a or '(start)')[:60]} -> {b[:60]}")

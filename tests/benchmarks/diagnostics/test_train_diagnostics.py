@@ -72,6 +72,8 @@ def test_timeline_summary_busy_idle_and_classes() -> None:
     # gaps on stream 7: [1, 1.5) and [2, 3); stream 9 covers 0.4 + 1.0 of them
     idle = next(x for x in lines if "idle" in x)
     assert "idle 1.50 ms in 2 gaps (50.0% of span), of which 1.40 ms with another stream busy" in idle
+    # the gap [1, 1.5) ends at the attention kernel; the step's end closes no kernel's wait
+    assert next(x for x in lines if "idle by the class" in x).endswith("(gaps, ms): attention 1 0.50")
     gaps = lines[lines.index("  longest gaps (ms: after -> before):") + 1:][:2]
     assert gaps[0].split() == ["1.000:", "flash_fwd_kernel", "->", "(end", "of", "step)"]
     assert gaps[1].split() == ["0.500:", "sm90_xmma_gemm_bf16", "->", "flash_fwd_kernel"]
