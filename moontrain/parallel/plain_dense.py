@@ -106,6 +106,7 @@ class PlainDense:
                          for p in masters] if self.cast else masters)
         self.acc: list[torch.Tensor] = [torch.empty_like(p) for p in masters] if self.cast else []
         self.scratch: torch.Tensor | None = None  # flat fp32, from the second pass of a step on (_scratch_groups)
+        self._views: tuple[tuple[int, ...], list] | None = None  # _scratch_views's last groups and views
         self.pending = [False] * len(masters)  # acc[i] holds this step's grad of masters[i]
         self.unsharded = False  # the compute copies are current and registered
         self._casts: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # this forward's casts of grad-free inputs
@@ -179,17 +180,31 @@ class PlainDense:
             torch._foreach_copy_(first_acc, first_grads)
         if later:
             acc = [self.acc[i] for i in later]
-            if self.scratch is None:
-                biggest = max(a.numel() for a in self.acc)
-                self.scratch = torch.empty(max(biggest, SCRATCH_BYTES // 4), dtype=self.acc[0].dtype,
-                                           device=self.acc[0].device)
-            for lo, hi in _scratch_groups([a.numel() for a in acc], self.scratch.numel()):
-                views, offset = [], 0
-                for a in acc[lo:hi]:
-                    views.append(self.scratch[offset: offset + a.numel()].view_as(a))
-                    offset += a.numel()
+            for lo, hi, views in self._scratch_views(later):
                 torch._foreach_copy_(views, later_grads[lo:hi])
                 torch._foreach_add_(acc[lo:hi], views)
+
+    def _scratch_views(self, later: list[int]) -> list[tuple[int, int, list[torch.Tensor]]]:
+        """The scratch groups of the accumulators `later` indexes, each with its views of the scratch shaped
+        as those accumulators: made once per set of parameters (every pass after a step's first has the same
+        one), not per pass (a view per parameter and pass was most of the host's aten ops in this method)."""
+        key = tuple(later)
+        if self._views is not None and self._views[0] == key:
+            return self._views[1]
+        acc = [self.acc[i] for i in later]
+        if self.scratch is None:
+            biggest = max(a.numel() for a in self.acc)
+            self.scratch = torch.empty(max(biggest, SCRATCH_BYTES // 4), dtype=self.acc[0].dtype,
+                                       device=self.acc[0].device)
+        groups = []
+        for lo, hi in _scratch_groups([a.numel() for a in acc], self.scratch.numel()):
+            views, offset = [], 0
+            for a in acc[lo:hi]:
+                views.append(self.scratch[offset: offset + a.numel()].view_as(a))
+                offset += a.numel()
+            groups.append((lo, hi, views))
+        self._views = (key, groups)
+        return groups
 
     @torch.no_grad()
     def reshard(self) -> None:

@@ -243,6 +243,33 @@ def _toy_grads(rank: int, world: int) -> tuple[dict, dict]:
     return grads("fsdp"), grads("plain")
 
 
+def test_accumulators_hold_each_pass_that_gave_a_grad() -> None:
+    """Four passes of one step whose sets of grads differ (one parameter without a grad in passes 2 and 4, as
+    an unused one): every accumulator equals the fp32 sum of its bf16 grads in pass order (exact here: each
+    pass's grad widened, then added), whichever cached scratch views a pass reused; the scratch holds two
+    tensors at a time, so the views come in several groups."""
+    torch.manual_seed(0)
+    model = _Toy(d=64, layers=3)
+    plain = PlainDense(model, torch.bfloat16)
+    plain_dense_scratch, plain_dense.SCRATCH_BYTES = plain_dense.SCRATCH_BYTES, 4 * 64 * 2
+    try:
+        want = [None] * len(plain.masters)
+        for step_pass, scale in enumerate((1.0, 0.5, 2.0, 0.25)):
+            model(scale).backward()
+            if step_pass in (1, 3):
+                plain.compute[1].grad = None
+            for i, c in enumerate(plain.compute):
+                if c.grad is not None:
+                    want[i] = c.grad.float() if want[i] is None else want[i] + c.grad.float()
+            plain.accumulate_grads()
+        plain.reshard()
+    finally:
+        plain_dense.SCRATCH_BYTES = plain_dense_scratch
+    for i, m in enumerate(plain.masters):
+        assert torch.equal(m.grad, want[i]), i
+    assert len(plain._views[1]) > 1  # several scratch groups
+
+
 def test_block_inputs_cast_and_grouped_as_fsdp_does() -> None:
     """A state read twice by every block, an fp32 input, bf16 compute, two passes: the fp32 grads equal
     FSDP2's bit for bit (its input casts and its one autograd node per block's inputs set the values)."""
