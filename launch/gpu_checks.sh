@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|glu|tiles|kdabwd|attnres|lmloss|opsites|optim|determinism|ckpt|dense|mfu|learning ...]
-#   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, opsites, optim,
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|glu|tiles|kdabwd|attnres|lmloss|gradacc|opsites|optim|determinism|ckpt|dense|mfu|learning ...]
+#   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, opsites, optim,
 #   determinism, ckpt, dense and mfu run on one GPU)
 # tests: on one GPU the single-GPU tier (`pytest -m "gpu or multigpu"`, the multigpu tests skip) in TEST_WORKERS
 # (default 4) pytest-xdist workers sharing the GPU, whole files per worker, TEST_LIMIT s (default 300) per test
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
 # absent. On 2+ GPUs the tier under torchrun --nproc_per_node=2, one log per rank (OUT_DIR/tests_r<rank>.log).
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
-# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT (s), MFU_ARGS (extra overrides for the mfu step), DET_ONLY (runs of check_determinism, default A,B,P,C,D), COMM_ARGS (bench_comm.py
+# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT (s), MFU_ARGS (extra overrides for the mfu step), DET_ONLY (runs of check_determinism, default A,B,P,C,D), COMM_ARGS (bench_comm.py
 # arguments instead of --experts 96 384, e.g. --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
 # --experts 896 --topk 16 --ranks 8).
 # Every step has its own time limit so one hang cannot eat the rest.
@@ -139,11 +139,19 @@ for step in "${steps[@]}"; do
            timeout "${LMLOSS_TIMEOUT:-200}" python benchmarks/bench_lm_loss.py --chunk-math-only --cases 16384x2048x163840 \
              --iters 20 --warmup 3 --out "$out/bench_lm_loss_chunk_math.json" > "$out/lm_loss.log" 2>&1
            echo "bench_lm_loss rc=$?"; grep "chunk math" "$out/lm_loss.log" ;;
+    gradacc) # parallel.dense=plain's grad accumulation: the Triton launch against the foreach path at k3_small's
+           # dense sizes, then the plain-vs-FSDP GPU tests (both accumulate paths)
+           timeout "${GRADACC_TIMEOUT:-300}" python benchmarks/bench_grad_accumulate.py \
+             --out "$out/bench_grad_accumulate.json" > "$out/grad_accumulate.log" 2>&1
+           echo "bench_grad_accumulate rc=$?"; tail -4 "$out/grad_accumulate.log"
+           timeout "${GRADACC_TIMEOUT:-300}" python -m pytest -q -m gpu tests/moontrain/parallel/test_plain_dense_gpu.py \
+             > "$out/plain_dense_tests.log" 2>&1
+           echo "plain dense GPU tests rc=$?"; tail -3 "$out/plain_dense_tests.log" ;;
     opsites) # where the K3 layers' large copies, casts and cats come from (fla's kernels included), 4 layers of
            # k3_small at 4 x 4096 tokens
            timeout "${OPSITES_TIMEOUT:-300}" python benchmarks/diagnostics/op_sites.py --layers 4 \
              --out "$out/op_sites.json" > "$out/op_sites.log" 2>&1
            echo "op_sites rc=$?"; head -40 "$out/op_sites.log" ;;
-    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, opsites, optim, determinism, ckpt, dense, mfu, learning)"; exit 2 ;;
+    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, opsites, optim, determinism, ckpt, dense, mfu, learning)"; exit 2 ;;
   esac
 done

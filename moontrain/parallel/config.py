@@ -27,6 +27,11 @@ class ParallelConfig:
     #     with one foreach copy, each pass's grads added into fp32 with foreach ops (moontrain.parallel.plain_dense):
     #     FSDP2's world-1 numerics bit for bit, without its per-parameter, per-pass work
     dense: Literal["auto", "fsdp", "allreduce", "plain"] = "auto"
+    # dense=plain: how a pass after a step's first adds its compute-dtype grads into the fp32 accumulators:
+    # "torch", a foreach copy into an fp32 scratch and a foreach add; "triton", one Triton launch reading each
+    # grad once (moontrain.parallel.grad_accumulate_kernel; CUDA, or Triton's interpreter), the same values;
+    # "auto", triton on CUDA, torch elsewhere
+    plain_accumulate: Literal["auto", "torch", "triton"] = "torch"
     # dense=fsdp. False keeps each block's gathered (bf16) dense parameters from forward to backward, and, with
     # gradient accumulation, from one pass to the next: one all-gather per block per optimizer step instead of
     # two per pass, for the memory of the unsharded dense parameters (small next to the experts in a K3-like
@@ -45,6 +50,9 @@ class ParallelConfig:
     shard_expert_state: bool = False
 
     def __post_init__(self) -> None:
+        if self.plain_accumulate not in ("auto", "torch", "triton"):
+            raise ValueError(f"parallel.plain_accumulate must be 'auto', 'torch' or 'triton', got "
+                             f"{self.plain_accumulate!r}")
         if self.ep < 1:
             raise ValueError(f"parallel.ep must be >= 1, got {self.ep}")
         if self.ep_hosts < 1 or self.ep % self.ep_hosts:

@@ -61,7 +61,7 @@ def parallelize(model: K3Model, layout: ParallelLayout, *, parallel: ParallelCon
         compile_dense_parts(model)
     dense = parallel.dense_at(layout.world_size, layout.distributed)
     fsdp = layout.distributed and dense == "fsdp"
-    plain_dense = PlainDense(model, compute_dtype) if dense == "plain" else None
+    plain_dense = PlainDense(model, compute_dtype, parallel.plain_accumulate) if dense == "plain" else None
     if fsdp:
         apply_fsdp(model, layout, param_dtype=compute_dtype, reshard_after_forward=parallel.fsdp_reshard_after_forward)
     cfg = model.cfg

@@ -11,7 +11,8 @@ exactly that with a few multi-tensor ops per pass instead of FSDP's per-paramete
   gives each copy its pass's grad in the compute dtype, as it gives FSDP's unsharded parameters;
 - after each backward pass, accumulate_grads adds those grads into fp32 accumulators: the first pass a
   cast (one foreach copy), later passes a cast into a scratch buffer and one foreach add, which is FSDP's
-  `unsharded_accumulated_grad += grad` (fp32 plus the exactly widened bf16 grad, rounded once);
+  `unsharded_accumulated_grad += grad` (fp32 plus the exactly widened bf16 grad, rounded once), or with
+  parallel.plain_accumulate=triton one launch of moontrain.parallel.grad_accumulate_kernel (the same values);
 - reshard registers the masters again and hands over the accumulated grads (FSDP's reduce-scatter at
   world 1 is a copy: no division, reduce_dtype fp32), adding them to a grad the master still holds.
 
@@ -41,6 +42,8 @@ parameter and pass, FSDP's count; a mixed-dtype foreach copy stays one multi-ten
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from typing import Any
 
 import torch
@@ -69,6 +72,23 @@ def _scratch_groups(numels: list[int], capacity: int) -> list[tuple[int, int]]:
     return groups
 
 
+def _grad_accumulator(choice: str, device: torch.device) -> Any:
+    """parallel.plain_accumulate = `choice` on `device`: a GradAccumulator (Triton), or None for the foreach ops."""
+    on_cuda = device.type == "cuda"
+    if choice == "torch" or (choice == "auto" and not on_cuda):
+        return None
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError("parallel.plain_accumulate=triton needs triton (installed with torch's CUDA builds); "
+                         "parallel.plain_accumulate=torch adds the grads with foreach ops")
+    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"parallel.plain_accumulate=triton runs on a CUDA device (or in Triton's interpreter, "
+                         f"TRITON_INTERPRET=1), the parameters are on {device}; parallel.plain_accumulate=auto "
+                         "adds them with foreach ops there")
+    from moontrain.parallel.grad_accumulate_kernel import GradAccumulator  # imports triton: only where it runs
+
+    return GradAccumulator()
+
+
 class _PassThrough(torch.autograd.Function):
     """Identity over a module's inputs that require grad: one autograd node, as FSDP's
     RegisterPostBackwardFunction, so that their grads are summed in FSDP's order."""
@@ -86,7 +106,7 @@ class PlainDense:
     """The dense parameters of `model` (every parameter but the expert masters) at one rank: fp32 masters,
     compute_dtype copies for forward and backward, grads accumulated in fp32 (module docstring)."""
 
-    def __init__(self, model: K3Model, compute_dtype: torch.dtype) -> None:
+    def __init__(self, model: K3Model, compute_dtype: torch.dtype, accumulate: str = "torch") -> None:
         ignored = expert_master_params(model)
         slots: dict[int, list[tuple[nn.Module, str]]] = {}  # every registration of a master (shared ones too)
         masters: list[nn.Parameter] = []
@@ -107,6 +127,8 @@ class PlainDense:
         self.acc: list[torch.Tensor] = [torch.empty_like(p) for p in masters] if self.cast else []
         self.scratch: torch.Tensor | None = None  # flat fp32, from the second pass of a step on (_scratch_groups)
         self._views: tuple[tuple[int, ...], list] | None = None  # _scratch_views's last groups and views
+        # parallel.plain_accumulate: the later passes' adds in one Triton launch (None: the foreach ops)
+        self.accumulator = _grad_accumulator(accumulate, masters[0].device) if self.cast and masters else None
         self.pending = [False] * len(masters)  # acc[i] holds this step's grad of masters[i]
         self.unsharded = False  # the compute copies are current and registered
         self._casts: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # this forward's casts of grad-free inputs
@@ -180,6 +202,9 @@ class PlainDense:
             torch._foreach_copy_(first_acc, first_grads)
         if later:
             acc = [self.acc[i] for i in later]
+            if self.accumulator is not None:
+                self.accumulator.add_(acc, [g.contiguous() for g in later_grads])
+                return
             for lo, hi, views in self._scratch_views(later):
                 torch._foreach_copy_(views, later_grads[lo:hi])
                 torch._foreach_add_(acc[lo:hi], views)

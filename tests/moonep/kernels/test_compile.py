@@ -156,6 +156,9 @@ CASES = [
     ("moontrain.model.lm_loss_kernel", "_grad_kernel",
      {"x_ptr": "*bf16", "lse_ptr": "*fp32", "t_ptr": "*i64", "V": "i32", "inv_n": "fp32", "BV": "constexpr"},
      {"BV": 2048}),
+    ("moontrain.parallel.grad_accumulate_kernel", "_accumulate_kernel",  # a dtype constexpr: "tl.<name>"
+     {"chunks_ptr": "*i64", "addrs_ptr": "*i64", "numels_ptr": "*i64", "GRAD": "constexpr", "BLOCK": "constexpr"},
+     {"GRAD": "tl.bfloat16", "BLOCK": 4096}),
 ]
 
 _SCRIPT = """
@@ -164,6 +167,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 module, kernel, signature, constexprs = json.loads(sys.argv[1])
+constexprs = {k: getattr(triton.language, v[3:]) if isinstance(v, str) and v.startswith("tl.") else v
+              for k, v in constexprs.items()}
 fn = getattr(importlib.import_module(module), kernel)
 src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
 triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

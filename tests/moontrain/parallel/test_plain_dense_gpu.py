@@ -1,7 +1,7 @@
 """parallel.dense=plain against FSDP2 at world size 1 on one GPU: bitwise, with train.compile.
 
 The CPU test (test_plain_dense.py) runs eagerly; here the K3 block (SiTU-GLU, AttnRes, hybrid KDA when
-fla-core is installed, else all-MLA) trains in bf16 with train.compile's regions compiled, moonep at EP = 1
+fla-core is installed, else all-MLA; plain with parallel.plain_accumulate torch and triton) trains in bf16 with train.compile's regions compiled, moonep at EP = 1
 in a one-rank NCCL group, 2 accumulated passes per step, clipping and QK-Clip active, AdamW (fused) and
 Muon. Deterministic mode (train.deterministic) makes two runs of either strategy repeatable, so any
 difference is the strategy's: losses, grad norms and every state tensor must be equal after 3 steps.
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
 
 
-def _config(dense: str, optim: str, run_dir: Path) -> RunConfig:
+def _config(dense: str, optim: str, run_dir: Path, accumulate: str = "torch") -> RunConfig:
     # epn * H * F * 2 bytes = 8 * 512 * 256 * 2 = 2 MiB: one VMM granule (moonep's GPU heap). KDA: 16 heads of
     # 128 (k3_small's), whose fla tile choices recipes/data/fla_autotune_h200 holds; other head counts autotune for minutes
     return from_dict(RunConfig, {
@@ -37,7 +37,7 @@ def _config(dense: str, optim: str, run_dir: Path) -> RunConfig:
                       kda_layers_per_mla=1 if fla_available() else 0, kda_num_heads=16, kda_head_dim=128,
                       ffn_activation="situ_glu", attn_res_block_size=2),
         "experts": {"backend": "moonep"},
-        "parallel": {"ep": 1, "dense": dense, "fsdp_reshard_after_forward": False},
+        "parallel": {"ep": 1, "dense": dense, "fsdp_reshard_after_forward": False, "plain_accumulate": accumulate},
         "optim": {"name": optim, "lr": 3e-3, "warmup_steps": 1, "grad_clip": 0.05, "qk_clip_tau": 0.5},
         "train": {"steps": 3, "global_batch_size": 2, "micro_batch_size": 1, "seq_len": 1024, "seed": 3,
                   "run_dir": str(run_dir), "deterministic": True, "compile": True},
@@ -45,8 +45,9 @@ def _config(dense: str, optim: str, run_dir: Path) -> RunConfig:
     })
 
 
-def _run(dense: str, optim: str, run_dir: Path) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
-    trainer = Trainer(_config(dense, optim, run_dir), build_layout(1, CUDA))
+def _run(dense: str, optim: str, run_dir: Path, accumulate: str = "torch"
+         ) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
+    trainer = Trainer(_config(dense, optim, run_dir, accumulate), build_layout(1, CUDA))
     try:
         assert trainer.accumulation_steps == 2 and (trainer.plain_dense is not None) == (dense == "plain")
         log: dict[str, list[float]] = {"loss": [], "grad_norm": [], "qk_clipped": []}
@@ -69,3 +70,12 @@ def test_plain_equals_fsdp_compiled_on_one_gpu(optim: str, tmp_path: Path) -> No
     assert min(f_log["grad_norm"]) > 0.05, f"clipping must be active (grad_clip 0.05): {f_log}"
     assert p_log == f_log, (p_log, f_log)
     assert_bitwise(p_state, f_state, f"plain vs fsdp on the GPU ({optim})")
+
+
+@pytest.mark.usefixtures("one_rank", "restore_switches")
+def test_plain_with_the_triton_accumulate_equals_fsdp_on_one_gpu(tmp_path: Path) -> None:
+    """parallel.plain_accumulate=triton (moontrain.parallel.grad_accumulate_kernel): the same bits as FSDP."""
+    f_log, f_state = _run("fsdp", "adamw", tmp_path)
+    p_log, p_state = _run("plain", "adamw", tmp_path, accumulate="triton")
+    assert p_log == f_log, (p_log, f_log)
+    assert_bitwise(p_state, f_state, "plain (triton accumulate) vs fsdp on the GPU")
