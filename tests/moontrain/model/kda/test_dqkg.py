@@ -58,6 +58,16 @@ def kda_chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: to
     return o, loss + (o * do).sum(), chunks
 
 
+def chunk_local_cumsum(g_raw: torch.Tensor, seqs: list[tuple[int, int, int]]) -> torch.Tensor:
+    """The gate's cumulative sum within each chunk, chunks counted from each sequence's start (fla's varlen
+    chunks): g_raw [B, T, H, K] -> G of the same shape."""
+    G = torch.zeros_like(g_raw)
+    for b, bos, eos in seqs:
+        for t0 in range(bos, eos, CHUNK):
+            G[b, t0:min(t0 + CHUNK, eos)] = g_raw[b, t0:min(t0 + CHUNK, eos)].cumsum(0)
+    return G
+
+
 def kda_matrices(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Tensor,
                  seqs: list[tuple[int, int, int]], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """KDA's Lm_rj = beta_r sum_c k_rc k_jc e^(G_rc - G_jc) (j < r) and Aqk_rj = scale sum_c q_rc k_jc
@@ -100,10 +110,7 @@ def test_reference_is_the_kda_gradient(case: str) -> None:
     v = torch.randn(B, T, H, V, dtype=f64)
     beta = torch.rand(B, T, H, dtype=f64)
     g_raw = -torch.rand(B, T, H, K, dtype=f64) * 0.5
-    G = torch.zeros_like(g_raw)
-    for b, bos, eos in seqs:  # chunk-local cumsum, chunks from each sequence's start (fla's varlen chunks)
-        for t0 in range(bos, eos, CHUNK):
-            G[b, t0:min(t0 + CHUNK, eos)] = g_raw[b, t0:min(t0 + CHUNK, eos)].cumsum(0)
+    G = chunk_local_cumsum(g_raw, seqs)
     scale = K ** -0.5
     Lm, Aqk = kda_matrices(q, k, G, beta, seqs, scale)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, G, beta, Lm, Aqk)]

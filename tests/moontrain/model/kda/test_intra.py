@@ -19,7 +19,7 @@ import torch
 from moontrain.model.kda.dqkg import CHUNK, prepare_chunk_indices
 from moontrain.model.kda.intra import STAGE_OUTPUTS as OUTPUTS
 from moontrain.model.kda.intra import kda_intra_reference, random_stage_inputs, validate
-from tests.moontrain.model.kda.test_dqkg import CU_SEQLENS, kda_matrices
+from tests.moontrain.model.kda.test_dqkg import CU_SEQLENS, chunk_local_cumsum, kda_matrices
 
 
 def sequences(case: str) -> tuple[int, int, list[tuple[int, int, int]], torch.Tensor | None]:
@@ -41,10 +41,7 @@ def test_reference_is_the_gradient_through_the_matrices(case: str) -> None:
     k = torch.nn.functional.normalize(torch.randn(B, T, H, K, dtype=f64), dim=-1)
     beta = torch.rand(B, T, H, dtype=f64)
     g_raw = -torch.rand(B, T, H, K, dtype=f64) * 0.5
-    G = torch.zeros_like(g_raw)
-    for b, bos, eos in seqs:  # chunk-local cumsum, chunks from each sequence's start (fla's varlen chunks)
-        for t0 in range(bos, eos, CHUNK):
-            G[b, t0:min(t0 + CHUNK, eos)] = g_raw[b, t0:min(t0 + CHUNK, eos)].cumsum(0)
+    G = chunk_local_cumsum(g_raw, seqs)
     leaves = [x.clone().requires_grad_() for x in (q, k, G, beta)]
     Lm, Aqk = kda_matrices(*leaves[:3], leaves[3], seqs, scale=1.0)
     dAqk, dAkk = torch.randn_like(Aqk), torch.randn_like(Lm)
