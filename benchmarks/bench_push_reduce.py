@@ -5,6 +5,8 @@ chain lists + reduce push, over the reduce push's block shapes.
 
 Shapes (this GPU as one destination rank; the sources' landing rows are local tensors, so the
 stores go to HBM instead of NVLink: the kernels' own cost):
+    k3_small       R 1, S 16384 tokens, H 1024 (the latent), K 8, E 64: recipes/k3_small.yaml's MoE layer at
+                   one rank, one pass of 4 x 4096 tokens
     k3_small_moe   R 1, S 32768 tokens, H 2048, K 8, E 64: every token's 8 rows here (1 in 8 rows a
                    primary, chains of 8)
     k3             R 8, S 8192 tokens per source, H 3584 (latent), K 16, E 896: this rank holds experts
@@ -42,12 +44,15 @@ from moonep.kernels import dispatch_combine as dc
 from moonep.routing import generate_routing
 
 SHAPES = {
+    "k3_small": dict(R=1, S=16384, H=1024, K=8, E=64),
     "k3_small_moe": dict(R=1, S=32768, H=2048, K=8, E=64),
     "k3": dict(R=8, S=8192, H=3584, K=16, E=896),
 }
 # (tile elements, hidden width at most, warps, programs per SM); the first is the library's default
-CONFIGS = [(4096, 512, 16, 1), (4096, 512, 16, 2), (8192, 512, 16, 1), (8192, 1024, 16, 1), (16384, 512, 16, 1),
-           (2048, 256, 8, 2), (4096, 512, 8, 2), (8192, 1024, 8, 1)]
+CONFIGS = [(4096, 512, 16, 1), (4096, 512, 16, 2), (4096, 512, 16, 3), (4096, 512, 16, 4), (8192, 512, 16, 1),
+           (8192, 1024, 16, 1), (8192, 1024, 16, 2), (16384, 512, 16, 1), (4096, 1024, 16, 2), (4096, 1024, 8, 2),
+           (4096, 1024, 8, 4), (2048, 256, 8, 2), (2048, 512, 4, 8), (4096, 512, 8, 2), (4096, 512, 8, 4),
+           (8192, 1024, 8, 1)]
 
 
 def build(R: int, S: int, H: int, K: int, E: int, maxvio: float, seed: int, dev: torch.device) -> dict:
@@ -137,10 +142,10 @@ def run_shape(name: str, args: argparse.Namespace, sms: int) -> list[dict]:
     record("push plain", "-", ms, 2 * n * row_bytes, "-")
     ms = median_ms(lambda: dc.chain_lists(d["row_link"], d["row_chain"], n, *scratch), args.iters, args.warmup)
     record("chain lists", "-", ms, n * 8 + n * K * 4, "-")
-    defaults = (dc._REDUCE_PUSH_MAX_H, dc._REDUCE_PUSH_WARPS)
+    defaults = (dc._REDUCE_PUSH_MAX_H, dc._REDUCE_PUSH_WARPS, dc._REDUCE_PUSH_PER_SM)
     try:
         for tile, max_h, warps, per_sm in CONFIGS:
-            dc._REDUCE_PUSH_MAX_H, dc._REDUCE_PUSH_WARPS = max_h, warps
+            dc._REDUCE_PUSH_MAX_H, dc._REDUCE_PUSH_WARPS, dc._REDUCE_PUSH_PER_SM = max_h, warps, per_sm
             config = f"{tile}/{max_h}/{warps}w/{per_sm}xSM"
             for case, kwargs, want, nbytes in (
                     ("reduce fwd", dict(row_weights=d["w"]), want_fwd, (n + d["primaries"]) * row_bytes),
@@ -148,8 +153,8 @@ def run_shape(name: str, args: argparse.Namespace, sms: int) -> list[dict]:
                      (2 * n + d["primaries"]) * row_bytes)):
                 scal = kwargs.pop("row_scalars", None)
 
-                def call(kwargs=kwargs, scal=scal, grid=per_sm * sms, tile=tile) -> None:
-                    dc.push(d["y"], scal, d["row_link"], n, land, land_scal, SK, grid,
+                def call(kwargs=kwargs, scal=scal, tile=tile) -> None:
+                    dc.push(d["y"], scal, d["row_link"], n, land, land_scal, SK, sms,
                             row_chain=d["row_chain"], scratch=scratch, reduce_tile=tile, **kwargs)
 
                 land.zero_()
@@ -158,7 +163,7 @@ def run_shape(name: str, args: argparse.Namespace, sms: int) -> list[dict]:
                 ok = same_bits(land, want) and (scal is None or same_bits(land_scal, want_scal))
                 record(case, config, median_ms(call, args.iters, args.warmup), nbytes, "bitwise" if ok else "MISMATCH")
     finally:
-        dc._REDUCE_PUSH_MAX_H, dc._REDUCE_PUSH_WARPS = defaults
+        dc._REDUCE_PUSH_MAX_H, dc._REDUCE_PUSH_WARPS, dc._REDUCE_PUSH_PER_SM = defaults
     return rows
 
 

@@ -59,13 +59,14 @@ _REDUCE_BLOCK_T, _REDUCE_BLOCK_H, _REDUCE_WARPS = 4, 1024, 4
 # whole-row tiles made 33k latency-bound programs of 512 threads per call at k3_small_moe's shape)
 _EXPAND_MAX_H = 256
 # combine_reduce "destination": the chains resolved per segment of _SEGMENT rows; the reduce push
-# sums [primaries, <= 512] tiles of _REDUCE_PUSH_TILE elements (8 x 512 at H >= 512) with 16 warps:
-# one 16-byte vector of each of the K rows per thread, the K loads independent of each other (ptxas
-# for sm_90a issues 2-4 of them ahead of their adds at K = 8), 40-94 registers and no spills, where
-# 8 x 1024 reaches the 128-register cap of 512 threads and spills. Not timed yet: the block shapes
-# are what benchmarks/bench_push_reduce.py compares.
+# sums [primaries, <= 512] tiles of _REDUCE_PUSH_TILE elements (4 x 512 at H >= 512) with 4 warps and
+# _REDUCE_PUSH_PER_SM programs per SM: one 16-byte vector of each of the K rows per thread, the K loads
+# independent of each other. Its loads wait on the row lists, so what keeps HBM busy is many small
+# programs in flight, not wide ones: the fastest of the shapes benchmarks/bench_push_reduce.py sweeps at
+# k3_small's and k3_small_moe's MoE layers (docs/performance.md).
 _SEGMENT = 1024
-_REDUCE_PUSH_TILE, _REDUCE_PUSH_MAX_H, _REDUCE_PUSH_WARPS = 4096, 512, 16
+_REDUCE_PUSH_TILE, _REDUCE_PUSH_MAX_H, _REDUCE_PUSH_WARPS = 2048, 512, 4
+_REDUCE_PUSH_PER_SM = 8  # programs of the reduce push per program of the other kernels (`grid`)
 
 
 def _reduce_push_block(H: int, tile: int = _REDUCE_PUSH_TILE) -> tuple[int, int]:
@@ -440,7 +441,7 @@ def push(y_rows: torch.Tensor, row_scalars: torch.Tensor | None, row_link: torch
     (* row_weights) in fp32 (rounded once per landing row); without either, y's bits. `reduce_tile`
     (elements per program step) and `segment` shape the reduce push's blocks (tests use small ones).
 
-    The reduce push's blocks are list rows x hidden (8 x 512 at most): block b takes segment
+    The reduce push's blocks are list rows x hidden (4 x 512 by default): block b takes segment
     b % segments, every segment's first block before any second one, so the non-empty blocks come
     first and spread over the programs, and a program stops past the fullest segment. A list row's K
     rows load independently (the K - 1 dependent steps of a chain walk int32 indices, in chain_lists)."""
@@ -469,7 +470,7 @@ def push(y_rows: torch.Tensor, row_scalars: torch.Tensor | None, row_link: torch
     block_p, block_h = _reduce_push_block(H, reduce_tile)
     assert segment % block_p == 0
     num_segs = max(1, triton.cdiv(nvs_s, segment))
-    programs = max(1, min(grid, num_segs * (segment // block_p)))
+    programs = max(1, min(grid * _REDUCE_PUSH_PER_SM, num_segs * (segment // block_p)))
     _push_reduce_kernel[(programs,)](
         y_rows, add, w, scal, row_link, row_list, count, land_all, land_scalar_all, num_segs, H, *strides,
         programs, K=row_list.shape[1], SEG=segment, MAX_SEGS=triton.next_power_of_2(count.numel()),

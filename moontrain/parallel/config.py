@@ -30,8 +30,8 @@ class ParallelConfig:
     # dense=plain: how a pass after a step's first adds its compute-dtype grads into the fp32 accumulators:
     # "torch", a foreach copy into an fp32 scratch and a foreach add; "triton", one Triton launch reading each
     # grad once (moontrain.parallel.grad_accumulate_kernel; CUDA, or Triton's interpreter), the same values;
-    # "auto", triton on CUDA, torch elsewhere
-    plain_accumulate: Literal["auto", "torch", "triton"] = "torch"
+    # "auto" (default), triton on CUDA, torch elsewhere (docs/performance.md: 1.38x per pass)
+    plain_accumulate: Literal["auto", "torch", "triton"] = "auto"
     # dense=fsdp. False keeps each block's gathered (bf16) dense parameters from forward to backward, and, with
     # gradient accumulation, from one pass to the next: one all-gather per block per optimizer step instead of
     # two per pass, for the memory of the unsharded dense parameters (small next to the experts in a K3-like

@@ -1,5 +1,5 @@
 """acc_i += g_i for a list of fp32 accumulators and their compute-dtype grads in one Triton launch: the later
-passes of parallel.dense=plain on CUDA with parallel.plain_accumulate=triton.
+passes of parallel.dense=plain on CUDA (parallel.plain_accumulate=auto, the default, or triton).
 
 Legend: n tensors, P programs (a chunk of BLOCK elements of one tensor each).
 

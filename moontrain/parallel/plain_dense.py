@@ -11,8 +11,9 @@ exactly that with a few multi-tensor ops per pass instead of FSDP's per-paramete
   gives each copy its pass's grad in the compute dtype, as it gives FSDP's unsharded parameters;
 - after each backward pass, accumulate_grads adds those grads into fp32 accumulators: the first pass a
   cast (one foreach copy), later passes a cast into a scratch buffer and one foreach add, which is FSDP's
-  `unsharded_accumulated_grad += grad` (fp32 plus the exactly widened bf16 grad, rounded once), or with
-  parallel.plain_accumulate=triton one launch of moontrain.parallel.grad_accumulate_kernel (the same values);
+  `unsharded_accumulated_grad += grad` (fp32 plus the exactly widened bf16 grad, rounded once), or on CUDA
+  (parallel.plain_accumulate=auto, the default, or triton) one launch of
+  moontrain.parallel.grad_accumulate_kernel (the same values);
 - reshard registers the masters again and hands over the accumulated grads (FSDP's reduce-scatter at
   world 1 is a copy: no division, reduce_dtype fp32), adding them to a grad the master still holds.
 
@@ -75,7 +76,7 @@ def _scratch_groups(numels: list[int], capacity: int) -> list[tuple[int, int]]:
 def _grad_accumulator(choice: str, device: torch.device) -> Any:
     """parallel.plain_accumulate = `choice` on `device`: a GradAccumulator (Triton), or None for the foreach ops."""
     on_cuda = device.type == "cuda"
-    if choice == "torch" or (choice == "auto" and not on_cuda):
+    if choice == "torch" or (choice == "auto" and (not on_cuda or importlib.util.find_spec("triton") is None)):
         return None
     if importlib.util.find_spec("triton") is None:
         raise ValueError("parallel.plain_accumulate=triton needs triton (installed with torch's CUDA builds); "

@@ -115,7 +115,7 @@ CASES = [
       "land_scal_rank_stride": "i64", "SK": "i32", "num_programs": "i32", "K": "constexpr", "SEG": "constexpr",
       "MAX_SEGS": "constexpr", "BLOCK_P": "constexpr", "BLOCK_H": "constexpr", "HAS_SCAL": "constexpr",
       "HAS_ADD": "constexpr", "HAS_W": "constexpr", "FENCE": "constexpr"},
-     {"K": 8, "SEG": 1024, "MAX_SEGS": 256, "BLOCK_P": 8, "BLOCK_H": 512, "HAS_SCAL": scal, "HAS_ADD": add,
+     {"K": 8, "SEG": 1024, "MAX_SEGS": 256, "BLOCK_P": 4, "BLOCK_H": 512, "HAS_SCAL": scal, "HAS_ADD": add,
       "HAS_W": w, "FENCE": True})
     for scal, add, w in ((False, False, True), (True, True, False), (False, False, False))
 ] + [
