@@ -28,6 +28,7 @@ so it is not split.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -65,11 +66,13 @@ def compile_seconds() -> float:
 
 class TritonCompiles:
     """The kernels Triton compiles in this process (cache misses), each with its package (fla, moonep, moontrain,
-    or "other": inductor's own compiles run in its workers) and host seconds, through
+    also for their kernels re-emitted by torch.compile, or "other": inductor's own compiles run in its
+    workers) and host seconds, through
     triton.knobs.compilation.listener, until close(); a listener already installed keeps being called."""
 
     def __init__(self) -> None:
         self.compiled: list[tuple[str, str, float]] = []  # (package, kernel name, host seconds)
+        self._names: dict[str, str] = {}  # kernel name -> package, for kernels compiled from generated modules
         self._knobs, self._previous = None, None
         try:  # here, not at import: the library imports no Triton on the CPU
             from triton import knobs
@@ -95,12 +98,28 @@ class TritonCompiles:
         if not cache_hit:
             fn = getattr(src, "fn", None)
             module = getattr(fn, "__module__", None) or ""
-            package = module.split(".")[0] if module.split(".")[0] in PACKAGES else "other"
             name = getattr(src, "name", None) or getattr(fn, "__name__", None) or "?"
+            package = module.split(".")[0] if module.split(".")[0] in PACKAGES else self._package_of(name)
             self.compiled.append((package, name, getattr(times, "total", 0) / 1e6))
         if self._previous is not None:
             self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
                            cache_hit=cache_hit)
+
+    def _package_of(self, name: str) -> str:
+        """The package of a kernel compiled from another module: torch.compile re-emits the Triton kernels a
+        compiled region calls (moontrain's convolution, say) in a generated module of its own, under their
+        names. The one package in PACKAGES whose loaded modules hold a Triton kernel of that name, else
+        "other" (inductor's own kernels, or a name two packages share)."""
+        if name not in self._names:
+            from triton.runtime import KernelInterface  # JITFunction, Autotuner, Heuristics
+
+            homes = set()
+            for module_name, module in list(sys.modules.items()):
+                top = module_name.split(".")[0]
+                if top in PACKAGES and isinstance(getattr(module, name, None), KernelInterface):
+                    homes.add(top)
+            self._names[name] = homes.pop() if len(homes) == 1 else "other"
+        return self._names[name]
 
     def close(self) -> None:
         if self._knobs is not None and self._knobs.listener == self.record:

@@ -110,6 +110,26 @@ def test_triton_compiles_counts_cache_misses_and_keeps_the_listener_before_it() 
         knobs.compilation.listener = before
 
 
+def test_triton_compiles_names_the_package_of_a_kernel_torch_compile_re_emits() -> None:
+    """A kernel compiled from a module torch.compile generated (its source re-emitted under its own name) is
+    counted under the package whose loaded module holds a Triton kernel of that name; inductor's own kernel
+    names, and names that are not kernels there, stay "other"."""
+    from triton.knobs import CompileTimes
+
+    import moontrain.model.kda.short_conv_kernel  # noqa: F401  (loaded, as in a run that calls it)
+
+    compiles = first_step.TritonCompiles()
+    try:
+        for name in ("_short_conv_dpre_kernel", "triton_poi_fused_add_0", "short_conv_silu"):
+            src = types.SimpleNamespace(name=name, fn=types.SimpleNamespace(__module__="ctorchinductor_x1", __name__=name))
+            compiles.record(src=src, metadata={}, metadata_group={}, cache_hit=False,
+                            times=CompileTimes(ir_initialization=1000, lowering_stages=[], store_results=0))
+    finally:
+        compiles.close()
+    assert [(p, n) for p, n, _ in compiles.compiled] == [
+        ("moontrain", "_short_conv_dpre_kernel"), ("other", "triton_poi_fused_add_0"), ("other", "short_conv_silu")]
+
+
 _COMPILE_SCRIPT = """
 import sys
 import triton
