@@ -52,9 +52,15 @@ if triton is not None:
         return [c for c in configs if c.kwargs.get("BK", 16) <= K and c.kwargs["BV"] <= V]
 
     @triton.jit
-    def _chunk(cu_seqlens, chunk_indices, pid_t, i_b, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-        """(row of the chunk list, first token of the chunk in the flattened [B * T] tokens, its number of
-        tokens); row < 0 for a padding row of the chunk list (nothing to do)."""
+    def _program_chunk(cu_seqlens, chunk_indices, T, NT, H: tl.constexpr, SPLIT: tl.constexpr, BT: tl.constexpr,
+                       IS_VARLEN: tl.constexpr):
+        """This program's (head, split, row of the chunk list, first token of the chunk in the flattened [B * T]
+        tokens, its number of tokens) on the grid (chunks x SPLIT, B * H); row < 0 for a padding row of the
+        chunk list (nothing to do)."""
+        pid = tl.program_id(0).to(tl.int64)
+        i_bh = tl.program_id(1).to(tl.int64)
+        i_b, i_h = i_bh // H, i_bh % H
+        pid_t = pid // SPLIT
         if IS_VARLEN:
             i_n = tl.load(chunk_indices + pid_t * 2).to(tl.int64)
             i_t = tl.load(chunk_indices + pid_t * 2 + 1).to(tl.int64)
@@ -67,7 +73,7 @@ if triton is not None:
             bos = i_b * T
             seq_len = T.to(tl.int64)
             row = i_b * NT + pid_t
-        return row, bos + i_t * BT, tl.minimum(seq_len - i_t * BT, BT).to(tl.int32)
+        return i_h, pid % SPLIT, row, bos + i_t * BT, tl.minimum(seq_len - i_t * BT, BT).to(tl.int32)
 
     # Addressing: every base pointer is moved to the program's chunk, head and state with int64 scalars; tile
     # offsets are int32 (a [64, 64] tile of int64 offsets costs 64 registers a thread at 4 warps).
@@ -78,11 +84,7 @@ if triton is not None:
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
         NK: tl.constexpr = K // BK
-        pid = tl.program_id(0).to(tl.int64)
-        i_bh = tl.program_id(1).to(tl.int64)
-        i_b, i_h = i_bh // H, i_bh % H
-        i_k = pid % NK
-        row, tok0, n_t = _chunk(cu_seqlens, chunk_indices, pid // NK, i_b, T, NT, BT, IS_VARLEN)
+        i_h, i_k, row, tok0, n_t = _program_chunk(cu_seqlens, chunk_indices, T, NT, H, NK, BT, IS_VARLEN)
         if row >= 0:
             at_k = tok0 * (H * K) + i_h * K + i_k * BK  # the chunk's first row, this head and K-block
             q, k, g, dq, dk, dg = q + at_k, k + at_k, g + at_k, dq + at_k, dk + at_k, dg + at_k
@@ -149,10 +151,7 @@ if triton is not None:
     def _finish_kernel(v, beta, A, dv, dv2, db, dA, dA_part, db_part, cu_seqlens, chunk_indices, T, NT, R,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, NK: tl.constexpr,
                        BV: tl.constexpr, IS_VARLEN: tl.constexpr):
-        pid = tl.program_id(0).to(tl.int64)
-        i_bh = tl.program_id(1).to(tl.int64)
-        i_b, i_h = i_bh // H, i_bh % H
-        row, tok0, n_t = _chunk(cu_seqlens, chunk_indices, pid, i_b, T, NT, BT, IS_VARLEN)
+        i_h, _, row, tok0, n_t = _program_chunk(cu_seqlens, chunk_indices, T, NT, H, 1, BT, IS_VARLEN)
         if row >= 0:
             at_v = tok0 * (H * V) + i_h * V
             v, dv, dv2 = v + at_v, dv + at_v, dv2 + at_v

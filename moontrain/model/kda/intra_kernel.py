@@ -37,7 +37,7 @@ try:
     import triton
     import triton.language as tl
 
-    from moontrain.model.kda.dqkg_kernel import _chunk
+    from moontrain.model.kda.dqkg_kernel import _program_chunk
 except ImportError:  # the specification runs without triton; kda_intra needs it
     triton = None
 
@@ -58,11 +58,7 @@ if triton is not None:
                       BK: tl.constexpr, IS_VARLEN: tl.constexpr):
         NK: tl.constexpr = K // BK
         NC: tl.constexpr = BT // BC
-        pid = tl.program_id(0).to(tl.int64)
-        i_bh = tl.program_id(1).to(tl.int64)
-        i_b, i_h = i_bh // H, i_bh % H
-        i_k = pid % NK
-        row, tok0, n_t = _chunk(cu_seqlens, chunk_indices, pid // NK, i_b, T, NT, BT, IS_VARLEN)
+        i_h, i_k, row, tok0, n_t = _program_chunk(cu_seqlens, chunk_indices, T, NT, H, NK, BT, IS_VARLEN)
         if row >= 0:
             at_k = tok0 * (H * K) + i_h * K + i_k * BK
             q, k, g = q + at_k, k + at_k, g + at_k
