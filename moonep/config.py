@@ -29,7 +29,8 @@ class BufferOptions:
         equal s on every rank). Each costs a device-to-host sync; None means on for a CPU buffer and
         off on CUDA (the GPU hot path).
     timeout_s: a collective call that waits longer than this raises MoonEPTimeoutError.
-    num_sms: programs of the persistent dispatch/combine kernels; None means every SM.
+    num_sms: programs of the persistent dispatch/combine kernels; None means every SM (the reduce push of
+        combine_reduce "destination" runs several smaller programs per one of these: dispatch_combine).
     scatter_tile: elements of x one program of the dispatch scatter moves per step (a power of two
         >= 256; 16384 = 32 KiB in bf16 keeps every SM's NVLink stores in flight, benchmarks/bench_comm.py
         --scatter-tile sweeps it).

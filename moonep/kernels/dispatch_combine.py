@@ -60,7 +60,7 @@ _REDUCE_BLOCK_T, _REDUCE_BLOCK_H, _REDUCE_WARPS = 4, 1024, 4
 _EXPAND_MAX_H = 256
 # combine_reduce "destination": the chains resolved per segment of _SEGMENT rows; the reduce push
 # sums [primaries, <= 512] tiles of _REDUCE_PUSH_TILE elements (4 x 512 at H >= 512) with 4 warps and
-# _REDUCE_PUSH_PER_SM programs per SM: one 16-byte vector of each of the K rows per thread, the K loads
+# _REDUCE_PUSH_PER_SM programs per SM: two 16-byte vectors of each of the K rows per thread, the K loads
 # independent of each other. Its loads wait on the row lists, so what keeps HBM busy is many small
 # programs in flight, not wide ones: the fastest of the shapes benchmarks/bench_push_reduce.py sweeps at
 # k3_small's and k3_small_moe's MoE layers (docs/performance.md).
