@@ -12,8 +12,7 @@ exactly that with a few multi-tensor ops per pass instead of FSDP's per-paramete
 - after each backward pass, accumulate_grads adds those grads into fp32 accumulators: the first pass a
   cast (one foreach copy), later passes a cast into a scratch buffer and one foreach add, which is FSDP's
   `unsharded_accumulated_grad += grad` (fp32 plus the exactly widened bf16 grad, rounded once), or on CUDA
-  (parallel.plain_accumulate=auto, the default, or triton) one launch of
-  moontrain.parallel.grad_accumulate_kernel (the same values);
+  (plain_accumulate auto or triton) one launch of moontrain.parallel.grad_accumulate_kernel (the same values);
 - reshard registers the masters again and hands over the accumulated grads (FSDP's reduce-scatter at
   world 1 is a copy: no division, reduce_dtype fp32), adding them to a grad the master still holds.
 

@@ -112,11 +112,12 @@ class TritonCompiles:
         "other" (inductor's own kernels, or a name two packages share)."""
         if name not in self._names:
             from triton.runtime import KernelInterface  # JITFunction, Autotuner, Heuristics
+            from triton.runtime.interpreter import InterpretedFunction  # @triton.jit under TRITON_INTERPRET=1
 
             homes = set()
             for module_name, module in list(sys.modules.items()):
                 top = module_name.split(".")[0]
-                if top in PACKAGES and isinstance(getattr(module, name, None), KernelInterface):
+                if top in PACKAGES and isinstance(getattr(module, name, None), KernelInterface | InterpretedFunction):
                     homes.add(top)
             self._names[name] = homes.pop() if len(homes) == 1 else "other"
         return self._names[name]
