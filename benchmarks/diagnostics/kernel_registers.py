@@ -1,7 +1,7 @@
 """Registers and spills of the KDA backward's WY / inter-chunk stage per tile, from ptxas, without a GPU: fla's
 chunk_kda_bwd_kernel_wy_dqkg_fused and moontrain.model.kda.dqkg_kernel's two kernels (and the intra-chunk
 stage: fla's chunk_kda_bwd_kernel_intra over its autotune list, moontrain.model.kda.intra_kernel over its
-own), compiled by Triton for
+own; then the short convolution's kernels, dpre over bench_short_conv's tiles), compiled by Triton for
 sm90 (H100 / H200) at k3_small's shape (16 heads, K = V = 128, chunk 64, bf16, no documents) and read back
 with the ptxas Triton ships (`ptxas -v`).
 
@@ -120,6 +120,26 @@ def main() -> None:
         consts = dict(SHAPE, NK=2, BV=bv, IS_VARLEN=False)
         print(f"moontrain _finish_kernel        - {bv:3d} {w:5d} {2:6d}  "
               f"{ptxas_report(ours._finish_kernel, pointers, consts, w, 2)}", flush=True)
+    short_conv_rows()
+
+
+def short_conv_rows() -> None:
+    """KDA's short convolution kernels (moontrain.model.kda.short_conv_kernel) at their shipped tiles, and dpre
+    at benchmarks/bench_short_conv.py's swept tiles, without and with documents."""
+    from benchmarks.bench_short_conv import TILES
+    from moontrain.model.kda import short_conv_kernel as conv
+
+    ptrs = {n: "*bf16" for n in ("x_ptr", "dy_ptr", "dpre_ptr", "y_ptr", "dx_ptr")}
+    ptrs |= {"w_ptr": "*fp32", "dw_part_ptr": "*fp32", "doc_ptr": "*i64"}
+    print("kernel (short conv, W 4)      BT  BC warps   docs")
+    shipped = [("_short_conv_fwd_kernel", conv.FWD_BLOCK_T, conv.FWD_BLOCK_C, conv.NUM_WARPS),
+               ("_short_conv_dx_kernel", conv.FWD_BLOCK_T, conv.FWD_BLOCK_C, conv.NUM_WARPS)]
+    shipped += [("_short_conv_dpre_kernel", bt, bc, w) for bt, bc, w in TILES]
+    for name, bt, bc, w in shipped:
+        for docs in (False, True):
+            consts = dict(W=4, HAS_DOCS=docs, BLOCK_T=bt, BLOCK_C=bc)
+            print(f"moontrain {name:24s} {bt:3d} {bc:3d} {w:5d} {docs!s:>6}  "
+                  f"{ptxas_report(getattr(conv, name), ptrs, consts, w, 3)}", flush=True)
 
 
 if __name__ == "__main__":
