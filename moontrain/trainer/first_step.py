@@ -111,13 +111,17 @@ class TritonCompiles:
         names. The one package in PACKAGES whose loaded modules hold a Triton kernel of that name, else
         "other" (inductor's own kernels, or a name two packages share)."""
         if name not in self._names:
-            from triton.runtime import KernelInterface  # JITFunction, Autotuner, Heuristics
-            from triton.runtime.interpreter import InterpretedFunction  # @triton.jit under TRITON_INTERPRET=1
-
             homes = set()
+            try:  # runs inside Triton's compile: a Triton without these classes must not fail the compile
+                from triton.runtime import KernelInterface  # JITFunction, Autotuner, Heuristics
+                from triton.runtime.interpreter import InterpretedFunction  # @triton.jit under TRITON_INTERPRET=1
+            except ImportError:
+                kinds = ()
+            else:
+                kinds = (KernelInterface, InterpretedFunction)
             for module_name, module in list(sys.modules.items()):
                 top = module_name.split(".")[0]
-                if top in PACKAGES and isinstance(getattr(module, name, None), KernelInterface | InterpretedFunction):
+                if kinds and top in PACKAGES and isinstance(getattr(module, name, None), kinds):
                     homes.add(top)
             self._names[name] = homes.pop() if len(homes) == 1 else "other"
         return self._names[name]
