@@ -56,8 +56,9 @@ whether the point ran out of memory. On CPU the GPU-only columns are left empty.
 Steady state (--window N): the per-step timing above syncs the device, aligns the ranks and reads the
 stats on the host around every step, so each step starts with an empty GPU queue (the CPU's launch
 latency of the step's first kernels is idle GPU time, ~8 ms per k3_small_moe step on 2xH200). After the
-timed steps, N more run back to back as a training run with log_every > 1 does (one sync at the end);
-their mean step time and MFU are the "steady" columns, the figure a throughput-based MFU quotes.
+timed steps, N more run back to back as Trainer.fit runs them (Trainer.run_steps: each step's host reads
+taken in the next step; log_every > 1; one sync at the end); their mean step time and MFU are the "steady"
+columns, the figure a throughput-based MFU quotes.
 
 Out of memory: torch.OutOfMemoryError is caught per point, recorded, and the run continues with the
 next point once every rank has reported (over a gloo side group). An OOM that hits one rank only, while
@@ -285,8 +286,7 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
             _sync(device)
             dist.barrier(group=layout.world_group)
             t0 = time.perf_counter()
-            for _ in range(args.window):
-                trainer.train_step()
+            trainer.run_steps(args.window)  # pipelined as Trainer.fit runs its steps
             _sync(device)
             window_s = time.perf_counter() - t0
             window_wait_s = trainer.data.take_metrics()["data/wait_ms"] / 1e3  # mean per step of the window

@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moontrain.metrics.host_read import HostRead
+
 CELL_PX = 12  # each (layer, expert) cell is a square of this many pixels (fewer for very many experts)
 MAX_WIDTH_PX = 2048
 CLIP = 3.0  # loads at or above this multiple of the uniform share get the brightest colour
@@ -39,8 +41,18 @@ class ExpertLoad:
 
     def take(self) -> np.ndarray:
         """[L, E] share of each layer's routed tokens (rows sum to 1; zeros before any step)."""
-        counts = self.counts_LE.cpu().numpy().copy()  # on a CPU device .cpu() is the same storage
+        return self.share(self.launch())
+
+    def launch(self) -> HostRead:
+        """The counts so far on their way to the host (moontrain.metrics.host_read); the sums restart."""
+        pending = HostRead(self.counts_LE.clone())
         self.counts_LE.zero_()
+        return pending
+
+    @staticmethod
+    def share(pending: HostRead) -> np.ndarray:
+        """launch's counts read as each layer's share of its routed tokens."""
+        counts = np.array(pending.read(), dtype=np.float64).reshape(pending.host.shape)
         total = counts.sum(axis=1, keepdims=True)
         return np.divide(counts, total, out=np.zeros_like(counts), where=total > 0)
 

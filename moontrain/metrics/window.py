@@ -1,4 +1,5 @@
-"""Step metrics accumulated on device between logging steps; one reduction and one host read per log.
+"""Step metrics accumulated on device between logging steps; one reduction and one host read per log
+(`flush`, or `launch` now and `read` later: Trainer.fit reads a window after the next step is queued).
 
 Between two logging steps nothing is read on the host: the loss, the grad norm and the per-layer MoE
 statistics are added into device tensors. At a logging step the values that differ between ranks
@@ -10,10 +11,12 @@ Reported values are means over the steps of the window; tokens/s and MFU use the
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from moontrain.metrics.host_read import HostRead
 from moontrain.metrics.moe_stats import FIELDS
 from moontrain.parallel.layout import ParallelLayout
 
@@ -44,7 +47,12 @@ class MetricsWindow:
 
     def flush(self) -> dict[str, float]:
         """Collective: the window's means (loss over all ranks' tokens), then a new window starts."""
-        layout, n, L = self.layout, self.steps, self.num_layers
+        return self.read(self.launch())
+
+    def launch(self) -> WindowRead:
+        """Collective, no host read: the window's sums reduced on the device and their copy to the host
+        started (moontrain.metrics.host_read); a new window starts accumulating. `read` gives its means."""
+        layout = self.layout
         prefetch = FIELDS.index("prefetch_bytes")
         varying = torch.cat([self.ce_sum.view(1), self.moe_sum[prefetch]])
         if layout.distributed:
@@ -52,17 +60,35 @@ class MetricsWindow:
             varying /= layout.world_size  # prefetch bytes: the mean over ranks
         moe = self.moe_sum.clone()
         moe[prefetch] = varying[1:]
-        values = torch.cat([varying[:1], self.grad_norm_sum.view(1), moe.flatten()]).div(n).tolist()
-        elapsed = time.perf_counter() - self.t0  # after the host read: the device work is done
-        out = {"loss": values[0], "grad_norm": values[1], "window_s": elapsed, "window_steps": float(n)}
+        values = torch.cat([varying[:1], self.grad_norm_sum.view(1), moe.flatten()]).div(self.steps)
+        pending = WindowRead(HostRead(values), self.steps)
+        t0 = self.t0
+        self._reset()
+        self.t0 = t0  # the window's clock runs to its read
+        return pending
+
+    def read(self, pending: WindowRead) -> dict[str, float]:
+        """A launched window's means (waits for its values only); windows are read in launch order. Its time
+        runs from the previous read (or restart_clock) to this one: after the host read, the device work
+        is done."""
+        L = self.num_layers
+        values = pending.host.read()
+        now = time.perf_counter()
+        elapsed, self.t0 = now - self.t0, now
+        out = {"loss": values[0], "grad_norm": values[1], "window_s": elapsed, "window_steps": float(pending.steps)}
         per_field = [values[2 + f * L: 2 + (f + 1) * L] for f in range(len(FIELDS))]
         for name, series in zip(FIELDS, per_field, strict=True):
             for layer_id, v in zip(self.layer_ids, series, strict=True):
                 out[f"moe/{name}/layer{layer_id}"] = v
             out[f"moe/{name}/max" if "maxvio" in name else f"moe/{name}/total"] = (
                 (max(series) if "maxvio" in name else sum(series)) if series else 0.0)
-        self._reset()
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class WindowRead:
+    host: HostRead  # the window's means, [2 + len(FIELDS) * L]: loss, grad norm, then FIELDS by layer
+    steps: int
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:

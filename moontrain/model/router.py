@@ -190,11 +190,16 @@ class Router(nn.Module):
         self.input_sum_D.zero_()
 
     @torch.no_grad()
-    def update_bias(self, global_tokens_per_expert_E: torch.Tensor) -> None:
+    def update_bias(self, global_tokens_per_expert_E: torch.Tensor, gate: torch.Tensor | None = None) -> None:
+        """The aux-loss-free bias step from the world's counts; gate: a 0/1 device scalar that multiplies
+        the step (0: a skipped training step, decided on the device, leaves the bias as it was)."""
         counts = global_tokens_per_expert_E.double()
         if self.proportional_update:
             mean = counts.mean().clamp_min(1.0)
-            self.score_bias_E += (self.update_rate * (mean - counts) / mean).to(self.score_bias_E.dtype)
+            delta = (self.update_rate * (mean - counts) / mean).to(self.score_bias_E.dtype)
         else:
-            self.score_bias_E += self.update_rate * torch.sign(counts.mean() - counts)
+            delta = self.update_rate * torch.sign(counts.mean() - counts)
+        if gate is not None:
+            delta = delta * gate.to(delta.dtype)
+        self.score_bias_E += delta
         self.tokens_per_expert_E.zero_()

@@ -180,6 +180,14 @@ class Muon(torch.optim.Optimizer):
                          "grads before step()")
 
     @property
+    def skips_on_device(self) -> bool:
+        return False
+
+    def skip_next_step_if(self, found_inf: torch.Tensor) -> None:
+        raise ValueError("Muon cannot skip a step on a device flag (skips_on_device is False): read the step's "
+                         "verdict on the host and do not call step()")
+
+    @property
     def written_back(self) -> frozenset[int]:
         return frozenset()
 

@@ -8,9 +8,15 @@ the optimizer beyond torch.optim.Optimizer's step / zero_grad / state_dict.
   then forgets it: the factor never outlives its step. Only valid when `folds_clip`.
 - `written_back`: the ids of the expert masters whose compute copies the last step() already wrote
   (and whose grads it zeroed unless their backend defers zeroing); ExpertWeights.finish_step skips them.
+- `skips_on_device`: True when step() can leave every parameter and its state (moments, step counts) as
+  they were on a device flag, without a host read (torch's fused AdamW kernel through its `found_inf`
+  hook, the AMP one; the write-back kernel). The trainer then never waits for the step's verdict
+  before the update (moontrain.trainer.guard).
+- `skip_next_step_if(found_inf)`: the next step() changes nothing it steps when the float32 device scalar
+  `found_inf` is 1 (and steps as usual when it is 0), then forgets it. Only valid when `skips_on_device`.
 
 Every optimizer build_optimizer returns satisfies it (moontrain.optim.adamw.AdamW, WriteBackAdamW); a
-new optimizer implements these three members and is checked by tests/moontrain/optim/test_optim.py.
+new optimizer implements these five members and is checked by tests/moontrain/optim/test_optim.py.
 """
 
 from __future__ import annotations
@@ -28,6 +34,11 @@ class TrainOptimizer(Protocol):
     def folds_clip(self) -> bool: ...
 
     def clip_next_step(self, factor: torch.Tensor) -> None: ...
+
+    @property
+    def skips_on_device(self) -> bool: ...
+
+    def skip_next_step_if(self, found_inf: torch.Tensor) -> None: ...
 
     @property
     def written_back(self) -> frozenset[int]: ...

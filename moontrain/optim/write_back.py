@@ -13,7 +13,9 @@ The math is torch's fused AdamW (ATen's fused_adam_utils, ADAMW mode), in fp32:
     m = beta1 * m + (1 - beta1) * g
     v = beta2 * v + (1 - beta2) * g * g
     p = p - (lr / (1 - beta1^step)) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
-with the bias corrections computed on the device from the step tensors (no host read). Values match
+with the bias corrections computed on the device from the step tensors (no host read). With
+skip_next_step_if's flag at 1 the pass keeps p, m and v (and the step counts) as they were: it still
+writes the compute copy (of the unchanged p) and zeroes the grad. Values match
 torch's AdamW up to fp32 contraction (a few ulps per step; tests/moontrain/optim/test_write_back_*).
 State is torch's (exp_avg, exp_avg_sq, a float32 step tensor on the parameter's device), so
 checkpoints and the optimizer's state_dict do not change.
@@ -54,6 +56,16 @@ class WriteBackAdamW(AdamW):
         self.grad_scale = factor
 
     @property
+    def skips_on_device(self) -> bool:
+        return self.folds_clip  # the same condition: torch's fused kernel or ours steps every parameter
+
+    def skip_next_step_if(self, found_inf: torch.Tensor) -> None:
+        if not self.skips_on_device:
+            raise ValueError("skip_next_step_if needs optim.fused=true: torch's foreach AdamW steps the "
+                             "parameters not written back and has no found_inf hook")
+        self.found_inf = found_inf
+
+    @property
     def written_back(self) -> frozenset[int]:
         return self._written
 
@@ -77,8 +89,12 @@ class WriteBackAdamW(AdamW):
         for _, p in mine:  # torch's step skips parameters without a grad
             p.grad = None
         grad_scale = self.__dict__.pop("grad_scale", None)  # this step's clip factor (clip_next_step)
-        if grad_scale is not None and self.defaults.get("fused"):
-            self.grad_scale = grad_scale  # torch's fused kernel applies it to the rest; AdamW.step drops it
+        found_inf = self.__dict__.pop("found_inf", None)  # this step's skip flag (skip_next_step_if)
+        if self.defaults.get("fused"):  # torch's fused kernel applies them to the rest; AdamW.step drops them
+            if grad_scale is not None:
+                self.grad_scale = grad_scale
+            if found_inf is not None:
+                self.found_inf = found_inf
         try:
             super().step()
         finally:
@@ -102,7 +118,7 @@ class WriteBackAdamW(AdamW):
                         [self.state[p]["exp_avg_sq"] for p in params], [self.state[p]["step"] for p in params],
                         [self._out[id(p)] for p in params], lr=group["lr"], beta1=beta1, beta2=beta2,
                         eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=grad_scale,
-                        zero_grads=zero)
+                        found_inf=found_inf, zero_grads=zero)
         for _, p in mine:
             p.grad = None
         self._written = frozenset(id(p) for _, p in mine)

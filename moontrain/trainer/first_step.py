@@ -8,8 +8,8 @@ After (FirstStepClock, read by Trainer.fit after the job's first step), one line
 
     first step 41.2 s (torch.compile 24.9 s; fla autotune: 0 shapes searched, 42 entries seeded from ...)
 
-- the step's wall time: it ends in the step's one host read (moontrain.trainer.guard), so the GPU work of
-  the step is inside it;
+- the step's wall time: it ends in the step's host reads (Trainer.fit takes the first step's at once, not
+  in the next step), so the GPU work of the step is inside it;
 - torch.compile: the host time torch._dynamo spent compiling during the step, frames and their lazily
   compiled backward graphs (calculate_time_spent's total_wall_time, the sum of its entire_frame_compile and
   entire_backward_compile), read without a GPU sync; left out below 0.05 s;

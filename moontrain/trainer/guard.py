@@ -8,10 +8,14 @@ skips in a row the run stops with DivergenceError; the checkpoints written so fa
 skipped step leaves the weights as they were, and pruning never deletes the newest checkpoint whose
 tensors are all finite, see moontrain.checkpoint).
 
-The verdict is one host read per step, taken after the grad norm: the norm is already reduced over
-the world (identical on every rank), and the stop request of the preemption handler and the time-based
-save (checkpoint.every_minutes, read on each rank's own clock) are reduced with it (MAX over ranks), so
-every rank takes the same branch and no collective is left unmatched.
+The verdict is computed on the device after the grad norm: the norm is already reduced over the world
+(identical on every rank), and the stop request of the preemption handler and the time-based save
+(checkpoint.every_minutes, read on each rank's own clock) are reduced with it (MAX over ranks), so every
+rank takes the same branch and no collective is left unmatched. An optimizer that skips on a device flag
+(TrainOptimizer.skips_on_device: the fused AdamW) is handed the verdict's flag and stepped at once; the
+trainer reads the verdict later (moontrain.metrics.host_read: after the next step's backward is queued
+when Trainer.fit pipelines its steps), so the device never waits for the host between backward and
+update. Other optimizers read it before the update (one host read, the device idle meanwhile).
 """
 
 from __future__ import annotations
@@ -34,16 +38,31 @@ class StepVerdict:
     stop: bool  # some rank was asked to stop (preemption): save after this step and exit
     save: bool  # some rank's checkpoint interval has passed: save after this step
 
+    @staticmethod
+    def of(values: list[float]) -> StepVerdict:
+        """From launch_verdict's values as read on the host."""
+        finite, stop, save = values
+        return StepVerdict(finite=finite == 1.0, stop=stop == 1.0, save=save == 1.0)
+
+
+def launch_verdict(grad_norm: torch.Tensor, stop_requested: bool, layout: ParallelLayout,
+                   save_due: bool = False) -> torch.Tensor:
+    """Collective when distributed (one small all_reduce), no host read: float32 [finite, stop, save] on
+    grad_norm's device. The flags are written by fill kernels (a host value copied into a device tensor
+    would wait for the device's queue)."""
+    flags = grad_norm.new_zeros((2,), dtype=torch.float32)
+    for i, flag in enumerate((stop_requested, save_due)):
+        if flag:
+            flags[i].fill_(1.0)
+    if layout.distributed:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=layout.world_group)
+    return torch.cat([torch.isfinite(grad_norm).float().view(1), flags])
+
 
 def step_verdict(grad_norm: torch.Tensor, stop_requested: bool, layout: ParallelLayout,
                  save_due: bool = False) -> StepVerdict:
-    """Collective when distributed: one small all_reduce and one host read."""
-    flags = grad_norm.new_zeros((2,), dtype=torch.float32)  # fills, no host copy
-    flags[0], flags[1] = float(stop_requested), float(save_due)
-    if layout.distributed:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=layout.world_group)
-    finite, stop, save = torch.cat([torch.isfinite(grad_norm).float().view(1), flags]).tolist()
-    return StepVerdict(finite=finite == 1.0, stop=stop == 1.0, save=save == 1.0)
+    """launch_verdict read at once (one host read)."""
+    return StepVerdict.of(launch_verdict(grad_norm, stop_requested, layout, save_due).tolist())
 
 
 class DivergenceGuard:

@@ -7,7 +7,9 @@ them: the reversed all-to-all, or moonep's combine-backward plus reduce_grad); t
 it times ExpertsContext.loss_scale = 1 / world size (set in moontrain.parallel.parallelize only), and summing
 over the expert-data-parallel replicas gives the same mean.
 
-Metrics are accumulated on device (MetricsWindow) and read once per logging step. Checkpoints
+Metrics are accumulated on device (MetricsWindow) and read once per logging step; fit takes a step's host
+reads (the verdict, moontrain.trainer.guard, and the metrics) in the next step, once that step's backward is
+queued, so the GPU does not wait for the host at step boundaries. Checkpoints
 (moontrain.checkpoint) hold the whole train state: model, optimizer, schedule, step, tokens seen, RNG,
 data position and the wandb run id; fit() saves them as checkpoint.every (steps), checkpoint.every_minutes
 (time since the job's start or its last save, agreed over the ranks with the step's verdict) and
@@ -17,6 +19,7 @@ save_final say.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,10 +32,11 @@ from moontrain.config.run_config import RunConfig
 from moontrain.data.loader import build_loader
 from moontrain.data.tokenizer import tokenizer_record
 from moontrain.metrics.flops import flops_per_token, peak_flops
-from moontrain.metrics.heatmap import colorize, heatmap_path, write_png
+from moontrain.metrics.heatmap import ExpertLoad, colorize, heatmap_path, write_png
+from moontrain.metrics.host_read import HostRead
 from moontrain.metrics.moe_stats import MoEStats
 from moontrain.metrics.progress import ProgressLog, StepStats
-from moontrain.metrics.window import MetricsWindow, memory_stats
+from moontrain.metrics.window import MetricsWindow, WindowRead, memory_stats
 from moontrain.model.kda.layer import uses_fla
 from moontrain.model.router_updates import MeanFreeRouterUpdates
 from moontrain.model.transformer import K3Model
@@ -45,7 +49,7 @@ from moontrain.parallel.parallelize import parallelize
 from moontrain.trainer.determinism import enable_determinism
 from moontrain.trainer.evaluate import Evaluator
 from moontrain.trainer.first_step import FirstStepClock
-from moontrain.trainer.guard import DivergenceGuard, step_verdict
+from moontrain.trainer.guard import DivergenceGuard, StepVerdict, launch_verdict
 from moontrain.trainer.preempt import PreemptionHandler
 
 
@@ -108,6 +112,7 @@ class Trainer:
                                 seeds={"train.seed": cfg.train.seed, "data.seed": cfg.data.seed})
         self.last_saved_step: int | None = None
         self.guard = DivergenceGuard(cfg.train.max_skipped_steps)
+        self._deferred: list[_VerdictRead | _LogRead] = []  # host reads of earlier steps, in launch order
         self.preemption: PreemptionHandler | None = None  # set by the worker (signal handlers, main thread)
         self.first_step: FirstStepClock | None = None  # set by the worker (rank 0 of a GPU job): the wait, said
         self.stop_requested = False  # agreed over the ranks after each step
@@ -137,7 +142,23 @@ class Trainer:
     wandb_run_id = _in_state("wandb_run_id")  # set by the worker (rank 0)
 
     def train_step(self) -> StepStats | None:
-        """One optimizer step; returns the logged stats on a logging step (the only host read), else None."""
+        """One optimizer step; returns the logged stats on a logging step (its host reads taken before it
+        returns), else None."""
+        ready = self._train_step(defer=False)
+        return ready[-1] if ready else None
+
+    def run_steps(self, n: int) -> list[StepStats]:
+        """n steps pipelined as fit runs them (each step's host reads taken in the next, so the device is not
+        left idle at step boundaries), every read taken before it returns; the logged stats in step order."""
+        ready = []
+        for _ in range(n):
+            ready += self._train_step(defer=True)
+        return ready + self._take_deferred()
+
+    def _train_step(self, defer: bool) -> list[StepStats]:
+        """One optimizer step. defer: leave this step's host reads (verdict, metrics window) to the next
+        step, which takes them once its own backward is queued (moontrain.metrics.host_read); returns the
+        stats whose reads were taken in this call, in step order."""
         tokens_BT, targets_BT = self.data.batch(self.step)
         host_BT = self.data.host_tokens  # the documents' bounds for fla come from these: no host sync
         n = self.accumulation_steps
@@ -164,59 +185,94 @@ class Trainer:
         grad_norm = clip_grad_norm_global(self.dense_params, self.expert_params, self.layout,
                                           self.cfg.optim.grad_clip, optimizer=self.optimizer,
                                           experts_sharded=self.cfg.parallel.shard_expert_state)
+        ready = self._take_deferred()  # the earlier steps' reads: done on the device by now
         lr = self.scheduler.get_last_lr()[0]
-        written = self._optimizer_step(grad_norm)  # None: a non-finite step, skipped
+        written, applied = self._optimizer_step(grad_norm)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         for w in self.experts:
-            w.finish_step(written or frozenset())
-        counts_LE = self._balance_routers(update=written is not None)
+            w.finish_step(written)
+        counts_LE = self._balance_routers(applied)
         self.window.add(ce, grad_norm, self.moe_stats.step(counts_LE))
         self.step += 1
         self.tokens_seen += self.cfg.train.global_batch_size * self.cfg.train.seq_len
         if self.step % self.cfg.train.log_every == 0 or self.step == self.cfg.train.steps:
-            return self._log(lr)
-        return None
+            self._deferred.append(self._launch_log(lr))
+        if not defer or self.qk_clip is not None:  # QK-Clip's statistics are read at the log
+            ready += self._take_deferred()
+        return ready
 
-    def _optimizer_step(self, grad_norm: torch.Tensor) -> frozenset[int] | None:
-        """The update, unless the guard skips a non-finite step (returns None); else the ids of the masters
-        optimizer wrote back (TrainOptimizer.written_back). Takes the step's one host read (see moontrain.trainer.guard)."""
+    def _optimizer_step(self, grad_norm: torch.Tensor) -> tuple[frozenset[int], torch.Tensor | bool]:
+        """The update unless the step's verdict (moontrain.trainer.guard) finds it non-finite. Returns the ids
+        of the masters the optimizer wrote back (TrainOptimizer.written_back; empty for a skipped step) and
+        whether the update applied: the step's 0/1 float32 device flag when the optimizer skips on the
+        device, else the host's answer.
+        An optimizer that skips on the device is stepped at once and the verdict read later (_take_deferred);
+        any other reads it first (one host read)."""
         requested = self.preemption is not None and self.preemption.requested
         interval_s = self.cfg.checkpoint.every_minutes * 60
         save_due = bool(interval_s) and time.monotonic() - self.last_save_time >= interval_s
-        verdict = step_verdict(grad_norm, requested, self.layout, save_due)
-        self.stop_requested, self.save_due = verdict.stop, verdict.save
-        written: frozenset[int] | None = None
-        if self.guard.admit(verdict.finite, self.step):
+        verdict_3 = launch_verdict(grad_norm, requested, self.layout, save_due)
+        if self.optimizer.skips_on_device and self.qk_clip is None:
+            applied = verdict_3[0]
+            self.optimizer.skip_next_step_if(1.0 - applied)
             with self.router_updates.held():  # expert popularity moves through the router bias only
                 self.optimizer.step()
-            if self.qk_clip is not None:
-                self.qk_clip.step()
-            written = self.optimizer.written_back
-        return written
+            self._deferred.append(_VerdictRead(self.step, HostRead(verdict_3)))
+            return self.optimizer.written_back, applied
+        if not self._apply_verdict(self.step, StepVerdict.of(verdict_3.tolist())):
+            return frozenset(), False
+        with self.router_updates.held():
+            self.optimizer.step()
+        if self.qk_clip is not None:
+            self.qk_clip.step()
+        return self.optimizer.written_back, True
+
+    def _apply_verdict(self, step: int, verdict: StepVerdict) -> bool:
+        """The verdict of step `step` (0-based) on the host: the guard counts it (raises DivergenceError after
+        too many skips in a row), the stop and save requests are taken; True: the update applies."""
+        self.stop_requested = self.stop_requested or verdict.stop
+        # a save the step asked for is done when a checkpoint was written since (a deferred verdict)
+        self.save_due = self.save_due or (verdict.save and (self.last_saved_step or 0) <= step)
+        return self.guard.admit(verdict.finite, step)
+
+    def _take_deferred(self) -> list[StepStats]:
+        """Take every deferred host read in launch order: verdicts to the guard, metric windows to the log."""
+        ready = []
+        while self._deferred:
+            record = self._deferred.pop(0)
+            if isinstance(record, _VerdictRead):
+                self._apply_verdict(record.step, StepVerdict.of(record.host.read()))
+            else:
+                ready.append(self._finish_log(record))
+        return ready
 
     def fit(self) -> list[StepStats]:
-        """Train to train.steps, saving checkpoints as configured; returns the logged stats."""
+        """Train to train.steps, saving checkpoints as configured; returns the logged stats. Steps are
+        pipelined: a step's host reads are taken in the next step, once its backward is queued, so the
+        device is not left idle at step boundaries (the first step of the job is read at once: its clock
+        ends in its read). Console and metrics lines therefore come one step late."""
         ckpt = self.cfg.checkpoint
         logged = []
         self.window.restart_clock()
         self.last_save_time = time.monotonic()  # checkpoint.every_minutes counts training time
         while self.step < self.cfg.train.steps:
-            stats = self.train_step()
+            logged += self._train_step(defer=self.first_step is None)
             if self.first_step is not None:
                 print(f"moontrain: {self.first_step.line()}", flush=True)
                 self.first_step = None
-            if stats is not None:
-                logged.append(stats)
             if (ckpt.every and self.step % ckpt.every == 0) or self.save_due:
+                logged += self._take_deferred()  # the saved step's verdict first (it may stop the run)
                 self.save_checkpoint()
-            if self.stop_requested:  # preemption: every rank saw the same verdict after this step
+            if self.stop_requested:  # preemption: every rank saw the same verdict
+                logged += self._take_deferred()
                 if self.layout.rank == 0:
                     print(f"moontrain: stopping after step {self.step} as asked"
                           + ("" if self.last_saved_step == self.step else ": saving a checkpoint"), flush=True)
                 if self.last_saved_step != self.step:
                     self.save_checkpoint()
                 return logged
+        logged += self._take_deferred()
         if ckpt.save_final and self.last_saved_step != self.step:
             self.save_checkpoint()
         return logged
@@ -227,10 +283,14 @@ class Trainer:
 
     def save_checkpoint(self, root: str | Path | None = None) -> Path:
         """Collective: the whole train state as <checkpoint dir>/step_<step> (see moontrain.checkpoint)."""
+        if self._deferred:
+            raise RuntimeError("save_checkpoint with host reads still deferred: Trainer.fit takes them first "
+                               "(_take_deferred)")
         t0 = time.perf_counter()
         path = save_checkpoint(self.state, root if root is not None else self.checkpoint_dir,
                                keep_last=self.cfg.checkpoint.keep_last)
         self.last_saved_step, self.last_checkpoint = self.step, path
+        self.save_due = False
         self.window.t0 += time.perf_counter() - t0  # tokens/s counts training time only
         self.last_save_time = time.monotonic()
         return path
@@ -245,37 +305,43 @@ class Trainer:
         self.last_saved_step, self.last_checkpoint = self.step, Path(path)
         return state
 
-    def _log(self, lr: float) -> StepStats:
-        """Collective: reduce the window's metrics (one all_reduce) and report them."""
-        values = self.window.flush()
+    def _launch_log(self, lr: float) -> _LogRead:
+        """Collective: reduce the window's metrics on the device (one all_reduce) for _finish_log; what the
+        host knows now (data waits, memory) is taken now, the expert counts of a heatmap step are set aside,
+        and an evaluation that is due runs now (on this step's weights; its time leaves the window)."""
+        heatmap = self._heatmap_due(self.step) and self.moe_stats.load is not None
+        return _LogRead(window=self.window.launch(), step=self.step, lr=lr, tokens_seen=self.tokens_seen,
+                        host_scalars={**memory_stats(self.layout.device), **self.data.take_metrics()},
+                        expert_load=self.moe_stats.load.launch() if heatmap else None,
+                        evals=self._evaluate_if_due())
+
+    def _finish_log(self, record: _LogRead) -> StepStats:
+        """Read a launched log (waits for its values only) and report it."""
+        values = self.window.read(record.window)
         n, dt = values.pop("window_steps"), values.pop("window_s")
-        evals = self._evaluate_if_due()
         tokens_per_s = n * self.cfg.train.global_batch_size * self.cfg.train.seq_len / dt
         mfu = (tokens_per_s / self.layout.world_size * self.flops_per_token / self.peak_flops
                if self.peak_flops else None)
-        mem = memory_stats(self.layout.device)
-        stats = StepStats(step=self.step, loss=values.pop("loss"), lr=lr, grad_norm=values.pop("grad_norm"),
+        stats = StepStats(step=record.step, loss=values.pop("loss"), lr=record.lr, grad_norm=values.pop("grad_norm"),
                           tokens_per_s=tokens_per_s, step_time_s=dt / n,
                           max_maxvio=values.get("moe/expert_maxvio/max", 0.0), mfu=mfu,
-                          peak_mem_gib=mem.get("mem/peak_gib"),
-                          scalars={**values, **mem, **(self.qk_clip.flush() if self.qk_clip is not None else {}),
-                                   "tokens_seen": float(self.tokens_seen), "skipped_steps": float(self.guard.total),
-                                   **self.data.take_metrics(), **evals})
+                          peak_mem_gib=record.host_scalars.get("mem/peak_gib"),
+                          scalars={**values, **(self.qk_clip.flush() if self.qk_clip is not None else {}),
+                                   "tokens_seen": float(record.tokens_seen), "skipped_steps": float(self.guard.total),
+                                   **record.host_scalars, **record.evals})
         if self.log is not None:
             self.log.log(stats)
-        self._expert_heatmap()
+        if record.expert_load is not None:
+            share_LE = ExpertLoad.share(record.expert_load)
+            if self.log is not None:
+                path = write_png(heatmap_path(self.cfg.train.run_dir, record.step), colorize(share_LE))
+                self.log.image("moe/expert_load", path, record.step)
         return stats
 
-    def _expert_heatmap(self) -> None:
+    def _heatmap_due(self, step: int) -> bool:
         """Every metrics.heatmap_every logging steps (and the last): the expert-load PNG (rank 0) and wandb image."""
-        every, load = self.cfg.metrics.heatmap_every, self.moe_stats.load
-        logs = self.step // self.cfg.train.log_every
-        if not every or load is None or (logs % every and self.step != self.cfg.train.steps):
-            return
-        share_LE = load.take()
-        if self.log is not None:
-            path = write_png(heatmap_path(self.cfg.train.run_dir, self.step), colorize(share_LE))
-            self.log.image("moe/expert_load", path, self.step)
+        every, logs = self.cfg.metrics.heatmap_every, step // self.cfg.train.log_every
+        return bool(every) and (logs % every == 0 or step == self.cfg.train.steps)
 
     def _evaluate_if_due(self) -> dict[str, float]:
         """Collective: the held-out loss on evaluation steps (moontrain.trainer.evaluate), else nothing."""
@@ -320,16 +386,40 @@ class Trainer:
             w.attach_grads()
 
     @torch.no_grad()
-    def _balance_routers(self, update: bool = True) -> torch.Tensor:
-        """Reduce this step's expert counts over the world, update every router bias (unless the step was
-        skipped: a skipped step changes no trained state); returns counts_LE."""
+    def _balance_routers(self, applied: torch.Tensor | bool) -> torch.Tensor:
+        """Reduce this step's expert counts over the world, update every router bias unless the step was
+        skipped (a skipped step changes no trained state; `applied` as _optimizer_step returns it: a device
+        flag gates the update on the device); returns counts_LE."""
         routers = [moe.router for moe in self.model.moe_layers()]
         if not routers:
             return torch.zeros(0, self.cfg.model.num_experts, dtype=torch.long, device=self.layout.device)
         counts_LE = torch.stack([r.tokens_per_expert_E for r in routers])
         if self.layout.distributed:
             dist.all_reduce(counts_LE, group=self.layout.world_group)
+        if applied is False:
+            return counts_LE
         for router, counts_E in zip(routers, counts_LE, strict=True):
-            if update:
+            if applied is True:
                 router.update_bias(counts_E)
+            else:
+                router.update_bias(counts_E, gate=applied)
         return counts_LE
+
+
+@dataclass(frozen=True, slots=True)
+class _VerdictRead:
+    """A step's verdict (moontrain.trainer.guard.launch_verdict) on its way to the host."""
+    step: int  # 0-based, as DivergenceGuard.admit takes it
+    host: HostRead
+
+
+@dataclass(frozen=True, slots=True)
+class _LogRead:
+    """A logging step's metrics window on its way to the host, with what the host knew at that step."""
+    window: WindowRead
+    step: int
+    lr: float
+    tokens_seen: int
+    host_scalars: dict[str, float]
+    expert_load: HostRead | None  # a heatmap step's counts (ExpertLoad.launch)
+    evals: dict[str, float]  # an evaluation step's held-out loss, taken at the step

@@ -136,10 +136,14 @@ class ReferenceMuon(torch.optim.Optimizer):
         self.bufs = {id(p): torch.zeros_like(p) for p, _ in self.mats}
 
     folds_clip = False  # the training step's optimizer contract (moontrain/optim/protocol.py)
+    skips_on_device = False
     written_back = frozenset()
 
     def clip_next_step(self, factor: torch.Tensor) -> None:
         raise AssertionError("folds_clip is False")
+
+    def skip_next_step_if(self, found_inf: torch.Tensor) -> None:
+        raise AssertionError("skips_on_device is False")
 
     @torch.no_grad()
     def step(self, closure=None):

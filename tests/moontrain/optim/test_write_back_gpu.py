@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.moontrain.optim.write_back_cases import check_write_back_matches_adamw
+from tests.moontrain.optim.write_back_cases import check_write_back_matches_adamw, check_write_back_skips_on_the_flag
 
 pytestmark = pytest.mark.gpu
 
 
 def test_write_back_adamw_matches_fused_adamw_gpu() -> None:
     check_write_back_matches_adamw("cuda", fused=True, exact_rounding=True)
+
+
+def test_write_back_adamw_skips_on_the_device_flag_gpu() -> None:
+    check_write_back_skips_on_the_flag("cuda", fused=True)

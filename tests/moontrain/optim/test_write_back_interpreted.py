@@ -7,7 +7,7 @@ import pytest
 
 # first: sets TRITON_INTERPRET=1 before triton is imported and skips this module where triton is absent
 import tests.moonep.helpers.triton_interpreted  # noqa: F401
-from tests.moontrain.optim.write_back_cases import check_write_back_matches_adamw
+from tests.moontrain.optim.write_back_cases import check_write_back_matches_adamw, check_write_back_skips_on_the_flag
 
 
 def test_write_back_adamw_matches_torch_adamw() -> None:
@@ -16,6 +16,10 @@ def test_write_back_adamw_matches_torch_adamw() -> None:
 
 def test_write_back_adamw_applies_the_clip_factor() -> None:
     check_write_back_matches_adamw("cpu", fused=None, exact_rounding=False, torch_param=False, clip=True)
+
+
+def test_write_back_adamw_skips_on_the_device_flag() -> None:
+    check_write_back_skips_on_the_flag("cpu", fused=None)
 
 
 def test_write_back_rejects_mismatched_target() -> None:

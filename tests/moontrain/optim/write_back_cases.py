@@ -76,3 +76,47 @@ def check_write_back_matches_adamw(device: str, fused: bool | None, exact_roundi
                 torch.testing.assert_close(a, b, rtol=0, atol=16 * 2.0**-24 * float(b.abs().max()),
                                            msg=f"step {step}: {key}")
             assert float(opt.state[p]["step"]) == float(ref_opt.state[r]["step"]) == step + 1
+
+
+def check_write_back_skips_on_the_flag(device: str, fused: bool | None) -> None:
+    """skip_next_step_if: a step with NaN grads and the flag at 1 leaves p, m, v and the step count bitwise
+    as they were (the compute copy is rewritten from the unchanged p, the grad zeroed as usual); a later step
+    with the flag at 0 equals the step of a run that never saw the skipped one (reference: that run)."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    shapes = [(3, 40, 24), (5, 16, 7)]
+    init = [torch.randn(s, device=device, generator=gen) * 0.05 for s in shapes]
+    grads = [[torch.randn(s, device=device, generator=gen) for s in shapes] for _ in range(2)]
+    runs = []
+    for skipped in (True, False):
+        ps = [torch.nn.Parameter(t.clone()) for t in init]
+        outs = [torch.empty(s, device=device, dtype=torch.bfloat16) for s in shapes]
+        opt = WriteBackAdamW([{"params": ps, "weight_decay": WD}], lr=LR, betas=BETAS, eps=EPS, fused=fused)
+        for p, out in zip(ps, outs, strict=True):
+            opt.register_write_back(p, out)
+        assert opt.skips_on_device
+        for step, gs in enumerate([grads[0], None, grads[1]] if skipped else [grads[0], grads[1]]):
+            flag = torch.tensor(0.0 if gs is not None else 1.0, device=device)
+            bad = gs is None
+            for p, g in zip(ps, gs or [torch.full(s, float("nan"), device=device) for s in shapes], strict=True):
+                p.grad = g.clone()
+            held = [p.grad for p in ps]
+            before = [(p.detach().clone(), *(opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq", "step")))
+                      for p in ps] if bad else None
+            opt.skip_next_step_if(flag)
+            opt.step()
+            assert not hasattr(opt, "found_inf"), "the flag is for one step only"
+            assert all(not g.any() for g in held), f"step {step}: the grads are zeroed"
+            if bad:
+                for p, (p0, m0, v0, s0) in zip(ps, before, strict=True):
+                    for name, got, want in (("p", p.detach(), p0), ("exp_avg", opt.state[p]["exp_avg"], m0),
+                                            ("exp_avg_sq", opt.state[p]["exp_avg_sq"], v0),
+                                            ("step", opt.state[p]["step"], s0)):
+                        assert torch.equal(got, want), f"a skipped step changed {name}"
+            for p, out in zip(ps, outs, strict=True):
+                want = p.detach().to(out.dtype)
+                assert bool(((out.float() - want.float()).abs() <= want.float().abs() * 2.0**-7).all())
+        runs.append([(p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"], opt.state[p]["step"])
+                     for p in ps])
+    for got, want in zip(*runs, strict=True):
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), "the step after a skip differs from a run without the skipped step"

@@ -2,8 +2,9 @@
 (the learning row's data): under torch.cuda.set_sync_debug_mode("error") any synchronising call raises. Each
 sync the step had (docs/performance.md, session 17) starved the GPU for ~14 ms: the rope table rebuilt from
 the host every forward, the documents' cu_seqlens found with nonzero and copied back, fla's chunk list
-built on the host and copied with a blocking copy. The step's own host read (the verdict before the
-optimizer, moontrain.trainer.guard) is outside what this checks.
+built on the host and copied with a blocking copy. The whole pipelined step (Trainer.fit's: clip, verdict,
+fused optimizer, router balancing, metrics; its host reads taken in the next step, moontrain.trainer.guard)
+is checked the same way, its deferred reads taken after.
 """
 
 from __future__ import annotations
@@ -63,5 +64,25 @@ def test_forward_and_backward_on_documents_never_sync(tmp_path: Path, one_rank: 
         finally:
             torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
+    finally:
+        trainer.close()
+
+
+def test_pipelined_steps_never_sync(tmp_path: Path, one_rank: None) -> None:
+    trainer = Trainer(_config(tmp_path), build_layout(1, CUDA))
+    try:
+        assert trainer.optimizer.skips_on_device, "the GPU default (fused AdamW with write-back) skips on the device"
+        trainer.cfg.metrics.heatmap_every = 0  # a heatmap step reads the expert counts at once
+        trainer.train_step()  # compiles and autotunes (which synchronise)
+        torch.cuda.synchronize()
+        stats = []
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(2):
+                stats += trainer._train_step(defer=True)  # the second takes the first's reads (an event wait)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        stats += trainer._take_deferred()
+        assert [s.step for s in stats] == [2, 3] and all(s.loss == s.loss for s in stats)
     finally:
         trainer.close()
