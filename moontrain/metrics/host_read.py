@@ -6,10 +6,14 @@ queued after the copy (the next step's forward and backward) keeps the device bu
 A plain `.tolist()` at the same point would wait for the whole queue and leave the device idle until
 the host has launched enough new work (launch-bound stretches at the start of every step).
 
-On a CPU device the values are read as they are (the ops ran when they were called).
+On a CPU device the values are read as they are (the ops ran when they were called). `waited_s`: how long
+`read` waited for the device; the trainer logs it per step (`time/device_wait_ms`): near zero in a pipelined
+run means the device finished before the host asked, i.e. the host, not the device, sets the pace.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -17,6 +21,7 @@ import torch
 class HostRead:
     def __init__(self, values: torch.Tensor) -> None:
         self.event: torch.cuda.Event | None = None
+        self.waited_s = 0.0
         if values.device.type == "cuda":
             self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             self.host.copy_(values, non_blocking=True)
@@ -28,5 +33,7 @@ class HostRead:
     def read(self) -> list:
         """The values as Python numbers (a nested list for more than one dimension)."""
         if self.event is not None:
+            t0 = time.perf_counter()
             self.event.synchronize()
+            self.waited_s = time.perf_counter() - t0
         return self.host.tolist()

@@ -97,6 +97,7 @@ class ProgressLog:
               + (f" | mfu {stats.mfu:.1%}" if stats.mfu is not None else "")
               + (f" | peak mem {stats.peak_mem_gib:.1f} GiB" if stats.peak_mem_gib is not None else "")
               + (f" | data wait {s['data/wait_ms']:.1f} ms" if "data/wait_ms" in s else "")
+              + (f" | device wait {s['time/device_wait_ms']:.1f} ms" if "time/device_wait_ms" in s else "")
               + f" | elapsed {format_seconds(elapsed)} | eta {format_seconds(eta)}", flush=True)
         self.last = stats
         if "eval/loss" in s and (self.best_eval is None or s["eval/loss"] < self.best_eval[0]):

@@ -5,7 +5,8 @@ Between two logging steps nothing is read on the host: the loss, the grad norm a
 statistics are added into device tensors. At a logging step the values that differ between ranks
 (the loss of each rank's tokens, the prefetch bytes of each rank) go through one all_reduce; the
 others are identical on every rank already (global grad norm, world-reduced counts, shared plans).
-Reported values are means over the steps of the window; tokens/s and MFU use the window's wall time.
+Reported values are means over the steps of the window; tokens/s and MFU use the window's time on the
+device's clock (CUDA events at each window's launch), so a window read a step late still counts its own span.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class MetricsWindow:
         """moe_layer_ids: the model layer index of each MoE layer (names the per-layer series)."""
         self.layer_ids, self.num_layers, self.layout = moe_layer_ids, len(moe_layer_ids), layout
         self._reset()
+        self.restart_clock()
 
     def _reset(self) -> None:
         dev = self.layout.device
@@ -33,11 +35,23 @@ class MetricsWindow:
         self.grad_norm_sum = torch.zeros((), dtype=torch.float64, device=dev)
         self.moe_sum = torch.zeros(len(FIELDS), self.num_layers, dtype=torch.float64, device=dev)
         self.steps = 0
-        self.t0 = time.perf_counter()
 
     def restart_clock(self) -> None:
         """Start timing now (a job's first window should not include building, loading or wandb startup)."""
-        self.t0 = time.perf_counter()
+        self._start, self._excluded = self._mark(), 0.0
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` of host time out of the open window (a checkpoint save, an evaluation)."""
+        self._excluded += seconds
+
+    def _mark(self) -> torch.cuda.Event | float:
+        """A point on the device's clock (a CUDA event recorded behind the queued work) or, on a CPU, the host's
+        (its ops ran when they were called)."""
+        if self.layout.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def add(self, ce: torch.Tensor, grad_norm: torch.Tensor, moe_FL: torch.Tensor) -> None:
         self.ce_sum += ce.detach().double()
@@ -61,20 +75,23 @@ class MetricsWindow:
         moe = self.moe_sum.clone()
         moe[prefetch] = varying[1:]
         values = torch.cat([varying[:1], self.grad_norm_sum.view(1), moe.flatten()]).div(self.steps)
-        pending = WindowRead(HostRead(values), self.steps)
-        t0 = self.t0
+        end = self._mark()
+        pending = WindowRead(HostRead(values), self.steps, self._start, end, self._excluded)
         self._reset()
-        self.t0 = t0  # the window's clock runs to its read
+        self._start, self._excluded = end, 0.0
         return pending
 
     def read(self, pending: WindowRead) -> dict[str, float]:
-        """A launched window's means (waits for its values only); windows are read in launch order. Its time
-        runs from the previous read (or restart_clock) to this one: after the host read, the device work
-        is done."""
+        """A launched window's means (waits for its values only). Its time runs on the device's clock from the
+        previous window's launch (or restart_clock) to its own, less what `exclude` left out: the same span
+        for every window however late the host reads it (Trainer.fit reads a step's window in the next step)."""
         L = self.num_layers
         values = pending.host.read()
-        now = time.perf_counter()
-        elapsed, self.t0 = now - self.t0, now
+        if isinstance(pending.start, float):
+            span = pending.end - pending.start
+        else:
+            span = pending.start.elapsed_time(pending.end) / 1e3
+        elapsed = max(span - pending.excluded_s, 1e-9)
         out = {"loss": values[0], "grad_norm": values[1], "window_s": elapsed, "window_steps": float(pending.steps)}
         per_field = [values[2 + f * L: 2 + (f + 1) * L] for f in range(len(FIELDS))]
         for name, series in zip(FIELDS, per_field, strict=True):
@@ -89,6 +106,9 @@ class MetricsWindow:
 class WindowRead:
     host: HostRead  # the window's means, [2 + len(FIELDS) * L]: loss, grad norm, then FIELDS by layer
     steps: int
+    start: torch.cuda.Event | float  # MetricsWindow._mark at the window's start and at its launch
+    end: torch.cuda.Event | float
+    excluded_s: float
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:

@@ -113,6 +113,7 @@ class Trainer:
         self.last_saved_step: int | None = None
         self.guard = DivergenceGuard(cfg.train.max_skipped_steps)
         self._deferred: list[_VerdictRead | _LogRead] = []  # host reads of earlier steps, in launch order
+        self._device_wait_s = 0.0  # the host's waits for the device in those reads since the last log
         self.preemption: PreemptionHandler | None = None  # set by the worker (signal handlers, main thread)
         self.first_step: FirstStepClock | None = None  # set by the worker (rank 0 of a GPU job): the wait, said
         self.stop_requested = False  # agreed over the ranks after each step
@@ -243,6 +244,7 @@ class Trainer:
             record = self._deferred.pop(0)
             if isinstance(record, _VerdictRead):
                 self._apply_verdict(record.step, StepVerdict.of(record.host.read()))
+                self._device_wait_s += record.host.waited_s
             else:
                 ready.append(self._finish_log(record))
         return ready
@@ -291,7 +293,7 @@ class Trainer:
                                keep_last=self.cfg.checkpoint.keep_last)
         self.last_saved_step, self.last_checkpoint = self.step, path
         self.save_due = False
-        self.window.t0 += time.perf_counter() - t0  # tokens/s counts training time only
+        self.window.exclude(time.perf_counter() - t0)  # tokens/s counts training time only
         self.last_save_time = time.monotonic()
         return path
 
@@ -319,6 +321,7 @@ class Trainer:
         """Read a launched log (waits for its values only) and report it."""
         values = self.window.read(record.window)
         n, dt = values.pop("window_steps"), values.pop("window_s")
+        wait_ms, self._device_wait_s = 1e3 * (self._device_wait_s + record.window.host.waited_s) / n, 0.0
         tokens_per_s = n * self.cfg.train.global_batch_size * self.cfg.train.seq_len / dt
         mfu = (tokens_per_s / self.layout.world_size * self.flops_per_token / self.peak_flops
                if self.peak_flops else None)
@@ -328,7 +331,7 @@ class Trainer:
                           peak_mem_gib=record.host_scalars.get("mem/peak_gib"),
                           scalars={**values, **(self.qk_clip.flush() if self.qk_clip is not None else {}),
                                    "tokens_seen": float(record.tokens_seen), "skipped_steps": float(self.guard.total),
-                                   **record.host_scalars, **record.evals})
+                                   "time/device_wait_ms": wait_ms, **record.host_scalars, **record.evals})
         if self.log is not None:
             self.log.log(stats)
         if record.expert_load is not None:
@@ -348,7 +351,7 @@ class Trainer:
         if self.evaluator is None or not self.evaluator.due(self.step):
             return {}
         values = self.evaluator.run()
-        self.window.t0 += values["eval/time_s"]  # tokens/s counts training time only
+        self.window.exclude(values["eval/time_s"])  # tokens/s counts training time only
         return values
 
     def close(self) -> None:
