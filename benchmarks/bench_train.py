@@ -40,8 +40,8 @@ master push); --lr recipe keeps the recipe's schedule. --learning-row runs one m
 learning rate with the router balancing on, on text (recipes/data/learning), and reports its step time
 beside its first and last loss and realised maxvio: a speed figure always comes with a model that learns
 (`--targets --learning-row`, no target value: the learning row alone, a speed row that learns).
---diagnose-learning gives that point the diagnostics of the first target too (--profile, --sync-debug,
---memory-trace; files named ..._text.txt): what text with documents costs beside synthetic tokens.
+--diagnose-learning gives that point the diagnostics of the first target too (--profile, --host-profile,
+--sync-debug, --memory-trace; files named ..._text.txt): what text with documents costs beside synthetic tokens.
 
 Per (backend, target) point a fresh Trainer (the same seed, so the same initial weights) trains
 --warmup + --steps optimizer steps through Trainer.train_step, ranks aligned before each step (a step's
@@ -87,7 +87,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from benchmarks.bench_train_table import learning_row, merge_rounds, print_table, row
-from benchmarks.diagnostics.train_diagnostics import count_syncs, memory_trace, profile_step, start_memory_history
+from benchmarks.diagnostics.train_diagnostics import (
+    count_syncs,
+    host_profile,
+    memory_trace,
+    profile_step,
+    start_memory_history,
+)
 from moontrain.config import RunConfig, from_dict, load_recipe
 from moontrain.config.loader import to_dict
 from moontrain.metrics.balance import maxvio_L
@@ -297,8 +303,10 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
                                                           and ("syncs", cfg.experts.backend) not in args.diagnosed)):
             args.diagnosed.add(("syncs", cfg.experts.backend))  # once per backend (and the learning row)
             syncs = count_syncs(trainer, layout, args, cfg, side)  # one extra, untimed step
-        if diagnosed and wants_profile(args, cfg) and device.type == "cuda":  # two extra, untimed steps, profiled
+        if diagnosed and wants_profile(args, cfg) and device.type == "cuda":  # three extra, untimed steps, profiled
             profile_step(trainer, layout, args, cfg, side)
+        if diagnosed and args.host_profile:  # two extra, untimed steps under cProfile
+            host_profile(trainer, layout, args, side)
         if traced:
             trace_peak = memory_trace(trainer, layout, args, cfg, side)  # one extra, untimed step
     except torch.OutOfMemoryError as err:
@@ -457,8 +465,9 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="file tag (default: the recipe name, the device type and the date)")
     p.add_argument("--profile", nargs="*", choices=["moonep", "alltoall"], default=None, metavar="BACKEND",
-                   help="profile two extra steps at the first target of these backends (none named: all; GPU; "
-                        "the GPU's timeline of a step as it runs, then kernel tables and call sites, to --out)")
+                   help="profile three extra steps at the first target of these backends (none named: all; GPU; "
+                        "the GPU's timeline of two steps as Trainer.fit runs them, then a step's kernel tables and "
+                        "call sites, to --out)")
     p.add_argument("--profile-at", type=float, nargs="+", default=None, metavar="MAXVIO",
                    help="targets (of --targets) for --profile and --memory-trace (default: the first)")
     p.add_argument("--memory-trace", action="store_true",
@@ -468,6 +477,10 @@ def main() -> None:
     p.add_argument("--diagnose-learning", action="store_true",
                    help="--profile, --sync-debug and --memory-trace at the --learning-row point too (files named "
                         "..._text.txt): what text with documents costs beside the first target's synthetic tokens")
+    p.add_argument("--host-profile", action="store_true",
+                   help="at the --profile-at points (and the learning row with --diagnose-learning): two more "
+                        "pipelined steps under cProfile, the host's Python functions by self and cumulative time "
+                        "(host_profile_<backend>_skew<s>.txt); CPU too")
     p.add_argument("--sync-debug", action="store_true",
                    help="count the host synchronisations of one extra step at the first target (GPU)")
     p.add_argument("--show", metavar="JSON", help="print the table of a saved result and exit (no GPU needed)")

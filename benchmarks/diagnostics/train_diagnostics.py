@@ -47,8 +47,9 @@ def _point_name(kind: str, trainer: Trainer) -> str:
 
 def profile_step(trainer: Trainer, layout: ParallelLayout, args: argparse.Namespace, cfg: RunConfig,
                  side: dist.ProcessGroup) -> None:
-    """Profile two more steps. The first records GPU activity alone (no host events: the step runs as it does
-    unprofiled), for its timeline: where the GPU waits for the host. The second records the host too, with
+    """Profile three more steps. The first two record GPU activity alone (no host events: they run as they do
+    unprofiled, pipelined as Trainer.fit runs them, Trainer.run_steps), for their timeline: where the GPU
+    waits for the host. The third records the host too, with
     shapes and Python stacks (which slow the host several times over, so its idle time is not the step's):
     per rank the ops by CUDA time (top 40), then the ops by self CUDA time split by input shapes (top 60),
     which tells apart the call sites of one op, then the Python call sites of the copies and adds
@@ -57,7 +58,7 @@ def profile_step(trainer: Trainer, layout: ParallelLayout, args: argparse.Namesp
 
     _align(layout)
     with profile(activities=[ProfilerActivity.CUDA]) as light:
-        trainer.train_step()
+        trainer.run_steps(2)
         torch.cuda.synchronize(layout.device)
     try:
         light_timeline = timeline_summary(_gpu_kernels(light))
@@ -81,7 +82,7 @@ def profile_step(trainer: Trainer, layout: ParallelLayout, args: argparse.Namesp
         stacks = _op_stacks(prof)
     except Exception as err:
         stacks = f"no call stacks: {err!r}\n"
-    _write_all_ranks(f"step as it runs (GPU activity alone), {light_timeline}\n"
+    _write_all_ranks(f"two steps as Trainer.fit runs them (GPU activity alone), {light_timeline}\n"
                      f"step profiled with host events, shapes and stacks, {timeline}\n{table}\n\n"
                      f"by input shapes (self CUDA time):\n{shapes}\n\n{every_kernel}\n{stacks}",
                      _point_name("profile", trainer), args, side, layout)
@@ -89,6 +90,38 @@ def profile_step(trainer: Trainer, layout: ParallelLayout, args: argparse.Namesp
 
 # eager ops whose call sites the profile lists: elementwise passes with no home in the op table
 STACKED_OPS = ("aten::copy_", "aten::add", "aten::add_", "aten::clone", "aten::mul", "aten::_to_copy")
+
+
+def host_profile(trainer: Trainer, layout: ParallelLayout, args: argparse.Namespace, side: dist.ProcessGroup,
+                 steps: int = 2) -> str:
+    """The host's Python time over `steps` more steps, pipelined as Trainer.fit runs them (Trainer.run_steps),
+    under cProfile (which slows the host, so the shares, not the times, are the step's): the functions with the
+    most self time and the most cumulative time, with the steps' wall time and the host's waits for the device
+    beside them. Written per rank (host_profile_<backend>_skew<s>.txt); returns this rank's text."""
+    import cProfile
+    import io
+    import pstats
+    import time
+
+    if layout.device.type == "cuda":
+        torch.cuda.synchronize(layout.device)
+    dist.barrier(group=layout.world_group)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    trainer.run_steps(steps)
+    prof.disable()
+    if layout.device.type == "cuda":
+        torch.cuda.synchronize(layout.device)
+    wall = time.perf_counter() - t0
+    out = io.StringIO()
+    out.write(f"{steps} pipelined steps under cProfile: {wall * 1e3 / steps:.1f} ms a step (wall, profiled)\n")
+    for key, title in (("tottime", "self"), ("cumulative", "cumulative")):
+        out.write(f"\nby {title} time:\n")
+        pstats.Stats(prof, stream=out).strip_dirs().sort_stats(key).print_stats(40)
+    text = out.getvalue()
+    _write_all_ranks(text, _point_name("host_profile", trainer), args, side, layout)
+    return text
 
 
 def _op_stacks(prof, top: int = 30, frames: int = 6) -> str:

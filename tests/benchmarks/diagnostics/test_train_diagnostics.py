@@ -80,3 +80,37 @@ def test_timeline_summary_busy_idle_and_classes() -> None:
     table = kernel_table(kernels).splitlines()  # every name, all streams, longest total first
     assert [x.split()[:3] for x in table[1:]] == [["2", "1.200", "gemm"], ["1", "1.000", "nccl"],
                                                  ["1", "0.500", "attention"], ["1", "0.400", "nccl"]]
+
+
+def _host_profile_rank(rank: int, world: int, out: str) -> str:
+    import argparse
+
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.diagnostics.train_diagnostics import host_profile
+    from moontrain.parallel.layout import build_layout
+    from moontrain.trainer.trainer import Trainer
+    from tests.moontrain.ckpt_utils import small_config
+
+    torch.set_num_threads(1)
+    layout = build_layout(world, torch.device("cpu"))
+    trainer = Trainer(small_config("local", 1, run_dir=out), layout)
+    try:
+        text = host_profile(trainer, layout, argparse.Namespace(out=out), dist.group.WORLD, steps=2)
+        return text if trainer.step == 2 else f"trained {trainer.step} steps"
+    finally:
+        trainer.close()
+
+
+def test_host_profile_profiles_pipelined_steps(tmp_path) -> None:
+    """--host-profile: two more steps as Trainer.fit runs them under cProfile; the file names the trainer's own
+    functions (the pipelined steps) by self and cumulative time."""
+    from tests.dist_utils import run_ranks
+
+    [text] = run_ranks(_host_profile_rank, 1, str(tmp_path))
+    assert text.startswith("2 pipelined steps under cProfile: ") and "by self time:" in text
+    cumulative = text.split("by cumulative time:")[1]
+    assert "(run_steps)" in cumulative and "(_train_step)" in cumulative
+    written = (tmp_path / "host_profile_local_skew0.txt").read_text()
+    assert written.startswith("===== rank 0\n2 pipelined steps under cProfile")
