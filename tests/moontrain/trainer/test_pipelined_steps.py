@@ -17,6 +17,7 @@ from moontrain.metrics.progress import ProgressLog
 from moontrain.parallel.layout import single_process_layout
 from moontrain.trainer.guard import DivergenceError
 from moontrain.trainer.trainer import Trainer
+from tests.dist_utils import run_ranks
 from tests.moontrain.ckpt_utils import assert_bitwise, full_state, small_config, train
 
 CPU = torch.device("cpu")
@@ -96,3 +97,28 @@ def test_deferred_divergence_stops_the_run(tmp_path: Path) -> None:
     assert trainer.guard.total == 2
     assert_bitwise({k: v for k, v in full_state(trainer).items() if not k.startswith("router_bias")},
                    {k: v for k, v in before.items() if not k.startswith("router_bias")}, "after the skips")
+
+
+def _fsdp_pipelined_vs_step_by_step(rank: int, world: int, run_dir: str) -> None:
+    """FSDP2 dense params (DTensors) and 2-way moonep experts, fused AdamW skipping on the device: fit against
+    train_step, a NaN step among them; bitwise equal states on every rank."""
+    from moontrain.parallel.layout import build_layout
+
+    states = []
+    for pipelined in (True, False):
+        cfg = small_config("moonep", 2, steps=4, run_dir=f"{run_dir}/{pipelined}")
+        cfg.optim.fused, cfg.optim.write_back = True, False
+        trainer = Trainer(cfg, build_layout(world, CPU))
+        assert trainer.fsdp and trainer.optimizer.skips_on_device
+        _poison_at(trainer, NAN_AT)
+        stats = trainer.fit() if pipelined else [trainer.train_step() for _ in range(4)]
+        assert [s.step for s in stats] == [1, 2, 3, 4] and trainer.guard.total == 1
+        states.append(full_state(trainer))
+        trainer.close()
+    bad = [k for k, v in states[0].items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    assert not bad, f"rank {rank}: the NaN step reached {bad[:3]}"
+    assert_bitwise(states[0], states[1], f"rank {rank}: fit (pipelined) vs train_step, FSDP2")
+
+
+def test_fsdp_pipelined_equals_step_by_step(tmp_path: Path) -> None:
+    run_ranks(_fsdp_pipelined_vs_step_by_step, 2, str(tmp_path))
