@@ -30,7 +30,7 @@ _RAMP = np.array([[13, 8, 135], [33, 145, 140], [94, 201, 98], [253, 231, 37]], 
 
 
 class ExpertLoad:
-    """Sums the world-reduced token counts [L, E] of every step on the device; `take()` reads and resets."""
+    """Sums the world-reduced token counts [L, E] of every step on the device; `launch()` sends them to the host and restarts."""
 
     def __init__(self, num_layers: int, num_experts: int, device: torch.device) -> None:
         self.counts_LE = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
@@ -38,10 +38,6 @@ class ExpertLoad:
     def add(self, counts_LE: torch.Tensor) -> None:
         if counts_LE.numel():
             self.counts_LE += counts_LE
-
-    def take(self) -> np.ndarray:
-        """[L, E] share of each layer's routed tokens (rows sum to 1; zeros before any step)."""
-        return self.share(self.launch())
 
     def launch(self) -> HostRead:
         """The counts so far on their way to the host (moontrain.metrics.host_read); the sums restart."""
@@ -51,7 +47,8 @@ class ExpertLoad:
 
     @staticmethod
     def share(pending: HostRead) -> np.ndarray:
-        """launch's counts read as each layer's share of its routed tokens."""
+        """launch's counts read as each layer's share of its routed tokens ([L, E], rows sum to 1; zeros
+        before any step)."""
         counts = np.array(pending.read(), dtype=np.float64).reshape(pending.host.shape)
         total = counts.sum(axis=1, keepdims=True)
         return np.divide(counts, total, out=np.zeros_like(counts), where=total > 0)

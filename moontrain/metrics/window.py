@@ -1,5 +1,5 @@
 """Step metrics accumulated on device between logging steps; one reduction and one host read per log
-(`flush`, or `launch` now and `read` later: Trainer.fit reads a window after the next step is queued).
+(`launch`, then `read`, at once or, in Trainer.fit, after the next step is queued).
 
 Between two logging steps nothing is read on the host: the loss, the grad norm and the per-layer MoE
 statistics are added into device tensors. At a logging step the values that differ between ranks
@@ -58,10 +58,6 @@ class MetricsWindow:
         self.grad_norm_sum += grad_norm.double()
         self.moe_sum += moe_FL
         self.steps += 1
-
-    def flush(self) -> dict[str, float]:
-        """Collective: the window's means (loss over all ranks' tokens), then a new window starts."""
-        return self.read(self.launch())
 
     def launch(self) -> WindowRead:
         """Collective, no host read: the window's sums reduced on the device and their copy to the host

@@ -59,12 +59,6 @@ def launch_verdict(grad_norm: torch.Tensor, stop_requested: bool, layout: Parall
     return torch.cat([torch.isfinite(grad_norm).float().view(1), flags])
 
 
-def step_verdict(grad_norm: torch.Tensor, stop_requested: bool, layout: ParallelLayout,
-                 save_due: bool = False) -> StepVerdict:
-    """launch_verdict read at once (one host read)."""
-    return StepVerdict.of(launch_verdict(grad_norm, stop_requested, layout, save_due).tolist())
-
-
 class DivergenceGuard:
     def __init__(self, max_skipped_steps: int) -> None:
         self.max_skipped_steps = max_skipped_steps
