@@ -8,7 +8,8 @@
 Groups stay homogeneous (DTensor shards vs plain tensors) so the foreach kernels never mix the two.
 With optim.write_back the optimizer is WriteBackAdamW: build_optimizer registers each expert master
 with its compute tensor (the trainer's write-back targets), and one fused pass steps it, writes the
-compute copy and zeroes the grad. build_optimizer builds Muon instead (moontrain.optim.muon) when
+compute copy and zeroes the grad; with optim.write_back_dense the same for parallel.dense=plain's masters
+and their compute copies (which the next forward then takes as they are). build_optimizer builds Muon instead (moontrain.optim.muon) when
 optim.name is muon. Every optimizer it returns keeps the contract of moontrain/optim/protocol.py.
 """
 
@@ -44,11 +45,14 @@ def split_param_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
 def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int,
                     expert_group: dist.ProcessGroup | None = None,
                     write_back_targets: Iterable[tuple[torch.Tensor, torch.Tensor, bool]] = (),
+                    dense_write_back_targets: Iterable[tuple[torch.Tensor, torch.Tensor, bool]] = (),
                     shard_expert_state: bool = False) -> tuple[TrainOptimizer, torch.optim.lr_scheduler.LambdaLR]:
     """The optimizer and its LR schedule. optim.name picks AdamW (here) or Muon (moontrain.optim.muon;
     expert_group: the expert-data-parallel group, whose replicas share the expert orthogonalisation).
     write_back_targets: (expert master, its compute tensor, zero its grad) per expert projection, stepped
-    by the fused write-back pass when optim.write_back is on. shard_expert_state: the expert masters are
+    by the fused write-back pass when optim.write_back is on; dense_write_back_targets: the same for the dense
+    masters of parallel.dense=plain (its compute copies), stepped so when optim.write_back_dense (default: as
+    optim.write_back) is on. shard_expert_state: the expert masters are
     their replica's shards (parallel.shard_expert_state), which only plain AdamW steps."""
     if shard_expert_state and cfg.name == "muon":
         raise ValueError("parallel.shard_expert_state=true is built for AdamW only: Muon orthogonalises whole expert "
@@ -76,8 +80,16 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int,
                          "optim.write_back=false (or leave it unset: it follows optim.fused) on the CPU")
     opt_cls = WriteBackAdamW if write_back else AdamW
     opt = opt_cls(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
+    write_back_dense = write_back if cfg.write_back_dense is None else cfg.write_back_dense
+    if write_back_dense and not write_back:
+        raise ValueError("optim.write_back_dense=true needs the fused write-back AdamW, off here (optim.write_back "
+                         "follows optim.fused, which is off on the CPU); set optim.write_back=true or "
+                         "optim.write_back_dense=false")
     if write_back:
         for master, compute, zero_grad in write_back_targets:
+            opt.register_write_back(master, compute, zero_grad=zero_grad)
+    if write_back_dense:
+        for master, compute, zero_grad in dense_write_back_targets:
             opt.register_write_back(master, compute, zero_grad=zero_grad)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_multiplier(step, cfg, total_steps))
     return opt, sched

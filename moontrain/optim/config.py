@@ -31,6 +31,10 @@ class OptimConfig:
     # expert masters: one Triton pass per projection for the AdamW step, the compute-copy write and the
     # grad zeroing (moontrain.optim.write_back); None: on when `fused` is on
     write_back: bool | None = None
+    # parallel.dense=plain's fp32 masters through the same pass: the step writes their compute copies, which the
+    # next forward then uses without a cast; None: follows write_back. Off, torch's fused AdamW steps them,
+    # bit for bit what FSDP2 does at one rank (moontrain.parallel.plain_dense)
+    write_back_dense: bool | None = None
     muon_momentum: float = 0.95  # Muon's momentum coefficient
     muon_nesterov: bool = True  # Nesterov momentum in Muon
     muon_ns_steps: int = 5  # quintic Newton-Schulz iterations
@@ -42,6 +46,12 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.name not in ("adamw", "muon"):
             raise ValueError(f"optim.name must be 'adamw' or 'muon', got {self.name!r}")
+        if self.name == "muon" and self.write_back_dense:
+            raise ValueError("optim.write_back_dense=true is the fused AdamW step of the dense masters; with "
+                             "optim.name=muon leave optim.write_back_dense unset (or false)")
+        if self.write_back is False and self.write_back_dense:
+            raise ValueError("optim.write_back_dense=true needs the fused write-back AdamW, which optim.write_back=false "
+                             "turns off; set optim.write_back=true (or unset) or optim.write_back_dense=false")
         if self.name == "muon" and self.write_back:
             raise ValueError("optim.write_back=true is the fused AdamW expert step; with optim.name=muon leave "
                              "optim.write_back unset (or false)")

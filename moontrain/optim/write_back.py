@@ -1,10 +1,12 @@
-"""Fused AdamW step for the expert masters that also writes their compute copy and zeroes their grad.
+"""Fused AdamW step for the expert masters (and parallel.dense=plain's dense masters, optim.write_back_dense)
+that also writes their compute copy and zeroes their grad (the dense accumulators are left as they are).
 
 Per expert projection the step protocol after backward is AdamW (read p, g, m, v; write p, m, v), then
 push_master (read p, write the bf16 compute rows) and zero_grads (write g): 34 bytes per parameter in
 three passes, plus torch's fused kernel writing the clip-scaled grad back (4 more). One Triton pass
 does it all: reads p, g, m, v, writes p, m, v, the compute copy and g = 0 (34 bytes; 30 for moonep,
-whose next accumulation overwrites the grads: moonep.ExpertPools.defer_zero_grads). On 2xH200 at
+whose next accumulation overwrites the grads: moonep.ExpertPools.defer_zero_grads), one launch per
+parameter group (write_back_kernel's tables). On 2xH200 at
 k3_small_moe (4.25B expert parameters per rank, 2026-11-29) the three passes took ~42 + 8 + 6 ms.
 
 The math is torch's fused AdamW (ATen's fused_adam_utils, ADAMW mode), in fp32:

@@ -1,6 +1,13 @@
-"""The Triton kernel of WriteBackAdamW (moontrain/optim/write_back.py): one pass per expert projection
-that steps AdamW, writes the compute copy and zeroes the grad. Imported on the first fused step, so
-moontrain imports without triton on machines that never run it."""
+"""The Triton kernel of WriteBackAdamW (moontrain/optim/write_back.py): one launch per parameter group that
+steps AdamW over every tensor of the group, writes their compute copies and zeroes their grads. Imported on
+the first fused step, so moontrain imports without triton on machines that never run it.
+
+The launch walks a table, not one tensor: the addresses of each tensor's p, g, m, v and compute copy, its
+size and its first block, and for every block the tensor it belongs to (torch's multi_tensor_apply does the
+same with kernel arguments). The table is built on the host once per set of tensors and kept on the device
+(_TableCache: keyed by the addresses and sizes, so a moved tensor makes a new table), so a step costs a few
+launches whatever the number of parameters (k3_small's dense masters are 397 tensors).
+"""
 
 from __future__ import annotations
 
@@ -9,17 +16,32 @@ import triton
 import triton.language as tl
 
 _BLOCK = 2048
+_OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @triton.jit
-def _adamw_write_back_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, bc_ptr, scale_ptr, skip_ptr, n,
+def _adamw_write_back_kernel(ptrs_ptr, numel_ptr, first_ptr, owner_ptr, bc_ptr, scale_ptr, skip_ptr,
                              lr, beta1, beta2, eps, weight_decay,
                              HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, ZERO: tl.constexpr,
-                             BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                             OUT_KIND: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(owner_ptr + pid)  # the tensor this block belongs to
+    n = tl.load(numel_ptr + t)
+    offs = (pid - tl.load(first_ptr + t)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    bc1 = tl.load(bc_ptr)  # 1 - beta1^step
-    bc2_sqrt = tl.load(bc_ptr + 1)  # sqrt(1 - beta2^step)
+    row = ptrs_ptr + t * 5
+    p_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    if OUT_KIND == 1:
+        out_ptr = tl.load(row + 4).to(tl.pointer_type(tl.bfloat16))
+    elif OUT_KIND == 2:
+        out_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float16))
+    else:
+        out_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    bc1 = tl.load(bc_ptr + t * 2)  # 1 - beta1^step
+    bc2_sqrt = tl.load(bc_ptr + t * 2 + 1)  # sqrt(1 - beta2^step)
     p0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0)
     m0 = tl.load(m_ptr + offs, mask=mask, other=0.0)
@@ -44,38 +66,82 @@ def _adamw_write_back_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, bc_ptr, scale_
         tl.store(g_ptr + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=mask)
 
 
+class _TableCache:
+    """The device tables of the last few tensor sets launched (a set per group and zeroing choice): kept
+    while their tensors stay where they are, rebuilt when any address or size changes (a checkpoint load
+    that replaces the optimizer state, a new parameter set)."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self.tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, tensors: list[tuple[torch.Tensor, ...]], device: torch.device
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        key = (device, tuple((*(t.data_ptr() for t in ts), ts[0].numel()) for ts in tensors))
+        hit = self.tables.get(key)
+        if hit is None:
+            numels = [ts[0].numel() for ts in tensors]
+            blocks = [triton.cdiv(n, _BLOCK) for n in numels]
+            first = torch.tensor([0, *blocks[:-1]], dtype=torch.int64).cumsum(0)
+            owner = torch.repeat_interleave(torch.arange(len(tensors), dtype=torch.int32), torch.tensor(blocks))
+            ptrs = torch.tensor([[t.data_ptr() for t in ts] for ts in tensors], dtype=torch.int64)
+            host = (ptrs, torch.tensor(numels, dtype=torch.int64), first, owner)
+            if device.type == "cuda":  # pinned and queued: building a table never waits for the device
+                host = tuple(x.pin_memory().to(device, non_blocking=True) for x in host)
+            hit = host
+            if len(self.tables) >= self.keep:
+                self.tables.pop(next(iter(self.tables)))
+            self.tables[key] = hit
+        return hit
+
+
+_TABLES = _TableCache()
+
+
 def adamw_write_back_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                       exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], outs: list[torch.Tensor], *,
                       lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                       grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
                       zero_grads: bool = True) -> None:
     """One AdamW step over each (p, g, m, v, step) in place, out <- p in out's dtype, g <- 0 (unless
-    zero_grads is False: a backend that overwrites its grads on the next accumulation).
-    `steps` are the per-parameter float32 step tensors, incremented here first (as torch does).
-    found_inf: a float32 device scalar; where it is 1, p, m, v and the steps keep their values (torch's
-    fused AdamW's AMP hook: a skipped step), out and g are written as usual."""
+    zero_grads is False: a backend that overwrites its grads on the next accumulation), in one launch per
+    compute dtype of the outs. `steps` are the per-parameter float32 step tensors, incremented here first
+    (as torch does). found_inf: a float32 device scalar; where it is 1, p, m, v and the steps keep their
+    values (torch's fused AdamW's AMP hook: a skipped step), out and g are written as usual."""
     for name, ts in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs), ("outs", outs)):
         for p, t in zip(params, ts, strict=True):
             if t.shape != p.shape or not t.is_contiguous() or t.device != p.device:
                 raise ValueError(f"adamw_write_back_: {name} entry of shape {tuple(t.shape)} on {t.device} "
                                  f"(contiguous={t.is_contiguous()}) does not match its parameter "
                                  f"{tuple(p.shape)} on {p.device}; pass contiguous tensors of the parameter's shape")
-    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+    for p, g, m, v, out in zip(params, grads, exp_avgs, exp_avg_sqs, outs, strict=True):
         if not (p.dtype == g.dtype == m.dtype == v.dtype == torch.float32) or not p.is_contiguous():
             raise ValueError(f"adamw_write_back_ needs contiguous float32 parameters, grads and moments, got "
                              f"{p.dtype}/{g.dtype}/{m.dtype}/{v.dtype}")
+        if out.dtype not in _OUT_KINDS:
+            raise ValueError(f"adamw_write_back_: compute copy of dtype {out.dtype}; the kernel writes "
+                             f"{', '.join(str(d) for d in _OUT_KINDS)}")
     if not params:
         return
+    device = params[0].device
+    if any(p.device != device for p in params):
+        raise ValueError(f"adamw_write_back_: parameters on {sorted({str(p.device) for p in params})}; one launch "
+                         "steps the parameters of one device")
     torch._foreach_add_(steps, 1.0)
     step_P = torch.stack(steps)
     bc_P2 = torch.stack([1.0 - torch.pow(beta1, step_P), torch.sqrt(1.0 - torch.pow(beta2, step_P))], dim=1)
     scale = grad_scale if grad_scale is not None else bc_P2  # never read when HAS_SCALE is off
     skip = found_inf if found_inf is not None else bc_P2  # never read when HAS_SKIP is off
-    for i, (p, g, m, v, out) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, outs, strict=True)):
-        n = p.numel()
-        _adamw_write_back_kernel[(triton.cdiv(n, _BLOCK),)](
-            p, g, m, v, out, bc_P2[i], scale, skip, n, float(lr), float(beta1), float(beta2), float(eps),
+    for dtype, kind in _OUT_KINDS.items():
+        idx = [i for i, out in enumerate(outs) if out.dtype == dtype]
+        if not idx:
+            continue
+        ptrs, numel, first, owner = _TABLES.get(
+            [(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], outs[i]) for i in idx], device)
+        bc = bc_P2 if len(idx) == len(params) else bc_P2[idx]
+        _adamw_write_back_kernel[(owner.numel(),)](
+            ptrs, numel, first, owner, bc, scale, skip, float(lr), float(beta1), float(beta2), float(eps),
             float(weight_decay), HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, ZERO=zero_grads,
-            BLOCK=_BLOCK, num_warps=4)
+            OUT_KIND=kind, BLOCK=_BLOCK, num_warps=4)
     if found_inf is not None:  # a skipped step does not count (torch's fused AdamW takes it back the same way)
         torch._foreach_sub_(steps, [found_inf] * len(steps))

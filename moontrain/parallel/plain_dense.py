@@ -1,14 +1,18 @@
-"""Dense parameters at world size 1 without FSDP (parallel.dense=plain): FSDP2's mixed precision, bit for bit.
+"""Dense parameters at world size 1 without FSDP (parallel.dense=plain): FSDP2's mixed precision, bit for bit
+(with optim.write_back_dense off).
 
-At one rank FSDP2 shards nothing; what it does to the numbers is mixed precision, and this module does
-exactly that with a few multi-tensor ops per pass instead of FSDP's per-parameter work and hooks:
+At one rank FSDP2 shards nothing; what it does to the numbers is mixed precision, done here with a few
+multi-tensor ops per pass instead of FSDP's per-parameter work and hooks (the optimizer aside, see below):
 
 - the fp32 masters stay plain tensors registered on the model (what the optimizer, clipping, QK-Clip and
   checkpoints see between steps, as after FSDP at world 1, where the grads are fp32 too);
 - the first forward after the masters were installed (a step's first pass, an evaluation) casts them into
   persistent compute-dtype copies with one torch._foreach_copy_ (round to nearest even, FSDP's
   `sharded.to(param_dtype)` before its all-gather) and registers the copies in their place; autograd then
-  gives each copy its pass's grad in the compute dtype, as it gives FSDP's unsharded parameters;
+  gives each copy its pass's grad in the compute dtype, as it gives FSDP's unsharded parameters. With
+  optim.write_back_dense (the default on a GPU) the optimizer's fused pass writes the copies as it steps the
+  masters (AdamW within a few fp32 ulps of torch's fused kernel, so no longer bit for bit FSDP's), and
+  only masters changed since (QK-Clip, a load) are cast again;
 - after each backward pass, accumulate_grads adds those grads into fp32 accumulators: the first pass a
   cast (one foreach copy), later passes a cast into a scratch buffer and one foreach add, which is FSDP's
   `unsharded_accumulated_grad += grad` (fp32 plus the exactly widened bf16 grad, rounded once), or on CUDA
@@ -31,13 +35,9 @@ step; they and the fp32 accumulators stay allocated between steps); the expert m
 FSDP ignores them.
 
 Memory, next to FSDP at world 1 with the blocks kept gathered: the same bf16 copies and fp32 grads, plus an
-fp32 scratch from the second pass on: max(the largest dense tensor, 256 MiB), reused group by group (a few
-foreach pairs per pass instead of one; FSDP's fp32 reduce buffer is the size of all the dense grads).
-Host work (benchmarks/diagnostics/host_overhead.py, k3_small's structure on the CPU, 4 passes, 2026-12-01): 6,289 ->
-3,761 eager aten ops per step that launch a kernel on the GPU; the step time on the H200 is not measured.
-Rejected: casting inside the autograd graph (a cast per parameter and pass instead of one foreach copy
-per step); foreach adds of the bf16 grads into fp32 (mixed dtypes take the per-tensor path: one kernel per
-parameter and pass, FSDP's count; a mixed-dtype foreach copy stays one multi-tensor kernel).
+fp32 scratch from the second pass on, max(the largest dense tensor, 256 MiB), reused group by group.
+Rejected: casts inside the autograd graph (one per parameter and pass); foreach adds of bf16 grads into
+fp32 (mixed dtypes take the per-tensor path; a mixed-dtype foreach copy stays one multi-tensor kernel).
 """
 
 from __future__ import annotations
@@ -130,6 +130,9 @@ class PlainDense:
         # parallel.plain_accumulate: the later passes' adds in one Triton launch (None: the foreach ops)
         self.accumulator = _grad_accumulator(accumulate, masters[0].device) if self.cast and masters else None
         self.pending = [False] * len(masters)  # acc[i] holds this step's grad of masters[i]
+        # masters[i]._version when compute[i] was last made equal to it (a cast, or the optimizer's write-back):
+        # an in-place change since (QK-Clip, torch's AdamW, a load) moves the version and the copy is cast again
+        self.current: list[int | None] = [None] * len(masters)
         self.unsharded = False  # the compute copies are current and registered
         self._casts: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # this forward's casts of grad-free inputs
         self.root = model
@@ -167,13 +170,39 @@ class PlainDense:
             for module, name in slots:
                 module._parameters[name] = p
 
+    def write_back_targets(self) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+        """(master, its compute copy, zero its grad) for the optimizer's fused write-back
+        (moontrain.optim.write_back; optim.write_back_dense): the grads are the accumulators, which the next
+        step's first pass overwrites, so they are not zeroed. Empty when nothing is cast."""
+        return [(m, c, False) for m, c in zip(self.masters, self.compute, strict=True)] if self.cast else []
+
+    def finish_step(self, written: frozenset[int]) -> None:
+        """After the optimizer step: the masters it wrote back (ids) have current compute copies."""
+        for i, m in enumerate(self.masters):
+            if id(m) in written:
+                self.current[i] = m._version
+
+    def invalidate(self) -> None:
+        """The masters changed where their version counters may not show it (a checkpoint load): cast them all
+        at the next forward."""
+        self.current = [None] * len(self.masters)
+
+    def stale(self) -> list[int]:
+        """The indices of the masters whose compute copies the next unshard casts."""
+        return [i for i, m in enumerate(self.masters) if self.current[i] != m._version]
+
     @torch.no_grad()
     def unshard(self) -> None:
-        """Cast the masters into the compute copies and register the copies (once until the next reshard)."""
+        """Cast the masters into the compute copies that are not current and register the copies (once until
+        the next reshard)."""
         if self.unsharded:
             return
         if self.cast:
-            torch._foreach_copy_(self.compute, self.masters)
+            stale = self.stale()
+            if stale:
+                torch._foreach_copy_([self.compute[i] for i in stale], [self.masters[i] for i in stale])
+                for i in stale:
+                    self.current[i] = self.masters[i]._version
             self._register(self.compute)
         self.unsharded = True
 

@@ -98,6 +98,8 @@ class Trainer:
         schedule_steps = cfg.optim.schedule_steps or cfg.train.steps
         optimizer, scheduler = build_optimizer(self.model, cfg.optim, schedule_steps, expert_group=layout.edp_group,
                                                write_back_targets=write_back_targets,
+                                               dense_write_back_targets=(self.plain_dense.write_back_targets()
+                                                                         if self.plain_dense is not None else ()),
                                                shard_expert_state=cfg.parallel.shard_expert_state)
         mla_ids = [i for i, block in enumerate(self.model.layers) if not block.is_kda]  # QK-Clip: softmax layers
         self.qk_clip = (QKClip([self.model.layers[i].attn for i in mla_ids], cfg.optim.qk_clip_tau,
@@ -219,15 +221,23 @@ class Trainer:
             self.optimizer.skip_next_step_if(1.0 - applied)
             with self.router_updates.held():  # expert popularity moves through the router bias only
                 self.optimizer.step()
+                self._dense_copies_written()  # before held() moves the router rows (cast again, then)
             self._deferred.append(_VerdictRead(self.step, HostRead(verdict_3)))
             return self.optimizer.written_back, applied
         if not self._apply_verdict(self.step, StepVerdict.of(verdict_3.tolist())):
             return frozenset(), False
         with self.router_updates.held():
             self.optimizer.step()
-        if self.qk_clip is not None:
+            self._dense_copies_written()
+        if self.qk_clip is not None:  # after the copies' versions were taken: its changes are cast again
             self.qk_clip.step()
         return self.optimizer.written_back, True
+
+    def _dense_copies_written(self) -> None:
+        """parallel.dense=plain: the compute copies the optimizer just wrote back are current (the next forward
+        casts only masters changed after this point: the mean-free router rows, QK-Clip's weights)."""
+        if self.plain_dense is not None:
+            self.plain_dense.finish_step(self.optimizer.written_back)
 
     def _apply_verdict(self, step: int, verdict: StepVerdict) -> bool:
         """The verdict of step `step` (0-based) on the host: the guard counts it (raises DivergenceError after
@@ -304,6 +314,8 @@ class Trainer:
         for moe in self.model.moe_layers():  # what a forward before the load counted is not the loaded run's
             moe.router.reset_step_statistics()
         state = load_checkpoint(self.state, path, verified=verified)
+        if self.plain_dense is not None:
+            self.plain_dense.invalidate()  # the next forward casts the loaded masters
         self.last_saved_step, self.last_checkpoint = self.step, Path(path)
         return state
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.moontrain.optim.write_back_cases import check_write_back_matches_adamw, check_write_back_skips_on_the_flag
+from tests.moontrain.optim.write_back_cases import (
+    check_write_back_many_tensors,
+    check_write_back_matches_adamw,
+    check_write_back_skips_on_the_flag,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -15,3 +19,7 @@ def test_write_back_adamw_matches_fused_adamw_gpu() -> None:
 
 def test_write_back_adamw_skips_on_the_device_flag_gpu() -> None:
     check_write_back_skips_on_the_flag("cuda", fused=True)
+
+
+def test_write_back_steps_many_tensors_in_one_launch_gpu() -> None:
+    check_write_back_many_tensors("cuda", exact_rounding=True)

@@ -120,3 +120,38 @@ def check_write_back_skips_on_the_flag(device: str, fused: bool | None) -> None:
     for got, want in zip(*runs, strict=True):
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b), "the step after a skip differs from a run without the skipped step"
+
+
+def check_write_back_many_tensors(device: str, exact_rounding: bool) -> None:
+    """One launch over many tensors (sizes around the kernel's 2048-element block, bf16 and fp32 copies in
+    one group) against torch's AdamW, then again after the moments moved to new tensors (what a checkpoint
+    load does): the launch tables follow the tensors' addresses. Tolerance as check_write_back_matches_adamw."""
+    gen = torch.Generator(device=device).manual_seed(2)
+    numels = [1, 2047, 2048, 2049, 4099, 7, 5000, 64]
+    init = [torch.randn(n, device=device, generator=gen) * 0.05 for n in numels]
+    ours = [torch.nn.Parameter(t.clone()) for t in init]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    outs = [torch.empty(n, device=device, dtype=torch.bfloat16 if i % 3 else torch.float32)
+            for i, n in enumerate(numels)]
+    opt = WriteBackAdamW([{"params": ours, "weight_decay": WD}], lr=LR, betas=BETAS, eps=EPS)
+    ref_opt = torch.optim.AdamW([{"params": ref, "weight_decay": WD}], lr=LR, betas=BETAS, eps=EPS)
+    for p, out in zip(ours, outs, strict=True):
+        opt.register_write_back(p, out, zero_grad=False)
+    for step in range(3):
+        if step == 2:  # new moment tensors, the same values
+            for p in ours:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    opt.state[p][key] = opt.state[p][key].clone()
+        for p, r in zip(ours, ref, strict=True):
+            g = torch.randn(p.shape, device=device, generator=gen)
+            p.grad, r.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+        for p, r, out in zip(ours, ref, outs, strict=True):
+            tol = 64 * 2.0**-24 * (float(r.detach().abs().max()) + 10 * LR)
+            torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=tol, msg=f"step {step}: {p.numel()}")
+            want = p.detach().to(out.dtype)
+            if exact_rounding or out.dtype == torch.float32:
+                assert torch.equal(out, want), f"step {step}: the copy of {p.numel()} elements"
+            else:  # the interpreter truncates to bf16
+                assert bool(((out.float() - want.float()).abs() <= want.float().abs() * 2.0**-7).all())
