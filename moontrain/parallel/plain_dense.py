@@ -130,8 +130,10 @@ class PlainDense:
         # parallel.plain_accumulate: the later passes' adds in one Triton launch (None: the foreach ops)
         self.accumulator = _grad_accumulator(accumulate, masters[0].device) if self.cast and masters else None
         self.pending = [False] * len(masters)  # acc[i] holds this step's grad of masters[i]
-        # masters[i]._version when compute[i] was last made equal to it (a cast, or the optimizer's write-back):
-        # an in-place change since (QK-Clip, torch's AdamW, a load) moves the version and the copy is cast again
+        # masters[i]._version when compute[i] was last made equal to it (a cast, or the optimizer's write-back),
+        # None once the master may have changed otherwise: an optimizer step that did not write it back (torch's
+        # fused AdamW and foreach steps leave the version counters as they were), a load. A plain in-place op
+        # after the write-back (QK-Clip, the mean-free router rows) moves the version: cast again too
         self.current: list[int | None] = [None] * len(masters)
         self.unsharded = False  # the compute copies are current and registered
         self._casts: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # this forward's casts of grad-free inputs
@@ -177,10 +179,9 @@ class PlainDense:
         return [(m, c, False) for m, c in zip(self.masters, self.compute, strict=True)] if self.cast else []
 
     def finish_step(self, written: frozenset[int]) -> None:
-        """After the optimizer step: the masters it wrote back (ids) have current compute copies."""
-        for i, m in enumerate(self.masters):
-            if id(m) in written:
-                self.current[i] = m._version
+        """Right after an optimizer step: the masters it wrote back (ids) have current compute copies; every
+        other master may have been stepped where its version counter does not show it, so it is cast again."""
+        self.current = [m._version if id(m) in written else None for m in self.masters]
 
     def invalidate(self) -> None:
         """The masters changed where their version counters may not show it (a checkpoint load): cast them all

@@ -276,3 +276,30 @@ def test_block_inputs_cast_and_grouped_as_fsdp_does() -> None:
     fsdp, plain = run_ranks(_toy_grads, 1)[0]
     assert_bitwise(plain, fsdp, "toy plain vs fsdp")
     assert all(g.dtype == torch.float32 for g in plain.values())
+
+
+def test_copies_cast_again_unless_written_back() -> None:
+    """Which compute copies the next forward casts (optim.write_back_dense): none after a cast; after an
+    optimizer step only the masters it did not write back, even when their version counters did not move
+    (torch's fused AdamW steps the masters in place without moving them: the copies stayed stale on a GPU,
+    caught by test_plain_dense_gpu), plus a written one changed in place after it (QK-Clip, the router rows:
+    the version moves); after a checkpoint load, all of them. The recast copies are the masters' casts."""
+    torch.manual_seed(0)
+    plain = PlainDense(_Toy(d=64, layers=2), torch.bfloat16)
+    every = list(range(len(plain.masters)))
+    assert plain.stale() == every
+    plain.unshard()
+    plain.reshard()
+    assert plain.stale() == []
+    plain.finish_step(frozenset(id(m) for m in plain.masters[1:]))
+    assert plain.stale() == [0], "the master stepped without a write-back is cast again"
+    with torch.no_grad():
+        plain.masters[2].mul_(0.5)  # after the write-back: the version moves
+    assert plain.stale() == [0, 2]
+    plain.unshard()
+    for i in (0, 2):
+        assert torch.equal(plain.compute[i], plain.masters[i].detach().to(torch.bfloat16))
+    plain.reshard()
+    assert plain.stale() == []
+    plain.invalidate()
+    assert plain.stale() == every
