@@ -171,4 +171,3 @@ def _moved_after_step(trainer) -> list:
     projections) and the router rows the mean-free update restores (moontrain.model.router_updates)."""
     return ([p for attn in trainer.qk_clip.attns for p in attn.parameters()]
             + [r.weight for r in trainer.router_updates.routers])
-
