@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|glu|tiles|kdabwd|attnres|lmloss|gradacc|opsites|optim|determinism|ckpt|dense|mfu|learning ...]
-#   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, opsites, optim,
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|kdakernels|opsites|optim|determinism|ckpt|dense|mfu|learning ...]
+#   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, kdakernels, opsites, optim,
 #   determinism, ckpt, dense and mfu run on one GPU)
 # tests: on one GPU the single-GPU tier (`pytest -m "gpu or multigpu"`, the multigpu tests skip) in TEST_WORKERS
 # (default 4) pytest-xdist workers sharing the GPU, whole files per worker, TEST_LIMIT s (default 300) per test
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
 # absent. On 2+ GPUs the tier under torchrun --nproc_per_node=2, one log per rank (OUT_DIR/tests_r<rank>.log).
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
-# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT (s), MFU_ARGS (extra overrides for the mfu step), DET_ONLY (runs of check_determinism, default A,B,P,C,D), COMM_ARGS (bench_comm.py
+# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT (s), MFU_ARGS (extra overrides for the mfu step), DET_ONLY (runs of check_determinism, default A,B,P,C,D), COMM_ARGS (bench_comm.py
 # arguments instead of --experts 96 384, e.g. --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
 # --experts 896 --topk 16 --ranks 8).
 # Every step has its own time limit so one hang cannot eat the rest.
@@ -147,6 +147,16 @@ for step in "${steps[@]}"; do
            timeout "${GRADACC_TIMEOUT:-300}" python -m pytest -q -m gpu tests/moontrain/parallel/test_plain_dense_gpu.py \
              > "$out/plain_dense_tests.log" 2>&1
            echo "plain dense GPU tests rc=$?"; tail -3 "$out/plain_dense_tests.log" ;;
+    writeback) # the write-back AdamW against torch's fused AdamW + cast at k3_small's dense masters, then its GPU tests
+           timeout "${WRITEBACK_TIMEOUT:-300}" python benchmarks/bench_write_back.py \
+             --out "$out/bench_write_back.json" > "$out/write_back.log" 2>&1
+           echo "bench_write_back rc=$?"; tail -4 "$out/write_back.log"
+           timeout "${WRITEBACK_TIMEOUT:-300}" python -m pytest -q -m gpu tests/moontrain/optim/test_write_back_gpu.py \
+             tests/moontrain/parallel/test_plain_dense_gpu.py > "$out/write_back_tests.log" 2>&1
+           echo "write-back GPU tests rc=$?"; tail -3 "$out/write_back_tests.log" ;;
+    kdakernels) # KDA's forward + backward by kernel (fla's chunk_kda) at 4 x 4096 x 16, with and without documents
+           timeout "${KDAK_TIMEOUT:-300}" python benchmarks/diagnostics/kda_kernels.py > "$out/kda_kernels.log" 2>&1
+           echo "kda_kernels rc=$?"; head -24 "$out/kda_kernels.log" ;;
     opsites) # where the K3 layers' large copies, casts and cats come from (fla's kernels included), 4 layers of
            # k3_small at 4 x 4096 tokens
            timeout "${OPSITES_TIMEOUT:-300}" python benchmarks/diagnostics/op_sites.py --layers 4 \

@@ -126,12 +126,14 @@ CASES = [
      {"K": 8, "BLOCK_T": 4, "BLOCK_H": 1024, "FIRST_ONLY": first})
     for first in (False, True)
 ] + [
-    ("moontrain.optim.write_back_kernel", "_adamw_write_back_kernel",
-     {"p_ptr": "*fp32", "g_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32", "out_ptr": "*bf16", "bc_ptr": "*fp32",
-      "scale_ptr": "*fp32", "n": "i64", "lr": "fp32", "beta1": "fp32", "beta2": "fp32", "eps": "fp32",
-      "weight_decay": "fp32", "HAS_SCALE": "constexpr", "ZERO": "constexpr", "BLOCK": "constexpr"},
-     {"HAS_SCALE": scale, "ZERO": zero, "BLOCK": 2048})
-    for scale in (False, True) for zero in (False, True)
+    ("moontrain.optim.write_back_kernel", "_adamw_write_back_kernel",  # OUT_KIND 0/1/2: fp32/bf16/fp16 copies
+     {"ptrs_ptr": "*i64", "numel_ptr": "*i64", "first_ptr": "*i64", "owner_ptr": "*i32", "bc_ptr": "*fp32",
+      "scale_ptr": "*fp32", "skip_ptr": "*fp32", "lr": "fp32", "beta1": "fp32", "beta2": "fp32", "eps": "fp32",
+      "weight_decay": "fp32", "HAS_SCALE": "constexpr", "HAS_SKIP": "constexpr", "ZERO": "constexpr",
+      "OUT_KIND": "constexpr", "BLOCK": "constexpr"},
+     {"HAS_SCALE": scale, "HAS_SKIP": skip, "ZERO": zero, "OUT_KIND": kind, "BLOCK": 2048})
+    for scale, skip, zero, kind in ((False, False, False, 1), (True, True, False, 1), (True, True, True, 0),
+                                    (False, True, True, 2))
 ] + [
     ("moontrain.model.attn_res_kernel", "_fwd_kernel",  # K3: N <= 4 values of D = 2048
      {"h_ptr": "*bf16", "r_ptr": "*fp32", "p_ptr": "*fp32", "q_ptr": "*fp32", "M": "i32", "eps": "fp32",

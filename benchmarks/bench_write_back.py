@@ -1,0 +1,121 @@
+"""The optimizer's pass over parallel.dense=plain's masters on one GPU: torch's fused AdamW followed by the next
+forward's foreach cast into the bf16 compute copies (optim.write_back_dense=false), against the write-back
+kernel's one launch that steps them and writes the copies (moontrain.optim.write_back_kernel, the default).
+
+    python benchmarks/bench_write_back.py [--recipe recipes/k3_small.yaml] [--iters 10] [--warmup 3] [--out FILE]
+
+Shapes: the recipe model's non-expert parameters (k3_small: 397 tensors, 1.29 G elements), built on the meta
+device; values random (AdamW's time does not depend on them); a clip factor and a skip flag as the trainer
+passes them. Per variant: the median GPU time of the call (CUDA events, benchmarks.timing), the median host
+time of the call alone (its launches, no wait), the HBM bytes it must move (torch: p, g, m, v read, p, m, v and
+the unscaled g written, then p read and the bf16 copy written: 38 B a parameter; write-back: 30 B) and the rate
+they imply. Check: one step of each from the same state; p within 64 fp32 ulps of max |p| (the kernel contracts
+to FMA, as tests/moontrain/optim/write_back_cases.py bounds it), the bf16 copies equal where p is. Table
+printed; JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from benchmarks.timing import median_ms
+from moontrain.config import RunConfig, from_dict, load_recipe
+from moontrain.model.transformer import K3Model
+from moontrain.optim.write_back_kernel import adamw_write_back_
+
+HPARAMS = dict(lr=3e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8)
+
+
+def dense_shapes(recipe: str) -> list[torch.Size]:
+    cfg = from_dict(RunConfig, load_recipe(recipe))
+    with torch.device("meta"):
+        model = K3Model(cfg.model)
+    return [p.shape for name, p in model.named_parameters() if ".experts.master." not in name]
+
+
+class State:
+    """Masters, grads, moments, step counts and bf16 copies of the given shapes on the GPU."""
+
+    def __init__(self, shapes: list[torch.Size], seed: int = 0) -> None:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.p = [torch.randn(s, device="cuda", generator=gen) * 0.02 for s in shapes]
+        self.g = [torch.randn(s, device="cuda", generator=gen) * 1e-3 for s in shapes]
+        self.m = [torch.randn(s, device="cuda", generator=gen).abs_() * 1e-4 for s in shapes]
+        self.v = [torch.randn(s, device="cuda", generator=gen).square_() * 1e-8 for s in shapes]
+        self.steps = [torch.full((), 10.0, device="cuda") for _ in shapes]
+        self.copies = [torch.empty(s, device="cuda", dtype=torch.bfloat16) for s in shapes]
+        self.scale = torch.tensor(1.25, device="cuda")  # the clip factor
+        self.skip = torch.tensor(0.0, device="cuda")  # the device verdict: applied
+
+
+def torch_step(s: State) -> None:
+    torch._fused_adamw_(s.p, s.g, s.m, s.v, [], s.steps, amsgrad=False, maximize=False, grad_scale=s.scale,
+                        found_inf=s.skip, **HPARAMS)
+    torch._foreach_copy_(s.copies, s.p)  # moontrain.parallel.plain_dense.PlainDense.unshard
+
+
+def write_back_step(s: State) -> None:
+    adamw_write_back_(s.p, s.g, s.m, s.v, s.steps, s.copies, grad_scale=s.scale, found_inf=s.skip,
+                      zero_grads=False, **HPARAMS)
+
+
+def host_ms(fn, state: State, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(state)
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", default="recipes/k3_small.yaml")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default=None, help="JSON path (default: none)")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_write_back needs a CUDA GPU")
+    shapes = dense_shapes(args.recipe)
+    n = sum(s.numel() for s in shapes)
+    a, b = State(shapes), State(shapes)
+    torch_step(a)
+    write_back_step(b)
+    scale = max(float(x.abs().max()) for x in a.p)
+    p_diff = max(float((x - y).abs().max()) for x, y in zip(a.p, b.p, strict=True)) / scale
+    copies_equal = all(torch.equal(x.to(torch.bfloat16), c) for x, c in zip(b.p, b.copies, strict=True))
+    if p_diff > 64 * 2.0**-24 or not copies_equal:
+        raise SystemExit(f"write-back differs from torch's step: p by {p_diff:.3g} of max |p|, "
+                         f"copies equal to the cast: {copies_equal}")
+    del a, b
+    rows = []
+    for name, fn, bytes_per in (("torch fused AdamW + cast", torch_step, 38), ("write-back", write_back_step, 30)):
+        state = State(shapes, seed=1)
+        ms = median_ms(lambda fn=fn, state=state: fn(state), args.iters, args.warmup)
+        rows.append({"variant": name, "gpu_ms": ms, "host_ms": host_ms(fn, state, args.iters),
+                     "bytes": bytes_per * n, "tb_per_s": bytes_per * n / ms / 1e9})
+        del state
+    print(f"{args.recipe}: {len(shapes)} dense tensors, {n / 1e9:.3f} G parameters; {torch.cuda.get_device_name()}; "
+          f"median of {args.iters}; write-back p within {p_diff:.2g} of max |p|, copies bitwise the cast")
+    print(f"{'variant':26s} {'GPU ms':>8s} {'host ms':>8s} {'GB':>7s} {'TB/s':>6s}")
+    for r in rows:
+        print(f"{r['variant']:26s} {r['gpu_ms']:8.3f} {r['host_ms']:8.3f} {r['bytes'] / 1e9:7.2f} {r['tb_per_s']:6.2f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"recipe": args.recipe, "tensors": len(shapes), "params": n,
+                                              "p_rel_diff": p_diff, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
