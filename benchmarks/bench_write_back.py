@@ -58,8 +58,12 @@ class State:
 
 
 def torch_step(s: State) -> None:
+    """What torch.optim.AdamW(fused=True).step does with a clip factor and a skip flag (the step counts
+    advanced around the kernel, a skipped step taken back), then the next forward's cast."""
+    torch._foreach_add_(s.steps, 1.0)
     torch._fused_adamw_(s.p, s.g, s.m, s.v, [], s.steps, amsgrad=False, maximize=False, grad_scale=s.scale,
                         found_inf=s.skip, **HPARAMS)
+    torch._foreach_sub_(s.steps, [s.skip] * len(s.steps))
     torch._foreach_copy_(s.copies, s.p)  # moontrain.parallel.plain_dense.PlainDense.unshard
 
 
