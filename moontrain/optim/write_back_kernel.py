@@ -6,7 +6,11 @@ The launch walks a table, not one tensor: the addresses of each tensor's p, g, m
 size and its first block, and for every block the tensor it belongs to (torch's multi_tensor_apply does the
 same with kernel arguments). The table is built on the host once per set of tensors and kept on the device
 (_TableCache: keyed by the addresses and sizes, so a moved tensor makes a new table), so a step costs a few
-launches whatever the number of parameters (k3_small's dense masters are 397 tensors).
+launches whatever the number of parameters (k3_small's dense masters are 397 tensors). The addresses must be
+16-byte aligned and a tensor's whole blocks load and store unmasked: Triton knows nothing of a pointer read
+from memory, and with masked accesses on such pointers (this kernel's first version) every load and store
+compiles to a scalar one (sm90 PTX: 0 of 69 loads vectorised; now 4-wide, as moontrain.parallel.
+grad_accumulate_kernel does it).
 """
 
 from __future__ import annotations
@@ -20,32 +24,22 @@ _OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @triton.jit
-def _adamw_write_back_kernel(ptrs_ptr, numel_ptr, first_ptr, owner_ptr, bc_ptr, scale_ptr, skip_ptr,
-                             lr, beta1, beta2, eps, weight_decay,
-                             HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, ZERO: tl.constexpr,
-                             OUT_KIND: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    t = tl.load(owner_ptr + pid)  # the tensor this block belongs to
-    n = tl.load(numel_ptr + t)
-    offs = (pid - tl.load(first_ptr + t)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    row = ptrs_ptr + t * 5
-    p_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
-    m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    if OUT_KIND == 1:
-        out_ptr = tl.load(row + 4).to(tl.pointer_type(tl.bfloat16))
-    elif OUT_KIND == 2:
-        out_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float16))
+def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, offs, n, bc1, bc2_sqrt, scale_ptr, skip_ptr,
+                 lr, beta1, beta2, eps, weight_decay, HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr,
+                 ZERO: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
+    """One block of one tensor; MASKED for a tensor's last, partial block (the whole ones load and store
+    unmasked, so with the pointers' 16-byte alignment the accesses vectorise)."""
+    if MASKED:
+        mask = offs < n
+        p0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+        m0 = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v0 = tl.load(v_ptr + offs, mask=mask, other=0.0)
     else:
-        out_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-    bc1 = tl.load(bc_ptr + t * 2)  # 1 - beta1^step
-    bc2_sqrt = tl.load(bc_ptr + t * 2 + 1)  # sqrt(1 - beta2^step)
-    p0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0)
-    m0 = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v0 = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        p0 = tl.load(p_ptr + offs)
+        g = tl.load(g_ptr + offs)
+        m0 = tl.load(m_ptr + offs)
+        v0 = tl.load(v_ptr + offs)
     if HAS_SCALE:
         g = g / tl.load(scale_ptr)
     p = p0 - lr * weight_decay * p0
@@ -58,12 +52,53 @@ def _adamw_write_back_kernel(ptrs_ptr, numel_ptr, first_ptr, owner_ptr, bc_ptr, 
         p = tl.where(keep, p0, p)
         m = tl.where(keep, m0, m)
         v = tl.where(keep, v0, v)
-    tl.store(p_ptr + offs, p, mask=mask)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
-    tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)
-    if ZERO:
-        tl.store(g_ptr + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=mask)
+    out = p.to(out_ptr.dtype.element_ty)
+    if MASKED:
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        tl.store(out_ptr + offs, out, mask=mask)
+        if ZERO:
+            tl.store(g_ptr + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=mask)
+    else:
+        tl.store(p_ptr + offs, p)
+        tl.store(m_ptr + offs, m)
+        tl.store(v_ptr + offs, v)
+        tl.store(out_ptr + offs, out)
+        if ZERO:
+            tl.store(g_ptr + offs, tl.zeros([BLOCK], dtype=tl.float32))
+
+
+@triton.jit
+def _adamw_write_back_kernel(ptrs_ptr, numel_ptr, first_ptr, owner_ptr, bc_ptr, scale_ptr, skip_ptr,
+                             lr, beta1, beta2, eps, weight_decay,
+                             HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, ZERO: tl.constexpr,
+                             OUT_KIND: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(owner_ptr + pid)  # the tensor this block belongs to
+    n = tl.load(numel_ptr + t)
+    start = tl.multiple_of((pid - tl.load(first_ptr + t)).to(tl.int64) * BLOCK, BLOCK)
+    offs = start + tl.arange(0, BLOCK)
+    row = ptrs_ptr + t * 5
+    # every address is 16-byte aligned (adamw_write_back_ checks): vector loads and stores
+    p_ptr = tl.multiple_of(tl.load(row).to(tl.pointer_type(tl.float32)), 16)
+    g_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(tl.float32)), 16)
+    m_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.float32)), 16)
+    v_ptr = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(tl.float32)), 16)
+    if OUT_KIND == 1:
+        out_ptr = tl.multiple_of(tl.load(row + 4).to(tl.pointer_type(tl.bfloat16)), 16)
+    elif OUT_KIND == 2:
+        out_ptr = tl.multiple_of(tl.load(row + 4).to(tl.pointer_type(tl.float16)), 16)
+    else:
+        out_ptr = tl.multiple_of(tl.load(row + 4).to(tl.pointer_type(tl.float32)), 16)
+    bc1 = tl.load(bc_ptr + t * 2)  # 1 - beta1^step
+    bc2_sqrt = tl.load(bc_ptr + t * 2 + 1)  # sqrt(1 - beta2^step)
+    if start + BLOCK <= n:  # a whole block
+        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, offs, n, bc1, bc2_sqrt, scale_ptr, skip_ptr, lr, beta1,
+                     beta2, eps, weight_decay, HAS_SCALE, HAS_SKIP, ZERO, False, BLOCK)
+    else:  # the tensor's last block
+        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, offs, n, bc1, bc2_sqrt, scale_ptr, skip_ptr, lr, beta1,
+                     beta2, eps, weight_decay, HAS_SCALE, HAS_SKIP, ZERO, True, BLOCK)
 
 
 class _TableCache:
@@ -123,6 +158,11 @@ def adamw_write_back_(params: list[torch.Tensor], grads: list[torch.Tensor], exp
                              f"{', '.join(str(d) for d in _OUT_KINDS)}")
     if not params:
         return
+    misaligned = [i for i, ts in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, outs, strict=True))
+                  if any(t.data_ptr() % 16 for t in ts)]
+    if misaligned:
+        raise ValueError(f"adamw_write_back_: entries {misaligned[:8]} start off a 16-byte boundary (the kernel's "
+                         "vector loads need it); pass whole tensors or views at a 16-byte offset")
     device = params[0].device
     if any(p.device != device for p in params):
         raise ValueError(f"adamw_write_back_: parameters on {sorted({str(p.device) for p in params})}; one launch "

@@ -41,6 +41,13 @@ def test_write_back_rejects_mismatched_target() -> None:
         opt.register_write_back(p, torch.zeros(6, 4).t())
     with pytest.raises(ValueError, match="amsgrad=True is not supported"):
         WriteBackAdamW([p], lr=1e-3, amsgrad=True)
+    from moontrain.optim.write_back_kernel import adamw_write_back_
+
+    flat = torch.zeros(5, 8)
+    q = flat.view(-1)[1:9]  # 4 bytes past a 16-byte boundary
+    with pytest.raises(ValueError, match=r"entries \[0\] start off a 16-byte boundary"):
+        adamw_write_back_([q], [q.clone()], [q.clone()], [q.clone()], [torch.zeros(())], [q.clone()], lr=1e-3,
+                          beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
 
 
 def test_trainer_with_write_back_matches_plain_adamw(tmp_path) -> None:
