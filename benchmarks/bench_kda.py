@@ -1,18 +1,24 @@
 """Sequence mixing on one GPU: KDA (fla's chunk_kda through moontrain.model.kda.ops.kda_fla) against causal
 softmax attention at MLA's head dims (q/k 192, v 128), forward + backward, with and without packed documents.
 
-    python benchmarks/bench_kda.py [--iters 20] [--warmup 5] [--doc-len 1024] [--out results/bench_kda.json]
+    python benchmarks/bench_kda.py [--iters 20] [--warmup 5] [--doc-len 1024] [--dqkg moontrain|fla]
+        [--out results/bench_kda.json]
 
 Cases (batch x seq x heads, KDA heads of 128): 4 x 4096 x 16 and 2 x 8192 x 32 by default (--cases).
 Per case:
-- kda: kda_fla (gate, L2 norm and chunked recurrence fused; bf16 q/k/v/f, fp32 beta), grads of all inputs.
+- kda: kda_fla as the model runs it by default (gate, L2 norm and chunked recurrence fused; the forward's
+  states kept for the backward, kernels.kda_recompute=False; the dqkg stage on --dqkg's kernel, default
+  moontrain's as kernels.kda_dqkg; bf16 q/k/v/f, fp32 beta), grads of all inputs.
 - kda docs: the same with a document start every --doc-len tokens (cu_seqlens over the flattened batch).
 - sdpa: F.scaled_dot_product_attention, causal, bf16 (the MLA layers without document masking).
 - flex docs: the compiled flex_attention with the same documents' block mask (the MLA layers' CUDA path).
-- kda kept (docs): the first case's kda rows with kernels.kda_recompute=False (fla's disable_recompute).
+- kda recompute (docs): the first case's kda rows with kernels.kda_recompute=True (the backward recomputes).
 - kda torch: the pure-PyTorch specification, at the first case only (it is the reference, not a kernel).
-Median of --iters timed by CUDA events after --warmup; model TFLOP/s from moontrain.metrics.flops' per-token
-counts (KDA: the chunked recurrence; attention: causal scores and values). Table printed; JSON to --out.
+Median of --iters timed by CUDA events after --warmup (ms: the host waits for each call, so its launch gaps
+count), and the device's time alone (dev ms: the host run ahead, as in a training step's queue; fla's KDA is
+~25 launches from Python, attention one or a few); model TFLOP/s (at ms) from moontrain.metrics.flops'
+per-token counts (KDA: the chunked recurrence; attention: causal scores and values). Table printed; JSON to
+--out.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ DQK, DV, K = 192, 128, 128
 
 
 def kda_case(B: int, T: int, H: int, doc_len: int | None, torch_spec: bool, iters: int, warmup: int,
-             recompute: bool = True) -> dict:
+             recompute: bool = False) -> dict:
     leaves, kwargs, go = random_kda_inputs(B, T, H, K, doc_len=doc_len)
     fn = kda if torch_spec else functools.partial(kda_fla, recompute=recompute)
 
@@ -49,9 +55,10 @@ def kda_case(B: int, T: int, H: int, doc_len: int | None, torch_spec: bool, iter
     base = torch.cuda.memory_allocated()
     ms = median_ms(run, iters, warmup)
     peak_gib = (torch.cuda.max_memory_allocated() - base) / 2 ** 30  # what a forward+backward adds
+    device_ms = None if torch_spec else median_ms(run, iters, 1, host_ahead_ms=40.0)
     flops = 3 * B * T * H * (CHUNK * 5 * K + 6 * K * K)  # moontrain.metrics.flops.kda_mixing_flops_per_token
-    name = "kda torch" if torch_spec else "kda" if recompute else "kda kept"
-    return {"case": name + (" docs" if doc_len else ""), "B": B, "T": T, "H": H, "ms": ms,
+    name = "kda torch" if torch_spec else "kda recompute" if recompute else "kda"
+    return {"case": name + (" docs" if doc_len else ""), "B": B, "T": T, "H": H, "ms": ms, "device_ms": device_ms,
             "tflops": flops / ms / 1e9, "peak_gib": peak_gib}
 
 
@@ -76,10 +83,11 @@ def attention_case(B: int, T: int, H: int, doc_len: int | None, iters: int, warm
         return (o, *torch.autograd.grad(o, leaves, go))
 
     ms = median_ms(run, iters, warmup)
+    device_ms = median_ms(run, iters, 1, host_ahead_ms=40.0)
     visible = T / 2 if doc_len is None else doc_len / 2  # mean keys per query (causal)
     flops = 6 * B * T * H * (DQK + DV) * visible
     return {"case": "sdpa" if doc_len is None else "flex docs", "B": B, "T": T, "H": H, "ms": ms,
-            "tflops": flops / ms / 1e9}
+            "device_ms": device_ms, "tflops": flops / ms / 1e9}
 
 
 def main() -> None:
@@ -88,8 +96,13 @@ def main() -> None:
     p.add_argument("--doc-len", type=int, default=1024)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--dqkg", choices=("moontrain", "fla"), default="moontrain",
+                   help="the kernel of fla's dqkg backward stage (kernels.kda_dqkg; default: the model's)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_kda_<date>.json)")
     args = p.parse_args()
+    from moontrain.model.kda.fla_backend import route_fla_stages
+
+    route_fla_stages(dqkg=args.dqkg == "moontrain", intra=False)
     rows = []
     for i, case in enumerate(args.cases.split(",")):
         B, T, H = (int(x) for x in case.split("x"))
@@ -98,17 +111,19 @@ def main() -> None:
         rows.append(attention_case(B, T, H, None, args.iters, args.warmup))
         rows.append(attention_case(B, T, H, args.doc_len, args.iters, args.warmup))
         if i == 0:
-            rows.append(kda_case(B, T, H, None, False, args.iters, args.warmup, recompute=False))
-            rows.append(kda_case(B, T, H, args.doc_len, False, args.iters, args.warmup, recompute=False))
+            rows.append(kda_case(B, T, H, None, False, args.iters, args.warmup, recompute=True))
+            rows.append(kda_case(B, T, H, args.doc_len, False, args.iters, args.warmup, recompute=True))
             rows.append(kda_case(B, T, H, None, True, max(3, args.iters // 5), 1))
-    print(f"{'case':<14} {'B':>3} {'T':>6} {'H':>4} {'ms':>9} {'TFLOP/s':>9} {'+GiB':>6}")
+    print(f"dqkg stage: {args.dqkg}")
+    print(f"{'case':<18} {'B':>3} {'T':>6} {'H':>4} {'ms':>9} {'dev ms':>8} {'TFLOP/s':>9} {'+GiB':>6}")
     for r in rows:
         gib = f"{r['peak_gib']:>6.2f}" if "peak_gib" in r else f"{'':>6}"
-        print(f"{r['case']:<14} {r['B']:>3} {r['T']:>6} {r['H']:>4} {r['ms']:>9.3f} {r['tflops']:>9.1f} {gib}")
+        dev = f"{r['device_ms']:>8.3f}" if r.get("device_ms") is not None else f"{'':>8}"
+        print(f"{r['case']:<18} {r['B']:>3} {r['T']:>6} {r['H']:>4} {r['ms']:>9.3f} {dev} {r['tflops']:>9.1f} {gib}")
     out = Path(args.out or Path(__file__).parent / "results" / f"bench_kda_{time.strftime('%Y%m%d')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "doc_len": args.doc_len, "rows": rows}, indent=1) + "\n")
+                               "doc_len": args.doc_len, "dqkg": args.dqkg, "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")
 
 

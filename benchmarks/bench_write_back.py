@@ -3,15 +3,19 @@ forward's foreach cast into the bf16 compute copies (optim.write_back_dense=fals
 kernel's one launch that steps them and writes the copies (moontrain.optim.write_back_kernel, the default).
 
     python benchmarks/bench_write_back.py [--recipe recipes/k3_small.yaml] [--iters 10] [--warmup 3] [--out FILE]
+        [--tiles 2048x4 4096x8 ...] [--experts]
 
 Shapes: the recipe model's non-expert parameters (k3_small: 397 tensors, 1.29 G elements), built on the meta
 device; values random (AdamW's time does not depend on them); a clip factor and a skip flag as the trainer
-passes them. Per variant: the median GPU time of the call (CUDA events, benchmarks.timing), the median host
-time of the call alone (its launches, no wait), the HBM bytes it must move (torch: p, g, m, v read, p, m, v and
-the unscaled g written, then p read and the bf16 copy written: 38 B a parameter; write-back: 30 B) and the rate
-they imply. Check: one step of each from the same state; p within 64 fp32 ulps of max |p| (the kernel contracts
+passes them. Per variant: the median GPU time of the call (CUDA events, benchmarks.timing; the host's launch
+work inside it), the device's time alone (the same with the host run ahead, as in a GPU-bound step), the median
+host time of the call alone (its launches, no wait), the HBM bytes it must move (torch: p, g, m, v read, p, m, v
+and the unscaled g written, then p read and the bf16 copy written: 38 B a parameter; write-back: 30 B) and the
+rate they imply at the device's time. Check: one step of each from the same state; p within 64 fp32 ulps of max |p| (the kernel contracts
 to FMA, as tests/moontrain/optim/write_back_cases.py bounds it), the bf16 copies equal where p is. Table
-printed; JSON to --out.
+printed; JSON to --out. --tiles: the write-back timed at each (elements a program) x (warps) tile
+(moontrain.optim.write_back_kernel.TILE; default: the shipped one). --experts: the same rows at the recipe's
+expert masters too ([E, ., .] per MoE layer; timed only, the check runs on the dense set).
 """
 
 from __future__ import annotations
@@ -30,16 +34,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from benchmarks.timing import median_ms
 from moontrain.config import RunConfig, from_dict, load_recipe
 from moontrain.model.transformer import K3Model
+from moontrain.optim import write_back_kernel
 from moontrain.optim.write_back_kernel import adamw_write_back_
 
 HPARAMS = dict(lr=3e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8)
 
 
-def dense_shapes(recipe: str) -> list[torch.Size]:
+def master_shapes(recipe: str, experts: bool) -> list[torch.Size]:
+    """The recipe model's dense masters' shapes (experts: its expert masters' instead)."""
     cfg = from_dict(RunConfig, load_recipe(recipe))
     with torch.device("meta"):
         model = K3Model(cfg.model)
-    return [p.shape for name, p in model.named_parameters() if ".experts.master." not in name]
+    return [p.shape for name, p in model.named_parameters() if (".experts.master." in name) == experts]
 
 
 class State:
@@ -89,10 +95,14 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=None, help="JSON path (default: none)")
+    p.add_argument("--tiles", nargs="*", default=None, help="write-back tiles ELEMENTSxWARPS (default: the shipped one)")
+    p.add_argument("--experts", action="store_true", help="also time the recipe's expert masters")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_write_back needs a CUDA GPU")
-    shapes = dense_shapes(args.recipe)
+    shipped = write_back_kernel.TILE
+    tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles] if args.tiles else [shipped]
+    shapes = master_shapes(args.recipe, experts=False)
     n = sum(s.numel() for s in shapes)
     a, b = State(shapes), State(shapes)
     torch_step(a)
@@ -105,21 +115,32 @@ def main() -> None:
                          f"copies equal to the cast: {copies_equal}")
     del a, b
     rows = []
-    for name, fn, bytes_per in (("torch fused AdamW + cast", torch_step, 38), ("write-back", write_back_step, 30)):
-        state = State(shapes, seed=1)
-        ms = median_ms(lambda fn=fn, state=state: fn(state), args.iters, args.warmup)
-        rows.append({"variant": name, "gpu_ms": ms, "host_ms": host_ms(fn, state, args.iters),
-                     "bytes": bytes_per * n, "tb_per_s": bytes_per * n / ms / 1e9})
+    sets = [("dense", shapes)] + ([("experts", master_shapes(args.recipe, experts=True))] if args.experts else [])
+    for set_name, set_shapes in sets:
+        n_set = sum(s.numel() for s in set_shapes)
+        state = State(set_shapes, seed=1)
+        variants = [("torch fused AdamW + cast", torch_step, 38, None)]
+        variants += [(f"write-back {t[0]}x{t[1]}", write_back_step, 30, t) for t in tiles]
+        for name, fn, bytes_per, tile in variants:
+            write_back_kernel.TILE = tile or shipped
+            ms = median_ms(lambda fn=fn, state=state: fn(state), args.iters, args.warmup)
+            device_ms = median_ms(lambda fn=fn, state=state: fn(state), args.iters, 1, host_ahead_ms=20.0)
+            rows.append({"set": set_name, "variant": name, "tile": tile, "gpu_ms": ms, "device_ms": device_ms,
+                         "host_ms": host_ms(fn, state, args.iters), "params": n_set, "bytes": bytes_per * n_set,
+                         "tb_per_s": bytes_per * n_set / device_ms / 1e9})
+            print(f"  {set_name} {name}: {ms:.3f} ms, device alone {device_ms:.3f} ms", flush=True)
+        write_back_kernel.TILE = shipped
         del state
     print(f"{args.recipe}: {len(shapes)} dense tensors, {n / 1e9:.3f} G parameters; {torch.cuda.get_device_name()}; "
-          f"median of {args.iters}; write-back p within {p_diff:.2g} of max |p|, copies bitwise the cast")
-    print(f"{'variant':26s} {'GPU ms':>8s} {'host ms':>8s} {'GB':>7s} {'TB/s':>6s}")
+          f"median of {args.iters}; write-back p within {p_diff:.2g} of max |p|, copies bitwise the cast; "
+          f"shipped tile {shipped[0]}x{shipped[1]}")
+    print(f"{'set':8s} {'variant':26s} {'GPU ms':>8s} {'device ms':>9s} {'host ms':>8s} {'GB':>7s} {'TB/s':>6s}")
     for r in rows:
-        print(f"{r['variant']:26s} {r['gpu_ms']:8.3f} {r['host_ms']:8.3f} {r['bytes'] / 1e9:7.2f} {r['tb_per_s']:6.2f}")
+        print(f"{r['set']:8s} {r['variant']:26s} {r['gpu_ms']:8.3f} {r['device_ms']:9.3f} {r['host_ms']:8.3f} "
+              f"{r['bytes'] / 1e9:7.2f} {r['tb_per_s']:6.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps({"recipe": args.recipe, "tensors": len(shapes), "params": n,
-                                              "p_rel_diff": p_diff, "rows": rows}, indent=1))
-
+                                              "p_rel_diff": p_diff, "shipped_tile": shipped, "rows": rows}, indent=1))
 
 if __name__ == "__main__":
     main()

@@ -10,14 +10,19 @@ from collections.abc import Callable
 import torch
 
 
-def median_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
+def median_ms(fn: Callable[[], object], iters: int, warmup: int, *, host_ahead_ms: float = 0.0) -> float:
     """Median milliseconds of fn() over `iters` calls after `warmup` untimed ones, each timed by CUDA
-    events around the call alone (the host waits for each call's end event)."""
+    events around the call alone (the host waits for each call's end event). host_ahead_ms > 0: the device
+    first spins that long (torch.cuda._sleep, at ~2 GHz) before the start event, so the host's work of
+    launching fn overlaps the spin and the time is the device's alone, as in a step whose host runs ahead
+    of its kernels (give more than the call's host time)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if host_ahead_ms > 0:
+            torch.cuda._sleep(int(host_ahead_ms * 2e6))
         start.record()
         fn()
         end.record()

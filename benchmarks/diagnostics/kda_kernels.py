@@ -3,9 +3,14 @@ fla stages routed as the process has them: fla's own unless kernels.kda_dqkg / k
 with and without packed documents, under torch.profiler (CUDA activity alone).
 
     python benchmarks/diagnostics/kda_kernels.py [--case 4x4096x16] [--doc-len 1024] [--iters 10]
+        [--recompute on off] [--dqkg fla|moontrain]
 
 Prints, per case, each kernel's time a call (the mean over --iters profiled calls after 5 untimed ones), its
 launches a call and the kernels' total; that total leaves out the launch gaps bench_kda.py's wall times hold.
+Beside it: the call's median wall time (CUDA events around forward + backward, --iters calls) and the bytes the
+forward leaves saved for the backward (allocated after the forward minus before). --recompute: fla's
+disable_recompute negated (kernels.kda_recompute), one table per value; --dqkg: the WY / inter-chunk backward
+stage on fla's kernel or moontrain's (kernels.kda_dqkg; the model's default is moontrain).
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script 
 from moontrain.model.kda.ops import kda_fla, random_kda_inputs
 
 
-def kernel_table(B: int, T: int, H: int, doc_len: int | None, iters: int) -> tuple[float, list[tuple]]:
-    """(kernel us a call in all, [(us a call, launches a call, name)] largest first)."""
+def kernel_table(B: int, T: int, H: int, doc_len: int | None, iters: int, recompute: bool
+                 ) -> tuple[float, list[tuple], float, int]:
+    """(kernel us a call in all, [(us a call, launches a call, name)] largest first, median wall ms a call,
+    bytes saved by the forward for the backward)."""
     leaves, kwargs, go = random_kda_inputs(B, T, H, 128, doc_len=doc_len)
+    kwargs["recompute"] = recompute
 
     def run() -> None:
         o = kda_fla(*leaves, **kwargs)
@@ -33,6 +41,19 @@ def kernel_table(B: int, T: int, H: int, doc_len: int | None, iters: int) -> tup
     for _ in range(5):
         run()
     torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    o = kda_fla(*leaves, **kwargs)
+    saved = torch.cuda.memory_allocated() - before - o.numel() * o.element_size()
+    del o
+    wall = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        wall.append(start.elapsed_time(end))
+    wall_ms = sorted(wall)[len(wall) // 2]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             run()
@@ -44,7 +65,7 @@ def kernel_table(B: int, T: int, H: int, doc_len: int | None, iters: int) -> tup
             row[0] += 1
             row[1] += e.device_time
     table = sorted(((us / iters, n // iters, name) for name, (n, us) in rows.items()), reverse=True)
-    return sum(us for us, _, _ in table), table
+    return sum(us for us, _, _ in table), table, wall_ms, saved
 
 
 def main() -> None:
@@ -52,15 +73,27 @@ def main() -> None:
     p.add_argument("--case", default="4x4096x16", help="BxTxH (KDA heads of 128)")
     p.add_argument("--doc-len", type=int, default=1024)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--recompute", nargs="+", choices=("on", "off"), default=["on"])
+    p.add_argument("--dqkg", choices=("fla", "moontrain"), default="fla")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kda_kernels needs a CUDA GPU and fla-core")
+    from moontrain.model.kda.fla_backend import route_fla_stages
+
+    route_fla_stages(dqkg=args.dqkg == "moontrain", intra=False)
     B, T, H = (int(x) for x in args.case.split("x"))
-    for doc_len in (None, args.doc_len):
-        total, table = kernel_table(B, T, H, doc_len, args.iters)
-        print(f"\n== {args.case}, documents {doc_len}: kernels {total:.1f} us a call")
-        for us, n, name in table:
-            print(f"{us:9.1f} us  x{n:2d}  {name[:110]}")
+    summary = []
+    for recompute in args.recompute:
+        for doc_len in (None, args.doc_len):
+            total, table, wall_ms, saved = kernel_table(B, T, H, doc_len, args.iters, recompute == "on")
+            summary.append((recompute, doc_len, total, wall_ms, saved))
+            print(f"\n== {args.case}, documents {doc_len}, recompute {recompute}, dqkg {args.dqkg}: kernels "
+                  f"{total:.1f} us a call, wall {wall_ms * 1e3:.1f} us, saved for backward {saved / 2**20:.0f} MiB")
+            for us, n, name in table:
+                print(f"{us:9.1f} us  x{n:2d}  {name[:110]}")
+    print(f"\n{'recompute':>9s} {'documents':>9s} {'kernels us':>10s} {'wall us':>8s} {'saved MiB':>9s}")
+    for recompute, doc_len, total, wall_ms, saved in summary:
+        print(f"{recompute:>9s} {doc_len!s:>9s} {total:10.1f} {wall_ms * 1e3:8.1f} {saved / 2**20:9.0f}")
 
 
 if __name__ == "__main__":

@@ -239,10 +239,11 @@ class KernelsConfig:
     # KDA layers: "auto" runs fla's chunk_kda (Triton) on CUDA when fla-core is installed, else the pure-PyTorch
     # chunked KDA (moontrain.model.kda.ops, the specification); "torch" / "fla" force one
     kda: Literal["auto", "torch", "fla"] = "auto"
-    # fla's KDA backward recomputes the forward's chunk states and WY factors (less memory); False keeps them from
-    # the forward (fla's disable_recompute: fewer backward kernels, more activation memory; measured slower at
-    # k3_small's shapes: docs/performance.md). The PyTorch KDA keeps what autograd keeps either way
-    kda_recompute: bool = True
+    # False (the default) keeps the forward's chunk states and WY factors for fla's KDA backward (fla's
+    # disable_recompute: ~0.41 ms less a layer call at k3_small's pass, ~36 KiB more activation memory a token a
+    # KDA layer: docs/performance.md); True recomputes them in the backward (less memory). The PyTorch KDA keeps
+    # what autograd keeps either way
+    kda_recompute: bool = False
     # the kernel of fla's KDA backward stage for dq, dk, dg, db and the WY matrix's grad (its slowest):
     # "moontrain" (moontrain.model.kda.dqkg_kernel: the same outputs, ~1.9x faster at k3_small's shapes:
     # docs/kda.md) or "fla" (fla's chunk_kda_bwd_wy_dqkg_fused). Only where the KDA layers run fla; process-wide

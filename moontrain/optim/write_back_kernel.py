@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK = 2048
+TILE = (2048, 4)  # (elements a program, warps); benchmarks/bench_write_back.py --tiles sweeps it
 _OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -110,13 +110,13 @@ class _TableCache:
         self.keep = keep
         self.tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def get(self, tensors: list[tuple[torch.Tensor, ...]], device: torch.device
+    def get(self, tensors: list[tuple[torch.Tensor, ...]], device: torch.device, block: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        key = (device, tuple((*(t.data_ptr() for t in ts), ts[0].numel()) for ts in tensors))
+        key = (device, block, tuple((*(t.data_ptr() for t in ts), ts[0].numel()) for ts in tensors))
         hit = self.tables.get(key)
         if hit is None:
             numels = [ts[0].numel() for ts in tensors]
-            blocks = [triton.cdiv(n, _BLOCK) for n in numels]
+            blocks = [triton.cdiv(n, block) for n in numels]
             first = torch.tensor([0, *blocks[:-1]], dtype=torch.int64).cumsum(0)
             owner = torch.repeat_interleave(torch.arange(len(tensors), dtype=torch.int32), torch.tensor(blocks))
             ptrs = torch.tensor([[t.data_ptr() for t in ts] for ts in tensors], dtype=torch.int64)
@@ -172,16 +172,17 @@ def adamw_write_back_(params: list[torch.Tensor], grads: list[torch.Tensor], exp
     bc_P2 = torch.stack([1.0 - torch.pow(beta1, step_P), torch.sqrt(1.0 - torch.pow(beta2, step_P))], dim=1)
     scale = grad_scale if grad_scale is not None else bc_P2  # never read when HAS_SCALE is off
     skip = found_inf if found_inf is not None else bc_P2  # never read when HAS_SKIP is off
+    block, warps = TILE
     for dtype, kind in _OUT_KINDS.items():
         idx = [i for i, out in enumerate(outs) if out.dtype == dtype]
         if not idx:
             continue
         ptrs, numel, first, owner = _TABLES.get(
-            [(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], outs[i]) for i in idx], device)
+            [(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], outs[i]) for i in idx], device, block)
         bc = bc_P2 if len(idx) == len(params) else bc_P2[idx]
         _adamw_write_back_kernel[(owner.numel(),)](
             ptrs, numel, first, owner, bc, scale, skip, float(lr), float(beta1), float(beta2), float(eps),
             float(weight_decay), HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, ZERO=zero_grads,
-            OUT_KIND=kind, BLOCK=_BLOCK, num_warps=4)
+            OUT_KIND=kind, BLOCK=block, num_warps=warps)
     if found_inf is not None:  # a skipped step does not count (torch's fused AdamW takes it back the same way)
         torch._foreach_sub_(steps, [found_inf] * len(steps))

@@ -98,7 +98,7 @@ class GatedRMSNorm(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, kernel: str = "auto", conv: str = "auto", recompute: bool = True,
+    def __init__(self, cfg: ModelConfig, *, kernel: str = "auto", conv: str = "auto", recompute: bool = False,
                  dqkg: str = "moontrain", intra: str = "fla", device: torch.device | str | None = None) -> None:
         super().__init__()
         self.cfg = cfg

@@ -160,8 +160,8 @@ def kda_fla(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, f_
     With document starts the batch is flattened to one row and every row start and document start opens a
     sequence of cu_seqlens: seq_bounds, the (device, host) pair of moontrain.model.documents.flat_sequence_bounds
     that the forward's DocumentMask carries for all KDA layers, or derived here (one host sync) when not given.
-    device_chunks (with recompute): fla lists the sequences' chunks on the device (its use_graph mode, with
-    max_num_seqs the host's exact count), not on the host with a blocking copy per forward: no host sync."""
+    device_chunks: fla lists the sequences' chunks on the device (its use_graph mode, with max_num_seqs the
+    host's exact count), not on the host with a blocking copy per forward: no host sync."""
     from fla.ops.kda import chunk_kda
 
     B, T = q_BTHK.shape[:2]
@@ -171,7 +171,7 @@ def kda_fla(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, f_
         cu_seqlens, cu_seqlens_cpu = seq_bounds if seq_bounds is not None else flat_sequence_bounds(doc_start_BT)
         q_BTHK, k_BTHK, v_BTHV, f_BTHK, beta_BTH = (
             x.reshape(1, B * T, *x.shape[2:]) for x in (q_BTHK, k_BTHK, v_BTHV, f_BTHK, beta_BTH))
-        if device_chunks and recompute:
+        if device_chunks:
             graph = {"use_graph": True, "max_num_seqs": cu_seqlens_cpu.numel() - 1}
     o, _ = chunk_kda(q=q_BTHK, k=k_BTHK, v=v_BTHV, g=f_BTHK, beta=beta_BTH, scale=scale,
                      A_log=A_log_H.float(), dt_bias=dt_bias_HK.float().flatten(),
@@ -186,7 +186,8 @@ def random_kda_inputs(B: int, T: int, H: int, K: int, *, doc_len: int | None = N
     """A KDA layer call's inputs at its scales, for the kernel benchmarks and GPU tests: ([q, k, v, f, beta]
     requiring grad (bf16 q/k/v/f N(0, 1), fp32 beta U(0, 1)), the keyword arguments of kda() / kda_fla() (A_log
     = log U(1, 16), dt_bias N(-4, 1), lower bound -5, scale K^-1/2, a document start every doc_len tokens if
-    given), and the output's grad N(0, 1) in bf16)."""
+    given, with its sequence bounds made once as the forward's DocumentMask carries them: no host sync in a
+    call), and the output's grad N(0, 1) in bf16)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     bf = dict(device=device, dtype=torch.bfloat16)
     q, k, v, f = (torch.randn(B, T, H, K, generator=gen, **bf) for _ in range(4))
@@ -198,5 +199,6 @@ def random_kda_inputs(B: int, T: int, H: int, K: int, *, doc_len: int | None = N
     if doc_len is not None:
         doc_start = torch.zeros(B, T, dtype=torch.bool, device=device)
         doc_start[:, doc_len::doc_len] = True
-    kwargs = dict(A_log_H=A_log, dt_bias_HK=dt_bias, lower_bound=-5.0, scale=K ** -0.5, doc_start_BT=doc_start)
+    kwargs = dict(A_log_H=A_log, dt_bias_HK=dt_bias, lower_bound=-5.0, scale=K ** -0.5, doc_start_BT=doc_start,
+                  seq_bounds=flat_sequence_bounds(doc_start) if doc_start is not None else None)
     return [t.requires_grad_() for t in (q, k, v, f, beta)], kwargs, go

@@ -118,13 +118,14 @@ def test_layer_fla_vs_torch_bf16() -> None:
     assert all(e <= REL_RMS for e in errors.values()), errors
 
 
-def test_device_listed_chunks_match_the_host_listed_through_a_stack() -> None:
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "kept"])
+def test_device_listed_chunks_match_the_host_listed_through_a_stack(recompute: bool) -> None:
     """kda_fla's device_chunks (fla's use_graph mode: the chunk list built on the device, no host sync) against
     the host-listed chunks, through three stacked KDA layers with residuals and packed documents: output and
     every input and parameter gradient. The stack matters: in that mode fla's backward returns some gradients in
     buffers it reuses for the next layer's backward, so a gradient read late would be overwritten (an error of
     the signal's size). The mode's kernels may tile differently, so the bound is the fla-vs-spec one (2^-6 of
-    the RMS), not bitwise."""
+    the RMS), not bitwise. recompute: kernels.kda_recompute (False: the backward reads the forward's states)."""
     from moontrain.model.documents import flat_sequence_bounds
 
     B, T, H, K, L = 2, 1000, 16, 128, 3
@@ -142,7 +143,8 @@ def test_device_listed_chunks_match_the_host_listed_through_a_stack() -> None:
         h = x
         for f, beta, A_log, dt_bias in params:
             h = h + kda_fla(h, h * 0.5, h.flip(-1), f, beta, A_log, dt_bias, lower_bound=-5.0, scale=K ** -0.5,
-                            doc_start_BT=doc_start, seq_bounds=bounds, device_chunks=device_chunks)
+                            doc_start_BT=doc_start, seq_bounds=bounds, device_chunks=device_chunks,
+                            recompute=recompute)
         leaves = [x, *(t for p in params for t in p)]
         results.append((h, *torch.autograd.grad(h, leaves, go)))
     errors = [_rel_rms(a, b) for a, b in zip(*results, strict=True)]  # 0: output, 1: dx, then f, beta, A_log,
