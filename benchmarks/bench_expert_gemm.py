@@ -2,6 +2,7 @@
 
     python benchmarks/bench_expert_gemm.py [--shapes k3_small_moe k3] [--iters 10] [--out DIR]
     python benchmarks/bench_expert_gemm.py --shapes k3_small dsv3_E96 --quack pp128x192 co128x224 co256x128
+    python benchmarks/bench_expert_gemm.py --shapes k3_small --merged-only
 
 Shapes per rank (one pass of one MoE layer):
     k3_small_moe   H 2048 (latent = hidden), F 1024, E 192 at EP 2: 96 local groups + 96 slot groups,
@@ -26,6 +27,11 @@ Cases, each timed with CUDA events (median of --iters after --warmup; Triton's a
                 each named tile (quack_gemm.gemm_config): the gate GEMM (varlen M), the down GEMM and the
                 input gradient through W_gate^T (a transposed view), each beside torch._grouped_mm, and the
                 weight gradient added into the fp32 grads in the epilogue, beside the baseline's two passes.
+  --merged: gate and up as two [G, H, F] projections against one merged [G, H, 2F] (what one gate|up
+                projection in W_full would allow), all on torch._grouped_mm: the forward (two GEMMs of N = F
+                against one of 2F), the input gradient (two GEMMs of K = F and the bf16 add the combine
+                otherwise fuses, against one of K = 2F), the weight gradient (bf16 out, two against one); each
+                merged result against the separate ones (--merged-only: these rows alone).
 TFLOP/s counts 2 n I O per GEMM (n rows in groups); a fused or summed row counts the GEMMs it covers.
 Each fused result is compared with its baseline (max |diff| relative to max |baseline|). Table printed;
 JSON (rows, chosen tile configs, device) written to --out after every shape.
@@ -235,6 +241,44 @@ def quack_rows(name: str, H: int, F: int, offs: torch.Tensor, N: int, g: torch.T
     return rows
 
 
+def merged_rows(name: str, H: int, F: int, offs: torch.Tensor, N: int, args) -> list[dict]:
+    """--merged: gate and up as separate projections against one merged [G, H, 2F] (module docstring)."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    G = offs.numel()
+    n = int(offs[-1])
+    x = torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16)
+    wg, wu = ((torch.randn(G, H, F, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16) for _ in range(2))
+    gh, gu = (torch.randn(N, F, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+    w_m, g_m = torch.cat([wg, wu], dim=2), torch.cat([gh, gu], dim=1)
+    diff = {
+        "forward": rel_diff(grouped_mm(x, w_m, offs)[:n], torch.cat([grouped_mm(x, wg, offs),
+                                                                     grouped_mm(x, wu, offs)], dim=1)[:n]),
+        "dgrad": rel_diff(grouped_mm(g_m, w_m.transpose(1, 2), offs)[:n],
+                          (grouped_mm(gh, wg.transpose(1, 2), offs) + grouped_mm(gu, wu.transpose(1, 2), offs))[:n]),
+        "wgrad": rel_diff(grouped_mm_wgrad(x, g_m, offs), torch.cat([grouped_mm_wgrad(x, gh, offs),
+                                                                     grouped_mm_wgrad(x, gu, offs)], dim=2)),
+    }
+    pair = 2 * (2 * n * H * F)
+    cases = {
+        "forward": (lambda: (grouped_mm(x, wg, offs), grouped_mm(x, wu, offs)), lambda: grouped_mm(x, w_m, offs)),
+        "dgrad": (lambda: grouped_mm(gh, wg.transpose(1, 2), offs).add_(grouped_mm(gu, wu.transpose(1, 2), offs)),
+                  lambda: grouped_mm(g_m, w_m.transpose(1, 2), offs)),
+        "wgrad": (lambda: (grouped_mm_wgrad(x, gh, offs), grouped_mm_wgrad(x, gu, offs)),
+                  lambda: grouped_mm_wgrad(x, g_m, offs)),
+    }
+    rows = []
+    for op, (separate, merged) in cases.items():
+        sep_ms = median_ms(separate, args.iters, args.warmup)
+        mer_ms = median_ms(merged, args.iters, args.warmup)
+        label = f"gate|up {op} [G, {H}, {F}]"
+        rows.append({"shape": name, "op": label, "case": "separate gate, up" + (" + add" if op == "dgrad" else ""),
+                     "ms": sep_ms, "tflops": pair / sep_ms / 1e9, "speedup_vs_baseline": None})
+        rows.append({"shape": name, "op": label, "case": "merged [G, H, 2F]", "ms": mer_ms,
+                     "tflops": pair / mer_ms / 1e9, "speedup_vs_baseline": sep_ms / mer_ms,
+                     "rel_diff_vs_baseline": diff[op]})
+    return rows
+
+
 def print_rows(rows: list[dict]) -> None:
     for r in rows:
         tf = "" if r["tflops"] is None else f"{r['tflops']:8.1f}"
@@ -259,6 +303,8 @@ def main() -> None:
                    help="instead of each shape's recipe activation")
     p.add_argument("--spread", type=float, default=0.0, help="log-normal sigma of the local groups' sizes")
     p.add_argument("--quack-only", action="store_true", help="with --quack: only its rows (no Triton kernels)")
+    p.add_argument("--merged", action="store_true", help="gate and up as two projections against one merged")
+    p.add_argument("--merged-only", action="store_true", help="only the --merged rows")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None, help="directory for bench_expert_gemm_<date>.json")
@@ -275,10 +321,14 @@ def main() -> None:
         offs = group_offs(local, slots, N, args.spread, torch.Generator().manual_seed(0))
         g = torch.empty(local + slots, H, F, device="cuda")  # the fp32 grad mirror, reused for [G, F, H]
         shape_rows = []
-        if args.quack:
-            shape_rows = quack_rows(name, H, F, offs, N, g, args)
+        if args.merged or args.merged_only:
+            shape_rows = merged_rows(name, H, F, offs, N, args)
             print_rows(shape_rows)
-        if not args.quack_only:
+        if args.quack and not args.merged_only:
+            more = quack_rows(name, H, F, offs, N, g, args)
+            print_rows(more)
+            shape_rows += more
+        if not (args.quack_only or args.merged_only):
             more = glu_rows(name, H, F, offs, N, act, args)
             print_rows(more)
             shape_rows += more
