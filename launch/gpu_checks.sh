@@ -8,7 +8,7 @@
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
 # absent. On 2+ GPUs the tier under torchrun --nproc_per_node=2, one log per rank (OUT_DIR/tests_r<rank>.log).
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
-# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT (s), MFU_ARGS (extra overrides for the mfu step), DET_ONLY (runs of check_determinism, default A,B,P,C,D), COMM_ARGS (bench_comm.py
+# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT (s), MFU_ARGS (extra overrides for the mfu step), DET_ONLY (runs of check_determinism, default A,B,P,C,D), GEMM_ARGS (bench_expert_gemm.py arguments, e.g. --shapes k3_small --merged-only), COMM_ARGS (bench_comm.py
 # arguments instead of --experts 96 384, e.g. --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
 # --experts 896 --topk 16 --ranks 8).
 # Every step has its own time limit so one hang cannot eat the rest.
@@ -61,7 +61,7 @@ for step in "${steps[@]}"; do
            echo "train rc=$?"; grep -v "^\[rank" "$out/train.log" | tail -10 ;;
     planner) timeout "${PLANNER_TIMEOUT:-300}" python benchmarks/bench_planner.py ${PLANNER_ARGS:-} --out "$out" > "$out/planner.log" 2>&1
            echo "planner rc=$?"; tail -12 "$out/planner.log" ;;
-    gemm)  timeout "${GEMM_TIMEOUT:-300}" python benchmarks/bench_expert_gemm.py --out "$out" > "$out/expert_gemm.log" 2>&1
+    gemm)  timeout "${GEMM_TIMEOUT:-300}" python benchmarks/bench_expert_gemm.py ${GEMM_ARGS:-} --out "$out" > "$out/expert_gemm.log" 2>&1
            echo "gemm rc=$?"; tail -40 "$out/expert_gemm.log" ;;
     push)  timeout "${PUSH_TIMEOUT:-400}" python benchmarks/bench_push_reduce.py --out "$out" > "$out/push_reduce.log" 2>&1
            echo "push rc=$?"; tail -40 "$out/push_reduce.log" ;;
@@ -154,9 +154,11 @@ for step in "${steps[@]}"; do
            timeout "${WRITEBACK_TIMEOUT:-300}" python -m pytest -q -m gpu tests/moontrain/optim/test_write_back_gpu.py \
              tests/moontrain/parallel/test_plain_dense_gpu.py > "$out/write_back_tests.log" 2>&1
            echo "write-back GPU tests rc=$?"; tail -3 "$out/write_back_tests.log" ;;
-    kdakernels) # KDA's forward + backward by kernel (fla's chunk_kda) at 4 x 4096 x 16, with and without documents
-           timeout "${KDAK_TIMEOUT:-300}" python benchmarks/diagnostics/kda_kernels.py > "$out/kda_kernels.log" 2>&1
-           echo "kda_kernels rc=$?"; head -24 "$out/kda_kernels.log" ;;
+    kdakernels) # KDA's forward + backward by kernel (fla's chunk_kda on the model's route: moontrain's dqkg stage,
+           # states kept, then recomputed) at 4 x 4096 x 16, with and without documents
+           timeout "${KDAK_TIMEOUT:-300}" python benchmarks/diagnostics/kda_kernels.py --dqkg moontrain \
+             --recompute off on > "$out/kda_kernels.log" 2>&1
+           echo "kda_kernels rc=$?"; head -24 "$out/kda_kernels.log"; tail -6 "$out/kda_kernels.log" ;;
     opsites) # where the K3 layers' large copies, casts and cats come from (fla's kernels included), 4 layers of
            # k3_small at 4 x 4096 tokens
            timeout "${OPSITES_TIMEOUT:-300}" python benchmarks/diagnostics/op_sites.py --layers 4 \
