@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|kdakernels|opsites|optim|determinism|ckpt|dense|mfu|learning ...]
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|kdakernels|opsites|optim|determinism|ckpt|dense|mfu|k3|learning ...]
 #   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, kdakernels, opsites, optim,
-#   determinism, ckpt, dense and mfu run on one GPU)
+#   determinism, ckpt, dense, mfu and k3 run on one GPU)
 # tests: on one GPU the single-GPU tier (`pytest -m "gpu or multigpu"`, the multigpu tests skip) in TEST_WORKERS
 # (default 4) pytest-xdist workers sharing the GPU, whole files per worker, TEST_LIMIT s (default 300) per test
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
 # absent. On 2+ GPUs the tier under torchrun --nproc_per_node=2, one log per rank (OUT_DIR/tests_r<rank>.log).
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
-# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT (s), MFU_ARGS (extra overrides for the mfu step), DET_ONLY (runs of check_determinism, default A,B,P,C,D), GEMM_ARGS (bench_expert_gemm.py arguments, e.g. --shapes k3_small --merged-only), COMM_ARGS (bench_comm.py
+# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT / K3_TIMEOUT (s), MFU_ARGS / K3_ARGS (extra overrides for the mfu / k3 steps), DET_ONLY (runs of check_determinism, default A,B,P,C,D), GEMM_ARGS (bench_expert_gemm.py arguments, e.g. --shapes k3_small --merged-only), COMM_ARGS (bench_comm.py
 # arguments instead of --experts 96 384, e.g. --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
 # --experts 896 --topk 16 --ranks 8).
 # Every step has its own time limit so one hang cannot eat the rest.
@@ -107,6 +107,19 @@ for step in "${steps[@]}"; do
              echo "mfu combine_reduce=$c rc=$?"; grep -v "^\[rank" "$out/mfu_$c.log" | grep -E "^  moonep" | tail -1
              mkdir -p "$out/profile_$c"; mv "$out"/profile_moonep_*.txt "$out/profile_$c/" 2>/dev/null
            done ;;
+    k3)    # issue 35's K3 points on one GPU, each a speed row that learns (lr 6e-4 on text): k3_small at 131,072
+           # tokens a step (8 passes of 4 x 4096), the recipe's own batch, then the recipe launched as a newcomer runs it
+           k3_rows=(131k "parallel.dense=plain train.micro_batch_size=4 train.global_batch_size=32" recipe_batch "")
+           for i in 0 2; do
+             timeout "${K3_TIMEOUT:-300}" torchrun --nproc_per_node=1 benchmarks/bench_train.py --learning-row \
+               --recipe recipes/k3_small.yaml --backends moonep --targets --steps 3 --warmup 2 --window 6 \
+               --tag "k3_small_${k3_rows[$i]}" --out "$out" parallel.ep=1 ${k3_rows[$((i + 1))]} ${K3_ARGS:-} \
+               > "$out/k3_${k3_rows[$i]}.log" 2>&1
+             echo "k3 ${k3_rows[$i]} rc=$?"; grep "learning row" "$out/k3_${k3_rows[$i]}.log" | tail -1
+           done
+           timeout "${K3_TIMEOUT:-300}" python -m moontrain.cli launch recipes/k3_small.yaml parallel.ep=1 --nproc 1 \
+             train.steps=20 checkpoint.save_final=false ${K3_ARGS:-} > "$out/k3_recipe_launch.log" 2>&1
+           echo "k3 recipe launch rc=$?"; grep -E "^step" "$out/k3_recipe_launch.log" | tail -3 | cut -c1-160 ;;
     conv)  # KDA's short convolution kernels against the compiled specification, and the dpre tile sweep
            timeout "${CONV_TIMEOUT:-200}" python benchmarks/bench_short_conv.py --out "$out/bench_short_conv.json" > "$out/conv.log" 2>&1
            echo "bench_short_conv rc=$?"; tail -20 "$out/conv.log" ;;
