@@ -13,6 +13,9 @@ test_<subject>_multigpu.py when all of its tests need the device (a CPU module m
 Fixture `one_rank` (here, for every package's single-GPU tests): this process as a one-rank NCCL group, per
 module (or the group already initialised, if it has one rank).
 
+Without a GPU, conftest sets TRITON_INTERPRET=1 before any test module imports triton: the CPU tier runs
+Triton's kernels in its interpreter, and every test then sees what it sees in the whole run.
+
 On a machine with a CUDA GPU two things differ from the CPU tier:
 - modules named `*_interpreted.py` (at any depth) are not collected. They run the Triton kernels in Triton's
   interpreter on the CPU and set TRITON_INTERPRET=1 at import, before triton reads it, which would push
@@ -27,6 +30,7 @@ On a machine with a CUDA GPU two things differ from the CPU tier:
 from __future__ import annotations
 
 import importlib.util
+import os
 import socket
 from pathlib import Path
 
@@ -36,6 +40,12 @@ import torch.distributed as dist
 
 ON_GPU = torch.cuda.is_available()
 INTERPRETED_SUFFIX = "_interpreted.py"
+if not ON_GPU:
+    # The CPU tier runs Triton's kernels in its interpreter: every *_interpreted.py module sets TRITON_INTERPRET=1
+    # at import, and in a whole run it holds for every test. Set here, before any test module imports triton, it
+    # holds from the start in any selection too: triton imported without it (test_compile.py collected first)
+    # broke the interpreter's calls of nested @triton.jit helpers in the interpreted tests run after it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

@@ -5,7 +5,9 @@ A module that sets TRITON_INTERPRET=1 at import, itself or through a tests modul
 Triton kernel of the session in the interpreter; on a GPU that fails every kernel test. Such modules are
 named *_interpreted.py and conftest does not collect them on a GPU machine. Checked two ways on the CPU:
 - every tests module is scanned (its import-time statements, not its functions); each one that sets the
-  variable, or imports one that does, must be named *_interpreted.py (conftest.py files never);
+  variable, or imports one that does, must be named *_interpreted.py (conftest.py files never; tests/conftest.py
+  sets it itself on a machine without a GPU, so that any selection of CPU tests runs as the whole tier does,
+  and the collection below checks that it does not where torch sees one);
 - the GPU tier of tests/moonep (where most of them live) is collected in a subprocess whose torch reports
   one CUDA GPU: no *_interpreted module is collected, TRITON_INTERPRET is unset when collection ends, and
   the gpu tests are there (the whole tree would take ~10 s of CPU; the scan covers it).
@@ -63,8 +65,11 @@ def _imported_modules(node: ast.AST) -> list[str]:
 
 
 def interpreter_modules() -> dict[str, Path]:
-    """Every module under tests/ that sets TRITON_INTERPRET at import, itself or by importing one that does."""
-    paths = {".".join(p.relative_to(REPO).with_suffix("").parts): p for p in TESTS_DIR.rglob("*.py")}
+    """Every module under tests/ that sets TRITON_INTERPRET at import, itself or by importing one that does;
+    tests/conftest.py aside: it sets it only without a GPU (ON_GPU), which test_gpu_collection_leaves_the_
+    interpreter_off checks by collecting as on a GPU machine."""
+    paths = {".".join(p.relative_to(REPO).with_suffix("").parts): p for p in TESTS_DIR.rglob("*.py")
+             if p != TESTS_DIR / "conftest.py"}
     sets, imports = set(), {}
     for name, path in paths.items():
         nodes = _import_time_nodes(ast.parse(path.read_text(), str(path)))
