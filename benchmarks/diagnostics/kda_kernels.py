@@ -1,16 +1,16 @@
-"""KDA's forward + backward by kernel on one GPU: fla's chunk_kda (moontrain.model.kda.ops.kda_fla, with the
-fla stages routed as the process has them: fla's own unless kernels.kda_dqkg / kda_intra routed them here),
-with and without packed documents, under torch.profiler (CUDA activity alone).
+"""KDA's forward + backward by kernel on one GPU: fla's chunk_kda (moontrain.model.kda.ops.kda_fla, its dqkg
+stage on --dqkg's kernel, the intra-chunk stage on fla's), with and without packed documents, under
+torch.profiler (CUDA activity alone).
 
     python benchmarks/diagnostics/kda_kernels.py [--case 4x4096x16] [--doc-len 1024] [--iters 10]
-        [--recompute on off] [--dqkg fla|moontrain]
+        [--recompute off on] [--dqkg moontrain|fla]
 
 Prints, per case, each kernel's time a call (the mean over --iters profiled calls after 5 untimed ones), its
 launches a call and the kernels' total; that total leaves out the launch gaps bench_kda.py's wall times hold.
 Beside it: the call's median wall time (CUDA events around forward + backward, --iters calls) and the bytes the
 forward leaves saved for the backward (allocated after the forward minus before). --recompute: fla's
 disable_recompute negated (kernels.kda_recompute), one table per value; --dqkg: the WY / inter-chunk backward
-stage on fla's kernel or moontrain's (kernels.kda_dqkg; the model's default is moontrain).
+stage on moontrain's kernel or fla's (kernels.kda_dqkg). The defaults are the model's: off, moontrain.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
+from benchmarks.timing import median_ms
 from moontrain.model.kda.ops import kda_fla, random_kda_inputs
 
 
@@ -45,15 +46,7 @@ def kernel_table(B: int, T: int, H: int, doc_len: int | None, iters: int, recomp
     o = kda_fla(*leaves, **kwargs)
     saved = torch.cuda.memory_allocated() - before - o.numel() * o.element_size()
     del o
-    wall = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        wall.append(start.elapsed_time(end))
-    wall_ms = sorted(wall)[len(wall) // 2]
+    wall_ms = median_ms(run, iters, 0)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             run()
@@ -73,8 +66,8 @@ def main() -> None:
     p.add_argument("--case", default="4x4096x16", help="BxTxH (KDA heads of 128)")
     p.add_argument("--doc-len", type=int, default=1024)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--recompute", nargs="+", choices=("on", "off"), default=["on"])
-    p.add_argument("--dqkg", choices=("fla", "moontrain"), default="fla")
+    p.add_argument("--recompute", nargs="+", choices=("on", "off"), default=["off"])
+    p.add_argument("--dqkg", choices=("fla", "moontrain"), default="moontrain")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kda_kernels needs a CUDA GPU and fla-core")
