@@ -24,17 +24,26 @@ from tests.moonep.helpers.planner_cases import (
 )
 
 
-@pytest.mark.slow  # the slowest CPU test (several minutes in the interpreter); CI runs it
-def test_fused_planner_matches_make_plan() -> None:
-    g = torch.Generator().manual_seed(2)
-    cases = [(R, E, K, [s] * R, B, pad, sigma, False)
-             for R, E, K, s, B, pad, sigma in planner_cases(16, (1, 2, 4, 8), 6, ())]
-    cases += [(R, E, K, [int(torch.randint(1, 2 * s + 1, (1,), generator=g)) for _ in range(R)], B, pad, sigma, True)
-              for R, E, K, s, B, pad, sigma in planner_cases(8, (2, 4, 8), 6, (), seed=1)]
-    # several chunks of 512 entries, K not a power of two, the benchmark's E
-    cases += [(2, 384, 8, [512, 512], 192, 16, 3.0, False), (2, 384, 8, [700, 333], 96, 16, 1.0, True),
-              (4, 64, 6, [400] * 4, 16, 4, 0.0, False), (2, 8, 1, [2100, 2100], 2, 2, 2.0, False),
-              (8, 384, 8, [130] * 8, 48, 16, 3.0, False), (8, 112, 16, [64] * 8, 14, 16, 3.0, False)]
+def _matches_make_plan_cases(part: str) -> tuple[list, torch.Generator]:
+    """test_fused_planner_matches_make_plan's cases in three parts of similar time (the R = 8 cases dominate),
+    each with its own generator: random small problems with equal s per rank, the same with per-rank s (and
+    total_num_tokens), then shapes with several chunks of 512 entries, K not a power of two, the benchmark's E."""
+    g = torch.Generator().manual_seed({"equal_s": 2, "per_rank_s": 3, "shapes": 4}[part])
+    if part == "equal_s":
+        return [(R, E, K, [s] * R, B, pad, sigma, False)
+                for R, E, K, s, B, pad, sigma in planner_cases(16, (1, 2, 4, 8), 6, ())], g
+    if part == "per_rank_s":
+        return [(R, E, K, [int(torch.randint(1, 2 * s + 1, (1,), generator=g)) for _ in range(R)], B, pad, sigma, True)
+                for R, E, K, s, B, pad, sigma in planner_cases(8, (2, 4, 8), 6, (), seed=1)], g
+    return [(2, 384, 8, [512, 512], 192, 16, 3.0, False), (2, 384, 8, [700, 333], 96, 16, 1.0, True),
+            (4, 64, 6, [400] * 4, 16, 4, 0.0, False), (2, 8, 1, [2100, 2100], 2, 2, 2.0, False),
+            (8, 384, 8, [130] * 8, 48, 16, 3.0, False), (8, 112, 16, [64] * 8, 14, 16, 3.0, False)], g
+
+
+@pytest.mark.slow  # the slowest CPU tests (~20-40 s each in the interpreter); CI runs them
+@pytest.mark.parametrize("part", ["equal_s", "per_rank_s", "shapes"])
+def test_fused_planner_matches_make_plan(part: str) -> None:
+    cases, g = _matches_make_plan_cases(part)
     check_fused_cases(cases, g)
 
 

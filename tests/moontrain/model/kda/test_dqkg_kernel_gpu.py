@@ -94,13 +94,15 @@ def test_fp32_matches_reference(case: str) -> None:
         assert max_rel(x, r) <= TF32_TOL, f"{name}: {max_rel(x, r):.2e} of max |ref| > {TF32_TOL:.1e}"
 
 
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "kept"])
 @pytest.mark.parametrize("docs", [False, True])
-def test_kda_layer_call_with_the_stage_routed_here_matches_fla(docs: bool) -> None:
+def test_kda_layer_call_with_the_stage_routed_here_matches_fla(docs: bool, recompute: bool) -> None:
     """kernels.kda_dqkg=moontrain end to end: kda_fla's forward + backward (B=2, T=4096, 16 heads of 128, bf16;
     documents every 1024 tokens on fla's device-listed chunks) with fla's stage routed to kda_dqkg, against the
     same call on fla's kernel: the output bitwise (the stage is backward only), every input grad within 5e-2 of
     its largest value (twice the stage's own bound against the specification, 2.3e-2, for the two paths; fla's
-    later kernels and the L2 norm's backward are shared), and the routed call reached kda_dqkg."""
+    later kernels and the L2 norm's backward are shared), and the routed call reached kda_dqkg. recompute:
+    kernels.kda_recompute (False, the model's default: the backward reads the forward's saved states)."""
     pytest.importorskip("fla", reason="needs fla-core (pip install fla-core==0.6.0)")
     from moontrain.model.kda import dqkg_kernel as kda_dqkg_kernel
     from moontrain.model.kda.fla_backend import route_fla_stages
@@ -109,7 +111,7 @@ def test_kda_layer_call_with_the_stage_routed_here_matches_fla(docs: bool) -> No
     leaves, kwargs, go = random_kda_inputs(B, T, H, K, doc_len=1024 if docs else None, seed=3)
 
     def run() -> list[torch.Tensor]:
-        o = kda_fla(*leaves, **kwargs)
+        o = kda_fla(*leaves, **kwargs, recompute=recompute)
         return [o.detach().clone(), *(g.clone() for g in torch.autograd.grad(o, leaves, go))]
 
     calls = []

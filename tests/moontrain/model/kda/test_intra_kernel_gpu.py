@@ -64,13 +64,15 @@ def test_matches_fla_and_reference(case: str, at_bound: bool) -> None:
         assert max_rel(x, y) <= 2 * TOL, f"{name}: {max_rel(x, y):.2e} of max |fla| from fla > {2 * TOL:.1e}"
 
 
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "kept"])
 @pytest.mark.parametrize("docs", [False, True])
-def test_kda_layer_call_with_the_stage_routed_here_matches_fla(docs: bool) -> None:
+def test_kda_layer_call_with_the_stage_routed_here_matches_fla(docs: bool, recompute: bool) -> None:
     """kernels.kda_intra=moontrain end to end: kda_fla's forward + backward (B=2, T=4096, 16 heads of 128, bf16,
     gate bound -5; documents every 1024 tokens on fla's device-listed chunks), both stages routed here against
     only the dqkg stage: the output bitwise (backward only), every input grad within 1e-2 of its largest value
     (2.5x the stage's bound against the specification; fla's later kernels are shared), and the routed call
-    reached kda_intra."""
+    reached kda_intra. recompute: kernels.kda_recompute (False, the model's default: the backward reads the
+    forward's saved states)."""
     pytest.importorskip("fla", reason="needs fla-core (pip install fla-core==0.6.0)")
     from moontrain.model.kda import intra_kernel as kda_intra_kernel
     from moontrain.model.kda.fla_backend import route_fla_stages
@@ -81,7 +83,7 @@ def test_kda_layer_call_with_the_stage_routed_here_matches_fla(docs: bool) -> No
     def run(intra: bool) -> list[torch.Tensor]:
         route_fla_stages(dqkg=True, intra=intra)
         try:
-            o = kda_fla(*leaves, **kwargs)
+            o = kda_fla(*leaves, **kwargs, recompute=recompute)
             return [o.detach().clone(), *(g.clone() for g in torch.autograd.grad(o, leaves, go))]
         finally:
             route_fla_stages(dqkg=False, intra=False)
