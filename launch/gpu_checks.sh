@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|kdakernels|opsites|optim|determinism|ckpt|dense|mfu|k3|learning ...]
-#   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, kdakernels, opsites, optim,
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|kdakernels|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|learning ...]
+#   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, kdakernels, opsites, outputcode, optim,
 #   determinism, ckpt, dense, mfu and k3 run on one GPU)
 # tests: on one GPU the single-GPU tier (`pytest -m "gpu or multigpu"`, the multigpu tests skip) in TEST_WORKERS
 # (default 4) pytest-xdist workers sharing the GPU, whole files per worker, TEST_LIMIT s (default 300) per test
@@ -177,6 +177,13 @@ for step in "${steps[@]}"; do
            timeout "${OPSITES_TIMEOUT:-300}" python benchmarks/diagnostics/op_sites.py --layers 4 \
              --out "$out/op_sites.json" > "$out/op_sites.log" 2>&1
            echo "op_sites rc=$?"; head -40 "$out/op_sites.log" ;;
-    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, opsites, optim, determinism, ckpt, dense, mfu, learning)"; exit 2 ;;
+    outputcode) # the same 4 layers with the dense parts compiled as train.compile does: inductor's generated code
+           # (OUT/output_code.log.xz, its Triton kernels listed) and the large copies left outside the compiled graphs
+           TORCH_LOGS=output_code timeout "${OPSITES_TIMEOUT:-300}" python benchmarks/diagnostics/op_sites.py --layers 4 \
+             --compile --out "$out/op_sites_compiled.json" > "$out/op_sites_compiled.log" 2> "$out/output_code.log"
+           echo "op_sites --compile rc=$?"; head -30 "$out/op_sites_compiled.log"
+           grep -oE "def triton_[a-z]+_fused_[A-Za-z0-9_]+" "$out/output_code.log" | sort | uniq -c | sort -rn | head -40
+           xz -f "$out/output_code.log" ;;
+    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, kdakernels, opsites, outputcode, optim, determinism, ckpt, dense, mfu, k3, learning)"; exit 2 ;;
   esac
 done

@@ -5,14 +5,19 @@ frame, or the autograd node running).
 
     python benchmarks/diagnostics/op_sites.py --layers 4 --op copy_ clone _to_copy cat        # one H200
     python benchmarks/diagnostics/op_sites.py --layers 4 --batch 1 --seq 256 model.hidden_size=256 ...  # CPU
+    TORCH_LOGS=output_code python benchmarks/diagnostics/op_sites.py --layers 4 --compile 2> output_code.log
 
 host_overhead.py --op answers the same question on the CPU proxy, where KDA is its PyTorch specification;
 this one runs the model as the GPU step does, to find copies that fla's kernels or their input guards make.
 The model: the recipe's model and kernels sections (first --layers layers), its parameters cast to the
 compute dtype (parallel.dense=plain's bf16 copies), the routed experts on the `local` backend (grouped GEMMs,
-no moonep, no process group), train.compile off. One forward + backward outside the counter first (fla's
-autotuning, Triton's compiles), then one under a TorchDispatchMode that records every call of the chosen ops
-whose output has at least --min-elements elements. Prints a table, largest bytes first; --out writes JSON.
+no moonep, no process group), train.compile off. --compile compiles the dense parts as train.compile does:
+the compiled graphs' generated kernels are then not counted, the aten ops their code calls and all others
+are (fla's, the eager glue between graphs); with TORCH_LOGS=output_code inductor writes the graphs'
+generated code to stderr, to read what they copy.
+One forward + backward outside the counter first (fla's autotuning, Triton's and inductor's compiles), then
+one under a TorchDispatchMode that records every call of the chosen ops whose output has at least
+--min-elements elements. Prints a table, largest bytes first; --out writes JSON.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from moontrain.config.loader import load_recipe
 from moontrain.dataclass_dict import from_dict
 from moontrain.model.experts import ExpertsContext
 from moontrain.model.transformer import K3Model
+from moontrain.parallel.parallelize import compile_dense_parts
 
 OUR_CODE = (f"{os.sep}moontrain{os.sep}", f"{os.sep}moonep{os.sep}")
 
@@ -78,11 +84,22 @@ class OpSites(TorchDispatchMode):
         return out
 
 
+class CompiledOpSites(OpSites):
+    """OpSites beside torch.compile: the compiled graphs run compiled (a mode without this would turn
+    torch.compile off); their generated kernels are not seen, the aten ops their code calls are."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
 def build(args: argparse.Namespace, device: torch.device) -> tuple[K3Model, torch.Tensor]:
     raw = load_recipe(args.recipe, [f"model.num_layers={args.layers}", *args.overrides])
     cfg = from_dict(RunConfig, raw)
     model = K3Model(cfg.model, kernels=cfg.kernels, device=device)
     model.init_weights(seed=0)
+    if args.compile:
+        compile_dense_parts(model)
     dtype = getattr(torch, args.compute_dtype)
     model.to(dtype)
     mc = cfg.model
@@ -101,7 +118,7 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     model(tokens, tokens.roll(-1, 1))[0].backward()  # compiles and autotuning outside the count
     print(f"warm-up pass {time.perf_counter() - t0:.1f} s", flush=True)
-    mode = OpSites(set(args.op), args.min_elements or args.batch * args.seq * model.cfg.hidden_size // 2)
+    mode = (CompiledOpSites if args.compile else OpSites)(set(args.op), args.min_elements or args.batch * args.seq * model.cfg.hidden_size // 2)
     with mode:
         model(tokens, tokens.roll(-1, 1))[0].backward()
     if device.type == "cuda":
@@ -110,6 +127,7 @@ def run(args: argparse.Namespace) -> dict:
              "mib": mode.bytes[k] / 2**20} for k, n in mode.calls.items()]
     rows.sort(key=lambda r: -r["mib"])
     return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "layers": args.layers,
+            "compile": args.compile,
             "batch": args.batch, "seq": args.seq, "ops": args.op, "overrides": args.overrides, "rows": rows}
 
 
@@ -123,6 +141,7 @@ def main() -> None:
     p.add_argument("--op", nargs="+", default=["copy_", "clone", "_to_copy", "cat", "contiguous"])
     p.add_argument("--min-elements", type=int, default=0, help="default: half of batch x seq x hidden")
     p.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--compile", action="store_true", help="the dense parts through torch.compile (train.compile)")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--out", help="JSON path")
     args = p.parse_args()
