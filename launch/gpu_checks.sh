@@ -8,7 +8,7 @@
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
 # absent. On 2+ GPUs the tier under torchrun --nproc_per_node=2, one log per rank (OUT_DIR/tests_r<rank>.log).
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
-# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT / K3_TIMEOUT (s), MFU_ARGS / K3_ARGS (extra overrides for the mfu / k3 steps), DET_ONLY (runs of check_determinism, default A,B,P,C,D), GEMM_ARGS (bench_expert_gemm.py arguments, e.g. --shapes k3_small --merged-only), COMM_ARGS (bench_comm.py
+# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT / K3_TIMEOUT (s), MFU_ARGS / K3_ARGS (extra overrides for the mfu / k3 steps), OPSITES_ARGS (extra op_sites.py arguments for the opsites / outputcode steps, e.g. --op add), DET_ONLY (runs of check_determinism, default A,B,P,C,D), GEMM_ARGS (bench_expert_gemm.py arguments, e.g. --shapes k3_small --merged-only), COMM_ARGS (bench_comm.py
 # arguments instead of --experts 96 384, e.g. --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
 # --experts 896 --topk 16 --ranks 8).
 # Every step has its own time limit so one hang cannot eat the rest.
@@ -174,12 +174,12 @@ for step in "${steps[@]}"; do
            echo "kda_kernels rc=$?"; head -24 "$out/kda_kernels.log"; tail -6 "$out/kda_kernels.log" ;;
     opsites) # where the K3 layers' large copies, casts and cats come from (fla's kernels included), 4 layers of
            # k3_small at 4 x 4096 tokens
-           timeout "${OPSITES_TIMEOUT:-300}" python benchmarks/diagnostics/op_sites.py --layers 4 \
+           timeout "${OPSITES_TIMEOUT:-300}" python benchmarks/diagnostics/op_sites.py --layers 4 ${OPSITES_ARGS:-} \
              --out "$out/op_sites.json" > "$out/op_sites.log" 2>&1
            echo "op_sites rc=$?"; head -40 "$out/op_sites.log" ;;
     outputcode) # the same 4 layers with the dense parts compiled as train.compile does: inductor's generated code
            # (OUT/output_code.log.xz, its Triton kernels listed) and the large copies left outside the compiled graphs
-           TORCH_LOGS=output_code timeout "${OPSITES_TIMEOUT:-300}" python benchmarks/diagnostics/op_sites.py --layers 4 \
+           TORCH_LOGS=output_code timeout "${OPSITES_TIMEOUT:-300}" python benchmarks/diagnostics/op_sites.py --layers 4 ${OPSITES_ARGS:-} \
              --compile --out "$out/op_sites_compiled.json" > "$out/op_sites_compiled.log" 2> "$out/output_code.log"
            echo "op_sites --compile rc=$?"; head -30 "$out/op_sites_compiled.log"
            grep -oE "def triton_[a-z]+_fused_[A-Za-z0-9_]+" "$out/output_code.log" | sort | uniq -c | sort -rn | head -40
