@@ -118,7 +118,8 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     model(tokens, tokens.roll(-1, 1))[0].backward()  # compiles and autotuning outside the count
     print(f"warm-up pass {time.perf_counter() - t0:.1f} s", flush=True)
-    mode = (CompiledOpSites if args.compile else OpSites)(set(args.op), args.min_elements or args.batch * args.seq * model.cfg.hidden_size // 2)
+    min_elements = args.min_elements or args.batch * args.seq * model.cfg.hidden_size // 2
+    mode = (CompiledOpSites if args.compile else OpSites)(set(args.op), min_elements)
     with mode:
         model(tokens, tokens.roll(-1, 1))[0].backward()
     if device.type == "cuda":
