@@ -14,8 +14,11 @@ reported too) and are then killed. If the deadline passes with ranks still runni
 killed and the parent raises TimeoutError naming them. A rank that dies without a word (killed,
 segfault) is reported with its exit code.
 
-The free port is found by binding port 0 and closing the socket; another process could take it
-before rank 0 binds it, which would show up as an init error, not as a wrong result.
+The ranks meet at a TCPStore that the parent serves on a port the OS gives it (port 0) and holds
+until the ranks are done, so no other test (pytest-xdist runs two at once) can take that port between
+its choice and its use. free_port() is for tests that hand a port to another program (torchrun's
+rendezvous): it binds port 0 and closes the socket, so another process could take the port before that
+program binds it, which would show up as an init error, not as a wrong result.
 """
 
 from __future__ import annotations
@@ -57,13 +60,9 @@ def _rank_main(
 ) -> None:
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)  # the parent's
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
             payload = pickle.dumps(fn(rank, world_size, *args))
         finally:
@@ -86,7 +85,10 @@ def run_ranks(
     name = getattr(fn, "__qualname__", repr(fn))
     ctx = mp.get_context("spawn")
     result_queue = ctx.Queue()
-    port = free_port()
+    # the ranks' rendezvous, served here on a port the OS picks, held until the ranks are joined below
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    port = store.port
 
     # Children inherit the environment at start; OMP reads it when torch is imported there.
     saved_omp = os.environ.get("OMP_NUM_THREADS")
@@ -151,6 +153,7 @@ def run_ranks(
         for proc in procs:
             proc.join()
         result_queue.close()
+        del store
 
     unfinished = [rank for rank in range(world_size) if rank not in results and rank not in errors]
     if errors:
