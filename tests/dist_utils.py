@@ -3,7 +3,7 @@
     results = run_ranks(fn, world_size, *args, timeout_s=120)   # fn(rank, world_size, *args)
 
 Each rank is a fresh process (start method spawn, OMP_NUM_THREADS=1 so R ranks do not
-oversubscribe the 2 CI cores) with a gloo group over a free localhost TCP port. `fn` must be
+oversubscribe the 2 CI cores) in a gloo group on localhost (its rendezvous below). `fn` must be
 picklable (a module-level function) and so must its return value. Results come back as pickled
 bytes through a multiprocessing queue: the child pickles with plain `pickle`, so tensors travel by
 value instead of through torch's shared-memory handles, which would die with the child.
