@@ -13,6 +13,8 @@ Per case:
 - sdpa: F.scaled_dot_product_attention, causal, bf16 (the MLA layers without document masking).
 - flex docs: the compiled flex_attention with the same documents' block mask (the MLA layers' CUDA path).
 - kda recompute (docs): the first case's kda rows with kernels.kda_recompute=True (the backward recomputes).
+- kda gate_norm (docs): the first case's kda rows with kernels.kda_gate_norm=moontrain (fla's stages between
+  moontrain's gate-and-norm kernels, moontrain.model.kda.chunk).
 - kda torch: the pure-PyTorch specification, at the first case only (it is the reference, not a kernel).
 Median of --iters timed by CUDA events after --warmup (ms: the host waits for each call, so its launch gaps
 count), and the device's time alone (dev ms: the host run ahead, as in a training step's queue; fla's KDA is
@@ -43,9 +45,9 @@ DQK, DV, K = 192, 128, 128
 
 
 def kda_case(B: int, T: int, H: int, doc_len: int | None, torch_spec: bool, iters: int, warmup: int,
-             recompute: bool = False) -> dict:
+             recompute: bool = False, gate_norm: bool = False) -> dict:
     leaves, kwargs, go = random_kda_inputs(B, T, H, K, doc_len=doc_len)
-    fn = kda if torch_spec else functools.partial(kda_fla, recompute=recompute)
+    fn = kda if torch_spec else functools.partial(kda_fla, recompute=recompute, gate_norm=gate_norm)
 
     def run() -> tuple[torch.Tensor, ...]:
         o = fn(*leaves, **kwargs)
@@ -57,7 +59,7 @@ def kda_case(B: int, T: int, H: int, doc_len: int | None, torch_spec: bool, iter
     peak_gib = (torch.cuda.max_memory_allocated() - base) / 2 ** 30  # what a forward+backward adds
     device_ms = None if torch_spec else median_ms(run, iters, 1, host_ahead_ms=40.0)
     flops = 3 * B * T * H * (CHUNK * 5 * K + 6 * K * K)  # moontrain.metrics.flops.kda_mixing_flops_per_token
-    name = "kda torch" if torch_spec else "kda recompute" if recompute else "kda"
+    name = "kda torch" if torch_spec else "kda recompute" if recompute else "kda gate_norm" if gate_norm else "kda"
     return {"case": name + (" docs" if doc_len else ""), "B": B, "T": T, "H": H, "ms": ms, "device_ms": device_ms,
             "tflops": flops / ms / 1e9, "peak_gib": peak_gib}
 
@@ -113,6 +115,8 @@ def main() -> None:
         if i == 0:
             rows.append(kda_case(B, T, H, None, False, args.iters, args.warmup, recompute=True))
             rows.append(kda_case(B, T, H, args.doc_len, False, args.iters, args.warmup, recompute=True))
+            rows.append(kda_case(B, T, H, None, False, args.iters, args.warmup, gate_norm=True))
+            rows.append(kda_case(B, T, H, args.doc_len, False, args.iters, args.warmup, gate_norm=True))
             rows.append(kda_case(B, T, H, None, True, max(3, args.iters // 5), 1))
     print(f"dqkg stage: {args.dqkg}")
     print(f"{'case':<18} {'B':>3} {'T':>6} {'H':>4} {'ms':>9} {'dev ms':>8} {'TFLOP/s':>9} {'+GiB':>6}")

@@ -65,7 +65,8 @@ for step in "${steps[@]}"; do
            echo "gemm rc=$?"; tail -40 "$out/expert_gemm.log" ;;
     push)  timeout "${PUSH_TIMEOUT:-400}" python benchmarks/bench_push_reduce.py --out "$out" > "$out/push_reduce.log" 2>&1
            echo "push rc=$?"; tail -40 "$out/push_reduce.log" ;;
-    kda)   timeout "${KDA_TIMEOUT:-600}" python -m pytest -v -m gpu tests/moontrain/model/kda/test_layer_gpu.py > "$out/kda.log" 2>&1
+    kda)   timeout "${KDA_TIMEOUT:-600}" python -m pytest -v -m gpu tests/moontrain/model/kda/test_layer_gpu.py \
+             tests/moontrain/model/kda/test_chunk_gpu.py > "$out/kda.log" 2>&1
            echo "kda rc=$?"; grep -hE "PASSED|FAILED|passed|failed" "$out/kda.log" | tail -6
            timeout "${KDA_TIMEOUT:-600}" python benchmarks/bench_kda.py --out "$out/bench_kda.json" > "$out/bench_kda.log" 2>&1
            echo "bench_kda rc=$?"; tail -10 "$out/bench_kda.log" ;;
@@ -170,7 +171,7 @@ for step in "${steps[@]}"; do
     kdakernels) # KDA's forward + backward by kernel (fla's chunk_kda on the model's route: moontrain's dqkg stage,
            # states kept, then recomputed) at 4 x 4096 x 16, with and without documents
            timeout "${KDAK_TIMEOUT:-300}" python benchmarks/diagnostics/kda_kernels.py --dqkg moontrain \
-             --recompute off on > "$out/kda_kernels.log" 2>&1
+             --recompute off on --gate-norm fla moontrain > "$out/kda_kernels.log" 2>&1
            echo "kda_kernels rc=$?"; head -24 "$out/kda_kernels.log"; tail -6 "$out/kda_kernels.log" ;;
     opsites) # where the K3 layers' large copies, casts and cats come from (fla's kernels included), 4 layers of
            # k3_small at 4 x 4096 tokens

@@ -253,6 +253,11 @@ class KernelsConfig:
     # or "fla" (fla's chunk_kda_bwd_intra). moontrain's needs a bounded gate (model.kda_gate_lower_bound in
     # [-10, 0)); with another bound fla's kernel runs. Only where the KDA layers run fla; process-wide
     kda_intra: Literal["fla", "moontrain"] = "fla"
+    # the two elementwise ends of the KDA call (q and k's L2 norms, the gate and its chunk-local cumulative sum,
+    # and their backward): "moontrain" (moontrain.model.kda.chunk: fla's stages between moontrain's Triton
+    # kernels, one launch at each end instead of five, f read in place) or "fla" (fla's chunk_kda). Only where
+    # the KDA layers run fla
+    kda_gate_norm: Literal["fla", "moontrain"] = "fla"
     # KDA's causal short convolutions (+ SiLU): "auto" runs the Triton kernel (moontrain.model.kda.short_conv_kernel)
     # on CUDA, else the PyTorch specification (moontrain.model.kda.short_conv); "torch" / "triton" force one
     short_conv: Literal["auto", "torch", "triton"] = "auto"
@@ -281,6 +286,8 @@ class KernelsConfig:
             raise ValueError(f"kernels.kda_dqkg must be 'fla' or 'moontrain', got {self.kda_dqkg!r}")
         if self.kda_intra not in ("fla", "moontrain"):
             raise ValueError(f"kernels.kda_intra must be 'fla' or 'moontrain', got {self.kda_intra!r}")
+        if self.kda_gate_norm not in ("fla", "moontrain"):
+            raise ValueError(f"kernels.kda_gate_norm must be 'fla' or 'moontrain', got {self.kda_gate_norm!r}")
         if self.short_conv not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels.short_conv must be 'auto', 'torch' or 'triton', got {self.short_conv!r}")
         if self.attn_res not in ("auto", "torch", "triton"):

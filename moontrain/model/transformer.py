@@ -57,7 +57,7 @@ class Block(nn.Module):
         self.is_kda = cfg.layer_is_kda(layer_idx)
         self.attn = (KimiDeltaAttention(cfg, kernel=kernels.kda, conv=kernels.short_conv,
                                         recompute=kernels.kda_recompute, dqkg=kernels.kda_dqkg,
-                                        intra=kernels.kda_intra, device=device)
+                                        intra=kernels.kda_intra, gate_norm=kernels.kda_gate_norm, device=device)
                      if self.is_kda
                      else MLAttention(cfg, pad_head_dims=kernels.attn_pad_head_dims, device=device))
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)

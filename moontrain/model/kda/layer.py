@@ -21,7 +21,9 @@ Kernel: kernels.kda picks ops.kda (pure PyTorch, chunked; CPU and GPU) or ops.kd
 likewise the convolutions (short_conv, or moontrain.model.kda.short_conv_kernel's Triton kernel, which reads
 project()'s column slices in place and which torch.compile traces through); kernels.kda_dqkg and
 kernels.kda_intra which kernels run the two fla backward stages moontrain.model.kda.dqkg and kda_intra specify
-(fla's, or moontrain's: moontrain.model.kda.fla_backend routes them). The KDA call is
+(fla's, or moontrain's: moontrain.model.kda.fla_backend routes them); kernels.kda_gate_norm whether fla's
+chunk_kda runs the call or moontrain.model.kda.chunk (fla's stages between moontrain's gate-and-norm kernels). The
+KDA call is
 excluded from torch.compile (fla's autograd function is opaque to it; the reference's chunk loop would
 unroll); the projections, convolutions and the output norm around it compile.
 
@@ -99,7 +101,8 @@ class GatedRMSNorm(nn.Module):
 
 class KimiDeltaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, *, kernel: str = "auto", conv: str = "auto", recompute: bool = False,
-                 dqkg: str = "moontrain", intra: str = "fla", device: torch.device | str | None = None) -> None:
+                 dqkg: str = "moontrain", intra: str = "fla", gate_norm: str = "fla",
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         D, H, K, W, r = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_conv_size, cfg.kda_gate_rank
@@ -132,8 +135,8 @@ class KimiDeltaAttention(nn.Module):
             bound = cfg.kda_gate_lower_bound
             route_fla_stages(dqkg=dqkg == "moontrain",
                              intra=intra == "moontrain" and bound is not None and bound >= MIN_GATE_BOUND)
-            if not recompute:  # recompute: kernels.kda_recompute
-                self.kernel = functools.partial(kda_fla, recompute=False)
+            # recompute: kernels.kda_recompute; gate_norm: kernels.kda_gate_norm
+            self.kernel = functools.partial(kda_fla, recompute=recompute, gate_norm=gate_norm == "moontrain")
         # recurrence() outside torch.compile; wrapped here, not as a decorator, which would import torch._dynamo
         # (and with it triton) with this module; the class's function, not a bound method (copies stay apart)
         self._uncompiled_recurrence = torch.compiler.disable(KimiDeltaAttention.recurrence)

@@ -1,0 +1,84 @@
+"""moontrain's KDA call (moontrain.model.kda.chunk: fla's stages between moontrain's gate-and-norm kernels,
+kernels.kda_gate_norm=moontrain) on one GPU: the two gate-and-norm kernels against their specification at
+k3_small's heads, and the call against fla's chunk_kda and the PyTorch KDA, with the forward's states kept and
+recomputed, on batch rows and packed documents listed on the device, for the bounded and the softplus gate.
+
+Tolerances. The kernels: as tests/moontrain/model/kda/test_gate_norm_kernel_interpreted.py derives them (sums
+of <= 64 fp32 terms in another order: 2e-5 of the largest value; bf16 outputs one ulp more: 2^-7 + 2e-5).
+The call: against the PyTorch KDA the bound fla's call is held to (test_layer_gpu.py: 2^-6 of the signal's
+RMS); against fla's chunk_kda, which runs the same stages, the two differ only where the ends' roundings do
+(an fp32 rounding, or one bf16 ulp of qn / kn / the gradients, 2^-8 of an element at most), and those
+differences pass through the stages' own bf16 roundings (test_layer_gpu.py: ~8 of 2^-9): 2^-8 + 8 * 2^-9 * 2^-8
+is below 2^-7, so RMS(ours - fla) <= 2^-7 RMS(fla).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from moontrain.model.kda.dqkg import prepare_chunk_indices
+from moontrain.model.kda.layer import fla_available
+from moontrain.model.kda.ops import kda, kda_fla, random_kda_inputs
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not fla_available(), reason="needs fla-core (bash ../shared/device/stage.sh fla)")]
+
+NAMES = ("o", "dq", "dk", "dv", "df", "dbeta", "dA_log", "ddt_bias")
+
+
+def _rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).square().mean().sqrt() / want.float().square().mean().sqrt()).item()
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded-gate", "softplus-gate"])
+@pytest.mark.parametrize("documents", [False, True], ids=["rows", "documents"])
+def test_gate_norm_kernels_match_the_reference(lower_bound: float | None, documents: bool) -> None:
+    from moontrain.model.kda.gate_norm import (
+        BACKWARD_OUTPUTS,
+        FORWARD_OUTPUTS,
+        kda_gate_norm_backward_reference,
+        kda_gate_norm_reference,
+        random_stage_inputs,
+    )
+    from moontrain.model.kda.gate_norm_kernel import kda_gate_norm, kda_gate_norm_backward
+
+    B, T, H, K = (1, 2000, 16, 128) if documents else (2, 1000, 16, 128)
+    lists = {}
+    if documents:  # one-token documents, a start on a chunk edge; fla's use_graph padding rows at the end
+        cu_seqlens = torch.tensor([0, 1, 64, 65, 300, 999, 1513, 2000], device="cuda")
+        chunk_indices = torch.cat([prepare_chunk_indices(cu_seqlens), torch.tensor([[-1, 0]] * 5, device="cuda")])
+        lists = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    fwd, bwd = random_stage_inputs(B, T, H, K, torch.bfloat16, "cuda", seed=0, lower_bound=lower_bound, **lists)
+    got, want = kda_gate_norm(**fwd), kda_gate_norm_reference(**fwd)
+    states = dict(zip(("qn", "q_rstd", "kn", "k_rstd"), want[:4], strict=True))
+    got_b, want_b = kda_gate_norm_backward(**bwd, **states), kda_gate_norm_backward_reference(**bwd, **states)
+    for name, x, y in zip(FORWARD_OUTPUTS + BACKWARD_OUTPUTS, got + got_b, want + want_b, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape, f"{name}: {x.dtype} {tuple(x.shape)} vs {y.dtype}"
+        tol = 2 ** -7 + 2e-5 if x.dtype == torch.bfloat16 else 2e-5
+        err = (x.float() - y.float()).abs().max().item()
+        assert err <= tol * y.float().abs().max().item(), f"{name}: max |diff| {err:.2e}"
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded-gate", "softplus-gate"])
+@pytest.mark.parametrize("doc_len", [None, 300], ids=["rows", "documents"])
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "kept"])
+def test_chunk_matches_fla_and_the_spec(lower_bound: float | None, doc_len: int | None, recompute: bool) -> None:
+    B, T, H, K = 2, 1000, 16, 128  # T not a multiple of the chunk; k3_small's heads
+    inputs, kwargs, go = random_kda_inputs(B, T, H, K, doc_len=doc_len, seed=1)
+    kwargs["lower_bound"] = lower_bound
+    results = []
+    for fn, cast in ((functools.partial(kda_fla, recompute=recompute, gate_norm=True), lambda t: t),
+                     (functools.partial(kda_fla, recompute=recompute, gate_norm=False), lambda t: t),
+                     (kda, lambda t: t.float())):
+        leaves = [cast(t).detach().requires_grad_() for t in inputs]
+        params = [kwargs["A_log_H"].detach().requires_grad_(), kwargs["dt_bias_HK"].detach().requires_grad_()]
+        o = fn(*leaves, **{**kwargs, "A_log_H": params[0], "dt_bias_HK": params[1]})
+        results.append((o, *torch.autograd.grad(o, leaves + params, go.to(o.dtype))))
+    ours, fla, spec = results
+    vs_fla = {n: _rel_rms(a, b) for n, a, b in zip(NAMES, ours, fla, strict=True)}
+    vs_spec = {n: _rel_rms(a, b) for n, a, b in zip(NAMES, ours, spec, strict=True)}
+    assert all(e <= 2 ** -7 for e in vs_fla.values()), vs_fla
+    assert all(e <= 2 ** -6 for e in vs_spec.values()), vs_spec

@@ -1,0 +1,71 @@
+"""moontrain.model.kda.chunk (fla's stages between moontrain's gate-and-norm kernels) against fla-core's own
+chunk_kda, both in Triton's interpreter on the CPU (tests.moontrain.model.kda.fla_interpreted; skipped where
+fla-core is not installed): the output and every input gradient, with the forward's states kept and recomputed,
+on batch rows with a partial last chunk and on packed documents listed on the device (fla's use_graph), for the
+bounded and the softplus gate.
+
+Tolerance: the two calls run the same fla kernels between ends that compute the same values in another order:
+the forward's g and norms are bitwise fla's (checked here), so o is bitwise; the backward's ends sum the same
+terms in another order, a few fp32 roundings (2^-24 each) of each gradient, then one bf16 rounding of q's, k's
+and f's gradients that can land on the adjacent value: 2^-7 of the largest gradient (one bf16 ulp of it).
+The calls are also checked against the PyTorch KDA (moontrain.model.kda.ops.kda) at bf16's tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# first: sets TRITON_INTERPRET=1 before triton is imported, installs the interpreter's shims, and skips this
+# module where triton is absent; then fla's shims (skips where fla-core is absent)
+import tests.moonep.helpers.triton_interpreted
+import tests.moontrain.model.kda.fla_interpreted  # noqa: F401
+from moontrain.model.kda.fla_backend import route_fla_stages, routed_stages
+from moontrain.model.kda.ops import kda, kda_fla, random_kda_inputs
+from tests.moontrain.model.kda.test_dqkg_kernel_interpreted import use_tiles
+
+NAMES = ("o", "dq", "dk", "dv", "df", "dbeta", "dA_log", "ddt_bias")
+
+
+@pytest.fixture(autouse=True)
+def moontrain_dqkg(monkeypatch: pytest.MonkeyPatch):
+    """The model's default routing (fla's own dqkg kernel misbehaves in the interpreter on batch rows), its
+    kernels on one tile each."""
+    use_tiles(monkeypatch, 32, 32, 32)
+    before = routed_stages()
+    route_fla_stages(dqkg=True, intra=False)
+    yield
+    route_fla_stages(dqkg=before["chunk_kda_bwd_wy_dqkg_fused"], intra=before["chunk_kda_bwd_intra"])
+
+
+def run(fn, inputs: list, kwargs: dict, go: torch.Tensor, **extra) -> list[torch.Tensor]:
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    A_log = kwargs["A_log_H"].clone().requires_grad_()
+    dt_bias = kwargs["dt_bias_HK"].clone().requires_grad_()
+    o = fn(*leaves, **{**kwargs, "A_log_H": A_log, "dt_bias_HK": dt_bias}, **extra)
+    o.backward(go.to(o.dtype))
+    return [o.detach()] + [t.grad for t in leaves] + [A_log.grad, dt_bias.grad]
+
+
+# (T, document length, recompute, gate's lower bound)
+CASES = [(160, None, False, -5.0), (160, 48, True, -5.0), (96, 40, False, None)]
+
+
+@pytest.mark.parametrize(("T", "doc_len", "recompute", "lower_bound"), CASES)
+def test_chunk_matches_fla_chunk_kda(T: int, doc_len: int | None, recompute: bool, lower_bound: float | None) -> None:
+    inputs, kwargs, go = random_kda_inputs(2, T, 2, 64, doc_len=doc_len, seed=T, device="cpu")
+    kwargs["lower_bound"] = lower_bound
+    ours = run(kda_fla, inputs, kwargs, go, recompute=recompute, gate_norm=True)
+    fla = run(kda_fla, inputs, kwargs, go, recompute=recompute, gate_norm=False)
+    spec = run(kda, inputs, kwargs, go)
+    assert torch.equal(ours[0], fla[0]), "o: not bitwise fla's"
+    for name, x, y, z in zip(NAMES, ours, fla, spec, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape, f"{name}: {x.dtype} {tuple(x.shape)} vs {y.dtype}"
+        assert torch.isfinite(x).all(), f"{name}: not finite"
+        top = y.float().abs().max().item()
+        err = (x.float() - y.float()).abs().max().item()
+        assert err <= 2 ** -7 * top, f"{name}: max |diff| from fla {err:.2e} > 2^-7 x {top:.2e}"
+        err_spec = (x.float() - z.float()).abs().max().item()
+        err_fla_spec = (y.float() - z.float()).abs().max().item()
+        assert err_spec <= 1.25 * err_fla_spec + 2 ** -7 * top, (
+            f"{name}: {err_spec:.2e} from the PyTorch KDA, fla {err_fla_spec:.2e}")
