@@ -106,6 +106,10 @@ import torch
 
 torch.cuda.is_available = lambda: True  # before tests/conftest.py reads it: collect as on a one-GPU machine
 torch.cuda.device_count = lambda: 1
+# where fla-core is installed, tests/conftest.py seeds fla's autotune choices into Triton's cache (a temporary
+# folder here), as on a GPU machine: it reads the device's architecture and name
+torch.cuda.get_device_capability = lambda device=None: (9, 0)
+torch.cuda.get_device_name = lambda device=None: "NVIDIA H200 (faked)"
 
 
 def pytest_collection_finish(session):

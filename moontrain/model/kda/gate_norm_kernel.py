@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 
 from moontrain.model.kda.dqkg import CHUNK, prepare_chunk_indices
-from moontrain.model.kda.gate_norm import validate
-from moontrain.model.kda.ops import L2_EPS
+from moontrain.model.kda.gate_norm import L2_EPS, validate
 
 try:
     import triton

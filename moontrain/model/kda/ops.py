@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from moontrain.model.documents import flat_sequence_bounds
+from moontrain.model.kda.gate_norm import L2_EPS, kda_gate
 
 CHUNK = 64  # tokens per chunk (fla's default; its kernels take 32 or 64)
 
@@ -115,9 +116,6 @@ def chunk_kda_with_state(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: tor
     return o_BHTV.transpose(1, 2).to(v_BTHV.dtype), S
 
 
-L2_EPS = 1e-6  # q / sqrt(|q|^2 + eps), as fla's l2norm
-
-
 def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
@@ -125,18 +123,6 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     x32 = at_least_fp32(x)
     return x32 * torch.rsqrt(x32.square().sum(-1, keepdim=True) + L2_EPS)
-
-
-def kda_gate(f_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor,
-             lower_bound: float | None) -> torch.Tensor:
-    """Per-channel log-decay g <= 0 (fp32, or fp64 for fp64 inputs): lower_bound * sigmoid(exp(A_log)
-    (f + dt_bias)) when bounded, else -exp(A_log) * softplus(f + dt_bias). dt_bias: H * K values."""
-    H, K = f_BTHK.shape[-2:]
-    x = at_least_fp32(f_BTHK) + at_least_fp32(dt_bias_HK).view(H, K)
-    a = at_least_fp32(A_log_H).exp().view(H, 1)
-    if lower_bound is None:
-        return -a * F.softplus(x)
-    return lower_bound * torch.sigmoid(a * x)
 
 
 def kda(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, f_BTHK: torch.Tensor,

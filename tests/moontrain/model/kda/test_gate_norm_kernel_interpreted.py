@@ -27,7 +27,7 @@ from moontrain.model.kda.gate_norm import (
     kda_gate_norm_backward_reference,
     kda_gate_norm_reference,
 )
-from moontrain.model.kda.gate_norm_kernel import kda_gate_norm, kda_gate_norm_backward
+from moontrain.model.kda.gate_norm_kernel import kda_gate, kda_gate_norm, kda_gate_norm_backward
 from tests.moontrain.model.kda.test_gate_norm import stage_inputs
 
 FP32_TOL = 2e-5
@@ -86,3 +86,13 @@ def test_validation_messages() -> None:
         kda_gate_norm_backward(**dict(bwd, dq=bwd["dq"].transpose(1, 2).contiguous().transpose(1, 2)), **states)
     with pytest.raises(ValueError, match=r"dq, dk, dg, q_rstd and k_rstd must be fp32 on the kernel"):
         kda_gate_norm_backward(**dict(bwd, dg=bwd["dg"].double()), **states)
+
+
+def test_gate_alone_is_the_forwards_g_bit_for_bit() -> None:
+    """kda_gate (the backward's recompute of g, kernels.kda_recompute) is kda_gate_norm's g bitwise, on
+    device-listed documents with f a column slice."""
+    fwd, _ = stage_inputs("docs_graph", -5.0, torch.bfloat16)
+    f = as_slices(fwd["f"])
+    g = kda_gate_norm(**dict(fwd, f=f))[-1]
+    assert torch.equal(kda_gate(f, fwd["A_log"], fwd["dt_bias"], lower_bound=-5.0, cu_seqlens=fwd["cu_seqlens"],
+                                chunk_indices=fwd["chunk_indices"]), g)
