@@ -255,7 +255,7 @@ class KernelsConfig:
     kda_intra: Literal["fla", "moontrain"] = "fla"
     # the two elementwise ends of the KDA call (q and k's L2 norms, the gate and its chunk-local cumulative sum,
     # and their backward): "moontrain" (moontrain.model.kda.chunk: fla's stages between moontrain's Triton
-    # kernels, one launch at each end instead of five, f read in place) or "fla" (fla's chunk_kda). Only where
+    # kernels, one launch at each end instead of three forward and six backward, f read in place) or "fla" (fla's chunk_kda). Only where
     # the KDA layers run fla
     kda_gate_norm: Literal["fla", "moontrain"] = "fla"
     # KDA's causal short convolutions (+ SiLU): "auto" runs the Triton kernel (moontrain.model.kda.short_conv_kernel)

@@ -6,13 +6,14 @@ sum: one launch), then fla's intra-chunk forward (Aqk, Akk, w, u), state recurre
 Backward: fla's dAv, dhu, dqkg and intra-chunk stages (the last two through fla's dispatch, which
 moontrain.model.kda.fla_backend routes to moontrain's kernels per kernels.kda_dqkg / kda_intra), then the
 gate-and-norm backward (the reverse cumulative sum, the gate's and the norms' gradients, dA_log and dt_bias's
-partial sums: one launch). fla's chunk_kda runs five launches at each end instead, reads f through a contiguous
-copy, and keeps that copy for the backward; here f is read in place.
+partial sums: one launch). fla's chunk_kda runs three launches forward and six backward there instead, reads f
+through a contiguous copy, and keeps that copy for the backward; here f is read in place.
 
 The stages are called as fla's chunk_kda calls them (fla-core 0.6.0), for what the model uses: no initial or
-final state, H == HV, the state stored [K, V], chunks of 64. recompute (kernels.kda_recompute) keeps only the
-forward's inputs, q_rstd / k_rstd and the two [C, C] matrices and recomputes g, w, u, qg, kg, h and v_new in
-the backward; otherwise they are kept (fla's disable_recompute). Documents: cu_seqlens over the flattened batch
+final state, H == HV, the state stored [K, V], chunks of 64. The backward reads qn, kn, their reciprocal norms,
+v, f, beta and the chunks' two [C, C] matrices; recompute (kernels.kda_recompute) recomputes g, w, u, qg, kg, h
+and v_new from them (g by the forward's kernel, bit for bit), otherwise the forward keeps those too (fla's
+disable_recompute). Documents: cu_seqlens over the flattened batch
 (B = 1); max_num_seqs given lists the chunks on the device (fla's use_graph: no host sync).
 """
 

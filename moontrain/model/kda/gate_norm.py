@@ -13,8 +13,8 @@ kn) and dg (what fla's stages return for g: its gradient divided by ln 2, the cu
     dgate = reverse cumulative sum of dg within each chunk
     df = dgate * dgate/dx at x = f + dt_bias,  ddt_bias = sum over tokens of df,  dA_log = sum of dgate * dgate/dA_log
     dq_in = q_rstd (dq - (dq . qn) qn)                                 with qn as stored (q's dtype); dk_in likewise
-fla's chunk_kda does these in five launches forward (two L2 norms, gate + cumsum) and backward (reverse cumsum,
-gate, two L2 norms, the partial sums); the kernels do each end in one pass over the tokens.
+fla's chunk_kda does these in three launches forward (two L2 norms, gate + cumsum) and six backward (reverse
+cumsum, gate, its two partial sums, two L2 norms); the kernels do each end in one pass over the tokens.
 tests/moontrain/model/kda/test_gate_norm.py checks the backward against autograd through the forward.
 
 Contract: H == HV, C = 64, K a power of two in [32, 256]; packed documents as fla (B = 1, cu_seqlens,

@@ -54,6 +54,7 @@ CASES = [(160, None, False, -5.0, False), (160, 48, True, -5.0, False), (96, 40,
          (96, 40, False, -5.0, True)]
 
 
+@pytest.mark.slow  # ~12 s a case in the interpreter; CI runs them
 @pytest.mark.parametrize(("T", "doc_len", "recompute", "lower_bound", "intra"), CASES)
 def test_chunk_matches_fla_chunk_kda(T: int, doc_len: int | None, recompute: bool, lower_bound: float | None,
                                      intra: bool, monkeypatch: pytest.MonkeyPatch) -> None:
