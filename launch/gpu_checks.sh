@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|kdakernels|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|learning ...]
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|kdakernels|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|k3ab|learning ...]
 #   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, kdakernels, opsites, outputcode, optim,
-#   determinism, ckpt, dense, mfu and k3 run on one GPU)
+#   determinism, ckpt, dense, mfu, k3 and k3ab run on one GPU)
 # tests: on one GPU the single-GPU tier (`pytest -m "gpu or multigpu"`, the multigpu tests skip) in TEST_WORKERS
 # (default 4) pytest-xdist workers sharing the GPU, whole files per worker, TEST_LIMIT s (default 300) per test
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
 # absent. On 2+ GPUs the tier under torchrun --nproc_per_node=2, one log per rank (OUT_DIR/tests_r<rank>.log).
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
-# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT / K3_TIMEOUT (s), MFU_ARGS / K3_ARGS (extra overrides for the mfu / k3 steps), OPSITES_ARGS (extra op_sites.py arguments for the opsites / outputcode steps, e.g. --op add), DET_ONLY (runs of check_determinism, default A,B,P,C,D), GEMM_ARGS (bench_expert_gemm.py arguments, e.g. --shapes k3_small --merged-only), COMM_ARGS (bench_comm.py
+# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT / K3_TIMEOUT (s), MFU_ARGS / K3_ARGS (extra overrides for the mfu / k3 steps), K3_AB_ARGS (the overrides k3ab measures against main), OPSITES_ARGS (extra op_sites.py arguments for the opsites / outputcode steps, e.g. --op add), DET_ONLY (runs of check_determinism, default A,B,P,C,D), GEMM_ARGS (bench_expert_gemm.py arguments, e.g. --shapes k3_small --merged-only), COMM_ARGS (bench_comm.py
 # arguments instead of --experts 96 384, e.g. --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
 # --experts 896 --topk 16 --ranks 8).
 # Every step has its own time limit so one hang cannot eat the rest.
@@ -121,6 +121,16 @@ for step in "${steps[@]}"; do
            timeout "${K3_TIMEOUT:-300}" python -m moontrain.cli launch recipes/k3_small.yaml parallel.ep=1 --nproc 1 \
              train.steps=20 checkpoint.save_final=false ${K3_ARGS:-} > "$out/k3_recipe_launch.log" 2>&1
            echo "k3 recipe launch rc=$?"; grep -E "^step" "$out/k3_recipe_launch.log" | tail -3 | cut -c1-160 ;;
+    k3ab)  # one change measured against main on one machine: k3_small's 131k row (speed and learning) as main runs it,
+           # then with K3_AB_ARGS (e.g. "kernels.kda_gate_norm=moontrain"), back to back
+           for variant in main change; do
+             args=""; [ "$variant" = change ] && args="${K3_AB_ARGS:?k3ab needs K3_AB_ARGS: the overrides of the change}"
+             timeout "${K3_TIMEOUT:-300}" torchrun --nproc_per_node=1 benchmarks/bench_train.py --learning-row \
+               --recipe recipes/k3_small.yaml --backends moonep --targets --steps 3 --warmup 2 --window 6 \
+               --tag "k3_small_131k_$variant" --out "$out" parallel.ep=1 parallel.dense=plain train.micro_batch_size=4 \
+               train.global_batch_size=32 $args > "$out/k3ab_$variant.log" 2>&1
+             echo "k3ab $variant ($args) rc=$?"; grep -E "steady|learning row" "$out/k3ab_$variant.log" | tail -2
+           done ;;
     conv)  # KDA's short convolution kernels against the compiled specification, and the dpre tile sweep
            timeout "${CONV_TIMEOUT:-200}" python benchmarks/bench_short_conv.py --out "$out/bench_short_conv.json" > "$out/conv.log" 2>&1
            echo "bench_short_conv rc=$?"; tail -20 "$out/conv.log" ;;
@@ -185,6 +195,6 @@ for step in "${steps[@]}"; do
            echo "op_sites --compile rc=$?"; head -30 "$out/op_sites_compiled.log"
            grep -oE "def triton_[a-z]+_fused_[A-Za-z0-9_]+" "$out/output_code.log" | sort | uniq -c | sort -rn | head -40
            xz -f "$out/output_code.log" ;;
-    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, kdakernels, opsites, outputcode, optim, determinism, ckpt, dense, mfu, k3, learning)"; exit 2 ;;
+    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, kdakernels, opsites, outputcode, optim, determinism, ckpt, dense, mfu, k3, k3ab, learning)"; exit 2 ;;
   esac
 done
