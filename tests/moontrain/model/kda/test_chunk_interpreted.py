@@ -81,3 +81,31 @@ def test_chunk_matches_fla_chunk_kda(T: int, doc_len: int | None, recompute: boo
         err_fla_spec = (y.float() - z.float()).abs().max().item()
         assert err_spec <= 1.25 * err_fla_spec + 2 ** -7 * top, (
             f"{name}: {err_spec:.2e} from the PyTorch KDA, fla {err_fla_spec:.2e}")
+
+
+@pytest.mark.slow
+def test_chunk_through_a_stack_with_flas_static_buffers() -> None:
+    """Two stacked KDA calls with residuals on documents, fla's own dqkg stage (which in its use_graph mode
+    returns dv and db in buffers it reuses for the next call's backward): moontrain's call with device-listed
+    chunks (use_graph) against fla's chunk_kda with host-listed ones (no reused buffers), output and every input
+    and parameter gradient, as test_chunk_matches_fla_chunk_kda bounds them. A gradient handed on in a reused
+    buffer and read after the next backward would be off by its size."""
+    route_fla_stages(dqkg=False, intra=False)
+    inputs, kwargs, go = random_kda_inputs(2, 96, 2, 64, doc_len=40, seed=7, device="cpu")
+    x0, _, _, f0, beta0 = inputs
+    layers = [(f0.detach() * s, beta0.detach() * s) for s in (1.0, 0.5)]
+
+    def stack(gate_norm: bool, device_chunks: bool) -> list[torch.Tensor]:
+        x = x0.detach().clone().requires_grad_()
+        params = [[t.clone().requires_grad_() for t in layer] for layer in layers]
+        h = x
+        for f, beta in params:
+            h = h + kda_fla(h, h * 0.5, h.flip(-1), f, beta, **kwargs, recompute=False, gate_norm=gate_norm,
+                            device_chunks=device_chunks)
+        leaves = [x, *(t for p in params for t in p)]
+        return [h.detach(), *torch.autograd.grad(h, leaves, go)]
+
+    ours, fla = stack(True, device_chunks=True), stack(False, device_chunks=False)
+    for i, (x, y) in enumerate(zip(ours, fla, strict=True)):
+        err = (x.float() - y.float()).abs().max().item()
+        assert err <= 2 ** -7 * y.float().abs().max().item(), f"output / gradient {i}: max |diff| {err:.2e}"
