@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from moontrain.model.kda.gate_norm_kernel import kda_gate, kda_gate_norm, kda_gate_norm_backward
+from moontrain.model.kda.gate_norm_kernel import kda_gate_cumsum, kda_gate_norm, kda_gate_norm_backward
 
 CHUNK = 64
 
@@ -68,8 +68,8 @@ class ChunkKDA(torch.autograd.Function):
         if kept:
             g, w, u, qg, kg, v_new, h = kept
         else:
-            g = kda_gate(f, A_log, dt_bias, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
-                         chunk_indices=chunk_indices)
+            g = kda_gate_cumsum(f, A_log, dt_bias, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
+                                chunk_indices=chunk_indices)
             w, u, qg, kg = recompute_w_u_fwd(k=kn, v=v, beta=beta, A=Akk, gk=g, q=qn, cu_seqlens=cu_seqlens,
                                              chunk_indices=chunk_indices, use_graph=use_graph)
             h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=g, chunk_offsets=chunk_offsets, **lists)

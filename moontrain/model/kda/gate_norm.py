@@ -39,16 +39,16 @@ FORWARD_OUTPUTS = ("qn", "q_rstd", "kn", "k_rstd", "g")
 BACKWARD_OUTPUTS = ("dq", "dk", "df", "dA_log", "ddt_bias")
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def kda_gate(f_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor,
              lower_bound: float | None) -> torch.Tensor:
     """Per-channel log-decay g <= 0 (fp32, or fp64 for fp64 inputs): lower_bound * sigmoid(exp(A_log)
     (f + dt_bias)) when bounded, else -exp(A_log) * softplus(f + dt_bias). dt_bias: H * K values. The PyTorch
     KDA's (moontrain.model.kda.ops.kda) and the forward end's."""
     H, K = f_BTHK.shape[-2:]
-
-    def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
-        return x.to(torch.promote_types(x.dtype, torch.float32))
-
     x = at_least_fp32(f_BTHK) + at_least_fp32(dt_bias_HK).view(H, K)
     a = at_least_fp32(A_log_H).exp().view(H, 1)
     if lower_bound is None:

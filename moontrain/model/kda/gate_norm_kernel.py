@@ -140,11 +140,11 @@ def kda_gate_norm(q: torch.Tensor, k: torch.Tensor, f: torch.Tensor, A_log: torc
     return qn, q_rstd, kn, k_rstd, g
 
 
-def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, lower_bound: float | None,
+def kda_gate_cumsum(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, lower_bound: float | None,
              cu_seqlens: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None) -> torch.Tensor:
     """kda_gate_norm's g alone (the same kernel, its norms switched off): a backward that recomputes the
     forward's states gets the forward's g bit for bit."""
-    _require_triton("kda_gate")
+    _require_triton("kda_gate_cumsum")
     validate(f, f, f, A_log, dt_bias, cu_seqlens)
     return _launch_forward(f, f, f, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, None)
 

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from moontrain.model.documents import flat_sequence_bounds
-from moontrain.model.kda.gate_norm import L2_EPS, kda_gate
+from moontrain.model.kda.gate_norm import L2_EPS, at_least_fp32, kda_gate
 
 CHUNK = 64  # tokens per chunk (fla's default; its kernels take 32 or 64)
 
@@ -114,10 +114,6 @@ def chunk_kda_with_state(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: tor
         S = decay_end[:, :, n] * S + k_end[:, :, n].transpose(-1, -2) @ U
     o_BHTV = torch.stack(outs, dim=2).reshape(B, H, N * L, V)[:, :, :T]
     return o_BHTV.transpose(1, 2).to(v_BTHV.dtype), S
-
-
-def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:

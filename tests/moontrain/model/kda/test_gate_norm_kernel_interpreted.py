@@ -27,7 +27,7 @@ from moontrain.model.kda.gate_norm import (
     kda_gate_norm_backward_reference,
     kda_gate_norm_reference,
 )
-from moontrain.model.kda.gate_norm_kernel import kda_gate, kda_gate_norm, kda_gate_norm_backward
+from moontrain.model.kda.gate_norm_kernel import kda_gate_cumsum, kda_gate_norm, kda_gate_norm_backward
 from tests.moontrain.model.kda.test_gate_norm import stage_inputs
 
 FP32_TOL = 2e-5
@@ -89,10 +89,10 @@ def test_validation_messages() -> None:
 
 
 def test_gate_alone_is_the_forwards_g_bit_for_bit() -> None:
-    """kda_gate (the backward's recompute of g, kernels.kda_recompute) is kda_gate_norm's g bitwise, on
+    """kda_gate_cumsum (the backward's recompute of g, kernels.kda_recompute) is kda_gate_norm's g bitwise, on
     device-listed documents with f a column slice."""
     fwd, _ = stage_inputs("docs_graph", -5.0, torch.bfloat16)
     f = as_slices(fwd["f"])
     g = kda_gate_norm(**dict(fwd, f=f))[-1]
-    assert torch.equal(kda_gate(f, fwd["A_log"], fwd["dt_bias"], lower_bound=-5.0, cu_seqlens=fwd["cu_seqlens"],
-                                chunk_indices=fwd["chunk_indices"]), g)
+    assert torch.equal(kda_gate_cumsum(f, fwd["A_log"], fwd["dt_bias"], lower_bound=-5.0, cu_seqlens=fwd["cu_seqlens"],
+                                       chunk_indices=fwd["chunk_indices"]), g)
