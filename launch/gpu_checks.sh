@@ -66,7 +66,8 @@ for step in "${steps[@]}"; do
     push)  timeout "${PUSH_TIMEOUT:-400}" python benchmarks/bench_push_reduce.py --out "$out" > "$out/push_reduce.log" 2>&1
            echo "push rc=$?"; tail -40 "$out/push_reduce.log" ;;
     kda)   timeout "${KDA_TIMEOUT:-600}" python -m pytest -v -m gpu tests/moontrain/model/kda/test_layer_gpu.py \
-             tests/moontrain/model/kda/test_chunk_gpu.py > "$out/kda.log" 2>&1
+             tests/moontrain/model/kda/test_chunk_gpu.py tests/moontrain/model/kda/test_layer_compile_gpu.py \
+             > "$out/kda.log" 2>&1
            echo "kda rc=$?"; grep -hE "PASSED|FAILED|passed|failed" "$out/kda.log" | tail -6
            timeout "${KDA_TIMEOUT:-600}" python benchmarks/bench_kda.py --out "$out/bench_kda.json" > "$out/bench_kda.log" 2>&1
            echo "bench_kda rc=$?"; tail -10 "$out/bench_kda.log" ;;

@@ -25,7 +25,9 @@ kernels.kda_intra which kernels run the two fla backward stages moontrain.model.
 chunk_kda runs the call or moontrain.model.kda.chunk (fla's stages between moontrain's gate-and-norm kernels). The
 KDA call is
 excluded from torch.compile (fla's autograd function is opaque to it; the reference's chunk loop would
-unroll); the projections, convolutions and the output norm around it compile.
+unroll); the projections, convolutions and the output norm around it compile, with inductor's comprehensive
+padding off (compile(): the convolutions' Triton launches carry the projection's strides as traced, so a
+padded projection output would be copied, slice by slice, in forward and backward).
 
 Init (init_parameters, after the model's normal init): A_log = log U(1, 16) per head (fla's range), dt_bias
 so that the initial decay rate -g at f = 0 is log-uniform in [1e-3, 1e-1] per channel (Mamba-2's range for
@@ -141,6 +143,17 @@ class KimiDeltaAttention(nn.Module):
         # (and with it triton) with this module; the class's function, not a bound method (copies stay apart)
         self._uncompiled_recurrence = torch.compiler.disable(KimiDeltaAttention.recurrence)
         self.conv = select_short_conv(conv, device)  # conv: kernels.short_conv (traceable by torch.compile)
+
+    def compile(self, **kwargs) -> None:
+        """nn.Module.compile with inductor's comprehensive padding off unless `options` says otherwise. Padding
+        gives the stacked projection's output (5 H K + H columns: 10,256 at k3_small) a row stride rounded up
+        to 128 bytes. The short convolutions' Triton launches (torch.library.triton_ops) pass the strides of
+        their input as traced, unpadded, so inductor then copies each q / k / v column slice to those strides
+        before the forward's and the backward's kernels: six [B, T, H K] copies a layer and pass. torch 2.11
+        pads it (its contiguity query pads the layout it inspects); the layer's other buffers need no padding
+        (widths of whole 128-byte rows). Off, the kernels read the projection's columns in place."""
+        options = {"comprehensive_padding": False, **(kwargs.pop("options", None) or {})}
+        super().compile(options=options, **kwargs)
 
     @torch.no_grad()
     def init_parameters(self, gen: torch.Generator) -> None:

@@ -77,6 +77,18 @@ def test_layer_matches_reference(rank: int | None, bound: float | None) -> None:
     torch.testing.assert_close(m(x), _layer_reference(m, x, cfg), rtol=1e-9, atol=1e-11)
 
 
+def test_compile_turns_inductors_comprehensive_padding_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KimiDeltaAttention.compile hands torch.compile options with comprehensive padding off (the GPU test
+    test_layer_compile_gpu.py checks what that buys: no copies of the projection's slices), merged with the
+    caller's options, which win."""
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    KimiDeltaAttention(_cfg()).compile()
+    KimiDeltaAttention(_cfg()).compile(options={"max_autotune": True, "comprehensive_padding": True}, dynamic=False)
+    assert calls == [{"options": {"comprehensive_padding": False}},
+                     {"options": {"comprehensive_padding": True, "max_autotune": True}, "dynamic": False}]
+
+
 def test_init_decay_rates_in_range() -> None:
     for bound in (-5.0, None):
         cfg = _cfg(kda_gate_lower_bound=bound)
