@@ -13,7 +13,9 @@ Rows per case: unfused eager, unfused with the CE compiled (parallelize's old co
 eager, the loss through torch.compile), fused eager, fused compiled and (GPU) fused with the Triton chunk math
 (kernels.lm_loss) at each --chunk-mib (the fp32 logits a chunk may take; the library's default is
 lm_loss.LOGITS_BYTES_PER_CHUNK); on the GPU two more: the per-chunk math alone at the library's chunk, compiled
-and Triton, with the HBM rate of its least traffic (the grad-h column there: the gradients' difference). Columns: median ms of
+and Triton, with the HBM rate of its least traffic (the grad-h column there: the gradients' difference), and
+backward's scale of the saved gradients, PyTorch's passes and the Triton pass (the grad-h column: elements whose
+bits differ). Columns: median ms of
 --iters calls (CUDA events) after --warmup; peak GiB allocated during a call above what was allocated before
 it (inputs, and the grads of the previous call freed); loss and the grads' max relative difference from the
 unfused eager row (relative to each grad's largest element). Table printed; JSON to --out.
@@ -136,6 +138,26 @@ def run_chunk_math(N: int, V: int, iters: int, warmup: int) -> list[dict]:
     return rows
 
 
+def run_scale(N: int, D: int, V: int, iters: int, warmup: int) -> list[dict]:
+    """Backward's scale of the saved bf16 gradients by the grad of the loss (h's [N, D] and the weight's [V, D],
+    a scale of 1/3): lm_loss._scaled's PyTorch passes against the Triton pass (kernels.lm_loss), with the HBM rate
+    of the least traffic (each gradient read and written once in bf16); the diff column is 0 when bitwise."""
+    from moontrain.model.lm_loss import _scaled
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    grads = [(torch.randn(n, D, generator=gen, device="cuda") * 1e-4).to(torch.bfloat16) for n in (N, V)]
+    scale = torch.tensor(1 / 3, device="cuda")
+    rows = []
+    for name, math in (("scale pass torch", EAGER), ("scale pass triton", triton_math())):
+        ms = median_ms(lambda math=math: [_scaled(g, scale, math) for g in grads], iters, warmup)
+        diff = max((_scaled(g, scale, math).view(torch.int16) != _scaled(g, scale).view(torch.int16)).sum().item()
+                   for g in grads)
+        rows.append({"N": N, "D": D, "V": V, "variant": name, "ms": ms, "peak_gib": None,
+                     "hbm_tb_s": sum(4 * g.numel() for g in grads) / (ms * 1e-3) / 1e12,
+                     "loss_rel_diff": 0.0, "grad_h_rel_diff": float(diff), "grad_w_rel_diff": 0.0})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default=None, help=f"comma-separated NxDxV (GPU default {GPU_CASES}, CPU {CPU_CASE})")
@@ -157,6 +179,7 @@ def main() -> None:
             rows += run_case(N, D, V, chunk_mib, args.iters, args.warmup, device)
         if device.type == "cuda":
             rows += run_chunk_math(N, V, args.iters, args.warmup)
+            rows += run_scale(N, D, V, args.iters, args.warmup)
     print(f"{'N':>6} {'D':>5} {'V':>7}  {'variant':<36} {'ms':>9} {'peak GiB':>9} {'loss diff':>10} "
           f"{'grad_h diff':>11} {'grad_W diff':>11}")
     for r in rows:

@@ -163,7 +163,7 @@ for step in "${steps[@]}"; do
            echo "lm_loss kernel tests rc=$?"; tail -3 "$out/lm_loss_tests.log"
            timeout "${LMLOSS_TIMEOUT:-200}" python benchmarks/bench_lm_loss.py --chunk-math-only --cases 16384x2048x163840 \
              --iters 20 --warmup 3 --out "$out/bench_lm_loss_chunk_math.json" > "$out/lm_loss.log" 2>&1
-           echo "bench_lm_loss rc=$?"; grep "chunk math" "$out/lm_loss.log" ;;
+           echo "bench_lm_loss rc=$?"; grep -E "chunk math|scale pass" "$out/lm_loss.log" ;;
     gradacc) # parallel.dense=plain's grad accumulation: the Triton launch against the foreach path at k3_small's
            # dense sizes, then the plain-vs-FSDP GPU tests (both accumulate paths)
            timeout "${GRADACC_TIMEOUT:-300}" python benchmarks/bench_grad_accumulate.py \

@@ -12,7 +12,8 @@ makes it (softmax * 1/N, then -1/N at the target), rounded once to the compute d
 `.float()` rounds it; then grad_h_c = grad_logits_cV @ W (complete: the sum runs over V) and grad_W +=
 grad_logits_cV^T @ h_c into an fp32 [V, D] accumulator (products of the compute dtype, fp32 sums, rounded
 once to W's dtype after the last chunk). Only grad_h [N, D] and grad_W [V, D] are saved; backward scales them
-by the scalar grad of the loss (in fp32, rounded once: 1 / accumulation steps need not be a power of two).
+by the scalar grad of the loss (in fp32, rounded once: 1 / accumulation steps need not be a power of two; with
+kernels.lm_loss's Triton math one pass over each bf16 gradient, bitwise the PyTorch passes' result).
 Without grad (evaluation) the forward computes the loss alone, in the same chunks and order.
 
 Numerics against autograd over the materialised logits: the same formulas and roundings; the sums differ
@@ -90,6 +91,7 @@ def chunk_loss_and_grad(logits_cV: torch.Tensor, targets_c: torch.Tensor, inv_n:
 class ChunkMath(NamedTuple):
     loss_and_grad: Any  # chunk_loss_and_grad or its compiled form
     loss: Any  # chunk_loss or its compiled form
+    scaled_bf16: Any = None  # backward's scale of a bf16 gradient in one pass (None: _scaled's PyTorch passes)
 
 
 EAGER = ChunkMath(chunk_loss_and_grad, chunk_loss)
@@ -107,7 +109,7 @@ def triton_math() -> ChunkMath:
     logits), the same with or without train.compile."""
     from moontrain.model import lm_loss_kernel as k  # imports triton: only where it runs
 
-    return ChunkMath(k.chunk_loss_and_grad, k.chunk_loss)
+    return ChunkMath(k.chunk_loss_and_grad, k.chunk_loss, k.scaled_bf16)
 
 
 def chunk_math(choice: str, device: torch.device | str | None) -> ChunkMath:
@@ -126,10 +128,13 @@ def _add_outer_(acc_VD: torch.Tensor, grad_Vc: torch.Tensor, h_cD: torch.Tensor)
         acc_VD.addmm_(grad_Vc.float(), h_cD.float())
 
 
-def _scaled(grad: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor | None:
-    """grad * scale computed in fp32 and rounded once to grad's dtype, in row blocks of at most the chunk budget."""
+def _scaled(grad: torch.Tensor | None, scale: torch.Tensor, math: ChunkMath = EAGER) -> torch.Tensor | None:
+    """grad * scale computed in fp32 and rounded once to grad's dtype, in row blocks of at most the chunk budget
+    (three passes over each block); a bf16 grad through math.scaled_bf16 where the math has it (one pass)."""
     if grad is None or grad.dtype == torch.float32:
         return None if grad is None else grad * scale
+    if grad.dtype == torch.bfloat16 and math.scaled_bf16 is not None:
+        return math.scaled_bf16(grad, scale)
     out = torch.empty_like(grad)
     rows = max(1, LOGITS_BYTES_PER_CHUNK // (4 * grad.shape[1]))
     for r0 in range(0, grad.shape[0], rows):
@@ -156,12 +161,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 _add_outer_(grad_w_VD, grad_cV.t(), h_cD)
             del grad_cV  # freed before the next chunk's logits are allocated
         ctx.save_for_backward(grad_h_ND, None if grad_w_VD is None else grad_w_VD.to(weight_VD.dtype))
+        ctx.math = math
         return loss / N
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_h_ND, grad_w_VD = ctx.saved_tensors
-        return _scaled(grad_h_ND, grad_loss), _scaled(grad_w_VD, grad_loss), None, None, None
+        return _scaled(grad_h_ND, grad_loss, ctx.math), _scaled(grad_w_VD, grad_loss, ctx.math), None, None, None
 
 
 def linear_cross_entropy(h_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor, *,

@@ -11,6 +11,8 @@ Two passes over the chunk's logits (in the compute dtype, [c, V]):
   per row, combines the S parts into the row's lse and its loss lse - x_target.
 - _grad_kernel, one program per (row, tile of V): the gradient above in fp32, rounded once to the logits' dtype
   and written over the logits (they are the chunk's own and dead after it: no second [c, V] tensor).
+- _scale_kernel: backward's grad * (grad of the loss) for the saved bf16 gradients of h and the weight (lm_loss's
+  _scaled is the specification): one pass reading and writing bf16, the product in fp32 rounded once.
 The specification computes the same quantities in ATen's log-softmax order ((x - max) - log sum exp(x - max))
 through torch.compile, which reduces each row of V logits in one program; splitting V gives the first pass
 c x S programs (the two timed against each other: benchmarks/bench_lm_loss.py --chunk-math-only).
@@ -29,6 +31,7 @@ import triton.language as tl
 
 # columns per tile and warps (both passes); columns per split of a row in the first pass (a multiple of BLOCK_V)
 BLOCK_V, SPLIT_V, WARPS = 2048, 16384, 8
+SCALE_BLOCK = 4096  # elements per program of the scale pass (32 a thread at 4 warps: 16-byte loads)
 
 
 @triton.jit
@@ -77,6 +80,35 @@ def _grad_kernel(x_ptr, lse_ptr, t_ptr, V, inv_n, BV: tl.constexpr):
     p = tl.exp(x - lse) * inv_n
     g = tl.where(cols == target, p - inv_n, p)
     tl.store(ptrs, g.to(x_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _bf16_rne(x):
+    """fp32 -> bf16, round to nearest even (torch's cast; the interpreter's own cast truncates), NaN kept NaN."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return tl.where(x == x, rounded, x.to(tl.bfloat16))
+
+
+@triton.jit
+def _scale_kernel(x_ptr, scale_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    y = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32) * tl.load(scale_ptr).to(tl.float32)
+    tl.store(y_ptr + offs, _bf16_rne(y), mask=ok)
+
+
+def scaled_bf16(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """lm_loss._scaled for a contiguous bf16 gradient and a one-element scale on its device: a new tensor,
+    bitwise the specification's."""
+    if grad.dtype != torch.bfloat16 or not grad.is_contiguous() or scale.numel() != 1 or scale.device != grad.device:
+        raise ValueError(f"scaled_bf16 takes a contiguous bf16 gradient and a one-element scale on its device, got "
+                         f"{grad.dtype} (contiguous: {grad.is_contiguous()}) and a scale of {scale.numel()} elements "
+                         f"on {scale.device}; lm_loss._scaled takes the others")
+    out = torch.empty_like(grad)
+    _scale_kernel[(triton.cdiv(grad.numel(), SCALE_BLOCK),)](grad, scale, out, grad.numel(), BLOCK=SCALE_BLOCK,
+                                                             num_warps=4)
+    return out
 
 
 def _check(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> torch.Tensor:

@@ -39,3 +39,24 @@ def test_chunk_math_matches_spec_at_k3_small_chunk() -> None:
     ref_loss, ref_grad = lm_loss.compiled_math().loss_and_grad(logits.clone(), targets, 1.0 / N)
     assert abs(loss.item() - ref_loss.item()) <= 2 * 16 * (V + C) * U32 * magnitude
     assert (grad.float() - ref_grad.float()).abs().max().item() <= 2 * rel * ref_grad.float().abs().max().item()
+
+
+def test_scale_pass_is_bitwise_the_specification_at_the_head_weight() -> None:
+    """Backward's scale of the saved weight gradient ([V, D] bf16 at k3_small's head, a scale of 1/3) in one Triton
+    pass against lm_loss._scaled's PyTorch passes: the same bits, subnormals, infinities, NaNs and the largest
+    finite values (scaled past the range) included."""
+    from moontrain.model import lm_loss_kernel
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    grad = torch.randn(V, 2048, device="cuda", generator=gen) * torch.exp2(
+        torch.randint(-133, 127, (V, 2048), device="cuda", generator=gen).float())
+    grad = grad.to(torch.bfloat16)
+    grad[0, :8] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 3.3e38, -3.3e38, 1e-40])
+    for scale in (1 / 3, 3.0):
+        s = torch.tensor(scale, device="cuda")
+        got, want = lm_loss_kernel.scaled_bf16(grad, s), lm_loss._scaled(grad, s)
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan)
+        mismatch = (got.view(torch.int16) != want.view(torch.int16)) & ~nan
+        assert not mismatch.any(), f"scale {scale}: {int(mismatch.sum())} elements differ, the first at " \
+                                   f"{mismatch.nonzero()[0].tolist()}"

@@ -88,6 +88,52 @@ def test_linear_cross_entropy_with_the_kernels_matches_the_spec(small_tiles: Non
     assert abs(eval_loss.item() - outs[0][0].item()) <= 16 * 212 * U32 * 20 * outs[0][0].item()
 
 
+def _bf16_cases(seed: int) -> torch.Tensor:
+    """bf16 values of every normal scale whose products with the tests' scales stay normal, the largest finite
+    values (scaled past the range they round to inf), zeros of both signs, infinities and NaNs; [1253, 4].
+    Not subnormals: the interpreter's arithmetic on them is not the GPU's (the GPU test includes them)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5000, generator=g) * torch.exp2(torch.randint(-120, 126, (5000,), generator=g).float())
+    x = torch.where(x.abs() < 2.0**-120, 1.0, x)  # the scales shrink by at most 8: products above 2^-126
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 3.3e38, -3.3e38, 1e-30, -1e-30])
+    bits = torch.tensor([0x7FFF, 0xFFC1 - 0x10000, 0x7F81], dtype=torch.int16)  # NaNs with other payloads
+    return torch.cat([x.to(torch.bfloat16), specials.to(torch.bfloat16), bits.view(torch.bfloat16)]).view(-1, 4)
+
+
+@pytest.mark.parametrize("scale", [1 / 3, 0.125, 3.0, -0.7], ids=["third", "eighth", "three", "negative"])
+def test_scale_pass_is_bitwise_the_specification(scale: float) -> None:
+    """scaled_bf16 (backward's grad * grad of the loss, one pass) against lm_loss._scaled's PyTorch passes: the
+    same bits everywhere, NaN where it gives NaN; a grad of several programs with a partial last one."""
+    grad = _bf16_cases(seed=int(abs(scale) * 1000))
+    s = torch.tensor(scale)
+    got = lm_loss_kernel.scaled_bf16(grad, s)
+    want = lm_loss._scaled(grad, s)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    mismatch = (got.view(torch.int16) != want.view(torch.int16)) & ~nan
+    assert not mismatch.any(), (f"{int(mismatch.sum())} mismatches, the first at {mismatch.nonzero()[0].tolist()}: "
+                                f"{grad[mismatch][0].item()} * {scale} -> {got[mismatch][0].item()}, "
+                                f"want {want[mismatch][0].item()}")
+    with pytest.raises(ValueError, match=r"scaled_bf16 takes a contiguous bf16 gradient .* got torch.float32"):
+        lm_loss_kernel.scaled_bf16(grad.float(), s)
+
+
+def test_fused_head_scales_its_bf16_grads_with_the_kernel() -> None:
+    """The fused head in bf16 with the Triton chunk math, backward with a grad of 1 / 3 (not a power of two):
+    the gradients of h and the weight bitwise those of the same chunk math scaled by _scaled's PyTorch passes."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(12, 24, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(200, 24, generator=g) * 0.3).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, 200, (12,), generator=g)
+    kernels = lm_loss.triton_math()
+    grads = []
+    for math in (kernels, kernels._replace(scaled_bf16=None)):
+        loss = lm_loss.linear_cross_entropy(h, w, t, chunk=5, math=math)
+        grads.append(torch.autograd.grad(loss / 3, (h, w)))
+    for name, a, b in zip(("grad h", "grad w"), *grads, strict=True):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b), name
+
+
 def test_model_choice_and_bad_input(monkeypatch: pytest.MonkeyPatch) -> None:
     """kernels.lm_loss: triton under the interpreter picks the kernels, auto on the CPU the PyTorch math, triton
     on the CPU without the interpreter an error naming the fix; the kernels refuse strided logits."""
