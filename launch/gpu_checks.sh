@@ -158,7 +158,7 @@ for step in "${steps[@]}"; do
            echo "bench_attn_res rc=$?"; grep "  N " "$out/attn_res.log" ;;
     lmloss) # the head's per-chunk CE kernels (kernels.lm_loss=triton): their GPU test against float64 and the compiled
            # math, then the chunk math alone at k3_small's chunk, compiled against Triton
-           timeout "${LMLOSS_TIMEOUT:-200}" python -m pytest -q -m gpu tests/moontrain/model/test_lm_loss_kernel_gpu.py \
+           timeout "${LMLOSS_TIMEOUT:-200}" python -m pytest -q -m gpu tests/moontrain/model/test_lm_loss_kernel_gpu.py tests/moontrain/model/test_lm_loss.py \
              > "$out/lm_loss_tests.log" 2>&1
            echo "lm_loss kernel tests rc=$?"; tail -3 "$out/lm_loss_tests.log"
            timeout "${LMLOSS_TIMEOUT:-200}" python benchmarks/bench_lm_loss.py --chunk-math-only --cases 16384x2048x163840 \

@@ -10,7 +10,7 @@ Forward, per chunk of c tokens: logits_cV = h_c @ W^T in the compute dtype; in f
 order ((x - max) - log sum exp), the chunk's summed target log-probabilities, and the logits' grad as autograd
 makes it (softmax * 1/N, then -1/N at the target), rounded once to the compute dtype as the backward of
 `.float()` rounds it; then grad_h_c = grad_logits_cV @ W (complete: the sum runs over V) and grad_W +=
-grad_logits_cV^T @ h_c into an fp32 [V, D] accumulator (products of the compute dtype, fp32 sums, rounded
+grad_logits_cV^T @ h_c into an fp32 [V, D] accumulator (which the first chunk's GEMM writes: no zero fill) (products of the compute dtype, fp32 sums, rounded
 once to W's dtype after the last chunk). Only grad_h [N, D] and grad_W [V, D] are saved; backward scales them
 by the scalar grad of the loss (in fp32, rounded once: 1 / accumulation steps need not be a power of two; with
 kernels.lm_loss's Triton math one pass over each bf16 gradient, bitwise the PyTorch passes' result).
@@ -24,8 +24,8 @@ Chunk size: the most tokens whose fp32 logits fit in LOGITS_BYTES_PER_CHUNK (1 G
 128 rows. Memory: with train.compile a chunk holds its compute-dtype logits and grad (half the budget
 each at bf16), eager about 3.5 times it (the logits, their fp32 log-softmax and two fp32 temporaries), against
 [N, V] in the compute dtype plus fp32 and their grads for the unfused head (k3_small: 5.4 GiB bf16 + 10.7
-GiB fp32 at 16k tokens). Speed: every chunk reads and writes the fp32 accumulator (8 V D bytes) next to its
-6 c V D GEMM FLOPs. Measured on one H200 (benchmarks/bench_lm_loss.py, fwd + bwd, bf16, compiled; results
+GiB fp32 at 16k tokens). Speed: every chunk after the first reads and writes the fp32 accumulator (8 V D bytes)
+next to its 6 c V D GEMM FLOPs. Measured on one H200 (benchmarks/bench_lm_loss.py, fwd + bwd, bf16, compiled; results
 bench_lm_loss_1xh200_20261202.json), unfused head against this at 256 MiB / 1 GiB / 2 GiB chunks:
 N 16384, D 2048, V 163,840: 54.1 ms, 10.0 GiB peak | 92.7 ms, 3.4 | 63.7 ms, 3.4 | 65.0 ms, 5.2;
 N 32768, D 2048, V 32,768: 22.7 ms, 4.0 GiB | 25.5 ms, 1.0 | 23.7 ms, 2.4 | 23.8 ms, 4.4.
@@ -118,14 +118,16 @@ def chunk_math(choice: str, device: torch.device | str | None) -> ChunkMath:
     return triton_math() if runs_cuda_kernels("lm_loss", choice, device, "the PyTorch chunk math") else EAGER
 
 
-def _add_outer_(acc_VD: torch.Tensor, grad_Vc: torch.Tensor, h_cD: torch.Tensor) -> None:
-    """acc_VD (fp32) += grad_Vc @ h_cD with the products of the compute dtype summed in fp32."""
+def _add_outer_(acc_VD: torch.Tensor, grad_Vc: torch.Tensor, h_cD: torch.Tensor, first: bool) -> None:
+    """acc_VD (fp32) += grad_Vc @ h_cD with the products of the compute dtype summed in fp32; the first chunk
+    writes it (beta 0: whatever acc_VD held is not read, so it needs no zero fill)."""
+    beta = 0.0 if first else 1.0
     if grad_Vc.dtype == acc_VD.dtype:
-        acc_VD.addmm_(grad_Vc, h_cD)
+        acc_VD.addmm_(grad_Vc, h_cD, beta=beta)
     elif acc_VD.is_cuda:  # cuBLAS: a bf16 GEMM accumulating into the fp32 output (PyTorch >= 2.8)
-        torch.addmm(acc_VD, grad_Vc, h_cD, out_dtype=torch.float32, out=acc_VD)
+        torch.addmm(acc_VD, grad_Vc, h_cD, out_dtype=torch.float32, beta=beta, out=acc_VD)
     else:  # no mixed-dtype GEMM on the CPU: a product of two bf16 (fp16) values is exact in fp32, so the same sums
-        acc_VD.addmm_(grad_Vc.float(), h_cD.float())
+        acc_VD.addmm_(grad_Vc.float(), h_cD.float(), beta=beta)
 
 
 def _scaled(grad: torch.Tensor | None, scale: torch.Tensor, math: ChunkMath = EAGER) -> torch.Tensor | None:
@@ -149,7 +151,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         want_h, want_w = ctx.needs_input_grad[:2]
         N = h_ND.shape[0]
         grad_h_ND = torch.empty(h_ND.shape, dtype=h_ND.dtype, device=h_ND.device) if want_h else None
-        grad_w_VD = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) if want_w else None
+        grad_w_VD = torch.empty(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) if want_w else None
         loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)
         for n0 in range(0, N, chunk):
             h_cD = h_ND[n0:n0 + chunk]
@@ -158,7 +160,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if want_h:
                 torch.mm(grad_cV, weight_VD, out=grad_h_ND[n0:n0 + chunk])
             if want_w:
-                _add_outer_(grad_w_VD, grad_cV.t(), h_cD)
+                _add_outer_(grad_w_VD, grad_cV.t(), h_cD, first=n0 == 0)
             del grad_cV  # freed before the next chunk's logits are allocated
         ctx.save_for_backward(grad_h_ND, None if grad_w_VD is None else grad_w_VD.to(weight_VD.dtype))
         ctx.math = math

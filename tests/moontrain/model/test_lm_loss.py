@@ -298,3 +298,25 @@ def test_matches_cross_entropy_on_cuda_bf16(compiled: bool) -> None:
     w = (torch.randn(v, d, generator=gen, device="cuda") * 0.1).bfloat16().requires_grad_()
     t = torch.randint(0, v, (n,), generator=gen, device="cuda")
     _compare(h, w, t, 256, chunk_math=compiled_math() if compiled else EAGER)
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                          reason="needs a CUDA GPU")])])
+def test_first_chunk_writes_the_weight_grad_without_reading_it(device: str) -> None:
+    """The fp32 accumulator starts uninitialised: the first chunk's GEMM writes it (beta 0) and the later ones add.
+    With the accumulator full of NaN first, the sum of three chunks' products (bf16 products, exact in fp32; on
+    CUDA cuBLAS's mixed-dtype addmm) is the float64 sum within its 72 fp32 additions: 72 u of the sum of
+    magnitudes."""
+    from moontrain.model.lm_loss import _add_outer_
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    grads = [torch.randn(64, 24, generator=gen, device=device).bfloat16() for _ in range(3)]
+    hs = [torch.randn(24, 32, generator=gen, device=device).bfloat16() for _ in range(3)]
+    got = torch.full((64, 32), float("nan"), device=device)
+    for i, (g, h) in enumerate(zip(grads, hs, strict=True)):
+        _add_outer_(got, g, h, first=i == 0)
+    want = sum(g.double() @ h.double() for g, h in zip(grads, hs, strict=True))
+    magnitude = sum(g.double().abs() @ h.double().abs() for g, h in zip(grads, hs, strict=True))
+    assert not got.isnan().any()
+    assert ((got.double() - want).abs() <= 72 * U32 * magnitude).all()
