@@ -10,7 +10,7 @@ Forward, per chunk of c tokens: logits_cV = h_c @ W^T in the compute dtype; in f
 order ((x - max) - log sum exp), the chunk's summed target log-probabilities, and the logits' grad as autograd
 makes it (softmax * 1/N, then -1/N at the target), rounded once to the compute dtype as the backward of
 `.float()` rounds it; then grad_h_c = grad_logits_cV @ W (complete: the sum runs over V) and grad_W +=
-grad_logits_cV^T @ h_c into an fp32 [V, D] accumulator (which the first chunk's GEMM writes: no zero fill) (products of the compute dtype, fp32 sums, rounded
+grad_logits_cV^T @ h_c into an fp32 [V, D] accumulator (the first chunk's GEMM writes it: no zero fill) (products of the compute dtype, fp32 sums, rounded
 once to W's dtype after the last chunk). Only grad_h [N, D] and grad_W [V, D] are saved; backward scales them
 by the scalar grad of the loss (in fp32, rounded once: 1 / accumulation steps need not be a power of two; with
 kernels.lm_loss's Triton math one pass over each bf16 gradient, bitwise the PyTorch passes' result).
@@ -119,15 +119,20 @@ def chunk_math(choice: str, device: torch.device | str | None) -> ChunkMath:
 
 
 def _add_outer_(acc_VD: torch.Tensor, grad_Vc: torch.Tensor, h_cD: torch.Tensor, first: bool) -> None:
-    """acc_VD (fp32) += grad_Vc @ h_cD with the products of the compute dtype summed in fp32; the first chunk
-    writes it (beta 0: whatever acc_VD held is not read, so it needs no zero fill)."""
-    beta = 0.0 if first else 1.0
+    """acc_VD (fp32) += grad_Vc @ h_cD with the products of the compute dtype summed in fp32; the first chunk's GEMM
+    writes acc_VD (a GEMM without an input: what acc_VD held is never read, so it needs no zero fill)."""
+    if grad_Vc.dtype != acc_VD.dtype and not acc_VD.is_cuda:
+        # no mixed-dtype GEMM on the CPU: a product of two bf16 (fp16) values is exact in fp32, so the same sums
+        grad_Vc, h_cD = grad_Vc.float(), h_cD.float()
     if grad_Vc.dtype == acc_VD.dtype:
-        acc_VD.addmm_(grad_Vc, h_cD, beta=beta)
-    elif acc_VD.is_cuda:  # cuBLAS: a bf16 GEMM accumulating into the fp32 output (PyTorch >= 2.8)
-        torch.addmm(acc_VD, grad_Vc, h_cD, out_dtype=torch.float32, beta=beta, out=acc_VD)
-    else:  # no mixed-dtype GEMM on the CPU: a product of two bf16 (fp16) values is exact in fp32, so the same sums
-        acc_VD.addmm_(grad_Vc.float(), h_cD.float(), beta=beta)
+        if first:
+            torch.mm(grad_Vc, h_cD, out=acc_VD)
+        else:
+            acc_VD.addmm_(grad_Vc, h_cD)
+    elif first:  # cuBLAS: a bf16 GEMM with its fp32 output (PyTorch >= 2.8)
+        torch.mm(grad_Vc, h_cD, out_dtype=torch.float32, out=acc_VD)
+    else:  # cuBLAS: a bf16 GEMM accumulating into the fp32 output
+        torch.addmm(acc_VD, grad_Vc, h_cD, out_dtype=torch.float32, out=acc_VD)
 
 
 def _scaled(grad: torch.Tensor | None, scale: torch.Tensor, math: ChunkMath = EAGER) -> torch.Tensor | None:

@@ -304,7 +304,7 @@ def test_matches_cross_entropy_on_cuda_bf16(compiled: bool) -> None:
     "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                           reason="needs a CUDA GPU")])])
 def test_first_chunk_writes_the_weight_grad_without_reading_it(device: str) -> None:
-    """The fp32 accumulator starts uninitialised: the first chunk's GEMM writes it (beta 0) and the later ones add.
+    """The fp32 accumulator starts uninitialised: the first chunk's GEMM writes it (no input) and the later ones add.
     With the accumulator full of NaN first, the sum of three chunks' products (bf16 products, exact in fp32; on
     CUDA cuBLAS's mixed-dtype addmm) is the float64 sum within its 72 fp32 additions: 72 u of the sum of
     magnitudes."""
