@@ -1,6 +1,7 @@
 """KDA's short convolution + SiLU on one GPU: the Triton kernels (moontrain.model.kda.short_conv_kernel) against
 the PyTorch specification compiled by inductor (what train.compile ran before the kernel), forward and
-backward, and a sweep of the backward's dpre tiles.
+backward, a sweep of the backward's dpre tiles, and the walking backward (kernels.short_conv_backward=walk, dx and
+dw in one kernel) over its spans and channel blocks.
 
     python benchmarks/bench_short_conv.py [--iters 20] [--warmup 3] [--out bench_short_conv.json]
 
@@ -9,7 +10,9 @@ Shape: one KDA projection of k3_small at 4 x 4096 tokens, [4, 4096, 2048] bf16, 
 without packed documents (~6 per row). Rows: the specification compiled, forward and forward + backward;
 the kernel's forward, dpre (+ the weight grad's partials and their sum) and dx; then dpre per tile
 (BWD_BLOCK_T x BWD_BLOCK_C, warps), each checked against the default
-tiles (dpre bitwise; dw to the fp32 summation order). Median ms of CUDA-event timings. GPU only.
+tiles (dpre bitwise; dw to the fp32 summation order); then the walk per (WALK_SPAN, WALK_BLOCK_C, warps) against
+the default tiles' dpre + dx (its dx from fp32 dpre, theirs from dpre rounded to bf16: within a bf16 ulp). Median
+ms of CUDA-event timings. GPU only.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from moontrain.model.kda.short_conv import short_conv
 B, T, C, W, WIDE = 4, 4096, 2048, 4, 10256
 TILES = [(64, 64, 4), (32, 64, 4), (32, 128, 4), (16, 128, 4), (16, 256, 8), (128, 32, 4), (64, 128, 8)]
 # BWD_BLOCK_T, BWD_BLOCK_C, warps
+WALKS = [(64, 512, 4), (128, 512, 4), (32, 512, 4), (64, 256, 2), (64, 1024, 8), (64, 256, 4), (256, 512, 4)]
+# WALK_SPAN, WALK_BLOCK_C, warps
 
 
 def inputs(docs: bool) -> tuple[torch.Tensor, ...]:
@@ -69,6 +74,22 @@ def bench_case(docs: bool, time_ms: Callable[[Callable[[], object]], float]) -> 
         print(f"  dpre {tile[0]:3d} x {tile[1]:3d}, {tile[2]} warps: "
               f"{ms * 1e3:7.1f} us (dpre bitwise {same}, dw max diff {dw_diff:.2e})")
     kernel.BWD_BLOCK_T, kernel.BWD_BLOCK_C, kernel.NUM_WARPS = default
+    # the walking backward (kernels.short_conv_backward=walk): dx and dw in one kernel, against dpre + dx's sum
+    tiles_ms = min(r["dpre_ms"] for r in rows[1:] if r["tile"] == list(default)) + dx
+    ref_dx = torch.ops.moontrain.short_conv_silu_dx(ref[0], w, doc_id)
+    default_walk = (kernel.WALK_SPAN, kernel.WALK_BLOCK_C, kernel.WALK_WARPS)
+    for walk in WALKS:
+        kernel.WALK_SPAN, kernel.WALK_BLOCK_C, kernel.WALK_WARPS = walk
+        out = torch.ops.moontrain.short_conv_silu_bwd_walk(dy, x, w, doc_id)
+        ms = time_ms(lambda: torch.ops.moontrain.short_conv_silu_bwd_walk(dy, x, w, doc_id))
+        scale = ref_dx.float().abs().max().item()
+        dx_diff = (out[0].float() - ref_dx.float()).abs().max().item() / scale
+        dw_diff = (out[1].float() - ref[1].float()).abs().max().item()
+        rows.append(dict(docs=docs, walk=list(walk), walk_ms=ms, tiles_dpre_dx_ms=tiles_ms, dx_rel_diff=dx_diff,
+                         dw_max_diff=dw_diff))
+        print(f"  walk {walk[0]:3d} rows x {walk[1]:4d}, {walk[2]} warps: {ms * 1e3:7.1f} us against dpre + dx "
+              f"{tiles_ms * 1e3:6.1f} us (dx {dx_diff:.2e} of its largest from the tiles' dx, dw max diff {dw_diff:.2e})")
+    kernel.WALK_SPAN, kernel.WALK_BLOCK_C, kernel.WALK_WARPS = default_walk
     return rows
 
 

@@ -132,9 +132,13 @@ for step in "${steps[@]}"; do
                train.global_batch_size=32 $args > "$out/k3ab_$variant.log" 2>&1
              echo "k3ab $variant ($args) rc=$?"; grep -E "steady|learning row" "$out/k3ab_$variant.log" | tail -2
            done ;;
-    conv)  # KDA's short convolution kernels against the compiled specification, and the dpre tile sweep
+    conv)  # KDA's short convolution kernels: their GPU tests (both backward routes), then against the compiled
+           # specification, the dpre tile sweep and the walking backward's sweep
+           timeout "${CONV_TIMEOUT:-200}" python -m pytest -q -m gpu tests/moontrain/model/kda/test_short_conv_gpu.py \
+             > "$out/conv_tests.log" 2>&1
+           echo "short conv tests rc=$?"; tail -3 "$out/conv_tests.log"
            timeout "${CONV_TIMEOUT:-200}" python benchmarks/bench_short_conv.py --out "$out/bench_short_conv.json" > "$out/conv.log" 2>&1
-           echo "bench_short_conv rc=$?"; tail -20 "$out/conv.log" ;;
+           echo "bench_short_conv rc=$?"; tail -34 "$out/conv.log" ;;
     glu)   # moonep's SiTU-GLU kernels at k3_small's shapes: the fused routed backward's and the forward's tiles swept
            timeout "${GLU_TIMEOUT:-200}" python benchmarks/bench_glu_route.py --out "$out/bench_glu_route.json" > "$out/glu.log" 2>&1
            echo "bench_glu_route rc=$?"; tail -40 "$out/glu.log" ;;

@@ -261,6 +261,10 @@ class KernelsConfig:
     # KDA's causal short convolutions (+ SiLU): "auto" runs the Triton kernel (moontrain.model.kda.short_conv_kernel)
     # on CUDA, else the PyTorch specification (moontrain.model.kda.short_conv); "torch" / "triton" force one
     short_conv: Literal["auto", "torch", "triton"] = "auto"
+    # the Triton convolution's backward: "tiles" (a dpre kernel over [time, channel] tiles, its dpre written and read
+    # back by a dx kernel) or "walk" (one kernel whose programs walk their rows down with the taps in registers:
+    # dx and dw in one pass, no dpre tensor; at most 4 taps). Only where the Triton convolution runs
+    short_conv_backward: Literal["tiles", "walk"] = "tiles"
     # AttnRes aggregations (model.attn_res_block_size): "auto" runs the Triton kernels (moontrain.model.attn_res_kernel)
     # on CUDA and the PyTorch math elsewhere; "torch" the PyTorch math (compiled with train.compile), "triton" the
     # kernels (the K3 step with them and without: docs/performance.md)
@@ -290,6 +294,8 @@ class KernelsConfig:
             raise ValueError(f"kernels.kda_gate_norm must be 'fla' or 'moontrain', got {self.kda_gate_norm!r}")
         if self.short_conv not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels.short_conv must be 'auto', 'torch' or 'triton', got {self.short_conv!r}")
+        if self.short_conv_backward not in ("tiles", "walk"):
+            raise ValueError(f"kernels.short_conv_backward must be 'tiles' or 'walk', got {self.short_conv_backward!r}")
         if self.attn_res not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels.attn_res must be 'auto', 'torch' or 'triton', got {self.attn_res!r}")
         if self.lm_loss not in ("auto", "torch", "triton"):

@@ -102,7 +102,8 @@ class GatedRMSNorm(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, kernel: str = "auto", conv: str = "auto", recompute: bool = False,
+    def __init__(self, cfg: ModelConfig, *, kernel: str = "auto", conv: str = "auto", conv_backward: str = "tiles",
+                 recompute: bool = False,
                  dqkg: str = "moontrain", intra: str = "fla", gate_norm: str = "fla",
                  device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -142,7 +143,8 @@ class KimiDeltaAttention(nn.Module):
         # recurrence() outside torch.compile; wrapped here, not as a decorator, which would import torch._dynamo
         # (and with it triton) with this module; the class's function, not a bound method (copies stay apart)
         self._uncompiled_recurrence = torch.compiler.disable(KimiDeltaAttention.recurrence)
-        self.conv = select_short_conv(conv, device)  # conv: kernels.short_conv (traceable by torch.compile)
+        # conv / conv_backward: kernels.short_conv / short_conv_backward (traceable by torch.compile)
+        self.conv = select_short_conv(conv, device, conv_backward)
 
     def compile(self, **kwargs) -> None:
         """nn.Module.compile with inductor's comprehensive padding off unless `options` says otherwise. Padding

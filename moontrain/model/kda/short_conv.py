@@ -13,6 +13,7 @@ earlier document.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -21,13 +22,15 @@ import torch.nn.functional as F
 from moontrain.model.kernel_choice import runs_triton
 
 
-def select_short_conv(choice: str, device: torch.device | str | None) -> Callable[..., torch.Tensor]:
-    """The short convolution of kernels.short_conv = `choice` (auto, torch or triton) on `device`."""
+def select_short_conv(choice: str, device: torch.device | str | None,
+                      backward: str = "tiles") -> Callable[..., torch.Tensor]:
+    """The short convolution of kernels.short_conv = `choice` (auto, torch or triton) on `device`; the Triton one
+    with kernels.short_conv_backward = `backward` (tiles or walk)."""
     if not runs_triton("short_conv", choice, device, "the PyTorch convolution"):
         return short_conv
     from moontrain.model.kda.short_conv_kernel import short_conv_silu  # imports triton: only where it runs
 
-    return short_conv_silu
+    return short_conv_silu if backward == "tiles" else functools.partial(short_conv_silu, backward=backward)
 
 
 def short_conv(x_BTC: torch.Tensor, w_C1W: torch.Tensor, doc_id_BT: torch.Tensor | None) -> torch.Tensor:

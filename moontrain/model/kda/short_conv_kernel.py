@@ -15,6 +15,13 @@ fp32 dw partial; the second sums dx from W shifted dpre tiles. dw is determinist
 program writes its fp32 [C, W] partial to its own slot of an [NB, C, W] buffer, one torch sum over NB
 follows (no atomics).
 
+The walking backward (kernels.short_conv_backward=walk; W <= WALK_TAPS): one kernel, each program a channel
+block of a batch row walking its span of WALK_SPAN rows downwards, one row at a time: x[t-3..t], dpre[t+1..t+3]
+and the document ids around t held in registers, it computes pre[t] and dpre[t] (fp32), dx[t] from dpre[t..t+3]
+(fp32, rounded once) and adds dpre[t] x[t-s] into its dw partial; three rows above the span are walked first
+for their dpre (not stored). No dpre tensor, no [rows, channels] tiles: each row of x and dy is read about once.
+Not yet timed on a GPU (benchmarks/bench_short_conv.py sweeps it); "tiles" is the default.
+
 Inputs: x [B, T, C] with unit channel stride, any batch and time strides (a column slice of a projection
 output is read in place); w the [C, 1, W] parameter (fp32 or bf16); doc_id int64 [B, T] or None (a constexpr:
 the no-document kernel loads no ids). dx is contiguous in x's dtype, dw in w's dtype.
@@ -44,6 +51,8 @@ import triton.language as tl
 FWD_BLOCK_T, FWD_BLOCK_C = 32, 128  # measured best of 16-128 x 64-256 rows x channels, 4 or 8 warps
 BWD_BLOCK_T, BWD_BLOCK_C = 64, 64
 NUM_WARPS = 4
+# the walking backward: rows a program walks, its channels (4 a thread at 4 warps), the most taps it takes
+WALK_SPAN, WALK_BLOCK_C, WALK_WARPS, WALK_TAPS = 64, 512, 4, 4
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -148,12 +157,107 @@ def _short_conv_dx_kernel(dpre_ptr, w_ptr, doc_ptr, dx_ptr, T, C, stride_wc, str
     tl.store(dx_ptr + rows[:, None] * C + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _row(ptr, t, cols, stride_t, T, C):
+    """fp32 row ptr[t, cols], zeros outside [0, T) x [0, C)."""
+    return tl.load(ptr + t * stride_t + cols, mask=(cols < C) & (t >= 0) & (t < T), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _doc(doc_ptr, t, stride_dt, T, HAS_DOCS: tl.constexpr):
+    """doc[t] (0 outside [0, T), where the rows it is compared for are zero); 0 without documents."""
+    if HAS_DOCS:
+        return tl.load(doc_ptr + t * stride_dt, mask=(t >= 0) & (t < T), other=0)
+    else:
+        return 0
+
+
+@triton.jit
+def _tap_weight(w_ptr, cols, s: tl.constexpr, stride_wc, stride_ww, C, W: tl.constexpr, BLOCK_C: tl.constexpr):
+    """fp32 w[cols, W-1-s], the weight of tap x[t-s]; zero for s >= W."""
+    if s < W:
+        return tl.load(w_ptr + cols * stride_wc + (W - 1 - s) * stride_ww, mask=cols < C, other=0.0).to(tl.float32)
+    else:
+        return tl.zeros((BLOCK_C,), tl.float32)
+
+
+@triton.jit
+def _short_conv_bwd_walk_kernel(x_ptr, w_ptr, doc_ptr, dy_ptr, dx_ptr, dw_part_ptr, T, C,
+                                stride_xb, stride_xt, stride_wc, stride_ww, stride_db, stride_dt, stride_gb, stride_gt,
+                                W: tl.constexpr, HAS_DOCS: tl.constexpr, SPAN: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dx and the program's fp32 dw partial in one walk down its SPAN rows (WALK_TAPS = 4 taps at most)."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    t_end = (tl.program_id(1) + 1) * SPAN  # the span is [t_end - SPAN, t_end)
+    b = tl.program_id(2).to(tl.int64)
+    x_ptr += b * stride_xb
+    dy_ptr += b * stride_gb
+    dx_ptr += b * T * C
+    if HAS_DOCS:
+        doc_ptr += b * stride_db
+    w0 = _tap_weight(w_ptr, cols, 0, stride_wc, stride_ww, C, W, BLOCK_C)
+    w1 = _tap_weight(w_ptr, cols, 1, stride_wc, stride_ww, C, W, BLOCK_C)
+    w2 = _tap_weight(w_ptr, cols, 2, stride_wc, stride_ww, C, W, BLOCK_C)
+    w3 = _tap_weight(w_ptr, cols, 3, stride_wc, stride_ww, C, W, BLOCK_C)
+    # the walk starts three rows above the span: their dpre enters the span's top rows' dx
+    t = t_end + 2
+    x0 = _row(x_ptr, t, cols, stride_xt, T, C)  # x[t], x[t-1], x[t-2]; x[t-3] is loaded in the loop
+    x1 = _row(x_ptr, t - 1, cols, stride_xt, T, C)
+    x2 = _row(x_ptr, t - 2, cols, stride_xt, T, C)
+    k0 = _doc(doc_ptr, t, stride_dt, T, HAS_DOCS)  # doc of t, t-1, t-2 and of t+1, t+2, t+3
+    k1 = _doc(doc_ptr, t - 1, stride_dt, T, HAS_DOCS)
+    k2 = _doc(doc_ptr, t - 2, stride_dt, T, HAS_DOCS)
+    kp1 = _doc(doc_ptr, t + 1, stride_dt, T, HAS_DOCS)
+    kp2 = _doc(doc_ptr, t + 2, stride_dt, T, HAS_DOCS)
+    kp3 = _doc(doc_ptr, t + 3, stride_dt, T, HAS_DOCS)
+    dp1 = tl.zeros((BLOCK_C,), tl.float32)  # dpre of t+1, t+2, t+3
+    dp2 = tl.zeros((BLOCK_C,), tl.float32)
+    dp3 = tl.zeros((BLOCK_C,), tl.float32)
+    acc0 = tl.zeros((BLOCK_C,), tl.float32)  # dw partial of tap s: sum over the span of dpre[t] x[t-s]
+    acc1 = tl.zeros((BLOCK_C,), tl.float32)
+    acc2 = tl.zeros((BLOCK_C,), tl.float32)
+    acc3 = tl.zeros((BLOCK_C,), tl.float32)
+    for _ in range(0, SPAN + 3):
+        x3 = _row(x_ptr, t - 3, cols, stride_xt, T, C)
+        k3 = _doc(doc_ptr, t - 3, stride_dt, T, HAS_DOCS)
+        tap1 = tl.where(k1 == k0, x1, 0.0)  # the taps inside t's document
+        tap2 = tl.where(k2 == k0, x2, 0.0)
+        tap3 = tl.where(k3 == k0, x3, 0.0)
+        pre = w0 * x0 + w1 * tap1 + w2 * tap2 + w3 * tap3
+        sig = 1.0 / (1.0 + tl.exp(-pre))
+        dpre = _row(dy_ptr, t, cols, stride_gt, T, C) * sig * (1.0 + pre * (1.0 - sig))
+        mine = t < t_end  # a row of the span (the first three are the halo above it)
+        dx = (w0 * dpre + w1 * tl.where(kp1 == k0, dp1, 0.0) + w2 * tl.where(kp2 == k0, dp2, 0.0)
+              + w3 * tl.where(kp3 == k0, dp3, 0.0))
+        tl.store(dx_ptr + t * C + cols, dx.to(dx_ptr.dtype.element_ty), mask=(cols < C) & mine & (t < T))
+        keep = tl.where(mine, dpre, 0.0)
+        acc0 += keep * x0
+        acc1 += keep * tap1
+        acc2 += keep * tap2
+        acc3 += keep * tap3
+        dp3, dp2, dp1 = dp2, dp1, dpre
+        kp3, kp2, kp1 = kp2, kp1, k0
+        x0, x1, x2 = x1, x2, x3
+        k0, k1, k2 = k1, k2, k3
+        t -= 1
+    part_ptr = dw_part_ptr + ((b * tl.num_programs(1) + tl.program_id(1)) * C + cols) * W
+    cmask = cols < C
+    tl.store(part_ptr + (W - 1), acc0, mask=cmask)
+    if W > 1:
+        tl.store(part_ptr + (W - 2), acc1, mask=cmask)
+    if W > 2:
+        tl.store(part_ptr + (W - 3), acc2, mask=cmask)
+    if W > 3:
+        tl.store(part_ptr + (W - 4), acc3, mask=cmask)
+
+
 def _doc_strides(doc_id_BT: torch.Tensor | None) -> tuple[int, int]:
     return (0, 0) if doc_id_BT is None else (doc_id_BT.stride(0), doc_id_BT.stride(1))
 
 
 @torch.library.triton_op("moontrain::short_conv_silu", mutates_args=())
-def _short_conv_silu_op(x_BTC: torch.Tensor, w_C1W: torch.Tensor, doc_id_BT: torch.Tensor | None) -> torch.Tensor:
+def _short_conv_silu_op(x_BTC: torch.Tensor, w_C1W: torch.Tensor, doc_id_BT: torch.Tensor | None,
+                        walk: bool = False) -> torch.Tensor:
+    """y; walk: which backward kernels its gradient runs (ShortConvFunction.backward)."""
     B, T, C = x_BTC.shape
     W = w_C1W.shape[-1]
     y_BTC = torch.empty((B, T, C), dtype=x_BTC.dtype, device=x_BTC.device)
@@ -183,6 +287,23 @@ def _short_conv_silu_dpre_op(dy_BTC: torch.Tensor, x_BTC: torch.Tensor, w_C1W: t
     return dpre_BTC, dw_part_NCW.sum(0).to(w_C1W.dtype).unsqueeze(1)
 
 
+@torch.library.triton_op("moontrain::short_conv_silu_bwd_walk", mutates_args=())
+def _short_conv_silu_bwd_walk_op(dy_BTC: torch.Tensor, x_BTC: torch.Tensor, w_C1W: torch.Tensor,
+                                 doc_id_BT: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [B, T, C] contiguous in x's dtype, dw in w's dtype) in one walk (W <= WALK_TAPS)."""
+    B, T, C = x_BTC.shape
+    W = w_C1W.shape[-1]
+    num_spans = triton.cdiv(T, WALK_SPAN)
+    dx_BTC = torch.empty((B, T, C), dtype=x_BTC.dtype, device=x_BTC.device)
+    dw_part_NCW = torch.empty((B * num_spans, C, W), dtype=torch.float32, device=x_BTC.device)
+    torch.library.wrap_triton(_short_conv_bwd_walk_kernel)[(triton.cdiv(C, WALK_BLOCK_C), num_spans, B)](
+        x_BTC, w_C1W, doc_id_BT, dy_BTC, dx_BTC, dw_part_NCW, T, C,
+        x_BTC.stride(0), x_BTC.stride(1), w_C1W.stride(0), w_C1W.stride(2), *_doc_strides(doc_id_BT),
+        dy_BTC.stride(0), dy_BTC.stride(1),
+        W=W, HAS_DOCS=doc_id_BT is not None, SPAN=WALK_SPAN, BLOCK_C=WALK_BLOCK_C, num_warps=WALK_WARPS)
+    return dx_BTC, dw_part_NCW.sum(0).to(w_C1W.dtype).unsqueeze(1)
+
+
 @torch.library.triton_op("moontrain::short_conv_silu_dx", mutates_args=())
 def _short_conv_silu_dx_op(dpre_BTC: torch.Tensor, w_C1W: torch.Tensor, doc_id_BT: torch.Tensor | None
                            ) -> torch.Tensor:
@@ -201,31 +322,39 @@ class ShortConvFunction(torch.autograd.Function):
     so `apply` (eager) and the op (traceable by torch.compile) differentiate alike."""
 
     @staticmethod
-    def forward(x_BTC: torch.Tensor, w_C1W: torch.Tensor, doc_id_BT: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.moontrain.short_conv_silu(x_BTC, w_C1W, doc_id_BT)
+    def forward(x_BTC: torch.Tensor, w_C1W: torch.Tensor, doc_id_BT: torch.Tensor | None,
+                walk: bool = False) -> torch.Tensor:
+        return torch.ops.moontrain.short_conv_silu(x_BTC, w_C1W, doc_id_BT, walk)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        x_BTC, w_C1W, doc_id_BT = inputs
+        x_BTC, w_C1W, doc_id_BT, *walk = inputs
         ctx.save_for_backward(x_BTC, w_C1W, doc_id_BT)
+        ctx.walk = bool(walk and walk[0])
 
     @staticmethod
-    def backward(ctx, dy_BTC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx, dy_BTC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         x_BTC, w_C1W, doc_id_BT = ctx.saved_tensors
         if dy_BTC.stride(-1) != 1:  # e.g. an expanded gradient of a sum
             dy_BTC = dy_BTC.contiguous()
+        if ctx.walk:
+            dx_BTC, dw_C1W = torch.ops.moontrain.short_conv_silu_bwd_walk(dy_BTC, x_BTC, w_C1W, doc_id_BT)
+            return dx_BTC, dw_C1W, None, None
         dpre_BTC, dw_C1W = torch.ops.moontrain.short_conv_silu_dpre(dy_BTC, x_BTC, w_C1W, doc_id_BT)
-        return torch.ops.moontrain.short_conv_silu_dx(dpre_BTC, w_C1W, doc_id_BT), dw_C1W, None
+        return torch.ops.moontrain.short_conv_silu_dx(dpre_BTC, w_C1W, doc_id_BT), dw_C1W, None, None
 
 
 torch.library.register_autograd("moontrain::short_conv_silu", ShortConvFunction.backward,
                                 setup_context=ShortConvFunction.setup_context)
 
 
-def short_conv_silu(x_BTC: torch.Tensor, w_C1W: torch.Tensor, doc_id_BT: torch.Tensor | None) -> torch.Tensor:
+def short_conv_silu(x_BTC: torch.Tensor, w_C1W: torch.Tensor, doc_id_BT: torch.Tensor | None, *,
+                    backward: str = "tiles") -> torch.Tensor:
     """silu(causal depthwise conv of x with w inside each document), kda.short_conv's values in x's dtype
     (fp32 accumulation). x may be a column slice of a wider tensor (unit channel stride, any other strides);
-    differentiable in x and w; traceable by torch.compile (fullgraph)."""
+    differentiable in x and w; traceable by torch.compile (fullgraph). backward (kernels.short_conv_backward):
+    "tiles", dpre then dx over [time, channel] tiles; "walk", one kernel walking each program's rows (at most
+    WALK_TAPS taps)."""
     if x_BTC.dim() != 3:
         raise ValueError(f"short_conv_silu: x must be [B, T, C], got shape {tuple(x_BTC.shape)}; "
                          "reshape the projection output to [batch, tokens, channels]")
@@ -251,4 +380,9 @@ def short_conv_silu(x_BTC: torch.Tensor, w_C1W: torch.Tensor, doc_id_BT: torch.T
     if len(devices) != 1:
         raise ValueError(f"short_conv_silu: x, w and doc_id on different devices {sorted(map(str, devices))}; "
                          "move them to x's device")
-    return torch.ops.moontrain.short_conv_silu(x_BTC, w_C1W, doc_id_BT)
+    if backward not in ("tiles", "walk"):
+        raise ValueError(f"short_conv_silu: backward must be 'tiles' or 'walk', got {backward!r}")
+    if backward == "walk" and w_C1W.shape[2] > WALK_TAPS:
+        raise ValueError(f"short_conv_silu: the walking backward takes at most {WALK_TAPS} taps, w has "
+                         f"{w_C1W.shape[2]}; kernels.short_conv_backward=tiles takes any")
+    return torch.ops.moontrain.short_conv_silu(x_BTC, w_C1W, doc_id_BT, backward == "walk")

@@ -10,6 +10,8 @@ an ulp; Triton's interpreter truncates a cast, a whole ulp).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moontrain.model.kda.short_conv import short_conv
@@ -46,9 +48,11 @@ def _value_and_grads(x: torch.Tensor, w: torch.Tensor, doc_id: torch.Tensor | No
     return (y.detach(), *torch.autograd.grad(y, (x, w), dy))
 
 
-def check_short_conv(x: torch.Tensor, w: torch.Tensor, doc_id: torch.Tensor | None, dy: torch.Tensor) -> None:
-    """short_conv_silu's y, dx and dw against the exact values, within the bound of the module docstring."""
-    got = _value_and_grads(x, w, doc_id, dy, short_conv_silu)
+def check_short_conv(x: torch.Tensor, w: torch.Tensor, doc_id: torch.Tensor | None, dy: torch.Tensor,
+                     backward: str = "tiles") -> None:
+    """short_conv_silu's y, dx and dw (its backward kernels: `backward`) against the exact values, within the
+    bound of the module docstring."""
+    got = _value_and_grads(x, w, doc_id, dy, functools.partial(short_conv_silu, backward=backward))
     spec = _value_and_grads(x, w, doc_id, dy, short_conv)
     exact = _value_and_grads(x.double(), w.double(), doc_id, dy.double(), short_conv)
     for name, g, s, e in zip(("y", "dx", "dw"), got, spec, exact, strict=True):

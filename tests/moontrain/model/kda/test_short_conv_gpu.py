@@ -1,13 +1,14 @@
 """moontrain.model.kda.short_conv_kernel on one GPU at a KDA layer's shape ([4, 4096, 2048] bf16, x a column
 slice of a wider projection output): y, dx and dw against the float64 specification within the derived
 bound of tests/moontrain/model/kda/short_conv_cases.py, and torch.compile(fullgraph=True) through the custom
-op giving the eager kernel's bits."""
+op giving the eager kernel's bits; both backward routes (kernels.short_conv_backward)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from moontrain.model.kda import short_conv_kernel
 from moontrain.model.kda.short_conv_kernel import short_conv_silu
 from tests.moontrain.model.kda.short_conv_cases import check_short_conv, conv_inputs, doc_ids
 
@@ -16,17 +17,19 @@ pytestmark = pytest.mark.gpu
 B, T, C, W = 4, 4096, 2048, 4
 
 
+@pytest.mark.parametrize("backward", ["tiles", "walk"])
 @pytest.mark.parametrize("docs", [True, False])
-def test_short_conv_kda_shape(docs: bool) -> None:
+def test_short_conv_kda_shape(docs: bool, backward: str) -> None:
     x, w, dy = conv_inputs(B, T, C, W, torch.bfloat16, torch.float32, "cuda", seed=0)
     doc_id = None
     if docs:  # ~6 documents per row at random, plus lengths 1 (t = 0 and t = 130) and a start at t = 1
         gen = torch.Generator(device="cuda").manual_seed(1)
         doc_id = doc_ids(B, T, [[1, 130, 131]] * B, "cuda", gen, p_start=1 / 700)
-    check_short_conv(x, w, doc_id, dy)
+    check_short_conv(x, w, doc_id, dy, backward)
 
 
-def test_torch_compile_fullgraph_matches_eager_bitwise() -> None:
+@pytest.mark.parametrize("backward", ["tiles", "walk"])
+def test_torch_compile_fullgraph_matches_eager_bitwise(backward: str) -> None:
     """matmul -> column slice -> short_conv_silu -> matmul compiled with fullgraph=True (a graph break
     raises): the output and dx are the eager kernels' bits (Inductor launches the same Triton kernels);
     dw differs at most by the order of the fp32 sum over the partials, and is checked to an fp32 bound."""
@@ -40,7 +43,7 @@ def test_torch_compile_fullgraph_matches_eager_bitwise() -> None:
 
     def f(h, a, w, doc_id):
         qkv = h @ a
-        return short_conv_silu(qkv[..., C:2 * C], w, doc_id) @ b
+        return short_conv_silu(qkv[..., C:2 * C], w, doc_id, backward=backward) @ b
 
     outs = []
     for fn in (f, torch.compile(f, fullgraph=True)):
@@ -50,10 +53,10 @@ def test_torch_compile_fullgraph_matches_eager_bitwise() -> None:
     (y, da, dw), (y_c, da_c, dw_c) = outs
     for name, got, want in (("y", y_c, y), ("da", da_c, da)):
         assert torch.equal(got, want), f"{name}: first mismatch at {(got != want).nonzero()[0].tolist()}"
-    # dw: the same fp32 partials (one per batch row and 64-row time block) summed in Inductor's order:
+    # dw: the same fp32 partials (one per batch row and 64-row time block or span) summed in Inductor's order:
     # |dw_c - dw| <= 2 (NB - 1) eps32 sum |partials|, and sum |partials| <= max|silu'| sum_t |dy_t| |x_t-s|
     # <= 1.1 B T max|dy| max|x|, dy = 1 @ b^T the gradient reaching the conv
-    num_partials = 2 * 1024 // 64
+    num_partials = 2 * 1024 // (short_conv_kernel.BWD_BLOCK_T if backward == "tiles" else short_conv_kernel.WALK_SPAN)
     dy = torch.ones(1, D, device="cuda", dtype=torch.bfloat16) @ b.T
     x = (h @ a)[..., C:2 * C]
     sum_abs = 1.1 * 2 * 1024 * dy.abs().max().item() * x.abs().max().item()

@@ -37,21 +37,28 @@ def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(short_conv_kernel, "FWD_BLOCK_T", 16)
     monkeypatch.setattr(short_conv_kernel, "FWD_BLOCK_C", 64)
     monkeypatch.setattr(short_conv_kernel, "BWD_BLOCK_T", 32)
+    monkeypatch.setattr(short_conv_kernel, "WALK_SPAN", 16)  # the walk: spans of 16 rows (five, the last partial)
+    monkeypatch.setattr(short_conv_kernel, "WALK_BLOCK_C", 64)
 
 
+@pytest.mark.parametrize("backward", ["tiles", "walk"])
 @pytest.mark.parametrize(("dtypes", "W", "docs"), [(d, W, docs) for d in ("fp32", "bf16")
                                                     for W, docs in ((4, True), (4, False), (3, True), (1, True))]
                          + [("bf16_w", 4, True)])
-def test_short_conv_matches_spec(dtypes: str, W: int, docs: bool, small_blocks: None) -> None:
+def test_short_conv_matches_spec(dtypes: str, W: int, docs: bool, backward: str, small_blocks: None) -> None:
+    """Both backward routes (kernels.short_conv_backward). The walk's spans of 16 rows put document starts on
+    a span's first row (t = 32), one and two rows below a span's end (t = 65: its taps from the span above), and
+    documents of one token at span edges (t = 20, 21)."""
     x, w, dy = conv_inputs(B, T, C, W, *DTYPES[dtypes], "cpu", seed=W)
-    check_short_conv(x, w, doc_ids(B, T, STARTS, "cpu") if docs else None, dy)
+    check_short_conv(x, w, doc_ids(B, T, STARTS, "cpu") if docs else None, dy, backward)
 
 
-def test_short_conv_gpu_tiles_match_spec() -> None:
-    """The GPU's tile sizes: T over three forward time blocks and two backward ones, C inside one forward
-    channel block and over two backward ones."""
+@pytest.mark.parametrize("backward", ["tiles", "walk"])
+def test_short_conv_gpu_tiles_match_spec(backward: str) -> None:
+    """The GPU's tile sizes: T over three forward time blocks and two backward ones (the walk: two spans, the
+    last partial), C inside one forward channel block and over two backward ones (inside one walk block)."""
     x, w, dy = conv_inputs(B, T, C, 4, torch.bfloat16, torch.float32, "cpu", seed=1)
-    check_short_conv(x, w, doc_ids(B, T, STARTS, "cpu"), dy)
+    check_short_conv(x, w, doc_ids(B, T, STARTS, "cpu"), dy, backward)
 
 
 def test_autograd_function_matches_op_bitwise() -> None:
@@ -87,9 +94,15 @@ def test_validation_messages() -> None:
         short_conv_silu(wide, w.to("meta"), None)
     with pytest.raises(ValueError, match=r"different devices \['cpu', 'meta'\]"):
         short_conv_silu(x, w.to("meta"), None)
+    with pytest.raises(ValueError, match=r"backward must be 'tiles' or 'walk', got 'fast'"):
+        short_conv_silu(x, w, None, backward="fast")
+    with pytest.raises(ValueError, match=r"the walking backward takes at most 4 taps, w has 5; "
+                                         r"kernels.short_conv_backward=tiles takes any"):
+        short_conv_silu(x, torch.randn(8, 1, 5), None, backward="walk")
 
 
 _TRACE_SCRIPT = """
+import functools
 import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
@@ -107,11 +120,12 @@ def capture(gm, example_inputs):
     graphs.append(gm)
     return gm
 
-def f(x, w, doc_id, a, b):
-    return short_conv_silu((x @ a)[..., :8], w, doc_id) @ b  # the conv reads a column slice
+def f(x, w, doc_id, a, b, backward):
+    return short_conv_silu((x @ a)[..., :8], w, doc_id, backward=backward) @ b  # the conv reads a column slice
 
-for doc_id in (torch.zeros(2, 9, dtype=torch.long), None):
-    compiled = torch.compile(f, fullgraph=True, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
+for doc_id, backward in ((torch.zeros(2, 9, dtype=torch.long), "tiles"), (None, "tiles"), (None, "walk")):
+    compiled = torch.compile(functools.partial(f, backward=backward), fullgraph=True,
+                             backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
     args = (torch.randn(2, 9, 6), torch.randn(8, 1, 4, requires_grad=True), doc_id,
             torch.randn(6, 16, requires_grad=True), torch.randn(8, 5))
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
@@ -128,7 +142,8 @@ for gm in graphs:
 
 def test_torch_compile_traces_through_fullgraph() -> None:
     """torch.compile(fullgraph=True) of matmul -> column slice -> short_conv_silu -> matmul gives one forward
-    and one backward graph (with document ids and without) holding the Triton kernels and the matmuls around them. Tracing needs the
+    and one backward graph (with document ids and without; the walking backward) holding the Triton kernels and the
+    matmuls around them. Tracing needs the
     uninterpreted kernels (wrap_triton returns an interpreted one as is), so it runs in a subprocess
     without TRITON_INTERPRET; on the CPU the graph cannot launch them, so it stops at the first launch, and
     the kernels' written arguments are their outputs (what torch's analysis of the compiled kernel finds on
@@ -140,7 +155,8 @@ def test_torch_compile_traces_through_fullgraph() -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     graphs = [line.split()[1:] for line in run.stdout.splitlines() if line.startswith("GRAPH")]
     # forward: two matmuls around the conv; backward: dx's and da's matmuls (b and x need no grad)
-    want = [["_short_conv_fwd_kernel", "2"], ["_short_conv_dpre_kernel,_short_conv_dx_kernel", "2"]] * 2  # docs, none
+    want = ([["_short_conv_fwd_kernel", "2"], ["_short_conv_dpre_kernel,_short_conv_dx_kernel", "2"]] * 2  # docs, none
+            + [["_short_conv_fwd_kernel", "2"], ["_short_conv_bwd_walk_kernel", "2"]])  # the walking backward
     assert graphs == want, run.stdout + run.stderr[-3000:]
 
 
