@@ -1,7 +1,8 @@
 """Registers and spills of the KDA backward's WY / inter-chunk stage per tile, from ptxas, without a GPU: fla's
 chunk_kda_bwd_kernel_wy_dqkg_fused and moontrain.model.kda.dqkg_kernel's two kernels (and the intra-chunk
 stage: fla's chunk_kda_bwd_kernel_intra over its autotune list, moontrain.model.kda.intra_kernel over its
-own; then the short convolution's kernels, dpre over bench_short_conv's tiles), compiled by Triton for
+own; then the short convolution's kernels, dpre over bench_short_conv's tiles and the walking backward over its
+spans), compiled by Triton for
 sm90 (H100 / H200) at k3_small's shape (16 heads, K = V = 128, chunk 64, bf16, no documents) and read back
 with the ptxas Triton ships (`ptxas -v`).
 
@@ -140,6 +141,14 @@ def short_conv_rows() -> None:
             consts = dict(W=4, HAS_DOCS=docs, BLOCK_T=bt, BLOCK_C=bc)
             print(f"moontrain {name:24s} {bt:3d} {bc:3d} {w:5d} {docs!s:>6}  "
                   f"{ptxas_report(getattr(conv, name), ptrs, consts, w, 3)}", flush=True)
+    from benchmarks.bench_short_conv import WALKS
+
+    print("kernel (short conv walk, W 4) SPAN  BC warps   docs")
+    for span, bc, w in WALKS:
+        for docs in (False, True):
+            consts = dict(W=4, HAS_DOCS=docs, SPAN=span, BLOCK_C=bc)
+            print(f"moontrain _short_conv_bwd_walk   {span:3d} {bc:4d} {w:4d} {docs!s:>6}  "
+                  f"{ptxas_report(conv._short_conv_bwd_walk_kernel, ptrs, consts, w, 3)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -216,15 +216,21 @@ def _short_conv_bwd_walk_kernel(x_ptr, w_ptr, doc_ptr, dy_ptr, dx_ptr, dw_part_p
     acc1 = tl.zeros((BLOCK_C,), tl.float32)
     acc2 = tl.zeros((BLOCK_C,), tl.float32)
     acc3 = tl.zeros((BLOCK_C,), tl.float32)
+    # each row's loads are issued one row ahead (Triton does not pipeline these loads itself): two rows in flight
+    x3_next = _row(x_ptr, t - 3, cols, stride_xt, T, C)
+    dy_next = _row(dy_ptr, t, cols, stride_gt, T, C)
+    k3_next = _doc(doc_ptr, t - 3, stride_dt, T, HAS_DOCS)
     for _ in range(0, SPAN + 3):
-        x3 = _row(x_ptr, t - 3, cols, stride_xt, T, C)
-        k3 = _doc(doc_ptr, t - 3, stride_dt, T, HAS_DOCS)
+        x3, dy_t, k3 = x3_next, dy_next, k3_next
+        x3_next = _row(x_ptr, t - 4, cols, stride_xt, T, C)
+        dy_next = _row(dy_ptr, t - 1, cols, stride_gt, T, C)
+        k3_next = _doc(doc_ptr, t - 4, stride_dt, T, HAS_DOCS)
         tap1 = tl.where(k1 == k0, x1, 0.0)  # the taps inside t's document
         tap2 = tl.where(k2 == k0, x2, 0.0)
         tap3 = tl.where(k3 == k0, x3, 0.0)
         pre = w0 * x0 + w1 * tap1 + w2 * tap2 + w3 * tap3
         sig = 1.0 / (1.0 + tl.exp(-pre))
-        dpre = _row(dy_ptr, t, cols, stride_gt, T, C) * sig * (1.0 + pre * (1.0 - sig))
+        dpre = dy_t * sig * (1.0 + pre * (1.0 - sig))
         mine = t < t_end  # a row of the span (the first three are the halo above it)
         dx = (w0 * dpre + w1 * tl.where(kp1 == k0, dp1, 0.0) + w2 * tl.where(kp2 == k0, dp2, 0.0)
               + w3 * tl.where(kp3 == k0, dp3, 0.0))
