@@ -184,15 +184,18 @@ def _expand_kernel(recv_ptr, row_weight_ptr, row_link_ptr, offs_ptr, sizes_ptr,
         own = (source >= src_base) & (source < src_base + SK)
         dup = is_row & (src != r) & ~own
         write = dup | is_pad
-        src64 = src.to(tl.int64)
-        r64 = r.to(tl.int64)
-        hh0 = tl.arange(0, BLOCK_H)
-        for h0 in range(0, H, BLOCK_H):
-            hh = h0 + hh0
-            h_ok = (hh < H)[None, :]
-            tile = tl.load(recv_ptr + src64[:, None] * recv_row_stride + hh[None, :], mask=dup[:, None] & h_ok,
-                           other=0.0)
-            tl.store(recv_ptr + r64[:, None] * recv_row_stride + hh[None, :], tile, mask=write[:, None] & h_ok)
+        # a block with neither (every block at one rank but the few holding padding rows) skips the row walk
+        if tl.sum(write.to(tl.int32), axis=0) > 0:
+            src64 = src.to(tl.int64)
+            r64 = r.to(tl.int64)
+            hh0 = tl.arange(0, BLOCK_H)
+            for h0 in range(0, H, BLOCK_H):
+                hh = h0 + hh0
+                h_ok = (hh < H)[None, :]
+                tile = tl.load(recv_ptr + src64[:, None] * recv_row_stride + hh[None, :],
+                               mask=dup[:, None] & h_ok, other=0.0)
+                tl.store(recv_ptr + r64[:, None] * recv_row_stride + hh[None, :], tile,
+                         mask=write[:, None] & h_ok)
 
 
 @triton.jit

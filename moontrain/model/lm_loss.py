@@ -12,8 +12,7 @@ makes it (softmax * 1/N, then -1/N at the target), rounded once to the compute d
 `.float()` rounds it; then grad_h_c = grad_logits_cV @ W (complete: the sum runs over V) and grad_W +=
 grad_logits_cV^T @ h_c into an fp32 [V, D] accumulator (the first chunk's GEMM writes it: no zero fill) (products of the compute dtype, fp32 sums, rounded
 once to W's dtype after the last chunk). Only grad_h [N, D] and grad_W [V, D] are saved; backward scales them
-by the scalar grad of the loss (in fp32, rounded once: 1 / accumulation steps need not be a power of two; with
-kernels.lm_loss's Triton math one pass over each bf16 gradient, bitwise the PyTorch passes' result).
+by the scalar grad of the loss (fp32, rounded once; one Triton pass each with kernels.lm_loss's kernels).
 Without grad (evaluation) the forward computes the loss alone, in the same chunks and order.
 
 Numerics against autograd over the materialised logits: the same formulas and roundings; the sums differ

@@ -15,12 +15,11 @@ fp32 dw partial; the second sums dx from W shifted dpre tiles. dw is determinist
 program writes its fp32 [C, W] partial to its own slot of an [NB, C, W] buffer, one torch sum over NB
 follows (no atomics).
 
-The walking backward (kernels.short_conv_backward=walk; W <= WALK_TAPS): one kernel, each program a channel
-block of a batch row walking its span of WALK_SPAN rows downwards, one row at a time: x[t-3..t], dpre[t+1..t+3]
-and the document ids around t held in registers, it computes pre[t] and dpre[t] (fp32), dx[t] from dpre[t..t+3]
-(fp32, rounded once) and adds dpre[t] x[t-s] into its dw partial; three rows above the span are walked first
-for their dpre (not stored). No dpre tensor, no [rows, channels] tiles: each row of x and dy is read about once.
-Not yet timed on a GPU (benchmarks/bench_short_conv.py sweeps it); "tiles" is the default.
+The walking backward (kernels.short_conv_backward=walk; W <= WALK_TAPS): each program, a channel block of a
+batch row, walks its WALK_SPAN rows down one at a time with x[t-3..t], dpre[t+1..t+3] and the document ids
+around t in registers: pre[t], dpre[t] (fp32), dx[t] from dpre[t..t+3] (rounded once), dpre[t] x[t-s] into its
+dw partial; three rows above the span first, for their dpre. No dpre tensor, each row of x and dy read about
+once. Not yet timed on a GPU (bench_short_conv.py sweeps it); "tiles" is the default.
 
 Inputs: x [B, T, C] with unit channel stride, any batch and time strides (a column slice of a projection
 output is read in place); w the [C, 1, W] parameter (fp32 or bf16); doc_id int64 [B, T] or None (a constexpr:
@@ -31,9 +30,8 @@ register_autograd from ShortConvFunction's setup_context/backward, so a compiled
 convolution without a graph break (Inductor sees the Triton kernels). Under TRITON_INTERPRET=1 wrap_triton
 hands back the interpreted kernel, which runs eagerly but cannot be traced with fake tensors.
 
-Cost at [4, 4096, 2048] bf16, x a column slice, no documents (H200, 2026-12-02, in a training step): forward
-50 us, dpre 239 us, dx 43 us (HBM alone: ~25, ~60, ~40 us): dpre is the one to speed up. Its tiles, swept by
-benchmarks/bench_short_conv.py, do not help (docs/performance.md): it is slow by structure.
+Cost at [4, 4096, 2048] bf16, x a column slice, no documents (H200, 2026-12-04, in a training step): forward
+58 us, dpre 219 us, dx 44 us (HBM alone: ~36, ~55, ~36 us); dpre's tiles do not help: it is slow by structure.
 
 Rejected: atomics into dw (order-dependent sums); saving y or pre (one more [B, T, C] tensor per conv); one
 backward kernel recomputing dpre for every shift (W * W + 2 W tile loads per program: ~480 us, 8x its
