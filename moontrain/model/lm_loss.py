@@ -10,8 +10,8 @@ Forward, per chunk of c tokens: logits_cV = h_c @ W^T in the compute dtype; in f
 order ((x - max) - log sum exp), the chunk's summed target log-probabilities, and the logits' grad as autograd
 makes it (softmax * 1/N, then -1/N at the target), rounded once to the compute dtype as the backward of
 `.float()` rounds it; then grad_h_c = grad_logits_cV @ W (complete: the sum runs over V) and grad_W +=
-grad_logits_cV^T @ h_c into an fp32 [V, D] accumulator (the first chunk's GEMM writes it: no zero fill) (products of the compute dtype, fp32 sums, rounded
-once to W's dtype after the last chunk). Only grad_h [N, D] and grad_W [V, D] are saved; backward scales them
+grad_logits_cV^T @ h_c into an fp32 [V, D] accumulator that the first chunk's GEMM writes (no zero fill; products
+of the compute dtype, fp32 sums, rounded once to W's dtype after the last chunk). Only grad_h [N, D] and grad_W [V, D] are saved; backward scales them
 by the scalar grad of the loss (fp32, rounded once; one Triton pass each with kernels.lm_loss's kernels).
 Without grad (evaluation) the forward computes the loss alone, in the same chunks and order.
 
