@@ -73,11 +73,7 @@ def main() -> None:
     from torch._inductor.utils import run_and_get_code
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("overrides", nargs="*", help="recipe overrides key=value (model.*, kernels.*)")
-    p.add_argument("--recipe", default=str(Path(__file__).resolve().parents[2] / "recipes" / "k3_small.yaml"))
-    p.add_argument("--layers", type=int, default=4, help="the recipe's first layers (4: dense KDA, 2 KDA, 1 MLA)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=128)
+    op_sites.model_arguments(p, batch=1, seq=128)
     p.add_argument("--padding", choices=["gpu", "cpu"], default="gpu",
                    help="gpu: inductor's comprehensive padding as on a GPU (default); cpu: as on the CPU (none)")
     args = p.parse_args()

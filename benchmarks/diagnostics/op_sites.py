@@ -132,13 +132,18 @@ def run(args: argparse.Namespace) -> dict:
             "batch": args.batch, "seq": args.seq, "ops": args.op, "overrides": args.overrides, "rows": rows}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def model_arguments(p: argparse.ArgumentParser, batch: int, seq: int) -> None:
+    """build()'s arguments: recipe overrides, --recipe, --layers, --batch, --seq (defaults `batch`, `seq`)."""
     p.add_argument("overrides", nargs="*", help="recipe overrides key=value (model.*, kernels.*)")
     p.add_argument("--recipe", default=str(Path(__file__).resolve().parents[2] / "recipes" / "k3_small.yaml"))
     p.add_argument("--layers", type=int, default=4, help="the recipe's first layers (4: dense KDA, 2 KDA, 1 MLA)")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--seq", type=int, default=seq)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_arguments(p, batch=4, seq=4096)
     p.add_argument("--op", nargs="+", default=["copy_", "clone", "_to_copy", "cat", "contiguous"])
     p.add_argument("--min-elements", type=int, default=0, help="default: half of batch x seq x hidden")
     p.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])

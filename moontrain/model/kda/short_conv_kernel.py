@@ -273,39 +273,38 @@ def _short_conv_silu_op(x_BTC: torch.Tensor, w_C1W: torch.Tensor, doc_id_BT: tor
     return y_BTC
 
 
+def _backward_launch(kernel, dy_BTC: torch.Tensor, x_BTC: torch.Tensor, w_C1W: torch.Tensor,
+                     doc_id_BT: torch.Tensor | None, rows: int, block_c: int, num_warps: int, **tile: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One backward kernel over programs of `rows` rows x `block_c` channels per batch row: (its [B, T, C] output
+    in x's dtype, dw from its per-program fp32 partials in w's dtype)."""
+    B, T, C = x_BTC.shape
+    W = w_C1W.shape[-1]
+    num_row_blocks = triton.cdiv(T, rows)
+    out_BTC = torch.empty((B, T, C), dtype=x_BTC.dtype, device=x_BTC.device)
+    dw_part_NCW = torch.empty((B * num_row_blocks, C, W), dtype=torch.float32, device=x_BTC.device)
+    torch.library.wrap_triton(kernel)[(triton.cdiv(C, block_c), num_row_blocks, B)](
+        x_BTC, w_C1W, doc_id_BT, dy_BTC, out_BTC, dw_part_NCW, T, C,
+        x_BTC.stride(0), x_BTC.stride(1), w_C1W.stride(0), w_C1W.stride(2), *_doc_strides(doc_id_BT),
+        dy_BTC.stride(0), dy_BTC.stride(1),
+        W=W, HAS_DOCS=doc_id_BT is not None, BLOCK_C=block_c, num_warps=num_warps, **tile)
+    return out_BTC, dw_part_NCW.sum(0).to(w_C1W.dtype).unsqueeze(1)
+
+
 @torch.library.triton_op("moontrain::short_conv_silu_dpre", mutates_args=())
 def _short_conv_silu_dpre_op(dy_BTC: torch.Tensor, x_BTC: torch.Tensor, w_C1W: torch.Tensor,
                              doc_id_BT: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dpre [B, T, C] in x's dtype, dw in w's dtype)."""
-    B, T, C = x_BTC.shape
-    W = w_C1W.shape[-1]
-    num_t_blocks = triton.cdiv(T, BWD_BLOCK_T)
-    dpre_BTC = torch.empty((B, T, C), dtype=x_BTC.dtype, device=x_BTC.device)
-    dw_part_NCW = torch.empty((B * num_t_blocks, C, W), dtype=torch.float32, device=x_BTC.device)
-    grid = (triton.cdiv(C, BWD_BLOCK_C), num_t_blocks, B)
-    torch.library.wrap_triton(_short_conv_dpre_kernel)[grid](
-        x_BTC, w_C1W, doc_id_BT, dy_BTC, dpre_BTC, dw_part_NCW, T, C,
-        x_BTC.stride(0), x_BTC.stride(1), w_C1W.stride(0), w_C1W.stride(2), *_doc_strides(doc_id_BT),
-        dy_BTC.stride(0), dy_BTC.stride(1),
-        W=W, HAS_DOCS=doc_id_BT is not None, BLOCK_T=BWD_BLOCK_T, BLOCK_C=BWD_BLOCK_C, num_warps=NUM_WARPS)
-    return dpre_BTC, dw_part_NCW.sum(0).to(w_C1W.dtype).unsqueeze(1)
+    return _backward_launch(_short_conv_dpre_kernel, dy_BTC, x_BTC, w_C1W, doc_id_BT, BWD_BLOCK_T, BWD_BLOCK_C,
+                            NUM_WARPS, BLOCK_T=BWD_BLOCK_T)
 
 
 @torch.library.triton_op("moontrain::short_conv_silu_bwd_walk", mutates_args=())
 def _short_conv_silu_bwd_walk_op(dy_BTC: torch.Tensor, x_BTC: torch.Tensor, w_C1W: torch.Tensor,
                                  doc_id_BT: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [B, T, C] contiguous in x's dtype, dw in w's dtype) in one walk (W <= WALK_TAPS)."""
-    B, T, C = x_BTC.shape
-    W = w_C1W.shape[-1]
-    num_spans = triton.cdiv(T, WALK_SPAN)
-    dx_BTC = torch.empty((B, T, C), dtype=x_BTC.dtype, device=x_BTC.device)
-    dw_part_NCW = torch.empty((B * num_spans, C, W), dtype=torch.float32, device=x_BTC.device)
-    torch.library.wrap_triton(_short_conv_bwd_walk_kernel)[(triton.cdiv(C, WALK_BLOCK_C), num_spans, B)](
-        x_BTC, w_C1W, doc_id_BT, dy_BTC, dx_BTC, dw_part_NCW, T, C,
-        x_BTC.stride(0), x_BTC.stride(1), w_C1W.stride(0), w_C1W.stride(2), *_doc_strides(doc_id_BT),
-        dy_BTC.stride(0), dy_BTC.stride(1),
-        W=W, HAS_DOCS=doc_id_BT is not None, SPAN=WALK_SPAN, BLOCK_C=WALK_BLOCK_C, num_warps=WALK_WARPS)
-    return dx_BTC, dw_part_NCW.sum(0).to(w_C1W.dtype).unsqueeze(1)
+    return _backward_launch(_short_conv_bwd_walk_kernel, dy_BTC, x_BTC, w_C1W, doc_id_BT, WALK_SPAN, WALK_BLOCK_C,
+                            WALK_WARPS, SPAN=WALK_SPAN)
 
 
 @torch.library.triton_op("moontrain::short_conv_silu_dx", mutates_args=())
