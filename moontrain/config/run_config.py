@@ -9,7 +9,7 @@ from moontrain.config.eval_config import EvalConfig
 from moontrain.config.train_config import TrainConfig
 from moontrain.data.config import DataConfig
 from moontrain.metrics.config import MetricsConfig
-from moontrain.model.config import ExpertsConfig, KernelsConfig, ModelConfig
+from moontrain.model.config import SHORT_CONV_WALK_TAPS, ExpertsConfig, KernelsConfig, ModelConfig
 from moontrain.optim.config import OptimConfig
 from moontrain.parallel.config import ParallelConfig
 
@@ -42,6 +42,10 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
+        if self.kernels.short_conv_backward == "walk" and self.model.kda_conv_size > SHORT_CONV_WALK_TAPS:
+            raise ValueError(f"kernels.short_conv_backward=walk takes at most {SHORT_CONV_WALK_TAPS} taps, "
+                             f"model.kda_conv_size={self.model.kda_conv_size}; set kernels.short_conv_backward=tiles "
+                             f"(any number of taps) or a smaller kda_conv_size")
         if self.eval.every and self.eval.every % self.train.log_every:
             raise ValueError(f"eval.every={self.eval.every} is not a multiple of train.log_every={self.train.log_every}; "
                              "evaluation results are logged with a step's metrics")

@@ -226,6 +226,9 @@ def saved_model_dict(saved: dict[str, Any]) -> dict[str, Any]:
     return {**ModelConfig.ADDED_KEYS, **kept}
 
 
+SHORT_CONV_WALK_TAPS = 4  # the most taps kernels.short_conv_backward=walk takes (its taps live in registers)
+
+
 @dataclass(kw_only=True, slots=True)
 class KernelsConfig:
     """How the model's layers run: the same math in other kernels, orders and precisions. None of it is part
@@ -261,10 +264,11 @@ class KernelsConfig:
     # KDA's causal short convolutions (+ SiLU): "auto" runs the Triton kernel (moontrain.model.kda.short_conv_kernel)
     # on CUDA, else the PyTorch specification (moontrain.model.kda.short_conv); "torch" / "triton" force one
     short_conv: Literal["auto", "torch", "triton"] = "auto"
-    # the Triton convolution's backward: "tiles" (a dpre kernel over [time, channel] tiles, its dpre written and read
-    # back by a dx kernel) or "walk" (one kernel whose programs walk their rows down with the taps in registers:
-    # dx and dw in one pass, no dpre tensor; at most 4 taps). Only where the Triton convolution runs
-    short_conv_backward: Literal["tiles", "walk"] = "tiles"
+    # the Triton convolution's backward: "walk" (one kernel whose programs walk their rows down with the taps in
+    # registers: dx and dw in one pass, no dpre tensor; at most SHORT_CONV_WALK_TAPS taps) or "tiles" (a dpre kernel
+    # over [time, channel] tiles, its dpre written and read back by a dx kernel; any number of taps). Only where the
+    # Triton convolution runs (the two in the K3 step: docs/performance.md)
+    short_conv_backward: Literal["tiles", "walk"] = "walk"
     # AttnRes aggregations (model.attn_res_block_size): "auto" runs the Triton kernels (moontrain.model.attn_res_kernel)
     # on CUDA and the PyTorch math elsewhere; "torch" the PyTorch math (compiled with train.compile), "triton" the
     # kernels (the K3 step with them and without: docs/performance.md)

@@ -19,16 +19,14 @@ Numerics against autograd over the materialised logits: the same formulas and ro
 in order only (the loss over chunks, grad_W over chunks in fp32). With a compute dtype below fp32 grad_W
 and grad_h carry one more rounding when the loss's grad is not a power of two (the scale in backward).
 
-Chunk size: the most tokens whose fp32 logits fit in LOGITS_BYTES_PER_CHUNK (1 GiB), in whole GEMM tiles of
-128 rows. Memory: with train.compile a chunk holds its compute-dtype logits and grad (half the budget
-each at bf16), eager about 3.5 times it (the logits, their fp32 log-softmax and two fp32 temporaries), against
-[N, V] in the compute dtype plus fp32 and their grads for the unfused head (k3_small: 5.4 GiB bf16 + 10.7
-GiB fp32 at 16k tokens). Speed: every chunk after the first reads and writes the fp32 accumulator (8 V D bytes)
-next to its 6 c V D GEMM FLOPs. Measured on one H200 (benchmarks/bench_lm_loss.py, fwd + bwd, bf16, compiled; results
-bench_lm_loss_1xh200_20261202.json), unfused head against this at 256 MiB / 1 GiB / 2 GiB chunks:
-N 16384, D 2048, V 163,840: 54.1 ms, 10.0 GiB peak | 92.7 ms, 3.4 | 63.7 ms, 3.4 | 65.0 ms, 5.2;
-N 32768, D 2048, V 32,768: 22.7 ms, 4.0 GiB | 25.5 ms, 1.0 | 23.7 ms, 2.4 | 23.8 ms, 4.4.
-1 GiB is the knee: at k3_small's vocab 18 % slower than the unfused head for a third of its memory.
+Chunk size: the most tokens whose fp32 logits fit in the math's budget (ChunkMath.logits_bytes), in whole GEMM
+tiles of 128 rows: LOGITS_BYTES_PER_CHUNK (1 GiB) for the PyTorch math, 4 GiB for the Triton math, which holds
+only the compute-dtype logits. Memory: with train.compile a chunk holds its compute-dtype logits and grad (half
+the budget each at bf16), eager about 3.5 times it (the logits, their fp32 log-softmax and two fp32
+temporaries), the Triton math a quarter of it at bf16, against [N, V] in the compute dtype plus fp32 and their
+grads for the unfused head (k3_small: 5.4 GiB bf16 + 10.7 GiB fp32 at 16k tokens). Speed: every chunk after the
+first reads and writes the fp32 accumulator (8 V D bytes) next to its 6 c V D GEMM FLOPs. The budgets are the
+measured knees (benchmarks/bench_lm_loss.py on one H200; docs/performance.md, 2026-12-02 and 2026-12-05).
 
 train.compile: the per-chunk fp32 math (chunk_loss_and_grad, chunk_loss) runs through torch.compile, which
 fuses it into passes over the compute-dtype logits; the GEMMs stay eager ATen calls either way.
@@ -51,6 +49,7 @@ import torch.nn.functional as F
 from moontrain.model.kernel_choice import runs_cuda_kernels
 
 LOGITS_BYTES_PER_CHUNK = 1 << 30  # a chunk's logits in fp32 (module docstring: memory against accumulator traffic)
+TRITON_LOGITS_BYTES_PER_CHUNK = 4 << 30  # the same budget for the Triton chunk math, which holds only bf16 logits
 _TILE = 128  # GEMM rows per tile: chunks of whole tiles
 
 
@@ -91,6 +90,7 @@ class ChunkMath(NamedTuple):
     loss_and_grad: Any  # chunk_loss_and_grad or its compiled form
     loss: Any  # chunk_loss or its compiled form
     scaled_bf16: Any = None  # backward's scale of a bf16 gradient in one pass (None: _scaled's PyTorch passes)
+    logits_bytes: int = LOGITS_BYTES_PER_CHUNK  # the default chunk's fp32 logits (chunk_tokens)
 
 
 EAGER = ChunkMath(chunk_loss_and_grad, chunk_loss)
@@ -108,7 +108,7 @@ def triton_math() -> ChunkMath:
     logits), the same with or without train.compile."""
     from moontrain.model import lm_loss_kernel as k  # imports triton: only where it runs
 
-    return ChunkMath(k.chunk_loss_and_grad, k.chunk_loss, k.scaled_bf16)
+    return ChunkMath(k.chunk_loss_and_grad, k.chunk_loss, k.scaled_bf16, TRITON_LOGITS_BYTES_PER_CHUNK)
 
 
 def chunk_math(choice: str, device: torch.device | str | None) -> ChunkMath:
@@ -180,13 +180,14 @@ def linear_cross_entropy(h_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N:
                          chunk: int | None = None, math: ChunkMath = EAGER) -> torch.Tensor:
     """Mean token cross-entropy (fp32 scalar) of the logits h_ND @ weight_VD^T (in h's dtype, as nn.Linear) at
     targets_N (token ids in [0, V)), differentiable in h and the weight, without materialising the [N, V]
-    logits. chunk: tokens per chunk (default: chunk_tokens(V)). math: EAGER or compiled_math()."""
+    logits. chunk: tokens per chunk (default: chunk_tokens(V, math.logits_bytes)). math: EAGER, compiled_math()
+    or triton_math()."""
     if h_ND.dim() != 2 or targets_N.shape != h_ND.shape[:1]:
         raise ValueError(f"linear_cross_entropy takes h [N, D] and targets [N], got h {tuple(h_ND.shape)} and "
                          f"targets {tuple(targets_N.shape)}; flatten the batch and sequence dims of both")
     if chunk is not None and chunk < 1:
         raise ValueError(f"chunk={chunk}: tokens per chunk must be >= 1 (None derives it from the vocab size)")
-    chunk = chunk or chunk_tokens(weight_VD.shape[0])
+    chunk = chunk or chunk_tokens(weight_VD.shape[0], math.logits_bytes)
     if torch.is_grad_enabled() and (h_ND.requires_grad or weight_VD.requires_grad):
         return _LinearCrossEntropy.apply(h_ND, weight_VD, targets_N, chunk, math)
     loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)

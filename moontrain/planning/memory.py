@@ -50,7 +50,7 @@ from moonep import BufferConfig, Layout, glu_projections
 from moontrain.config.run_config import RunConfig
 from moontrain.model.attn_res import aggregation_sizes
 from moontrain.model.kda.ops import CHUNK as KDA_CHUNK
-from moontrain.model.lm_loss import chunk_tokens
+from moontrain.model.lm_loss import TRITON_LOGITS_BYTES_PER_CHUNK, chunk_tokens
 from moontrain.model.params import ParamCounts
 
 ROWS = ("weights", "master", "grads", "optimizer", "symmetric_heap", "receive_buffers", "activations")
@@ -125,9 +125,12 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
 
 def _head_loss_bytes(cfg: RunConfig, c: int, S: int) -> float:
     """The head and the loss beyond the per-token grad: the saved weight grad (compute dtype), the fp32
-    accumulator, and a chunk of at most S tokens' logits in the compute dtype and twice in fp32."""
+    accumulator, and a chunk of at most S tokens' logits: in the compute dtype and twice in fp32 for the PyTorch
+    chunk math, in the compute dtype alone for the Triton one (its larger chunk); the larger of the two."""
     V, D = cfg.model.vocab_size, cfg.model.hidden_size
-    return V * D * (c + 4) + min(S, chunk_tokens(V)) * V * (c + 8)
+    torch_chunk = min(S, chunk_tokens(V)) * V * (c + 8)
+    triton_chunk = min(S, chunk_tokens(V, TRITON_LOGITS_BYTES_PER_CHUNK)) * V * c
+    return V * D * (c + 4) + max(torch_chunk, triton_chunk)
 
 
 def _activation_bytes_per_token(cfg: RunConfig, c: int, checkpointed: bool) -> float:

@@ -46,11 +46,14 @@ import torch
 import triton
 import triton.language as tl
 
+from moontrain.model.config import SHORT_CONV_WALK_TAPS
+
 FWD_BLOCK_T, FWD_BLOCK_C = 32, 128  # measured best of 16-128 x 64-256 rows x channels, 4 or 8 warps
 BWD_BLOCK_T, BWD_BLOCK_C = 64, 64
 NUM_WARPS = 4
-# the walking backward: rows a program walks, its channels (4 a thread at 4 warps), the most taps it takes
-WALK_SPAN, WALK_BLOCK_C, WALK_WARPS, WALK_TAPS = 64, 512, 4, 4
+# the walking backward: rows a program walks, its channels (4 a thread at 4 warps); the most taps it takes is the
+# config's (a run is checked against it before it starts)
+WALK_SPAN, WALK_BLOCK_C, WALK_WARPS, WALK_TAPS = 64, 512, 4, SHORT_CONV_WALK_TAPS
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -168,3 +168,16 @@ def test_a_kernel_choice_outside_its_values_is_named(override: str, message: str
     key = override.split("=")[0].split(".")[1]
     with pytest.raises(ValueError, match=rf"kernels\.{key} must be .*, got '{override.split('=')[1]}'"):
         KernelsConfig(**{key: override.split("=")[1]})
+
+
+def test_the_walking_convolution_backward_refuses_more_taps_before_the_run() -> None:
+    """kernels.short_conv_backward=walk (the default) holds at most 4 taps in registers: a longer convolution is
+    refused when the config is built, naming both fixes; the tile route takes it."""
+    recipe = REPO / "recipes" / "k3_tiny.yaml"
+    assert KernelsConfig().short_conv_backward == "walk"
+    assert from_dict(RunConfig, load_recipe(recipe, ["model.kda_conv_size=4"])).model.kda_conv_size == 4
+    with pytest.raises(ValueError, match=r"short_conv_backward=walk takes at most 4 taps, model\.kda_conv_size=5; "
+                                         r"set kernels\.short_conv_backward=tiles .* or a smaller kda_conv_size"):
+        from_dict(RunConfig, load_recipe(recipe, ["model.kda_conv_size=5"]))
+    cfg = from_dict(RunConfig, load_recipe(recipe, ["model.kda_conv_size=5", "kernels.short_conv_backward=tiles"]))
+    assert cfg.model.kda_conv_size == 5

@@ -33,10 +33,14 @@ from moontrain.model.experts import ExpertsContext
 from moontrain.model.lm_loss import (
     EAGER,
     LOGITS_BYTES_PER_CHUNK,
+    TRITON_LOGITS_BYTES_PER_CHUNK,
+    ChunkMath,
+    chunk_loss,
     chunk_loss_and_grad,
     chunk_tokens,
     compiled_math,
     linear_cross_entropy,
+    triton_math,
 )
 from moontrain.model.transformer import K3Model
 from moontrain.parallel.layout import build_layout
@@ -138,6 +142,34 @@ def test_chunk_size_from_the_logits_bytes() -> None:
     assert chunk_tokens(32_768) == 8_192
     assert chunk_tokens(97) == (1 << 30) // (4 * 97) // 128 * 128
     assert chunk_tokens(1 << 29, logits_bytes=1 << 30) == 1 and chunk_tokens(1 << 22) == 64
+    # the Triton chunk math holds only the compute-dtype logits (the gradient written over them): 4 GiB of fp32
+    # logits, k3_small's vocab -> 6,528 tokens (3 chunks of a 16k pass instead of 11; docs/performance.md)
+    assert EAGER.logits_bytes == LOGITS_BYTES_PER_CHUNK and TRITON_LOGITS_BYTES_PER_CHUNK == 4 << 30
+    assert chunk_tokens(163_840, TRITON_LOGITS_BYTES_PER_CHUNK) == 6_528
+    pytest.importorskip("triton")
+    assert triton_math().logits_bytes == TRITON_LOGITS_BYTES_PER_CHUNK
+
+
+def test_the_default_chunk_follows_the_math_budget() -> None:
+    """Without a chunk, linear_cross_entropy cuts chunks of chunk_tokens(V, math.logits_bytes): a math whose
+    budget fits 128 tokens runs N / 128 chunks, with the same values as that chunk given explicitly."""
+    h, w, t = (x.detach() for x in _inputs(torch.float32, n=300))
+    N, V = h.shape[0], w.shape[0]
+    calls = []
+
+    def counted(logits, targets, inv_n):
+        calls.append(logits.shape[0])
+        return chunk_loss_and_grad(logits, targets, inv_n)
+
+    math = ChunkMath(counted, chunk_loss, logits_bytes=4 * V * 128)
+    hi, wi = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = linear_cross_entropy(hi, wi, t, math=math)
+    loss.backward()
+    assert calls == [128] * (N // 128) + ([N % 128] if N % 128 else []), calls
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = linear_cross_entropy(hr, wr, t, chunk=128)
+    ref.backward()
+    assert torch.equal(loss, ref) and torch.equal(hi.grad, hr.grad) and torch.equal(wi.grad, wr.grad)
 
 
 def test_bad_shapes_and_chunk_are_refused() -> None:
