@@ -11,6 +11,7 @@
 # PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT / K3_TIMEOUT (s), MFU_ARGS / K3_ARGS (extra overrides for the mfu / k3 steps), K3_AB_ARGS (the overrides k3ab measures against main), OPSITES_ARGS (extra op_sites.py arguments for the opsites / outputcode steps, e.g. --op add), DET_ONLY (runs of check_determinism, default A,B,P,C,D), GEMM_ARGS (bench_expert_gemm.py arguments, e.g. --shapes k3_small --merged-only), COMM_ARGS (bench_comm.py
 # arguments instead of --experts 96 384, e.g. --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
 # --experts 896 --topk 16 --ranks 8).
+# PACK_OUT=1 packs OUT's files (the Triton cache's parts aside) into OUT/results.tar.xz at exit.
 # Every step has its own time limit so one hang cannot eat the rest.
 set -uo pipefail
 out="${1:-gpu_out}"; shift || true
@@ -32,7 +33,15 @@ python -m moontrain.trainer.kernel_cache  # fla's tile choices for k3_small's KD
 save_cache() {
   mkdir -p "$out/tcache" && tar -cz -C "$TRITON_CACHE_DIR" . 2>/dev/null | split -b 15000000 -d -a 2 - "$out/tcache/part-"
 }
-trap save_cache EXIT
+# PACK_OUT=1: every other file under OUT into one OUT/results.tar.xz at exit (a lent device machine returns at most 8
+# files; a multi-step call writes more, and the rest would be lost)
+pack_out() {
+  local list; list=$(mktemp)
+  ( cd "$out" && find . -type f ! -path './tcache/*' ! -name results.tar.xz -print0 > "$list" &&
+    tar -cJf results.tar.xz --null -T "$list" && xargs -0 rm -f < "$list" ); rm -f "$list"
+}
+finish() { save_cache; [ "${PACK_OUT:-0}" = 1 ] && pack_out; }
+trap finish EXIT
 for step in "${steps[@]}"; do
   case "$step" in
     tests) if [ "$num_gpus" -ge 2 ]; then
