@@ -11,8 +11,9 @@ CPU (no GPU) one small case, (1024, 256, 8192) in bf16 with chunks of 1 and 4 Mi
 (no memory column).
 Rows per case: unfused eager, unfused with the CE compiled (parallelize's old compile step: the head's GEMM
 eager, the loss through torch.compile), fused eager, fused compiled and (GPU) fused with the Triton chunk math
-(kernels.lm_loss) at each --chunk-mib (the fp32 logits a chunk may take; the library's default is
-lm_loss.LOGITS_BYTES_PER_CHUNK); on the GPU two more: the per-chunk math alone at the library's chunk, compiled
+(kernels.lm_loss) at each --chunk-mib (the fp32 logits a chunk may take; the library's defaults are
+lm_loss.LOGITS_BYTES_PER_CHUNK and, for the Triton math, TRITON_LOGITS_BYTES_PER_CHUNK); on the GPU two more: the
+per-chunk math alone at the PyTorch math's chunk, compiled
 and Triton, with the HBM rate of its least traffic (the grad-h column there: the gradients' difference), and
 backward's scale of the saved gradients, PyTorch's passes and the Triton pass (the grad-h column: elements whose
 bits differ). Columns: median ms of
@@ -40,6 +41,7 @@ from benchmarks.timing import median_ms
 from moontrain.model.lm_loss import (
     EAGER,
     LOGITS_BYTES_PER_CHUNK,
+    TRITON_LOGITS_BYTES_PER_CHUNK,
     chunk_tokens,
     compiled_math,
     linear_cross_entropy,
@@ -162,7 +164,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default=None, help=f"comma-separated NxDxV (GPU default {GPU_CASES}, CPU {CPU_CASE})")
     p.add_argument("--chunk-mib", type=int, nargs="+", default=None,
-                   help=f"GPU default 256 {LOGITS_BYTES_PER_CHUNK >> 20} 2048 (the library's in the middle), CPU 1 4")
+                   help=f"GPU default 256 {LOGITS_BYTES_PER_CHUNK >> 20} 2048 {TRITON_LOGITS_BYTES_PER_CHUNK >> 20} (the "
+                        "library's two among them), CPU 1 4")
     p.add_argument("--chunk-math-only", action="store_true", help="GPU: only the per-chunk math rows (compiled, Triton)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -171,7 +174,8 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cases = args.cases or (GPU_CASES if device.type == "cuda" else CPU_CASE)
-    chunk_mib = args.chunk_mib or ([256, LOGITS_BYTES_PER_CHUNK >> 20, 2048] if device.type == "cuda" else [1, 4])
+    chunk_mib = args.chunk_mib or ([256, LOGITS_BYTES_PER_CHUNK >> 20, 2048, TRITON_LOGITS_BYTES_PER_CHUNK >> 20]
+                                   if device.type == "cuda" else [1, 4])
     rows = []
     for case in cases.split(","):
         N, D, V = (int(x) for x in case.split("x"))
