@@ -89,8 +89,8 @@ def autotuned(kernel, call: Callable[[], object]) -> dict:
 
 
 def glu_rows(name: str, H: int, F: int, offs: torch.Tensor, N: int, act: str, args) -> list[dict]:
-    from moonep.datapath.triton_path import GLU_FORWARD
     from moonep.kernels import grouped_glu
+    from moonep.kernels.glu_rows import glu_forward_rows
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     G = offs.numel()
@@ -98,29 +98,27 @@ def glu_rows(name: str, H: int, F: int, offs: torch.Tensor, N: int, act: str, ar
     x = torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16)
     wg = (torch.randn(G, H, F, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16)
     wu = (torch.randn(G, H, F, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16)
-    act_kernel = GLU_FORWARD[act]
-    h, u = grouped_mm(x, wg, offs), grouped_mm(x, wu, offs)
-    a_base = act_kernel(h, u)
-    tuned = autotuned(grouped_glu._grouped_glu_kernel, lambda: grouped_glu.grouped_glu_forward(x, wg, wu, offs, act))
-    a_fused, h_fused, _ = grouped_glu.grouped_glu_forward(x, wg, wu, offs, act)
-    diff = {"a": rel_diff(a_fused[:n], a_base[:n]), "h": rel_diff(h_fused[:n], h[:n])}
+    w_gate_up = torch.cat([wg, wu], dim=2)  # the heap's gate_up projection [G, H, 2F] (moonep.glu_projections)
+    hu = grouped_mm(x, w_gate_up, offs)
+    a_base = glu_forward_rows(act, hu)
+    tuned = autotuned(grouped_glu._grouped_glu_kernel, lambda: grouped_glu.grouped_glu_forward(x, w_gate_up, offs, act))
+    a_fused, hu_fused = grouped_glu.grouped_glu_forward(x, w_gate_up, offs, act)
+    diff = {"a": rel_diff(a_fused[:n], a_base[:n]), "hu": rel_diff(hu_fused[:n], hu[:n])}
     gemm = 2 * n * H * F
     t = {
-        "torch gate GEMM": (median_ms(lambda: grouped_mm(x, wg, offs), args.iters, args.warmup), gemm),
-        "torch up GEMM": (median_ms(lambda: grouped_mm(x, wu, offs), args.iters, args.warmup), gemm),
-        f"{act} kernel": (median_ms(lambda: act_kernel(h, u), args.iters, args.warmup), 0),
+        "torch gate|up GEMM [G, H, 2F]": (median_ms(lambda: grouped_mm(x, w_gate_up, offs), args.iters, args.warmup),
+                                          2 * gemm),
+        f"{act} on hu's halves": (median_ms(lambda: glu_forward_rows(act, hu), args.iters, args.warmup), 0),
     }
-    t["baseline: gate + up + act"] = (sum(ms for ms, _ in t.values()), 2 * gemm)
-    w_merged = torch.cat([wg, wu], dim=2)  # what a merged gate|up projection [G, H, 2F] would allow
-    t["torch gate|up as one GEMM [G, H, 2F]"] = (median_ms(lambda w=w_merged: grouped_mm(x, w, offs), args.iters,
-                                                           args.warmup), 2 * gemm)
-    del w_merged
-    t["fused grouped_glu (a, h, u)"] = (median_ms(lambda: grouped_glu.grouped_glu_forward(x, wg, wu, offs, act),
-                                                  args.iters, args.warmup), 2 * gemm)
+    t["baseline: gate|up + act"] = (sum(ms for ms, _ in t.values()), 2 * gemm)
+    t["separate gate, up GEMMs (before the merge)"] = (
+        median_ms(lambda: (grouped_mm(x, wg, offs), grouped_mm(x, wu, offs)), args.iters, args.warmup), 2 * gemm)
+    t["fused grouped_glu (a, hu)"] = (median_ms(lambda: grouped_glu.grouped_glu_forward(x, w_gate_up, offs, act),
+                                                args.iters, args.warmup), 2 * gemm)
     t["fused grouped_glu (a only)"] = (median_ms(
-        lambda: grouped_glu.grouped_glu_forward(x, wg, wu, offs, act, save_preact=False), args.iters, args.warmup),
+        lambda: grouped_glu.grouped_glu_forward(x, w_gate_up, offs, act, save_preact=False), args.iters, args.warmup),
         2 * gemm)
-    base_ms = t["baseline: gate + up + act"][0]
+    base_ms = t["baseline: gate|up + act"][0]
     rows = [{"shape": name, "op": f"glu forward {H}x{F}", "case": case, "ms": ms,
              "tflops": flops / ms / 1e9 if flops else None,
              "speedup_vs_baseline": base_ms / ms if case.startswith("fused") else None}

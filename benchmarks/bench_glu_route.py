@@ -1,5 +1,6 @@
 """moonep's gated-activation kernels on one GPU at k3_small's shapes: the routed experts' fused backward
-(moonep.kernels.glu_route: the activation's grads, the route-weighted activation and the route weights' grad)
+(moonep.kernels.glu_route on the halves of the merged gate|up rows, as expert_glu calls it: the activation's
+grads, the route-weighted activation and the route weights' grad)
 and the SiTU-GLU forward (moonep.kernels.situ_glu through glu_launch), each over a sweep of its tiles (the
 backward's last row: the tiles glu_route.backward_tiles picks for that F).
 
@@ -42,20 +43,22 @@ def inputs(rows: int, F: int) -> tuple[torch.Tensor, ...]:
 
 def sweep_backward(name: str, rows: int, F: int, iters: int, warmup: int) -> list[dict]:
     g, h, u, w = inputs(rows, F)
+    hu = torch.cat([h, u], dim=1)  # expert_glu's merged gate|up output
+    del h, u
     default = route.backward_tiles
     ref = None
     out = []
     for tile in [*BWD_TILES, default(F)]:
         route.backward_tiles = lambda _F, tile=tile: tile
         try:
-            got = route.glu_route_backward("situ_glu", g, h, u, w)
+            got = route.glu_route_backward_rows("situ_glu", g, hu, w)
         except Exception as err:  # a tile Triton cannot compile: reported, the sweep goes on
             print(f"  bwd {name:<6} {tile}: {type(err).__name__}: {str(err).splitlines()[0][:120]}", flush=True)
             continue
         ref = got if ref is None else ref
-        ms = median_ms(lambda: route.glu_route_backward("situ_glu", g, h, u, w), iters, warmup)
-        same = all(torch.equal(a, b) for a, b in zip(got[:3], ref[:3], strict=True))
-        gw_diff = (got[3] - ref[3]).abs().max().item()
+        ms = median_ms(lambda: route.glu_route_backward_rows("situ_glu", g, hu, w), iters, warmup)
+        same = all(torch.equal(a, b) for a, b in zip(got[:2], ref[:2], strict=True))
+        gw_diff = (got[2] - ref[2]).abs().max().item()
         gbs = 12 * rows * F / ms / 1e6
         out.append(dict(kernel="glu_route_backward", shape=name, rows=rows, F=F, tile=list(tile), ms=ms,
                         gb_per_s=gbs, bitwise=same, grad_w_max_diff=gw_diff))

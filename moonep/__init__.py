@@ -17,7 +17,7 @@ from moonep.config import BufferConfig, BufferOptions
 from moonep.errors import MoonEPTimeoutError
 from moonep.hierarchical import HierarchicalBuffer, hierarchical_expert_glu, host_groups
 from moonep.layout import Layout, receive_rows, remote_experts
-from moonep.moe import expert_glu, glu_projections
+from moonep.moe import expert_glu, glu_projections, merge_gate_up, split_gate_up
 from moonep.planner import Plan, make_plan
 from moonep.pools import ExpertPools, LayerExperts
 
@@ -40,7 +40,9 @@ __all__ = [
     "hierarchical_expert_glu",
     "host_groups",
     "make_plan",
+    "merge_gate_up",
     "receive_rows",
     "remote_experts",
     "situ_glu",
+    "split_gate_up",
 ]

@@ -1,27 +1,31 @@
 """expert_glu: the routed-expert half of an MoE layer on moonep, as one autograd op.
 
 forward:  plan -> prefetch (side stream, overlapping the dispatch of token rows) -> dispatch ->
-          h = x W_gate, u = x W_up (grouped over W_compact), a = f(h, u) (the path's gate_up: one
-          fused kernel with BufferOptions.fused_expert_gemm) ->
+          hu = x W_gate_up = [x W_gate | x W_up] (one grouped GEMM over W_compact), a = f(h, u) on hu's
+          halves (the path's gate_up: one fused kernel with BufferOptions.fused_expert_gemm) ->
           o = a W_down -> y_rows = o * route weight -> combine (with BufferOptions.combine_reduce
           "destination": combine takes o and the route weights and multiplies in fp32 as it sums)
 backward: re-prefetch if another layer used the slots (side stream) -> dispatch(grad_y) with the
-          saved plan -> g = gy W_down^T, then grad_h, grad_u, the route-weight grads and a_w = w * a
-          in one elementwise pass (the path's glu_route_backward) -> W_down's grad (a_w^T gy) -> grads
-          of rows (the last read of the slots; then the previous layer's copies start on the side
-          stream, ExpertPools.previous_forward) -> dispatch(x) again into the receive rows -> W_gate's
-          and W_up's grads (fp32 into the grad mirror: local rows accumulate
-          into g_local, slot rows into the reduce pool) -> combine(grad_x_rows) with the route-weight grads gathered per (token, k) (with
-          "destination": combine takes the gate and up halves of grad_x_rows and adds them in fp32) ->
+          saved plan -> g = gy W_down^T, then grad_hu = grad_h | grad_u, the route-weight grads and
+          a_w = w * a in one elementwise pass (the path's glu_route_backward) -> W_down's grad (a_w^T gy)
+          -> grads of rows grad_hu W_gate_up^T (one GEMM of K = 2F; the last read of the slots; then the
+          previous layer's copies start on the side stream, ExpertPools.previous_forward) -> dispatch(x)
+          again into the receive rows -> W_gate_up's grad x^T grad_hu (fp32 into the grad mirror: local
+          rows accumulate into g_local, slot rows into the reduce pool) -> combine(grad_x_rows) with the
+          route-weight grads gathered per (token, k) ->
           reduce_grad on the communication stream (it overlaps the backward upstream, e.g.
           attention, until the next moonep call joins it; Buffer.wait_pending before the grads
           are read)
 
 Saved for backward: x_sH [s, H] (the caller keeps it for its own backward anyway: the router's input),
-the route weights per row, h and u [S*K, F]. Not saved: the dispatched rows of x and the expert output o
+the route weights per row, hu [S*K, 2F]. Not saved: the dispatched rows of x and the expert output o
 (each [S*K, H]): x's rows are dispatched again (a local copy at one rank, the forward dispatch's traffic
 at more), o is not needed. At the DeepSeek-V3 benchmark point (H 2048, F 1024, 32k tokens per pass) that
 is 2 of 3 GiB per layer and pass.
+
+Gate and up are one projection, W_gate_up [E+B, H, 2F] in the heap (glu_projections): its column halves
+are W_gate and W_up, so the forward is one grouped GEMM of N = 2F and the input gradient one of K = 2F
+(two of N = F and two of K = F summed cost 1.14x / 1.38x more at k3_small's F = 896: docs/performance.md).
 
 The gated activation f is a parameter of the op, by name (moonep.activation: "swiglu", ...). The
 elementwise steps (f, its backward with the route weights, the forward's route-weight scale) run on the
@@ -38,12 +42,27 @@ from moonep.activation import get_activation
 from moonep.buffer import Buffer
 from moonep.pools import ExpertPools, LayerExperts
 
-PROJECTIONS = ("gate", "up", "down")
+PROJECTIONS = ("gate_up", "down")
 
 
 def glu_projections(hidden: int, ffn: int) -> dict[str, tuple[int, int]]:
-    """The projection shapes `expert_glu` expects in ExpertPools."""
-    return {"gate": (hidden, ffn), "up": (hidden, ffn), "down": (ffn, hidden)}
+    """The projection shapes `expert_glu` expects in ExpertPools: gate_up [H, 2F] holds W_gate in its columns
+    [0, F) and W_up in [F, 2F) (moonep.split_gate_up), down [F, H]."""
+    return {"gate_up": (hidden, 2 * ffn), "down": (ffn, hidden)}
+
+
+def split_gate_up(w_gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_gate, W_up): the column halves of a merged gate_up weight [..., H, 2F] (views)."""
+    if w_gate_up.shape[-1] % 2:
+        raise ValueError(f"a gate_up weight has an even last dimension 2F, got shape {tuple(w_gate_up.shape)}")
+    return w_gate_up.chunk(2, dim=-1)
+
+
+def merge_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """The merged gate_up weight [..., H, 2F] of W_gate and W_up [..., H, F] (a new tensor)."""
+    if w_gate.shape != w_up.shape:
+        raise ValueError(f"gate and up weights of one shape, got {tuple(w_gate.shape)} and {tuple(w_up.shape)}")
+    return torch.cat([w_gate, w_up], dim=-1)
 
 
 class _ExpertGLU(torch.autograd.Function):
@@ -62,9 +81,9 @@ class _ExpertGLU(torch.autograd.Function):
         layer.pools.wait_prefetch()
         w = layer.w_compact
         path = buffer.path
-        a, h, u = path.gate_up(activation, res.x_rows, w["gate"], w["up"], offs)
+        a, hu = path.gate_up(activation, res.x_rows, w["gate_up"], offs)
         o = path.grouped_mm(a, w["down"], offs)
-        del a  # not saved: backward recomputes it from h and u
+        del a  # not saved: backward recomputes it from hu
         if _fused_combine(buffer):  # the fp32 product summed as it is, no rounding, no pass of its own
             y_sH, _ = buffer.combine(plan, o, row_weights=w_rows)
         else:
@@ -72,7 +91,7 @@ class _ExpertGLU(torch.autograd.Function):
             path.scale_rows(o, w_rows, y_in)  # fp32 product, rounded once into the symmetric rows
             y_sH, _ = buffer.combine(plan, y_in)
         # o is not saved either: the route weights' grads come from g = gy W_down^T and a (glu_route_backward)
-        ctx.save_for_backward(x_sH, w_rows, h, u)
+        ctx.save_for_backward(x_sH, w_rows, hu)
         ctx.plan, ctx.buffer, ctx.layer, ctx.activation = plan, buffer, layer, activation
         ctx.wgrad_scale = layer.pools.wgrad_scale  # as configured for this forward
         ctx.weights_dtype = weights_sK.dtype
@@ -80,7 +99,7 @@ class _ExpertGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y_sH):
-        x_sH, w_rows, h, u = ctx.saved_tensors
+        x_sH, w_rows, hu = ctx.saved_tensors
         plan, buffer, layer = ctx.plan, ctx.buffer, ctx.layer
         offs = plan.cu_seqlens
         layer.pools.ensure_async(plan, layer)  # re-prefetch (another layer used the slots) overlaps dispatch
@@ -89,48 +108,37 @@ class _ExpertGLU(torch.autograd.Function):
         layer.pools.wait_prefetch()
         w = layer.w_compact
         g = path.grouped_mm(gy, w["down"].transpose(1, 2), offs)  # dL/da without the route weight
-        grad_h, grad_u, a_w, grad_w_rows = path.glu_route_backward(ctx.activation, g, h, u, w_rows)
+        grad_hu, a_w, grad_w_rows = path.glu_route_backward(ctx.activation, g, hu, w_rows)
         del g
         pools = layer.pools
         pools.accumulate_wgrad(layer, "down", a_w, gy, offs, ctx.wgrad_scale)  # gy's last reader
         del a_w, gy
-        if not pools.uses_slots:  # one rank: the weight grads first, so that each dgrad half frees its input
+        if not pools.uses_slots:  # one rank: the weight grad first, so that the dgrad frees its input
             ctx.prev = None  # no slot to refill
-            _gate_up_weight_grads(ctx, x_sH, grad_h, grad_u)
-        grad_x_rows = path.grouped_mm(grad_h, w["gate"].transpose(1, 2), offs)
-        if not pools.uses_slots:
-            del grad_h
-        grad_x_up = path.grouped_mm(grad_u, w["up"].transpose(1, 2), offs)
-        if not _fused_combine(buffer):  # else combine adds the halves in fp32 as it reads them
-            # bf16 + bf16 adds in fp32 and rounds once (torch's opmath): the fp32 sum's bits, no fp32 temporary
-            grad_x_rows.add_(grad_x_up)
-            grad_x_up = None
-        if pools.uses_slots:  # the dgrads were the slots' last readers: the previous layer's copies overlap the wgrads
+            _gate_up_weight_grad(ctx, x_sH, grad_hu)
+        grad_x_rows = path.grouped_mm(grad_hu, w["gate_up"].transpose(1, 2), offs)
+        if pools.uses_slots:  # the dgrad was the slots' last reader: the previous layer's copies overlap the wgrad
             if ctx.prev is not None:
                 prev_layer, prev_plan = ctx.prev
                 ctx.prev = None  # once (a retained graph's second backward just prefetches as usual)
                 pools.prefetch_async(prev_plan, prev_layer)
-            _gate_up_weight_grads(ctx, x_sH, grad_h, grad_u)
-            del grad_h
-        del grad_u
-        grad_x_sH, grad_weights_sK = buffer.combine(plan, grad_x_rows, row_scalars=grad_w_rows, add_rows=grad_x_up)
+            _gate_up_weight_grad(ctx, x_sH, grad_hu)
+        del grad_hu
+        grad_x_sH, grad_weights_sK = buffer.combine(plan, grad_x_rows, row_scalars=grad_w_rows)
         buffer.reduce_grad_async(plan, layer)
         return grad_x_sH, grad_weights_sK.to(ctx.weights_dtype), None, None, None, None, None, None
 
 
-def _gate_up_weight_grads(ctx, x_sH: torch.Tensor, grad_h: torch.Tensor, grad_u: torch.Tensor) -> None:
-    """W_gate's and W_up's grads: x's rows dispatched again with the saved plan, into the receive rows gy
-    occupied (dispatch's "dispatch:enter" barrier orders a peer's writes after every rank's reads of gy)."""
+def _gate_up_weight_grad(ctx, x_sH: torch.Tensor, grad_hu: torch.Tensor) -> None:
+    """W_gate_up's grad: x's rows dispatched again with the saved plan, into the receive rows gy occupied
+    (dispatch's "dispatch:enter" barrier orders a peer's writes after every rank's reads of gy)."""
     x_rows = ctx.buffer.dispatch(x_sH, plan=ctx.plan).x_rows
-    offs = ctx.plan.cu_seqlens
-    ctx.layer.pools.accumulate_wgrad(ctx.layer, "gate", x_rows, grad_h, offs, ctx.wgrad_scale)
-    ctx.layer.pools.accumulate_wgrad(ctx.layer, "up", x_rows, grad_u, offs, ctx.wgrad_scale)
+    ctx.layer.pools.accumulate_wgrad(ctx.layer, "gate_up", x_rows, grad_hu, ctx.plan.cu_seqlens, ctx.wgrad_scale)
 
 
 def _fused_combine(buffer: Buffer) -> bool:
-    """Combine scales by the route weights (forward) and adds the two dgrad halves (backward) itself:
-    when the buffer's data path sums at the destination (its combine_reduce), the switch of the whole
-    fp32 combine order."""
+    """Combine scales by the route weights (forward) itself: when the buffer's data path sums at the
+    destination (its combine_reduce), the switch of the whole fp32 combine order."""
     return buffer.path.combine_reduce == "destination"
 
 

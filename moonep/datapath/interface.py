@@ -97,20 +97,21 @@ class DataPath(Protocol):
         dtype; rows past offs_G[-1]: any value."""
         ...
 
-    def gate_up(self, activation: str, x_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                offs_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(a, h, u) with h = x W_gate[g], u = x W_up[g] on the rows of group g (grouped GEMMs, bf16) and
-        a = f(h, u) (glu_forward); rows past offs_G[-1]: any value."""
+    def gate_up(self, activation: str, x_rows: torch.Tensor, w_gate_up: torch.Tensor, offs_G: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a, hu) with hu = x W_gate_up[g] [rows, 2F] on the rows of group g (one grouped GEMM, bf16): its halves
+        are h = x W_gate and u = x W_up (moonep.moe), and a = f(h, u) (glu_forward); rows past offs_G[-1]: any
+        value."""
         ...
 
-    def glu_forward(self, activation: str, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """a = f(h, u) for the registered activation (moonep.activation)."""
+    def glu_forward(self, activation: str, hu: torch.Tensor) -> torch.Tensor:
+        """a = f(h, u) for the registered activation (moonep.activation), h | u the halves of hu's rows."""
         ...
 
-    def glu_route_backward(self, activation: str, g: torch.Tensor, h: torch.Tensor, u: torch.Tensor,
-                           w_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For y_rows = w * (f(h, u) W_down), from g = gy W_down^T: (grad_h, grad_u, a_w = w * f(h, u)
-        rounded once, grad_w = sum_f g * f(h, u) in fp32) (moonep.datapath.reference.glu_route_backward)."""
+    def glu_route_backward(self, activation: str, g: torch.Tensor, hu: torch.Tensor, w_rows: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For y_rows = w * (f(h, u) W_down), from g = gy W_down^T: (grad_hu = grad_h | grad_u [rows, 2F], a_w =
+        w * f(h, u) rounded once, grad_w = sum_f g * f(h, u) in fp32) (moonep.datapath.reference.glu_route_backward)."""
         ...
 
     def scale_rows(self, o: torch.Tensor, w_rows: torch.Tensor, out: torch.Tensor) -> None:

@@ -252,17 +252,20 @@ class ReferencePath:
     def grouped_mm(self, x_rows: torch.Tensor, w_GIO: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
         return grouped_mm(x_rows, w_GIO, offs_G)
 
-    def gate_up(self, activation: str, x_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                offs_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        h, u = self.grouped_mm(x_rows, w_gate, offs_G), self.grouped_mm(x_rows, w_up, offs_G)
-        return self.glu_forward(activation, h, u), h, u
+    def gate_up(self, activation: str, x_rows: torch.Tensor, w_gate_up: torch.Tensor, offs_G: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        hu = self.grouped_mm(x_rows, w_gate_up, offs_G)
+        return self.glu_forward(activation, hu), hu
 
-    def glu_forward(self, activation: str, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    def glu_forward(self, activation: str, hu: torch.Tensor) -> torch.Tensor:
+        h, u = hu.chunk(2, dim=-1)
         return get_activation(activation).forward(h, u)
 
-    def glu_route_backward(self, activation: str, g: torch.Tensor, h: torch.Tensor, u: torch.Tensor,
-                           w_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return glu_route_backward(activation, g, h, u, w_rows)
+    def glu_route_backward(self, activation: str, g: torch.Tensor, hu: torch.Tensor, w_rows: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h, u = hu.chunk(2, dim=-1)
+        grad_h, grad_u, a_w, grad_w = glu_route_backward(activation, g, h, u, w_rows)
+        return torch.cat([grad_h, grad_u], dim=-1), a_w, grad_w
 
     def scale_rows(self, o: torch.Tensor, w_rows: torch.Tensor, out: torch.Tensor) -> None:
         torch.mul(o, w_rows[:, None], out=out)  # fp32 product, rounded once into out

@@ -11,11 +11,12 @@ moonep.datapath.reference (the specification) except where a docstring below say
 - prefetch / reduce_grad / the masked weight-gradient accumulation: moonep.kernels.experts (they
   touch occupied slots and non-empty groups only).
 - the expert GEMMs: torch._grouped_mm, or with BufferOptions.fused_expert_gemm the fused kernels
-  moonep.kernels.grouped_glu (gate, up and the activation) and .grouped_wgrad (the weight gradient into
+  moonep.kernels.grouped_glu (gate|up and the activation) and .grouped_wgrad (the weight gradient into
   the fp32 grads), or with BufferOptions.expert_gemm="quack" quack's grouped GEMMs (moonep.kernels.quack_gemm,
   the weight gradient added in their epilogue; "quack_wgrad": that weight gradient only): other summation orders, within the bounds of
   tests/moonep/helpers/grouped_gemm_cases.py.
-- the activation and the route weights: moonep.kernels.swiglu / .situ_glu (forward), moonep.kernels.glu_route
+- the activation and the route weights: moonep.kernels.glu_rows (forward, on the halves of the merged gate|up
+  GEMM's rows), moonep.kernels.glu_route
   (the backward with the route weights folded in) and moonep.kernels.route_weights (the forward scale; the
   route-weight gradient sums in another order than torch.sum: within a bound the tests derive;
   SiTU-GLU's device exp and division are approximate: within the bound of tests/moonep/helpers/situ_glu_cases.py).
@@ -34,18 +35,14 @@ from moonep.kernels import (
     dispatch_combine,
     experts,
     glu_route,
+    glu_rows,
     grouped_glu,
     grouped_wgrad,
     quack_gemm,
     route_weights,
-    situ_glu,
-    swiglu,
 )
 from moonep.planner.fused import FusedPlanner
 from moonep.planner.plan import Plan
-
-# activation name (moonep.activation) -> its forward kernel (backward: moonep.kernels.glu_route.ACTIVATION_IDS)
-GLU_FORWARD: dict[str, Callable] = {"swiglu": swiglu.swiglu_forward, "situ_glu": situ_glu.situ_glu_forward}
 
 
 class TritonPath:
@@ -148,25 +145,21 @@ class TritonPath:
     def grouped_mm(self, x_rows: torch.Tensor, w_GIO: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
         return quack_gemm.grouped_mm(x_rows, w_GIO, offs_G) if self._quack_rows else grouped_mm(x_rows, w_GIO, offs_G)
 
-    def gate_up(self, activation: str, x_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                offs_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def gate_up(self, activation: str, x_rows: torch.Tensor, w_gate_up: torch.Tensor, offs_G: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.comm.options.fused_expert_gemm:
-            return grouped_glu.grouped_glu_forward(x_rows, w_gate, w_up, offs_G, activation)
-        h, u = self.grouped_mm(x_rows, w_gate, offs_G), self.grouped_mm(x_rows, w_up, offs_G)
-        return self.glu_forward(activation, h, u), h, u
+            return grouped_glu.grouped_glu_forward(x_rows, w_gate_up, offs_G, activation)
+        hu = self.grouped_mm(x_rows, w_gate_up, offs_G)
+        return self.glu_forward(activation, hu), hu
 
-    def glu_forward(self, activation: str, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return _glu_forward(activation)(h, u)
+    def glu_forward(self, activation: str, hu: torch.Tensor) -> torch.Tensor:
+        get_activation(activation)  # a ValueError for names moonep does not know
+        return glu_rows.glu_forward_rows(activation, hu)
 
-    def glu_route_backward(self, activation: str, g: torch.Tensor, h: torch.Tensor, u: torch.Tensor,
-                           w_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return glu_route.glu_route_backward(activation, g, h, u, w_rows)
+    def glu_route_backward(self, activation: str, g: torch.Tensor, hu: torch.Tensor, w_rows: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return glu_route.glu_route_backward_rows(activation, g, hu, w_rows)
 
     def scale_rows(self, o: torch.Tensor, w_rows: torch.Tensor, out: torch.Tensor) -> None:
         route_weights.scale_rows(o, w_rows, out)
 
-
-def _glu_forward(activation: str) -> Callable:
-    get_activation(activation)  # a ValueError for names moonep does not know
-    assert activation in GLU_FORWARD, f"activation {activation!r} has no Triton kernels (moonep.activation lists it)"
-    return GLU_FORWARD[activation]

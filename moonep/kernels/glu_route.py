@@ -13,7 +13,9 @@ and needs neither o nor gy again:
 
 So the op saves h and u only (not o [rows, H]), and the route-weight pass over gy and o (read two
 [rows, H] tensors, write grad_o) is gone: this kernel reads g, h, u and writes grad_h, grad_u, a_w,
-all [rows, F].
+all [rows, F]. glu_route_backward_rows takes h and u as the two halves of one row (expert_glu's merged gate|up
+GEMM output, [rows, 2F]) and writes grad_h | grad_u the same way; glu_route_backward takes and returns them as
+separate tensors (the dense FFNs' backward, moonep.activation.glu_backward).
 
 Each program takes BLOCK_R rows and walks F in BLOCK_F chunks, summing grad_w per chunk then across
 chunks in a fixed order (deterministic; another order than torch.sum's, within the bound the tests
@@ -42,7 +44,7 @@ def backward_tiles(F: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _glu_route_bwd_kernel(g_ptr, h_ptr, u_ptr, w_ptr, gh_ptr, gu_ptr, aw_ptr, gw_ptr, n_rows, F,
+def _glu_route_bwd_kernel(g_ptr, h_ptr, u_ptr, w_ptr, gh_ptr, gu_ptr, aw_ptr, gw_ptr, n_rows, F, stride_hu, stride_ghu,
                           ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     r_ok = r < n_rows
@@ -52,38 +54,70 @@ def _glu_route_bwd_kernel(g_ptr, h_ptr, u_ptr, w_ptr, gh_ptr, gu_ptr, aw_ptr, gw
         ff = f0 + tl.arange(0, BLOCK_F)
         m = r_ok[:, None] & (ff < F)[None, :]
         offs = r[:, None] * F + ff[None, :]
+        at_hu = r[:, None] * stride_hu + ff[None, :]
+        at_ghu = r[:, None] * stride_ghu + ff[None, :]
         g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        hf = tl.load(h_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        uf = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        hf = tl.load(h_ptr + at_hu, mask=m, other=0.0).to(tl.float32)
+        uf = tl.load(u_ptr + at_hu, mask=m, other=0.0).to(tl.float32)
         ga = g * w[:, None]
         if ACT == 0:
             grad_h, grad_u, a = swiglu_grads(ga, hf, uf)
         else:
             grad_h, grad_u, a = situ_glu_grads(ga, hf, uf)
         a16 = to_bf16(a)
-        tl.store(gh_ptr + offs, to_bf16(grad_h), mask=m)
-        tl.store(gu_ptr + offs, to_bf16(grad_u), mask=m)
+        tl.store(gh_ptr + at_ghu, to_bf16(grad_h), mask=m)
+        tl.store(gu_ptr + at_ghu, to_bf16(grad_u), mask=m)
         af = a16.to(tl.float32)
         tl.store(aw_ptr + offs, to_bf16(af * w[:, None]), mask=m)
         acc += tl.sum(g * af, axis=1)
     tl.store(gw_ptr + r, acc, mask=r_ok)
 
 
-def glu_route_backward(activation: str, g: torch.Tensor, h: torch.Tensor, u: torch.Tensor, w_rows: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad_h, grad_u, a_w, grad_w): bf16 [rows, F] x3 and fp32 [rows]; see the module docstring."""
+def _check(activation: str, n: int, w_rows: torch.Tensor) -> None:
     if activation not in ACTIVATION_IDS:
         raise ValueError(f"glu_route_backward has no kernel for activation {activation!r}; "
                          f"it has {sorted(ACTIVATION_IDS)}")
-    check_glu_inputs("glu_route_backward", g, h, u, dtype=torch.bfloat16)
-    n, F = h.shape
     if w_rows.shape != (n,) or w_rows.dtype != torch.float32 or not w_rows.is_contiguous():
         raise ValueError(f"glu_route_backward needs contiguous fp32 route weights [{n}], got "
                          f"{tuple(w_rows.shape)} {w_rows.dtype}")
-    grad_h, grad_u, a_w = torch.empty_like(h), torch.empty_like(h), torch.empty_like(h)
-    grad_w = torch.empty(n, dtype=torch.float32, device=h.device)
+
+
+def _launch(activation: str, g: torch.Tensor, h: torch.Tensor, u: torch.Tensor, w_rows: torch.Tensor,
+            grad_h: torch.Tensor, grad_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a_w, grad_w); h and u share a row stride, as grad_h and grad_u do (the halves of one row or two tensors)."""
+    n, F = g.shape
+    a_w = torch.empty_like(g)
+    grad_w = torch.empty(n, dtype=torch.float32, device=g.device)
     block_r, block_f, warps = backward_tiles(F)
     _glu_route_bwd_kernel[(triton.cdiv(n, block_r),)](
-        g, h, u, w_rows, grad_h, grad_u, a_w, grad_w, n, F, ACT=ACTIVATION_IDS[activation],
-        BLOCK_R=block_r, BLOCK_F=block_f, num_warps=warps)
+        g, h, u, w_rows, grad_h, grad_u, a_w, grad_w, n, F, h.stride(0), grad_h.stride(0),
+        ACT=ACTIVATION_IDS[activation], BLOCK_R=block_r, BLOCK_F=block_f, num_warps=warps)
+    return a_w, grad_w
+
+
+def glu_route_backward(activation: str, g: torch.Tensor, h: torch.Tensor, u: torch.Tensor, w_rows: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_h, grad_u, a_w, grad_w): bf16 [rows, F] x3 and fp32 [rows]; see the module docstring."""
+    check_glu_inputs("glu_route_backward", g, h, u, dtype=torch.bfloat16)
+    _check(activation, h.shape[0], w_rows)
+    grad_h, grad_u = torch.empty_like(h), torch.empty_like(h)
+    a_w, grad_w = _launch(activation, g, h, u, w_rows, grad_h, grad_u)
     return grad_h, grad_u, a_w, grad_w
+
+
+def glu_route_backward_rows(activation: str, g: torch.Tensor, hu: torch.Tensor, w_rows: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_hu, a_w, grad_w) from hu [rows, 2F] = h | u: grad_hu = grad_h | grad_u bf16 [rows, 2F] (the input
+    of the merged gate|up GEMMs' backward), a_w bf16 [rows, F], grad_w fp32 [rows]; the same values as
+    glu_route_backward's."""
+    n, F2 = hu.shape
+    F = F2 // 2
+    ok = (hu.dtype == g.dtype == torch.bfloat16 and hu.is_contiguous() and g.is_contiguous() and F2 % 2 == 0
+          and tuple(g.shape) == (n, F))
+    if not ok:
+        raise ValueError(f"glu_route_backward_rows needs contiguous bf16 g [rows, F] and hu [rows, 2F], got "
+                         f"{tuple(g.shape)} {g.dtype} and {tuple(hu.shape)} {hu.dtype}")
+    _check(activation, n, w_rows)
+    grad_hu = torch.empty_like(hu)
+    a_w, grad_w = _launch(activation, g, hu[:, :F], hu[:, F:], w_rows, grad_hu[:, :F], grad_hu[:, F:])
+    return grad_hu, a_w, grad_w

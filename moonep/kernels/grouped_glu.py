@@ -3,13 +3,13 @@ for row groups given by `offs` (the format of torch._grouped_mm: cumulative ends
 
     h = x W_gate[g]    u = x W_up[g]    a = f(h, u)        on the rows of group g
 
-with f a registered activation (moonep.activation: swiglu, situ_glu). It replaces two torch._grouped_mm
-calls and the activation kernel (moonep.kernels.swiglu / .situ_glu), which write h and u, read them back
-and write a: here each program keeps both fp32 accumulators of its [BLOCK_M, BLOCK_N] tile, rounds them
+with W_gate[g] | W_up[g] the two column halves of the merged weight W_gate_up[g] [H, 2F] (moonep.moe) and f a
+registered activation (moonep.activation: swiglu, situ_glu). It replaces one torch._grouped_mm of N = 2F and
+the activation kernel (moonep.kernels.glu_rows), which write h | u, read them back and write a: here each program keeps both fp32 accumulators of its [BLOCK_M, BLOCK_N] tile, rounds them
 to bf16 (round to nearest even, moonep.kernels.situ_glu.to_bf16) and evaluates f on those rounded
 values with the activation kernels' own code (swiglu_value, situ_glu_value).
 
-What the backward needs: h and u, stored from the same epilogue (save_preact=True, the default; the
+What the backward needs: h and u, stored from the same epilogue as the halves of one row hu [N, 2F] (save_preact=True, the default; the
 elementwise backward reads them, and recomputing them would cost two of the three forward GEMMs again).
 With save_preact=False only a is written (a forward without backward).
 
@@ -78,7 +78,7 @@ def group_tile(offs_ptr, pid, num_n, N, G: tl.constexpr, G_P: tl.constexpr, BLOC
 
 @triton.autotune(configs=_configs(), key=["H", "F"])
 @triton.jit
-def _grouped_glu_kernel(x_ptr, wg_ptr, wu_ptr, offs_ptr, a_ptr, h_ptr, u_ptr, N, H: tl.constexpr, F: tl.constexpr,
+def _grouped_glu_kernel(x_ptr, w_ptr, offs_ptr, a_ptr, hu_ptr, N, H: tl.constexpr, F: tl.constexpr,
                         G: tl.constexpr, G_P: tl.constexpr, ACT: tl.constexpr, SAVE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     grp, row0, end, n_idx = group_tile(offs_ptr, tl.program_id(0), tl.cdiv(F, BLOCK_N), N, G, G_P, BLOCK_M)
@@ -89,9 +89,8 @@ def _grouped_glu_kernel(x_ptr, wg_ptr, wu_ptr, offs_ptr, a_ptr, h_ptr, u_ptr, N,
         row_ok = rm < end
         col_ok = rn < F
         x_ptrs = x_ptr + rm[:, None].to(tl.int64) * H + rk[None, :]
-        w_off = grp.to(tl.int64) * (H * F) + rk[:, None] * F + rn[None, :]
-        wg_ptrs = wg_ptr + w_off
-        wu_ptrs = wu_ptr + w_off
+        wg_ptrs = w_ptr + grp.to(tl.int64) * (H * 2 * F) + rk[:, None] * (2 * F) + rn[None, :]  # gate: columns [0, F)
+        wu_ptrs = wg_ptrs + F  # up: columns [F, 2F) of the same rows
         acc_h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -101,58 +100,58 @@ def _grouped_glu_kernel(x_ptr, wg_ptr, wu_ptr, offs_ptr, a_ptr, h_ptr, u_ptr, N,
             acc_h = tl.dot(xt, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_h)
             acc_u = tl.dot(xt, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_u)
             x_ptrs += BLOCK_K
-            wg_ptrs += BLOCK_K * F
-            wu_ptrs += BLOCK_K * F
+            wg_ptrs += BLOCK_K * 2 * F
+            wu_ptrs += BLOCK_K * 2 * F
         h = to_bf16(acc_h)
         u = to_bf16(acc_u)
         if ACT == 0:
             a = swiglu_value(h.to(tl.float32), u.to(tl.float32), tl.bfloat16)
         else:
             a = situ_glu_value(h.to(tl.float32), u.to(tl.float32))
-        out = rm[:, None].to(tl.int64) * F + rn[None, :]
         mask = row_ok[:, None] & col_ok[None, :]
-        tl.store(a_ptr + out, a, mask=mask)
+        tl.store(a_ptr + rm[:, None].to(tl.int64) * F + rn[None, :], a, mask=mask)
         if SAVE:
-            tl.store(h_ptr + out, h, mask=mask)
-            tl.store(u_ptr + out, u, mask=mask)
+            out = rm[:, None].to(tl.int64) * (2 * F) + rn[None, :]
+            tl.store(hu_ptr + out, h, mask=mask)
+            tl.store(hu_ptr + out + F, u, mask=mask)
 
 
-def _check(x_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, offs: torch.Tensor) -> None:
-    tensors = {"x_rows": x_rows, "w_gate": w_gate, "w_up": w_up}
-    for name, t in tensors.items():
+def _check(x_rows: torch.Tensor, w_gate_up: torch.Tensor, offs: torch.Tensor) -> None:
+    for name, t in {"x_rows": x_rows, "w_gate_up": w_gate_up}.items():
         if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device != x_rows.device:
             raise ValueError(f"grouped_glu_forward needs contiguous bf16 tensors on one device, got {name} "
                              f"{t.dtype} contiguous={t.is_contiguous()} on {t.device}")
-    if x_rows.dim() != 2 or w_gate.dim() != 3 or w_up.shape != w_gate.shape or w_gate.shape[1] != x_rows.shape[1]:
-        raise ValueError(f"grouped_glu_forward needs x_rows [N, H] and w_gate, w_up [G, H, F], got "
-                         f"{tuple(x_rows.shape)}, {tuple(w_gate.shape)}, {tuple(w_up.shape)}")
-    if offs.dtype != torch.int32 or offs.shape != (w_gate.shape[0],) or offs.device != x_rows.device:
-        raise ValueError(f"grouped_glu_forward needs offs int32 [G = {w_gate.shape[0]}] on {x_rows.device} "
+    if (x_rows.dim() != 2 or w_gate_up.dim() != 3 or w_gate_up.shape[1] != x_rows.shape[1]
+            or w_gate_up.shape[2] % 2):
+        raise ValueError(f"grouped_glu_forward needs x_rows [N, H] and w_gate_up [G, H, 2F], got "
+                         f"{tuple(x_rows.shape)}, {tuple(w_gate_up.shape)}")
+    if offs.dtype != torch.int32 or offs.shape != (w_gate_up.shape[0],) or offs.device != x_rows.device:
+        raise ValueError(f"grouped_glu_forward needs offs int32 [G = {w_gate_up.shape[0]}] on {x_rows.device} "
                          f"(cumulative group ends), got {offs.dtype} {tuple(offs.shape)} on {offs.device}")
 
 
-def grouped_glu_forward(x_rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, offs: torch.Tensor,
+def grouped_glu_forward(x_rows: torch.Tensor, w_gate_up: torch.Tensor, offs: torch.Tensor,
                         activation: str = "swiglu", save_preact: bool = True
-                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(a, h, u) [N, F] bf16 for the row groups of `offs` (see the module docstring); h and u are None
-    when save_preact is False. Rows past offs[-1] of the outputs are left unwritten."""
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(a [N, F], hu [N, 2F]) bf16 for the row groups of `offs` (see the module docstring), hu = h | u the two
+    halves of one row; hu is None when save_preact is False. Rows past offs[-1] of the outputs are left
+    unwritten."""
     get_activation(activation)  # ValueError naming the registered ones
     if activation not in ACTIVATION_CODES:
         raise ValueError(f"grouped_glu_forward has no epilogue for activation {activation!r}; it fuses "
                          f"{sorted(ACTIVATION_CODES)}")
-    _check(x_rows, w_gate, w_up, offs)
+    _check(x_rows, w_gate_up, offs)
     N, H = x_rows.shape
-    G, _, F = w_gate.shape
+    G, _, F2 = w_gate_up.shape
+    F = F2 // 2
     a = torch.empty(N, F, device=x_rows.device, dtype=torch.bfloat16)
-    h = torch.empty_like(a) if save_preact else None
-    u = torch.empty_like(a) if save_preact else None
+    hu = torch.empty(N, F2, device=x_rows.device, dtype=torch.bfloat16) if save_preact else None
     if N == 0:
-        return a, h, u
+        return a, hu
 
     def grid(meta: dict) -> tuple[int]:
         return ((triton.cdiv(N, meta["BLOCK_M"]) + G) * triton.cdiv(F, meta["BLOCK_N"]),)
 
-    _grouped_glu_kernel[grid](x_rows, w_gate, w_up, offs, a, a if h is None else h, a if u is None else u, N,
-                              H=H, F=F, G=G, G_P=triton.next_power_of_2(G), ACT=ACTIVATION_CODES[activation],
-                              SAVE=save_preact)
-    return a, h, u
+    _grouped_glu_kernel[grid](x_rows, w_gate_up, offs, a, a if hu is None else hu, N, H=H, F=F, G=G,
+                              G_P=triton.next_power_of_2(G), ACT=ACTIVATION_CODES[activation], SAVE=save_preact)
+    return a, hu

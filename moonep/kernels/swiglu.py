@@ -1,8 +1,9 @@
-"""Triton kernels of the "swiglu" activation of expert_glu, forward and backward (moonep.activation
-is the specification).
+"""The "swiglu" activation of expert_glu as Triton functions, forward value and backward (moonep.activation
+is the specification); the kernels that call them: moonep.kernels.glu_rows (forward), .glu_route (backward),
+.grouped_glu (the fused GEMM's epilogue).
 
-Forward: a = bf16(silu(h)) * u in one pass (F.silu(h) * u is two: silu writes a temporary that the
-multiply reads back; ~0.45 ms per k3_small_moe layer and pass on an H200, this ~0.27 ms of HBM).
+Forward (`swiglu_value`): a = bf16(silu(h)) * u in one pass (F.silu(h) * u is two: silu writes a temporary
+that the multiply reads back).
 
 Backward (`swiglu_grads`, the elementwise part of moonep.kernels.glu_route's one-pass kernel): from
 grad_a = dL/da for a = silu(h) * u, in fp32 and in the PyTorch path's operation order,
@@ -15,11 +16,9 @@ exp differs from torch.sigmoid's), which tests/moonep/kernels/test_expert_math_*
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from moonep.kernels.glu_launch import launch_forward
 from moonep.kernels.situ_glu import to_bf16
 
 
@@ -32,15 +31,6 @@ def swiglu_value(hf, uf, dtype: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_fwd_kernel(h_ptr, u_ptr, a_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    hf = tl.load(h_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    uf = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(a_ptr + offs, swiglu_value(hf, uf, a_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
 def swiglu_grads(ga, hf, uf):
     """(grad_h, grad_u, a) in fp32 from fp32 grad_a, h, u, in the PyTorch path's operation order; a is
     bf16(silu(h)) * u before its final rounding (moonep.kernels.glu_route rounds all three). silu is
@@ -50,9 +40,4 @@ def swiglu_grads(ga, hf, uf):
     grad_h = ga * uf * sig * (1.0 + hf * (1.0 - sig))
     grad_u = ga * silu
     return grad_h, grad_u, to_bf16(silu).to(tl.float32) * uf
-
-
-def swiglu_forward(h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """a = silu(h) * u in h's dtype, silu rounded first as F.silu(h) * u does."""
-    return launch_forward(_swiglu_fwd_kernel, "swiglu_forward", h, u)
 

@@ -11,9 +11,9 @@ Names and layouts: hf_names.py. Weights are cast to `dtype` (bf16 by default; fl
 except the router weight and score-correction bias, which stay fp32 (routing runs in fp32).
 
 Export streams: the shard plan and every file header come from the checkpoint's manifest (shapes only);
-tensors are then read one at a time (expert projections one expert at a time, with pread, not mmap:
-safetensors_io.py) and written straight to their shard, so the peak host memory is about one tensor
-(read + cast copy) whatever the model or shard size.
+tensors are then read one at a time (expert projections one expert at a time, gate_up's expert once for
+each of its gate and up halves; with pread, not mmap: safetensors_io.py) and written straight to their
+shard, so the peak host memory is about one tensor (read + cast copy) whatever the model or shard size.
 
 Import (`checkpoint.init_from=<dir>`) reads, on every rank, only the canonical rows that rank owns under
 its own EP / DP layout, from any directory with these names: an export, or a DeepSeek-V3 / Kimi K2
@@ -107,9 +107,12 @@ def _export_plan(cfg: ModelConfig, source: TensorSource, dtype: torch.dtype
         shape = tuple(source.shape(key))
         out_dtype = torch.float32 if name.name.endswith(FP32_ALWAYS) else dtype
         if name.kind == "experts":
+            width = shape[2] // len(name.parts)
             for j in range(shape[0]):
-                yield (name.expert(j), (shape[2], shape[1]), out_dtype,
-                       lambda key=key, j=j, d=out_dtype: source.rows(key, j, 1)[0].t().to(d).contiguous())
+                for k, hf in enumerate(name.experts(j)):
+                    yield (hf, (width, shape[1]), out_dtype,
+                           lambda key=key, j=j, c=k * width, w=width, d=out_dtype:
+                           source.rows(key, j, 1)[0, :, c:c + w].t().to(d).contiguous())
             continue
         order = rope_rows(name.kind, cfg, shape[0], to_hf=True) if shape else None
 
@@ -162,7 +165,8 @@ def describe_export(out_dir: Path) -> str:
 # ---------------------------------------------------------------------------------------------- import
 class HFSource:
     """Canonical moontrain rows read from an HF model directory (the TensorSource interface that
-    load_model_tensors uses): experts stacked and transposed back, rope rows de-interleaved, and FP8
+    load_model_tensors uses): experts transposed back (gate_up's gate and up side by side) and stacked,
+    rope rows de-interleaved, and FP8
     weights with block scales (`<name>_scale_inv`, the DeepSeek-V3 / Kimi K2 release format) dequantized
     to fp32: w = fp8 * scale_inv of the weight's [block_rows, block_cols] block."""
 
@@ -202,8 +206,8 @@ class HFSource:
     def shape(self, key: str) -> tuple[int, ...]:
         name = hf_name(key, self.cfg)
         if name.kind == "experts":
-            out_dim, in_dim = self._reader(name.expert(0)).shape(name.expert(0))
-            return (self.cfg.num_experts, in_dim, out_dim)
+            shapes = [self._reader(hf).shape(hf) for hf in name.experts(0)]
+            return (self.cfg.num_experts, shapes[0][1], sum(out_dim for out_dim, _ in shapes))
         return self._reader(name.name).shape(name.name)
 
     def full(self, key: str) -> torch.Tensor:
@@ -215,7 +219,8 @@ class HFSource:
         if name.kind == "experts":
             if rows == 0:
                 return torch.empty(0, *self.shape(key)[1:])
-            return torch.stack([self._read(name.expert(j)).t() for j in range(offset, offset + rows)])
+            return torch.stack([torch.cat([self._read(hf).t() for hf in name.experts(j)], dim=1)
+                                for j in range(offset, offset + rows)])
         shape = self.shape(key)
         order = rope_rows(name.kind, self.cfg, shape[0], to_hf=False) if shape and self.interleaved else None
         if not shape:

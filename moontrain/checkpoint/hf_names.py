@@ -10,7 +10,9 @@ Kimi K2) convention.
     layers.i.ffn.router.weight / score_bias_E   ... mlp.gate.weight / e_score_correction_bias
     layers.i.ffn.latent_{down,norm,up}      ... mlp.latent_down_proj / latent_norm / latent_up_proj
     layers.i.ffn.shared.w_{gate,up,down}    ... mlp.shared_experts.{gate,up,down}_proj
-    layers.i.ffn.experts.master.P [E,in,out]    ... mlp.experts.j.P_proj.weight [out, in], one per expert
+    layers.i.ffn.experts.master.gate_up [E,H,2F] ... mlp.experts.j.{gate,up}_proj.weight [F, H] per expert
+                                            (gate_up[j] = [gate_proj.weight.T | up_proj.weight.T])
+    layers.i.ffn.experts.master.down [E,F,H]    ... mlp.experts.j.down_proj.weight [H, F] per expert
     norm.weight, lm_head.weight             model.norm.weight, lm_head.weight
     layers.i.res_{attn,ffn}.query           model.layers.i.{attn,mlp}_res.query       (AttnRes pseudo-queries)
     layers.i.res_{attn,ffn}.key_norm.weight ... {attn,mlp}_res.key_norm.weight
@@ -21,10 +23,10 @@ KDA layers (model.kda_layers_per_mla > 0; moontrain uses Kimi Linear's names and
     layers.i.attn.{q,k,v}_conv1d [C, 1, W]  ... self_attn.{q,k,v}_conv1d.weight (nn.Conv1d's layout)
     layers.i.attn.{A_log, dt_bias, o_norm}  ... self_attn.{A_log, dt_bias, o_norm.weight}
 
-Layout changes: expert projections are split per expert and transposed; the rope rows of the q
-projection (the last Dr rows of every head) and of the kv-a projection (its last Dr rows) are stored
-with rotation pairs interleaved when the HF config says rope_interleave (the DeepSeek-V3 / K2 layout),
-while moontrain rotates pairs (i, i + Dr/2).
+Layout changes: expert projections are split per expert and transposed (gate_up also into its gate and
+up column halves); the rope rows of the q projection (the last Dr rows of every head) and of the kv-a
+projection (its last Dr rows) are stored with rotation pairs interleaved when the HF config says
+rope_interleave (the DeepSeek-V3 / K2 layout), while moontrain rotates pairs (i, i + Dr/2).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ _RULES: list[tuple[str, str, Literal["plain", "rope_q", "rope_kv", "experts"]]] 
     (_LAYER + r"ffn\.latent_(down|up)\.weight", "mlp.latent_{}_proj.weight", "plain"),
     (_LAYER + r"ffn\.latent_norm\.weight", "mlp.latent_norm.weight", "plain"),
     (_LAYER + r"ffn\.shared\.w_(gate|up|down)\.weight", "mlp.shared_experts.{}_proj.weight", "plain"),
-    (_LAYER + r"ffn\.experts\.master\.(gate|up|down)", "mlp.experts.{{j}}.{}_proj.weight", "experts"),
+    (_LAYER + r"ffn\.experts\.master\.(gate_up|down)", "mlp.experts.{{j}}.{{p}}_proj.weight", "experts"),
     (_LAYER + r"res_attn\.(query|key_norm\.weight)", "attn_res.{}", "plain"),
     (_LAYER + r"res_ffn\.(query|key_norm\.weight)", "mlp_res.{}", "plain"),
     (r"final_res\.query", "model.final_res.query", "plain"),
@@ -75,17 +77,22 @@ _KDA_RULES: list[tuple[str, str, Literal["plain"]]] = [
 _COMPILED = [(re.compile(pattern), target, kind) for pattern, target, kind in _RULES]
 _KDA_COMPILED = [(re.compile(pattern), target, kind) for pattern, target, kind in _KDA_RULES]
 _LAYER_IDX = re.compile(_LAYER)
+_EXPERT_PARTS = {"gate_up": ("gate", "up"), "down": ("down",)}  # HF projections in moontrain's column order
 
 
 @dataclass(frozen=True, slots=True)
 class HFName:
-    """Where a moontrain tensor lives in an HF checkpoint. For experts, `name` holds `{j}` (the expert)."""
+    """Where a moontrain tensor lives in an HF checkpoint. For experts, `name` holds `{j}` (the expert) and
+    `{p}` (the HF projection), and `parts` the HF projections whose [out, in] weights, transposed, are the
+    expert's equal column blocks in order (gate_up: gate then up)."""
 
     name: str
     kind: Literal["plain", "rope_q", "rope_kv", "experts"]
+    parts: tuple[str, ...] = ()
 
-    def expert(self, j: int) -> str:
-        return self.name.format(j=j)
+    def experts(self, j: int) -> list[str]:
+        """The HF names of expert j's column blocks, in column order."""
+        return [self.name.format(j=j, p=p) for p in self.parts]
 
 
 def hf_name(name: str, cfg: ModelConfig) -> HFName:
@@ -97,6 +104,8 @@ def hf_name(name: str, cfg: ModelConfig) -> HFName:
         if m is None:
             continue
         groups = m.groups()
+        if kind == "experts":
+            return HFName(f"model.layers.{groups[0]}." + target.format(), kind, _EXPERT_PARTS[groups[1]])
         if name.startswith("layers."):
             return HFName(f"model.layers.{groups[0]}." + target.format(*groups[1:]), kind)
         return HFName(target, kind)

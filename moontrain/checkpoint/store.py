@@ -62,6 +62,7 @@ from moontrain.checkpoint.tensors import (
     expert_shard_ownership,
     local_tensor,
     ownership,
+    separate_gate_up_names,
 )
 from moontrain.dataclass_dict import to_dict
 from moontrain.model.config import saved_model_dict
@@ -326,6 +327,8 @@ def _load_optimizer(run: TrainState, source: TensorSource, state: dict[str, Any]
         for p in group["params"]:
             name = names[id(p)]
             keys = state_keys.get(name)
+            if not keys and (halves := separate_gate_up_names(name)):  # gate and up saved apart (TensorSource)
+                keys = state_keys.get(halves[0])
             if not keys:  # saved before the first optimizer step
                 continue
             own = expert_shard_ownership(p, run.layout) if id(p) in shard_ids else ownership(name, p, run.layout)

@@ -1,7 +1,7 @@
 """Canonical tensors stored as dim-0 row ranges, and a reader that reassembles any row range.
 
 Every tensor in a checkpoint has a canonical name and a canonical (global) shape, the one a
-single-process model would hold: `model.layers.1.ffn.experts.master.gate` is [E, H, F] whatever the
+single-process model would hold: `model.layers.1.ffn.experts.master.gate_up` is [E, H, 2F] whatever the
 EP degree. A rank stores the rows [offset, offset + rows) of it that it owns:
 
 - FSDP2 dense params (DTensor, Shard(0) over the world): the torch.chunk rule, rank r holds
@@ -20,6 +20,7 @@ under the new layout, so a checkpoint saved at one EP / DP degree loads at any o
 from __future__ import annotations
 
 import hashlib
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,15 @@ from torch.distributed.tensor import DTensor, Shard
 from moontrain.checkpoint.digest import first_bad_block
 from moontrain.checkpoint.safetensors_io import SafetensorsReader
 from moontrain.parallel.layout import ParallelLayout
+
+_GATE_UP = re.compile(r"(.*\.experts\.master\.)gate_up(.*)")
+
+
+def separate_gate_up_names(name: str) -> tuple[str, str] | None:
+    """For a name of the experts' gate_up projection (or of its optimizer state): the names its two halves had
+    when gate and up were separate projections, else None."""
+    m = _GATE_UP.fullmatch(name)
+    return None if m is None else (f"{m[1]}gate{m[2]}", f"{m[1]}up{m[2]}")
 
 
 class CheckpointError(ValueError):
@@ -125,6 +135,9 @@ class TensorSource:
         return list(self.index)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if halves := self._separate_gate_up(name):
+            shape = self._entry(halves[0])[0]
+            return (*shape[:-1], 2 * shape[-1]) if shape else ()  # 0-d: the halves' step count, one value
         return self._entry(name)[0]
 
     def full(self, name: str) -> torch.Tensor:
@@ -133,6 +146,10 @@ class TensorSource:
 
     def rows(self, name: str, offset: int, rows: int) -> torch.Tensor:
         """Canonical rows [offset, offset + rows) of `name` (the whole tensor when it is 0-d), in the saved dtype."""
+        if halves := self._separate_gate_up(name):
+            if not self.shape(halves[0]):
+                return self.rows(halves[0], offset, rows)
+            return torch.cat([self.rows(half, offset, rows) for half in halves], dim=-1)
         shape, pieces = self._entry(name)
         dtype = self._reader(pieces[0], name, shape).entries[name][0] if pieces else torch.get_default_dtype()
         out = torch.empty((rows, *shape[1:]) if shape else (), dtype=dtype)
@@ -143,6 +160,9 @@ class TensorSource:
         """Canonical rows [offset, offset + rows) of `name` (the whole tensor when it is 0-d) into `out`, a tensor
         of their shape on any device: each piece is read straight into its rows of `out`
         (SafetensorsReader.read_into)."""
+        if self._separate_gate_up(name):
+            out.copy_(self.rows(name, offset, rows))
+            return
         shape, pieces = self._entry(name)
         if not shape:
             self._reader(pieces[0], name, shape).read_into(name, 0, 0, out)
@@ -165,6 +185,15 @@ class TensorSource:
     def verify(self, file: str) -> None:
         """Check one file against the manifest now (missing, size, digests); raises CheckpointError."""
         self._handle(file)
+
+    def _separate_gate_up(self, name: str) -> tuple[str, str] | None:
+        """A checkpoint saved before the experts' gate and up became one projection (ExpertWeights) holds
+        `...experts.master.gate` and `...up` (and their optimizer states) instead of `...gate_up`: their names,
+        read as the column halves of gate_up [E, H, 2F] (AdamW's and Muon's per-half states are the same values)."""
+        halves = separate_gate_up_names(name)
+        if halves is None or name in self.index:
+            return None
+        return halves if all(h in self.index for h in halves) else None
 
     def _entry(self, name: str) -> tuple[tuple[int, ...], list[Piece]]:
         if name not in self.index:

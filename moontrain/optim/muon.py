@@ -1,10 +1,13 @@
 """Muon for the matrix parameters, AdamW for the rest: the optimizer half of MuonClip (QK-Clip: qk_clip.py).
 
 Legend: n rows (output features) and m columns of a dense matrix, W ranks of the FSDP mesh, epn local
-experts, Hin/Hout an expert projection's widths, P matrices batched through one Newton-Schulz call.
+experts, Hin/Hout an expert projection's widths, F the experts' intermediate width, P matrices batched
+through one Newton-Schulz call.
 
 Groups (`split_muon_groups`): muon (the nn.Linear weights: attention, dense FFN, shared experts, MoE
-latent projections); experts (the fp32 expert masters [epn, Hin, Hout], one matrix per expert); adamw
+latent projections); experts (the fp32 expert masters [epn, Hin, Hout], one matrix per expert and column
+block: gate_up [epn, H, 2F] is W_gate and W_up, two [H, F] matrices per expert, as ExpertWeights.column_blocks
+declares, each scaled as an [H, F] matrix); adamw
 (the output head and matrices that are not linear maps: router weights, KDA's convolution taps; decayed);
 no_decay (norms, biases, the token embedding: AdamW, not decayed).
 
@@ -74,6 +77,16 @@ def newton_schulz(G_PNM: torch.Tensor, steps: int) -> torch.Tensor:
     return X.mT if tall else X
 
 
+def _orthogonalize_columns(u: torch.Tensor, widths: tuple[int, ...], steps: int) -> list[torch.Tensor]:
+    """NS of each expert's column blocks of u [epn, Hin, Hout] (widths sum to Hout), batched over the experts:
+    one [epn, Hin, w] bf16 result per block. A block is made contiguous first, so its NS is the one of the
+    same matrices stored alone."""
+    if len(widths) == 1:
+        return [newton_schulz(u, steps)]
+    return [newton_schulz(b.to(torch.bfloat16, memory_format=torch.contiguous_format), steps)
+            for b in u.split(widths, dim=2)]
+
+
 def rms_scale(rows: int, cols: int) -> float:
     """Moonlight's factor: an orthogonal update times this has the RMS of a typical AdamW update."""
     return 0.2 * math.sqrt(max(rows, cols))
@@ -111,12 +124,22 @@ def split_muon_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
 def qkv_row_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Per-head Muon: parameter name -> the row sizes of its per-head matrices, from every layer that
     declares them (`head_row_blocks()`: the MLA layers; KDA's wq is not split per head)."""
+    return _declared_blocks(model, "head_row_blocks")
+
+
+def expert_column_blocks(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Expert masters: parameter name -> the column widths of the separate matrices in each expert, from
+    every module that declares them (`column_blocks()`: ExpertWeights, whose gate_up is W_gate and W_up)."""
+    return _declared_blocks(model, "column_blocks")
+
+
+def _declared_blocks(model: nn.Module, method: str) -> dict[str, tuple[int, ...]]:
     out = {}
     for module_name, module in model.named_modules():
-        head_row_blocks = getattr(module, "head_row_blocks", None)
-        if head_row_blocks is None:
+        declared = getattr(module, method, None)
+        if declared is None:
             continue
-        for name, blocks in head_row_blocks().items():
+        for name, blocks in declared().items():
             out[f"{module_name}.{name}"] = blocks
     return out
 
@@ -151,11 +174,14 @@ class Muon(torch.optim.Optimizer):
     """Muon (see the module docstring) for groups with kind 'muon' or 'experts', AdamW for kind 'adamw'.
 
     row_blocks: id(parameter) -> row sizes of its separate matrices (per-head Muon), others whole.
+    column_blocks: id(expert master) -> column widths of the separate matrices in each expert (gate_up: F, F),
+    others one matrix per expert.
     expert_group: the expert-data-parallel group (replicas of the same expert rows), or None."""
 
     def __init__(self, param_groups: list[dict], *, lr: float, weight_decay: float, momentum: float,
                  nesterov: bool, ns_steps: int, betas: tuple[float, float], eps: float, fused: bool,
                  row_blocks: dict[int, tuple[int, ...]] | None = None,
+                 column_blocks: dict[int, tuple[int, ...]] | None = None,
                  expert_group: dist.ProcessGroup | None = None) -> None:
         for g in param_groups:
             if g.get("kind") not in ("muon", "experts", "adamw"):
@@ -165,6 +191,7 @@ class Muon(torch.optim.Optimizer):
                         ns_steps=ns_steps, betas=betas, eps=eps, fused=fused)
         super().__init__(param_groups, defaults)
         self.row_blocks = dict(row_blocks or {})
+        self.column_blocks = dict(column_blocks or {})
         self.expert_group = expert_group
         self._plans: dict[tuple[int, ...], list[_Matrix]] = {}
         self._row_scales: dict[int, torch.Tensor] = {}
@@ -331,25 +358,28 @@ class Muon(torch.optim.Optimizer):
         return recv
 
     def _experts(self, group: dict, params: list[torch.Tensor]) -> None:
-        """One projection [epn, Hin, Hout] at a time: its temporaries are one projection's, not all."""
+        """One master [epn, Hin, Hout] at a time (its temporaries are one master's, not all); each column
+        block of an expert (column_blocks: gate_up's W_gate and W_up) is its own matrix with its own scale."""
         g = self.expert_group
         replicas = dist.get_world_size(g) if g is not None else 1
         me = dist.get_rank(g) if g is not None else 0
         for p in params:
             (u,) = self._momentum(group, [p])
-            epn = u.shape[0]
+            epn, Hin, Hout = u.shape
+            widths = self.column_blocks.get(id(p), (Hout,))
+            assert sum(widths) == Hout, (tuple(p.shape), widths)
             if replicas == 1:
-                o = newton_schulz(u, group["ns_steps"])
+                o = _orthogonalize_columns(u, widths, group["ns_steps"])
             else:
                 per = -(-epn // replicas)  # experts per replica; the last chunks may be short or empty
                 mine = u[min(me * per, epn):min((me + 1) * per, epn)]
-                o_mine = torch.zeros(per, *u.shape[1:], dtype=torch.bfloat16, device=u.device)
+                o_mine = torch.zeros(per, Hin, Hout, dtype=torch.bfloat16, device=u.device)
                 if mine.shape[0]:
-                    o_mine[:mine.shape[0]] = newton_schulz(mine, group["ns_steps"])
-                o = torch.empty(replicas * per, *u.shape[1:], dtype=torch.bfloat16, device=u.device)
-                all_gather_single(o, o_mine, group=g)
-                o = o[:epn]
-            self._apply(group, [p], [o], [rms_scale(p.shape[1], p.shape[2])])
+                    o_mine[:mine.shape[0]] = torch.cat(_orthogonalize_columns(mine, widths, group["ns_steps"]), 2)
+                o_all = torch.empty(replicas * per, Hin, Hout, dtype=torch.bfloat16, device=u.device)
+                all_gather_single(o_all, o_mine, group=g)
+                o = o_all[:epn].split(widths, dim=2)
+            self._apply(group, list(p.split(widths, dim=2)), list(o), [rms_scale(Hin, w) for w in widths])
 
     # -------------------------------------------------------------------------------------- AdamW
     def _adamw(self, group: dict, params: list[torch.Tensor]) -> None:
@@ -387,8 +417,11 @@ def build_muon(model: nn.Module, cfg: OptimConfig, total_steps: int,
     names = {id(p): n for n, p in model.named_parameters()}
     per_head = qkv_row_blocks(model) if cfg.muon_per_head_qkv else {}
     row_blocks = {id(p): per_head[names[id(p)]] for p in groups["muon"] if names[id(p)] in per_head}
+    columns = expert_column_blocks(model)
+    column_blocks = {id(p): columns[names[id(p)]] for p in groups["experts"] if names[id(p)] in columns}
     opt = Muon(param_groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
                nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps, betas=(cfg.beta1, cfg.beta2),
-               eps=cfg.eps, fused=bool(fused), row_blocks=row_blocks, expert_group=expert_group)
+               eps=cfg.eps, fused=bool(fused), row_blocks=row_blocks, column_blocks=column_blocks,
+               expert_group=expert_group)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_multiplier(step, cfg, total_steps))
     return opt, sched

@@ -13,7 +13,7 @@ from moonep.layout import round_up
 from tests.dist_utils import run_ranks
 
 CFG = BufferConfig(max_tokens=24, hidden=32, topk=3, num_experts=8, token_padding=4)
-PROJ = glu_projections(32, 64)  # (32, 64) in bf16 is one 4096-byte page of the CPU heap
+PROJ = glu_projections(32, 64)  # gate_up (32, 128) and down (64, 32) in bf16: 2 and 1 4096-byte pages of the CPU heap
 LAYERS = 2
 EXPERT = 3 * 32 * 64  # elements of one expert over the three projections
 
@@ -92,7 +92,7 @@ def _allocated(rank: int, world: int) -> dict[str, int]:
             pools.add_layer()
         return {"comm": comm, "slots": slots, "layers": buf.heap.local_bytes - comm - slots,
                 "granularity": buf.heap.granularity, "nvs": buf.layout.nvs,
-                "w_compact": tuple(pools.layers[0].w_compact["gate"].shape),
+                "w_compact": tuple(pools.layers[0].w_compact["gate_up"].shape),
                 "g_slots_all": tuple(pools.g_slots_all["down"].shape)}
     finally:
         buf.destroy()
@@ -108,6 +108,6 @@ def test_layout_bytes_equal_the_heap_allocations(R: int) -> None:
         assert got["slots"] == want["slot_pool"] + want["reduce_pool"] == B * EXPERT * 6
         assert got["layers"] == want["weights"] + want["grads"]
         assert got["nvs"] == nvs
-        assert got["w_compact"] == (epn + B, 32, 64) and got["g_slots_all"] == (R, B, 64, 32)
+        assert got["w_compact"] == (epn + B, 32, 128) and got["g_slots_all"] == (R, B, 64, 32)
         # unrounded (granularity 1) for estimates: the comm segment less at most one page of rounding
         assert 0 <= layout.comm_bytes - Layout(CFG, R).comm_bytes < got["granularity"]

@@ -14,7 +14,7 @@ import torch
 from moonep import Buffer, BufferConfig, BufferOptions, ExpertPools, expert_glu, glu_projections
 from moonep.routing import generate_routing
 from tests.dist_utils import run_ranks
-from tests.moonep.helpers.moe_reference import reference_grads
+from tests.moonep.helpers.moe_reference import merged, reference_grads
 from tests.moonep.helpers.two_layer_case import check_two_layers, run_two_layers
 
 H, F, K, S = 32, 64, 4, 24
@@ -26,7 +26,7 @@ def _problem(R: int, E: int, maxvio: float, H: int = H, F: int = F, K: int = K, 
     x = torch.randn(R, S, H, generator=g).to(torch.bfloat16)
     w = {"gate": torch.randn(E, H, F, generator=g) / H**0.5, "up": torch.randn(E, H, F, generator=g) / H**0.5,
          "down": torch.randn(E, F, H, generator=g) / F**0.5}
-    w = {k: v.to(torch.bfloat16) for k, v in w.items()}
+    w = merged({k: v.to(torch.bfloat16) for k, v in w.items()})
     routing = generate_routing(num_ranks=R, tokens_per_rank=S, num_experts=E, topk=K, target_maxvio=maxvio, seed=7)
     weights = torch.rand(R, S, K, generator=g)
     grad_y = torch.randn(R, S, H, generator=g).to(torch.bfloat16)
@@ -157,9 +157,9 @@ def _counted(calls: dict[str, int], name: str, fn):
 def _two_layer_inputs(E: int):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(S, H, generator=g).to(torch.bfloat16)
-    ws = [{"gate": (torch.randn(E, H, F, generator=g) / H**0.5).to(torch.bfloat16),
-           "up": (torch.randn(E, H, F, generator=g) / H**0.5).to(torch.bfloat16),
-           "down": (torch.randn(E, F, H, generator=g) / F**0.5).to(torch.bfloat16)} for _ in range(2)]
+    ws = [merged({"gate": (torch.randn(E, H, F, generator=g) / H**0.5).to(torch.bfloat16),
+                  "up": (torch.randn(E, H, F, generator=g) / H**0.5).to(torch.bfloat16),
+                  "down": (torch.randn(E, F, H, generator=g) / F**0.5).to(torch.bfloat16)}) for _ in range(2)]
     # skewed routings (as skewed as E / K allows): one rank still fills no slot
     topks = [generate_routing(num_ranks=1, tokens_per_rank=S, num_experts=E, topk=K, target_maxvio=E / K - 1.1,
                               seed=3 + i).topk_RsK[0] for i in range(2)]

@@ -64,7 +64,7 @@ class AllToAllExperts:
         local_m = torch.repeat_interleave(torch.arange(epn, device=x_sH.device).repeat(R), recv_counts_E)
         row_m, offs_G, num_rows = group_rows(local_m, epn, ctx.token_padding)
         w = self.weights.compute
-        y_RH = grouped_glu(scatter_rows(x_mH, row_m, num_rows), offs_G, w["gate"], w["up"], w["down"], self.ctx.activation)
+        y_RH = grouped_glu(scatter_rows(x_mH, row_m, num_rows), offs_G, w["gate_up"], w["down"], self.ctx.activation)
         y_mH = y_RH[row_m]
         y_sorted_nH = _AllToAll.apply(y_mH, send_splits, recv_splits, ctx.ep_group) if R > 1 else y_mH
         y_nH = torch.empty_like(y_sorted_nH).index_copy(0, order_n, y_sorted_nH)

@@ -45,11 +45,14 @@ def grouped_mm(x_RH: torch.Tensor, w_GHF: torch.Tensor, offs_G: torch.Tensor) ->
     return y
 
 
-def grouped_glu(x_RH: torch.Tensor, offs_G: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                w_down: torch.Tensor, activation: FFNActivation) -> torch.Tensor:
-    """Per expert group: act(x W_gate, x W_up) W_down (ModelConfig.ffn_activation)."""
-    h_RF = glu_activation(activation, grouped_mm(x_RH, w_gate, offs_G), grouped_mm(x_RH, w_up, offs_G))
-    return grouped_mm(h_RF, w_down, offs_G)
+def grouped_glu(x_RH: torch.Tensor, offs_G: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                activation: FFNActivation) -> torch.Tensor:
+    """Per expert group: act(x W_gate, x W_up) W_down, x W_gate and x W_up from one GEMM against w_gate_up
+    [G, H, 2F] = [W_gate | W_up] (ExpertWeights). The activation takes the column halves as strided views
+    (no copy; moonep's situ_glu kernel on bf16 CUDA makes them contiguous); split's backward concatenates their
+    grads into the one [R, 2F] grad that the input- and weight-gradient GEMMs read."""
+    h_RF, u_RF = grouped_mm(x_RH, w_gate_up, offs_G).split(w_gate_up.shape[-1] // 2, dim=1)
+    return grouped_mm(glu_activation(activation, h_RF, u_RF), w_down, offs_G)
 
 
 def combine_topk(y_nH: torch.Tensor, weights_sK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

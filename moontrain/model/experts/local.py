@@ -27,5 +27,5 @@ class LocalExperts:
         src_n = torch.arange(expert_n.numel(), device=x_sH.device) // K
         x_RH = scatter_rows(x_sH.to(self.ctx.compute_dtype)[src_n], row_n, num_rows)
         w = self.weights.compute
-        y_RH = grouped_glu(x_RH, offs_E, w["gate"], w["up"], w["down"], self.ctx.activation)
+        y_RH = grouped_glu(x_RH, offs_E, w["gate_up"], w["down"], self.ctx.activation)
         return combine_topk(y_RH[row_n], weights_sK, x_sH.dtype)

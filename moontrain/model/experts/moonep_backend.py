@@ -39,7 +39,7 @@ class MoonEPRuntime:
     def layer(self, weights: ExpertWeights) -> MoonEPExperts:
         ctx = self.ctx
         if self.buffer is None:
-            hidden = weights.shapes["gate"][0]
+            hidden = weights.shapes["down"][1]  # down is [F, H]
             config = moonep.BufferConfig(max_tokens=ctx.max_tokens, hidden=hidden, topk=ctx.topk,
                                          num_experts=ctx.num_experts, num_slots=None, token_padding=ctx.token_padding,
                                          dtype=ctx.compute_dtype, options=ctx.moonep)

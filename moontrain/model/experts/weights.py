@@ -1,9 +1,11 @@
 """Expert weights: one storage contract for every EP backend.
 
-Legend: epn local experts on this rank, Hin/Hout a projection's input/output width.
+Legend: epn local experts on this rank, Hin/Hout a projection's input/output width, F the intermediate width.
 
-Per projection (gate [H,F], up [H,F], down [F,H]) a MoE layer holds three tensors of shape
-[epn, Hin, Hout] for this rank's local expert rows (global experts [ep_rank*epn, (ep_rank+1)*epn)):
+Two projections: gate_up [H, 2F], whose first F columns are W_gate and last F columns W_up (x gate_up =
+[x W_gate | x W_up]: one grouped GEMM of N = 2F forward and one of K = 2F for the input gradient, instead of
+two and an add), and down [F, H]. Per projection a MoE layer holds three tensors of shape [epn, Hin, Hout]
+for this rank's local expert rows (global experts [ep_rank*epn, (ep_rank+1)*epn)):
 
 - master (fp32 nn.Parameter): what the optimizer updates. Never used in forward, so FSDP ignores it
   (expert data parallelism is explicit, below); with the state sharded it holds this replica's rows.
@@ -51,7 +53,7 @@ from torch import nn
 
 from moontrain.collectives import all_gather_single, reduce_scatter_single
 
-PROJECTIONS = ("gate", "up", "down")
+PROJECTIONS = ("gate_up", "down")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +77,7 @@ class ExpertWeights(nn.Module):
         self.num_experts = num_experts
         self.num_local = num_experts // ep
         self.expert_offset = ep_rank * self.num_local
-        self.shapes = {"gate": (hidden, intermediate), "up": (hidden, intermediate), "down": (intermediate, hidden)}
+        self.shapes = {"gate_up": (hidden, 2 * intermediate), "down": (intermediate, hidden)}
         self.master = nn.ParameterDict({
             name: nn.Parameter(torch.empty(self.num_local, *shape, device=device, dtype=torch.float32))
             for name, shape in self.shapes.items()
@@ -104,21 +106,36 @@ class ExpertWeights(nn.Module):
             master.data = master.data[rank * rows:(rank + 1) * rows].clone()
 
     @property
+    def intermediate(self) -> int:
+        """F: gate_up's columns [0, F) are W_gate, [F, 2F) W_up."""
+        return self.shapes["down"][0]
+
+    def column_blocks(self) -> dict[str, tuple[int, ...]]:
+        """Per-matrix Muon: parameter name -> the column widths of the separate matrices in each expert's
+        [Hin, Hout] (gate_up: W_gate and W_up); a projection not named is one matrix."""
+        return {"master.gate_up": (self.intermediate, self.intermediate)}
+
+    @property
     def master_rows(self) -> tuple[int, int]:
         """(first local row, rows) the masters hold: (0, epn), or this replica's shard."""
         return self._shard_lo, next(iter(self.master.values())).shape[0]
 
     @torch.no_grad()
     def init_master(self, *, seed: int, layer_idx: int, stds: dict[str, float]) -> None:
-        """N(0, stds[projection]^2) per projection; each global expert gets its own generator, so the
-        values do not depend on the EP layout."""
-        for proj_idx, name in enumerate(PROJECTIONS):
+        """N(0, std^2) per matrix: W_gate, W_up and down at stds["gate"], stds["up"] and stds["down"]
+        (moontrain.model.init.expert_stds), each global expert's matrix from its own generator (streams 0, 1,
+        2), so the values depend on neither the EP layout nor the storage: a matrix is drawn into a contiguous
+        block (normal_ fills in memory order), then copied into its columns."""
+        F, H = self.shapes["down"]
+        matrices = (("gate_up", 0, F, "gate"), ("gate_up", F, 2 * F, "up"), ("down", 0, H, "down"))
+        for proj_idx, (name, lo, hi, matrix) in enumerate(matrices):
             master = self.master[name]
+            block = torch.empty(master.shape[1], hi - lo, device=master.device, dtype=master.dtype)
             for j in range(master.shape[0]):
                 e = self.expert_offset + self._shard_lo + j
                 gen = torch.Generator(device=master.device)
                 gen.manual_seed(((seed * 1009 + layer_idx) * 3 + proj_idx) * 1_000_003 + e)
-                master[j].normal_(0.0, stds[name], generator=gen)
+                master[j, :, lo:hi] = block.normal_(0.0, stds[matrix], generator=gen)
 
     def bind_owned(self, dtype: torch.dtype, loss_scale: float) -> None:
         """local/alltoall: own the compute leaves and an fp32 grad buffer that a hook fills with

@@ -60,9 +60,10 @@ def check_grouped_glu(rows_G: list[int], H: int, F: int, activation: str, device
                       torch_path: bool = True) -> None:
     """torch_path False: against exact values only (torch._grouped_mm on CUDA wants groups of multiples of
     8 rows)."""
+    from moonep import merge_gate_up
     from moonep.activation import get_activation
-    from moonep.datapath.triton_path import GLU_FORWARD
     from moonep.grouped_gemm import grouped_mm
+    from moonep.kernels.glu_rows import glu_forward_rows
     from moonep.kernels.grouped_glu import grouped_glu_forward
     from tests.moonep.helpers.situ_glu_cases import assert_close_to_exact, exact
 
@@ -71,11 +72,13 @@ def check_grouped_glu(rows_G: list[int], H: int, F: int, activation: str, device
     x = _rows(rows_G, H, 5, device, gen)
     w_gate = (torch.randn(G, H, F, device=device, generator=gen) * H**-0.5).to(torch.bfloat16)
     w_up = (torch.randn(G, H, F, device=device, generator=gen) * H**-0.5).to(torch.bfloat16)
+    w_gate_up = merge_gate_up(w_gate, w_up)
     offs = _offs(rows_G, device)
     n = sum(rows_G)
 
-    a, h, u = grouped_glu_forward(x, w_gate, w_up, offs, activation)
-    a, h, u = a[:n], h[:n], u[:n]
+    a, hu = grouped_glu_forward(x, w_gate_up, offs, activation)
+    a, hu = a[:n], hu[:n]
+    h, u = hu[:, :F], hu[:, F:]
     for name, got, w in (("h", h, w_gate), ("u", u, w_up)):
         want = torch.cat([x[s].double() @ w[g].double() for g, s in enumerate(_group_slices(rows_G))])
         mag = torch.cat([x[s].double().abs() @ w[g].double().abs() for g, s in enumerate(_group_slices(rows_G))])
@@ -85,8 +88,7 @@ def check_grouped_glu(rows_G: list[int], H: int, F: int, activation: str, device
             ref = grouped_mm(x, w, offs)[:n]
             _assert_within(f"{name} vs torch._grouped_mm", got, ref, 2 * bound)
 
-    fwd_kernel = GLU_FORWARD[activation]
-    _assert_bitwise("a vs the activation kernel on (h, u)", a, fwd_kernel(h.contiguous(), u.contiguous()))
+    _assert_bitwise("a vs the activation kernel on hu", a, glu_forward_rows(activation, hu.contiguous()))
     spec = get_activation(activation).forward(h, u)
     if activation == "situ_glu":
         assert_close_to_exact("a", a, exact(torch.ones_like(h), h, u)["a"])
@@ -94,9 +96,9 @@ def check_grouped_glu(rows_G: list[int], H: int, F: int, activation: str, device
         bound = torch.maximum(a.float().abs(), spec.float().abs()) * 2 * 2.0**-7
         _assert_within("a vs F.silu(h) * u", a, spec, bound.double())
 
-    a_only, h_none, u_none = grouped_glu_forward(x, w_gate, w_up, offs, activation, save_preact=False)
-    assert h_none is None and u_none is None
-    _assert_bitwise("a without saving h, u", a_only[:n], a)
+    a_only, hu_none = grouped_glu_forward(x, w_gate_up, offs, activation, save_preact=False)
+    assert hu_none is None
+    _assert_bitwise("a without saving hu", a_only[:n], a)
 
 
 def check_grouped_wgrad(rows_G: list[int], I: int, O: int, scale: float, write_groups: int, device: str,

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from moonep import Buffer, BufferConfig, BufferOptions, ExpertPools, expert_glu, glu_projections
 from moonep.hierarchical import HierarchicalBuffer, hierarchical_expert_glu, host_groups
 from moonep.routing import generate_routing
+from tests.moonep.helpers.moe_reference import merged
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ def problem(c: Case):
     w = {"gate": torch.randn(c.E, c.H, c.F, generator=g) / c.H**0.5,
          "up": torch.randn(c.E, c.H, c.F, generator=g) / c.H**0.5,
          "down": torch.randn(c.E, c.F, c.H, generator=g) / c.F**0.5}
-    w = {k: v.to(torch.bfloat16) for k, v in w.items()}
+    w = merged({k: v.to(torch.bfloat16) for k, v in w.items()})
     topk = generate_routing(num_ranks=c.R, tokens_per_rank=c.S, num_experts=c.E, topk=c.K, target_maxvio=1.5,
                             seed=11).topk_RsK.clone()
     per_host = c.E // c.N

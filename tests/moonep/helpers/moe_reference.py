@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moonep import merge_gate_up, split_gate_up
+
 
 def glu(activation: str, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The gated activations by their textbook formulas (autograd gives their gradients)."""
@@ -13,15 +15,21 @@ def glu(activation: str, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return F.silu(h) * u
 
 
+def merged(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Expert weights drawn as gate, up, down -> the projections moonep holds (gate_up, down)."""
+    return {"gate_up": merge_gate_up(w["gate"], w["up"]), "down": w["down"]}
+
+
 def dense_moe(x_NH: torch.Tensor, weights_NK: torch.Tensor, topk_NK: torch.Tensor,
               w: dict[str, torch.Tensor], activation: str = "swiglu") -> torch.Tensor:
     """y[t] = sum_k weights[t,k] * f(x W_gate[e], x W_up[e]) W_down[e] in x's dtype (f: silu(h) * u or
-    SiTU-GLU), the sum over k in fp32 (as moonep's combine)."""
+    SiTU-GLU; W_gate, W_up the halves of w["gate_up"]), the sum over k in fp32 (as moonep's combine)."""
+    w_gate, w_up = split_gate_up(w["gate_up"])
     y = torch.zeros(x_NH.shape, dtype=torch.float32 if x_NH.dtype != torch.float64 else torch.float64)
     for k in range(topk_NK.shape[1]):
         e = topk_NK[:, k].long()
-        h = torch.bmm(x_NH[:, None, :], w["gate"][e])[:, 0]
-        u = torch.bmm(x_NH[:, None, :], w["up"][e])[:, 0]
+        h = torch.bmm(x_NH[:, None, :], w_gate[e])[:, 0]
+        u = torch.bmm(x_NH[:, None, :], w_up[e])[:, 0]
         o = torch.bmm(glu(activation, h, u)[:, None, :], w["down"][e])[:, 0]
         y = y + (o.to(y.dtype) * weights_NK[:, k, None].to(y.dtype)).to(x_NH.dtype).to(y.dtype)
     return y.to(x_NH.dtype)

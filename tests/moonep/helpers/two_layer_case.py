@@ -14,6 +14,7 @@ import torch
 
 from moonep import Buffer, BufferConfig, ExpertPools, expert_glu, glu_projections
 from moonep.routing import generate_routing
+from tests.moonep.helpers.moe_reference import merged
 
 # chained: fwd 0, fwd 1, then in 1's backward the early copy of layer 0 before 1's combine; reduce_grad
 # of each layer after its backward combine; layer 0's backward finds its copies in place
@@ -31,9 +32,9 @@ def _inputs(R: int, E: int, H: int, F: int, K: int, S: int):
     x = torch.randn(R, S, H, generator=g).to(torch.bfloat16)
     ws, topks, route = [], [], []
     for layer, maxvio in enumerate((2.5, 1.5)):  # two different routings: different slot contents
-        ws.append({"gate": (torch.randn(E, H, F, generator=g) / H**0.5).to(torch.bfloat16),
-                   "up": (torch.randn(E, H, F, generator=g) / H**0.5).to(torch.bfloat16),
-                   "down": (torch.randn(E, F, H, generator=g) / F**0.5).to(torch.bfloat16)})
+        ws.append(merged({"gate": (torch.randn(E, H, F, generator=g) / H**0.5).to(torch.bfloat16),
+                          "up": (torch.randn(E, H, F, generator=g) / H**0.5).to(torch.bfloat16),
+                          "down": (torch.randn(E, F, H, generator=g) / F**0.5).to(torch.bfloat16)}))
         maxvio = min(maxvio, E / K - 1 - 0.1)
         topks.append(generate_routing(num_ranks=R, tokens_per_rank=S, num_experts=E, topk=K,
                                       target_maxvio=maxvio, seed=11 + layer).topk_RsK)

@@ -26,8 +26,6 @@ CASES = [
      {"g_ptr": "*fp32", "w_ptr": "*bf16", "offs_ptr": "*i32", "scale": "fp32", "write_n": "i32",
       "G": "constexpr", "G_P": "constexpr", "ROW": "constexpr", "BLOCK": "constexpr"},
      {"G": 192, "G_P": 256, "ROW": 2097152, "BLOCK": 4096}),
-    ("moonep.kernels.swiglu", "_swiglu_fwd_kernel",
-     {"h_ptr": "*bf16", "u_ptr": "*bf16", "a_ptr": "*bf16", "n": "i64", "BLOCK": "constexpr"}, {"BLOCK": 2048}),
     ("moonep.kernels.situ_glu", "_situ_glu_fwd_kernel",
      {"h_ptr": "*bf16", "u_ptr": "*bf16", "a_ptr": "*bf16", "n": "i64", "BLOCK": "constexpr"}, {"BLOCK": 2048}),
     ("moonep.kernels.situ_glu", "_situ_glu_bwd_kernel",
@@ -36,8 +34,13 @@ CASES = [
 ] + [
     ("moonep.kernels.glu_route", "_glu_route_bwd_kernel",
      {"g_ptr": "*bf16", "h_ptr": "*bf16", "u_ptr": "*bf16", "w_ptr": "*fp32", "gh_ptr": "*bf16", "gu_ptr": "*bf16",
-      "aw_ptr": "*bf16", "gw_ptr": "*fp32", "n_rows": "i32", "F": "i32", "ACT": "constexpr", "BLOCK_R": "constexpr",
-      "BLOCK_F": "constexpr"}, {"ACT": act, "BLOCK_R": 4, "BLOCK_F": 512})
+      "aw_ptr": "*bf16", "gw_ptr": "*fp32", "n_rows": "i32", "F": "i32", "stride_hu": "i32", "stride_ghu": "i32",
+      "ACT": "constexpr", "BLOCK_R": "constexpr", "BLOCK_F": "constexpr"}, {"ACT": act, "BLOCK_R": 4, "BLOCK_F": 512})
+    for act in (0, 1)
+] + [
+    ("moonep.kernels.glu_rows", "_glu_rows_fwd_kernel",
+     {"hu_ptr": "*bf16", "a_ptr": "*bf16", "n_rows": "i32", "F": "i32", "ACT": "constexpr", "BLOCK_R": "constexpr",
+      "BLOCK_F": "constexpr"}, {"ACT": act, "BLOCK_R": 2, "BLOCK_F": 1024})
     for act in (0, 1)
 ] + [
     ("moonep.planner.fused_kernels", "_chunk_match_kernel",  # K3: E = 896, ids and the padding id in 10 bits

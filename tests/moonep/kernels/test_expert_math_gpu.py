@@ -28,13 +28,13 @@ def test_glu_route_kernel_gpu(activation: str) -> None:
         assert float((a != b).float().mean()) < 0.02, f"{name}: {float((a != b).float().mean()):.3f} of elements differ"
 
 
-def test_swiglu_forward_kernel_gpu() -> None:
-    from moonep.kernels.swiglu import swiglu_forward
+def test_glu_forward_rows_swiglu_gpu() -> None:
+    from moonep.kernels.glu_rows import glu_forward_rows
 
     g = torch.Generator(device="cuda").manual_seed(1)
-    h = (3 * torch.randn(4099, 1024, device="cuda", generator=g)).to(torch.bfloat16)
-    u = torch.randn(4099, 1024, device="cuda", generator=g).to(torch.bfloat16)
-    got, want = swiglu_forward(h, u), torch.nn.functional.silu(h) * u
+    h = (3 * torch.randn(4099, 896, device="cuda", generator=g)).to(torch.bfloat16)
+    u = torch.randn(4099, 896, device="cuda", generator=g).to(torch.bfloat16)
+    got, want = glu_forward_rows("swiglu", torch.cat([h, u], dim=1)), torch.nn.functional.silu(h) * u
     diff = (got.float() - want.float()).abs()
     assert bool((diff <= torch.maximum(got.float().abs(), want.float().abs()) * 2 * 2.0**-7).all())
     assert float((got != want).float().mean()) < 0.02

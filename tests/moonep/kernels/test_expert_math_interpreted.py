@@ -1,4 +1,4 @@
-"""Expert-side math kernels (moonep.kernels.swiglu, .situ_glu, .glu_route, .route_weights,
+"""Expert-side math kernels (moonep.kernels.glu_rows, .situ_glu, .glu_route, .route_weights,
 .experts.accumulate_groups) in Triton's interpreter on the CPU, against the PyTorch specification
 (moonep.activation, moonep.datapath.reference, moonep.grouped_gemm)."""
 
@@ -24,7 +24,7 @@ def test_glu_route_kernel_matches_specification(activation: str, F: int, monkeyp
     sides SiTU-GLU's outputs are bitwise the specification's; swiglu's specification takes torch.sigmoid
     (within ulps); grad_w within the derived bound (tests/moonep/helpers/glu_route_cases.py). Both tile
     choices of glu_route.backward_tiles: F <= 1024 in one masked chunk, F > 1024 over chunks, the last partial."""
-    from moonep.kernels.glu_route import backward_tiles, glu_route_backward
+    from moonep.kernels.glu_route import backward_tiles, glu_route_backward, glu_route_backward_rows
 
     assert backward_tiles(F)[1] >= F if F <= 1024 else F % backward_tiles(F)[1]
     g, h, u, w = glu_route_inputs(activation, 37, F, "cpu")  # rows past a block
@@ -32,26 +32,45 @@ def test_glu_route_kernel_matches_specification(activation: str, F: int, monkeyp
     with monkeypatch.context() as m:
         m.setattr(torch, "exp", _numpy_exp)
         check_glu_route(activation, got, g, h, u, w, bitwise=activation == "situ_glu")
+    # h | u as the halves of one row (expert_glu's merged gate|up output): the same values, grad_h | grad_u
+    grad_hu, a_w, grad_w = glu_route_backward_rows(activation, g, torch.cat([h, u], dim=1), w)
+    assert_bitwise("grad_hu", grad_hu, torch.cat(got[:2], dim=1))
+    assert_bitwise("a_w (rows)", a_w, got[2])
+    assert torch.equal(grad_w, got[3])
     with pytest.raises(ValueError, match="contiguous fp32 route weights"):
         glu_route_backward(activation, g, h, u, w.to(torch.bfloat16))
     with pytest.raises(ValueError, match="no kernel for activation 'gelu'"):
         glu_route_backward("gelu", g, h, u, w)
+    with pytest.raises(ValueError, match=r"contiguous bf16 g \[rows, F\] and hu \[rows, 2F\]"):
+        glu_route_backward_rows(activation, g, h, w)
 
 
-def test_swiglu_forward_kernel_matches_pytorch() -> None:
-    """a = silu(h) * u: two roundings (silu, then the product) as F.silu(h) * u: at most 2 bf16 ulps."""
-    from moonep.kernels.swiglu import swiglu_forward
+@pytest.mark.parametrize("activation", ["swiglu", "situ_glu"])
+@pytest.mark.parametrize("F", [300, 1100], ids=["one-chunk", "chunks"])
+def test_glu_forward_rows_matches_specification(activation: str, F: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """a = f(h, u) on the halves of hu [rows, 2F]. SiTU-GLU with one exp on both sides: bitwise the
+    specification's; swiglu (silu rounded, then the product, as F.silu(h) * u): at most 2 bf16 ulps."""
+    from moonep import activation as spec
+    from moonep.kernels.glu_rows import glu_forward_rows
 
     g = torch.Generator().manual_seed(1)
-    N, F = 67, 300
-    h = (3 * torch.randn(N, F, generator=g)).to(torch.bfloat16)
-    u = torch.randn(N, F, generator=g).to(torch.bfloat16)
-    got, want = swiglu_forward(h, u), torch.nn.functional.silu(h) * u
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape
-    diff = (got.float() - want.float()).abs()
-    assert bool((diff <= torch.maximum(got.float().abs(), want.float().abs()) * 2 * 2.0**-7).all())
-    with pytest.raises(ValueError, match="contiguous tensors of one shape"):
-        swiglu_forward(h, u.t())
+    N = 67
+    hu = torch.cat([3 * torch.randn(N, F, generator=g), torch.randn(N, F, generator=g)], dim=1).to(torch.bfloat16)
+    h, u = hu[:, :F], hu[:, F:]
+    got = glu_forward_rows(activation, hu)
+    assert got.dtype == torch.bfloat16 and got.shape == (N, F)
+    if activation == "situ_glu":
+        with monkeypatch.context() as m:
+            m.setattr(torch, "exp", _numpy_exp)
+            assert_bitwise("a", got, spec.situ_glu_forward(h, u))
+    else:
+        want = torch.nn.functional.silu(h) * u
+        diff = (got.float() - want.float()).abs()
+        assert bool((diff <= torch.maximum(got.float().abs(), want.float().abs()) * 2 * 2.0**-7).all())
+    with pytest.raises(ValueError, match=r"contiguous hu \[rows, 2F\]"):
+        glu_forward_rows(activation, hu[:, 1:])
+    with pytest.raises(ValueError, match="no kernel for activation 'gelu'"):
+        glu_forward_rows("gelu", hu)
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
@@ -100,7 +119,7 @@ def test_situ_glu_kernels_match_specification_bitwise(monkeypatch: pytest.Monkey
 def test_every_activation_has_triton_kernels() -> None:
     """moonep.activation is the registry: the triton path fuses each registered activation."""
     from moonep.activation import ACTIVATIONS
-    from moonep.datapath.triton_path import GLU_FORWARD
-    from moonep.kernels.glu_route import ACTIVATION_IDS
+    from moonep.kernels import glu_route, glu_rows, grouped_glu
 
-    assert sorted(GLU_FORWARD) == sorted(ACTIVATION_IDS) == sorted(ACTIVATIONS)
+    assert (sorted(glu_rows.ACTIVATION_IDS) == sorted(glu_route.ACTIVATION_IDS) == sorted(grouped_glu.ACTIVATION_CODES)
+            == sorted(ACTIVATIONS))

@@ -37,13 +37,15 @@ def test_grouped_gemm_bad_input() -> None:
     w = torch.zeros(2, 16, 32, dtype=torch.bfloat16)
     offs = torch.tensor([4, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match="unknown expert activation 'gelu'"):
-        grouped_glu_forward(x, w, w, offs, "gelu")
+        grouped_glu_forward(x, w, offs, "gelu")
     with pytest.raises(ValueError, match=r"contiguous bf16 tensors on one device, got x_rows torch\.float32"):
-        grouped_glu_forward(x.float(), w, w, offs)
-    with pytest.raises(ValueError, match=r"w_gate, w_up \[G, H, F\]"):
-        grouped_glu_forward(x, w, w[:, :8].contiguous(), offs)
+        grouped_glu_forward(x.float(), w, offs)
+    with pytest.raises(ValueError, match=r"w_gate_up \[G, H, 2F\]"):
+        grouped_glu_forward(x, w[:, :, :7].contiguous(), offs)
+    with pytest.raises(ValueError, match=r"w_gate_up \[G, H, 2F\]"):
+        grouped_glu_forward(x, w[:, :8].contiguous(), offs)
     with pytest.raises(ValueError, match=r"offs int32 \[G = 2\]"):
-        grouped_glu_forward(x, w, w, offs.long())
+        grouped_glu_forward(x, w, offs.long())
     g = torch.zeros(2, 16, 32)
     with pytest.raises(ValueError, match="contiguous fp32 grad"):
         grouped_wgrad_accumulate(g.double(), x, torch.zeros(8, 32, dtype=torch.bfloat16), offs)

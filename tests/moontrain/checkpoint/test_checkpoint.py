@@ -156,7 +156,7 @@ def test_reshard_dp2xep2_to_1(tmp_path: Path) -> None:
     saved = run_ranks(_train_dp2xep2_and_save, 4, str(tmp_path))[0]
     ckpt = find_latest(tmp_path / "checkpoints")
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    assert manifest["tensors"]["model.layers.1.ffn.experts.master.up"]["pieces"] == [
+    assert manifest["tensors"]["model.layers.1.ffn.experts.master.gate_up"]["pieces"] == [
         ["rank_00000.safetensors", 0, 4], ["rank_00001.safetensors", 4, 4]]
     assert len(manifest["tensors"]["model.embed.weight"]["pieces"]) == 4
     single = _single(tmp_path / "b")
@@ -256,8 +256,8 @@ def test_keep_last_and_model_mismatch(tmp_path: Path) -> None:
     assert [p.name for p in list_checkpoints(root)] == ["step_00000005", "step_00000006"]
     assert sorted(p.name for p in root.iterdir()) == ["step_00000005", "step_00000006"]
     manifest = json.loads((root / "step_00000006" / "manifest.json").read_text())
-    experts = manifest["tensors"]["model.layers.1.ffn.experts.master.gate"]
-    assert experts["shape"] == [8, 32, 64] and experts["pieces"] == [["rank_00000.safetensors", 0, 8]]
+    experts = manifest["tensors"]["model.layers.1.ffn.experts.master.gate_up"]
+    assert experts["shape"] == [8, 32, 2 * 64] and experts["pieces"] == [["rank_00000.safetensors", 0, 8]]
 
     cfg = small_config("local", 1, run_dir=str(tmp_path))
     cfg.model = dataclasses.replace(cfg.model, num_experts=16)

@@ -92,9 +92,7 @@ def test_export_transformers_parity_and_import_at_ep2(tmp_path: Path) -> None:
                  "model.layers.2.mlp.experts.7.down_proj.weight", "model.layers.2.mlp.gate.e_score_correction_bias",
                  "model.layers.1.mlp.shared_experts.up_proj.weight", "model.layers.1.mlp.latent_down_proj.weight"):
         assert name in names, name
-    master = trainer.model.layers[2].ffn.experts.master
-    with safe_open(str(out / index["weight_map"]["model.layers.2.mlp.experts.5.gate_proj.weight"]), "pt") as fh:
-        assert torch.equal(fh.get_tensor("model.layers.2.mlp.experts.5.gate_proj.weight"), master["gate"][5].t())
+    _check_expert_layout(trainer, out, index["weight_map"])
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True)
     assert model.dtype == torch.float32
@@ -122,6 +120,34 @@ def test_export_transformers_parity_and_import_at_ep2(tmp_path: Path) -> None:
             and not k.endswith(".step")}
     got = run_ranks(_import_at_ep2, 2, str(out), str(tmp_path / "ep2"))[0]
     assert_bitwise(got, want, "fp32 export -> import at EP=2")
+
+
+def _check_expert_layout(trainer: Trainer, out: Path, weight_map: dict[str, str]) -> None:
+    """fp32 export: every expert's gate_proj / up_proj [F, H] are gate_up's halves transposed and down_proj
+    [H, F] is down transposed, bitwise; read back, gate_up [E, H, 2F] and any rows of it are the master's."""
+    _, source = read_hf(out)
+    moe_layers = [i for i, block in enumerate(trainer.model.layers) if hasattr(block.ffn, "experts")]
+    assert moe_layers == [1, 2], moe_layers
+    for i in moe_layers:
+        block = trainer.model.layers[i]
+        experts = block.ffn.experts
+        F = experts.intermediate
+        gate_up, down = experts.master["gate_up"].detach(), experts.master["down"].detach()
+        prefix = f"model.layers.{i}.mlp.experts"
+        want = {}
+        for j in range(gate_up.shape[0]):
+            want[f"{prefix}.{j}.gate_proj.weight"] = gate_up[j, :, :F].t()
+            want[f"{prefix}.{j}.up_proj.weight"] = gate_up[j, :, F:].t()
+            want[f"{prefix}.{j}.down_proj.weight"] = down[j].t()
+        got = {}
+        for name in want:
+            with safe_open(str(out / weight_map[name]), "pt") as fh:
+                got[name] = fh.get_tensor(name)
+        assert_bitwise(got, {k: v.contiguous() for k, v in want.items()}, f"layer {i} experts exported")
+        key = f"layers.{i}.ffn.experts.master.gate_up"
+        assert source.shape(key) == tuple(gate_up.shape) == (gate_up.shape[0], trainer.model.cfg.expert_width, 2 * F)
+        assert_bitwise({"all": source.full(key), "rows 3..5": source.rows(key, 3, 2), "none": source.rows(key, 5, 0)},
+                       {"all": gate_up, "rows 3..5": gate_up[3:5], "none": gate_up[:0]}, f"layer {i} gate_up read back")
 
 
 def _reload_single(tmp_path: Path, ckpt: Path) -> Trainer:

@@ -16,7 +16,7 @@ from tests.dist_utils import run_ranks
 from tests.moontrain.ckpt_utils import small_config
 
 STEPS, WINDOW = 4, 2
-EXPERT_BYTES = 3 * 32 * 64 * 4  # gate, up [32, 64] and down [64, 32] in fp32 (CPU compute dtype)
+EXPERT_BYTES = 3 * 32 * 64 * 4  # gate_up [32, 128] and down [64, 32] in fp32 (CPU compute dtype)
 
 
 def _train(rank: int, world: int, backend: str) -> dict:

@@ -261,6 +261,7 @@ def test_latent_moe_matches_per_token_loop(activation: str) -> None:
     weights, topk, _ = moe.router(x_sD, batch=2)
     h = moe.latent_norm(moe.latent_down(x_sD))
     w = {k: v.detach() for k, v in moe.experts.master.items()}
+    w["gate"], w["up"] = w.pop("gate_up").split(moe.experts.intermediate, dim=2)
     routed = torch.zeros_like(h)
     for t in range(12):
         for k in range(cfg.num_experts_per_tok):

@@ -1,6 +1,8 @@
-"""Muon and QK-Clip: Newton-Schulz against its exact polynomial, owner balance, sharded == a single-process
-Muon written here (EP = 1, 2, 4 and 2 replicas x EP 2, FSDP on, per-head Q/K/V on, QK-Clip clipping),
-bitwise resume and resharding of the Muon state, QK-Clip holding the max logit at tau, config errors.
+"""Muon and QK-Clip: Newton-Schulz against its exact polynomial, owner balance, the experts' merged gate_up
+master stepped bitwise as separate W_gate and W_up masters (one process and 2 expert-data-parallel replicas),
+sharded == a single-process Muon written here (EP = 1, 2, 4 and 2 replicas x EP 2, FSDP on, per-head Q/K/V
+on, QK-Clip clipping), bitwise resume and resharding of the Muon state, QK-Clip holding the max logit at tau,
+config errors.
 
 Tolerances: Newton-Schulz runs in bf16, so a sharded run cannot be bitwise equal to a reference whose
 fp32 grads were summed in another order: one flipped bf16 rounding of NS's input moves its output by
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from moontrain.checkpoint import CheckpointError, find_latest
 from moontrain.config import RunConfig
@@ -24,7 +27,7 @@ from moontrain.model.attention import MLAttention
 from moontrain.model.config import ModelConfig
 from moontrain.model.max_logit import causal_max_logit
 from moontrain.optim.config import OptimConfig
-from moontrain.optim.muon import NS_COEFFS, assign_owners, newton_schulz
+from moontrain.optim.muon import NS_COEFFS, Muon, assign_owners, newton_schulz
 from moontrain.optim.qk_clip import QKClip
 from moontrain.parallel.layout import build_layout, single_process_layout
 from moontrain.trainer.trainer import Trainer
@@ -89,6 +92,50 @@ def test_owner_assignment_balances_cost() -> None:
         assert owners == assign_owners(costs, world)  # deterministic: every rank computes the same plan
 
 
+# ------------------------------------------------------------------------------------------ experts' gate_up
+EPN, HE, FE = 3, 24, 40  # 3 experts: 2 replicas hold chunks of 2 and 1
+
+
+def _expert_muon_steps(rank: int, world: int, merged: bool) -> dict[str, torch.Tensor]:
+    """Three Muon steps (Nesterov momentum, weight decay) of one layer's expert masters stored as gate_up
+    [epn, H, 2F] with column blocks (F, F), or as separate gate and up [epn, H, F]; world > 1: replicas of the
+    same rows and grads in the expert-data-parallel group. Returns the masters and momentum buffers as gate,
+    up and down."""
+    gen = torch.Generator().manual_seed(4)
+    shapes = {"gate": (HE, FE), "up": (HE, FE), "down": (FE, HE)}
+    init = {n: torch.randn(EPN, *s, generator=gen) for n, s in shapes.items()}
+    grads = [{n: torch.randn(EPN, *s, generator=gen) for n, s in shapes.items()} for _ in range(3)]
+    joined = lambda t: torch.cat([t["gate"], t["up"]], dim=2)
+    names = ("gate_up", "down") if merged else ("gate", "up", "down")
+    params = {n: torch.nn.Parameter(joined(init) if n == "gate_up" else init[n].clone()) for n in names}
+    opt = Muon([{"params": list(params.values()), "kind": "experts", "name": "experts"}], lr=0.02, weight_decay=0.1,
+               momentum=0.95, nesterov=True, ns_steps=5, betas=(0.9, 0.95), eps=1e-8, fused=False,
+               column_blocks={id(params["gate_up"]): (FE, FE)} if merged else None,
+               expert_group=dist.group.WORLD if world > 1 else None)
+    for g in grads:
+        for n, p in params.items():
+            p.grad = joined(g) if n == "gate_up" else g[n].clone()
+        opt.step()
+    out = {}
+    for n, p in params.items():
+        for what, t in (("master", p.detach()), ("momentum", opt.state[p]["momentum_buffer"])):
+            parts = dict(zip(("gate", "up"), t.split(FE, dim=2), strict=True)) if n == "gate_up" else {n: t}
+            out.update({f"{what}.{k}": v.clone() for k, v in parts.items()})
+    return out
+
+
+def test_merged_gate_up_steps_as_separate_masters() -> None:
+    """Each expert's W_gate and W_up columns are two [H, F] matrices, each with the [H, F] scale: the merged
+    step equals the separate masters' bitwise (NS reads each half contiguous, the update is elementwise)."""
+    torch.set_num_threads(1)
+    assert_bitwise(_expert_muon_steps(0, 1, merged=True), _expert_muon_steps(0, 1, merged=False),
+                   "gate_up vs separate gate, up")
+    merged = run_ranks(_expert_muon_steps, 2, True)
+    separate = run_ranks(_expert_muon_steps, 2, False)
+    for rank in range(2):
+        assert_bitwise(merged[rank], separate[rank], f"2 replicas, rank {rank}: gate_up vs separate gate, up")
+
+
 # ------------------------------------------------------------------------------------------ reference Muon
 def _reference_orthogonalize(M: torch.Tensor) -> torch.Tensor:
     """Quintic Newton-Schulz on one matrix, bf16, as in the Muon / Moonlight write-ups."""
@@ -103,7 +150,8 @@ def _reference_orthogonalize(M: torch.Tensor) -> torch.Tensor:
 
 
 class ReferenceMuon(torch.optim.Optimizer):
-    """Single-process Muon, one matrix at a time: experts one by one, the query rows of each MLA head and
+    """Single-process Muon, one matrix at a time: experts one by one (gate_up's W_gate and W_up columns two
+    matrices per expert), the query rows of each MLA head and
     the key and value rows of each head of wkv_b separately, every other linear weight whole; torch's
     AdamW for the head, the non-linear-map matrices (routers, KDA taps), embedding and norms."""
 
@@ -114,7 +162,9 @@ class ReferenceMuon(torch.optim.Optimizer):
         self.mats, decay, no_decay = [], [], []
         for name, p in model.named_parameters():
             module = name.rsplit(".", 2)[0]
-            if ".experts.master." in name:
+            if name.endswith(".experts.master.gate_up"):
+                self.mats.append((p, "gate_up"))
+            elif ".experts.master." in name:
                 self.mats.append((p, "experts"))
             elif p.ndim < 2 or "embed" in name:
                 no_decay.append(p)
@@ -153,7 +203,10 @@ class ReferenceMuon(torch.optim.Optimizer):
             buf.mul_(mu).add_((1 - mu) * p.grad)
             u = (1 - mu) * p.grad + mu * buf
             p.mul_(1 - lr * cfg.weight_decay)
-            if split == "experts":
+            if split == "gate_up":
+                F = p.shape[2] // 2
+                blocks = [(p[e, :, c:c + F], u[e, :, c:c + F]) for e in range(p.shape[0]) for c in (0, F)]
+            elif split == "experts":
                 blocks = [(p[e], u[e]) for e in range(p.shape[0])]
             elif split is None:
                 blocks = [(p, u)]
@@ -445,7 +498,9 @@ def test_muon_groups_on_the_hybrid_stack() -> None:
     assert f"layers.{kda[0]}.attn.q_proj.weight" in groups["muon"]
     assert f"layers.{kda[0]}.attn.q_conv1d" in groups["adamw"]
     assert "lm_head.weight" in groups["adamw"] and "layers.1.ffn.router.weight" in groups["adamw"]
-    assert all(".experts.master." in n for n in groups["experts"]) and len(groups["experts"]) == 6
+    assert all(".experts.master." in n for n in groups["experts"]) and len(groups["experts"]) == 4
+    assert trainer.optimizer.column_blocks == {id(moe.experts.master["gate_up"]): (moe.experts.intermediate,) * 2
+                                               for moe in trainer.model.moe_layers()}
     want_muon = sorted(n for n, m in trainer.model.named_modules() if isinstance(m, torch.nn.Linear)
                        and n != "lm_head")
     assert groups["muon"] == sorted(n + ".weight" for n in want_muon)

@@ -83,7 +83,7 @@ def sharded_vs_unsharded(rank: int, world: int, backend: str, ep: int, run_dir: 
         trainer = _trainer(backend, ep, shard, f"{run_dir}/{shard}", device)
         assert trainer.experts[0].sharded == shard
         rows = trainer.experts[0].num_local // (trainer.layout.dp_replicate if shard else 1)
-        assert trainer.experts[0].master["up"].shape[0] == rows
+        assert trainer.experts[0].master["gate_up"].shape[0] == rows
         losses[shard] = train(trainer, 2)
         trainer.save_checkpoint()
         losses[shard] += train(trainer, 1)
@@ -91,7 +91,7 @@ def sharded_vs_unsharded(rank: int, world: int, backend: str, ep: int, run_dir: 
         trainer.close()
     assert losses[True] == losses[False], losses
     assert max(norm for _, norm in losses[False]) > 1.0, losses  # optim.grad_clip acts: the step reads the norm
-    assert any(k.endswith("experts.master.up.exp_avg_sq") for k in states[False])
+    assert any(k.endswith("experts.master.gate_up.exp_avg_sq") for k in states[False])
     assert_bitwise(states[True], states[False], "sharded expert state vs unsharded")
     for shard in (False, True):  # resume the other setting's checkpoint
         trainer = _trainer(backend, ep, shard, f"{run_dir}/resume{shard}", device)

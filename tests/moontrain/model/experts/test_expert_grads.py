@@ -82,9 +82,9 @@ def test_dp_reduction_sees_local_rows_only() -> None:
 def test_bind_external_rejects_wrong_views() -> None:
     w = ExpertWeights(num_experts=E, ep_rank=0, ep=2, hidden=H, intermediate=FF)
     good = {n: torch.zeros(2, *s) for n, s in w.shapes.items()}
-    bad = dict(good, up=torch.zeros(3, H, FF))
-    with pytest.raises(ValueError, match=r"'up': backend views \(2, 16, 32\) / \(3, 16, 32\) do not match the "
-                                         r"local rows' shape \(2, 16, 32\)"):
+    bad = dict(good, gate_up=torch.zeros(3, H, 2 * FF))
+    with pytest.raises(ValueError, match=r"'gate_up': backend views \(2, 16, 64\) / \(3, 16, 64\) do not match "
+                                         r"the local rows' shape \(2, 16, 64\)"):
         w.bind_external(good, bad)
 
 
@@ -158,7 +158,7 @@ def test_owned_weights_are_freed_when_dropped() -> None:
     loss = sum((c * 1.0).sum() for c in w.compute.values())
     loss.backward()  # the hook runs: grad = 0.5 * ones
     assert all(torch.equal(g, torch.full_like(g, 0.5)) for g in w.grad.values())
-    module, leaf = weakref.ref(w), weakref.ref(w.compute["gate"])
+    module, leaf = weakref.ref(w), weakref.ref(w.compute["gate_up"])
     del w, loss
     gc.collect()
     assert module() is None and leaf() is None, "ExpertWeights kept alive by its own fold hook"
