@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|kdakernels|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|k3ab|learning ...]
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|kdakernels|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|k3ab|k3ref|learning ...]
 #   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, kdakernels, opsites, outputcode, optim,
-#   determinism, ckpt, dense, mfu, k3 and k3ab run on one GPU)
+#   determinism, ckpt, dense, mfu, k3, k3ab and k3ref run on one GPU)
 # tests: on one GPU the single-GPU tier (`pytest -m "gpu or multigpu"`, the multigpu tests skip) in TEST_WORKERS
 # (default 4) pytest-xdist workers sharing the GPU, whole files per worker, TEST_LIMIT s (default 300) per test
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
 # absent. On 2+ GPUs the tier under torchrun --nproc_per_node=2, one log per rank (OUT_DIR/tests_r<rank>.log).
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
-# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT / K3_TIMEOUT (s), MFU_ARGS / K3_ARGS (extra overrides for the mfu / k3 steps), K3_AB_ARGS (the overrides k3ab measures against main), OPSITES_ARGS (extra op_sites.py arguments for the opsites / outputcode steps, e.g. --op add), DET_ONLY (runs of check_determinism, default A,B,P,C,D), GEMM_ARGS (bench_expert_gemm.py arguments, e.g. --shapes k3_small --merged-only), COMM_ARGS (bench_comm.py
+# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT / K3_TIMEOUT (s), MFU_ARGS / K3_ARGS (extra overrides for the mfu / k3 steps), K3_AB_ARGS (the overrides k3ab measures against main), REF_TREE (k3ref: a tar.xz of the commit it measures this tree against), OPSITES_ARGS (extra op_sites.py arguments for the opsites / outputcode steps, e.g. --op add), DET_ONLY (runs of check_determinism, default A,B,P,C,D), GEMM_ARGS (bench_expert_gemm.py arguments, e.g. --shapes k3_small --merged-only), COMM_ARGS (bench_comm.py
 # arguments instead of --experts 96 384, e.g. --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
 # --experts 896 --topk 16 --ranks 8).
 # PACK_OUT=1 packs OUT's files (the Triton cache's parts aside) into OUT/results.tar.xz at exit.
@@ -141,6 +141,22 @@ for step in "${steps[@]}"; do
                train.global_batch_size=32 $args > "$out/k3ab_$variant.log" 2>&1
              echo "k3ab $variant ($args) rc=$?"; grep -E "steady|learning row" "$out/k3ab_$variant.log" | tail -2
            done ;;
+    k3ref) # a code change measured against an earlier commit on one machine: the 131k row and the recipe batch's row
+           # (speed and learning) on REF_TREE (a tar.xz of that commit: git archive REF -- . ':!benchmarks/results' |
+           # xz > .scratch/ref.tar.xz, carried), then on this tree, back to back
+           ref_dir=$(mktemp -d); tar -xJf "${REF_TREE:?k3ref needs REF_TREE: a tar.xz of the commit to compare with}" -C "$ref_dir"
+           abs_out=$(cd "$out" && pwd)
+           for row in 131k recipe_batch; do
+             extra=""; [ "$row" = 131k ] && extra="parallel.dense=plain train.micro_batch_size=4 train.global_batch_size=32"
+             for variant in ref this; do
+               dir=$PWD; [ "$variant" = ref ] && dir=$ref_dir
+               (cd "$dir" && PYTHONPATH="$dir:${PYTHONPATH#"$PWD:"}" timeout "${K3_TIMEOUT:-300}" torchrun --nproc_per_node=1 \
+                 benchmarks/bench_train.py --learning-row --recipe recipes/k3_small.yaml --backends moonep --targets \
+                 --steps 3 --warmup 2 --window 6 --tag "k3_small_${row}_$variant" --out "$abs_out" parallel.ep=1 $extra \
+                 > "$abs_out/k3ref_${row}_$variant.log" 2>&1)
+               echo "k3ref $row $variant rc=$?"; grep -E "steady|learning row" "$out/k3ref_${row}_$variant.log" | tail -2
+             done
+           done ;;
     conv)  # KDA's short convolution kernels: their GPU tests (both backward routes), then against the compiled
            # specification, the dpre tile sweep and the walking backward's sweep
            timeout "${CONV_TIMEOUT:-200}" python -m pytest -q -m gpu tests/moontrain/model/kda/test_short_conv_gpu.py \
@@ -209,6 +225,6 @@ for step in "${steps[@]}"; do
            echo "op_sites --compile rc=$?"; head -30 "$out/op_sites_compiled.log"
            grep -oE "def triton_[a-z]+_fused_[A-Za-z0-9_]+" "$out/output_code.log" | sort | uniq -c | sort -rn | head -40
            xz -f "$out/output_code.log" ;;
-    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, kdakernels, opsites, outputcode, optim, determinism, ckpt, dense, mfu, k3, k3ab, learning)"; exit 2 ;;
+    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, kdakernels, opsites, outputcode, optim, determinism, ckpt, dense, mfu, k3, k3ab, k3ref, learning)"; exit 2 ;;
   esac
 done

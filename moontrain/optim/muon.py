@@ -1,13 +1,11 @@
 """Muon for the matrix parameters, AdamW for the rest: the optimizer half of MuonClip (QK-Clip: qk_clip.py).
 
 Legend: n rows (output features) and m columns of a dense matrix, W ranks of the FSDP mesh, epn local
-experts, Hin/Hout an expert projection's widths, F the experts' intermediate width, P matrices batched
-through one Newton-Schulz call.
+experts, Hin/Hout an expert projection's widths, F the experts' width, P matrices batched through one NS call.
 
-Groups (`split_muon_groups`): muon (the nn.Linear weights: attention, dense FFN, shared experts, MoE
-latent projections); experts (the fp32 expert masters [epn, Hin, Hout], one matrix per expert and column
-block: gate_up [epn, H, 2F] is W_gate and W_up, two [H, F] matrices per expert, as ExpertWeights.column_blocks
-declares, each scaled as an [H, F] matrix); adamw
+Groups (`split_muon_groups`): muon (the nn.Linear weights: attention, dense FFN, shared experts, MoE latent
+projections); experts (the fp32 expert masters [epn, Hin, Hout], one matrix per expert and column block:
+gate_up [epn, H, 2F] is W_gate and W_up, two [H, F] matrices an expert, ExpertWeights.column_blocks); adamw
 (the output head and matrices that are not linear maps: router weights, KDA's convolution taps; decayed);
 no_decay (norms, biases, the token embedding: AdamW, not decayed).
 
@@ -33,11 +31,10 @@ Distribution, no matrix orthogonalised twice:
   the r-th chunk of the experts and one all_gather over the replica group (bf16) shares the results.
 - AdamW groups: torch's functional AdamW (fused on the GPU), with torch's state names.
 
-State per Muon parameter: `momentum_buffer` (fp32, the parameter's shape and sharding); per AdamW
-parameter torch's `step`, `exp_avg`, `exp_avg_sq`. Checkpoints store them under
-optim.<parameter>.<state name> like AdamW's (moontrain.checkpoint), so resume is bitwise and the EP /
-DP degree may change between save and load. The expert masters are written by this step only: their
-compute rows are refreshed by ExpertWeights.finish_step (the trainer's protocol for non-fused steps).
+State per Muon parameter: `momentum_buffer` (fp32, the parameter's shape and sharding); per AdamW parameter
+torch's `step`, `exp_avg`, `exp_avg_sq`. Checkpoints store them under optim.<parameter>.<state name> like
+AdamW's (moontrain.checkpoint): resume is bitwise and the EP / DP degree may change between save and load.
+The expert masters are written by this step only: ExpertWeights.finish_step refreshes their compute rows.
 
 Rejected: gathering every full matrix on every rank (W-fold repeated NS and W-fold traffic); Dion's
 low-rank power iteration (a different optimizer).

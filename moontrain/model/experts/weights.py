@@ -2,10 +2,9 @@
 
 Legend: epn local experts on this rank, Hin/Hout a projection's input/output width, F the intermediate width.
 
-Two projections: gate_up [H, 2F], whose first F columns are W_gate and last F columns W_up (x gate_up =
-[x W_gate | x W_up]: one grouped GEMM of N = 2F forward and one of K = 2F for the input gradient, instead of
-two and an add), and down [F, H]. Per projection a MoE layer holds three tensors of shape [epn, Hin, Hout]
-for this rank's local expert rows (global experts [ep_rank*epn, (ep_rank+1)*epn)):
+Two projections: gate_up [H, 2F] (columns [0, F) W_gate, [F, 2F) W_up: one grouped GEMM each way, moonep.moe)
+and down [F, H]. Per projection a MoE layer holds three tensors of shape [epn, Hin, Hout] for this rank's
+local expert rows (global experts [ep_rank*epn, (ep_rank+1)*epn)):
 
 - master (fp32 nn.Parameter): what the optimizer updates. Never used in forward, so FSDP ignores it
   (expert data parallelism is explicit, below); with the state sharded it holds this replica's rows.
@@ -32,9 +31,8 @@ cover 1/D of the experts. reduce_grads reduce-scatters the grads over the expert
 place: the owner's rows of the whole grad buffer receive the sum over the replicas, the other rows are
 left unreduced (never read; finish_step clears them). push_master writes the compute copy of the own
 rows and all-gathers the compute rows over the group in place (compute dtype: bf16 on GPU). The compute
-copy and the grad buffers stay whole (backward reads and accumulates every local row). Checkpoints
-store the masters as canonical rows, so a checkpoint loads at either setting
-(moontrain.checkpoint.tensors.expert_shard_ownership).
+copy and the grad buffers stay whole (backward reads and accumulates every local row). Checkpoints store
+the masters as canonical rows: a checkpoint loads at either setting (checkpoint.tensors.expert_shard_ownership).
 
 Sharded == unsharded bitwise where the reduce-scatter and the all-reduce add the D contributions in
 one order: always at D = 2, on gloo at D = 4 (tested); past D = 2 NCCL may pick a tree for one and a
