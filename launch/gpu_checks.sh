@@ -17,6 +17,7 @@ set -uo pipefail
 out="${1:-gpu_out}"; shift || true
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests cute comm train)
 mkdir -p "$out"
+export PYTHONPATH="${PYTHONPATH:-}"  # set -u: setup.sh reads it
 [ -f .device/setup.sh ] && source .device/setup.sh  # CuTe DSL; extends PYTHONPATH (never overwrite it)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" OUT_DIR="$out"
@@ -145,12 +146,12 @@ for step in "${steps[@]}"; do
            # (speed and learning) on REF_TREE (a tar.xz of that commit: git archive REF -- . ':!benchmarks/results' |
            # xz > .scratch/ref.tar.xz, carried), then on this tree, back to back
            ref_dir=$(mktemp -d); tar -xJf "${REF_TREE:?k3ref needs REF_TREE: a tar.xz of the commit to compare with}" -C "$ref_dir"
-           abs_out=$(cd "$out" && pwd)
+           abs_out=$(cd "$out" && pwd); base_path=${PYTHONPATH#"$PWD:"}  # the environment's paths without this tree
            for row in 131k recipe_batch; do
              extra=""; [ "$row" = 131k ] && extra="parallel.dense=plain train.micro_batch_size=4 train.global_batch_size=32"
              for variant in ref this; do
                dir=$PWD; [ "$variant" = ref ] && dir=$ref_dir
-               (cd "$dir" && PYTHONPATH="$dir:${PYTHONPATH#"$PWD:"}" timeout "${K3_TIMEOUT:-300}" torchrun --nproc_per_node=1 \
+               (cd "$dir" && PYTHONPATH="$dir:$base_path" timeout "${K3_TIMEOUT:-300}" torchrun --nproc_per_node=1 \
                  benchmarks/bench_train.py --learning-row --recipe recipes/k3_small.yaml --backends moonep --targets \
                  --steps 3 --warmup 2 --window 6 --tag "k3_small_${row}_$variant" --out "$abs_out" parallel.ep=1 $extra \
                  > "$abs_out/k3ref_${row}_$variant.log" 2>&1)
