@@ -25,7 +25,7 @@ grid of its persistent kernels. --combine-reduce runs every point once per Buffe
 value ("source", "destination": a token's rows summed per destination rank before they travel); its
 extra ops are the combines as moonep.expert_glu issues them: forward with the route-weight scale
 (source: scale_rows into combine_input, then combine; destination: combine with row_weights) and
-backward with the two dgrad halves (source: add_, then combine; destination: combine with add_rows).
+backward with the route weights' grads (the gate|up GEMM's one input gradient: combine with row_scalars).
 Writes benchmarks/results/bench_comm_R<R>_<tag>.json and prints a table.
 """
 
@@ -173,18 +173,16 @@ def bench_point(args: argparse.Namespace, E: int, target: float, buf: Buffer, po
         m["prefetch"] = timed(lambda: pools.prefetch(plan, layer), it, wu, group)
     m["combine_fwd"] = timed(lambda: buf.combine(plan, y_rows), it, wu, group)
     m["dispatch_bwd"] = timed(lambda: buf.combine(plan, grad_rows, row_scalars=grad_scal), it, wu, group)
-    # the combines as moonep.expert_glu issues them (route-weight scale forward, dgrad halves backward)
-    # (inputs reuse grad_rows and the combine_input rows: no extra memory in the point's peak)
-    o_rows, w_rows, up_rows = grad_rows, res.weights_rows.clone(), y_rows
+    # the combines as moonep.expert_glu issues them: forward with the route-weight scale; backward the input
+    # gradient of the one gate|up GEMM with the route weights' grads (inputs reuse grad_rows and the
+    # combine_input rows: no extra memory in the point's peak)
+    o_rows, w_rows = grad_rows, res.weights_rows.clone()
     if buf.config.options.combine_reduce == "destination":
         m["combine_layer_fwd"] = timed(lambda: buf.combine(plan, o_rows, row_weights=w_rows), it, wu, group)
-        m["combine_layer_bwd"] = timed(lambda: buf.combine(plan, grad_rows, row_scalars=grad_scal, add_rows=up_rows),
-                                       it, wu, group)
     else:
         m["combine_layer_fwd"] = timed(lambda: (buf.path.scale_rows(o_rows, w_rows, y_rows), buf.combine(plan, y_rows)),
                                        it, wu, group)
-        m["combine_layer_bwd"] = timed(lambda: buf.combine(plan, o_rows.add_(up_rows), row_scalars=grad_scal),
-                                       it, wu, group)
+    m["combine_layer_bwd"] = timed(lambda: buf.combine(plan, grad_rows, row_scalars=grad_scal), it, wu, group)
     m["combine_bwd"] = timed(lambda: buf.dispatch(grad_y, plan=plan), it, wu, group)
     if pools is not None:
         m["reduce_grad"] = timed(lambda: pools.reduce_grad(plan, layer), it, wu, group)
