@@ -59,8 +59,8 @@ class ExpertPools:
     def __init__(self, buffer: Buffer, projections: dict[str, tuple[int, int]],
                  dtype: torch.dtype | None = None, *, wgrad_scale: float = 1.0, chain_prefetch: bool = True) -> None:
         if not projections:
-            raise ValueError("ExpertPools needs at least one projection, e.g. {'gate': (H, F), 'up': (H, F), "
-                             "'down': (F, H)}")
+            raise ValueError("ExpertPools needs at least one projection, e.g. moonep.glu_projections(H, F) = "
+                             "{'gate_up': (H, 2F), 'down': (F, H)}")
         for name, shape in projections.items():
             if len(shape) != 2 or any((not isinstance(n, int)) or n < 1 for n in shape):
                 raise ValueError(f"projection {name!r} has shape {shape}; expected (in_features, out_features)")
