@@ -113,7 +113,7 @@ class _ExpertGLU(torch.autograd.Function):
         pools = layer.pools
         pools.accumulate_wgrad(layer, "down", a_w, gy, offs, ctx.wgrad_scale)  # gy's last reader
         del a_w, gy
-        if not pools.uses_slots:  # one rank: the weight grad first, so that the dgrad frees its input
+        if not pools.uses_slots:  # one rank: the weight grad (and its bf16 temporary) before the dgrad's output exists
             ctx.prev = None  # no slot to refill
             _gate_up_weight_grad(ctx, x_sH, grad_hu)
         grad_x_rows = path.grouped_mm(grad_hu, w["gate_up"].transpose(1, 2), offs)

@@ -12,11 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moonep.kernels.glu_route import backward_tiles
+from moonep.kernels.glu_route import ACTIVATION_IDS, backward_tiles
 from moonep.kernels.situ_glu import situ_glu_value
 from moonep.kernels.swiglu import swiglu_value
-
-ACTIVATION_IDS = {"swiglu": 0, "situ_glu": 1}
 
 
 @triton.jit

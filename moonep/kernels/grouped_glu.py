@@ -5,13 +5,14 @@ for row groups given by `offs` (the format of torch._grouped_mm: cumulative ends
 
 with W_gate[g] | W_up[g] the two column halves of the merged weight W_gate_up[g] [H, 2F] (moonep.moe) and f a
 registered activation (moonep.activation: swiglu, situ_glu). It replaces one torch._grouped_mm of N = 2F and
-the activation kernel (moonep.kernels.glu_rows), which write h | u, read them back and write a: here each program keeps both fp32 accumulators of its [BLOCK_M, BLOCK_N] tile, rounds them
-to bf16 (round to nearest even, moonep.kernels.situ_glu.to_bf16) and evaluates f on those rounded
-values with the activation kernels' own code (swiglu_value, situ_glu_value).
+the activation kernel (moonep.kernels.glu_rows), which write h | u, read them back and write a: here each
+program keeps both fp32 accumulators of its [BLOCK_M, BLOCK_N] tile, rounds them to bf16 (round to nearest
+even, moonep.kernels.situ_glu.to_bf16) and evaluates f on those rounded values with the activation kernels'
+own code (swiglu_value, situ_glu_value).
 
-What the backward needs: h and u, stored from the same epilogue as the halves of one row hu [N, 2F] (save_preact=True, the default; the
-elementwise backward reads them, and recomputing them would cost two of the three forward GEMMs again).
-With save_preact=False only a is written (a forward without backward).
+What the backward needs: h and u, stored from the same epilogue as the halves of one row hu [N, 2F]
+(save_preact=True, the default; the elementwise backward reads them, and recomputing them would cost two of
+the three forward GEMMs again). With save_preact=False only a is written (a forward without backward).
 
 Numerics: h and u are the fp32-accumulated products rounded once to bf16, as torch._grouped_mm's are,
 but summed in another order (not bitwise equal; within the bound tests/moonep/helpers/grouped_gemm_cases.py
