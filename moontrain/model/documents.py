@@ -11,8 +11,8 @@ the trainer passes it (the loader keeps it), which spares the forward its host s
 Attention paths, one per device kind, same math:
 - CPU: SDPA with a boolean [B, 1, T, T] mask (causal and same document). The T x T mask is fine at CPU
   sizes.
-- CUDA: flex_attention with a block mask built once per forward (shared by every MLA layer), compiled:
-  no T x T tensor, fully masked blocks skipped. It takes qk and v at their own head dims. Its Triton
+- CUDA: flex_attention with a block mask built once per forward (shared by every MLA layer) from the
+  documents' block bounds (flex_block_mask), compiled: no T x T tensor, fully masked blocks skipped. It takes qk and v at their own head dims. Its Triton
   backward has no atomics (dQ per query block, dK/dV per key block), so it is deterministic.
 - No documents: SDPA with is_causal (cuDNN or memory-efficient attention on CUDA, whose backward
   accumulates dQ with atomics), or, in deterministic mode (train.deterministic), flex_attention with the
@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+FLEX_BLOCK = 128  # flex_attention's default block of queries and keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,16 +88,45 @@ def host_sequence_bounds(host_start_BT: torch.Tensor, device: torch.device) -> t
     return host.pin_memory().to(device, non_blocking=True), host
 
 
-def flex_block_mask(id_BT: torch.Tensor) -> Any:
-    """flex_attention's BlockMask for causal attention within each document of id_BT's rows."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def flex_block_mask(id_BT: torch.Tensor, block: int = FLEX_BLOCK) -> Any:
+    """flex_attention's BlockMask for causal attention within each document of id_BT's rows: the BlockMask that
+    create_block_mask(same_document_causal, B, None, T, T) builds (bitwise: test_document_block_mask.py), read
+    from the documents' block bounds in a few launches on [B, T / block] tensors, where create_block_mask
+    evaluates the mask over every [B, T, T] position (a vmap of the mask function, ~3 ms of host work a
+    forward) and counts each block's true entries.
+
+    Document ids never decrease along a row, so for a query block i and an earlier key block j < i: some pair
+    shares a document iff j's last id is i's first (every other pair has the key's id below the query's), and
+    every pair does iff j's first id is i's last (one document spans both) and block i is whole (padded query
+    rows past T are masked). The diagonal block is partial (causal inside it); later key blocks are empty."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     def same_document_causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
                              kv_idx: torch.Tensor) -> torch.Tensor:
         return (q_idx >= kv_idx) & (id_BT[b, q_idx] == id_BT[b, kv_idx])
 
-    B, T = id_BT.shape
-    return create_block_mask(same_document_causal, B, None, T, T, device=id_BT.device)
+    T = id_BT.shape[1]
+    nb = -(-T // block)
+    first_Bn = id_BT[:, ::block]
+    ends = torch.arange(1, nb + 1, device=id_BT.device) * block
+    last_Bn = id_BT[:, ends.clamp_max(T) - 1]
+    i_n1, j_1n = torch.arange(nb, device=id_BT.device).unsqueeze(1), torch.arange(nb, device=id_BT.device)
+    earlier_nn = j_1n < i_n1
+    shares_Bnn = (last_Bn.unsqueeze(1) == first_Bn.unsqueeze(2)) & earlier_nn
+    whole_n1 = (ends <= T).unsqueeze(1)
+    full_Bnn = (first_Bn.unsqueeze(1) == last_Bn.unsqueeze(2)) & earlier_nn & whole_n1
+    partial_Bnn = (shares_Bnn & ~full_Bnn) | (i_n1 == j_1n)
+    kv_num, kv_idx = _ordered_blocks(partial_Bnn.unsqueeze(1))
+    full_num, full_idx = _ordered_blocks(full_Bnn.unsqueeze(1))
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(block, block),
+                                    mask_mod=same_document_causal, seq_lengths=(T, T))
+
+
+def _ordered_blocks(dense_BHnn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """BlockMask's (num_blocks, indices) of a dense [B, H, n, n] block matrix, ordered as create_block_mask
+    orders them: each row's marked blocks first, ascending, then the rest, ascending (a stable descending sort)."""
+    dense = dense_BHnn.to(torch.int32)
+    return dense.sum(-1, dtype=torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
 
 
 @functools.lru_cache(maxsize=8)
