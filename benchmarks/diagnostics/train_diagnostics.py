@@ -53,7 +53,8 @@ def profile_step(trainer: Trainer, layout: ParallelLayout, args: argparse.Namesp
     shapes and Python stacks (which slow the host several times over, so its idle time is not the step's):
     per rank the ops by CUDA time (top 40), then the ops by self CUDA time split by input shapes (top 60),
     which tells apart the call sites of one op, then the Python call sites of the copies and adds
-    (STACKED_OPS) by self CUDA time."""
+    (STACKED_OPS) by self CUDA time, then the call sites that launch the most GPU work (_launch_sites: where
+    the launch-bound stretches' kernels, memsets and copies come from)."""
     from torch.profiler import ProfilerActivity, profile
 
     _align(layout)
@@ -79,7 +80,7 @@ def profile_step(trainer: Trainer, layout: ParallelLayout, args: argparse.Namesp
     except Exception as err:
         timeline, every_kernel = f"no timeline: {err!r}\n", ""
     try:
-        stacks = _op_stacks(prof)
+        stacks = _op_stacks(prof) + "\n" + _launch_sites(prof)
     except Exception as err:
         stacks = f"no call stacks: {err!r}\n"
     _write_all_ranks(f"two steps as Trainer.fit runs them (GPU activity alone), {light_timeline}\n"
@@ -131,6 +132,22 @@ def _op_stacks(prof, top: int = 30, frames: int = 6) -> str:
     out = [f"call sites of {', '.join(STACKED_OPS)} (self CUDA ms, count, innermost {frames} frames):"]
     for e in rows[:top]:
         out.append(f"  {e.self_device_time_total / 1e3:9.2f} ms {e.count:6d}  {e.key}")
+        out.extend(f"        {frame}" for frame in e.stack[:frames])
+    return "\n".join(out) + "\n"
+
+
+def _launch_sites(prof, top: int = 40, frames: int = 4) -> str:
+    """The aten ops with GPU work of their own (kernels, memsets, copies), grouped by their innermost Python
+    frames and sorted by calls: each call is at least one launch, and a step whose GPU idles between short
+    kernels is bound by their number, not their time."""
+    rows = [e for e in prof.key_averages(group_by_stack_n=frames)
+            if e.key.startswith("aten::") and e.self_device_time_total > 0]
+    rows.sort(key=lambda e: (-e.count, -e.self_device_time_total))
+    total = sum(e.count for e in rows)
+    out = [f"call sites by launches: aten ops with self GPU time, {total} calls in all (count, self CUDA ms, "
+           f"innermost {frames} frames):"]
+    for e in rows[:top]:
+        out.append(f"  {e.count:6d} {e.self_device_time_total / 1e3:9.2f} ms  {e.key}")
         out.extend(f"        {frame}" for frame in e.stack[:frames])
     return "\n".join(out) + "\n"
 
