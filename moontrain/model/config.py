@@ -282,6 +282,10 @@ class KernelsConfig:
     # within 2^-16 of it; no fp32 copy of the router's input), "fp32" as IEEE fp32 GEMMs (cuBLAS on FFMA on
     # CUDA; the cost: docs/performance.md). The CPU and fp32 activations run fp32 either way
     router_gemm: Literal["split_bf16", "fp32"] = "split_bf16"
+    # the router's selection, weights and counts and their backward: "auto" runs moontrain.model.router_kernel's
+    # two Triton kernels on CUDA (bf16 activations and weights, router_gemm=split_bf16, no expert groups, no
+    # sequence aux loss; ~30 launches fewer per MoE layer and pass), "torch" the PyTorch math, "triton" the kernels
+    router: Literal["auto", "torch", "triton"] = "auto"
     # zero-pad q/k and v to one head dim before SDPA (flash attention wants equal dims). Off: SDPA gets
     # qk_head_dim and v_head_dim as they are (cuDNN and memory-efficient attention take them; the padded
     # call's cost: docs/performance.md)
@@ -304,6 +308,8 @@ class KernelsConfig:
             raise ValueError(f"kernels.attn_res must be 'auto', 'torch' or 'triton', got {self.attn_res!r}")
         if self.lm_loss not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels.lm_loss must be 'auto', 'torch' or 'triton', got {self.lm_loss!r}")
+        if self.router not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernels.router must be 'auto', 'torch' or 'triton', got {self.router!r}")
         if self.router_gemm not in ("split_bf16", "fp32"):
             raise ValueError(f"kernels.router_gemm must be 'split_bf16' or 'fp32', got {self.router_gemm!r}")
 

@@ -23,9 +23,9 @@ from moontrain.model.router import Router
 
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, *, ep_rank: int, ep: int, router_gemm: str = "split_bf16",
-                 device: torch.device | str | None = None) -> None:
+                 router_kernel: str = "auto", device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.router = Router(cfg, gemm=router_gemm, device=device)
+        self.router = Router(cfg, gemm=router_gemm, kernel=router_kernel, device=device)
         if cfg.moe_latent_size is not None:
             self.latent_down = nn.Linear(cfg.hidden_size, cfg.moe_latent_size, bias=False, device=device)
             self.latent_norm = RMSNorm(cfg.moe_latent_size, cfg.norm_eps, device=device)

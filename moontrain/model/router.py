@@ -90,11 +90,16 @@ def skew_bias_E(num_experts: int, sigma: float) -> torch.Tensor:
 
 class Router(nn.Module):
     """gemm: kernels.router_gemm (split_bf16: the logits GEMMs on bf16 tensor cores for bf16 inputs on CUDA;
-    fp32: IEEE fp32 GEMMs)."""
+    fp32: IEEE fp32 GEMMs). kernel: kernels.router (auto: moontrain.model.router_kernel's routing kernels on CUDA,
+    where they apply: bf16 activations and weights, split_bf16, no expert groups and no sequence aux loss; the
+    PyTorch math below otherwise)."""
 
-    def __init__(self, cfg: ModelConfig, *, gemm: str = "split_bf16",
+    def __init__(self, cfg: ModelConfig, *, gemm: str = "split_bf16", kernel: str = "auto",
                  device: torch.device | str | None = None) -> None:
         super().__init__()
+        from moontrain.model.kernel_choice import runs_cuda_kernels
+
+        self.kernel = runs_cuda_kernels("router", kernel, device, "the PyTorch math") and gemm == "split_bf16"
         self.num_experts = cfg.num_experts
         self.topk = cfg.num_experts_per_tok
         self.scaling = cfg.routed_scaling_factor
@@ -121,6 +126,17 @@ class Router(nn.Module):
 
     def forward(self, x_sD: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Returns (weights_sK fp32, topk_sK int64, sequence aux loss or None)."""
+        if (self.kernel and self.num_groups == 1 and self.seq_aux_loss_coef == 0
+                and x_sD.dtype == self.weight.dtype == torch.bfloat16):
+            from moontrain.model.router_kernel import routed_scores
+
+            weights_sK, topk_sK = routed_scores(x_sD, self.weight, self.score_bias_E,
+                                                self.skew_bias_E if self.skew else None,
+                                                self.tokens_per_expert_E if self._counting else None,
+                                                self.topk, self.scaling)
+            if self._counting and self.mean_free_updates:
+                self.input_sum_D += x_sD.detach().sum(0, dtype=torch.float32)
+            return weights_sK, topk_sK, None
         if self.split_bf16 and x_sD.is_cuda and x_sD.dtype == torch.bfloat16:
             logits_sE = RouterLogits.apply(x_sD, self.weight.float())
         else:

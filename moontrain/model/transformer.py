@@ -63,7 +63,8 @@ class Block(nn.Module):
                      else MLAttention(cfg, pad_head_dims=kernels.attn_pad_head_dims, device=device))
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)
         self.is_moe = layer_idx >= cfg.num_dense_layers
-        self.ffn = (MoE(cfg, ep_rank=placement.ep_rank, ep=placement.ep, router_gemm=kernels.router_gemm, device=device)
+        self.ffn = (MoE(cfg, ep_rank=placement.ep_rank, ep=placement.ep, router_gemm=kernels.router_gemm,
+                        router_kernel=kernels.router, device=device)
                     if self.is_moe
                     else GatedFFN(cfg.hidden_size, cfg.dense_intermediate_size, cfg.ffn_activation, device=device))
         self.attn_res = cfg.attn_res_block_size > 0
