@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moontrain.model.bf16_mm import mm
 from moontrain.model.config import ModelConfig
 
 SKEW_SEED = 9
@@ -41,14 +42,6 @@ def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     |x - hi - lo| <= 2^-16 |x|."""
     hi = x.bfloat16()
     return hi, (x - hi.float()).bfloat16()
-
-
-def mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """a @ b for bf16 a and b, accumulated in fp32 and rounded once to out_dtype: cuBLAS on CUDA; on the CPU
-    (no aten::mm.dtype there) the same products in fp32, the specification the CUDA call is tested against."""
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=out_dtype) if out_dtype != a.dtype else torch.mm(a, b)
-    return (a.float() @ b.float()).to(out_dtype)
 
 
 class RouterLogits(torch.autograd.Function):

@@ -35,6 +35,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from moontrain.model.bf16_mm import mm
+
 # tokens per program: BS x BLOCK_E fp32 values in registers (E <= 512)
 BLOCK_S = 16
 
@@ -130,12 +132,6 @@ def _route_bwd_kernel(grad_ptr, chosen_ptr, topk_ptr, split_ptr, S, scaling,
     tl.store(base + E, lo, mask=ok)
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    from moontrain.model.router import mm
-
-    return mm(a, b, out_dtype)
-
-
 def _meta(E: int, K: int) -> dict[str, int]:
     return dict(E=E, K=K, BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(K), BS=BLOCK_S)
 
@@ -148,7 +144,7 @@ class RoutedScores(torch.autograd.Function):
     def forward(ctx, x_sD: torch.Tensor, w_ED: torch.Tensor, bias_E: torch.Tensor, skew_E: torch.Tensor | None,
                 counts_E: torch.Tensor | None, K: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         s, E = x_sD.shape[0], w_ED.shape[0]
-        logits_sE = _mm(x_sD, w_ED.t(), torch.float32)
+        logits_sE = mm(x_sD, w_ED.t(), torch.float32)
         weights_sK = torch.empty(s, K, dtype=torch.float32, device=x_sD.device)
         topk_sK = torch.empty(s, K, dtype=torch.int64, device=x_sD.device)
         chosen_sK = torch.empty(s, K, dtype=torch.float32, device=x_sD.device)
@@ -170,9 +166,9 @@ class RoutedScores(torch.autograd.Function):
             **_meta(E, K))
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # g_hi w + g_lo w, one GEMM of K = 2E
-            grad_x = _mm(split_s2E, torch.cat([w_ED, w_ED]), x_sD.dtype)
+            grad_x = mm(split_s2E, torch.cat([w_ED, w_ED]), x_sD.dtype)
         if ctx.needs_input_grad[1]:
-            out_2ED = _mm(split_s2E.t(), x_sD, torch.float32)
+            out_2ED = mm(split_s2E.t(), x_sD, torch.float32)
             grad_w = (out_2ED[:E] + out_2ED[E:]).to(w_ED.dtype)
         return grad_x, grad_w, None, None, None, None, None
 

@@ -146,7 +146,7 @@ def _check_router_logits(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, logi
 
 
 def test_router_logits_split_bf16_within_derived_bounds() -> None:
-    """The split-bf16 router GEMMs' specification (moontrain.model.router.mm on the CPU: the same bf16 products
+    """The split-bf16 router GEMMs' specification (moontrain.model.bf16_mm.mm on the CPU: the same bf16 products
     summed in fp32) against float64: module docstring of _check_router_logits."""
     x, w, g = _router_logits_case(257, 96, 8, "cpu", 5)
     _check_router_logits(x, w, g, *_router_logits_and_grads(x, w, g))

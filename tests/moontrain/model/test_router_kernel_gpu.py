@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moontrain.model.router import Router, mm
+from moontrain.model.bf16_mm import mm
+from moontrain.model.router import Router
 
 pytestmark = pytest.mark.gpu
 
