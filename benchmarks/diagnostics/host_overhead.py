@@ -29,7 +29,9 @@ specification). AdamW is the fused one (optim.fused=true, as on the GPU; the wri
 Triton kernel, so optim.write_back=false), and moonep's value checks are off as on the GPU. The
 compute dtype is --compute-dtype (bfloat16 by default, as on the GPU, so that the casts are the GPU
 step's). The op counts are exact and repeatable; the CPU times depend on the machine and include the
-CPU's arithmetic (small, but bf16 GEMMs on a CPU are slow).
+CPU's arithmetic (small, but bf16 GEMMs on a CPU are slow). Under TRITON_INTERPRET=1 a moontrain kernel route
+(e.g. kernels.router=triton) runs in Triton's interpreter; each of its grid calls counts as one "triton kernel"
+region call (one launch on the GPU), its interpreter's own ops apart.
 
 Per step (after --warmup steps): wall ms of --steps plain steps (median), then one step under a
 TorchDispatchMode counter (aten ops by region and phase: forward, backward or the rest of the step;
@@ -201,6 +203,10 @@ def build_trainer(overrides: list[str], run_dir: str, regions: Regions) -> Train
     layout = build_layout(cfg.parallel.ep, torch.device("cpu"))
     with regions.standing_in():
         trainer = Trainer(cfg, layout)
+    if os.environ.get("TRITON_INTERPRET") == "1":  # kernels.*=triton in the interpreter: one launch per grid call
+        from triton.runtime import interpreter
+
+        interpreter.GridExecutor.__call__ = regions.mark("triton kernel", interpreter.GridExecutor.__call__)
     buffer = getattr(trainer.experts_runtime, "buffer", None)
     if buffer is not None:  # moonep: its data path's calls are Triton kernels on the GPU
         path = buffer.path
