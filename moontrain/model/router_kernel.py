@@ -14,9 +14,10 @@ hands the router on a GPU): the logits GEMM (one cuBLAS call, fp32 output), then
 logits, selects, weights and counts; backward one kernel that writes the logits' gradient, split into two bf16
 terms [g_hi | g_lo] (g_hi = bf16(g), g_lo = bf16(g - g_hi), within 2^-16 of g, as RouterLogits splits it), and
 two GEMMs on them (grad_x of K = 2E in bf16; grad_w with fp32 output, the halves added, rounded to bf16 as the
-weight's autograd cast rounds it). The PyTorch route runs ~19 launches forward and ~20 backward per layer and
-pass (the weight's cast and split, sigmoid, the bias add, topk, gather, the normalisation, the count, and their
-backward nodes); this one 5 and 6, which the K3 step's launch-bound stretches pay for (docs/performance.md).
+weight's autograd cast rounds it). On a GPU the PyTorch route launches ~20 kernels forward and ~21 backward per
+layer and pass (the weight's cast and split, sigmoid, the bias add, topk, gather, the normalisation, the count,
+and their backward nodes); this one 4 and 6 (the mean-free input sum's two included), ~465 fewer per k3_small
+pass, where the step's GPU waits for the host's launches (docs/performance.md).
 
 Selection: K rounds of a row maximum over the experts not yet taken, the lowest expert index among equal
 values (torch.topk leaves ties' order unspecified; away from ties the two agree, bitwise on the GPU: the
