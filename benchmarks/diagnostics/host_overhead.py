@@ -35,7 +35,7 @@ region call (one launch on the GPU), its interpreter's own ops apart.
 
 Per step (after --warmup steps): wall ms of --steps plain steps (median), then one step under a
 TorchDispatchMode counter (aten ops by region and phase: forward, backward or the rest of the step;
-the top eager ops; the top call sites of eager ops: the innermost moontrain / moonep line, FSDP line
+the top eager ops; the top call sites of eager ops (all, and those that launch a kernel): the innermost moontrain / moonep line, FSDP line
 or autograd node that dispatched them), then one step under cProfile (the top Python functions by self
 CPU time). Prints a table; --out writes JSON (every call site under all_sites).
 """
@@ -157,6 +157,7 @@ class OpCounter(TorchDispatchMode):
         self.ops: collections.Counter[str] = collections.Counter()  # eager ops only
         self.launching = 0  # eager ops that launch a kernel on the GPU (neither a view nor in NO_KERNEL)
         self.by_site: collections.Counter[str] = collections.Counter()  # eager ops only
+        self.launching_sites: collections.Counter[str] = collections.Counter()  # eager launching ops only
         self.phase = "step"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -165,9 +166,12 @@ class OpCounter(TorchDispatchMode):
         if region == "eager":
             name = str(func.overloadpacket.__name__)
             self.ops[name] += 1
-            self.launching += not (func.is_view or name in NO_KERNEL)
+            launches = not (func.is_view or name in NO_KERNEL)
+            self.launching += launches
             if self.sites:
-                self.by_site[f"{self.phase:8s} {_call_site()}"] += 1
+                site = f"{self.phase:8s} {_call_site()}"
+                self.by_site[site] += 1
+                self.launching_sites[site] += launches
         out = func(*args, **(kwargs or {}))
         if self.sites and self.op == func.overloadpacket.__name__:
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else "-"
@@ -301,6 +305,7 @@ def run(args: argparse.Namespace) -> dict:
         "top_ops": counter.ops.most_common(args.top),
         "top_sites": counter.by_site.most_common(args.top),
         "all_sites": dict(counter.by_site),
+        "launching_sites": dict(+counter.launching_sites),
         "top_functions": functions,
         "op": args.op,
         "op_sites": counter.op_sites.most_common(),
@@ -322,6 +327,11 @@ def show(result: dict) -> None:
     print("\ntop call sites of eager ops (phase, innermost moontrain/moonep line, FSDP line or autograd node):")
     for site, n in result["top_sites"]:
         print(f"  {n:7d}  {site}")
+    if "launching_sites" in result:
+        print("\ntop call sites of eager ops that launch a kernel on the GPU:")
+        top = sorted(result["launching_sites"].items(), key=lambda kv: -kv[1])[:len(result["top_sites"])]
+        for site, n in top:
+            print(f"  {n:7d}  {site}")
     if result.get("op"):
         print(f"\ncall sites of aten.{result['op']} in every region (phase, region, output shape and dtype, site):")
         for site, n in result["op_sites"]:
