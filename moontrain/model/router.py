@@ -83,11 +83,11 @@ def skew_bias_E(num_experts: int, sigma: float) -> torch.Tensor:
 
 class Router(nn.Module):
     """gemm: kernels.router_gemm (split_bf16: the logits GEMMs on bf16 tensor cores for bf16 inputs on CUDA;
-    fp32: IEEE fp32 GEMMs). kernel: kernels.router (auto: moontrain.model.router_kernel's routing kernels on CUDA,
+    fp32: IEEE fp32 GEMMs). kernel: kernels.router (auto, triton: moontrain.model.router_kernel's kernels on CUDA,
     where they apply: bf16 activations and weights, split_bf16, no expert groups and no sequence aux loss; the
     PyTorch math below otherwise)."""
 
-    def __init__(self, cfg: ModelConfig, *, gemm: str = "split_bf16", kernel: str = "auto",
+    def __init__(self, cfg: ModelConfig, *, gemm: str = "split_bf16", kernel: str = "torch",
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         from moontrain.model.kernel_choice import runs_cuda_kernels
