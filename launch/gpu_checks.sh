@@ -8,7 +8,8 @@
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
 # absent. On 2+ GPUs the tier under torchrun --nproc_per_node=2, one log per rank (OUT_DIR/tests_r<rank>.log).
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
-# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT / K3_TIMEOUT (s), MFU_ARGS / K3_ARGS (extra overrides for the mfu / k3 steps), K3_AB_ARGS (the overrides k3ab measures against main), REF_TREE (k3ref: a tar.xz of the commit it measures this tree against), OPSITES_ARGS (extra op_sites.py arguments for the opsites / outputcode steps, e.g. --op add), DET_ONLY (runs of check_determinism, default A,B,P,C,D), GEMM_ARGS (bench_expert_gemm.py arguments, e.g. --shapes k3_small --merged-only), COMM_ARGS (bench_comm.py
+# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT / K3_TIMEOUT (s), MFU_ARGS / K3_ARGS (extra overrides for the mfu / k3 steps), K3_AB_ARGS (the overrides k3ab measures against main), REF_TREE (k3ref: a tar.xz of the commit it measures this tree against), K3REF_ROWS (k3ref's rows: 131k
+# recipe_batch, the default, or one of them), K3REF_ARGS (extra overrides for k3ref's run of this tree, e.g. kernels.router=auto), OPSITES_ARGS (extra op_sites.py arguments for the opsites / outputcode steps, e.g. --op add), DET_ONLY (runs of check_determinism, default A,B,P,C,D), GEMM_ARGS (bench_expert_gemm.py arguments, e.g. --shapes k3_small --merged-only), COMM_ARGS (bench_comm.py
 # arguments instead of --experts 96 384, e.g. --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
 # --experts 896 --topk 16 --ranks 8).
 # PACK_OUT=1 packs OUT's files (the Triton cache's parts aside) into OUT/results.tar.xz at exit.
@@ -147,9 +148,10 @@ for step in "${steps[@]}"; do
            # xz > .scratch/ref.tar.xz, carried), then on this tree, back to back
            ref_dir=$(mktemp -d); tar -xJf "${REF_TREE:?k3ref needs REF_TREE: a tar.xz of the commit to compare with}" -C "$ref_dir"
            abs_out=$(cd "$out" && pwd); base_path=${PYTHONPATH#"$PWD:"}  # the environment's paths without this tree
-           for row in 131k recipe_batch; do
-             extra=""; [ "$row" = 131k ] && extra="parallel.dense=plain train.micro_batch_size=4 train.global_batch_size=32"
+           for row in ${K3REF_ROWS:-131k recipe_batch}; do
              for variant in ref this; do
+               extra=""; [ "$row" = 131k ] && extra="parallel.dense=plain train.micro_batch_size=4 train.global_batch_size=32"
+               [ "$variant" = this ] && extra="$extra ${K3REF_ARGS:-}"
                dir=$PWD; [ "$variant" = ref ] && dir=$ref_dir
                (cd "$dir" && PYTHONPATH="$dir:$base_path" timeout "${K3_TIMEOUT:-300}" torchrun --nproc_per_node=1 \
                  benchmarks/bench_train.py --learning-row --recipe recipes/k3_small.yaml --backends moonep --targets \
