@@ -3,7 +3,7 @@ forward's foreach cast into the bf16 compute copies (optim.write_back_dense=fals
 kernel's one launch that steps them and writes the copies (moontrain.optim.write_back_kernel, the default).
 
     python benchmarks/bench_write_back.py [--recipe recipes/k3_small.yaml] [--iters 10] [--warmup 3] [--out FILE]
-        [--tiles 2048x4 4096x8 ...] [--experts]
+        [--tiles 2048x4 4096x8 ...] [--experts] [--bf16-moments]
 
 Shapes: the recipe model's non-expert parameters (k3_small: 397 tensors, 1.29 G elements), built on the meta
 device; values random (AdamW's time does not depend on them); a clip factor and a skip flag as the trainer
@@ -15,7 +15,9 @@ rate they imply at the device's time. Check: one step of each from the same stat
 to FMA, as tests/moontrain/optim/write_back_cases.py bounds it), the bf16 copies equal where p is. Table
 printed; JSON to --out. --tiles: the write-back timed at each (elements a program) x (warps) tile
 (moontrain.optim.write_back_kernel.TILE; default: the shipped one). --experts: the same rows at the recipe's
-expert masters too ([E, ., .] per MoE layer; timed only, the check runs on the dense set).
+expert masters too ([E, ., .] per MoE layer; timed only, the check runs on the dense set). --bf16-moments:
+the write-back with bf16 moments too (optim.state_dtype=bfloat16: 22 B a parameter; tests/moontrain/optim/
+write_back_cases.py checks its values).
 """
 
 from __future__ import annotations
@@ -51,12 +53,12 @@ def master_shapes(recipe: str, experts: bool) -> list[torch.Size]:
 class State:
     """Masters, grads, moments, step counts and bf16 copies of the given shapes on the GPU."""
 
-    def __init__(self, shapes: list[torch.Size], seed: int = 0) -> None:
+    def __init__(self, shapes: list[torch.Size], seed: int = 0, moments: torch.dtype = torch.float32) -> None:
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.p = [torch.randn(s, device="cuda", generator=gen) * 0.02 for s in shapes]
         self.g = [torch.randn(s, device="cuda", generator=gen) * 1e-3 for s in shapes]
-        self.m = [torch.randn(s, device="cuda", generator=gen).abs_() * 1e-4 for s in shapes]
-        self.v = [torch.randn(s, device="cuda", generator=gen).square_() * 1e-8 for s in shapes]
+        self.m = [(torch.randn(s, device="cuda", generator=gen).abs_() * 1e-4).to(moments) for s in shapes]
+        self.v = [(torch.randn(s, device="cuda", generator=gen).square_() * 1e-8).to(moments) for s in shapes]
         self.steps = [torch.full((), 10.0, device="cuda") for _ in shapes]
         self.copies = [torch.empty(s, device="cuda", dtype=torch.bfloat16) for s in shapes]
         self.scale = torch.tensor(1.25, device="cuda")  # the clip factor
@@ -97,6 +99,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="JSON path (default: none)")
     p.add_argument("--tiles", nargs="*", default=None, help="write-back tiles ELEMENTSxWARPS (default: the shipped one)")
     p.add_argument("--experts", action="store_true", help="also time the recipe's expert masters")
+    p.add_argument("--bf16-moments", action="store_true",
+                   help="also time the write-back with bf16 moments (optim.state_dtype=bfloat16)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_write_back needs a CUDA GPU")
@@ -118,10 +122,15 @@ def main() -> None:
     sets = [("dense", shapes)] + ([("experts", master_shapes(args.recipe, experts=True))] if args.experts else [])
     for set_name, set_shapes in sets:
         n_set = sum(s.numel() for s in set_shapes)
-        state = State(set_shapes, seed=1)
-        variants = [("torch fused AdamW + cast", torch_step, 38, None)]
-        variants += [(f"write-back {t[0]}x{t[1]}", write_back_step, 30, t) for t in tiles]
-        for name, fn, bytes_per, tile in variants:
+        variants = [("torch fused AdamW + cast", torch_step, 38, None, torch.float32)]
+        variants += [(f"write-back {t[0]}x{t[1]}", write_back_step, 30, t, torch.float32) for t in tiles]
+        if args.bf16_moments:  # optim.state_dtype=bfloat16: m and v read and written as bf16
+            variants += [(f"write-back bf16 m, v {t[0]}x{t[1]}", write_back_step, 22, t, torch.bfloat16) for t in tiles]
+        state = None
+        for name, fn, bytes_per, tile, moments in variants:
+            if state is None or state.m[0].dtype != moments:
+                del state  # one set of tensors at a time: the expert masters' take ~50 GB
+                state = State(set_shapes, seed=1, moments=moments)
             write_back_kernel.TILE = tile or shipped
             ms = median_ms(lambda fn=fn, state=state: fn(state), args.iters, args.warmup)
             device_ms = median_ms(lambda fn=fn, state=state: fn(state), args.iters, 1, host_ahead_ms=20.0)

@@ -26,7 +26,7 @@ from moontrain.optim.config import OptimConfig
 from moontrain.optim.muon import build_muon
 from moontrain.optim.protocol import TrainOptimizer
 from moontrain.optim.schedule import lr_multiplier
-from moontrain.optim.torch_adamw import AdamW
+from moontrain.optim.torch_adamw import STATE_DTYPES, AdamW
 from moontrain.optim.write_back import WriteBackAdamW
 
 
@@ -79,7 +79,11 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int,
         raise ValueError("optim.write_back=true runs a Triton kernel and needs the parameters on a GPU; set "
                          "optim.write_back=false (or leave it unset: it follows optim.fused) on the CPU")
     opt_cls = WriteBackAdamW if write_back else AdamW
-    opt = opt_cls(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
+    state_dtype = STATE_DTYPES[cfg.state_dtype]
+    if state_dtype != torch.float32:  # torch's fused kernel takes moments of the parameters' dtype only
+        fused = False
+    opt = opt_cls(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None,
+                  state_dtype=state_dtype)
     write_back_dense = write_back if cfg.write_back_dense is None else cfg.write_back_dense
     if write_back_dense and not write_back:
         raise ValueError("optim.write_back_dense=true needs the fused write-back AdamW, off here (optim.write_back "

@@ -1,21 +1,49 @@
-"""torch's AdamW under the training step's optimizer contract (moontrain/optim/protocol.py).
+"""torch's AdamW under the training step's optimizer contract (moontrain/optim/protocol.py), and AdamW with
+bf16 moments (optim.state_dtype=bfloat16), which torch's AdamW does not take for fp32 parameters.
 
 A fused one folds the global-norm clip into its step: `clip_next_step` sets torch's `grad_scale` (the AMP
 hook of the fused Adam kernels, which divides each grad by it inside the kernel) and step() removes it
 again, so the factor applies to that step only. Likewise `skip_next_step_if` sets torch's `found_inf` (the
 kernel leaves parameters and moments as they were where it is 1, and the step counts are taken back), so a
 non-finite step is skipped on the device. Nothing is written back: `written_back` is empty.
+
+bf16 moments (DeepSeek-V3 trains with them, its report's section 3.3.2): exp_avg and exp_avg_sq are stored in
+bf16, the step computes in fp32 from their widened values and rounds them to nearest once a step; the masters
+stay fp32. Half the moments' memory (4 bytes a parameter fewer) and, in the write-back pass
+(moontrain.optim.write_back_kernel, which is the same math), 22 bytes of traffic a parameter instead of 30.
+With beta2 = 0.95 a step moves v by 5 % of (g^2 - v), well above bf16's 2^-8 resolution; at beta2 = 0.999 most
+steps would round back to the old v. The step here (_widened_step) is the specification the kernel is tested
+against, in torch ops per parameter: the fused kernel's formula, with the clip factor and the skip flag
+applied as torch's fused kernel applies them.
 """
 
 from __future__ import annotations
 
 import torch
 
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 
 class AdamW(torch.optim.AdamW):
+    def __init__(self, *args, state_dtype: torch.dtype = torch.float32, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if state_dtype not in STATE_DTYPES.values():
+            raise ValueError(f"AdamW state_dtype {state_dtype}: moments are float32 or bfloat16 (optim.state_dtype)")
+        self.state_dtype = state_dtype
+        if state_dtype != torch.float32:
+            for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+                if self.defaults.get(flag):
+                    raise ValueError(f"AdamW with {state_dtype} moments implements plain AdamW; {flag}=True is not "
+                                     "supported")
+
+    @property
+    def widened(self) -> bool:
+        """The moments are stored narrower than the fp32 math (the step is _widened_step, not torch's)."""
+        return self.state_dtype != torch.float32
+
     @property
     def folds_clip(self) -> bool:
-        return bool(self.defaults.get("fused"))
+        return bool(self.defaults.get("fused")) or self.widened
 
     def clip_next_step(self, factor: torch.Tensor) -> None:
         if not self.folds_clip:
@@ -25,7 +53,7 @@ class AdamW(torch.optim.AdamW):
 
     @property
     def skips_on_device(self) -> bool:
-        return bool(self.defaults.get("fused"))
+        return bool(self.defaults.get("fused")) or self.widened
 
     def skip_next_step_if(self, found_inf: torch.Tensor) -> None:
         if not self.skips_on_device:
@@ -37,9 +65,54 @@ class AdamW(torch.optim.AdamW):
     def written_back(self) -> frozenset[int]:
         return frozenset()
 
+    def init_state(self, p: torch.Tensor) -> dict:
+        """p's state as the first step makes it (a float32 step count on p's device, zero moments)."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+        elif state["step"].device != p.device:  # e.g. a step count restored on the CPU
+            state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+        return state
+
     def step(self, closure=None):
         try:
-            return super().step(closure)
+            if not self.widened:
+                return super().step(closure)
+            if closure is not None:
+                raise ValueError("AdamW with bf16 moments takes no closure")
+            self._widened_step()
+            return None
         finally:
             self.__dict__.pop("grad_scale", None)
             self.__dict__.pop("found_inf", None)
+
+    @torch.no_grad()
+    def _widened_step(self) -> None:
+        scale = self.__dict__.get("grad_scale")
+        found_inf = self.__dict__.get("found_inf")
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.init_state(p)
+                step = state["step"]
+                step += 1
+                g = p.grad.float() if scale is None else p.grad.float() / scale
+                m0, v0 = state["exp_avg"].float(), state["exp_avg_sq"].float()
+                p0 = p.detach().clone() if found_inf is not None else None
+                new = p.detach() - lr * wd * p.detach()
+                m = beta1 * m0 + (1.0 - beta1) * g
+                v = beta2 * v0 + (1.0 - beta2) * g * g
+                denom = v.sqrt() / torch.sqrt(1.0 - torch.pow(beta2, step)) + eps
+                new = new - (lr / (1.0 - torch.pow(beta1, step))) * m / denom
+                if found_inf is not None:  # a skipped step keeps the old values and does not count
+                    keep = found_inf != 0
+                    new, m, v = torch.where(keep, p0, new), torch.where(keep, m0, m), torch.where(keep, v0, v)
+                    step -= found_inf
+                p.detach().copy_(new)
+                state["exp_avg"].copy_(m)
+                state["exp_avg_sq"].copy_(v)

@@ -20,7 +20,8 @@ skip_next_step_if's flag at 1 the pass keeps p, m and v (and the step counts) as
 writes the compute copy (of the unchanged p) and zeroes the grad. Values match
 torch's AdamW up to fp32 contraction (a few ulps per step; tests/moontrain/optim/test_write_back_*).
 State is torch's (exp_avg, exp_avg_sq, a float32 step tensor on the parameter's device), so
-checkpoints and the optimizer's state_dict do not change.
+checkpoints and the optimizer's state_dict do not change; with optim.state_dtype=bfloat16 the moments are bf16
+(moontrain.optim.torch_adamw: the same math, and the step of the parameters not written back).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class WriteBackAdamW(AdamW):
     @property
     def folds_clip(self) -> bool:
         registered = all(id(p) in self._out for group in self.param_groups for p in group["params"])
-        return bool(self.defaults.get("fused")) or registered
+        return bool(self.defaults.get("fused")) or self.widened or registered
 
     def clip_next_step(self, factor: torch.Tensor) -> None:
         if not self.folds_clip:
@@ -92,7 +93,7 @@ class WriteBackAdamW(AdamW):
             p.grad = None
         grad_scale = self.__dict__.pop("grad_scale", None)  # this step's clip factor (clip_next_step)
         found_inf = self.__dict__.pop("found_inf", None)  # this step's skip flag (skip_next_step_if)
-        if self.defaults.get("fused"):  # torch's fused kernel applies them to the rest; AdamW.step drops them
+        if self.defaults.get("fused") or self.widened:  # the rest's step applies them; AdamW.step drops them
             if grad_scale is not None:
                 self.grad_scale = grad_scale
             if found_inf is not None:
@@ -103,13 +104,7 @@ class WriteBackAdamW(AdamW):
             for (_, p), g in zip(mine, held, strict=True):
                 p.grad = g
         for _, p in mine:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif state["step"].device != p.device:  # e.g. a step count restored on the CPU
-                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+            self.init_state(p)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for zero in (True, False):  # one call per group and zeroing choice

@@ -33,13 +33,13 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, offs, n, bc1, bc2_sqrt, sc
         mask = offs < n
         p0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0)
-        m0 = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v0 = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        m0 = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v0 = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     else:
         p0 = tl.load(p_ptr + offs)
         g = tl.load(g_ptr + offs)
-        m0 = tl.load(m_ptr + offs)
-        v0 = tl.load(v_ptr + offs)
+        m0 = tl.load(m_ptr + offs).to(tl.float32)
+        v0 = tl.load(v_ptr + offs).to(tl.float32)
     if HAS_SCALE:
         g = g / tl.load(scale_ptr)
     p = p0 - lr * weight_decay * p0
@@ -53,6 +53,8 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, offs, n, bc1, bc2_sqrt, sc
         m = tl.where(keep, m0, m)
         v = tl.where(keep, v0, v)
     out = p.to(out_ptr.dtype.element_ty)
+    m = m.to(m_ptr.dtype.element_ty)  # the moments' dtype (optim.state_dtype): rounded to nearest once a step
+    v = v.to(v_ptr.dtype.element_ty)
     if MASKED:
         tl.store(p_ptr + offs, p, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
@@ -73,7 +75,7 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, offs, n, bc1, bc2_sqrt, sc
 def _adamw_write_back_kernel(ptrs_ptr, numel_ptr, first_ptr, owner_ptr, bc_ptr, scale_ptr, skip_ptr,
                              lr, beta1, beta2, eps, weight_decay,
                              HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, ZERO: tl.constexpr,
-                             OUT_KIND: tl.constexpr, BLOCK: tl.constexpr):
+                             OUT_KIND: tl.constexpr, STATE_BF16: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(owner_ptr + pid)  # the tensor this block belongs to
     n = tl.load(numel_ptr + t)
@@ -83,8 +85,12 @@ def _adamw_write_back_kernel(ptrs_ptr, numel_ptr, first_ptr, owner_ptr, bc_ptr, 
     # every address is 16-byte aligned (adamw_write_back_ checks): vector loads and stores
     p_ptr = tl.multiple_of(tl.load(row).to(tl.pointer_type(tl.float32)), 16)
     g_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(tl.float32)), 16)
-    m_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.float32)), 16)
-    v_ptr = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(tl.float32)), 16)
+    if STATE_BF16:
+        m_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.bfloat16)), 16)
+        v_ptr = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(tl.bfloat16)), 16)
+    else:
+        m_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.float32)), 16)
+        v_ptr = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(tl.float32)), 16)
     if OUT_KIND == 1:
         out_ptr = tl.multiple_of(tl.load(row + 4).to(tl.pointer_type(tl.bfloat16)), 16)
     elif OUT_KIND == 2:
@@ -138,7 +144,8 @@ def adamw_write_back_(params: list[torch.Tensor], grads: list[torch.Tensor], exp
                       lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                       grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
                       zero_grads: bool = True) -> None:
-    """One AdamW step over each (p, g, m, v, step) in place, out <- p in out's dtype, g <- 0 (unless
+    """One AdamW step over each (p, g, m, v, step) in place (m and v fp32 or bf16: computed in fp32, stored rounded
+    to nearest), out <- p in out's dtype, g <- 0 (unless
     zero_grads is False: a backend that overwrites its grads on the next accumulation), in one launch per
     compute dtype of the outs. `steps` are the per-parameter float32 step tensors, incremented here first
     (as torch does). found_inf: a float32 device scalar; where it is 1, p, m, v and the steps keep their
@@ -149,10 +156,14 @@ def adamw_write_back_(params: list[torch.Tensor], grads: list[torch.Tensor], exp
                 raise ValueError(f"adamw_write_back_: {name} entry of shape {tuple(t.shape)} on {t.device} "
                                  f"(contiguous={t.is_contiguous()}) does not match its parameter "
                                  f"{tuple(p.shape)} on {p.device}; pass contiguous tensors of the parameter's shape")
+    state_dtype = exp_avgs[0].dtype if exp_avgs else torch.float32
     for p, g, m, v, out in zip(params, grads, exp_avgs, exp_avg_sqs, outs, strict=True):
-        if not (p.dtype == g.dtype == m.dtype == v.dtype == torch.float32) or not p.is_contiguous():
-            raise ValueError(f"adamw_write_back_ needs contiguous float32 parameters, grads and moments, got "
-                             f"{p.dtype}/{g.dtype}/{m.dtype}/{v.dtype}")
+        if not (p.dtype == g.dtype == torch.float32) or not p.is_contiguous():
+            raise ValueError(f"adamw_write_back_ needs contiguous float32 parameters and grads, got "
+                             f"{p.dtype}/{g.dtype}")
+        if not (m.dtype == v.dtype == state_dtype) or state_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"adamw_write_back_: moments of dtype {m.dtype}/{v.dtype}; one call takes float32 or "
+                             f"bfloat16 moments (optim.state_dtype), all of one dtype")
         if out.dtype not in _OUT_KINDS:
             raise ValueError(f"adamw_write_back_: compute copy of dtype {out.dtype}; the kernel writes "
                              f"{', '.join(str(d) for d in _OUT_KINDS)}")
@@ -183,6 +194,6 @@ def adamw_write_back_(params: list[torch.Tensor], grads: list[torch.Tensor], exp
         _adamw_write_back_kernel[(owner.numel(),)](
             ptrs, numel, first, owner, bc, scale, skip, float(lr), float(beta1), float(beta2), float(eps),
             float(weight_decay), HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, ZERO=zero_grads,
-            OUT_KIND=kind, BLOCK=block, num_warps=warps)
+            OUT_KIND=kind, STATE_BF16=state_dtype == torch.bfloat16, BLOCK=block, num_warps=warps)
     if found_inf is not None:  # a skipped step does not count (torch's fused AdamW takes it back the same way)
         torch._foreach_sub_(steps, [found_inf] * len(steps))

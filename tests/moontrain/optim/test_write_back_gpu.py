@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.moontrain.optim.write_back_cases import (
+    check_write_back_bf16_moments,
     check_write_back_many_tensors,
     check_write_back_matches_adamw,
     check_write_back_skips_on_the_flag,
@@ -23,3 +24,7 @@ def test_write_back_adamw_skips_on_the_device_flag_gpu() -> None:
 
 def test_write_back_steps_many_tensors_in_one_launch_gpu() -> None:
     check_write_back_many_tensors("cuda", exact_rounding=True)
+
+
+def test_write_back_with_bf16_moments_matches_its_specification_gpu() -> None:
+    check_write_back_bf16_moments("cuda")

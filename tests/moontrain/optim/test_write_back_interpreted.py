@@ -8,6 +8,7 @@ import pytest
 # first: sets TRITON_INTERPRET=1 before triton is imported and skips this module where triton is absent
 import tests.moonep.helpers.triton_interpreted  # noqa: F401
 from tests.moontrain.optim.write_back_cases import (
+    check_write_back_bf16_moments,
     check_write_back_many_tensors,
     check_write_back_matches_adamw,
     check_write_back_skips_on_the_flag,
@@ -178,3 +179,7 @@ def _moved_after_step(trainer) -> list:
     projections) and the router rows the mean-free update restores (moontrain.model.router_updates)."""
     return ([p for attn in trainer.qk_clip.attns for p in attn.parameters()]
             + [r.weight for r in trainer.router_updates.routers])
+
+
+def test_write_back_with_bf16_moments_matches_its_specification() -> None:
+    check_write_back_bf16_moments("cpu")

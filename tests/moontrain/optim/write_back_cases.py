@@ -155,3 +155,54 @@ def check_write_back_many_tensors(device: str, exact_rounding: bool) -> None:
                 assert torch.equal(out, want), f"step {step}: the copy of {p.numel()} elements"
             else:  # the interpreter truncates to bf16
                 assert bool(((out.float() - want.float()).abs() <= want.float().abs() * 2.0**-7).all())
+
+
+def check_write_back_bf16_moments(device: str) -> None:
+    """optim.state_dtype=bfloat16: the fused pass with bf16 moments against its specification, moontrain's AdamW
+    with bf16 moments (moontrain.optim.torch_adamw), on copies of the same parameters over 3 steps with a clip
+    factor and a skipped step; one parameter goes through the specification's own step in the same call.
+    Bounds: the kernel's fp32 values differ from the specification's by contraction (a few fp32 ulps), which
+    can flip a moment's rounding to bf16 by one ulp (2^-8 of it; the interpreter truncates: one ulp too) in a
+    step; such a flip moves the update by 2^-8 of itself, lr times m^ / sqrt(v^) (below 4 here). Over 3 steps:
+    moments within 3 bf16 ulps of their largest value, parameters within 3 * 2^-8 * 4 lr plus 64 fp32 ulps."""
+    from moontrain.optim.torch_adamw import AdamW
+
+    gen = torch.Generator(device=device).manual_seed(6)
+    shapes = [(3, 40, 24), (5, 16, 7), (33,)]
+    init = [torch.randn(s, device=device, generator=gen) * 0.05 for s in shapes]
+    ours = [torch.nn.Parameter(t.clone()) for t in init]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    outs = [torch.empty(s, device=device, dtype=torch.bfloat16) for s in shapes[:2]]
+
+    def groups(ps):
+        return [{"params": ps[:2], "weight_decay": WD}, {"params": ps[2:], "weight_decay": 0.0}]
+
+    opt = WriteBackAdamW(groups(ours), lr=LR, betas=BETAS, eps=EPS, state_dtype=torch.bfloat16)
+    ref_opt = AdamW(groups(ref), lr=LR, betas=BETAS, eps=EPS, state_dtype=torch.bfloat16)
+    for p, out in zip(ours[:2], outs, strict=True):
+        opt.register_write_back(p, out)
+    assert opt.folds_clip and opt.skips_on_device
+    for step, (scale, skip) in enumerate(((None, 0.0), (2.5, 0.0), (1.0, 1.0), (None, 0.0))):
+        for p, r in zip(ours, ref, strict=True):
+            g = torch.randn(p.shape, device=device, generator=gen)
+            p.grad, r.grad = g.clone(), g.clone()
+        for o in (opt, ref_opt):
+            if scale is not None:
+                o.clip_next_step(torch.tensor(scale, device=device))
+            o.skip_next_step_if(torch.tensor(skip, device=device))
+            o.step()
+        for p in ours[2:]:
+            p.grad = None
+        for p, r in zip(ours, ref, strict=True):
+            st, rst = opt.state[p], ref_opt.state[r]
+            assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16
+            assert float(st["step"]) == float(rst["step"]) == (1, 2, 2, 3)[step], "the skipped step does not count"
+            for key in ("exp_avg", "exp_avg_sq"):
+                a, b = st[key].float(), rst[key].float()
+                tol = 3 * 2.0**-8 * float(b.abs().max())
+                torch.testing.assert_close(a, b, rtol=0, atol=tol, msg=f"step {step}: {key}")
+            tol = 3 * 2.0**-8 * 4 * LR + 64 * 2.0**-24 * float(r.detach().abs().max())
+            torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=tol, msg=f"step {step}: param")
+        for p, out in zip(ours[:2], outs, strict=True):
+            want = p.detach().to(out.dtype)
+            assert bool(((out.float() - want.float()).abs() <= want.float().abs() * 2.0**-7).all())
