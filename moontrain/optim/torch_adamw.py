@@ -20,6 +20,7 @@ applied as torch's fused kernel applies them.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -95,14 +96,16 @@ class AdamW(torch.optim.AdamW):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            for p in group["params"]:
-                if p.grad is None:
+            for param in group["params"]:
+                if param.grad is None:
                     continue
-                state = self.init_state(p)
+                state = self.init_state(param)
                 step = state["step"]
                 step += 1
-                g = p.grad.float() if scale is None else p.grad.float() / scale
-                m0, v0 = state["exp_avg"].float(), state["exp_avg_sq"].float()
+                # elementwise: an FSDP shard (DTensor) steps its local rows
+                p, grad, m_t, v_t = (_local(t) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"]))
+                g = grad.float() if scale is None else grad.float() / scale
+                m0, v0 = m_t.float(), v_t.float()
                 p0 = p.detach().clone() if found_inf is not None else None
                 new = p.detach() - lr * wd * p.detach()
                 m = beta1 * m0 + (1.0 - beta1) * g
@@ -114,5 +117,9 @@ class AdamW(torch.optim.AdamW):
                     new, m, v = torch.where(keep, p0, new), torch.where(keep, m0, m), torch.where(keep, v0, v)
                     step -= found_inf
                 p.detach().copy_(new)
-                state["exp_avg"].copy_(m)
-                state["exp_avg_sq"].copy_(v)
+                m_t.copy_(m)
+                v_t.copy_(v)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t

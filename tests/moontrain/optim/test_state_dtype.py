@@ -173,3 +173,26 @@ def test_config_errors_name_the_fix() -> None:
         OptimConfig(state_dtype="bfloat16", fused=True)
     with pytest.raises(ValueError, match=r"optim\.state_dtype must be"):
         OptimConfig(state_dtype="float16")
+
+
+def _fsdp_run(rank: int, world: int, run_dir: str, dtype: str) -> tuple[list[float], list[str]]:
+    from moontrain.parallel.layout import build_layout
+
+    torch.set_num_threads(1)
+    cfg = small_config("alltoall", 1, run_dir=run_dir)
+    cfg.optim.state_dtype = dtype
+    trainer = Trainer(cfg, build_layout(1, CPU))
+    losses = train(trainer, 4)
+    dtypes = sorted({str(v.dtype) for k, v in full_state(trainer).items() if k.endswith(("exp_avg", "exp_avg_sq"))})
+    trainer.close()
+    return losses, dtypes
+
+
+def test_fsdp_shards_step_with_bf16_moments(tmp_path: Path) -> None:
+    """Two ranks, the dense parameters FSDP2 shards (DTensors): the bf16-moment step works on each rank's rows,
+    as the fp32 one (losses within the bound of test_trainer_learns_and_resumes_with_bf16_moments)."""
+    from tests.dist_utils import run_ranks
+
+    (l32, d32), (l16, d16) = (run_ranks(_fsdp_run, 2, str(tmp_path / d), d)[0] for d in ("float32", "bfloat16"))
+    assert d32 == ["torch.float32"] and d16 == ["torch.bfloat16"]
+    assert l16 == pytest.approx(l32, rel=1e-3) and l16 != l32
