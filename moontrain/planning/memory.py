@@ -17,8 +17,8 @@ L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
 - parallel.dense=allreduce: every rank holds all P as fp32 masters and runs them as they are (no
   copies), with fp32 grads of all P and Adam's moments of all P (the dense activations, fp32 then, are
   still counted at the compute dtype).
-- optimizer: Adam's two fp32 moments on the master (sharded as the master; the expert grads and
-  compute rows stay whole).
+- optimizer: Adam's two moments on the master, fp32 or bf16 (optim.state_dtype; sharded as the master; the
+  expert grads and compute rows stay whole).
 - symmetric heap (moonep, beyond the local weight/grad rows above): per projection B slot rows in the
   compute dtype and B reduce-pool rows in fp32, shared by all layers (B = epn, 0 at R = 1). The heap's
   regions (moonep.Layout.heap_bytes) are MemoryEstimate.heap: the memory outside the PyTorch allocator.
@@ -92,11 +92,12 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
     elif dense_mode == "allreduce":  # the fp32 parameters whole on every rank, run as they are
         gathered, dense_grads, dense_shards = 0, 4 * P, 1
     moonep = cfg.experts.backend == "moonep"
+    moments = 2 * (2 if cfg.optim.state_dtype == "bfloat16" else 4)  # Adam's two moments (optim.state_dtype)
     dense = {
         "weights": gathered * compute_bytes,
         "master": 4 * P / dense_shards,
         "grads": dense_grads,
-        "optimizer": 8 * P / dense_shards,
+        "optimizer": moments * P / dense_shards,
         "activations": (S * _activation_bytes_per_token(cfg, compute_bytes, cfg.train.activation_checkpointing)
                         + _head_loss_bytes(cfg, compute_bytes, S)),
     }
@@ -105,7 +106,7 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
         "weights": local * compute_bytes,
         "master": 4 * local / shards,
         "grads": 4 * local,
-        "optimizer": 8 * local / shards,
+        "optimizer": moments * local / shards,
         "symmetric_heap": 0.0,
         "receive_buffers": S * K * H * compute_bytes,
     }

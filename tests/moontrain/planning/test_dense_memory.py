@@ -44,3 +44,14 @@ def test_dense_rows_follow_parallel_dense() -> None:
 def test_the_dry_run_names_the_dense_layout(dense: str, line: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["launch", "recipes/k3_tiny.yaml", f"parallel.dense={dense}", "--dry-run", "--device", "cpu"]) == 0
     assert line in capsys.readouterr().out
+
+
+def test_bf16_moments_halve_the_optimizer_rows() -> None:
+    """optim.state_dtype=bfloat16: Adam's two moments at 2 bytes each, dense and expert rows; nothing else moves."""
+    fp32, bf16 = _k3_small("fsdp"), _k3_small("fsdp")
+    bf16.optim.state_dtype = "bfloat16"
+    counts = count_params(fp32.model)
+    a, b = estimate_memory(fp32, counts, WORLD, BF16), estimate_memory(bf16, counts, WORLD, BF16)
+    assert b.dense["optimizer"] == 4 * counts.dense / WORLD == a.dense["optimizer"] / 2
+    assert b.experts["optimizer"] == a.experts["optimizer"] / 2 > 0
+    assert {k: v for k, v in b.dense.items() if k != "optimizer"} == {k: v for k, v in a.dense.items() if k != "optimizer"}
