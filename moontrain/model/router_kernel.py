@@ -38,8 +38,9 @@ from triton.language.extra import libdevice
 
 from moontrain.model.bf16_mm import mm
 
-# tokens per program: BS x BLOCK_E fp32 values in registers (E <= 512)
-BLOCK_S = 16
+# tokens per program: BS x BLOCK_E fp32 values a tensor in registers, at most 4,096 (sm90, 4 warps: 72 registers at
+# E = 64 with 16 tokens; 228, no spills, at E = 384 with 8; 16 at 384 spills; Triton's ptxas, no GPU needed)
+MAX_ROWS, TILE_ELEMENTS = 16, 4096
 
 
 @triton.jit
@@ -134,7 +135,9 @@ def _route_bwd_kernel(grad_ptr, chosen_ptr, topk_ptr, split_ptr, S, scaling,
 
 
 def _meta(E: int, K: int) -> dict[str, int]:
-    return dict(E=E, K=K, BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(K), BS=BLOCK_S)
+    block_e = triton.next_power_of_2(E)
+    return dict(E=E, K=K, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(K),
+                BS=max(1, min(MAX_ROWS, TILE_ELEMENTS // block_e)))
 
 
 class RoutedScores(torch.autograd.Function):
@@ -149,9 +152,10 @@ class RoutedScores(torch.autograd.Function):
         weights_sK = torch.empty(s, K, dtype=torch.float32, device=x_sD.device)
         topk_sK = torch.empty(s, K, dtype=torch.int64, device=x_sD.device)
         chosen_sK = torch.empty(s, K, dtype=torch.float32, device=x_sD.device)
-        _route_fwd_kernel[(triton.cdiv(s, BLOCK_S),)](
+        meta = _meta(E, K)
+        _route_fwd_kernel[(triton.cdiv(s, meta["BS"]),)](
             logits_sE, bias_E, skew_E, weights_sK, topk_sK, chosen_sK, counts_E, s, float(scaling),
-            HAS_SKEW=skew_E is not None, COUNT=counts_E is not None, HW=x_sD.is_cuda, **_meta(E, K))
+            HAS_SKEW=skew_E is not None, COUNT=counts_E is not None, HW=x_sD.is_cuda, **meta)
         ctx.save_for_backward(x_sD, w_ED, topk_sK, chosen_sK)
         ctx.scaling = float(scaling)
         ctx.mark_non_differentiable(topk_sK)
@@ -162,9 +166,9 @@ class RoutedScores(torch.autograd.Function):
         x_sD, w_ED, topk_sK, chosen_sK = ctx.saved_tensors
         s, E, K = x_sD.shape[0], w_ED.shape[0], topk_sK.shape[1]
         split_s2E = torch.empty(s, 2 * E, dtype=torch.bfloat16, device=x_sD.device)
-        _route_bwd_kernel[(triton.cdiv(s, BLOCK_S),)](
-            grad_sK.float().contiguous(), chosen_sK, topk_sK, split_s2E, s, ctx.scaling, HW=x_sD.is_cuda,
-            **_meta(E, K))
+        meta = _meta(E, K)
+        _route_bwd_kernel[(triton.cdiv(s, meta["BS"]),)](
+            grad_sK.float().contiguous(), chosen_sK, topk_sK, split_s2E, s, ctx.scaling, HW=x_sD.is_cuda, **meta)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # g_hi w + g_lo w, one GEMM of K = 2E
             grad_x = mm(split_s2E, torch.cat([w_ED, w_ED]), x_sD.dtype)

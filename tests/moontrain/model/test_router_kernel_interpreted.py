@@ -54,7 +54,7 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None
 
 
 @pytest.mark.parametrize(("E", "K", "s", "skew"), [(16, 2, 37, 0.0), (20, 3, 16, 0.0), (16, 4, 50, 0.7),
-                                                   (64, 8, 33, 0.0), (7, 7, 5, 0.0)])
+                                                   (64, 8, 33, 0.0), (7, 7, 5, 0.0), (300, 8, 20, 0.0)])
 def test_kernel_route_matches_the_pytorch_math(E: int, K: int, s: int, skew: float) -> None:
     ref, ker = _pair(E, K, seed=E + K + s, skew=skew)
     gen = torch.Generator().manual_seed(s)
