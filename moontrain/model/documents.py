@@ -12,8 +12,9 @@ Attention paths, one per device kind, same math:
 - CPU: SDPA with a boolean [B, 1, T, T] mask (causal and same document). The T x T mask is fine at CPU
   sizes.
 - CUDA: flex_attention with a block mask built once per forward (shared by every MLA layer) from the
-  documents' block bounds (flex_block_mask), compiled: no T x T tensor, fully masked blocks skipped. It takes qk and v at their own head dims. Its Triton
-  backward has no atomics (dQ per query block, dK/dV per key block), so it is deterministic.
+  documents' block bounds (flex_block_mask), compiled: no T x T tensor, fully masked blocks skipped. It
+  takes qk and v at their own head dims. Its Triton backward has no atomics (dQ per query block, dK/dV per
+  key block), so it is deterministic.
 - No documents: SDPA with is_causal (cuDNN or memory-efficient attention on CUDA, whose backward
   accumulates dQ with atomics), or, in deterministic mode (train.deterministic), flex_attention with the
   plain causal block mask of causal_flex_mask: a DocumentMask without document ids, which the KDA layers

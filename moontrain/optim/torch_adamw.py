@@ -12,9 +12,10 @@ bf16, the step computes in fp32 from their widened values and rounds them to nea
 stay fp32. Half the moments' memory (4 bytes a parameter fewer) and, in the write-back pass
 (moontrain.optim.write_back_kernel, which is the same math), 22 bytes of traffic a parameter instead of 30.
 With beta2 = 0.95 a step moves v by 5 % of (g^2 - v), well above bf16's 2^-8 resolution; at beta2 = 0.999 most
-steps would round back to the old v. The step here (_widened_step) is the specification the kernel is tested
-against, in torch ops per parameter: the fused kernel's formula, with the clip factor and the skip flag
-applied as torch's fused kernel applies them.
+steps would round back to the old v. The step here (_widened_step) runs the parameters it steps (FSDP's shards,
+the CPU's) through that kernel on a GPU (one launch a group) and through torch ops elsewhere: the kernel's
+formula, with the clip factor and the skip flag applied as torch's fused kernel applies them, which is the
+specification the kernel is tested against.
 """
 
 from __future__ import annotations
@@ -96,9 +97,19 @@ class AdamW(torch.optim.AdamW):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            if _kernel_steps(params, [self.init_state(p) for p in params]):
+                from moontrain.optim.write_back_kernel import adamw_write_back_  # imports triton
+
+                ts = [[_local(t) for t in (p, p.grad, self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"])]
+                      for p in params]
+                ps, gs, ms, vs = (list(x) for x in zip(*ts, strict=True))
+                # the write-back pass with each parameter as its own "compute copy" (the same value stored twice)
+                adamw_write_back_(ps, gs, ms, vs, [self.state[p]["step"] for p in params], ps, lr=lr, beta1=beta1,
+                                  beta2=beta2, eps=eps, weight_decay=wd, grad_scale=scale, found_inf=found_inf,
+                                  zero_grads=False)
+                continue
+            for param in params:
                 state = self.init_state(param)
                 step = state["step"]
                 step += 1
@@ -123,3 +134,12 @@ class AdamW(torch.optim.AdamW):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _kernel_steps(params: list[torch.Tensor], states: list[dict]) -> bool:
+    """Whether moontrain.optim.write_back_kernel steps these parameters (one launch): on CUDA, contiguous fp32
+    masters and grads at 16-byte-aligned addresses, as FSDP's shards and plain masters are; else the torch ops."""
+    tensors = [_local(t) for p, st in zip(params, states, strict=True)
+               for t in (p, p.grad, st["exp_avg"], st["exp_avg_sq"])]
+    return bool(params) and all(t.is_cuda and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors) and all(
+        _local(p).dtype == _local(p.grad).dtype == torch.float32 for p in params)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.moontrain.optim.write_back_cases import (
+    check_bf16_moment_step_on_the_gpu_matches_the_cpu,
     check_write_back_bf16_moments,
     check_write_back_many_tensors,
     check_write_back_matches_adamw,
@@ -28,3 +29,7 @@ def test_write_back_steps_many_tensors_in_one_launch_gpu() -> None:
 
 def test_write_back_with_bf16_moments_matches_its_specification_gpu() -> None:
     check_write_back_bf16_moments("cuda")
+
+
+def test_bf16_moment_step_of_the_rest_runs_the_kernel_gpu() -> None:
+    check_bf16_moment_step_on_the_gpu_matches_the_cpu()

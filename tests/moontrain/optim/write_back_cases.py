@@ -206,3 +206,36 @@ def check_write_back_bf16_moments(device: str) -> None:
         for p, out in zip(ours[:2], outs, strict=True):
             want = p.detach().to(out.dtype)
             assert bool(((out.float() - want.float()).abs() <= want.float().abs() * 2.0**-7).all())
+
+
+def check_bf16_moment_step_on_the_gpu_matches_the_cpu() -> None:
+    """moontrain's AdamW with bf16 moments steps GPU parameters that are not written back (FSDP's shards, here
+    plain ones) through the write-back kernel, CPU ones through torch ops (the specification): the same 4 steps
+    (a clip factor, a skipped step) on both, within check_write_back_bf16_moments's bounds."""
+    from moontrain.optim.torch_adamw import AdamW
+
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(3, 40, 24), (5, 16, 7), (33,)]
+    init = [torch.randn(s, generator=gen) * 0.05 for s in shapes]
+    sides = {}
+    for device in ("cpu", "cuda"):
+        ps = [torch.nn.Parameter(t.clone().to(device)) for t in init]
+        sides[device] = (ps, AdamW([{"params": ps, "weight_decay": WD}], lr=LR, betas=BETAS, eps=EPS,
+                                   state_dtype=torch.bfloat16))
+    for step, (scale, skip) in enumerate(((None, 0.0), (2.5, 0.0), (1.0, 1.0), (None, 0.0))):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        for device, (ps, opt) in sides.items():
+            for p, g in zip(ps, grads, strict=True):
+                p.grad = g.to(device)
+            if scale is not None:
+                opt.clip_next_step(torch.tensor(scale, device=device))
+            opt.skip_next_step_if(torch.tensor(skip, device=device))
+            opt.step()
+        (cpu_ps, cpu_opt), (gpu_ps, gpu_opt) = sides["cpu"], sides["cuda"]
+        for p, q in zip(cpu_ps, gpu_ps, strict=True):
+            for key in ("exp_avg", "exp_avg_sq"):
+                a, b = gpu_opt.state[q][key].cpu().float(), cpu_opt.state[p][key].float()
+                torch.testing.assert_close(a, b, rtol=0, atol=3 * 2.0**-8 * float(b.abs().max()), msg=f"{step} {key}")
+            tol = 3 * 2.0**-8 * 4 * LR + 64 * 2.0**-24 * float(p.detach().abs().max())
+            torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=0, atol=tol, msg=f"step {step}: param")
+            assert float(gpu_opt.state[q]["step"]) == float(cpu_opt.state[p]["step"]) == (1, 2, 2, 3)[step]
