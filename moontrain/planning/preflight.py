@@ -1,4 +1,5 @@
-"""Checks a launch can make before any process starts: the data paths and tokenizer, and host memory on CPU.
+"""Checks a launch can make before any process starts: the data paths and tokenizer, host memory on CPU, and the
+GPU's memory against the estimate (in the dry run, and on the first rank before it trains).
 
 Data: every file source (training and evaluation) names existing files of a known format whose text
 column (text_field, or the pre-tokenized ids_field) exists, and the tokenizer loads and fits
@@ -8,6 +9,11 @@ source's key (data.path, data.sources.NAME.path, eval.data.path).
 
 Host memory: a CPU run keeps every rank's weights, optimizer state and activations in host memory; the
 per-rank estimate of planning.memory times the ranks on this host is compared with MemAvailable.
+
+GPU memory: the per-rank estimate against the GPU's; where it does not fit, the estimate again with each
+setting that shrinks it and the recipe lacks (SMALLER, one on top of the other), so a newcomer whose GPU is
+smaller than the recipe's sees what to add to the command line (k3_small at EP = 1 on an 80 GB H100: bf16
+moments and activation recomputation). The estimate is rough (planning.memory), so a launch only warns.
 """
 
 from __future__ import annotations
@@ -99,3 +105,47 @@ def host_memory_line(cfg: RunConfig, world_size: int, local_ranks: int) -> tuple
     fits = need <= 0.9 * have
     return (f"host memory: need ~{need / 2**30:.2f} GiB for {local_ranks} CPU rank(s), {have / 2**30:.1f} GiB "
             f"available: {'fits' if fits else 'does NOT fit'}"), fits
+
+
+H200_BYTES = 141e9
+# settings that shrink the estimate, tried in this order, each on top of the ones before
+SMALLER = (("optim.state_dtype=bfloat16", "optim", "state_dtype", "bfloat16"),
+           ("train.activation_checkpointing=true", "train", "activation_checkpointing", True))
+
+
+def visible_gpu_memory() -> tuple[str, float]:
+    """(what, bytes): the visible GPU's memory (this creates a CUDA context), else an H200's as the reference."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return f"this GPU ({props.name})", float(props.total_memory)
+    return "an H200", H200_BYTES
+
+
+def smaller_settings(cfg: RunConfig, world_size: int, compute_bytes: int, have: float) -> list[str]:
+    """The estimate with the SMALLER settings the recipe lacks, added one after another, and whether each fits."""
+    import copy
+
+    out, trial, added = [], copy.deepcopy(cfg), []
+    counts = count_params(cfg.model)
+    for key, section, field, value in SMALLER:
+        if getattr(getattr(trial, section), field) == value or (section == "optim" and trial.optim.name != "adamw"):
+            continue
+        setattr(getattr(trial, section), field, value)
+        added.append(key)
+        total = estimate_memory(trial, counts, world_size, compute_bytes).total
+        out.append(f"with {' '.join(added)}: {total / 2**30:.2f} GiB ({'fits' if total <= have else 'does NOT fit'})")
+    return out or ["a smaller train.micro_batch_size, a larger parallel.ep or more GPUs (the estimate is per rank)"]
+
+
+def gpu_memory_warning(cfg: RunConfig, world_size: int, what: str, have: float) -> str | None:
+    """None where the per-rank estimate fits `have` bytes; else one line: the estimate, the GPU's memory and
+    smaller_settings."""
+    compute_bytes = 4 if cfg.parallel.compute_dtype == "float32" else 2
+    need = estimate_memory(cfg, count_params(cfg.model), world_size, compute_bytes).total
+    if need <= have:
+        return None
+    return (f"the memory estimate is {need / 2**30:.1f} GiB a rank and {what} has {have / 2**30:.1f} GiB, so this run "
+            f"may run out of memory; {'; '.join(smaller_settings(cfg, world_size, compute_bytes, have))} "
+            "(the rows: moontrain launch <recipe> --dry-run)")

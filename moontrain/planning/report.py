@@ -7,12 +7,13 @@ from moonep import remote_experts
 from moontrain.config.run_config import RunConfig
 from moontrain.model.params import count_params
 from moontrain.planning.memory import ROWS, MemoryEstimate, estimate_memory
+from moontrain.planning.preflight import smaller_settings, visible_gpu_memory
 from moontrain.planning.step_time import step_time_lines
 
-H200_BYTES = 141e9
 
-
-def dry_run_report(cfg: RunConfig, world_size: int, device: str) -> str:
+def dry_run_report(cfg: RunConfig, world_size: int, device: str,
+                   gpu_memory: tuple[str, float] | None = None) -> str:
+    """gpu_memory: (what, bytes) of the GPU the run will use (default: the visible one, else an H200's)."""
     m, R = cfg.model, cfg.parallel.ep
     epn = m.num_experts // R
     dtype = cfg.parallel.compute_dtype
@@ -50,8 +51,12 @@ def dry_run_report(cfg: RunConfig, world_size: int, device: str) -> str:
     lines.append(f"  {'total':<16} {'':>12} {'':>12} {_bytes(mem.total):>12}")
     recompute = "with" if cfg.train.activation_checkpointing else "without"
     if device == "cuda":
-        lines.append(f"  (activations {recompute} recomputation; an H200 has {_bytes(H200_BYTES)}: "
-                     f"{'fits' if mem.total <= H200_BYTES else 'does NOT fit'})")
+        what, have = gpu_memory if gpu_memory is not None else visible_gpu_memory()
+        fits = mem.total <= have
+        lines.append(f"  (activations {recompute} recomputation; {what} has {_bytes(have)}: "
+                     f"{'fits' if fits else 'does NOT fit'})")
+        if not fits:
+            lines += [f"  {line}" for line in smaller_settings(cfg, world_size, compute_bytes, have)]
     else:  # the host-memory check follows under == checks ==
         lines.append(f"  (activations {recompute} recomputation)")
     if mem.heap:

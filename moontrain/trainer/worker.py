@@ -46,6 +46,7 @@ from moontrain.parallel.heartbeat import Heartbeat
 from moontrain.parallel.hosts import check_ep_group_hosts
 from moontrain.parallel.job_store import worker_store
 from moontrain.parallel.layout import ParallelLayout, build_layout
+from moontrain.planning.preflight import gpu_memory_warning
 from moontrain.supervisor import die_with_parent
 from moontrain.trainer.determinism import set_cublas_workspace
 from moontrain.trainer.errors import one_line
@@ -173,6 +174,11 @@ def _train_locked(cfg: RunConfig, device: torch.device, preemption: PreemptionHa
         print(f"moontrain: config: {config_path} (the recipe with its overrides, resolved)", flush=True)
         if (warning := kda_fallback_warning(cfg.model, cfg.kernels.kda, device)) is not None:
             print(f"moontrain: {warning}", flush=True)
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            warning = gpu_memory_warning(cfg, layout.world_size, f"this GPU ({props.name})", props.total_memory)
+            if warning is not None:
+                print(f"moontrain: warning: {warning}", flush=True)
     trainer = Trainer(cfg, layout)
     trainer.preemption = preemption
     sink = None
