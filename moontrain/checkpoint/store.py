@@ -339,7 +339,8 @@ def _load_optimizer(run: TrainState, source: TensorSource, state: dict[str, Any]
                     if group.get("fused") or group.get("capturable"):  # torch keeps these steps on the device
                         value = value.to(device=local_tensor(p).device, dtype=torch.float32)
                 else:  # in the run's moment dtype (optim.state_dtype), whatever the checkpoint's: read_into casts
-                    dtype = getattr(opt, "state_dtype", p.dtype) if key in ("exp_avg", "exp_avg_sq") else p.dtype
+                    moments = key in ("exp_avg", "exp_avg_sq") and hasattr(opt, "moment_dtype")
+                    dtype = opt.moment_dtype(p) if moments else p.dtype
                     value = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
                     source.read_into(f"optim.{name}.{key}", own.offset, own.rows, local_tensor(value))
                 entry[key] = value

@@ -92,7 +92,16 @@ class Router(nn.Module):
         super().__init__()
         from moontrain.model.kernel_choice import runs_cuda_kernels
 
-        self.kernel = runs_cuda_kernels("router", kernel, device, "the PyTorch math") and gemm == "split_bf16"
+        self.kernel = runs_cuda_kernels("router", kernel, device, "the PyTorch math")
+        self.kernel_forced = kernel == "triton"
+        if self.kernel:
+            from moontrain.model.router_kernel import unsupported
+
+            why = unsupported(cfg.num_experts, cfg.num_experts_per_tok, gemm=gemm, groups=cfg.num_expert_groups,
+                              seq_aux_loss_coef=cfg.seq_aux_loss_coef)
+            if why is not None and self.kernel_forced:
+                raise ValueError(f"kernels.router=triton: {why}; kernels.router=auto runs the PyTorch math there")
+            self.kernel = why is None
         self.num_experts = cfg.num_experts
         self.topk = cfg.num_experts_per_tok
         self.scaling = cfg.routed_scaling_factor
@@ -119,8 +128,7 @@ class Router(nn.Module):
 
     def forward(self, x_sD: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Returns (weights_sK fp32, topk_sK int64, sequence aux loss or None)."""
-        if (self.kernel and self.num_groups == 1 and self.seq_aux_loss_coef == 0
-                and x_sD.dtype == self.weight.dtype == torch.bfloat16):
+        if self.kernel and x_sD.dtype == self.weight.dtype == torch.bfloat16:
             from moontrain.model.router_kernel import routed_scores
 
             weights_sK, topk_sK = routed_scores(x_sD, self.weight, self.score_bias_E,
@@ -130,6 +138,9 @@ class Router(nn.Module):
             if self._counting and self.mean_free_updates:
                 self.input_sum_D += x_sD.detach().sum(0, dtype=torch.float32)
             return weights_sK, topk_sK, None
+        if self.kernel and self.kernel_forced:
+            raise ValueError(f"kernels.router=triton needs bf16 activations and router weights, got {x_sD.dtype} and "
+                             f"{self.weight.dtype}; kernels.router=auto runs the PyTorch math for them")
         if self.split_bf16 and x_sD.is_cuda and x_sD.dtype == torch.bfloat16:
             logits_sE = RouterLogits.apply(x_sD, self.weight.float())
         else:

@@ -178,6 +178,26 @@ class RoutedScores(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None, None
 
 
+MAX_EXPERTS = 512  # BLOCK_E: one program holds a token's scores over every expert
+
+
+def unsupported(num_experts: int, topk: int, *, gemm: str = "split_bf16", groups: int = 1,
+                seq_aux_loss_coef: float = 0.0) -> str | None:
+    """Why a router of this shape cannot run these kernels (None: it can): kernels.router=auto then runs the
+    PyTorch math, kernels.router=triton is refused with the reason."""
+    if num_experts > MAX_EXPERTS:
+        return f"{num_experts} experts (the kernel holds at most {MAX_EXPERTS} per token)"
+    if not 1 <= topk <= num_experts:
+        return f"top-{topk} of {num_experts} experts"
+    if gemm != "split_bf16":
+        return f"kernels.router_gemm={gemm} (the kernels take split_bf16's bf16 GEMMs)"
+    if groups > 1:
+        return f"model.num_expert_groups={groups} (group-limited routing)"
+    if seq_aux_loss_coef > 0:
+        return f"model.seq_aux_loss_coef={seq_aux_loss_coef} (the sequence aux loss reads every score)"
+    return None
+
+
 def routed_scores(x_sD: torch.Tensor, w_ED: torch.Tensor, bias_E: torch.Tensor, skew_E: torch.Tensor | None,
                   counts_E: torch.Tensor | None, K: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """RoutedScores for bf16 x_sD [s, D] and w_ED [E, D] (the module docstring); bias_E, skew_E fp32 [E]."""
@@ -185,8 +205,8 @@ def routed_scores(x_sD: torch.Tensor, w_ED: torch.Tensor, bias_E: torch.Tensor, 
         raise ValueError(f"routed_scores: x and w must be bf16 (got {x_sD.dtype}, {w_ED.dtype}); "
                          "kernels.router=torch runs other dtypes")
     E = w_ED.shape[0]
-    if not 1 <= K <= E or E > 512:
-        raise ValueError(f"routed_scores: top-{K} of {E} experts; the kernel takes 1 <= K <= E <= 512 "
+    if not 1 <= K <= E or E > MAX_EXPERTS:
+        raise ValueError(f"routed_scores: top-{K} of {E} experts; the kernel takes 1 <= K <= E <= {MAX_EXPERTS} "
                          "(kernels.router=torch runs any)")
     for name, t in (("bias_E", bias_E), ("skew_E", skew_E)):
         if t is not None and (t.dtype != torch.float32 or t.shape != (E,) or not t.is_contiguous()):

@@ -67,13 +67,19 @@ class AdamW(torch.optim.AdamW):
     def written_back(self) -> frozenset[int]:
         return frozenset()
 
+    def moment_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype of p's moments: state_dtype when it is narrower than fp32 (optim.state_dtype), else p's (torch's
+        own AdamW keeps its parameters' dtype)."""
+        return self.state_dtype if self.widened else p.dtype
+
     def init_state(self, p: torch.Tensor) -> dict:
         """p's state as the first step makes it (a float32 step count on p's device, zero moments)."""
         state = self.state[p]
         if not state:
+            dtype = self.moment_dtype(p)
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         elif state["step"].device != p.device:  # e.g. a step count restored on the CPU
             state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
         return state
@@ -98,18 +104,19 @@ class AdamW(torch.optim.AdamW):
             beta1, beta2 = group["betas"]
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
             params = [p for p in group["params"] if p.grad is not None]
-            if _kernel_steps(params, [self.init_state(p) for p in params]):
+            fast = [p for p in params if _kernel_steps(p, self.init_state(p))]
+            if fast:
                 from moontrain.optim.write_back_kernel import adamw_write_back_  # imports triton
 
                 ts = [[_local(t) for t in (p, p.grad, self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"])]
-                      for p in params]
+                      for p in fast]
                 ps, gs, ms, vs = (list(x) for x in zip(*ts, strict=True))
                 # the write-back pass with each parameter as its own "compute copy" (the same value stored twice)
-                adamw_write_back_(ps, gs, ms, vs, [self.state[p]["step"] for p in params], ps, lr=lr, beta1=beta1,
+                adamw_write_back_(ps, gs, ms, vs, [self.state[p]["step"] for p in fast], ps, lr=lr, beta1=beta1,
                                   beta2=beta2, eps=eps, weight_decay=wd, grad_scale=scale, found_inf=found_inf,
                                   zero_grads=False)
-                continue
-            for param in params:
+            kernel = {id(p) for p in fast}
+            for param in (p for p in params if id(p) not in kernel):
                 state = self.init_state(param)
                 step = state["step"]
                 step += 1
@@ -136,10 +143,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _kernel_steps(params: list[torch.Tensor], states: list[dict]) -> bool:
-    """Whether moontrain.optim.write_back_kernel steps these parameters (one launch): on CUDA, contiguous fp32
-    masters and grads at 16-byte-aligned addresses, as FSDP's shards and plain masters are; else the torch ops."""
-    tensors = [_local(t) for p, st in zip(params, states, strict=True)
-               for t in (p, p.grad, st["exp_avg"], st["exp_avg_sq"])]
-    return bool(params) and all(t.is_cuda and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors) and all(
-        _local(p).dtype == _local(p.grad).dtype == torch.float32 for p in params)
+def _kernel_steps(p: torch.Tensor, state: dict) -> bool:
+    """Whether moontrain.optim.write_back_kernel steps p (with the group's others, one launch): on CUDA, a
+    contiguous fp32 master and grad and bf16 moments at 16-byte-aligned addresses; else the torch ops (an FSDP
+    grad can start mid-line where a small parameter's shard ends before it in the reduce-scatter buffer)."""
+    tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+    return (all(t.is_cuda and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
+            and tensors[0].dtype == tensors[1].dtype == torch.float32
+            and tensors[2].dtype == tensors[3].dtype == torch.bfloat16)

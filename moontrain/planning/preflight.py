@@ -130,7 +130,8 @@ def smaller_settings(cfg: RunConfig, world_size: int, compute_bytes: int, have: 
     out, trial, added = [], copy.deepcopy(cfg), []
     counts = count_params(cfg.model)
     for key, section, field, value in SMALLER:
-        if getattr(getattr(trial, section), field) == value or (section == "optim" and trial.optim.name != "adamw"):
+        if getattr(getattr(trial, section), field) == value or (
+                section == "optim" and (trial.optim.name != "adamw" or trial.optim.fused)):  # what OptimConfig refuses
             continue
         setattr(getattr(trial, section), field, value)
         added.append(key)

@@ -125,3 +125,29 @@ def test_bad_inputs_name_the_fix() -> None:
         routed_scores(x, w, bias.double(), None, None, 2, 1.0)
     with pytest.raises(ValueError, match="counts_E"):
         routed_scores(x, w, bias, None, torch.zeros(6, dtype=torch.int32), 2, 1.0)
+
+
+def test_routers_the_kernels_cannot_take_fall_back_or_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto runs the PyTorch math where the kernels do not apply (auto picks kernels on CUDA only: the device
+    check is patched to say CUDA); triton is refused at construction, naming the reason and the fix. K3's 896
+    experts: beyond the kernel's 512."""
+    import dataclasses
+
+    from moontrain.model import kernel_choice
+
+    choose = kernel_choice.runs_cuda_kernels
+    monkeypatch.setattr(kernel_choice, "runs_cuda_kernels",
+                        lambda option, choice, device, path: choice == "auto" or choose(option, choice, device, path))
+    base = _cfg(16, 2)
+    assert Router(base, kernel="auto").kernel  # the shape the kernels take
+    for over, reason in (({"num_experts": 896, "num_experts_per_tok": 16, "moe_latent_size": 16}, "896 experts"),
+                         ({"num_expert_groups": 4, "topk_expert_groups": 2}, "num_expert_groups=4"),
+                         ({"seq_aux_loss_coef": 1e-3}, "seq_aux_loss_coef")):
+        cfg = dataclasses.replace(base, **over)
+        assert not Router(cfg, kernel="auto").kernel
+        with pytest.raises(ValueError, match=rf"kernels\.router=triton: .*{reason}.*kernels\.router=auto"):
+            Router(cfg, kernel="triton")
+    assert not Router(base, kernel="auto", gemm="fp32").kernel
+    forced = Router(base, kernel="triton")
+    with pytest.raises(ValueError, match=r"needs bf16 activations and router weights"):
+        forced(torch.zeros(3, 48), batch=1)  # fp32 weights and activations
