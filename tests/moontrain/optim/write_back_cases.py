@@ -211,15 +211,19 @@ def check_write_back_bf16_moments(device: str) -> None:
 def check_bf16_moment_step_on_the_gpu_matches_the_cpu() -> None:
     """moontrain's AdamW with bf16 moments steps GPU parameters that are not written back (FSDP's shards, here
     plain ones) through the write-back kernel, CPU ones through torch ops (the specification): the same 4 steps
-    (a clip factor, a skipped step) on both, within check_write_back_bf16_moments's bounds."""
+    (a clip factor, a skipped step) on both, within check_write_back_bf16_moments's bounds. The last parameter
+    starts 4 bytes past a 16-byte boundary (as an FSDP grad can): it takes the torch ops on the GPU too, in the
+    same group."""
     from moontrain.optim.torch_adamw import AdamW
 
     gen = torch.Generator().manual_seed(7)
-    shapes = [(3, 40, 24), (5, 16, 7), (33,)]
+    shapes = [(3, 40, 24), (5, 16, 7), (33,), (45,)]
     init = [torch.randn(s, generator=gen) * 0.05 for s in shapes]
     sides = {}
     for device in ("cpu", "cuda"):
-        ps = [torch.nn.Parameter(t.clone().to(device)) for t in init]
+        ps = [torch.nn.Parameter(t.clone().to(device)) for t in init[:-1]]
+        ps.append(torch.nn.Parameter(torch.cat([torch.zeros(1), init[-1]]).to(device)[1:]))  # misaligned
+        assert device == "cpu" or ps[-1].data_ptr() % 16 == 4
         sides[device] = (ps, AdamW([{"params": ps, "weight_decay": WD}], lr=LR, betas=BETAS, eps=EPS,
                                    state_dtype=torch.bfloat16))
     for step, (scale, skip) in enumerate(((None, 0.0), (2.5, 0.0), (1.0, 1.0), (None, 0.0))):
