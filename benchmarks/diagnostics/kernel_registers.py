@@ -2,7 +2,8 @@
 chunk_kda_bwd_kernel_wy_dqkg_fused and moontrain.model.kda.dqkg_kernel's two kernels (and the intra-chunk
 stage: fla's chunk_kda_bwd_kernel_intra over its autotune list, moontrain.model.kda.intra_kernel over its
 own; then the short convolution's kernels, dpre over bench_short_conv's tiles and the walking backward over its
-spans), compiled by Triton for
+spans; then the router's routing kernels and the write-back AdamW kernel with fp32 and bf16 moments), compiled by
+Triton for
 sm90 (H100 / H200) at k3_small's shape (16 heads, K = V = 128, chunk 64, bf16, no documents) and read back
 with the ptxas Triton ships (`ptxas -v`).
 
@@ -122,6 +123,34 @@ def main() -> None:
         print(f"moontrain _finish_kernel        - {bv:3d} {w:5d} {2:6d}  "
               f"{ptxas_report(ours._finish_kernel, pointers, consts, w, 2)}", flush=True)
     short_conv_rows()
+    router_and_write_back_rows()
+
+
+def router_and_write_back_rows() -> None:
+    """The router's routing kernels (moontrain.model.router_kernel) at k3_small's 64 experts and K3's 384 with the
+    tokens per program their launcher picks, and the write-back AdamW kernel with fp32 and bf16 moments."""
+    from moontrain.model import router_kernel as rk
+    from moontrain.optim import write_back_kernel as wk
+
+    print("kernel (router, top-8)          E  rows warps")
+    fwd = {"logit_ptr": "*fp32", "bias_ptr": "*fp32", "skew_ptr": "*fp32", "weight_ptr": "*fp32",
+           "topk_ptr": "*i64", "chosen_ptr": "*fp32", "count_ptr": "*i64", "scaling": "fp32"}
+    bwd = {"grad_ptr": "*fp32", "chosen_ptr": "*fp32", "topk_ptr": "*i64", "split_ptr": "*bf16", "scaling": "fp32"}
+    for E in (64, 384):
+        meta = dict(rk._meta(E, 8), HW=True)
+        print(f"moontrain _route_fwd_kernel   {E:4d} {meta['BS']:5d} {4:5d}  "
+              f"{ptxas_report(rk._route_fwd_kernel, fwd, dict(meta, HAS_SKEW=False, COUNT=True), 4, 1)}", flush=True)
+        print(f"moontrain _route_bwd_kernel   {E:4d} {meta['BS']:5d} {4:5d}  "
+              f"{ptxas_report(rk._route_bwd_kernel, bwd, meta, 4, 1)}", flush=True)
+    ptrs = {"ptrs_ptr": "*i64", "numel_ptr": "*i64", "first_ptr": "*i64", "owner_ptr": "*i32", "bc_ptr": "*fp32",
+            "scale_ptr": "*fp32", "skip_ptr": "*fp32", "lr": "fp32", "beta1": "fp32", "beta2": "fp32", "eps": "fp32",
+            "weight_decay": "fp32"}
+    block, warps = wk.TILE
+    print("kernel (write-back AdamW)     moments  block warps")
+    for bf16 in (False, True):
+        consts = dict(HAS_SCALE=True, HAS_SKIP=True, ZERO=False, OUT_KIND=1, STATE_BF16=bf16, BLOCK=block)
+        print(f"moontrain _adamw_write_back   {'bf16' if bf16 else 'fp32':>7} {block:6d} {warps:5d}  "
+              f"{ptxas_report(wk._adamw_write_back_kernel, ptrs, consts, warps, 1)}", flush=True)
 
 
 def short_conv_rows() -> None:
