@@ -128,6 +128,8 @@ class Router(nn.Module):
 
     def forward(self, x_sD: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Returns (weights_sK fp32, topk_sK int64, sequence aux loss or None)."""
+        if self._counting and self.mean_free_updates:  # the step's mean input direction (router_updates)
+            self.input_sum_D += x_sD.detach().sum(0, dtype=torch.float32)
         if self.kernel and x_sD.dtype == self.weight.dtype == torch.bfloat16:
             from moontrain.model.router_kernel import routed_scores
 
@@ -135,8 +137,6 @@ class Router(nn.Module):
                                                 self.skew_bias_E if self.skew else None,
                                                 self.tokens_per_expert_E if self._counting else None,
                                                 self.topk, self.scaling)
-            if self._counting and self.mean_free_updates:
-                self.input_sum_D += x_sD.detach().sum(0, dtype=torch.float32)
             return weights_sK, topk_sK, None
         if self.kernel and self.kernel_forced:
             raise ValueError(f"kernels.router=triton needs bf16 activations and router weights, got {x_sD.dtype} and "
@@ -158,8 +158,6 @@ class Router(nn.Module):
             # index_add_, not bincount: CUDA bincount reads the max id on the host (a sync per layer)
             flat = topk_sK.flatten()
             self.tokens_per_expert_E.index_add_(0, flat, torch.ones_like(flat))
-            if self.mean_free_updates:  # the step's mean input direction (moontrain.model.router_updates)
-                self.input_sum_D += x_sD.detach().sum(0, dtype=torch.float32)
         aux = None
         if self.seq_aux_loss_coef > 0:
             aux = self._sequence_aux_loss(scores_sE, topk_sK, batch)
