@@ -2,7 +2,8 @@
 chunk_kda_bwd_kernel_wy_dqkg_fused and moontrain.model.kda.dqkg_kernel's two kernels (and the intra-chunk
 stage: fla's chunk_kda_bwd_kernel_intra over its autotune list, moontrain.model.kda.intra_kernel over its
 own; then the short convolution's kernels, dpre over bench_short_conv's tiles and the walking backward over its
-spans; then the router's routing kernels and the write-back AdamW kernel with fp32 and bf16 moments), compiled by
+spans; then the router's routing kernels and the write-back AdamW kernel with fp32 and bf16 moments; then KDA's
+gate-and-norm kernels over 4 / 8 / 16 warps), compiled by
 Triton for
 sm90 (H100 / H200) at k3_small's shape (16 heads, K = V = 128, chunk 64, bf16, no documents) and read back
 with the ptxas Triton ships (`ptxas -v`).
@@ -124,6 +125,7 @@ def main() -> None:
               f"{ptxas_report(ours._finish_kernel, pointers, consts, w, 2)}", flush=True)
     short_conv_rows()
     router_and_write_back_rows()
+    gate_norm_rows()
 
 
 def router_and_write_back_rows() -> None:
@@ -178,6 +180,27 @@ def short_conv_rows() -> None:
             consts = dict(W=4, HAS_DOCS=docs, SPAN=span, BLOCK_C=bc)
             print(f"moontrain _short_conv_bwd_walk   {span:3d} {bc:4d} {w:4d} {docs!s:>6}  "
                   f"{ptxas_report(conv._short_conv_bwd_walk_kernel, ptrs, consts, w, 3)}", flush=True)
+
+
+def gate_norm_rows() -> None:
+    """KDA's gate-and-norm kernels (moontrain.model.kda.gate_norm_kernel, kernels.kda_gate_norm) at k3_small's heads
+    (the bounded gate, no documents) over 4, 8 and 16 warps: one program holds a [64, K] tile of each tensor it
+    reads, so the warps set the registers a thread needs and, through them, the programs an SM holds."""
+    from moontrain.model.kda import gate_norm_kernel as gn
+
+    fwd = {n: "*bf16" for n in ("q", "k", "f", "qn", "kn")}
+    fwd |= {n: "*fp32" for n in ("A_log", "dt_bias", "q_rstd", "k_rstd", "g")}
+    fwd |= {"cu_seqlens": "*i64", "chunk_indices": "*i64", "lower_bound": "fp32", "eps": "fp32"}
+    bwd = {n: "*fp32" for n in ("dq", "dk", "dg", "q_rstd", "k_rstd", "A_log", "dt_bias", "dA_part", "dbias_part")}
+    bwd |= {n: "*bf16" for n in ("qn", "kn", "f", "dq_in", "dk_in", "df")}
+    bwd |= {"cu_seqlens": "*i64", "chunk_indices": "*i64", "lower_bound": "fp32"}
+    consts = dict(H=SHAPE["H"], K=SHAPE["K"], BT=SHAPE["BT"], IS_VARLEN=False, USE_LOWER_BOUND=True)
+    print("kernel (KDA gate and norms)       warps")
+    for w in (4, 8, 16):
+        print(f"moontrain gate_norm _forward_kernel {w:4d}  "
+              f"{ptxas_report(gn._forward_kernel, fwd, dict(consts, NORMS=True), w, 3)}", flush=True)
+        print(f"moontrain gate_norm _backward_kernel{w:4d}  "
+              f"{ptxas_report(gn._backward_kernel, bwd, consts, w, 3)}", flush=True)
 
 
 if __name__ == "__main__":
