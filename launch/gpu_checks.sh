@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|router|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|kdakernels|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|k3ab|k3ref|learning ...]
-#   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, router, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, kdakernels, opsites, outputcode, optim,
-#   determinism, ckpt, dense, mfu, k3, k3ab and k3ref run on one GPU)
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|router|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|gatenorm|kdakernels|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|k3ab|k3ref|learning ...]
+#   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, router, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, gatenorm, kdakernels, opsites, outputcode,
+#   optim, determinism, ckpt, dense, mfu, k3, k3ab and k3ref run on one GPU)
 # tests: on one GPU the single-GPU tier (`pytest -m "gpu or multigpu"`, the multigpu tests skip) in TEST_WORKERS
 # (default 4) pytest-xdist workers sharing the GPU, whole files per worker, TEST_LIMIT s (default 300) per test
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
 # absent. On 2+ GPUs the tier under torchrun --nproc_per_node=2, one log per rank (OUT_DIR/tests_r<rank>.log).
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
-# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / ROUTER_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT / K3_TIMEOUT (s), MFU_ARGS / K3_ARGS (extra overrides for the mfu / k3 steps), K3_AB_ARGS (the overrides k3ab measures against main), REF_TREE (k3ref: a tar.xz of the commit it measures this tree against), K3REF_ROWS (k3ref's rows: 131k
+# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / ROUTER_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / GATENORM_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT / K3_TIMEOUT (s), MFU_ARGS / K3_ARGS (extra overrides for the mfu / k3 steps), K3_AB_ARGS (the overrides k3ab measures against main), REF_TREE (k3ref: a tar.xz of the commit it measures this tree against), K3REF_ROWS (k3ref's rows: 131k
 # recipe_batch, the default, or one of them), K3REF_ARGS (extra overrides for k3ref's run of this tree, e.g. kernels.router=auto), OPSITES_ARGS (extra op_sites.py arguments for the opsites / outputcode steps, e.g. --op add), DET_ONLY (runs of check_determinism, default A,B,P,C,D), GEMM_ARGS (bench_expert_gemm.py arguments, e.g. --shapes k3_small --merged-only), COMM_ARGS (bench_comm.py
 # arguments instead of --experts 96 384, e.g. --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
 # --experts 896 --topk 16 --ranks 8).
@@ -214,6 +214,14 @@ for step in "${steps[@]}"; do
            timeout "${WRITEBACK_TIMEOUT:-300}" python -m pytest -q -m gpu tests/moontrain/optim/test_write_back_gpu.py \
              tests/moontrain/parallel/test_plain_dense_gpu.py > "$out/write_back_tests.log" 2>&1
            echo "write-back GPU tests rc=$?"; tail -3 "$out/write_back_tests.log" ;;
+    gatenorm) # KDA's gate-and-norm kernels (kernels.kda_gate_norm=moontrain): their GPU tests (default, 8 and 16
+           # warps), then bench_gate_norm over the warps, with and without documents
+           timeout "${GATENORM_TIMEOUT:-200}" python -m pytest -q -m gpu tests/moontrain/model/kda/test_chunk_gpu.py \
+             -k gate_norm_kernels > "$out/gate_norm_tests.log" 2>&1
+           echo "gate-norm tests rc=$?"; tail -2 "$out/gate_norm_tests.log"
+           timeout "${GATENORM_TIMEOUT:-200}" python benchmarks/bench_gate_norm.py --out "$out/bench_gate_norm.json" \
+             > "$out/gate_norm.log" 2>&1
+           echo "bench_gate_norm rc=$?"; tail -8 "$out/gate_norm.log" ;;
     kdakernels) # KDA's forward + backward by kernel (fla's chunk_kda on the model's route: moontrain's dqkg stage,
            # states kept, then recomputed) at 4 x 4096 x 16, with and without documents
            timeout "${KDAK_TIMEOUT:-300}" python benchmarks/diagnostics/kda_kernels.py --dqkg moontrain \
@@ -231,6 +239,6 @@ for step in "${steps[@]}"; do
            echo "op_sites --compile rc=$?"; head -30 "$out/op_sites_compiled.log"
            grep -oE "def triton_[a-z]+_fused_[A-Za-z0-9_]+" "$out/output_code.log" | sort | uniq -c | sort -rn | head -40
            xz -f "$out/output_code.log" ;;
-    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, kdakernels, opsites, outputcode, optim, determinism, ckpt, dense, mfu, k3, k3ab, k3ref, learning)"; exit 2 ;;
+    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, gatenorm, kdakernels, opsites, outputcode, optim, determinism, ckpt, dense, mfu, k3, k3ab, k3ref, learning)"; exit 2 ;;
   esac
 done

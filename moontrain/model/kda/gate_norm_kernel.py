@@ -120,6 +120,16 @@ def _grid(B: int, T: int, H: int, cu_seqlens: torch.Tensor | None,
     return chunk_indices, NT, (NT if cu_seqlens is None else chunk_indices.shape[0], B * H)
 
 
+def _warps(K: int, warps: int | None) -> int:
+    """The launch's warps: `warps` where given (benchmarks/bench_gate_norm.py sweeps them), else 4 for K <= 128 and
+    8 above (each warp's share of the [64, K] tiles in registers)."""
+    if warps is None:
+        return 4 if K <= 128 else 8
+    if warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"gate_norm kernels: warps must be a power of two in [1, 32], got {warps!r}")
+    return warps
+
+
 def _require_triton(name: str) -> None:
     if triton is None:
         raise ValueError(f"{name}: triton is not installed; use moontrain.model.kda.gate_norm's reference "
@@ -128,15 +138,17 @@ def _require_triton(name: str) -> None:
 
 def kda_gate_norm(q: torch.Tensor, k: torch.Tensor, f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *,
                   lower_bound: float | None, cu_seqlens: torch.Tensor | None = None,
-                  chunk_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """kda_gate_norm_reference on the kernel: (qn, kn in q's dtype; q_rstd, k_rstd [B, T, H] and g fp32)."""
+                  chunk_indices: torch.Tensor | None = None, warps: int | None = None) -> tuple[torch.Tensor, ...]:
+    """kda_gate_norm_reference on the kernel: (qn, kn in q's dtype; q_rstd, k_rstd [B, T, H] and g fp32). warps:
+    the launch's (default: _warps')."""
     _require_triton("kda_gate_norm")
     validate(q, k, f, A_log, dt_bias, cu_seqlens)
     B, T, H, K = k.shape
     qn, kn = torch.empty(B, T, H, K, dtype=q.dtype, device=q.device), torch.empty(B, T, H, K, dtype=k.dtype,
                                                                                   device=k.device)
     q_rstd, k_rstd = (torch.empty(B, T, H, dtype=torch.float32, device=q.device) for _ in range(2))
-    g = _launch_forward(q, k, f, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, (qn, kn, q_rstd, k_rstd))
+    g = _launch_forward(q, k, f, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, (qn, kn, q_rstd, k_rstd),
+                        warps)
     return qn, q_rstd, kn, k_rstd, g
 
 
@@ -146,12 +158,12 @@ def kda_gate_cumsum(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     forward's states gets the forward's g bit for bit."""
     _require_triton("kda_gate_cumsum")
     validate(f, f, f, A_log, dt_bias, cu_seqlens)
-    return _launch_forward(f, f, f, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, None)
+    return _launch_forward(f, f, f, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, None, None)
 
 
 def _launch_forward(q: torch.Tensor, k: torch.Tensor, f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                     lower_bound: float | None, cu_seqlens: torch.Tensor | None, chunk_indices: torch.Tensor | None,
-                    norms: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+                    norms: tuple[torch.Tensor, ...] | None, warps: int | None) -> torch.Tensor:
     B, T, H, K = f.shape
     (q, sq), (k, sk), (f, sf) = _token_strided(q), _token_strided(k), _token_strided(f)
     chunk_indices, NT, grid = _grid(B, T, H, cu_seqlens, chunk_indices)
@@ -161,7 +173,7 @@ def _launch_forward(q: torch.Tensor, k: torch.Tensor, f: torch.Tensor, A_log: to
                           g, cu_seqlens, chunk_indices, 0.0 if lower_bound is None else lower_bound, L2_EPS, T, NT, sq,
                           sk, sf, H=H, K=K, BT=CHUNK, IS_VARLEN=cu_seqlens is not None,
                           USE_LOWER_BOUND=lower_bound is not None, NORMS=norms is not None,
-                          num_warps=4 if K <= 128 else 8)
+                          num_warps=_warps(K, warps))
     return g
 
 
@@ -169,9 +181,11 @@ def kda_gate_norm_backward(dq: torch.Tensor, dk: torch.Tensor, dg: torch.Tensor,
                            q_rstd: torch.Tensor, kn: torch.Tensor, k_rstd: torch.Tensor, f: torch.Tensor,
                            A_log: torch.Tensor, dt_bias: torch.Tensor, *, lower_bound: float | None,
                            cu_seqlens: torch.Tensor | None = None,
-                           chunk_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                           chunk_indices: torch.Tensor | None = None,
+                           warps: int | None = None) -> tuple[torch.Tensor, ...]:
     """kda_gate_norm_backward_reference on the kernel: (dq_in, dk_in in qn's dtype, df in f's, dA_log, ddt_bias
-    fp32 in their parameters' shapes). dq, dk, dg: fp32, contiguous (fla's intra stage's outputs)."""
+    fp32 in their parameters' shapes). dq, dk, dg: fp32, contiguous (fla's intra stage's outputs). warps: the
+    launch's (default: _warps')."""
     _require_triton("kda_gate_norm_backward")
     validate(qn, kn, f, A_log, dt_bias, cu_seqlens)
     for name, t in dict(dq=dq, dk=dk, dg=dg, qn=qn, kn=kn, q_rstd=q_rstd, k_rstd=k_rstd).items():
@@ -192,6 +206,6 @@ def kda_gate_norm_backward(dq: torch.Tensor, dk: torch.Tensor, dg: torch.Tensor,
                            dt_bias.float().contiguous(), dq_in, dk_in, df, dA_part, dbias_part, cu_seqlens,
                            chunk_indices, 0.0 if lower_bound is None else lower_bound, T, NT, sf, H=H, K=K, BT=CHUNK,
                            IS_VARLEN=cu_seqlens is not None, USE_LOWER_BOUND=lower_bound is not None,
-                           num_warps=4 if K <= 128 else 8)
+                           num_warps=_warps(K, warps))
     return (dq_in, dk_in, df, dA_part.sum(0).view_as(A_log).to(A_log.dtype),
             dbias_part.sum(0).view_as(dt_bias).to(dt_bias.dtype))

@@ -1,7 +1,7 @@
 """moontrain's KDA call (moontrain.model.kda.chunk: fla's stages between moontrain's gate-and-norm kernels,
 kernels.kda_gate_norm=moontrain) on one GPU: the two gate-and-norm kernels against their specification at
-k3_small's heads, and the call against fla's chunk_kda and the PyTorch KDA, with the forward's states kept and
-recomputed, on batch rows and packed documents listed on the device, for the bounded and the softplus gate.
+k3_small's heads (at their default warps and at 8 and 16, which benchmarks/bench_gate_norm.py times), and the
+call against fla's chunk_kda and the PyTorch KDA, with the forward's states kept and recomputed, on batch rows and packed documents listed on the device, for the bounded and the softplus gate.
 
 Tolerances. The kernels: as tests/moontrain/model/kda/test_gate_norm_kernel_interpreted.py derives them (sums
 of <= 64 fp32 terms in another order: 2e-5 of the largest value; bf16 outputs one ulp more: 2^-7 + 2e-5).
@@ -35,7 +35,8 @@ def _rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded-gate", "softplus-gate"])
 @pytest.mark.parametrize("documents", [False, True], ids=["rows", "documents"])
-def test_gate_norm_kernels_match_the_reference(lower_bound: float | None, documents: bool) -> None:
+@pytest.mark.parametrize("warps", [None, 8, 16], ids=["default-warps", "8-warps", "16-warps"])
+def test_gate_norm_kernels_match_the_reference(lower_bound: float | None, documents: bool, warps: int | None) -> None:
     from moontrain.model.kda.gate_norm import (
         BACKWARD_OUTPUTS,
         FORWARD_OUTPUTS,
@@ -57,9 +58,10 @@ def test_gate_norm_kernels_match_the_reference(lower_bound: float | None, docume
     # of these tokens), so two fp32 summation orders differ by ~log2(n) 2^-24 of the sum (~1e-6), not by the
     # cancellation of random signs, and the 2e-5 bound holds at this size
     bwd["dg"] = bwd["dg"].abs()
-    got, want = kda_gate_norm(**fwd), kda_gate_norm_reference(**fwd)
+    got, want = kda_gate_norm(**fwd, warps=warps), kda_gate_norm_reference(**fwd)
     states = dict(zip(("qn", "q_rstd", "kn", "k_rstd"), want[:4], strict=True))
-    got_b, want_b = kda_gate_norm_backward(**bwd, **states), kda_gate_norm_backward_reference(**bwd, **states)
+    got_b = kda_gate_norm_backward(**bwd, **states, warps=warps)
+    want_b = kda_gate_norm_backward_reference(**bwd, **states)
     for name, x, y in zip(FORWARD_OUTPUTS + BACKWARD_OUTPUTS, got + got_b, want + want_b, strict=True):
         assert x.dtype == y.dtype and x.shape == y.shape, f"{name}: {x.dtype} {tuple(x.shape)} vs {y.dtype}"
         tol = 2 ** -7 + 2e-5 if x.dtype == torch.bfloat16 else 2e-5

@@ -86,6 +86,8 @@ def test_validation_messages() -> None:
         kda_gate_norm_backward(**dict(bwd, dq=bwd["dq"].transpose(1, 2).contiguous().transpose(1, 2)), **states)
     with pytest.raises(ValueError, match=r"dq, dk, dg, q_rstd and k_rstd must be fp32 on the kernel"):
         kda_gate_norm_backward(**dict(bwd, dg=bwd["dg"].double()), **states)
+    with pytest.raises(ValueError, match=r"warps must be a power of two in \[1, 32\], got 3"):
+        kda_gate_norm(**fwd, warps=3)
 
 
 def test_gate_alone_is_the_forwards_g_bit_for_bit() -> None:
