@@ -140,7 +140,7 @@ def kda_gate_norm(q: torch.Tensor, k: torch.Tensor, f: torch.Tensor, A_log: torc
                   lower_bound: float | None, cu_seqlens: torch.Tensor | None = None,
                   chunk_indices: torch.Tensor | None = None, warps: int | None = None) -> tuple[torch.Tensor, ...]:
     """kda_gate_norm_reference on the kernel: (qn, kn in q's dtype; q_rstd, k_rstd [B, T, H] and g fp32). warps:
-    the launch's (default: _warps')."""
+    the launch's (None: 4 for K <= 128, else 8)."""
     _require_triton("kda_gate_norm")
     validate(q, k, f, A_log, dt_bias, cu_seqlens)
     B, T, H, K = k.shape
@@ -185,7 +185,7 @@ def kda_gate_norm_backward(dq: torch.Tensor, dk: torch.Tensor, dg: torch.Tensor,
                            warps: int | None = None) -> tuple[torch.Tensor, ...]:
     """kda_gate_norm_backward_reference on the kernel: (dq_in, dk_in in qn's dtype, df in f's, dA_log, ddt_bias
     fp32 in their parameters' shapes). dq, dk, dg: fp32, contiguous (fla's intra stage's outputs). warps: the
-    launch's (default: _warps')."""
+    launch's (None: 4 for K <= 128, else 8)."""
     _require_triton("kda_gate_norm_backward")
     validate(qn, kn, f, A_log, dt_bias, cu_seqlens)
     for name, t in dict(dq=dq, dk=dk, dg=dg, qn=qn, kn=kn, q_rstd=q_rstd, k_rstd=k_rstd).items():
