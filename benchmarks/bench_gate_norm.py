@@ -2,8 +2,8 @@
 over their launch's warps, at the recipe's KDA call: B x T tokens, 16 heads of 128, bf16 q / k / f read in place as
 column slices of one projection (as the layer hands them over), with and without packed documents.
 
-    python benchmarks/bench_gate_norm.py [--case 4x4096x16] [--doc-len 1024] [--warps 4 8 16] [--iters 50]
-        [--warmup 10] [--out FILE]
+    python benchmarks/bench_gate_norm.py [--case 4x4096x16] [--doc-len 1024] [--warps 4 8 16] [--iters 20]
+        [--warmup 3] [--out FILE]
 
 Why warps: one program holds a [64, 128] tile of each tensor it reads, so the warps set the registers a thread
 needs and through them the programs an SM holds (benchmarks/diagnostics/kernel_registers.py: at 4 warps the

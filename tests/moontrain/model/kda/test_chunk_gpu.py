@@ -1,7 +1,8 @@
 """moontrain's KDA call (moontrain.model.kda.chunk: fla's stages between moontrain's gate-and-norm kernels,
 kernels.kda_gate_norm=moontrain) on one GPU: the two gate-and-norm kernels against their specification at
 k3_small's heads (at their default warps and at 8 and 16, which benchmarks/bench_gate_norm.py times), and the
-call against fla's chunk_kda and the PyTorch KDA, with the forward's states kept and recomputed, on batch rows and packed documents listed on the device, for the bounded and the softplus gate.
+call against fla's chunk_kda and the PyTorch KDA, with the forward's states kept and recomputed, on batch rows
+and packed documents listed on the device, for the bounded and the softplus gate.
 
 Tolerances. The kernels: as tests/moontrain/model/kda/test_gate_norm_kernel_interpreted.py derives them (sums
 of <= 64 fp32 terms in another order: 2e-5 of the largest value; bf16 outputs one ulp more: 2^-7 + 2e-5).
