@@ -16,25 +16,25 @@ embedding at layer 0) as a completed block before its attention runs; the attent
 inputs are aggregations (one DepthAttention each); their outputs are added to the partial sum; after
 the last layer one more aggregation feeds the final norm. K3: S = 12 (6 transformer layers per block).
 
-Numerics and memory: DepthAttention is one autograd function. It upcasts each value to fp32 on the
-fly, accumulates h in fp32 and rounds it once to the values' dtype, and saves only references to its
-inputs plus two [N, B, T] fp32 tensors (the rsqrt factors and the weights); backward recomputes the
-rest one value at a time. Autograd through the formula would save an fp32 copy (or a stacked [N, B, T,
-D] copy) of every value per aggregation, 2L times per step. The pseudo-query and the key-norm weight
-enter the op as they are (FSDP's bf16 copies): their fp32 product and the product rule's gradients are
-made inside the math, so train.compile fuses them (seven eager casts and multiplies per call otherwise).
+Numerics and memory: DepthAttention is one autograd function. It upcasts each value to fp32 on the fly,
+accumulates h in fp32 and rounds it once to the values' dtype, and saves only references to its inputs plus
+two [N, B, T] fp32 tensors (the rsqrt factors and the weights); backward recomputes the rest one value at a
+time (autograd through the formula would save an fp32 copy of every value per aggregation). The pseudo-query
+and the key-norm weight enter the op as they are (FSDP's bf16 copies): their fp32 product and the product
+rule's gradients are made inside the math, so train.compile fuses them (seven eager casts and multiplies per
+call otherwise).
 
 Activation checkpointing: a block's recompute re-runs its two aggregations from the same tuple of
 completed blocks (tuples: never mutated after a layer read them) and the partial sum it received; the
 completed blocks are partial sums some layer received, which the checkpoints hold anyway, so AttnRes
 adds two [N, B, T] fp32 tensors per aggregation in backward and nothing between forward and backward.
-Block gradients: a completed block is read by every later aggregation; complete_block marks it with a
-BlockGrad into which their backwards add its gradient in place (the kernels in their store), and the
-block's autograd node hands the sum on after the last of them, instead of autograd summing one new tensor
-per reader in a separate kernel. The blocks travel between layers in CompletedBlocks, which FSDP's and
-parallel.dense=plain's module hooks do not look into (their identity nodes would hide the BlockGrad).
-FSDP: the queries and key-norm weights are ordinary dense parameters of their block (the final one of
-the root), gathered and reduced with it.
+Gradient sums: a completed block is read by every later aggregation; complete_block marks it with a
+BlockGrad into which their backwards add its gradient in place (the kernels in their store), and its node
+hands the sum on after the last of them. A partial sum's readers, an aggregation and residual_add, meet the
+same way: the add's backward leaves its gradient in a ResidualGrad for the aggregation's to add to (autograd
+adds each pair in a kernel of its own). The blocks travel between layers in CompletedBlocks, which FSDP's
+and parallel.dense=plain's module hooks do not look into (their identity nodes would hide the BlockGrad).
+FSDP: the queries and key-norm weights are dense parameters of their block (the final one of the root's).
 
 Kernels (kernels.attn_res): the math above in PyTorch (compiled with train.compile), or in Triton
 (moontrain.model.attn_res_kernel: each value read about once per walk over D; docs/performance.md).
@@ -210,6 +210,41 @@ def complete_block(x: torch.Tensor) -> torch.Tensor:
     return block
 
 
+class ResidualGrad(BlockGrad):
+    """The gradient the residual add (residual_add) hands the aggregation that read the same partial sum: that
+    aggregation's backward adds its own gradient of the partial sum to it (in place, as into a BlockGrad) and
+    returns the sum, where autograd would add the two in a separate kernel. The add's node is downstream of the
+    aggregation's (its other input is computed from the aggregation's output), so it always runs first."""
+
+    __slots__ = ()
+
+
+class _ResidualAdd(torch.autograd.Function):
+    """partial + out; backward leaves the partial sum's gradient in the ResidualGrad for its aggregation."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, out: torch.Tensor, sink: ResidualGrad) -> torch.Tensor:
+        ctx.sink = sink
+        return partial + out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.sink.grad = grad
+        return None, grad, None
+
+
+def residual_grad(partial: torch.Tensor) -> ResidualGrad | None:
+    """The slot through which residual_add hands the partial sum's gradient to the aggregation that reads the
+    same partial sum (pass it to both); None where no gradient is taken."""
+    return ResidualGrad() if torch.is_grad_enabled() and partial.requires_grad else None
+
+
+def residual_add(partial: torch.Tensor, out: torch.Tensor, sink: ResidualGrad | None) -> torch.Tensor:
+    """partial + out, the partial sum's gradient left in `sink` (from residual_grad: the aggregation that read
+    `partial` with this sink adds its own to it); a plain add where sink is None."""
+    return partial + out if sink is None else _ResidualAdd.apply(partial, out, sink)
+
+
 class CompletedBlocks:
     """The completed blocks a transformer layer receives and passes on, in a holder that module hooks do not look
     into (neither FSDP's nor parallel.dense=plain's pre-forward hooks traverse it). Those hooks route every tensor
@@ -226,25 +261,39 @@ class CompletedBlocks:
 class _DepthAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query: torch.Tensor, key_weight: torch.Tensor, eps: float, math: tuple[Callable, Callable],
-                *values: torch.Tensor) -> torch.Tensor:
+                residual: ResidualGrad | None, *values: torch.Tensor) -> torch.Tensor:
         h, r_NBT, p_NBT = math[0](query, key_weight, eps, values)
         ctx.save_for_backward(query, key_weight, r_NBT, p_NBT, *values)
         ctx.backward_math = math[1]
         # the sinks of this forward: backward uses this ctx (a checkpoint's recompute makes another and drops it)
         ctx.sinks = [getattr(v, "attn_res_grad", None) for v in values]
+        if residual is not None and ctx.sinks[-1] is not None:
+            raise ValueError("an AttnRes aggregation's last value is a completed block and a partial sum at once: "
+                             "pass a residual sink only with the partial sum the residual add reads")
+        ctx.residual = residual
         return h
 
     @staticmethod
     def backward(ctx, grad_h: torch.Tensor):
         query, key_weight, r_NBT, p_NBT, *values = ctx.saved_tensors
         into = [None if s is None else s.grad for s in ctx.sinks]
+        residual = ctx.residual.take() if ctx.residual is not None else None
+        if residual is not None and _summable(residual, values[-1]):
+            into[-1], residual = residual, None  # the math adds the partial sum's gradient to it in place
         grad_query, grad_weight, grad_values = ctx.backward_math(query, key_weight, r_NBT, p_NBT, grad_h,
                                                                  tuple(values), into)
+        if residual is not None:  # a gradient in another layout or dtype: summed here
+            grad_values[-1] = grad_values[-1] + residual
         for sink, grad in zip(ctx.sinks, grad_values, strict=True):
             if sink is not None:
                 sink.grad = grad
-        return grad_query, grad_weight, None, None, *(None if s is not None else g
-                                                      for s, g in zip(ctx.sinks, grad_values, strict=True))
+        return grad_query, grad_weight, None, None, None, *(None if s is not None else g
+                                                            for s, g in zip(ctx.sinks, grad_values, strict=True))
+
+
+def _summable(grad: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the backward math can add a value's gradient into `grad` in place (its kernels need this)."""
+    return grad.shape == value.shape and grad.dtype == value.dtype and grad.is_contiguous()
 
 
 class DepthAttention(nn.Module):
@@ -262,9 +311,15 @@ class DepthAttention(nn.Module):
         if self.math is EAGER:
             self.math = compiled_math()
 
-    def forward(self, blocks: tuple[torch.Tensor, ...], partial: torch.Tensor) -> torch.Tensor:
-        """softmax-weighted sum of (*blocks, partial), each [B, T, D]."""
-        return _DepthAttention.apply(self.query, self.key_norm.weight, self.key_norm.eps, self.math, *blocks, partial)
+    def forward(self, blocks: tuple[torch.Tensor, ...], partial: torch.Tensor | None = None,
+                residual: ResidualGrad | None = None) -> torch.Tensor:
+        """softmax-weighted sum of (*blocks, partial), each [B, T, D] (no partial: of the blocks alone). residual:
+        the partial sum's ResidualGrad where residual_add also reads it (residual_grad)."""
+        values = blocks if partial is None else (*blocks, partial)
+        if residual is not None and partial is None:
+            raise ValueError("DepthAttention: a residual sink belongs to a partial sum; none was given")
+        return _DepthAttention.apply(self.query, self.key_norm.weight, self.key_norm.eps, self.math, residual,
+                                     *values)
 
 
 def aggregation_sizes(num_layers: int, block_size: int) -> list[int]:

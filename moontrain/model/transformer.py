@@ -36,7 +36,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moontrain.model.attention import MLAttention
-from moontrain.model.attn_res import CompletedBlocks, DepthAttention, complete_block, starts_block
+from moontrain.model.attn_res import (
+    CompletedBlocks,
+    DepthAttention,
+    complete_block,
+    residual_add,
+    residual_grad,
+    starts_block,
+)
 from moontrain.model.config import KernelsConfig, ModelConfig
 from moontrain.model.documents import DocumentMask, causal_flex_mask, document_mask
 from moontrain.model.experts import ExpertPlacement, ExpertsContext, ExpertsRuntime, build_experts_runtime
@@ -106,14 +113,15 @@ class Block(nn.Module):
             x_BTD = x_BTD + attend(self.attn_norm(x_BTD))
             y, aux = self._ffn(self.ffn_norm(x_BTD))
             return blocks, x_BTD + y, aux
-        h_BTD = self.res_attn(blocks, x_BTD)
-        if self.starts_block:  # the partial sum becomes a completed block; a new one starts here
-            blocks = (*blocks, complete_block(x_BTD))
-            x_BTD = attend(self.attn_norm(h_BTD))
-        else:
-            x_BTD = x_BTD + attend(self.attn_norm(h_BTD))
-        y, aux = self._ffn(self.ffn_norm(self.res_ffn(blocks, x_BTD)))
-        return blocks, x_BTD + y, aux
+        if self.starts_block:  # the partial sum becomes a completed block (the aggregation's last value) and a
+            blocks = (*blocks, complete_block(x_BTD))  # new partial sum starts here
+            x_BTD = attend(self.attn_norm(self.res_attn(blocks)))
+        else:  # the aggregation and the residual add both read the partial sum: they sum its gradient
+            sink = residual_grad(x_BTD)
+            x_BTD = residual_add(x_BTD, attend(self.attn_norm(self.res_attn(blocks, x_BTD, sink))), sink)
+        sink = residual_grad(x_BTD)
+        y, aux = self._ffn(self.ffn_norm(self.res_ffn(blocks, x_BTD, sink)))
+        return blocks, residual_add(x_BTD, y, sink), aux
 
     def _ffn(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.is_moe:

@@ -23,6 +23,9 @@ from moontrain.model.attn_res import (
     aggregate_forward,
     aggregation_sizes,
     complete_block,
+    residual_add,
+    residual_grad,
+    starts_block,
 )
 from moontrain.model.config import KernelsConfig, ModelConfig
 from moontrain.model.experts import ExpertsContext
@@ -286,7 +289,8 @@ def _chain_grads(commit: bool, compiled: bool = False) -> list[torch.Tensor]:
     """Five aggregations over two completed blocks (the second committed after the second aggregation, as a
     layer commits its partial sum) and a changing partial sum, bf16 as in training: the gradients of the two
     blocks' sources, the partial sums' source and every query. commit: the blocks through complete_block
-    (their readers sum into its BlockGrad), else plain tensors (autograd sums their gradients)."""
+    (their readers sum into its BlockGrad) and the partial sums through residual_add (the aggregation reading
+    one sums the add's gradient), else plain tensors and adds (autograd sums their gradients)."""
     g = torch.Generator().manual_seed(5)
     D = 32
     x0, x1 = (torch.randn(2, 9, D, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(2))
@@ -300,7 +304,8 @@ def _chain_grads(commit: bool, compiled: bool = False) -> list[torch.Tensor]:
     blocks = (complete_block(x0) if commit else x0 * 1,)
     partial = x1 * 1
     for i, m in enumerate(aggs):
-        partial = partial + torch.tanh(m(blocks, partial))
+        sink = residual_grad(partial) if commit else None
+        partial = residual_add(partial, torch.tanh(m(blocks, partial, sink)), sink)
         if i == 1:
             blocks = (*blocks, complete_block(partial) if commit else partial * 1)
             partial = partial * 0.5
@@ -310,14 +315,38 @@ def _chain_grads(commit: bool, compiled: bool = False) -> list[torch.Tensor]:
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_block_gradients_summed_by_the_readers_equal_autograds_sum_bitwise(compiled: bool) -> None:
     """complete_block: every aggregation adds its gradient of a completed block into the block's BlockGrad, in
-    the order autograd would have summed them, in the values' dtype: every gradient equals autograd's own
-    summing bit for bit (the partial sum that became a block also receives a plain gradient: both meet)."""
+    the order autograd would have summed them, in the values' dtype; residual_add: the aggregation reading a
+    partial sum adds its gradient to the add's. Every gradient equals autograd's own summing bit for bit (the
+    partial sum that became a block also receives a plain gradient: both meet)."""
     if compiled and shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("torch.compile on CPU needs a C compiler")
     got, want = _chain_grads(commit=True, compiled=compiled), _chain_grads(commit=False, compiled=compiled)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), f"gradient {i}: max |diff| {(a.float() - b.float()).abs().max().item():.3g}"
         assert bool(a.abs().sum() > 0), f"gradient {i} is zero: the test checks nothing"
+
+
+def test_a_residual_gradient_the_math_cannot_add_into_is_summed_apart() -> None:
+    """The residual add's gradient arrives as the expanded ones of a sum's backward (stride 0: the kernels cannot
+    store into it): the aggregation's backward adds the two out of place; the same gradients as autograd's sum,
+    bit for bit (fp32, one rounding either way). Without grad, residual_grad gives no slot and the add is plain."""
+    g = torch.Generator().manual_seed(7)
+    block = torch.randn(2, 5, 16, generator=g, requires_grad=True)
+    x = torch.randn(2, 5, 16, generator=g, requires_grad=True)
+    m = DepthAttention(16)
+    with torch.no_grad():
+        m.query.copy_(torch.randn(16, generator=g))
+    partial = x * 1
+    sink = residual_grad(partial)
+    got = torch.autograd.grad(residual_add(partial, torch.tanh(m((block,), partial, sink)), sink).sum(), [x, block])
+    partial = x * 1
+    want = torch.autograd.grad((partial + torch.tanh(m((block,), partial))).sum(), [x, block])
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b) and bool((a - 1).abs().sum() > 0)
+    with torch.no_grad():
+        assert residual_grad(partial) is None
+    with pytest.raises(ValueError, match="belongs to a partial sum"):
+        m((block,), None, residual_grad(partial))
 
 
 def test_complete_block_is_the_tensor_itself_without_gradients() -> None:
@@ -333,9 +362,10 @@ def test_complete_block_is_the_tensor_itself_without_gradients() -> None:
 def test_model_gradients_with_block_sums_equal_autograds_bitwise(checkpointing: bool,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Every parameter's gradient of the K3 block (KDA and MLA, MoE, block size 4: blocks committed at layers
-    0, 2 and 4 and read by up to eleven aggregations) with the readers summing into BlockGrad, against the
-    same model where autograd sums the blocks' gradients (complete_block replaced by the identity): bit for
-    bit. With activation checkpointing the sums cross the recomputed blocks' boundaries."""
+    0, 2 and 4 and read by up to eleven aggregations) with the readers summing into BlockGrad and the partial
+    sums' aggregations into their residual adds' gradients, against the same model where autograd sums every
+    such pair (complete_block the identity, no ResidualGrad): bit for bit. With activation checkpointing the
+    sums cross the recomputed blocks' boundaries."""
     from moontrain.model import transformer
 
     cfg = _cfg(attn_res_block_size=4, kda_layers_per_mla=1, kda_head_dim=16)
@@ -344,6 +374,7 @@ def test_model_gradients_with_block_sums_equal_autograds_bitwise(checkpointing: 
     for summed_by_readers in (True, False):
         if not summed_by_readers:
             monkeypatch.setattr(transformer, "complete_block", lambda x: x)
+            monkeypatch.setattr(transformer, "residual_grad", lambda x: None)
         model = _model(cfg)
         if checkpointing:
             model.enable_activation_checkpointing()
@@ -364,8 +395,9 @@ def test_readers_sum_into_block_grads_under_the_dense_hooks(checkpointing: bool,
     """parallel.dense=plain's (and FSDP's) pre-forward hooks pass every block's tensor inputs that need grad
     through an identity autograd node; the completed blocks travel in CompletedBlocks, which they do not look
     into, so every aggregation still reads the committed blocks themselves and sums into their BlockGrad: all
-    sum(N - 1) block reads of the model (18 for 5 layers in blocks of 4 sub-layers; 6 if only the committing
-    layers and the final aggregation saw them)."""
+    sum(N - 1) block reads of the model plus the committing layers' reads of the block they commit (18 + 3 for 5
+    layers in blocks of 4 sub-layers; 9 if only the committing layers and the final aggregation saw them), and
+    every other aggregation but the final one sums its residual add's gradient (2 x 5 - 3)."""
     from moontrain.model import attn_res
     from moontrain.parallel.plain_dense import PlainDense
 
@@ -375,17 +407,22 @@ def test_readers_sum_into_block_grads_under_the_dense_hooks(checkpointing: bool,
     if checkpointing:
         model.enable_activation_checkpointing()
     reads: list[int] = []
+    residuals: list[bool] = []
     backward = attn_res._DepthAttention.backward
 
     def counting(ctx, grad_h):
         reads.append(sum(s is not None for s in ctx.sinks))
+        residuals.append(ctx.residual is not None and ctx.residual.grad is not None)
         return backward(ctx, grad_h)
 
     monkeypatch.setattr(attn_res._DepthAttention, "backward", staticmethod(counting))
     tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
     model(tokens, tokens.roll(-1, 1))[0].backward()
     sizes = aggregation_sizes(cfg.num_layers, 4)
-    assert len(reads) == len(sizes) and sum(reads) == sum(n - 1 for n in sizes) == 18
+    commits = sum(starts_block(i, 4) for i in range(cfg.num_layers))
+    assert commits == 3 and len(reads) == len(sizes)
+    assert sum(reads) == sum(n - 1 for n in sizes) + commits == 21
+    assert sum(residuals) == 2 * cfg.num_layers - commits == 7
 
 
 def test_a_block_read_outside_the_aggregations_sums_both() -> None:
