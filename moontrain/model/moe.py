@@ -2,7 +2,8 @@
 
 Legend: B batch, T sequence, s = B*T tokens, D hidden, L latent width (expert width H), K top-k.
 
-Latent MoE (K3): routed experts run at width L: x_sL = RMSNorm(x_sD W_down); y_sD = experts(x_sL) W_up.
+Latent MoE (K3): routed experts run at width L: x_sL = RMSNorm(x_sD W_down); y_sD = experts(x_sL) W_up, the
+shared experts' output added by that GEMM (addmm: one launch and one pass over [s, D] fewer than an add).
 Shared experts see the full width D and are one gated FFN of width num_shared * F (identical to the sum
 of num_shared separate experts). They run on the caller's stream: on a side stream, overlapping the
 routed experts' communication, their GEMMs held up moonep's device barriers and FSDP's all-gathers and
@@ -45,7 +46,11 @@ class MoE(nn.Module):
         weights_sK, topk_sK, aux = self.router(x_sD, B)
         h_sH = self.latent_norm(self.latent_down(x_sD)) if self.latent else x_sD
         y_sH = self.backend.forward(h_sH, weights_sK, topk_sK)
-        y_sD = self.latent_up(y_sH) if self.latent else y_sH
-        if self.shared is not None:
-            y_sD = y_sD + self.shared(x_sD)
+        shared_sD = self.shared(x_sD) if self.shared is not None else None
+        if self.latent and shared_sD is not None:  # the up projection's GEMM adds the shared experts' output
+            y_sD = torch.addmm(shared_sD, y_sH, self.latent_up.weight.t())
+        elif self.latent:
+            y_sD = self.latent_up(y_sH)
+        else:
+            y_sD = y_sH if shared_sD is None else y_sH + shared_sD
         return y_sD.view(B, T, D), aux
