@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from moontrain.model.kda.chunk_lists import static_chunk_lists
 from moontrain.model.kda.gate_norm_kernel import kda_gate_cumsum, kda_gate_norm, kda_gate_norm_backward
 
 CHUNK = 64
@@ -96,15 +97,14 @@ def _chunk_list(T: int, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.T
     row count where max_num_seqs is given (padding rows of sequence -1), else from the host's bounds."""
     if cu_seqlens is None:
         return None, None
-    from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_indices_static
+    from fla.ops.utils.index import prepare_chunk_indices
 
     if max_num_seqs is None:
         return prepare_chunk_indices(cu_seqlens, CHUNK, cu_seqlens_cpu=cu_seqlens_cpu), None
     if cu_seqlens.numel() - 1 != max_num_seqs:
         raise ValueError(f"ChunkKDA: cu_seqlens holds {cu_seqlens.numel() - 1} sequences and max_num_seqs is "
                          f"{max_num_seqs}; pass the host's exact count (cu_seqlens_cpu.numel() - 1)")
-    return prepare_chunk_indices_static(cu_seqlens=cu_seqlens, chunk_size=CHUNK,
-                                        nt_max=-(-T // CHUNK) + max_num_seqs - 1)
+    return static_chunk_lists(cu_seqlens, CHUNK, -(-T // CHUNK) + max_num_seqs - 1)
 
 
 def chunk_kda_moontrain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from moontrain.model.documents import flat_sequence_bounds
+from moontrain.model.kda.chunk_lists import share_with_fla
 from moontrain.model.kda.gate_norm import L2_EPS, at_least_fp32, kda_gate
 
 CHUNK = 64  # tokens per chunk (fla's default; its kernels take 32 or 64)
@@ -157,6 +158,7 @@ def kda_fla(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, f_
             x.reshape(1, B * T, *x.shape[2:]) for x in (q_BTHK, k_BTHK, v_BTHV, f_BTHK, beta_BTH))
         if device_chunks:
             graph = {"use_graph": True, "max_num_seqs": cu_seqlens_cpu.numel() - 1}
+            share_with_fla()  # the chunk lists made once per forward (moontrain.model.kda.chunk_lists)
     if gate_norm:
         from moontrain.model.kda.chunk import chunk_kda_moontrain
 
