@@ -284,9 +284,9 @@ class KernelsConfig:
     router_gemm: Literal["split_bf16", "fp32"] = "split_bf16"
     # the router's selection, weights and counts and their backward: "auto" runs moontrain.model.router_kernel's
     # two Triton kernels on CUDA (bf16 activations and weights, router_gemm=split_bf16, no expert groups, no
-    # sequence aux loss; ~30 launches fewer per MoE layer and pass), "torch" the PyTorch math (the default; the
-    # kernels' measurements: docs/performance.md), "triton" the kernels
-    router: Literal["auto", "torch", "triton"] = "torch"
+    # sequence aux loss; ~30 launches fewer per MoE layer and pass) and the PyTorch math elsewhere, "torch" the
+    # PyTorch math, "triton" the kernels (their measurements and the K3 learning run: docs/performance.md)
+    router: Literal["auto", "torch", "triton"] = "auto"
     # zero-pad q/k and v to one head dim before SDPA (flash attention wants equal dims). Off: SDPA gets
     # qk_head_dim and v_head_dim as they are (cuDNN and memory-efficient attention take them; the padded
     # call's cost: docs/performance.md)

@@ -24,7 +24,7 @@ from moontrain.model.router import Router
 
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, *, ep_rank: int, ep: int, router_gemm: str = "split_bf16",
-                 router_kernel: str = "torch", device: torch.device | str | None = None) -> None:
+                 router_kernel: str = "auto", device: torch.device | str | None = None) -> None:
         super().__init__()
         self.router = Router(cfg, gemm=router_gemm, kernel=router_kernel, device=device)
         if cfg.moe_latent_size is not None:

@@ -87,7 +87,7 @@ class Router(nn.Module):
     where they apply: bf16 activations and weights, split_bf16, no expert groups and no sequence aux loss; the
     PyTorch math below otherwise)."""
 
-    def __init__(self, cfg: ModelConfig, *, gemm: str = "split_bf16", kernel: str = "torch",
+    def __init__(self, cfg: ModelConfig, *, gemm: str = "split_bf16", kernel: str = "auto",
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         from moontrain.model.kernel_choice import runs_cuda_kernels

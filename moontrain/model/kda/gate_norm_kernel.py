@@ -121,10 +121,11 @@ def _grid(B: int, T: int, H: int, cu_seqlens: torch.Tensor | None,
 
 
 def _warps(K: int, warps: int | None) -> int:
-    """The launch's warps: `warps` where given (benchmarks/bench_gate_norm.py sweeps them), else 4 for K <= 128 and
-    8 above (each warp's share of the [64, K] tiles in registers)."""
+    """The launch's warps: `warps` where given (benchmarks/bench_gate_norm.py sweeps them), else 8 for K <= 128 and
+    16 above (each warp's share of the [64, K] tiles in registers; at K = 128, 8 warps beat 4 and 16 on an H100:
+    docs/performance.md)."""
     if warps is None:
-        return 4 if K <= 128 else 8
+        return 8 if K <= 128 else 16
     if warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"gate_norm kernels: warps must be a power of two in [1, 32], got {warps!r}")
     return warps
@@ -140,7 +141,7 @@ def kda_gate_norm(q: torch.Tensor, k: torch.Tensor, f: torch.Tensor, A_log: torc
                   lower_bound: float | None, cu_seqlens: torch.Tensor | None = None,
                   chunk_indices: torch.Tensor | None = None, warps: int | None = None) -> tuple[torch.Tensor, ...]:
     """kda_gate_norm_reference on the kernel: (qn, kn in q's dtype; q_rstd, k_rstd [B, T, H] and g fp32). warps:
-    the launch's (None: 4 for K <= 128, else 8)."""
+    the launch's (None: 8 for K <= 128, else 16)."""
     _require_triton("kda_gate_norm")
     validate(q, k, f, A_log, dt_bias, cu_seqlens)
     B, T, H, K = k.shape
@@ -185,7 +186,7 @@ def kda_gate_norm_backward(dq: torch.Tensor, dk: torch.Tensor, dg: torch.Tensor,
                            warps: int | None = None) -> tuple[torch.Tensor, ...]:
     """kda_gate_norm_backward_reference on the kernel: (dq_in, dk_in in qn's dtype, df in f's, dA_log, ddt_bias
     fp32 in their parameters' shapes). dq, dk, dg: fp32, contiguous (fla's intra stage's outputs). warps: the
-    launch's (None: 4 for K <= 128, else 8)."""
+    launch's (None: 8 for K <= 128, else 16)."""
     _require_triton("kda_gate_norm_backward")
     validate(qn, kn, f, A_log, dt_bias, cu_seqlens)
     for name, t in dict(dq=dq, dk=dk, dg=dg, qn=qn, kn=kn, q_rstd=q_rstd, k_rstd=k_rstd).items():
