@@ -2,8 +2,9 @@
 
 Legend: B batch, T sequence, s = B*T tokens, D hidden, L latent width (expert width H), K top-k.
 
-Latent MoE (K3): routed experts run at width L: x_sL = RMSNorm(x_sD W_down); y_sD = experts(x_sL) W_up, the
-shared experts' output added by that GEMM (addmm: one launch and one pass over [s, D] fewer than an add).
+Latent MoE (K3): routed experts run at width L: x_sL = RMSNorm(x_sD W_down); y_sD = experts(x_sL) W_up, that
+GEMM adding into the shared experts' output in place (addmm_: beta = 1 reads it in the epilogue; an out-of-place
+addmm would first copy it, an add read it twice): one launch and ~2 passes over [s, D] fewer.
 Shared experts see the full width D and are one gated FFN of width num_shared * F (identical to the sum
 of num_shared separate experts). They run on the caller's stream: on a side stream, overlapping the
 routed experts' communication, their GEMMs held up moonep's device barriers and FSDP's all-gathers and
@@ -47,8 +48,8 @@ class MoE(nn.Module):
         h_sH = self.latent_norm(self.latent_down(x_sD)) if self.latent else x_sD
         y_sH = self.backend.forward(h_sH, weights_sK, topk_sK)
         shared_sD = self.shared(x_sD) if self.shared is not None else None
-        if self.latent and shared_sD is not None:  # the up projection's GEMM adds the shared experts' output
-            y_sD = torch.addmm(shared_sD, y_sH, self.latent_up.weight.t())
+        if self.latent and shared_sD is not None:  # the up projection's GEMM adds into the shared experts' output
+            y_sD = shared_sD.addmm_(y_sH, self.latent_up.weight.t())
         elif self.latent:
             y_sD = self.latent_up(y_sH)
         else:
