@@ -1,4 +1,4 @@
-"""The train: section (TrainConfig): steps, batch geometry, logging, run directory, compile, recompute."""
+"""The train: section (TrainConfig): steps, batch geometry, logging, run directory, compile, recompute, kernel warm-up."""
 
 from __future__ import annotations
 
@@ -24,6 +24,11 @@ class TrainConfig:
     # divergence policy: a step with a non-finite grad norm skips its optimizer update; this many in a
     # row stop the run with an error (moontrain.trainer.guard)
     max_skipped_steps: int = 5
+    # Triton kernels compiled before the first step in parallel processes, from a manifest of their
+    # specialisations (moontrain.trainer.kernel_warmup): "auto" the shipped recipes/data/triton_kernels_sm90.json
+    # on a CUDA job whose cache lacks them, a manifest's path, or "none"
+    kernel_warmup: str = "auto"
+    kernel_warmup_workers: int = 8  # processes compiling them (each holds a CUDA context while it runs)
     # bitwise-reproducible runs on the GPU (deterministic kernels only; moontrain.trainer.determinism);
     # costs step time, so off by default
     deterministic: bool = False
@@ -32,6 +37,8 @@ class TrainConfig:
         for name in ("steps", "global_batch_size", "seq_len", "log_every", "max_skipped_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.kernel_warmup_workers < 0:
+            raise ValueError(f"train.kernel_warmup_workers must be >= 0 (0: no warm-up), got {self.kernel_warmup_workers}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"train.micro_batch_size must be >= 1 or null (no accumulation), got {self.micro_batch_size}")
 

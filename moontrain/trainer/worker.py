@@ -8,8 +8,9 @@ checkpoint.init_from when set), writes the resolved config (rank 0, once the res
 wandb run (rank 0; the id comes from the checkpoint on resume, so the same run continues), trains and prints
 the end-of-run summary. Resuming names what changed since the checkpoint (optim settings, the LR schedule's
 span); a run that uses fla on CUDA seeds Triton's cache with fla's shipped tile choices on every rank
-(trainer.kernel_cache); a GPU job says what its first step compiles before it starts and how long it took
-after (trainer.first_step); known-harmless library warnings are filtered (trainer.quiet).
+(trainer.kernel_cache) and, on a cold cache, compiles the shipped Triton kernels in parallel processes while the
+trainer is built (trainer.kernel_warmup; MOONTRAIN_RECORD_KERNELS=<path> records a job's own); a GPU job says what
+its first step compiles before it starts and how long it took after (trainer.first_step); known-harmless library warnings are filtered (trainer.quiet).
 
 Faults: the process group fails a collective after parallel.timeout_s; heartbeats (parallel.heartbeat)
 name a dead or frozen rank in every survivor's error; SIGTERM / SIGINT finish the step, save and exit 0
@@ -52,6 +53,7 @@ from moontrain.trainer.determinism import set_cublas_workspace
 from moontrain.trainer.errors import one_line
 from moontrain.trainer.first_step import FirstStepClock, first_step_note
 from moontrain.trainer.kernel_cache import seed_fla_cache
+from moontrain.trainer.kernel_warmup import KernelRecorder, start_warmup
 from moontrain.trainer.preempt import PreemptionHandler
 from moontrain.trainer.quiet import silence_known_warnings
 from moontrain.trainer.run_lock import RunLock
@@ -168,6 +170,12 @@ def _train_locked(cfg: RunConfig, device: torch.device, preemption: PreemptionHa
     # before any KDA kernel runs; on every rank, as ranks on several hosts have a cache each
     fla_seed = (seed_fla_cache(device) if device.type == "cuda" and uses_fla(cfg.model, cfg.kernels.kda, device)
                 else None)
+    # Triton kernels compiling in other processes while the trainer is built; joined before the first step
+    warmup = start_warmup(cfg.train.kernel_warmup, cfg.train.kernel_warmup_workers, device)
+    if warmup is not None and (line := warmup.start()) and is_main:
+        print(f"moontrain: {line}", flush=True)
+    record_to = os.environ.get("MOONTRAIN_RECORD_KERNELS") if is_main and device.type == "cuda" else None
+    recorder = KernelRecorder().__enter__() if record_to else None
     if is_main:
         print(f"moontrain: {layout.describe(cfg.parallel.dense_at(layout.world_size, layout.distributed))}; experts backend {cfg.experts.backend}; device {device}"
               + ("; deterministic kernels" if cfg.train.deterministic else ""), flush=True)
@@ -218,6 +226,8 @@ def _train_locked(cfg: RunConfig, device: torch.device, preemption: PreemptionHa
             trainer.log = ProgressLog(cfg.train.run_dir, cfg.train.steps, sink=sink, start_step=trainer.step)
             if sink is not None and trainer.step:  # what a killed job logged but did not flush to wandb
                 sink.backfill(trainer.log.kept, cfg.train.run_dir)
+        if warmup is not None and (line := warmup.wait()) and is_main:
+            print(f"moontrain: {line}", flush=True)
         note = first_step_note(cfg, device, fla_seed)
         if is_main and note and trainer.step < cfg.train.steps:
             print(f"moontrain: {note}", flush=True)
@@ -237,6 +247,13 @@ def _train_locked(cfg: RunConfig, device: torch.device, preemption: PreemptionHa
         if trainer.log is not None:
             trainer.log.close()
         trainer.close()
+        if recorder is not None:
+            recorder.__exit__(None, None, None)
+            major, minor = torch.cuda.get_device_capability(device)
+            manifest = recorder.manifest(f"sm{major}{minor}", {"recipe": cfg.train.run_dir,
+                                                              "gpu": torch.cuda.get_device_name(device)})
+            Path(record_to).write_text(manifest.to_json())
+            print(f"moontrain: {len(manifest.kernels)} Triton kernels recorded in {record_to}", flush=True)
 
 
 def resume_notes(cfg: RunConfig, checkpoint_dir: Path, resumed: Path, state: dict) -> list[str]:

@@ -1,0 +1,297 @@
+"""Triton kernels compiled ahead of the first step, in parallel processes, from a manifest of their specialisations.
+
+On a cold Triton cache the first step compiles every Triton kernel it launches (fla's KDA kernels, moonep's and
+moontrain's own) one after the other as the step reaches them: 242 kernels in 173.5 s for k3_small on a fresh H200
+machine (docs/performance.md, session 25). Which kernels, and how each is specialised (argument dtypes, pointer
+alignment, constexprs, warps and stages), does not depend on the data, so it can be recorded once and shipped:
+
+    record   MOONTRAIN_RECORD_KERNELS=<path> on a job: Triton's jit_post_compile_hook lists every kernel the job's
+             rank 0 compiles or loads (its module, name and Triton's own specialisation data) and the manifest is
+             written when the job ends (KernelRecorder; merge several with `python -m moontrain.trainer.kernel_warmup
+             merge OUT IN...`)
+    warm     a CUDA job with train.kernel_warmup (default: the shipped recipes/data/triton_kernels_sm90.json) starts
+             train.kernel_warmup_workers processes before it builds the trainer; each compiles entries into the
+             Triton cache through JITFunction.preload (Triton's API for this), and the job waits for them before
+             its first step, which then finds them compiled
+
+Each kernel is compiled from the source installed now, so a manifest recorded at another commit still serves
+every kernel whose parameters are unchanged; the others fail to preload and are compiled by the step as before.
+Nothing in a manifest decides what runs beyond the choice of a known kernel and its compile settings
+(docs/security.md): an entry names a module under moonep, moontrain or fla and a function in it by its
+identifiers; its options must not carry an IR file, ptxas options or a library path (the libdevice path is the
+local one, as the step's own compile takes it); the recorded GPU architecture and Triton version must be this
+machine's, else the manifest is not used and the job says why. A warm cache is marked done (a file named by the
+manifest's hash in the Triton cache folder), so later jobs start no processes; clearing the cache clears it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import re
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = REPO / "recipes" / "data" / "triton_kernels_sm90.json"
+FORMAT = 1
+PACKAGES = ("moonep", "moontrain", "fla")
+IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,149}")
+FORBIDDEN_OPTIONS = ("ir_override", "ptx_options", "extern_libs")  # a file to load, command-line text, a path
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    module: str
+    name: str
+    specialization: str  # Triton's serialize_specialization_data, as recorded
+
+    @property
+    def label(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+def _triton_version() -> str:
+    import triton
+
+    return ".".join(triton.__version__.split(".")[:2])
+
+
+def check_entry(raw: object, where: str) -> Entry:
+    """One manifest entry, validated (module, name, specialisation data); a ValueError names what is wrong."""
+    if not isinstance(raw, dict) or set(raw) != {"module", "name", "specialization"}:
+        raise ValueError(f"{where}: an entry is an object with module, name and specialization, got {raw!r:.120}")
+    module, name, spec = raw["module"], raw["name"], raw["specialization"]
+    parts = module.split(".") if isinstance(module, str) else []
+    if not parts or parts[0] not in PACKAGES or not all(IDENT.fullmatch(p) for p in parts):
+        raise ValueError(f"{where}: module {module!r} is not a dotted name under {', '.join(PACKAGES)}")
+    if not isinstance(name, str) or not all(IDENT.fullmatch(p) for p in name.split(".")):
+        raise ValueError(f"{where}: kernel name {name!r} is not a dotted Python name")
+    try:
+        data = json.loads(spec) if isinstance(spec, str) else None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: {module}.{name}: specialization is not JSON ({err})") from err
+    need = {"name", "signature", "constant_keys", "constant_vals", "attrs_keys", "attrs_vals", "options", "key"}
+    if not isinstance(data, dict) or set(data) != need or not isinstance(data["options"], dict):
+        raise ValueError(f"{where}: {module}.{name}: specialization must hold exactly {sorted(need)}")
+    bad = [k for k in FORBIDDEN_OPTIONS if data["options"].get(k) not in (None, "", [], {})]
+    if bad:
+        raise ValueError(f"{where}: {module}.{name}: options {bad} are not accepted from a manifest")
+    return Entry(module, name, spec)
+
+
+@dataclass(slots=True)
+class Manifest:
+    triton: str  # major.minor of the Triton that recorded it
+    arch: str  # e.g. sm90
+    kernels: list[Entry] = field(default_factory=list)
+    made_with: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        kernels = [{"module": e.module, "name": e.name, "specialization": e.specialization} for e in self.kernels]
+        return json.dumps({"format": FORMAT, "triton": self.triton, "arch": self.arch, "made_with": self.made_with,
+                           "kernels": kernels}, indent=1) + "\n"
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:32]
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """A manifest file, every entry validated (check_entry); a ValueError names the file and the fault."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"kernel manifest {path}: not readable JSON ({err})") from err
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT or not isinstance(raw.get("kernels"), list):
+        raise ValueError(f"kernel manifest {path}: not a format-{FORMAT} manifest (format, triton, arch, kernels)")
+    if not isinstance(raw.get("triton"), str) or not isinstance(raw.get("arch"), str):
+        raise ValueError(f"kernel manifest {path}: triton and arch must be strings")
+    kernels = [check_entry(k, f"kernel manifest {path}, entry {i}") for i, k in enumerate(raw["kernels"])]
+    made_with = raw.get("made_with") if isinstance(raw.get("made_with"), dict) else {}
+    return Manifest(raw["triton"], raw["arch"], kernels, made_with)
+
+
+def merge(manifests: list[Manifest]) -> Manifest:
+    """One manifest holding each distinct (module, name, specialisation) once, in first-seen order."""
+    if not manifests or len({(m.triton, m.arch) for m in manifests}) != 1:
+        raise ValueError("merge takes one or more manifests of one Triton version and GPU architecture, got "
+                         f"{sorted({(m.triton, m.arch) for m in manifests})}")
+    seen: dict[tuple[str, str, str], Entry] = {}
+    for m in manifests:
+        for e in m.kernels:
+            seen.setdefault((e.module, e.name, e.specialization), e)
+    return Manifest(manifests[0].triton, manifests[0].arch, list(seen.values()), manifests[0].made_with)
+
+
+class KernelRecorder:
+    """Lists the Triton kernels this process compiles or loads (Triton's jit_post_compile_hook) while active."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[str, str, str], Entry] = {}
+        self._previous = None
+
+    def _hook(self, *, fn, compile, **kwargs):  # noqa: A002 (Triton's keyword)
+        spec = compile.get("specialization_data")
+        if isinstance(spec, str) and "<locals>" not in fn.name:
+            self.entries.setdefault((fn.module, fn.name, spec), Entry(fn.module, fn.name, spec))
+        return self._previous(fn=fn, compile=compile, **kwargs) if self._previous else None
+
+    def __enter__(self) -> KernelRecorder:
+        from triton import knobs
+
+        self._previous = knobs.runtime.jit_post_compile_hook
+        knobs.runtime.jit_post_compile_hook = self._hook
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from triton import knobs
+
+        knobs.runtime.jit_post_compile_hook = self._previous
+
+    def manifest(self, arch: str, made_with: dict | None = None) -> Manifest:
+        """The entries under PACKAGES (others, e.g. a user's own kernels, are left out) as a manifest."""
+        kernels = []
+        for e in self.entries.values():
+            try:
+                kernels.append(check_entry({"module": e.module, "name": e.name, "specialization": e.specialization},
+                                           "recorded"))
+            except ValueError:
+                continue
+        return Manifest(_triton_version(), arch, kernels, made_with or {})
+
+
+def _resolve(module: str, name: str):
+    """The JITFunction named by an entry: the module attribute, through autotune / heuristics wrappers."""
+    from triton.runtime.interpreter import InterpretedFunction  # @triton.jit under TRITON_INTERPRET=1
+    from triton.runtime.jit import JITFunction
+
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    for _ in range(8):
+        if isinstance(obj, JITFunction | InterpretedFunction):
+            return obj
+        obj = getattr(obj, "fn", None)
+    raise ValueError(f"{module}.{name} is not a Triton kernel")
+
+
+def compile_entry(module: str, name: str, specialization: str) -> str | None:
+    """Compile one entry into Triton's cache (a pool process's task); None on success, else why not."""
+    try:
+        data = json.loads(specialization)
+        for key in FORBIDDEN_OPTIONS:
+            data["options"].pop(key, None)  # the local libdevice, as the step's own compile takes it
+        _resolve(module, name).preload(json.dumps(data))
+        return None
+    except Exception as err:  # a changed kernel: the step compiles it as before
+        return f"{module}.{name}: {type(err).__name__}: {str(err)[:160]}"
+
+
+def cache_dir() -> Path:
+    """Triton's cache folder (knobs.cache.dir: TRITON_CACHE_DIR, else under TRITON_HOME or the home folder)."""
+    from triton import knobs
+
+    return Path(knobs.cache.dir)
+
+
+def usable(manifest: Manifest, arch: str) -> str | None:
+    """Why this machine cannot use the manifest, or None."""
+    if manifest.arch != arch:
+        return f"recorded for {manifest.arch}, this GPU is {arch}"
+    if manifest.triton != _triton_version():
+        return f"recorded with Triton {manifest.triton}, this is Triton {_triton_version()}"
+    return None
+
+
+class Warmup:
+    """The manifest's kernels compiling in `workers` spawned processes (start), joined before the first step (wait).
+    Does nothing when the cache was warmed from this manifest before (its done-mark) or the manifest does not
+    apply (usable)."""
+
+    def __init__(self, manifest: Manifest, arch: str, workers: int) -> None:
+        self.manifest, self.workers = manifest, workers
+        self.mark = cache_dir() / "moontrain_warm" / f"{manifest.digest}.done"
+        self.skip = usable(manifest, arch) or ("warmed before" if self.mark.is_file() else None)
+        self._pool: ProcessPoolExecutor | None = None
+        self._futures: list = []
+        self._t0 = 0.0
+
+    def start(self) -> str:
+        """Start the processes (unless skipped); one line for the console."""
+        if self.skip is not None:
+            return f"kernel warm-up: not needed ({self.skip})"
+        import multiprocessing
+
+        self._t0 = time.perf_counter()
+        self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+        self._futures = [self._pool.submit(compile_entry, e.module, e.name, e.specialization)
+                         for e in self.manifest.kernels]
+        return (f"kernel warm-up: compiling {len(self._futures)} Triton kernels in {self.workers} processes while "
+                f"the job starts (a cold cache: {cache_dir()})")
+
+    def wait(self, timeout_s: float = 900.0) -> str | None:
+        """Join the processes (at most timeout_s; the step compiles what is left); one line, None if not started."""
+        if self._pool is None:
+            return None
+        done, pending = wait(self._futures, timeout=timeout_s)
+        failed = []
+        for f in done:
+            try:
+                if (why := f.result()) is not None:
+                    failed.append(why)
+            except Exception as err:  # a process that died: the step compiles its kernels
+                failed.append(f"{type(err).__name__}: {err}")
+        self._pool.shutdown(wait=not pending, cancel_futures=True)
+        self._pool = None
+        seconds = time.perf_counter() - self._t0
+        if not pending and not failed:
+            self.mark.parent.mkdir(parents=True, exist_ok=True)
+            self.mark.write_text(f"{len(done)} kernels\n")
+        line = (f"kernel warm-up: {len(done) - len(failed)} of {len(self._futures)} kernels compiled in "
+                f"{seconds:.1f} s")
+        if pending:
+            line += f"; {len(pending)} not done after {timeout_s:.0f} s (the step compiles them)"
+        if failed:
+            line += f"; {len(failed)} not compiled (the step compiles them), e.g. {failed[0]}"
+        return line
+
+
+def start_warmup(setting: str, workers: int, device) -> Warmup | None:
+    """The job's warm-up (train.kernel_warmup / kernel_warmup_workers), started; None where it does not apply (off, no
+    CUDA, not the host's first process). A manifest that fails its checks is an error naming the file."""
+    import torch
+
+    if setting == "none" or workers < 1 or device.type != "cuda" or int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return None
+    path = SHIPPED if setting == "auto" else Path(setting)
+    if setting == "auto" and not path.is_file():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return Warmup(load_manifest(path), f"sm{major}{minor}", workers)
+
+
+def _main(argv: list[str]) -> int:
+    usage = ("python -m moontrain.trainer.kernel_warmup merge OUT IN [IN ...]   (one manifest of several)\n"
+             "python -m moontrain.trainer.kernel_warmup check [MANIFEST]       (validate; default the shipped one)")
+    if len(argv) >= 3 and argv[0] == "merge":
+        merged = merge([load_manifest(p) for p in argv[2:]])
+        Path(argv[1]).write_text(merged.to_json())
+        print(f"{argv[1]}: {len(merged.kernels)} kernels from {len(argv) - 2} manifests")
+        return 0
+    if argv and argv[0] == "check" and len(argv) <= 2:
+        m = load_manifest(argv[1] if len(argv) == 2 else SHIPPED)
+        print(f"{len(m.kernels)} kernels, Triton {m.triton}, {m.arch}; made with {m.made_with}")
+        return 0
+    print(usage, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,194 @@
+"""The Triton kernel warm-up (moontrain.trainer.kernel_warmup): manifests checked before anything is imported or
+compiled from them, the recorder's entries, the kernels resolved through autotune wrappers, the process pool's
+report, and on a GPU a recorded kernel compiled into an empty cache by the pool and found there by a new process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("triton")
+
+from moontrain.trainer import kernel_warmup as kw  # noqa: E402
+
+
+def _spec(name: str = "_glu_rows_fwd_kernel", **options) -> str:
+    return json.dumps({"name": name, "signature": {"hu_ptr": "*bf16"}, "constant_keys": [], "constant_vals": [],
+                       "attrs_keys": [], "attrs_vals": [], "options": {"num_warps": 4, **options}, "key": "k"})
+
+
+def _entry(module: str = "moonep.kernels.glu_rows", name: str = "_glu_rows_fwd_kernel", spec: str | None = None
+           ) -> dict:
+    return {"module": module, "name": name, "specialization": spec if spec is not None else _spec()}
+
+
+def test_entry_accepted() -> None:
+    e = kw.check_entry(_entry(), "t")
+    assert (e.module, e.name, e.label) == ("moonep.kernels.glu_rows", "_glu_rows_fwd_kernel",
+                                           "moonep.kernels.glu_rows._glu_rows_fwd_kernel")
+
+
+@pytest.mark.parametrize("raw, match", [
+    (_entry(module="os"), r"module 'os' is not a dotted name under moonep, moontrain, fla"),
+    (_entry(module="moonep..x"), "is not a dotted name under"),
+    (_entry(module="fla.ops; import os"), "is not a dotted name under"),
+    (_entry(name="k()"), r"kernel name 'k\(\)' is not a dotted Python name"),
+    (_entry(spec="{not json"), "specialization is not JSON"),
+    (_entry(spec=json.dumps({"name": "k"})), "specialization must hold exactly"),
+    (_entry(spec=_spec(ir_override="/tmp/evil.ttgir")), r"options \['ir_override'\] are not accepted"),
+    (_entry(spec=_spec(ptx_options="--output-file /etc/x")), r"options \['ptx_options'\] are not accepted"),
+    (_entry(spec=_spec(extern_libs=[["libdevice", "/tmp/evil.bc"]])), r"options \['extern_libs'\] are not accepted"),
+    ({"module": "moonep.x", "name": "k"}, "an entry is an object with module, name and specialization"),
+])
+def test_entry_refused(raw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        kw.check_entry(raw, "t")
+
+
+def test_manifest_round_trip_merge_and_refusals(tmp_path) -> None:
+    a = kw.Manifest("3.6", "sm90", [kw.check_entry(_entry(), "t")], {"gpu": "H200"})
+    b = kw.Manifest("3.6", "sm90", [kw.check_entry(_entry(), "t"),
+                                    kw.check_entry(_entry(spec=_spec(num_stages=3)), "t")])
+    path = tmp_path / "m.json"
+    path.write_text(a.to_json())
+    back = kw.load_manifest(path)
+    assert back.kernels == a.kernels and back.made_with == {"gpu": "H200"} and back.digest == a.digest
+    merged = kw.merge([a, b])
+    assert len(merged.kernels) == 2 and merged.kernels[0] == a.kernels[0]
+    with pytest.raises(ValueError, match="one Triton version and GPU architecture"):
+        kw.merge([a, kw.Manifest("3.6", "sm80")])
+    path.write_text(json.dumps({"format": 1, "triton": "3.6", "arch": "sm90", "kernels": [_entry(module="os")]}))
+    with pytest.raises(ValueError, match=r"m.json, entry 0: module 'os'"):
+        kw.load_manifest(path)
+    path.write_text("[]")
+    with pytest.raises(ValueError, match="not a format-1 manifest"):
+        kw.load_manifest(path)
+    with pytest.raises(ValueError, match="not readable JSON"):
+        kw.load_manifest(tmp_path / "missing.json")
+
+
+def test_recorder_keeps_package_kernels_and_chains_the_previous_hook() -> None:
+    from triton import knobs
+
+    calls = []
+    before = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda **kwargs: calls.append(kwargs["fn"].name)
+    try:
+        with kw.KernelRecorder() as rec:
+            hook = knobs.runtime.jit_post_compile_hook
+            for module, name in (("moonep.kernels.glu_rows", "_glu_rows_fwd_kernel"), ("mykernels", "k"),
+                                 ("moontrain.x", "f.<locals>.k"), ("moonep.kernels.glu_rows", "_glu_rows_fwd_kernel")):
+                hook(key="k", repr="r", fn=SimpleNamespace(module=module, name=name),
+                     compile={"specialization_data": _spec()}, is_manual_warmup=False, already_compiled=False)
+        assert knobs.runtime.jit_post_compile_hook is not hook  # restored
+        m = rec.manifest("sm90")
+    finally:
+        knobs.runtime.jit_post_compile_hook = before
+    assert [e.label for e in m.kernels] == ["moonep.kernels.glu_rows._glu_rows_fwd_kernel"]
+    assert calls == ["_glu_rows_fwd_kernel", "k", "f.<locals>.k", "_glu_rows_fwd_kernel"]
+
+
+def test_resolve_through_wrappers() -> None:
+    from moonep.kernels import glu_rows
+
+    fn = kw._resolve("moonep.kernels.glu_rows", "_glu_rows_fwd_kernel")  # JITFunction (InterpretedFunction here)
+    assert fn is glu_rows._glu_rows_fwd_kernel and fn.fn.__name__ == "_glu_rows_fwd_kernel"
+    pytest.importorskip("fla")
+    from fla.ops.kda import chunk_intra  # an autotuned kernel: the Autotuner's function
+
+    assert kw._resolve("fla.ops.kda.chunk_intra", "chunk_kda_bwd_kernel_intra").fn.__name__ == \
+        "chunk_kda_bwd_kernel_intra" and chunk_intra is not None
+    with pytest.raises(ValueError, match="is not a Triton kernel"):
+        kw._resolve("moonep.kernels.glu_rows", "glu_forward_rows")
+
+
+def test_usable_and_done_mark(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    m = kw.Manifest(kw._triton_version(), "sm90", [kw.check_entry(_entry(), "t")])
+    assert kw.usable(m, "sm80") == "recorded for sm90, this GPU is sm80"
+    assert "recorded with Triton 0.1" in kw.usable(kw.Manifest("0.1", "sm90"), "sm90")
+    w = kw.Warmup(m, "sm80", 2)
+    assert w.start() == "kernel warm-up: not needed (recorded for sm90, this GPU is sm80)" and w.wait() is None
+    mark = tmp_path / "moontrain_warm" / f"{m.digest}.done"
+    mark.parent.mkdir()
+    mark.write_text("1 kernels\n")
+    assert kw.Warmup(m, "sm90", 2).start() == "kernel warm-up: not needed (warmed before)"
+
+
+def test_pool_reports_kernels_it_could_not_compile(tmp_path, monkeypatch) -> None:
+    """On the CPU Triton has no driver, so every preload fails: the report counts it, no done-mark is written and
+    the step would compile the kernel as before."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    m = kw.Manifest(kw._triton_version(), "sm90", [kw.check_entry(_entry(), "t"),
+                                                   kw.check_entry(_entry(name="not_there"), "t")])
+    w = kw.Warmup(m, "sm90", 2)
+    assert w.start().startswith("kernel warm-up: compiling 2 Triton kernels in 2 processes")
+    line = w.wait(timeout_s=300)
+    assert line.startswith("kernel warm-up: 0 of 2 kernels compiled in ") and "2 not compiled" in line, line
+    assert not (tmp_path / "moontrain_warm").exists()
+
+
+def test_start_warmup_off_where_it_does_not_apply() -> None:
+    import torch
+
+    assert kw.start_warmup("auto", 8, torch.device("cpu")) is None
+    assert kw.start_warmup("none", 8, torch.device("cuda")) is None
+    assert kw.start_warmup("auto", 0, torch.device("cuda")) is None
+
+
+def test_cli_check_and_merge(tmp_path) -> None:
+    a = tmp_path / "a.json"
+    a.write_text(kw.Manifest("3.6", "sm90", [kw.check_entry(_entry(), "t")]).to_json())
+    out = tmp_path / "m.json"
+    run = lambda *args: subprocess.run([sys.executable, "-m", "moontrain.trainer.kernel_warmup", *args],
+                                       capture_output=True, text=True, timeout=120)
+    r = run("merge", str(out), str(a), str(a))
+    assert r.returncode == 0 and "1 kernels from 2 manifests" in r.stdout, r.stderr
+    r = run("check", str(out))
+    assert r.returncode == 0 and r.stdout.startswith("1 kernels, Triton 3.6, sm90"), r.stderr
+    assert run("bogus").returncode == 2
+
+
+GPU_CHILD = """
+import sys, torch
+from triton import knobs
+compiled = []
+knobs.compilation.listener = lambda **kw: compiled.append(1)
+from moonep.kernels.glu_rows import glu_forward_rows
+a = glu_forward_rows("situ_glu", torch.randn(64, 256, device="cuda", dtype=torch.bfloat16))
+torch.cuda.synchronize()
+print("compiled", len(compiled))
+"""
+
+
+@pytest.mark.gpu
+def test_recorded_kernel_warmed_into_an_empty_cache(tmp_path) -> None:
+    """A kernel recorded in this process, compiled by the pool into an empty cache: a new process launching it
+    compiles nothing (Triton's compilation listener hears no compile), where one on another empty cache does."""
+    import torch
+
+    from moonep.kernels.glu_rows import glu_forward_rows
+
+    with kw.KernelRecorder() as rec:
+        glu_forward_rows("situ_glu", torch.randn(64, 256, device="cuda", dtype=torch.bfloat16))
+    major, minor = torch.cuda.get_device_capability()
+    manifest = rec.manifest(f"sm{major}{minor}")
+    assert [e.name for e in manifest.kernels] == ["_glu_rows_fwd_kernel"]
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "warm")}
+    old = os.environ.get("TRITON_CACHE_DIR")
+    os.environ["TRITON_CACHE_DIR"] = env["TRITON_CACHE_DIR"]
+    try:
+        w = kw.Warmup(manifest, f"sm{major}{minor}", 2)
+        w.start()
+        assert w.wait(timeout_s=300).startswith("kernel warm-up: 1 of 1 kernels compiled"), "pool"
+    finally:
+        os.environ.pop("TRITON_CACHE_DIR") if old is None else os.environ.update(TRITON_CACHE_DIR=old)
+    for cache, want in ((env["TRITON_CACHE_DIR"], "compiled 0"), (str(tmp_path / "cold"), "compiled 1")):
+        r = subprocess.run([sys.executable, "-c", GPU_CHILD], env={**env, "TRITON_CACHE_DIR": cache},
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and want in r.stdout, (cache, r.stdout, r.stderr[-2000:])
