@@ -137,7 +137,7 @@ class KernelRecorder:
         self.entries: dict[tuple[str, str, str], Entry] = {}
         self._previous = None
 
-    def _hook(self, *, fn, compile, **kwargs):  # noqa: A002 (Triton's keyword)
+    def _hook(self, *, fn, compile, **kwargs):
         spec = compile.get("specialization_data")
         if isinstance(spec, str) and "<locals>" not in fn.name:
             self.entries.setdefault((fn.module, fn.name, spec), Entry(fn.module, fn.name, spec))

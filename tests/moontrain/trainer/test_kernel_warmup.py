@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from moontrain.trainer import kernel_warmup as kw  # noqa: E402
+from moontrain.trainer import kernel_warmup as kw
 
 
 def _spec(name: str = "_glu_rows_fwd_kernel", **options) -> str:
