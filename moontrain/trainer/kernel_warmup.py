@@ -159,10 +159,14 @@ class KernelRecorder:
         """The entries under PACKAGES (others, e.g. a user's own kernels, are left out) as a manifest."""
         kernels = []
         for e in self.entries.values():
+            data = json.loads(e.specialization)
+            if not isinstance(data.get("options"), dict):
+                continue
+            data["options"].pop("extern_libs", None)  # this machine's libdevice path: the compile takes its own
             try:
-                kernels.append(check_entry({"module": e.module, "name": e.name, "specialization": e.specialization},
+                kernels.append(check_entry({"module": e.module, "name": e.name, "specialization": json.dumps(data)},
                                            "recorded"))
-            except ValueError:
+            except ValueError:  # another package's kernel, or options a manifest may not carry
                 continue
         return Manifest(_triton_version(), arch, kernels, made_with or {})
 

@@ -84,12 +84,14 @@ def test_recorder_keeps_package_kernels_and_chains_the_previous_hook() -> None:
             for module, name in (("moonep.kernels.glu_rows", "_glu_rows_fwd_kernel"), ("mykernels", "k"),
                                  ("moontrain.x", "f.<locals>.k"), ("moonep.kernels.glu_rows", "_glu_rows_fwd_kernel")):
                 hook(key="k", repr="r", fn=SimpleNamespace(module=module, name=name),
-                     compile={"specialization_data": _spec()}, is_manual_warmup=False, already_compiled=False)
+                     compile={"specialization_data": _spec(extern_libs=[["libdevice", "/opt/x/libdevice.10.bc"]])},
+                     is_manual_warmup=False, already_compiled=False)
         assert knobs.runtime.jit_post_compile_hook is not hook  # restored
         m = rec.manifest("sm90")
     finally:
         knobs.runtime.jit_post_compile_hook = before
     assert [e.label for e in m.kernels] == ["moonep.kernels.glu_rows._glu_rows_fwd_kernel"]
+    assert json.loads(m.kernels[0].specialization)["options"] == {"num_warps": 4}  # the local libdevice path dropped
     assert calls == ["_glu_rows_fwd_kernel", "k", "f.<locals>.k", "_glu_rows_fwd_kernel"]
 
 
