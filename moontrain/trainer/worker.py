@@ -228,6 +228,8 @@ def _train_locked(cfg: RunConfig, device: torch.device, preemption: PreemptionHa
                 sink.backfill(trainer.log.kept, cfg.train.run_dir)
         if warmup is not None and (line := warmup.wait()) and is_main:
             print(f"moontrain: {line}", flush=True)
+        if layout.distributed:  # a host's other ranks find the kernels its first rank warmed, not compile them too
+            dist.barrier(group=layout.world_group)
         note = first_step_note(cfg, device, fla_seed)
         if is_main and note and trainer.step < cfg.train.steps:
             print(f"moontrain: {note}", flush=True)

@@ -188,10 +188,12 @@ if triton is not None:
             tl.store(dA + p_A, b_dA.to(dA.dtype.element_ty), mask=m_t[:, None])
             tl.store(db + o_t * H, b_db.to(db.dtype.element_ty), mask=m_t)
 
+    # cache_results: the choice is kept in Triton's cache, so every run on a machine takes the same tiles (and the
+    # same sums), and the shipped choices (moontrain.trainer.kernel_cache) spare a fresh machine the search
     _kblock_tuned = triton.autotune(configs=_kblock_configs(), key=["H", "K", "V", "BT", "IS_VARLEN"],
-                                    prune_configs_by={"early_config_prune": _fit})(_kblock_kernel)
+                                    prune_configs_by={"early_config_prune": _fit}, cache_results=True)(_kblock_kernel)
     _finish_tuned = triton.autotune(configs=_finish_configs(), key=["H", "K", "V", "BT", "NK", "IS_VARLEN"],
-                                    prune_configs_by={"early_config_prune": _fit})(_finish_kernel)
+                                    prune_configs_by={"early_config_prune": _fit}, cache_results=True)(_finish_kernel)
 
 
 def kda_dqkg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_new: torch.Tensor, g: torch.Tensor,
