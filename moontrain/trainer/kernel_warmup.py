@@ -220,7 +220,8 @@ class Warmup:
     apply (usable)."""
 
     def __init__(self, manifest: Manifest, arch: str, workers: int) -> None:
-        self.manifest, self.workers = manifest, workers
+        # at most one process a core but one (the job's own process builds the trainer meanwhile)
+        self.manifest, self.workers = manifest, max(1, min(workers, (os.cpu_count() or 2) - 1))
         self.mark = cache_dir() / "moontrain_warm" / f"{manifest.digest}.done"
         self.skip = usable(manifest, arch) or ("warmed before" if self.mark.is_file() else None)
         self._pool: ProcessPoolExecutor | None = None
@@ -237,7 +238,8 @@ class Warmup:
         self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
         self._futures = [self._pool.submit(compile_entry, e.module, e.name, e.specialization)
                          for e in self.manifest.kernels]
-        return (f"kernel warm-up: compiling {len(self._futures)} Triton kernels in {self.workers} processes while "
+        return (f"kernel warm-up: compiling {len(self._futures)} Triton kernels in {self.workers} "
+                f"process{'es' if self.workers != 1 else ''} while "
                 f"the job starts (a cold cache: {cache_dir()})")
 
     def wait(self, timeout_s: float = 900.0) -> str | None:
