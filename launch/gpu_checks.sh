@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|router|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|gatenorm|kdakernels|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|k3ab|k3ref|learning ...]
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|router|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|gatenorm|kdakernels|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|k3ab|k3ref|learning|warmup ...]
 #   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, router, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, gatenorm, kdakernels, opsites, outputcode,
-#   optim, determinism, ckpt, dense, mfu, k3, k3ab and k3ref run on one GPU)
+#   optim, determinism, ckpt, dense, mfu, k3, k3ab, k3ref and warmup run on one GPU)
 # tests: on one GPU the single-GPU tier (`pytest -m "gpu or multigpu"`, the multigpu tests skip) in TEST_WORKERS
 # (default 4) pytest-xdist workers sharing the GPU, whole files per worker, TEST_LIMIT s (default 300) per test
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
@@ -103,6 +103,24 @@ for step in "${steps[@]}"; do
                parallel.ep=1 train.micro_batch_size=1 train.compile=true parallel.fsdp_reshard_after_forward=false \
                parallel.dense=$d > "$out/dense_$d.log" 2>&1
              echo "bench_train dense=$d rc=$?"; grep -v "^\[rank" "$out/dense_$d.log" | tail -4
+           done ;;
+    warmup) # the first step on empty Triton and inductor caches, k3_small at EP = 1: without the kernel warm-up (recording
+           # the kernels, OUT/kernels_markov.json), on documents (recording, OUT/kernels_docs.json), then on new empty caches
+           # with the two merged (OUT/kernels_merged.json; docs/performance.md, session 38). WARMUP_ARGS: extra overrides
+           # (an 80 GB card: optim.state_dtype=bfloat16 train.activation_checkpointing=true)
+           wl="python -m moontrain.cli launch recipes/k3_small.yaml parallel.ep=1 --nproc 1 train.steps=2 checkpoint.save_final=false checkpoint.resume=none ${WARMUP_ARGS:-}"
+           docs="data.source=dataset data.path=$PWD/recipes/data/learning/corpus.jsonl data.tokenizer=$PWD/recipes/data/learning/tokenizer"
+           for run in "cold_record:A:MOONTRAIN_RECORD_KERNELS=$out/kernels_markov.json:train.kernel_warmup=none" \
+                      "docs_record:A:MOONTRAIN_RECORD_KERNELS=$out/kernels_docs.json:train.kernel_warmup=none $docs" \
+                      "cold_warm:B::train.kernel_warmup=$out/kernels_merged.json"; do
+             IFS=: read -r name cache rec extra <<< "$run"
+             [ "$name" = cold_warm ] && python -m moontrain.trainer.kernel_warmup merge "$out/kernels_merged.json" \
+               "$out/kernels_markov.json" "$out/kernels_docs.json"
+             t0=$(date +%s)
+             TRITON_CACHE_DIR=/tmp/warmup_tc$cache TORCHINDUCTOR_CACHE_DIR=/tmp/warmup_ic$cache timeout "${WARMUP_TIMEOUT:-240}" \
+               env $rec $wl train.run_dir=/tmp/warmup_$name $extra > "$out/warmup_$name.log" 2>&1
+             echo "warmup $name rc=$? launch to exit $(( $(date +%s) - t0 )) s"
+             grep -E "kernel warm-up|first step" "$out/warmup_$name.log" | cut -c1-200
            done ;;
     learning)  # docs/learning.md: the DeepSeek-V3 block (60 steps, ~2.5 min) and the K3 block (~2 min) on text, one GPU
            for setup in dsv3 k3_small; do
@@ -239,6 +257,6 @@ for step in "${steps[@]}"; do
            echo "op_sites --compile rc=$?"; head -30 "$out/op_sites_compiled.log"
            grep -oE "def triton_[a-z]+_fused_[A-Za-z0-9_]+" "$out/output_code.log" | sort | uniq -c | sort -rn | head -40
            xz -f "$out/output_code.log" ;;
-    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, gatenorm, kdakernels, opsites, outputcode, optim, determinism, ckpt, dense, mfu, k3, k3ab, k3ref, learning)"; exit 2 ;;
+    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, gatenorm, kdakernels, opsites, outputcode, optim, determinism, ckpt, dense, mfu, k3, k3ab, k3ref, learning, warmup)"; exit 2 ;;
   esac
 done
