@@ -38,9 +38,11 @@ from moontrain.model.kda.layer import uses_fla
 from moontrain.trainer.kernel_cache import FlaSeed, autotune_entries
 
 
-def first_step_note(cfg: RunConfig, device: torch.device, fla_seed: FlaSeed | None = None) -> str | None:
+def first_step_note(cfg: RunConfig, device: torch.device, fla_seed: FlaSeed | None = None,
+                    warmed: bool = False) -> str | None:
     """What makes the first GPU step slow, said before it starts (it can take a minute or more). fla_seed:
-    what seeding Triton's cache did (None: not seeded)."""
+    what seeding Triton's cache did (None: not seeded); warmed: the kernel warm-up compiled its manifest's
+    kernels just before (moontrain.trainer.kernel_warmup)."""
     if device.type != "cuda":
         return None
     fla = "fla autotunes its KDA kernels"
@@ -51,7 +53,8 @@ def first_step_note(cfg: RunConfig, device: torch.device, fla_seed: FlaSeed | No
     work = [what for what, on in (
         ("torch.compile compiles the dense layers (train.compile)", cfg.train.compile),
         (fla, uses_fla(cfg.model, cfg.kernels.kda, device)),
-        ("Triton compiles moonep's kernels", cfg.experts.backend == "moonep")) if on]
+        ("Triton compiles the kernels the warm-up did not" if warmed else "Triton compiles moonep's kernels",
+         cfg.experts.backend == "moonep")) if on]
     if not work:
         return None
     return f"the first step also {'; '.join(work)}: it can take a minute or more (later steps reuse them)"

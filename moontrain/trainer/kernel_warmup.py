@@ -227,6 +227,7 @@ class Warmup:
         self._pool: ProcessPoolExecutor | None = None
         self._futures: list = []
         self._t0 = 0.0
+        self.ran = False  # the processes ran and were joined (wait)
 
     def start(self) -> str:
         """Start the processes (unless skipped); one line for the console."""
@@ -256,6 +257,7 @@ class Warmup:
                 failed.append(f"{type(err).__name__}: {err}")
         self._pool.shutdown(wait=not pending, cancel_futures=True)
         self._pool = None
+        self.ran = True
         seconds = time.perf_counter() - self._t0
         if not pending and not failed:
             self.mark.parent.mkdir(parents=True, exist_ok=True)

@@ -230,7 +230,7 @@ def _train_locked(cfg: RunConfig, device: torch.device, preemption: PreemptionHa
             print(f"moontrain: {line}", flush=True)
         if layout.distributed:  # a host's other ranks find the kernels its first rank warmed, not compile them too
             dist.barrier(group=layout.world_group)
-        note = first_step_note(cfg, device, fla_seed)
+        note = first_step_note(cfg, device, fla_seed, warmed=warmup is not None and warmup.ran)
         if is_main and note and trainer.step < cfg.train.steps:
             print(f"moontrain: {note}", flush=True)
             trainer.first_step = FirstStepClock(fla_seed)

@@ -45,6 +45,9 @@ def test_first_step_note_names_what_compiles(monkeypatch: pytest.MonkeyPatch) ->
     assert first_step_note(cfg, CUDA) == (
         "the first step also torch.compile compiles the dense layers (train.compile); Triton compiles moonep's "
         "kernels: it can take a minute or more (later steps reuse them)")
+    assert first_step_note(cfg, CUDA, warmed=True) == (
+        "the first step also torch.compile compiles the dense layers (train.compile); Triton compiles the kernels "
+        "the warm-up did not: it can take a minute or more (later steps reuse them)")
     monkeypatch.setattr(first_step, "uses_fla", lambda *args: True)  # fla-core is not installed on the CPU
     cfg.train.compile = False
     assert first_step_note(cfg, CUDA, SEEDED) == (

@@ -133,6 +133,7 @@ def test_pool_reports_kernels_it_could_not_compile(tmp_path, monkeypatch) -> Non
     assert w.start().startswith("kernel warm-up: compiling 2 Triton kernels in 1 process while")
     line = w.wait(timeout_s=300)
     assert line.startswith("kernel warm-up: 0 of 2 kernels compiled in ") and "2 not compiled" in line, line
+    assert w.ran and w.wait() is None
     assert not (tmp_path / "moontrain_warm").exists()
 
 
