@@ -271,6 +271,14 @@ class Warmup:
         return line
 
 
+    def cancel(self) -> None:
+        """Stop handing out kernels (a job that fails before its first step); the processes finish the one each
+        is compiling. A no-op once joined."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
 def start_warmup(setting: str, workers: int, device) -> Warmup | None:
     """The job's warm-up (train.kernel_warmup / kernel_warmup_workers), started; None where it does not apply (off, no
     CUDA, not the host's first process). A manifest that fails its checks is an error naming the file."""

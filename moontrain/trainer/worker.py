@@ -10,7 +10,8 @@ the end-of-run summary. Resuming names what changed since the checkpoint (optim 
 span); a run that uses fla on CUDA seeds Triton's cache with fla's shipped tile choices on every rank
 (trainer.kernel_cache) and, on a cold cache, compiles the shipped Triton kernels in parallel processes while the
 trainer is built (trainer.kernel_warmup; MOONTRAIN_RECORD_KERNELS=<path> records a job's own); a GPU job says what
-its first step compiles before it starts and how long it took after (trainer.first_step); known-harmless library warnings are filtered (trainer.quiet).
+its first step compiles before it starts and how long it took after (trainer.first_step); known-harmless library
+warnings are filtered (trainer.quiet).
 
 Faults: the process group fails a collective after parallel.timeout_s; heartbeats (parallel.heartbeat)
 name a dead or frozen rank in every survivor's error; SIGTERM / SIGINT finish the step, save and exit 0
@@ -187,7 +188,12 @@ def _train_locked(cfg: RunConfig, device: torch.device, preemption: PreemptionHa
             warning = gpu_memory_warning(cfg, layout.world_size, f"this GPU ({props.name})", props.total_memory)
             if warning is not None:
                 print(f"moontrain: warning: {warning}", flush=True)
-    trainer = Trainer(cfg, layout)
+    try:
+        trainer = Trainer(cfg, layout)
+    except BaseException:
+        if warmup is not None:
+            warmup.cancel()
+        raise
     trainer.preemption = preemption
     sink = None
     try:
@@ -246,6 +252,8 @@ def _train_locked(cfg: RunConfig, device: torch.device, preemption: PreemptionHa
                   f"{trainer.step} of {cfg.train.steps}; checkpoint saved in {trainer.checkpoint_dir}; continue "
                   "with checkpoint.resume=auto", flush=True)
     finally:
+        if warmup is not None:  # a job that failed before its first step
+            warmup.cancel()
         if trainer.log is not None:
             trainer.log.close()
         trainer.close()

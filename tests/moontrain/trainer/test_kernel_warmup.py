@@ -134,6 +134,11 @@ def test_pool_reports_kernels_it_could_not_compile(tmp_path, monkeypatch) -> Non
     line = w.wait(timeout_s=300)
     assert line.startswith("kernel warm-up: 0 of 2 kernels compiled in ") and "2 not compiled" in line, line
     assert w.ran and w.wait() is None
+    w.cancel()  # a no-op once joined
+    w2 = kw.Warmup(m, "sm90", 1)
+    w2.start()
+    w2.cancel()
+    assert w2.wait() is None and not w2.ran
     assert not (tmp_path / "moontrain_warm").exists()
 
 
