@@ -241,7 +241,7 @@ class Warmup:
                          for e in self.manifest.kernels]
         return (f"kernel warm-up: compiling {len(self._futures)} Triton kernels in {self.workers} "
                 f"process{'es' if self.workers != 1 else ''} while "
-                f"the job starts (a cold cache: {cache_dir()})")
+                f"the job starts (Triton's cache: {cache_dir()})")
 
     def wait(self, timeout_s: float = 900.0) -> str | None:
         """Join the processes (at most timeout_s; the step compiles what is left); one line, None if not started."""
