@@ -85,7 +85,15 @@ def _row_of(tile, n_idx, n: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(h_ptr, r_ptr, p_ptr, q_ptr, M, eps,
+def _query(qry_ptr, kw_ptr, cols, col_ok):
+    """The effective query q = query * key_weight in fp32 over `cols`: the pseudo-query times the keys' RMSNorm
+    weight, each widened exactly, the product rounded once (torch's fp32 product, bitwise)."""
+    a = tl.load(qry_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return a * tl.load(kw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _fwd_kernel(h_ptr, r_ptr, p_ptr, qry_ptr, kw_ptr, M, eps,
                 v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15,
                 D: tl.constexpr, N: tl.constexpr, N_P: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -102,7 +110,7 @@ def _fwd_kernel(h_ptr, r_ptr, p_ptr, q_ptr, M, eps,
             cols = d0 + tl.arange(0, BD)
             col_ok = cols < D
             v = tl.load(v_ptr + base + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-            q = tl.load(q_ptr + cols, mask=col_ok, other=0.0)
+            q = _query(qry_ptr, kw_ptr, cols, col_ok)
             ss += tl.sum(v * v, axis=1)
             dot += tl.sum(v * q[None, :], axis=1)
         r = 1.0 / tl.sqrt(ss / D + eps)
@@ -125,7 +133,7 @@ def _fwd_kernel(h_ptr, r_ptr, p_ptr, q_ptr, M, eps,
 
 
 @triton.jit
-def _bwd_kernel(gh_ptr, r_ptr, p_ptr, q_ptr, gq_ptr, M,
+def _bwd_kernel(gh_ptr, r_ptr, p_ptr, qry_ptr, kw_ptr, gq_ptr, M,
                 v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15,
                 g0, g1, g2, g3, g4, g5, g6, g7, g8, g9, g10, g11, g12, g13, g14, g15,
                 D: tl.constexpr, N: tl.constexpr, N_P: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
@@ -145,7 +153,7 @@ def _bwd_kernel(gh_ptr, r_ptr, p_ptr, q_ptr, gq_ptr, M,
         col_ok = cols < D
         mask = row_ok[:, None] & col_ok[None, :]
         gh = tl.load(gh_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = tl.load(q_ptr + cols, mask=col_ok, other=0.0)
+        q = _query(qry_ptr, kw_ptr, cols, col_ok)
         for n in tl.static_range(N):
             v_ptr = _pick(n, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15)
             v = tl.load(v_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -159,7 +167,7 @@ def _bwd_kernel(gh_ptr, r_ptr, p_ptr, q_ptr, gq_ptr, M,
         col_ok = cols < D
         mask = row_ok[:, None] & col_ok[None, :]
         gh = tl.load(gh_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = tl.load(q_ptr + cols, mask=col_ok, other=0.0)
+        q = _query(qry_ptr, kw_ptr, cols, col_ok)
         gq = tl.zeros((BD,), tl.float32)
         for n in tl.static_range(N):
             v_ptr = _pick(n, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15)
@@ -187,6 +195,14 @@ def _check(values: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], 
     return tuple(v.contiguous() for v in values), first.shape[-1]
 
 
+def _check_params(query: torch.Tensor, key_weight: torch.Tensor, D: int) -> None:
+    """The kernels read the pseudo-query and the key-norm weight in place: contiguous [D] float tensors."""
+    for name, t in (("query", query), ("key_weight", key_weight)):
+        if t.shape != (D,) or not t.is_contiguous() or not t.is_floating_point():
+            raise ValueError(f"the AttnRes kernels take a contiguous float {name} of [{D}], got {tuple(t.shape)} "
+                             f"{t.dtype} contiguous={t.is_contiguous()}")
+
+
 def _block_d(D: int) -> int:
     return min(BLOCK_D, triton.next_power_of_2(D))
 
@@ -200,11 +216,11 @@ def depth_forward(query: torch.Tensor, key_weight: torch.Tensor, eps: float, val
     """attn_res.depth_forward in the forward kernel: (h in the values' dtype, r [N, ...], p [N, ...])."""
     values, D = _check(values)
     N, M = len(values), values[0].numel() // D
-    q = (query.float() * key_weight.float()).contiguous()
+    _check_params(query, key_weight, D)
     h = torch.empty_like(values[0])
     r = torch.empty(N, *values[0].shape[:-1], dtype=torch.float32, device=h.device)
     p = torch.empty_like(r)
-    _fwd_kernel[(triton.cdiv(M, BLOCK_M),)](h, r, p, q, M, float(eps), *_slots(values), D=D, N=N,
+    _fwd_kernel[(triton.cdiv(M, BLOCK_M),)](h, r, p, query, key_weight, M, float(eps), *_slots(values), D=D, N=N,
                                            N_P=triton.next_power_of_2(N), BM=BLOCK_M, BD=_block_d(D),
                                            num_warps=FWD_WARPS)
     return h, r, p
@@ -225,14 +241,13 @@ def depth_backward(query: torch.Tensor, key_weight: torch.Tensor, r_NBT: torch.T
         if t is not None and (t.shape != v.shape or t.dtype != v.dtype or not t.is_contiguous()):
             raise ValueError(f"an AttnRes gradient sum must be contiguous with its value's shape and dtype: "
                              f"{tuple(t.shape)} {t.dtype} against {tuple(v.shape)} {v.dtype}")
-    qf, wf = query.float(), key_weight.float()
-    q = (qf * wf).contiguous()
+    _check_params(query, key_weight, D)
     grads = [torch.empty_like(v) if t is None else t for v, t in zip(values, into, strict=True)]
     sum_into = sum(1 << n for n, t in enumerate(into) if t is not None)
     programs = triton.cdiv(M, BLOCK_M)
-    gq_parts = torch.empty(programs, D, dtype=torch.float32, device=q.device)
-    _bwd_kernel[(programs,)](grad_h.contiguous(), r_NBT.contiguous(), p_NBT.contiguous(), q, gq_parts, M,
-                             *_slots(values), *_slots(grads), D=D, N=N, N_P=triton.next_power_of_2(N), BM=BLOCK_M,
+    gq_parts = torch.empty(programs, D, dtype=torch.float32, device=query.device)
+    _bwd_kernel[(programs,)](grad_h.contiguous(), r_NBT.contiguous(), p_NBT.contiguous(), query, key_weight,
+                             gq_parts, M, *_slots(values), *_slots(grads), D=D, N=N, N_P=triton.next_power_of_2(N), BM=BLOCK_M,
                              BD=_block_d(D), SUM_INTO=sum_into, num_warps=BWD_WARPS)
-    grad_q = gq_parts.sum(0)
-    return (grad_q * wf).to(query.dtype), (grad_q * qf).to(key_weight.dtype), grads
+    grad_q = gq_parts.sum(0)  # fp32; a product with a bf16 parameter widens it exactly, as .float() did
+    return (grad_q * key_weight).to(query.dtype), (grad_q * query).to(key_weight.dtype), grads

@@ -133,6 +133,15 @@ def test_values_of_different_shapes_are_refused() -> None:
         attn_res_kernel.depth_forward(query, key_weight, 1e-6, (values[0], values[1][:, :5]))
 
 
+def test_parameters_read_in_place_must_be_contiguous_vectors() -> None:
+    """The kernels read the pseudo-query and the key-norm weight themselves (q = query * key_weight in fp32)."""
+    query, key_weight, values, _ = _inputs(2, torch.float32, seed=1)
+    with pytest.raises(ValueError, match=r"contiguous float query of \[40\], got \(20,\)"):
+        attn_res_kernel.depth_forward(query[::2], key_weight, 1e-6, values)
+    with pytest.raises(ValueError, match=r"contiguous float key_weight of \[40\], got \(40,\) torch.int64"):
+        attn_res_kernel.depth_forward(query, key_weight.long(), 1e-6, values)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_sums_into_the_given_gradients(dtype: torch.dtype, small_blocks: None) -> None:
     """into (attn_res.BlockGrad's sums): value n's gradient is added to into[n] in place, in fp32 before the one
