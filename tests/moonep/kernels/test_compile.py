@@ -139,12 +139,14 @@ CASES = [
                                     (False, True, True, 2))
 ] + [
     ("moontrain.model.attn_res_kernel", "_fwd_kernel",  # K3: N <= 4 values of D = 2048
-     {"h_ptr": "*bf16", "r_ptr": "*fp32", "p_ptr": "*fp32", "q_ptr": "*fp32", "M": "i32", "eps": "fp32",
+     {"h_ptr": "*bf16", "r_ptr": "*fp32", "p_ptr": "*fp32", "qry_ptr": "*bf16", "kw_ptr": "*bf16", "M": "i32",
+      "eps": "fp32",
       **{f"v{i}": "*bf16" if i < 4 else "constexpr" for i in range(16)},
       "D": "constexpr", "N": "constexpr", "N_P": "constexpr", "BM": "constexpr", "BD": "constexpr"},
      {**{f"v{i}": None for i in range(4, 16)}, "D": 2048, "N": 4, "N_P": 4, "BM": 4, "BD": 1024}),
     ("moontrain.model.attn_res_kernel", "_bwd_kernel",
-     {"gh_ptr": "*bf16", "r_ptr": "*fp32", "p_ptr": "*fp32", "q_ptr": "*fp32", "gq_ptr": "*fp32", "M": "i32",
+     {"gh_ptr": "*bf16", "r_ptr": "*fp32", "p_ptr": "*fp32", "qry_ptr": "*bf16", "kw_ptr": "*bf16", "gq_ptr": "*fp32",
+      "M": "i32",
       **{f"{c}{i}": "*bf16" if i < 3 else "constexpr" for c in "vg" for i in range(16)},
       "D": "constexpr", "N": "constexpr", "N_P": "constexpr", "BM": "constexpr", "BD": "constexpr",
       "SUM_INTO": "constexpr"},  # two completed blocks' gradient sums, the partial sum's fresh gradient
