@@ -1,7 +1,8 @@
 """Triton kernels of one AttnRes aggregation, forward and backward (moontrain.model.attn_res's
 depth_forward / depth_backward are the specification; kernels.attn_res picks these).
 
-Legend: N values, M rows (batch x sequence), D hidden, BM rows per program.
+Legend: N values, M rows (batch x sequence), D hidden, BM rows per program; q = query * key_weight in fp32, which
+the kernels form from the two parameters they read in place (no launches of their own for it).
 
     r_n = rsqrt(mean_D(v_n^2) + eps)   logit_n = (v_n . q) r_n   p = softmax_n(logit)   h = sum_n p_n v_n
     backward, per row (gh = dL/dh):  gp_n = gh . v_n   s_n = v_n . q   gl_n = p_n (gp_n - sum_m p_m gp_m)
