@@ -2,7 +2,7 @@
 
 On a cold Triton cache the first step compiles every Triton kernel it launches (fla's KDA kernels, moonep's and
 moontrain's own) one after the other as the step reaches them: 242 kernels in 173.5 s for k3_small on a fresh H200
-machine (docs/performance.md, session 25). Which kernels, and how each is specialised (argument dtypes, pointer
+machine (docs/performance.md). Which kernels, and how each is specialised (argument dtypes, pointer
 alignment, constexprs, warps and stages), does not depend on the data, so it can be recorded once and shipped:
 
     record   MOONTRAIN_RECORD_KERNELS=<path> on a job: Triton's jit_post_compile_hook lists every kernel the job's

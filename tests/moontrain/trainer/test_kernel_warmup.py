@@ -196,7 +196,10 @@ def test_recorded_kernel_warmed_into_an_empty_cache(tmp_path) -> None:
         w.start()
         assert w.wait(timeout_s=300).startswith("kernel warm-up: 1 of 1 kernels compiled"), "pool"
     finally:
-        os.environ.pop("TRITON_CACHE_DIR") if old is None else os.environ.update(TRITON_CACHE_DIR=old)
+        if old is None:
+            del os.environ["TRITON_CACHE_DIR"]
+        else:
+            os.environ["TRITON_CACHE_DIR"] = old
     for cache, want in ((env["TRITON_CACHE_DIR"], "compiled 0"), (str(tmp_path / "cold"), "compiled 1")):
         r = subprocess.run([sys.executable, "-c", GPU_CHILD], env={**env, "TRITON_CACHE_DIR": cache},
                            capture_output=True, text=True, timeout=300)
@@ -205,8 +208,8 @@ def test_recorded_kernel_warmed_into_an_empty_cache(tmp_path) -> None:
 
 def test_shipped_manifest_passes_its_checks_and_names_this_tree_s_kernels() -> None:
     """The shipped manifest loads (every entry checked) and each moonep / moontrain entry still names a kernel of
-    this tree: a kernel renamed or removed since the recording fails here (record again: docs/performance.md,
-    session 38, or drop the entry). fla's entries are checked where fla-core is installed."""
+    this tree: a kernel renamed or removed since the recording fails here (record again, `gpu_checks.sh OUT
+    warmup`, or drop the entry). fla's entries are checked where fla-core is installed."""
     import importlib.util
 
     m = kw.load_manifest(kw.SHIPPED)
