@@ -13,8 +13,10 @@ forward once for each value's two row sums, once for the weighted sum (h accumul
 as the specification sums, rounded once to the values' dtype); the backward once for the two dot products of
 every value, once for the value gradients and dq. A program's rows of the N values (BM x D x N elements) are
 read from HBM in the first walk and mostly from L2 in the second, where the compiled specification reads
-every value three times and gh twice per value in separate reductions. dq is deterministic: each program
-writes its fp32 [D] partial to its own row of a [programs, D] buffer, one torch sum follows (no atomics).
+every value three times and gh twice per value in separate reductions. dq is deterministic: the backward runs at most
+BWD_PROGRAMS programs, each walking its row blocks in turn and summing its fp32 [D] partial in its own row of a
+[programs, D] buffer; one small kernel sums the rows in a fixed order and forms both parameters' gradients (no
+atomics, and no [M / BM, D] buffer or separate sum, products and casts).
 A completed block's gradient is the sum over the aggregations that read it (attn_res.BlockGrad): for such a
 value the backward loads the sum so far and stores the sum (SUM_INTO, a compile-time bit per value), where
 autograd would store the gradient and add it in another kernel (one read and one write of it against four).
@@ -40,6 +42,10 @@ MAX_VALUES = 16
 # k3_small's shape (docs/performance.md); no spills for sm90 at N <= 4 (ptxas: forward 128 registers, backward 213)
 BLOCK_M, BLOCK_D = 4, 1024
 FWD_WARPS, BWD_WARPS = 4, 4
+# backward programs at most: each walks its row blocks in turn and keeps one dq partial, so the partials are few
+# (and as many on every GPU: dq sums in the same order everywhere); _param_grad_kernel's tile over them
+BWD_PROGRAMS = 512
+PARAM_PARTS, PARAM_COLS = 64, 64
 
 
 @triton.jit
@@ -140,47 +146,71 @@ def _bwd_kernel(gh_ptr, r_ptr, p_ptr, qry_ptr, kw_ptr, gq_ptr, M,
                 D: tl.constexpr, N: tl.constexpr, N_P: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
                 SUM_INTO: tl.constexpr):
     pid = tl.program_id(0)
-    rows = pid * BM + tl.arange(0, BM)
-    row_ok = rows < M
-    base = rows.to(tl.int64)[:, None] * D
     n_idx = tl.arange(0, N_P)
-    stat_ok = (n_idx[:, None] < N) & row_ok[None, :]
-    p_t = tl.load(p_ptr + n_idx[:, None] * M + rows[None, :], mask=stat_ok, other=0.0)
-    r_t = tl.load(r_ptr + n_idx[:, None] * M + rows[None, :], mask=stat_ok, other=0.0)
-    gp_t = tl.zeros((N_P, BM), tl.float32)
-    s_t = tl.zeros((N_P, BM), tl.float32)
-    for d0 in tl.range(0, D, BD):
-        cols = d0 + tl.arange(0, BD)
-        col_ok = cols < D
-        mask = row_ok[:, None] & col_ok[None, :]
-        gh = tl.load(gh_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = _query(qry_ptr, kw_ptr, cols, col_ok)
-        for n in tl.static_range(N):
-            v_ptr = _pick(n, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15)
-            v = tl.load(v_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            gp_t += tl.where(n_idx[:, None] == n, tl.sum(gh * v, axis=1)[None, :], 0.0)
-            s_t += tl.where(n_idx[:, None] == n, tl.sum(v * q[None, :], axis=1)[None, :], 0.0)
-    gl_t = p_t * (gp_t - tl.sum(p_t * gp_t, axis=0)[None, :])
-    b_t = gl_t * r_t
-    c_t = gl_t * s_t * (r_t * r_t * r_t) / D
-    for d0 in tl.range(0, D, BD):
-        cols = d0 + tl.arange(0, BD)
-        col_ok = cols < D
-        mask = row_ok[:, None] & col_ok[None, :]
-        gh = tl.load(gh_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = _query(qry_ptr, kw_ptr, cols, col_ok)
-        gq = tl.zeros((BD,), tl.float32)
-        for n in tl.static_range(N):
-            v_ptr = _pick(n, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15)
-            g_ptr = _pick(n, g0, g1, g2, g3, g4, g5, g6, g7, g8, g9, g10, g11, g12, g13, g14, g15)
-            v = tl.load(v_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            b = _row_of(b_t, n_idx, n)[:, None]
-            gv = gh * _row_of(p_t, n_idx, n)[:, None] + b * q[None, :] - _row_of(c_t, n_idx, n)[:, None] * v
-            if (SUM_INTO >> n) & 1:  # value n's gradient is added to the sum its g pointer holds
-                gv += tl.load(g_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            tl.store(g_ptr + base + cols[None, :], gv.to(g_ptr.dtype.element_ty), mask=mask)
-            gq += tl.sum(b * v, axis=0)
-        tl.store(gq_ptr + pid.to(tl.int64) * D + cols, gq, mask=col_ok)
+    for blk in tl.range(pid, tl.cdiv(M, BM), tl.num_programs(0)):  # this program's row blocks, in turn
+        rows = blk * BM + tl.arange(0, BM)
+        row_ok = rows < M
+        base = rows.to(tl.int64)[:, None] * D
+        stat_ok = (n_idx[:, None] < N) & row_ok[None, :]
+        p_t = tl.load(p_ptr + n_idx[:, None] * M + rows[None, :], mask=stat_ok, other=0.0)
+        r_t = tl.load(r_ptr + n_idx[:, None] * M + rows[None, :], mask=stat_ok, other=0.0)
+        gp_t = tl.zeros((N_P, BM), tl.float32)
+        s_t = tl.zeros((N_P, BM), tl.float32)
+        for d0 in tl.range(0, D, BD):
+            cols = d0 + tl.arange(0, BD)
+            col_ok = cols < D
+            mask = row_ok[:, None] & col_ok[None, :]
+            gh = tl.load(gh_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            q = _query(qry_ptr, kw_ptr, cols, col_ok)
+            for n in tl.static_range(N):
+                v_ptr = _pick(n, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15)
+                v = tl.load(v_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                gp_t += tl.where(n_idx[:, None] == n, tl.sum(gh * v, axis=1)[None, :], 0.0)
+                s_t += tl.where(n_idx[:, None] == n, tl.sum(v * q[None, :], axis=1)[None, :], 0.0)
+        gl_t = p_t * (gp_t - tl.sum(p_t * gp_t, axis=0)[None, :])
+        b_t = gl_t * r_t
+        c_t = gl_t * s_t * (r_t * r_t * r_t) / D
+        for d0 in tl.range(0, D, BD):
+            cols = d0 + tl.arange(0, BD)
+            col_ok = cols < D
+            mask = row_ok[:, None] & col_ok[None, :]
+            gh = tl.load(gh_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            q = _query(qry_ptr, kw_ptr, cols, col_ok)
+            gq = tl.zeros((BD,), tl.float32)
+            for n in tl.static_range(N):
+                v_ptr = _pick(n, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15)
+                g_ptr = _pick(n, g0, g1, g2, g3, g4, g5, g6, g7, g8, g9, g10, g11, g12, g13, g14, g15)
+                v = tl.load(v_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                b = _row_of(b_t, n_idx, n)[:, None]
+                gv = gh * _row_of(p_t, n_idx, n)[:, None] + b * q[None, :] - _row_of(c_t, n_idx, n)[:, None] * v
+                if (SUM_INTO >> n) & 1:  # value n's gradient is added to the sum its g pointer holds
+                    gv += tl.load(g_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                tl.store(g_ptr + base + cols[None, :], gv.to(g_ptr.dtype.element_ty), mask=mask)
+                gq += tl.sum(b * v, axis=0)
+            # the program's dq partial: its first block stores, the later ones add (no zeroed buffer needed)
+            part = gq_ptr + pid.to(tl.int64) * D + cols
+            tl.debug_barrier()  # the previous block's store of it, by whichever thread, is visible
+            gq += tl.load(part, mask=col_ok & (blk > pid), other=0.0)
+            tl.store(part, gq, mask=col_ok)
+
+
+@triton.jit
+def _param_grad_kernel(parts_ptr, qry_ptr, kw_ptr, gq_out_ptr, gw_out_ptr, P, D: tl.constexpr, BP: tl.constexpr,
+                       BC: tl.constexpr):
+    """dq = the backward programs' partials summed (in a fixed order), then the two parameters' gradients by the
+    product rule in fp32 (a bf16 parameter widens exactly), each rounded once to its parameter's dtype."""
+    cols = tl.program_id(0) * BC + tl.arange(0, BC)
+    col_ok = cols < D
+    acc = tl.zeros((BP, BC), tl.float32)
+    for p0 in tl.range(0, P, BP):
+        parts = p0 + tl.arange(0, BP)
+        acc += tl.load(parts_ptr + parts.to(tl.int64)[:, None] * D + cols[None, :],
+                       mask=(parts < P)[:, None] & col_ok[None, :], other=0.0)
+    gq = tl.sum(acc, axis=0)
+    q = tl.load(qry_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    kw = tl.load(kw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(gq_out_ptr + cols, (gq * kw).to(gq_out_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(gw_out_ptr + cols, (gq * q).to(gw_out_ptr.dtype.element_ty), mask=col_ok)
 
 
 def _check(values: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], int]:
@@ -245,10 +275,14 @@ def depth_backward(query: torch.Tensor, key_weight: torch.Tensor, r_NBT: torch.T
     _check_params(query, key_weight, D)
     grads = [torch.empty_like(v) if t is None else t for v, t in zip(values, into, strict=True)]
     sum_into = sum(1 << n for n, t in enumerate(into) if t is not None)
-    programs = triton.cdiv(M, BLOCK_M)
+    programs = min(triton.cdiv(M, BLOCK_M), BWD_PROGRAMS)
     gq_parts = torch.empty(programs, D, dtype=torch.float32, device=query.device)
-    _bwd_kernel[(programs,)](grad_h.contiguous(), r_NBT.contiguous(), p_NBT.contiguous(), query, key_weight,
-                             gq_parts, M, *_slots(values), *_slots(grads), D=D, N=N, N_P=triton.next_power_of_2(N), BM=BLOCK_M,
-                             BD=_block_d(D), SUM_INTO=sum_into, num_warps=BWD_WARPS)
-    grad_q = gq_parts.sum(0)  # fp32; a product with a bf16 parameter widens it exactly, as .float() did
-    return (grad_q * key_weight).to(query.dtype), (grad_q * query).to(key_weight.dtype), grads
+    if programs:
+        _bwd_kernel[(programs,)](grad_h.contiguous(), r_NBT.contiguous(), p_NBT.contiguous(), query, key_weight,
+                                 gq_parts, M, *_slots(values), *_slots(grads), D=D, N=N,
+                                 N_P=triton.next_power_of_2(N), BM=BLOCK_M, BD=_block_d(D), SUM_INTO=sum_into,
+                                 num_warps=BWD_WARPS)
+    grad_query, grad_key_weight = torch.empty_like(query), torch.empty_like(key_weight)
+    _param_grad_kernel[(triton.cdiv(D, PARAM_COLS),)](gq_parts, query, key_weight, grad_query, grad_key_weight,
+                                                      programs, D=D, BP=PARAM_PARTS, BC=PARAM_COLS)
+    return grad_query, grad_key_weight, grads

@@ -152,6 +152,10 @@ CASES = [
       "SUM_INTO": "constexpr"},  # two completed blocks' gradient sums, the partial sum's fresh gradient
      {**{f"{c}{i}": None for c in "vg" for i in range(3, 16)}, "D": 2048, "N": 3, "N_P": 4, "BM": 4, "BD": 1024,
       "SUM_INTO": 3}),
+    ("moontrain.model.attn_res_kernel", "_param_grad_kernel",  # the 512 programs' dq partials, bf16 parameters
+     {"parts_ptr": "*fp32", "qry_ptr": "*bf16", "kw_ptr": "*bf16", "gq_out_ptr": "*bf16", "gw_out_ptr": "*bf16",
+      "P": "i32", "D": "constexpr", "BP": "constexpr", "BC": "constexpr"},
+     {"D": 2048, "BP": 64, "BC": 64}),
     ("moontrain.model.lm_loss_kernel", "_row_stats_kernel",  # k3_small's vocab: 163,840 = 10 splits of 16,384
      {"x_ptr": "*bf16", "max_ptr": "*fp32", "sum_ptr": "*fp32", "V": "i32", "S": "i32", "SPLIT": "constexpr",
       "BV": "constexpr"},

@@ -72,3 +72,29 @@ def test_backward_sums_into_block_gradients_at_k3_small_shape() -> None:
     for i in range(N):
         assert (gv[i] is into[i]) == (i < N - 1)
         _close(f"grad value {i}", gv[i], gv64[i] + (before[i] if i < N - 1 else 0), rel)
+
+
+def test_parameter_grads_in_bf16_and_repeatable_at_k3_small_shape() -> None:
+    """bf16 parameters (the compute copies of parallel.dense=plain): the 4,096 row blocks walked by at most
+    BWD_PROGRAMS programs, their dq partials summed by _param_grad_kernel; each parameter's gradient within the
+    fp32 bound plus one round-to-nearest bf16 rounding, and a second call bitwise the first (a fixed order)."""
+    from moontrain.model import attn_res_kernel
+
+    N = 3
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    values = tuple((torch.randn(B, T, D, device="cuda", generator=gen) * (1 + 0.5 * i)).to(torch.bfloat16)
+                   for i in range(N))
+    query = (0.05 * torch.randn(D, device="cuda", generator=gen)).to(torch.bfloat16)
+    key_weight = (1 + 0.1 * torch.randn(D, device="cuda", generator=gen)).to(torch.bfloat16)
+    grad_h = torch.randn(B, T, D, device="cuda", generator=gen).to(torch.bfloat16)
+    _, r, p = attn_res_kernel.depth_forward(query, key_weight, 1e-6, values)
+    gq, gw, _ = attn_res_kernel.depth_backward(query, key_weight, r, p, grad_h, values)
+    gq2, gw2, _ = attn_res_kernel.depth_backward(query, key_weight, r, p, grad_h, values)
+    assert gq.dtype == gw.dtype == torch.bfloat16
+    assert torch.equal(gq, gq2) and torch.equal(gw, gw2)
+    v64 = tuple(v.double() for v in values)
+    _, r64, p64 = attn_res.depth_forward(query.double(), key_weight.double(), 1e-6, v64)
+    gq64, gw64, _ = attn_res.depth_backward(query.double(), key_weight.double(), r64, p64, grad_h.double(), v64)
+    rel = 16 * (D + N + B * T) * U32 + 2.0**-8
+    _close("grad query", gq, gq64, rel)
+    _close("grad key weight", gw, gw64, rel)

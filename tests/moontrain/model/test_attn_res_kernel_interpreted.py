@@ -89,6 +89,29 @@ def test_gpu_tiles_match_spec() -> None:
     _close("grad key weight", gw, want[4], 16 * (1100 + 3 + 21) * U32)
 
 
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_programs_walking_several_row_blocks_match_spec(param_dtype: torch.dtype, small_blocks: None,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most BWD_PROGRAMS backward programs: with 5 for the 6 row blocks, program 0 walks blocks 0 and 5 (its dq
+    partial summed over both, the last block partial) and the others one; the parameters' kernel reads the 5
+    partials in tiles of 2 (the last partial) and columns in tiles of 16 (D = 40: the last partial). The parameters in param_dtype: their
+    gradients come back in it, each rounded once (bf16: 2^-7 in the interpreter, above the fp32 bound)."""
+    monkeypatch.setattr(attn_res_kernel, "BWD_PROGRAMS", 5)
+    monkeypatch.setattr(attn_res_kernel, "PARAM_PARTS", 2)
+    monkeypatch.setattr(attn_res_kernel, "PARAM_COLS", 16)
+    query, key_weight, values, grad_h = _inputs(3, torch.float32, seed=17)
+    query, key_weight = query.to(param_dtype), key_weight.to(param_dtype)
+    _, r, p = attn_res_kernel.depth_forward(query, key_weight, 1e-6, values)
+    gq, gw, gv = attn_res_kernel.depth_backward(query, key_weight, r, p, grad_h, values)
+    want = _spec64(query, key_weight, 1e-6, values, grad_h)
+    assert gq.dtype == gw.dtype == param_dtype
+    rel_q = 16 * (40 + 3 + 21) * U32 + (2.0**-7 if param_dtype == torch.bfloat16 else 0.0)
+    _close("grad query", gq, want[3], rel_q)
+    _close("grad key weight", gw, want[4], rel_q)
+    for i, (a, b) in enumerate(zip(gv, want[5], strict=True)):
+        _close(f"grad value {i}", a, b, 16 * (40 + 3) * U32)
+
+
 def test_more_values_than_the_kernel_takes_run_the_spec(small_blocks: None) -> None:
     """N > MAX_VALUES: the kernels refuse it, and the math the module takes from attn_res.triton_math gives the
     specification's own results, bit for bit."""
