@@ -15,7 +15,8 @@ alignment, constexprs, warps and stages), does not depend on the data, so it can
              its first step, which then finds them compiled
 
 Each kernel is compiled from the source installed now, so a manifest recorded at another commit still serves
-every kernel whose parameters are unchanged; the others fail to preload and are compiled by the step as before.
+every kernel whose parameters are unchanged; entries whose kernel was renamed or whose parameters changed are
+left out at the start (stale; the step compiles those kernels as before; `prune` writes a manifest without them).
 Nothing in a manifest decides what runs beyond the choice of a known kernel and its compile settings
 (docs/security.md): an entry names a module under moonep, moontrain or fla and a function in it by its
 identifiers; its options must not carry an IR file, ptxas options or a library path (the libdevice path is the
@@ -186,6 +187,31 @@ def _resolve(module: str, name: str):
     raise ValueError(f"{module}.{name} is not a Triton kernel")
 
 
+def stale(entry: Entry) -> str | None:
+    """Why an entry no longer fits this tree's kernel (renamed, removed, or its parameters changed since the
+    recording), else None. Such an entry is not handed to the processes: the step compiles that kernel."""
+    try:
+        fn = _resolve(entry.module, entry.name)
+    except (ImportError, AttributeError, ValueError) as err:
+        return f"{entry.label}: {type(err).__name__}: {str(err)[:120]}"
+    recorded, now = list(json.loads(entry.specialization)["signature"]), list(fn.arg_names)
+    if recorded != now:
+        at = lambda names, i: names[i] if i < len(names) else "-"  # noqa: E731
+        i = next(i for i in range(max(len(recorded), len(now))) if at(recorded, i) != at(now, i))
+        return (f"{entry.label}: recorded with {len(recorded)} parameters, this tree's kernel takes {len(now)} "
+                f"(parameter {i}: {at(recorded, i)} -> {at(now, i)})")
+    return None
+
+
+def prune(manifest: Manifest) -> tuple[Manifest, list[str]]:
+    """The manifest without its stale entries, and why each was dropped."""
+    kept, dropped = [], []
+    for e in manifest.kernels:
+        why = stale(e)
+        (kept if why is None else dropped).append(e if why is None else why)
+    return Manifest(manifest.triton, manifest.arch, kept, manifest.made_with), dropped
+
+
 def compile_entry(module: str, name: str, specialization: str) -> str | None:
     """Compile one entry into Triton's cache (a pool process's task); None on success, else why not."""
     try:
@@ -226,6 +252,7 @@ class Warmup:
         self.skip = usable(manifest, arch) or ("warmed before" if self.mark.is_file() else None)
         self._pool: ProcessPoolExecutor | None = None
         self._futures: list = []
+        self.stale: list[str] = []  # entries that no longer fit this tree's kernels (start)
         self._t0 = 0.0
         self.ran = False  # the processes ran and were joined (wait)
 
@@ -236,12 +263,16 @@ class Warmup:
         import multiprocessing
 
         self._t0 = time.perf_counter()
+        fresh, self.stale = prune(self.manifest)
         self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
         self._futures = [self._pool.submit(compile_entry, e.module, e.name, e.specialization)
-                         for e in self.manifest.kernels]
-        return (f"kernel warm-up: compiling {len(self._futures)} Triton kernels in {self.workers} "
-                f"process{'es' if self.workers != 1 else ''} while "
-                f"the job starts (Triton's cache: {cache_dir()})")
+                         for e in fresh.kernels]
+        line = (f"kernel warm-up: compiling {len(self._futures)} Triton kernels in {self.workers} "
+                f"process{'es' if self.workers != 1 else ''} while the job starts (Triton's cache: {cache_dir()})")
+        if self.stale:
+            line += (f"; {len(self.stale)} manifest entries no longer fit this tree's kernels (the step compiles "
+                     f"them; `python -m moontrain.trainer.kernel_warmup prune` drops them), e.g. {self.stale[0]}")
+        return line
 
     def wait(self, timeout_s: float = 900.0) -> str | None:
         """Join the processes (at most timeout_s; the step compiles what is left); one line, None if not started."""
@@ -295,7 +326,8 @@ def start_warmup(setting: str, workers: int, device) -> Warmup | None:
 
 def _main(argv: list[str]) -> int:
     usage = ("python -m moontrain.trainer.kernel_warmup merge OUT IN [IN ...]   (one manifest of several)\n"
-             "python -m moontrain.trainer.kernel_warmup check [MANIFEST]       (validate; default the shipped one)")
+             "python -m moontrain.trainer.kernel_warmup check [MANIFEST]       (validate; default the shipped one)\n"
+             "python -m moontrain.trainer.kernel_warmup prune OUT [MANIFEST]   (without entries stale in this tree)")
     if len(argv) >= 3 and argv[0] == "merge":
         merged = merge([load_manifest(p) for p in argv[2:]])
         Path(argv[1]).write_text(merged.to_json())
@@ -304,6 +336,16 @@ def _main(argv: list[str]) -> int:
     if argv and argv[0] == "check" and len(argv) <= 2:
         m = load_manifest(argv[1] if len(argv) == 2 else SHIPPED)
         print(f"{len(m.kernels)} kernels, Triton {m.triton}, {m.arch}; made with {m.made_with}")
+        dropped = prune(m)[1]
+        for why in dropped:
+            print(f"stale: {why}")
+        return 1 if dropped else 0
+    if len(argv) in (2, 3) and argv[0] == "prune":
+        pruned, dropped = prune(load_manifest(argv[2] if len(argv) == 3 else SHIPPED))
+        Path(argv[1]).write_text(pruned.to_json())
+        print(f"{argv[1]}: {len(pruned.kernels)} kernels kept, {len(dropped)} stale dropped")
+        for why in dropped:
+            print(f"  {why}")
         return 0
     print(usage, file=sys.stderr)
     return 2

@@ -18,7 +18,8 @@ from moontrain.trainer import kernel_warmup as kw
 
 
 def _spec(name: str = "_glu_rows_fwd_kernel", **options) -> str:
-    return json.dumps({"name": name, "signature": {"hu_ptr": "*bf16"}, "constant_keys": [], "constant_vals": [],
+    signature = dict.fromkeys(("hu_ptr", "a_ptr", "n_rows", "F", "ACT", "BLOCK_R", "BLOCK_F"), "*bf16")  # its names
+    return json.dumps({"name": name, "signature": signature, "constant_keys": [], "constant_vals": [],
                        "attrs_keys": [], "attrs_vals": [], "options": {"num_warps": 4, **options}, "key": "k"})
 
 
@@ -124,13 +125,22 @@ def test_usable_and_done_mark(tmp_path, monkeypatch) -> None:
 
 def test_pool_reports_kernels_it_could_not_compile(tmp_path, monkeypatch) -> None:
     """On the CPU Triton has no driver, so every preload fails: the report counts it, no done-mark is written and
-    the step would compile the kernel as before."""
+    the step would compile the kernel as before. Entries that no longer fit this tree's kernels (a kernel gone,
+    parameters renamed) are not handed to the processes, and the start line says so."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    renamed = json.loads(_spec())
+    renamed["signature"] = {"h_ptr" if k == "hu_ptr" else k: v for k, v in renamed["signature"].items()}
     m = kw.Manifest(kw._triton_version(), "sm90", [kw.check_entry(_entry(), "t"),
-                                                   kw.check_entry(_entry(name="not_there"), "t")])
+                                                   kw.check_entry(_entry(name="not_there"), "t"),
+                                                   kw.check_entry(_entry(spec=json.dumps(renamed)), "t"),
+                                                   kw.check_entry(_entry(spec=_spec()), "t")])
     assert kw.Warmup(m, "sm90", 10_000).workers == max(1, (os.cpu_count() or 2) - 1)
     w = kw.Warmup(m, "sm90", 1)
-    assert w.start().startswith("kernel warm-up: compiling 2 Triton kernels in 1 process while")
+    start = w.start()
+    assert start.startswith("kernel warm-up: compiling 2 Triton kernels in 1 process while"), start
+    assert "; 2 manifest entries no longer fit this tree's kernels" in start, start
+    assert len(w.stale) == 2 and "AttributeError" in w.stale[0], w.stale
+    assert w.stale[1].endswith("takes 7 (parameter 0: h_ptr -> hu_ptr)"), w.stale[1]
     line = w.wait(timeout_s=300)
     assert line.startswith("kernel warm-up: 0 of 2 kernels compiled in ") and "2 not compiled" in line, line
     assert w.ran and w.wait() is None
@@ -161,6 +171,14 @@ def test_cli_check_and_merge(tmp_path) -> None:
     r = run("check", str(out))
     assert r.returncode == 0 and r.stdout.startswith("1 kernels, Triton 3.6, sm90"), r.stderr
     assert run("bogus").returncode == 2
+    b = tmp_path / "b.json"  # one entry whose kernel is gone: check fails naming it, prune drops it
+    b.write_text(kw.Manifest("3.6", "sm90", [kw.check_entry(_entry(), "t"),
+                                             kw.check_entry(_entry(name="not_there"), "t")]).to_json())
+    r = run("check", str(b))
+    assert r.returncode == 1 and "stale: moonep.kernels.glu_rows.not_there: AttributeError" in r.stdout, r.stdout
+    r = run("prune", str(out), str(b))
+    assert r.returncode == 0 and "1 kernels kept, 1 stale dropped" in r.stdout, r.stderr
+    assert [e.name for e in kw.load_manifest(out).kernels] == ["_glu_rows_fwd_kernel"]
 
 
 GPU_CHILD = """
@@ -208,8 +226,9 @@ def test_recorded_kernel_warmed_into_an_empty_cache(tmp_path) -> None:
 
 def test_shipped_manifest_passes_its_checks_and_names_this_tree_s_kernels() -> None:
     """The shipped manifest loads (every entry checked) and each moonep / moontrain entry still names a kernel of
-    this tree: a kernel renamed or removed since the recording fails here (record again, `gpu_checks.sh OUT
-    warmup`, or drop the entry). fla's entries are checked where fla-core is installed."""
+    this tree with the parameters it was recorded with: a kernel renamed, removed or given other parameters since
+    the recording fails here (record again, `gpu_checks.sh OUT warmup`, or drop the entry: `python -m
+    moontrain.trainer.kernel_warmup prune`). fla's entries are checked where fla-core is installed."""
     import importlib.util
 
     m = kw.load_manifest(kw.SHIPPED)
@@ -220,3 +239,4 @@ def test_shipped_manifest_passes_its_checks_and_names_this_tree_s_kernels() -> N
             continue
         fn = kw._resolve(e.module, e.name)
         assert json.loads(e.specialization)["name"].endswith(fn.fn.__name__), e.label
+        assert kw.stale(e) is None, kw.stale(e)
