@@ -196,7 +196,7 @@ def stale(entry: Entry) -> str | None:
         return f"{entry.label}: {type(err).__name__}: {str(err)[:120]}"
     recorded, now = list(json.loads(entry.specialization)["signature"]), list(fn.arg_names)
     if recorded != now:
-        at = lambda names, i: names[i] if i < len(names) else "-"  # noqa: E731
+        at = lambda names, i: names[i] if i < len(names) else "-"
         i = next(i for i in range(max(len(recorded), len(now))) if at(recorded, i) != at(now, i))
         return (f"{entry.label}: recorded with {len(recorded)} parameters, this tree's kernel takes {len(now)} "
                 f"(parameter {i}: {at(recorded, i)} -> {at(now, i)})")
