@@ -65,7 +65,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's shims (kernels looping to runtime bounds)
-    import tests.moonep.helpers.triton_interpreted  # noqa: F401
+    import moonep.triton_interpreter  # noqa: F401
 
 from moontrain.config import RunConfig, from_dict, load_recipe
 from moontrain.parallel.layout import build_layout
