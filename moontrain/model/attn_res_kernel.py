@@ -140,6 +140,16 @@ def _fwd_kernel(h_ptr, r_ptr, p_ptr, qry_ptr, kw_ptr, M, eps,
 
 
 @triton.jit
+def _bwd_tile(gh_ptr, qry_ptr, kw_ptr, base, row_ok, d0, D: tl.constexpr, BD: tl.constexpr):
+    """A backward walk's column tile at d0: its columns, their mask, the rows' mask, gh's tile in fp32 and q."""
+    cols = d0 + tl.arange(0, BD)
+    col_ok = cols < D
+    mask = row_ok[:, None] & col_ok[None, :]
+    gh = tl.load(gh_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return cols, col_ok, mask, gh, _query(qry_ptr, kw_ptr, cols, col_ok)
+
+
+@triton.jit
 def _bwd_kernel(gh_ptr, r_ptr, p_ptr, qry_ptr, kw_ptr, gq_ptr, M,
                 v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15,
                 g0, g1, g2, g3, g4, g5, g6, g7, g8, g9, g10, g11, g12, g13, g14, g15,
@@ -157,11 +167,7 @@ def _bwd_kernel(gh_ptr, r_ptr, p_ptr, qry_ptr, kw_ptr, gq_ptr, M,
         gp_t = tl.zeros((N_P, BM), tl.float32)
         s_t = tl.zeros((N_P, BM), tl.float32)
         for d0 in tl.range(0, D, BD):
-            cols = d0 + tl.arange(0, BD)
-            col_ok = cols < D
-            mask = row_ok[:, None] & col_ok[None, :]
-            gh = tl.load(gh_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            q = _query(qry_ptr, kw_ptr, cols, col_ok)
+            cols, col_ok, mask, gh, q = _bwd_tile(gh_ptr, qry_ptr, kw_ptr, base, row_ok, d0, D, BD)
             for n in tl.static_range(N):
                 v_ptr = _pick(n, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15)
                 v = tl.load(v_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -171,11 +177,7 @@ def _bwd_kernel(gh_ptr, r_ptr, p_ptr, qry_ptr, kw_ptr, gq_ptr, M,
         b_t = gl_t * r_t
         c_t = gl_t * s_t * (r_t * r_t * r_t) / D
         for d0 in tl.range(0, D, BD):
-            cols = d0 + tl.arange(0, BD)
-            col_ok = cols < D
-            mask = row_ok[:, None] & col_ok[None, :]
-            gh = tl.load(gh_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            q = _query(qry_ptr, kw_ptr, cols, col_ok)
+            cols, col_ok, mask, gh, q = _bwd_tile(gh_ptr, qry_ptr, kw_ptr, base, row_ok, d0, D, BD)
             gq = tl.zeros((BD,), tl.float32)
             for n in tl.static_range(N):
                 v_ptr = _pick(n, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15)
