@@ -3,7 +3,7 @@ chunk_kda_bwd_kernel_wy_dqkg_fused and moontrain.model.kda.dqkg_kernel's two ker
 stage: fla's chunk_kda_bwd_kernel_intra over its autotune list, moontrain.model.kda.intra_kernel over its
 own; then the short convolution's kernels, dpre over bench_short_conv's tiles and the walking backward over its
 spans; then the router's routing kernels and the write-back AdamW kernel with fp32 and bf16 moments; then KDA's
-gate-and-norm kernels over 4 / 8 / 16 warps), compiled by
+gate-and-norm kernels over 4 / 8 / 16 warps; then the AttnRes aggregation's kernels), compiled by
 Triton for
 sm90 (H100 / H200) at k3_small's shape (16 heads, K = V = 128, chunk 64, bf16, no documents) and read back
 with the ptxas Triton ships (`ptxas -v`).
@@ -126,6 +126,7 @@ def main() -> None:
     short_conv_rows()
     router_and_write_back_rows()
     gate_norm_rows()
+    attn_res_rows()
 
 
 def router_and_write_back_rows() -> None:
@@ -201,6 +202,34 @@ def gate_norm_rows() -> None:
               f"{ptxas_report(gn._forward_kernel, fwd, dict(consts, NORMS=True), w, 3)}", flush=True)
         print(f"moontrain gate_norm _backward_kernel{w:4d}  "
               f"{ptxas_report(gn._backward_kernel, bwd, consts, w, 3)}", flush=True)
+
+
+def attn_res_rows() -> None:
+    """The AttnRes aggregation's kernels (moontrain.model.attn_res_kernel) at k3_small's D = 2048 with bf16 values
+    and parameters, N = 2..4 values (the backward with no gradient sum given), at their shipped tiles."""
+    import triton
+
+    from moontrain.model import attn_res_kernel as ar
+
+    print("kernel (AttnRes, D 2048, bf16)      N warps")
+    for N in (2, 3, 4):
+        values = {f"v{i}": "*bf16" for i in range(N)}
+        consts = {**{f"v{i}": None for i in range(N, ar.MAX_VALUES)}, "D": 2048, "N": N,
+                  "N_P": triton.next_power_of_2(N), "BM": ar.BLOCK_M, "BD": ar.BLOCK_D}
+        fwd = {"h_ptr": "*bf16", "r_ptr": "*fp32", "p_ptr": "*fp32", "qry_ptr": "*bf16", "kw_ptr": "*bf16",
+               "eps": "fp32", **values}
+        bwd = {"gh_ptr": "*bf16", "r_ptr": "*fp32", "p_ptr": "*fp32", "qry_ptr": "*bf16", "kw_ptr": "*bf16",
+               "gq_ptr": "*fp32", **values, **{f"g{i}": "*bf16" for i in range(N)}}
+        bwd_consts = {**consts, **{f"g{i}": None for i in range(N, ar.MAX_VALUES)}, "SUM_INTO": 0}
+        print(f"moontrain attn_res _fwd_kernel      {N} {ar.FWD_WARPS:5d}  "
+              f"{ptxas_report(ar._fwd_kernel, fwd, consts, ar.FWD_WARPS, 3)}", flush=True)
+        print(f"moontrain attn_res _bwd_kernel      {N} {ar.BWD_WARPS:5d}  "
+              f"{ptxas_report(ar._bwd_kernel, bwd, bwd_consts, ar.BWD_WARPS, 3)}", flush=True)
+    params = {"parts_ptr": "*fp32", "qry_ptr": "*bf16", "kw_ptr": "*bf16", "gq_out_ptr": "*bf16",
+              "gw_out_ptr": "*bf16"}
+    print(f"moontrain attn_res _param_grad_kernel - {4:5d}  "
+          f"{ptxas_report(ar._param_grad_kernel, params, dict(D=2048, BP=ar.PARAM_PARTS, BC=ar.PARAM_COLS), 4, 3)}",
+          flush=True)
 
 
 if __name__ == "__main__":
