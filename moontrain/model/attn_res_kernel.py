@@ -39,7 +39,8 @@ import triton.language as tl
 
 MAX_VALUES = 16
 # rows, columns and warps per program: the fastest of 11 tiles benchmarks/bench_attn_res.py timed on one H200 at
-# k3_small's shape (docs/performance.md); no spills for sm90 at N <= 4 (ptxas: forward 128 registers, backward 213)
+# k3_small's shape (docs/performance.md); sm90 at N <= 4 (ptxas, benchmarks/diagnostics/kernel_registers.py): forward
+# 72-108 registers, backward 168-255 with spills of at most 8 bytes stored and 12 loaded a thread
 BLOCK_M, BLOCK_D = 4, 1024
 FWD_WARPS, BWD_WARPS = 4, 4
 # backward programs at most: each walks its row blocks in turn and keeps one dq partial, so the partials are few

@@ -270,8 +270,9 @@ class Warmup:
         line = (f"kernel warm-up: compiling {len(self._futures)} Triton kernels in {self.workers} "
                 f"process{'es' if self.workers != 1 else ''} while the job starts (Triton's cache: {cache_dir()})")
         if self.stale:
-            line += (f"; {len(self.stale)} manifest entries no longer fit this tree's kernels (the step compiles "
-                     f"them; `python -m moontrain.trainer.kernel_warmup prune` drops them), e.g. {self.stale[0]}")
+            line += (f"; {len(self.stale)} manifest entries left to the step (kernels not installed here or changed "
+                     f"since the recording; `python -m moontrain.trainer.kernel_warmup prune` drops them), e.g. "
+                     f"{self.stale[0]}")
         return line
 
     def wait(self, timeout_s: float = 900.0) -> str | None:
