@@ -94,8 +94,9 @@ def test_programs_walking_several_row_blocks_match_spec(param_dtype: torch.dtype
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """At most BWD_PROGRAMS backward programs: with 5 for the 6 row blocks, program 0 walks blocks 0 and 5 (its dq
     partial summed over both, the last block partial) and the others one; the parameters' kernel reads the 5
-    partials in tiles of 2 (the last partial) and columns in tiles of 16 (D = 40: the last partial). The parameters in param_dtype: their
-    gradients come back in it, each rounded once (bf16: 2^-7 in the interpreter, above the fp32 bound)."""
+    partials in tiles of 2 (the last partial) and columns in tiles of 16 (D = 40: the last partial). The parameters
+    in param_dtype: their gradients come back in it, each rounded once (bf16: 2^-7 in the interpreter, above the
+    fp32 bound)."""
     monkeypatch.setattr(attn_res_kernel, "BWD_PROGRAMS", 5)
     monkeypatch.setattr(attn_res_kernel, "PARAM_PARTS", 2)
     monkeypatch.setattr(attn_res_kernel, "PARAM_COLS", 16)
