@@ -36,6 +36,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -196,10 +197,10 @@ def stale(entry: Entry) -> str | None:
         return f"{entry.label}: {type(err).__name__}: {str(err)[:120]}"
     recorded, now = list(json.loads(entry.specialization)["signature"]), list(fn.arg_names)
     if recorded != now:
-        at = lambda names, i: names[i] if i < len(names) else "-"
-        i = next(i for i in range(max(len(recorded), len(now))) if at(recorded, i) != at(now, i))
+        i, (was, is_) = next((i, pair) for i, pair in enumerate(zip_longest(recorded, now, fillvalue="-"))
+                             if pair[0] != pair[1])
         return (f"{entry.label}: recorded with {len(recorded)} parameters, this tree's kernel takes {len(now)} "
-                f"(parameter {i}: {at(recorded, i)} -> {at(now, i)})")
+                f"(parameter {i}: {was} -> {is_})")
     return None
 
 
@@ -208,7 +209,10 @@ def prune(manifest: Manifest) -> tuple[Manifest, list[str]]:
     kept, dropped = [], []
     for e in manifest.kernels:
         why = stale(e)
-        (kept if why is None else dropped).append(e if why is None else why)
+        if why is None:
+            kept.append(e)
+        else:
+            dropped.append(why)
     return Manifest(manifest.triton, manifest.arch, kept, manifest.made_with), dropped
 
 
@@ -301,7 +305,6 @@ class Warmup:
         if failed:
             line += f"; {len(failed)} not compiled (the step compiles them), e.g. {failed[0]}"
         return line
-
 
     def cancel(self) -> None:
         """Stop handing out kernels (a job that fails before its first step); the processes finish the one each
