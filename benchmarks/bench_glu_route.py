@@ -1,15 +1,16 @@
 """moonep's gated-activation kernels on one GPU at k3_small's shapes: the routed experts' fused backward
 (moonep.kernels.glu_route on the halves of the merged gate|up rows, as expert_glu calls it: the activation's
 grads, the route-weighted activation and the route weights' grad)
-and the SiTU-GLU forward (moonep.kernels.situ_glu through glu_launch), each over a sweep of its tiles (the
-backward's last row: the tiles glu_route.backward_tiles picks for that F).
+the SiTU-GLU forward on the merged rows (moonep.kernels.glu_rows, as expert_glu calls it) and the flat SiTU-GLU
+forward (moonep.kernels.situ_glu through glu_launch, the shared experts' and dense FFNs'), each over a sweep of
+its tiles (the row kernels' last row: the tiles glu_route.backward_tiles picks for that F).
 
     python benchmarks/bench_glu_route.py [--iters 20] [--warmup 3] [--out bench_glu_route.json]
 
 Shapes (rows x F, bf16, SiTU-GLU): the routed experts of one pass at 4 x 4096 tokens, top-8 and padding
 (132,032 x 896), the two shared experts (16,384 x 1,792) and the dense FFN (16,384 x 5,632). Per tile: the
 median ms of CUDA-event timings, the HBM rate its traffic implies (backward: g, h, u read and grad_h,
-grad_u, a_w written, 12 bytes an element; forward: 6), and whether its outputs equal the first tile's
+grad_u, a_w written, 12 bytes an element; forwards: 6), and whether its outputs equal the first tile's
 (elementwise outputs bitwise; the route weights' grad, a row sum in fp32, to its summation order). GPU only.
 """
 
@@ -25,12 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import moonep.kernels.glu_launch as launch
 import moonep.kernels.glu_route as route
+import moonep.kernels.glu_rows as glu_rows
 from benchmarks.timing import kernel_bench_args, median_ms
 from moonep.kernels.situ_glu import situ_glu_forward
 
 SHAPES = {"routed": (132032, 896), "shared": (16384, 1792), "dense": (16384, 5632)}
 BWD_TILES = [(4, 512, 4), (4, 1024, 4), (2, 1024, 4), (1, 1024, 4), (8, 1024, 8), (4, 256, 4), (8, 512, 8),
              (16, 256, 8)]  # BLOCK_R, BLOCK_F, warps; the first is the reference the others are compared with
+ROWS_FWD_TILES = [(2, 1024, 4), (4, 1024, 8), (1, 1024, 4), (4, 512, 4), (8, 256, 4), (8, 512, 8), (16, 128, 4),
+                  (2, 1024, 8)]  # BLOCK_R, BLOCK_F, warps of the merged rows' forward; the first is the reference
 FWD_TILES = [(2048, 8), (1024, 4), (4096, 8), (8192, 16), (2048, 4)]  # BLOCK, warps; the first is the default
 
 
@@ -68,6 +72,28 @@ def sweep_backward(name: str, rows: int, F: int, iters: int, warmup: int) -> lis
     return out
 
 
+def sweep_rows_forward(name: str, rows: int, F: int, iters: int, warmup: int) -> list[dict]:
+    _, h, u, _ = inputs(rows, F)
+    hu = torch.cat([h, u], dim=1)
+    del h, u
+    default = glu_rows.backward_tiles
+    ref = None
+    out = []
+    for tile in [*ROWS_FWD_TILES, default(F)]:
+        glu_rows.backward_tiles = lambda _F, tile=tile: tile
+        got = glu_rows.glu_forward_rows("situ_glu", hu)
+        ref = got if ref is None else ref
+        ms = median_ms(lambda: glu_rows.glu_forward_rows("situ_glu", hu), iters, warmup)
+        gbs = 6 * rows * F / ms / 1e6
+        same = torch.equal(got, ref)
+        out.append(dict(kernel="glu_forward_rows", shape=name, rows=rows, F=F, tile=list(tile), ms=ms,
+                        gb_per_s=gbs, bitwise=same))
+        print(f"  rows fwd {name:<6} {tile[0]:3d} x {tile[1]:4d}, {tile[2]:2d} warps: {ms * 1e3:7.1f} us "
+              f"({gbs:6.0f} GB/s; bitwise {same})", flush=True)
+    glu_rows.backward_tiles = default
+    return out
+
+
 def sweep_forward(name: str, rows: int, F: int, iters: int, warmup: int) -> list[dict]:
     _, h, u, _ = inputs(rows, F)
     default = (launch._BLOCK, launch._WARPS)
@@ -92,6 +118,7 @@ def main() -> None:
     rows = []
     for name, (n, F) in SHAPES.items():
         rows += sweep_backward(name, n, F, args.iters, args.warmup)
+        rows += sweep_rows_forward(name, n, F, args.iters, args.warmup)
         rows += sweep_forward(name, n, F, args.iters, args.warmup)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1))
