@@ -19,8 +19,8 @@ Per case:
 Median of --iters timed by CUDA events after --warmup (ms: the host waits for each call, so its launch gaps
 count), and the device's time alone (dev ms: the host run ahead, as in a training step's queue; fla's KDA is
 ~25 launches from Python, attention one or a few); model TFLOP/s (at ms) from moontrain.metrics.flops'
-per-token counts (KDA: the chunked recurrence; attention: causal scores and values). Table printed; JSON to
---out.
+per-token counts (KDA: the chunked recurrence; attention: causal scores and values). Each row printed as it
+is measured (a time limit keeps the rows done); JSON to --out at the end.
 """
 
 from __future__ import annotations
@@ -105,25 +105,28 @@ def main() -> None:
     from moontrain.model.kda.fla_backend import route_fla_stages
 
     route_fla_stages(dqkg=args.dqkg == "moontrain", intra=False)
+    print(f"dqkg stage: {args.dqkg}")
+    print(f"{'case':<18} {'B':>3} {'T':>6} {'H':>4} {'ms':>9} {'dev ms':>8} {'TFLOP/s':>9} {'+GiB':>6}", flush=True)
     rows = []
     for i, case in enumerate(args.cases.split(",")):
         B, T, H = (int(x) for x in case.split("x"))
-        rows.append(kda_case(B, T, H, None, False, args.iters, args.warmup))
-        rows.append(kda_case(B, T, H, args.doc_len, False, args.iters, args.warmup))
-        rows.append(attention_case(B, T, H, None, args.iters, args.warmup))
-        rows.append(attention_case(B, T, H, args.doc_len, args.iters, args.warmup))
+        it = (args.iters, args.warmup)
+        kda, attn = functools.partial(kda_case, B, T, H), functools.partial(attention_case, B, T, H)
+        runs = [functools.partial(kda, None, False, *it), functools.partial(kda, args.doc_len, False, *it),
+                functools.partial(attn, None, *it), functools.partial(attn, args.doc_len, *it)]
         if i == 0:
-            rows.append(kda_case(B, T, H, None, False, args.iters, args.warmup, recompute=True))
-            rows.append(kda_case(B, T, H, args.doc_len, False, args.iters, args.warmup, recompute=True))
-            rows.append(kda_case(B, T, H, None, False, args.iters, args.warmup, gate_norm=True))
-            rows.append(kda_case(B, T, H, args.doc_len, False, args.iters, args.warmup, gate_norm=True))
-            rows.append(kda_case(B, T, H, None, True, max(3, args.iters // 5), 1))
-    print(f"dqkg stage: {args.dqkg}")
-    print(f"{'case':<18} {'B':>3} {'T':>6} {'H':>4} {'ms':>9} {'dev ms':>8} {'TFLOP/s':>9} {'+GiB':>6}")
-    for r in rows:
-        gib = f"{r['peak_gib']:>6.2f}" if "peak_gib" in r else f"{'':>6}"
-        dev = f"{r['device_ms']:>8.3f}" if r.get("device_ms") is not None else f"{'':>8}"
-        print(f"{r['case']:<18} {r['B']:>3} {r['T']:>6} {r['H']:>4} {r['ms']:>9.3f} {dev} {r['tflops']:>9.1f} {gib}")
+            runs += [functools.partial(kda, None, False, *it, recompute=True),
+                     functools.partial(kda, args.doc_len, False, *it, recompute=True),
+                     functools.partial(kda, None, False, *it, gate_norm=True),
+                     functools.partial(kda, args.doc_len, False, *it, gate_norm=True),
+                     functools.partial(kda, None, True, max(3, args.iters // 5), 1)]
+        for run in runs:  # each row printed as it is measured, so a time limit keeps the rows done
+            r = run()
+            rows.append(r)
+            gib = f"{r['peak_gib']:>6.2f}" if "peak_gib" in r else f"{'':>6}"
+            dev = f"{r['device_ms']:>8.3f}" if r.get("device_ms") is not None else f"{'':>8}"
+            print(f"{r['case']:<18} {r['B']:>3} {r['T']:>6} {r['H']:>4} {r['ms']:>9.3f} {dev} {r['tflops']:>9.1f} "
+                  f"{gib}", flush=True)
     out = Path(args.out or Path(__file__).parent / "results" / f"bench_kda_{time.strftime('%Y%m%d')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
