@@ -45,10 +45,14 @@ def inputs(rows: int, F: int) -> tuple[torch.Tensor, ...]:
     return g, h, u, w
 
 
-def sweep_backward(name: str, rows: int, F: int, iters: int, warmup: int) -> list[dict]:
+def merged_inputs(rows: int, F: int) -> tuple[torch.Tensor, ...]:
+    """g, hu (expert_glu's merged gate|up output [rows, 2F]) and w."""
     g, h, u, w = inputs(rows, F)
-    hu = torch.cat([h, u], dim=1)  # expert_glu's merged gate|up output
-    del h, u
+    return g, torch.cat([h, u], dim=1), w
+
+
+def sweep_backward(name: str, rows: int, F: int, iters: int, warmup: int) -> list[dict]:
+    g, hu, w = merged_inputs(rows, F)
     default = route.backward_tiles
     ref = None
     out = []
@@ -73,9 +77,7 @@ def sweep_backward(name: str, rows: int, F: int, iters: int, warmup: int) -> lis
 
 
 def sweep_rows_forward(name: str, rows: int, F: int, iters: int, warmup: int) -> list[dict]:
-    _, h, u, _ = inputs(rows, F)
-    hu = torch.cat([h, u], dim=1)
-    del h, u
+    _, hu, _ = merged_inputs(rows, F)
     default = glu_rows.backward_tiles
     ref = None
     out = []
