@@ -16,6 +16,7 @@ grad_u, a_w written, 12 bytes an element; forwards: 6), and whether its outputs 
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -51,20 +52,29 @@ def merged_inputs(rows: int, F: int) -> tuple[torch.Tensor, ...]:
     return g, torch.cat([h, u], dim=1), w
 
 
+def row_tiles(module, tiles: list[tuple[int, int, int]], call, label: str, iters: int, warmup: int):
+    """For each tile: (tile, call()'s outputs, median ms), with module.backward_tiles patched to return the tile
+    (the row kernels' tile choice); a tile Triton cannot compile is reported and skipped."""
+    default = module.backward_tiles
+    try:
+        for tile in tiles:
+            module.backward_tiles = lambda _F, tile=tile: tile
+            try:
+                got = call()
+            except Exception as err:  # the sweep goes on
+                print(f"  {label} {tile}: {type(err).__name__}: {str(err).splitlines()[0][:120]}", flush=True)
+                continue
+            yield tile, got, median_ms(call, iters, warmup)
+    finally:
+        module.backward_tiles = default
+
+
 def sweep_backward(name: str, rows: int, F: int, iters: int, warmup: int) -> list[dict]:
     g, hu, w = merged_inputs(rows, F)
-    default = route.backward_tiles
-    ref = None
-    out = []
-    for tile in [*BWD_TILES, default(F)]:
-        route.backward_tiles = lambda _F, tile=tile: tile
-        try:
-            got = route.glu_route_backward_rows("situ_glu", g, hu, w)
-        except Exception as err:  # a tile Triton cannot compile: reported, the sweep goes on
-            print(f"  bwd {name:<6} {tile}: {type(err).__name__}: {str(err).splitlines()[0][:120]}", flush=True)
-            continue
+    ref, out = None, []
+    call = functools.partial(route.glu_route_backward_rows, "situ_glu", g, hu, w)
+    for tile, got, ms in row_tiles(route, [*BWD_TILES, route.backward_tiles(F)], call, f"bwd {name}", iters, warmup):
         ref = got if ref is None else ref
-        ms = median_ms(lambda: route.glu_route_backward_rows("situ_glu", g, hu, w), iters, warmup)
         same = all(torch.equal(a, b) for a, b in zip(got[:2], ref[:2], strict=True))
         gw_diff = (got[2] - ref[2]).abs().max().item()
         gbs = 12 * rows * F / ms / 1e6
@@ -72,27 +82,22 @@ def sweep_backward(name: str, rows: int, F: int, iters: int, warmup: int) -> lis
                         gb_per_s=gbs, bitwise=same, grad_w_max_diff=gw_diff))
         print(f"  bwd {name:<6} {tile[0]:3d} x {tile[1]:4d}, {tile[2]:2d} warps: {ms * 1e3:7.1f} us "
               f"({gbs:6.0f} GB/s; grads bitwise {same}, grad_w max diff {gw_diff:.1e})", flush=True)
-    route.backward_tiles = default
     return out
 
 
 def sweep_rows_forward(name: str, rows: int, F: int, iters: int, warmup: int) -> list[dict]:
     _, hu, _ = merged_inputs(rows, F)
-    default = glu_rows.backward_tiles
-    ref = None
-    out = []
-    for tile in [*ROWS_FWD_TILES, default(F)]:
-        glu_rows.backward_tiles = lambda _F, tile=tile: tile
-        got = glu_rows.glu_forward_rows("situ_glu", hu)
+    ref, out = None, []
+    call = functools.partial(glu_rows.glu_forward_rows, "situ_glu", hu)
+    tiles = [*ROWS_FWD_TILES, glu_rows.backward_tiles(F)]
+    for tile, got, ms in row_tiles(glu_rows, tiles, call, f"rows fwd {name}", iters, warmup):
         ref = got if ref is None else ref
-        ms = median_ms(lambda: glu_rows.glu_forward_rows("situ_glu", hu), iters, warmup)
         gbs = 6 * rows * F / ms / 1e6
         same = torch.equal(got, ref)
         out.append(dict(kernel="glu_forward_rows", shape=name, rows=rows, F=F, tile=list(tile), ms=ms,
                         gb_per_s=gbs, bitwise=same))
         print(f"  rows fwd {name:<6} {tile[0]:3d} x {tile[1]:4d}, {tile[2]:2d} warps: {ms * 1e3:7.1f} us "
               f"({gbs:6.0f} GB/s; bitwise {same})", flush=True)
-    glu_rows.backward_tiles = default
     return out
 
 
