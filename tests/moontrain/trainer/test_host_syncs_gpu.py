@@ -1,6 +1,6 @@
 """The K3 block's forward and backward on one GPU never wait for the host, on text with packed documents
 (the learning row's data): under torch.cuda.set_sync_debug_mode("error") any synchronising call raises. Each
-sync the step had (docs/performance.md, session 17) starved the GPU for ~14 ms: the rope table rebuilt from
+sync the step had (docs/performance.md, 2026-12-02) starved the GPU for ~14 ms: the rope table rebuilt from
 the host every forward, the documents' cu_seqlens found with nonzero and copied back, fla's chunk list
 built on the host and copied with a blocking copy. The whole pipelined step (Trainer.fit's: clip, verdict,
 fused optimizer, router balancing, metrics; its host reads taken in the next step, moontrain.trainer.guard)

@@ -41,7 +41,7 @@ def inputs_for(case: str, seed: int, at_bound: bool = False) -> dict:
 
 # gates at their bound: the diagonal blocks dominate the sums, fla computes them in bf16x3 (~fp32) and lands
 # 2.6e-6 from the specification, this kernel's TF32 products 2.3e-4 (inside TOL, not inside 4x fla's error):
-# a known gap of the opt-in kernel (docs/performance.md, session 21); strict, so closing it shows here
+# a known gap of the opt-in kernel (docs/performance.md, 2026-12-03); strict, so closing it shows here
 AT_BOUND_GAP = pytest.mark.xfail(strict=True, reason="TF32 diagonal blocks vs fla's bf16x3 at the gate bound")
 
 
