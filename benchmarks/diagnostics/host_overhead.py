@@ -80,6 +80,7 @@ TINY = [
     "train.global_batch_size=4", "train.micro_batch_size=1", "train.log_every=1000", "train.steps=1000",
     "experts.moonep.check_values=false",  # the GPU default (a CPU buffer checks its inputs by default)
     "optim.fused=true", "optim.write_back=false",  # the GPU's one multi-tensor AdamW (write-back is Triton)
+    "optim.state_dtype=float32",  # torch's fused AdamW takes fp32 moments (the recipe's bf16 ones: the write-back)
 ]
 OUR_CODE = (f"{os.sep}moontrain{os.sep}", f"{os.sep}moonep{os.sep}")
 # moonep's data-path calls (moonep.datapath.interface): one to a few Triton kernels each on the GPU
