@@ -142,8 +142,9 @@ def main() -> None:
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "variants": {}}
     for name in args.variants:
         optim_name, tau = VARIANTS[name]
-        optim = dataclasses.replace(base.optim, name=optim_name, qk_clip_tau=tau,
-                                    write_back=None if optim_name == "adamw" else False)
+        adamw = optim_name == "adamw"  # Muon keeps fp32 state: the recipe's bf16 AdamW moments apply to AdamW only
+        optim = dataclasses.replace(base.optim, name=optim_name, qk_clip_tau=tau, write_back=None if adamw else False,
+                                    state_dtype=base.optim.state_dtype if adamw else "float32")
         cfg = dataclasses.replace(base, optim=optim)
         result["variants"][name] = run_variant(name, cfg, device, args)
         print(name, {k: v for k, v in result["variants"][name].items() if not k.endswith("steps_s")}, flush=True)

@@ -29,6 +29,8 @@ def run_point(recipe: str, overrides: list[str], name: str, lr: float, log_every
     extra = [f"optim.name={name}", f"optim.lr={lr}", "experts.backend=local", "parallel.ep=1",
              f"train.log_every={log_every}", "metrics.wandb=false", "checkpoint.save_final=false",
              "checkpoint.every=0", f"train.run_dir=runs/muon_sweep/{name}_{lr:g}"]
+    if name == "muon":
+        extra.append("optim.state_dtype=float32")  # Muon's state is fp32 (a recipe may set bf16 AdamW moments)
     cfg = from_dict(RunConfig, load_recipe(recipe, [*overrides, *extra]))
     trainer = Trainer(cfg, single_process_layout(torch.device("cpu")))
     t0 = time.perf_counter()

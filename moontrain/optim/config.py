@@ -66,8 +66,8 @@ class OptimConfig:
                              "optim.state_dtype=bfloat16 leave optim.fused unset (the write-back pass steps the "
                              "masters on a GPU)")
         if self.name == "muon" and self.state_dtype != "float32":
-            raise ValueError("optim.state_dtype=bfloat16 is built for AdamW's moments; with optim.name=muon leave "
-                             "optim.state_dtype at float32")
+            raise ValueError("optim.state_dtype=bfloat16 is built for AdamW's moments; with optim.name=muon set "
+                             "optim.state_dtype=float32 (recipes/k3_small.yaml sets bfloat16 for its AdamW)")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ValueError(f"optim.muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if self.muon_ns_steps < 1:

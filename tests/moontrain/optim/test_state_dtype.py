@@ -167,7 +167,7 @@ def test_a_checkpoint_resumes_with_the_other_moment_dtype(tmp_path: Path, saved:
 
 
 def test_config_errors_name_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"optim\.name=muon leave optim\.state_dtype"):
+    with pytest.raises(ValueError, match=r"optim\.name=muon set optim\.state_dtype=float32"):
         OptimConfig(name="muon", state_dtype="bfloat16")
     with pytest.raises(ValueError, match=r"leave optim\.fused unset"):
         OptimConfig(state_dtype="bfloat16", fused=True)
