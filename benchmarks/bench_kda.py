@@ -2,7 +2,7 @@
 softmax attention at MLA's head dims (q/k 192, v 128), forward + backward, with and without packed documents.
 
     python benchmarks/bench_kda.py [--iters 20] [--warmup 5] [--doc-len 1024] [--dqkg moontrain|fla]
-        [--out results/bench_kda.json]
+        [--intra fla_k64|fla|moontrain] [--out results/bench_kda.json]
 
 Cases (batch x seq x heads, KDA heads of 128): T = 4k, 8k and 32k at k3_small's 16 heads by default (4 x 4096 x 16,
 2 x 8192 x 16, 1 x 32768 x 16; fla's tiles for 16 heads are shipped); --cases 2x8192x32 for 32 heads, whose tiles
@@ -10,7 +10,8 @@ fla searches for minutes on a fresh cache.
 Per case:
 - kda: kda_fla as the model runs it by default (gate, L2 norm and chunked recurrence fused; the forward's
   states kept for the backward, kernels.kda_recompute=False; the dqkg stage on --dqkg's kernel, default
-  moontrain's as kernels.kda_dqkg; bf16 q/k/v/f, fp32 beta), grads of all inputs.
+  moontrain's as kernels.kda_dqkg, the intra-chunk stage on --intra's, default fla_k64 as kernels.kda_intra;
+  bf16 q/k/v/f, fp32 beta), grads of all inputs.
 - kda docs: the same with a document start every --doc-len tokens (cu_seqlens over the flattened batch).
 - sdpa: F.scaled_dot_product_attention, causal, bf16 (the MLA layers without document masking).
 - flex docs: the compiled flex_attention with the same documents' block mask (the MLA layers' CUDA path).
@@ -102,12 +103,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--dqkg", choices=("moontrain", "fla"), default="moontrain",
                    help="the kernel of fla's dqkg backward stage (kernels.kda_dqkg; default: the model's)")
+    p.add_argument("--intra", choices=("fla_k64", "fla", "moontrain"), default="fla_k64",
+                   help="the kernel of fla's intra-chunk backward stage (kernels.kda_intra; default: the model's)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_kda_<date>.json)")
     args = p.parse_args()
     from moontrain.model.kda.fla_backend import route_fla_stages
 
-    route_fla_stages(dqkg=args.dqkg == "moontrain", intra=False)
-    print(f"dqkg stage: {args.dqkg}")
+    route_fla_stages(dqkg=args.dqkg, intra=args.intra)
+    print(f"dqkg stage: {args.dqkg}, intra stage: {args.intra}")
     print(f"{'case':<18} {'B':>3} {'T':>6} {'H':>4} {'ms':>9} {'dev ms':>8} {'TFLOP/s':>9} {'+GiB':>6}", flush=True)
     rows = []
     for i, case in enumerate(args.cases.split(",")):

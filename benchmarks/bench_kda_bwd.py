@@ -15,8 +15,9 @@ timings per launcher (workspaces included; the first call autotunes and is not t
 matmuls as fla computes them (dqkg: 6CKV + 4C^2 (K + V) + 4C^3 per chunk and head; intra: 4 products of the
 lower [C, C] halves with [C, K], 4C^2 K), GB/s of the compulsory traffic (inputs read once, outputs written
 once), and per output the max |ours - fla| and max |fla|. Then KDA's whole forward + backward (kda_fla: the
-numbers bench_kda reports, issue 35's 2.7 ms target) with the stages on fla's kernels, dqkg routed here, and
-both. GPU only; needs fla-core.
+numbers bench_kda reports, issue 35's 2.7 ms target) with the stages on fla's kernels, dqkg routed here, dqkg
+here and intra on fla's kernel with 64-wide K-blocks (the model's defaults), and both here. GPU only; needs
+fla-core.
 """
 
 from __future__ import annotations
@@ -116,14 +117,13 @@ def layer_case(docs: bool, iters: int, warmup: int) -> list[dict]:
         torch.autograd.grad(kda_fla(*leaves, **kwargs), leaves, go)
 
     rows = []
-    for dqkg, intra in ((False, False), (True, False), (True, True)):
+    for dqkg, intra in (("fla", "fla"), ("moontrain", "fla"), ("moontrain", "fla_k64"), ("moontrain", "moontrain")):
         route_fla_stages(dqkg=dqkg, intra=intra)
         try:
             rows.append(dict(docs=docs, layer_fwd_bwd=dict(dqkg=dqkg, intra=intra), ms=median_ms(run, iters, warmup)))
         finally:
-            route_fla_stages(dqkg=False, intra=False)
-        on = "+".join(n for n, r in (("dqkg", dqkg), ("intra", intra)) if r) or "none"
-        print(f"docs {docs!s:5} KDA fwd + bwd, routed to moontrain: {on:10}: {rows[-1]['ms']:7.3f} ms", flush=True)
+            route_fla_stages(dqkg="fla", intra="fla")
+        print(f"docs {docs!s:5} KDA fwd + bwd, dqkg {dqkg:9}, intra {intra:9}: {rows[-1]['ms']:7.3f} ms", flush=True)
     return rows
 
 

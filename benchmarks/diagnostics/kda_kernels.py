@@ -71,13 +71,14 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--recompute", nargs="+", choices=("on", "off"), default=["off"])
     p.add_argument("--dqkg", choices=("fla", "moontrain"), default="moontrain")
+    p.add_argument("--intra", choices=("fla_k64", "fla", "moontrain"), default="fla_k64")
     p.add_argument("--gate-norm", nargs="+", choices=("fla", "moontrain"), default=["fla"])
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kda_kernels needs a CUDA GPU and fla-core")
     from moontrain.model.kda.fla_backend import route_fla_stages
 
-    route_fla_stages(dqkg=args.dqkg == "moontrain", intra=False)
+    route_fla_stages(dqkg=args.dqkg, intra=args.intra)
     B, T, H = (int(x) for x in args.case.split("x"))
     summary = []
     for gate_norm in args.gate_norm:

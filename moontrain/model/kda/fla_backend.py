@@ -1,8 +1,9 @@
-"""Which of fla-core's KDA backward stages run on moontrain's kernels (kernels.kda_dqkg: the WY / inter-chunk
-stage on moontrain.model.kda.dqkg_kernel; kernels.kda_intra: the intra-chunk stage on
+"""Which kernels run two of fla-core's KDA backward stages (kernels.kda_dqkg: the WY / inter-chunk stage, "fla"
+or "moontrain": moontrain.model.kda.dqkg_kernel; kernels.kda_intra: the intra-chunk stage, "fla", "fla_k64":
+fla's kernel with 64-wide K-blocks, moontrain.model.kda.intra_fla, or "moontrain":
 moontrain.model.kda.intra_kernel). Process-wide, as fla's choice is: fla dispatches both stages through its
 backend registry (fla.backends); the one backend registered here answers a stage's calls while that stage is
-routed here, and only the calls its kernel takes (its verifier); fla's kernels run the others."""
+routed here, and only the calls its kernel takes (its verifier); fla's own wrappers run the others."""
 
 from __future__ import annotations
 
@@ -15,13 +16,21 @@ DQKG = "chunk_kda_bwd_wy_dqkg_fused"
 INTRA = "chunk_kda_bwd_intra"
 
 
-def route_fla_stages(*, dqkg: bool, intra: bool) -> None:
-    """Route fla's dqkg stage (dqkg) and intra-chunk stage (intra) to moontrain's kernels, or back to fla's."""
+DQKG_KERNELS = ("fla", "moontrain")
+INTRA_KERNELS = ("fla", "fla_k64", "moontrain")
+
+
+def route_fla_stages(*, dqkg: str, intra: str) -> None:
+    """Run fla's dqkg stage on `dqkg` (DQKG_KERNELS) and its intra-chunk stage on `intra` (INTRA_KERNELS); "fla"
+    leaves a stage to fla's own wrapper."""
+    if dqkg not in DQKG_KERNELS or intra not in INTRA_KERNELS:
+        raise ValueError(f"route_fla_stages: dqkg={dqkg!r} (one of {DQKG_KERNELS}), intra={intra!r} (one of "
+                         f"{INTRA_KERNELS})")
     _fla_backend().routed = {DQKG: dqkg, INTRA: intra}
 
 
-def routed_stages() -> dict[str, bool]:
-    """{fla's stage function name: routed to moontrain}, as route_fla_stages last set it."""
+def routed_stages() -> dict[str, str]:
+    """{fla's stage function name: the kernel that runs it}, as route_fla_stages last set it."""
     return dict(_fla_backend().routed)
 
 
@@ -36,13 +45,13 @@ def _fla_backend() -> type:
     class MoontrainStages(BaseBackend):
         backend_type = "moontrain_kda"
         priority = 0  # before fla's own backends (theirs: 3 and up)
-        routed: ClassVar[dict[str, bool]] = {DQKG: False, INTRA: False}
+        routed: ClassVar[dict[str, str]] = {DQKG: "fla", INTRA: "fla"}
 
         def is_enabled(self) -> bool:
-            return any(type(self).routed.values())
+            return any(kernel != "fla" for kernel in type(self).routed.values())
 
         def chunk_kda_bwd_wy_dqkg_fused_verifier(self, **kwargs) -> tuple[bool, str | None]:
-            if not type(self).routed[DQKG]:
+            if type(self).routed[DQKG] == "fla":
                 return False, "kernels.kda_dqkg=fla"
             try:
                 dqkg.validate(kwargs["q"], kwargs["k"], kwargs["v"], kwargs["g"], kwargs["beta"], kwargs["A"],
@@ -58,8 +67,11 @@ def _fla_backend() -> type:
             return dqkg_kernel.kda_dqkg(**kwargs)
 
         def chunk_kda_bwd_intra_verifier(self, **kwargs) -> tuple[bool, str | None]:
-            if not type(self).routed[INTRA]:
+            kernel = type(self).routed[INTRA]
+            if kernel == "fla":
                 return False, "kernels.kda_intra=fla"
+            if kernel == "fla_k64":  # fla's own kernel: it takes every call fla's wrapper takes
+                return True, None
             if not kwargs.get("safe_gate", False):
                 return False, "safe_gate=False: an unbounded gate runs on fla's kernel"
             names = ("q", "k", "g", "beta", "dAqk", "dAkk", "dq", "dk", "db", "dg")
@@ -73,6 +85,10 @@ def _fla_backend() -> type:
             return True, None
 
         def chunk_kda_bwd_intra(self, **kwargs) -> tuple[torch.Tensor, ...]:
+            if type(self).routed[INTRA] == "fla_k64":
+                from moontrain.model.kda import intra_fla
+
+                return intra_fla.kda_intra_fla(**kwargs)
             from moontrain.model.kda import intra_kernel
 
             return intra_kernel.kda_intra(**kwargs)

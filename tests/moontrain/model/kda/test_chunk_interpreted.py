@@ -35,7 +35,7 @@ def moontrain_dqkg(monkeypatch: pytest.MonkeyPatch):
     kernels on one tile each."""
     use_tiles(monkeypatch, 32, 32, 32)
     before = routed_stages()
-    route_fla_stages(dqkg=True, intra=False)
+    route_fla_stages(dqkg="moontrain", intra="fla")
     yield
     route_fla_stages(dqkg=before["chunk_kda_bwd_wy_dqkg_fused"], intra=before["chunk_kda_bwd_intra"])
 
@@ -61,7 +61,7 @@ def test_chunk_matches_fla_chunk_kda(T: int, doc_len: int | None, recompute: boo
     calls = []
     if intra:  # both calls then run it: the comparison still isolates the two ends
         use_tile(monkeypatch, 32)
-        route_fla_stages(dqkg=True, intra=True)
+        route_fla_stages(dqkg="moontrain", intra="moontrain")
         kernel = intra_kernel.kda_intra
         monkeypatch.setattr(intra_kernel, "kda_intra", lambda **kw: calls.append(1) or kernel(**kw))
     inputs, kwargs, go = random_kda_inputs(2, T, 2, 64, doc_len=doc_len, seed=T, device="cpu")
@@ -90,7 +90,7 @@ def test_chunk_through_a_stack_with_flas_static_buffers() -> None:
     chunks (use_graph) against fla's chunk_kda with host-listed ones (no reused buffers), output and every input
     and parameter gradient, as test_chunk_matches_fla_chunk_kda bounds them. A gradient handed on in a reused
     buffer and read after the next backward would be off by its size."""
-    route_fla_stages(dqkg=False, intra=False)
+    route_fla_stages(dqkg="fla", intra="fla")
     inputs, kwargs, go = random_kda_inputs(2, 96, 2, 64, doc_len=40, seed=7, device="cpu")
     x0, _, _, f0, beta0 = inputs
     layers = [(f0.detach() * s, beta0.detach() * s) for s in (1.0, 0.5)]

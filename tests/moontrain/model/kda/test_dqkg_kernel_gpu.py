@@ -118,10 +118,10 @@ def test_kda_layer_call_with_the_stage_routed_here_matches_fla(docs: bool, recom
     own = kda_dqkg_kernel.kda_dqkg
     try:
         kda_dqkg_kernel.kda_dqkg = lambda **kw: calls.append(1) or own(**kw)
-        route_fla_stages(dqkg=True, intra=False)
+        route_fla_stages(dqkg="moontrain", intra="fla")
         routed = run()
     finally:
-        route_fla_stages(dqkg=False, intra=False)
+        route_fla_stages(dqkg="fla", intra="fla")
         kda_dqkg_kernel.kda_dqkg = own
     base = run()
     assert len(calls) == 1

@@ -20,7 +20,7 @@ def backend():
     from moontrain.model.kda.fla_backend import _fla_backend, route_fla_stages
 
     yield _fla_backend()
-    route_fla_stages(dqkg=False, intra=False)
+    route_fla_stages(dqkg="fla", intra="fla")
 
 
 def test_dqkg_stage_routes(backend, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -32,7 +32,7 @@ def test_dqkg_stage_routes(backend, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     monkeypatch.setattr(kda_dqkg_kernel, "kda_dqkg", lambda **kw: calls.append(kw) or ("ours",))
     inputs = kda_dqkg.random_stage_inputs(1, 64, 2, 32, 32, torch.float32, "cpu", seed=0)
-    route_fla_stages(dqkg=True, intra=False)
+    route_fla_stages(dqkg="moontrain", intra="fla")
     assert chunk_kda_bwd_wy_dqkg_fused(**inputs) == ("ours",)
     assert len(calls) == 1 and calls[0].keys() == inputs.keys()
     assert all(calls[0][name] is x for name, x in inputs.items())
@@ -42,7 +42,7 @@ def test_dqkg_stage_routes(backend, monkeypatch: pytest.MonkeyPatch) -> None:
     accepted, why = backend().verify("chunk_kda_bwd_intra", **kda_intra.random_stage_inputs(
         1, 64, 2, 32, torch.float32, "cpu", seed=0))
     assert not accepted and why == "kernels.kda_intra=fla"
-    route_fla_stages(dqkg=False, intra=False)
+    route_fla_stages(dqkg="fla", intra="fla")
     assert not backend().is_enabled()
 
 
@@ -55,7 +55,7 @@ def test_intra_stage_routes(backend, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     monkeypatch.setattr(kda_intra_kernel, "kda_intra", lambda **kw: calls.append(kw) or ("ours",))
     inputs = kda_intra.random_stage_inputs(1, 64, 2, 32, torch.float32, "cpu", seed=0)
-    route_fla_stages(dqkg=False, intra=True)
+    route_fla_stages(dqkg="fla", intra="moontrain")
     assert chunk_kda_bwd_intra(**inputs) == ("ours",)
     assert len(calls) == 1 and all(calls[0][name] is x for name, x in inputs.items())
     for change, reason in ((dict(safe_gate=False), "safe_gate=False"),

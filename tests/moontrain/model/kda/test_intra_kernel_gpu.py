@@ -80,22 +80,22 @@ def test_kda_layer_call_with_the_stage_routed_here_matches_fla(docs: bool, recom
 
     leaves, kwargs, go = random_kda_inputs(B, T, H, K, doc_len=1024 if docs else None, seed=3)
 
-    def run(intra: bool) -> list[torch.Tensor]:
-        route_fla_stages(dqkg=True, intra=intra)
+    def run(intra: str) -> list[torch.Tensor]:
+        route_fla_stages(dqkg="moontrain", intra=intra)
         try:
             o = kda_fla(*leaves, **kwargs, recompute=recompute)
             return [o.detach().clone(), *(g.clone() for g in torch.autograd.grad(o, leaves, go))]
         finally:
-            route_fla_stages(dqkg=False, intra=False)
+            route_fla_stages(dqkg="fla", intra="fla")
 
     calls = []
     own = kda_intra_kernel.kda_intra
     try:
         kda_intra_kernel.kda_intra = lambda **kw: calls.append(1) or own(**kw)
-        routed = run(intra=True)
+        routed = run(intra="moontrain")
     finally:
         kda_intra_kernel.kda_intra = own
-    base = run(intra=False)
+    base = run(intra="fla")
     assert len(calls) == 1
     assert torch.equal(routed[0], base[0])
     for name, x, y in zip(("dq", "dk", "dv", "df", "dbeta"), routed[1:], base[1:], strict=True):
