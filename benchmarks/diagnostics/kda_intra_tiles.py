@@ -100,7 +100,8 @@ def main() -> None:
             ref = got if ref is None else ref
             diffs = [rel_diff(x, r) for x, r in zip(got, ref, strict=True)]
             ms = median_ms(lambda fn=fn, kw=kw: fn(kw), a.iters, a.warmup)
-            rows.append(dict(case=a.case, doc_len=doc_len, variant=name, ms=ms, rel_diff=dict(zip(OUTPUTS, diffs, strict=True))))
+            rows.append(dict(case=a.case, doc_len=doc_len, variant=name, ms=ms,
+                             rel_diff=dict(zip(OUTPUTS, diffs, strict=True))))
             print(f"{'docs' if doc_len else 'rows':<10} {name:<26} {ms:7.3f}  "
                   + ", ".join(f"{d:.1e}" for d in diffs), flush=True)
     if a.out:

@@ -152,7 +152,8 @@ class ModelConfig:
         if self.qk_rope_head_dim < 0 or self.qk_rope_head_dim % 2:
             raise ValueError(f"model.qk_rope_head_dim must be even and >= 0, got {self.qk_rope_head_dim}")
         if self.kda_layers_per_mla < 0:
-            raise ValueError(f"model.kda_layers_per_mla must be >= 0 (0: every layer MLA), got {self.kda_layers_per_mla}")
+            raise ValueError("model.kda_layers_per_mla must be >= 0 (0: every layer MLA), got "
+                             f"{self.kda_layers_per_mla}")
         for name in ("kda_num_heads", "kda_gate_rank"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be >= 1 or null, got {getattr(self, name)}")
@@ -260,8 +261,8 @@ class KernelsConfig:
     kda_intra: Literal["fla", "fla_k64", "moontrain"] = "fla_k64"
     # the two elementwise ends of the KDA call (q and k's L2 norms, the gate and its chunk-local cumulative sum,
     # and their backward): "moontrain" (moontrain.model.kda.chunk: fla's stages between moontrain's Triton
-    # kernels, one launch at each end instead of three forward and six backward, f read in place) or "fla" (fla's chunk_kda). Only where
-    # the KDA layers run fla
+    # kernels, one launch at each end instead of three forward and six backward, f read in place) or "fla"
+    # (fla's chunk_kda). Only where the KDA layers run fla
     kda_gate_norm: Literal["fla", "moontrain"] = "fla"
     # KDA's causal short convolutions (+ SiLU): "auto" runs the Triton kernel (moontrain.model.kda.short_conv_kernel)
     # on CUDA, else the PyTorch specification (moontrain.model.kda.short_conv); "torch" / "triton" force one

@@ -10,8 +10,9 @@ Legend: B batch, T sequence, D hidden, H KDA heads, K KDA head dim (keys and val
     out     = (RMSNorm_K(o) * sigmoid(x W_g)) W_o          per-head gated RMSNorm, output gate like W_f
 Parameter names and layouts are Kimi Linear's (q_proj, q_conv1d [C, 1, W] in nn.Conv1d's tap order,
 f_a_proj / f_b_proj or the full-rank f_proj, b_proj, A_log, dt_bias [H * K], g_*_proj, o_norm, o_proj), so
-the Hugging Face export maps them one to one. The short convolutions see no token of an earlier document (taps across a document start are zeroed),
-and the recurrence restarts at each document start, so nothing crosses an end-of-document.
+the Hugging Face export maps them one to one. The short convolutions see no token of an earlier document (taps
+across a document start are zeroed), and the recurrence restarts at each document start, so nothing crosses an
+end-of-document.
 No positional encoding: the recurrence and the convolutions are order-aware. The six input projections
 (q, k, v, f or f_a, g or g_a, b) run as one GEMM over their stacked weights (project); the parameters stay
 separate, under their names.

@@ -2,13 +2,14 @@
 kernels.kda_intra=fla_k64) against fla's own chunk_kda_bwd_intra (32-wide), both in Triton's interpreter on the
 CPU (tests.moontrain.model.kda.fla_interpreted; skipped where fla-core is not installed), on the specification's
 random stage inputs (finite values where they put NaN: fla's kernel loads some of those entries and multiplies
-them by zero, which NaN survives): batch rows with a partial last chunk, packed documents with fla's use_graph chunk list, the bounded gate at and below its bound
-and the unbounded one; and the route: with kda_intra=fla_k64, fla's dispatched stage reaches this launch.
+them by zero, which NaN survives): batch rows with a partial last chunk, packed documents with fla's use_graph
+chunk list, the bounded gate at and below its bound and the unbounded one; and the route: with
+kda_intra=fla_k64, fla's dispatched stage reaches this launch.
 
 Tolerance: dq, dk and dg sum over a chunk's rows inside one program, which the K-block does not split: bitwise.
 db is db_in plus the sum of the K-blocks' fp32 partials (K / 32 of them in fla's call, K / 64 here, K <= 128):
-at most three additions in another grouping, each one rounding (2^-24) of a value a few times the largest |db| at most:
-1e-6 of the largest |db|.
+at most three additions in another grouping, each one rounding (2^-24) of a value a few times the largest |db|
+at most: 1e-6 of the largest |db|.
 """
 
 from __future__ import annotations
