@@ -1,7 +1,7 @@
 """moontrain.model.kda.fla_backend: fla's dispatched KDA backward stages (what fla's chunk_kda_bwd calls) reach
 moontrain's launchers with fla's keyword arguments while routed, calls a kernel cannot take are left to fla's by
 the verifiers, and unrouted the backend answers nothing. The launchers are replaced by recorders: no kernel
-runs. Marked gpu: it needs fla-core, which the GPU machines' kit installs (the CPU tier has none)."""
+runs, so it is a CPU test (skipped where fla-core, which the test extra installs, is absent)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import torch
 
 from moontrain.model.kda import dqkg as kda_dqkg
 from moontrain.model.kda import intra as kda_intra
-
-pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture
