@@ -254,7 +254,8 @@ class KernelsConfig:
     kda_dqkg: Literal["fla", "moontrain"] = "moontrain"
     # the kernel of fla's KDA backward stage that adds the intra-chunk matrices' part to dq, dk, db and dg:
     # "fla_k64" (fla's kernel launched with 64-wide K-blocks, moontrain.model.kda.intra_fla: dq, dk, dg bitwise
-    # fla's, ~0.2 ms less a layer call at k3_small's pass: docs/kda.md), "fla" (fla's chunk_kda_bwd_intra, 32-wide)
+    # fla's; at k3_small's pass the stage 0.2 ms faster, a KDA call 0.06-0.1 ms: docs/kda.md), "fla" (fla's
+    # chunk_kda_bwd_intra, 32-wide)
     # or "moontrain" (moontrain.model.kda.intra_kernel, one program per 64-row chunk; slower than fla's: it needs a
     # bounded gate, model.kda_gate_lower_bound in [-10, 0), else fla_k64 runs). Only where the KDA layers run fla;
     # process-wide
