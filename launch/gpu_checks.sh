@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|router|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|gatenorm|kdakernels|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|k3ab|k3ref|learning|warmup ...]
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|router|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|gatenorm|kdakernels|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|k3ab|k3ref|learning|warmup|entries ...]
 #   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, router, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, gatenorm, kdakernels, opsites, outputcode,
-#   optim, determinism, ckpt, dense, mfu, k3, k3ab, k3ref and warmup run on one GPU)
+#   optim, determinism, ckpt, dense, mfu, k3, k3ab, k3ref, warmup and entries run on one GPU)
 # tests: on one GPU the single-GPU tier (`pytest -m "gpu or multigpu"`, the multigpu tests skip) in TEST_WORKERS
 # (default 4) pytest-xdist workers sharing the GPU, whole files per worker, TEST_LIMIT s (default 300) per test
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
@@ -122,6 +122,24 @@ for step in "${steps[@]}"; do
              echo "warmup $name rc=$? launch to exit $(( $(date +%s) - t0 )) s"
              grep -E "kernel warm-up|first step" "$out/warmup_$name.log" | cut -c1-200
            done ;;
+    entries) # the autotune entries a run makes beyond the shipped ones (after a kernel, its keys or its launch changed;
+           # recipes/data/fla_autotune_h200/README): k3_small's first 2 steps on Markov tokens and on the learning
+           # corpus's documents, and bench_kda's first case, then every *.autotune.json written in Triton's cache since,
+           # copied to OUT/new_entries/<key folder>/ (to ship: copy them into the folder when timed on its GPU, an H200).
+           # ENTRIES_ARGS: extra launch overrides (an 80 GB card: optim.state_dtype=bfloat16 train.activation_checkpointing=true)
+           touch "$out/.entries_since"; sleep 1
+           el="python -m moontrain.cli launch recipes/k3_small.yaml parallel.ep=1 --nproc 1 train.steps=2 checkpoint.save_final=false checkpoint.resume=none ${ENTRIES_ARGS:-}"
+           docs="data.source=dataset data.path=$PWD/recipes/data/learning/corpus.jsonl data.tokenizer=$PWD/recipes/data/learning/tokenizer"
+           timeout "${ENTRIES_TIMEOUT:-240}" $el train.run_dir=/tmp/entries_markov > "$out/entries_markov.log" 2>&1
+           echo "entries markov rc=$?"; grep -E "first step" "$out/entries_markov.log" | cut -c1-240
+           timeout "${ENTRIES_TIMEOUT:-240}" $el $docs train.run_dir=/tmp/entries_docs > "$out/entries_docs.log" 2>&1
+           echo "entries docs rc=$?"; grep -E "first step" "$out/entries_docs.log" | cut -c1-240
+           timeout "${ENTRIES_TIMEOUT:-240}" python benchmarks/bench_kda.py --cases 4x4096x16 > "$out/entries_bench_kda.log" 2>&1
+           echo "entries bench_kda rc=$?"
+           eout=$(readlink -f "$out"); mkdir -p "$eout/new_entries"
+           (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -newer "$eout/.entries_since" \
+              -exec cp --parents {} "$eout/new_entries/" \;)
+           (cd "$eout/new_entries" && find . -name '*.autotune.json') ;;
     learning)  # docs/learning.md: the DeepSeek-V3 block (60 steps, ~2.5 min) and the K3 block (~2 min) on text, one GPU
            for setup in dsv3 k3_small; do
              timeout "${LEARNING_TIMEOUT:-280}" torchrun --nproc_per_node=1 benchmarks/bench_learning.py --setup "$setup" \
