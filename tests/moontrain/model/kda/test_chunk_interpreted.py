@@ -2,7 +2,8 @@
 chunk_kda, both in Triton's interpreter on the CPU (tests.moontrain.model.kda.fla_interpreted; skipped where
 fla-core is not installed): the output and every input gradient, with the forward's states kept and recomputed,
 on batch rows with a partial last chunk and on packed documents listed on the device (fla's use_graph), for the
-bounded and the softplus gate, and with the intra-chunk stage routed to moontrain's kernel (kernels.kda_intra).
+bounded and the softplus gate, with the intra-chunk stage on each of its kernels (kernels.kda_intra: fla_k64, the
+default, fla's and moontrain's).
 
 Tolerance: the two calls run the same fla kernels between ends that compute the same values in another order:
 the forward's g and norms are bitwise fla's (checked here), so o is bitwise; the backward's ends sum the same
@@ -20,7 +21,7 @@ import torch
 # module where triton is absent; then fla's shims (skips where fla-core is absent)
 import tests.moonep.helpers.triton_interpreted
 import tests.moontrain.model.kda.fla_interpreted  # noqa: F401
-from moontrain.model.kda import intra_kernel
+from moontrain.model.kda import intra_fla, intra_kernel
 from moontrain.model.kda.fla_backend import route_fla_stages, routed_stages
 from moontrain.model.kda.ops import kda, kda_fla, random_kda_inputs
 from tests.moontrain.model.kda.test_dqkg_kernel_interpreted import use_tiles
@@ -49,27 +50,30 @@ def run(fn, inputs: list, kwargs: dict, go: torch.Tensor, **extra) -> list[torch
     return [o.detach()] + [t.grad for t in leaves] + [A_log.grad, dt_bias.grad]
 
 
-# (T, document length, recompute, gate's lower bound, the intra-chunk stage on moontrain's kernel)
-CASES = [(160, None, False, -5.0, False), (160, 48, True, -5.0, False), (96, 40, False, None, False),
-         (96, 40, False, -5.0, True)]
+# (T, document length, recompute, gate's lower bound, the intra-chunk stage's kernel: kernels.kda_intra)
+CASES = [(160, None, False, -5.0, "fla_k64"), (160, 48, True, -5.0, "fla_k64"), (96, 40, False, None, "fla"),
+         (96, 40, False, -5.0, "moontrain")]
 
 
 @pytest.mark.slow  # ~12 s a case in the interpreter; CI runs them
 @pytest.mark.parametrize(("T", "doc_len", "recompute", "lower_bound", "intra"), CASES)
 def test_chunk_matches_fla_chunk_kda(T: int, doc_len: int | None, recompute: bool, lower_bound: float | None,
-                                     intra: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+                                     intra: str, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    if intra:  # both calls then run it: the comparison still isolates the two ends
+    route_fla_stages(dqkg="moontrain", intra=intra)  # both calls then run it: the comparison still isolates the ends
+    if intra == "moontrain":
         use_tile(monkeypatch, 32)
-        route_fla_stages(dqkg="moontrain", intra="moontrain")
         kernel = intra_kernel.kda_intra
         monkeypatch.setattr(intra_kernel, "kda_intra", lambda **kw: calls.append(1) or kernel(**kw))
+    elif intra == "fla_k64":
+        launch = intra_fla.kda_intra_fla
+        monkeypatch.setattr(intra_fla, "kda_intra_fla", lambda **kw: calls.append(1) or launch(**kw))
     inputs, kwargs, go = random_kda_inputs(2, T, 2, 64, doc_len=doc_len, seed=T, device="cpu")
     kwargs["lower_bound"] = lower_bound
     ours = run(kda_fla, inputs, kwargs, go, recompute=recompute, gate_norm=True)
     fla = run(kda_fla, inputs, kwargs, go, recompute=recompute, gate_norm=False)
     spec = run(kda, inputs, kwargs, go)
-    assert len(calls) == (2 if intra else 0), f"moontrain's intra-chunk kernel ran {len(calls)} times"
+    assert len(calls) == (0 if intra == "fla" else 2), f"kda_intra={intra}'s launch ran {len(calls)} times"
     assert torch.equal(ours[0], fla[0]), "o: not bitwise fla's"
     for name, x, y, z in zip(NAMES, ours, fla, spec, strict=True):
         assert x.dtype == y.dtype and x.shape == y.shape, f"{name}: {x.dtype} {tuple(x.shape)} vs {y.dtype}"
