@@ -61,16 +61,14 @@ TAYLOR_BELOW = 0.0625  # |x| under which tanh(x) is its Taylor polynomial x - x^
 
 def _tanh_sech2(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(tanh(x), 1 - tanh(x)^2) of fp32 x in the kernel's operation order. 1 - tanh^2 is taken as
-    4e / (1 + e)^2 (e = exp(-2|x|)) outside the Taylor range: relative accuracy where tanh -> +-1. One
-    reciprocal r = 1 / (1 + e) serves both (tanh = (1 - e) r, 1 - tanh^2 = 4e r^2)."""
+    4e / (1 + e)^2 (e = exp(-2|x|)) outside the Taylor range: relative accuracy where tanh -> +-1."""
     x2 = x * x
     poly = x + x * (x2 * (x2 * (2.0 / 15.0) - (1.0 / 3.0)))
     e = torch.exp(-2.0 * x.abs())
-    r = 1.0 / (1.0 + e)
-    big = (1.0 - e) * r
+    big = (1.0 - e) / (1.0 + e)
     small = x.abs() < TAYLOR_BELOW
     t = torch.where(small, poly, torch.where(x < 0, -big, big))
-    sech2 = torch.where(small, 1.0 - poly * poly, (4.0 * e) * (r * r))
+    sech2 = torch.where(small, 1.0 - poly * poly, 4.0 * e / ((1.0 + e) * (1.0 + e)))
     return t, sech2
 
 
@@ -84,9 +82,9 @@ def _sigmoid_dsigmoid(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def situ_glu_forward(h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """a = situ(h) * cap(u), computed in fp32 and rounded once to h's dtype (no autograd)."""
     hf, uf = h.float(), u.float()
-    t, _ = _tanh_sech2(hf * (1.0 / GATE_CAP))
+    t, _ = _tanh_sech2(hf / GATE_CAP)
     sig, _ = _sigmoid_dsigmoid(hf)
-    c, _ = _tanh_sech2(uf * (1.0 / UP_CAP))
+    c, _ = _tanh_sech2(uf / UP_CAP)
     return ((GATE_CAP * t * sig) * (UP_CAP * c)).to(h.dtype)
 
 
@@ -95,9 +93,9 @@ def situ_glu_backward(grad_a: torch.Tensor, h: torch.Tensor, u: torch.Tensor
     """(grad_h, grad_u, a) from grad_a in one pass, each rounded once to h's dtype; `a` is the forward's
     value (recomputed for the down projection's weight gradient)."""
     hf, uf, ga = h.float(), u.float(), grad_a.float()
-    t, sech2_t = _tanh_sech2(hf * (1.0 / GATE_CAP))
+    t, sech2_t = _tanh_sech2(hf / GATE_CAP)
     sig, dsig = _sigmoid_dsigmoid(hf)
-    c, sech2_c = _tanh_sech2(uf * (1.0 / UP_CAP))
+    c, sech2_c = _tanh_sech2(uf / UP_CAP)
     situ = GATE_CAP * t * sig
     cap = UP_CAP * c
     dsitu = sech2_t * sig + GATE_CAP * t * dsig

@@ -19,10 +19,12 @@ separate tensors (the dense FFNs' backward, moonep.activation.glu_backward).
 
 Each program takes BLOCK_R rows and walks F in BLOCK_F chunks, summing grad_w per chunk then across
 chunks in a fixed order (deterministic; another order than torch.sum's, within the bound the tests
-derive). The tiles depend on F only (backward_tiles): 2 rows x 1024 for F <= 1024 (one chunk, the routed
-experts of k3_small), else 4 rows x 256: the best of the tiles benchmarks/bench_glu_route.py sweeps at
-k3_small's shapes on an H200 (its figures: docs/performance.md). Rounding to bf16 is done on the bits (moonep.kernels.situ_glu.to_bf16) so that Triton's
-interpreter rounds as torch does.
+derive). The tiles depend on F only (backward_tiles): for F <= 1024, 4 rows x 128 where 128 divides F (the
+routed experts of k3_small, F = 896: no masked lanes; on an H100 the backward 621 -> 552 us and the rows' forward
+310 -> 284 us against one masked 1024-wide chunk), else 2 rows x 1024 (one chunk); above, 4 rows x 256 (k3_small's
+shared experts and dense FFN, where 128-wide chunks were 4-5 % slower): the best of the tiles
+benchmarks/bench_glu_route.py sweeps at k3_small's shapes (docs/performance.md). Rounding to bf16 is done on the bits
+(moonep.kernels.situ_glu.to_bf16) so that Triton's interpreter rounds as torch does.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ ACTIVATION_IDS = {"swiglu": 0, "situ_glu": 1}
 
 def backward_tiles(F: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_F, warps) of the backward kernel for rows of F (module docstring)."""
-    return (2, 1024, 4) if F <= 1024 else (4, 256, 4)
+    if F > 1024:
+        return 4, 256, 4
+    return (4, 128, 4) if F % 128 == 0 else (2, 1024, 4)
 
 
 @triton.jit

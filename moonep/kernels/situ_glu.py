@@ -5,11 +5,10 @@ Forward: a = situ(h) * cap(u), read h and u (bf16), write a (bf16).
 Backward: from grad_a, h, u (bf16) write grad_h, grad_u and the recomputed a (bf16) in one pass, the
 elementwise part of the expert backward (the eager form makes ~20 fp32 passes over [N, F]).
 
-Rounding fp32 -> bf16 (to_bf16) is the device's conversion on the GPU and, under Triton's interpreter,
-which casts by truncating, the same round-to-nearest-even done on the bits: both round as torch does, so
-under TRITON_INTERPRET=1 the outputs equal the specification's bit for bit once both use the same exp
-(tests/moonep/kernels/test_expert_math_interpreted.py). The bit form on the GPU cost ~6 integer
-operations a value where the conversion takes half of one (docs/performance.md, 2026-12-06). On the GPU, exp and fp32
+Rounding fp32 -> bf16 is done on the bits (round to nearest, ties to even; finite values) rather than
+by a cast, because Triton's interpreter casts by truncating: written this way the interpreter and the
+GPU round as torch does, so under TRITON_INTERPRET=1 the outputs equal the specification's bit for bit
+once both use the same exp (tests/moonep/kernels/test_expert_math_interpreted.py). On the GPU, exp and fp32
 division are the device's (approximate) instructions: within one bf16 ulp of the specification
 (tests/moonep/kernels/test_expert_math_gpu.py).
 """
@@ -29,11 +28,10 @@ def _tanh_sech2(x):
     x2 = x * x
     poly = x + x * (x2 * (x2 * (2.0 / 15.0) - (1.0 / 3.0)))
     e = tl.exp(-2.0 * tl.abs(x))
-    r = 1.0 / (1.0 + e)
-    big = (1.0 - e) * r
+    big = (1.0 - e) / (1.0 + e)
     small = tl.abs(x) < 0.0625
     t = tl.where(small, poly, tl.where(x < 0, -big, big))
-    sech2 = tl.where(small, 1.0 - poly * poly, (4.0 * e) * (r * r))
+    sech2 = tl.where(small, 1.0 - poly * poly, 4.0 * e / ((1.0 + e) * (1.0 + e)))
     return t, sech2
 
 
@@ -45,27 +43,20 @@ def _sigmoid_dsigmoid(x):
     return tl.where(x < 0, e * inv, inv), e * (inv * inv)
 
 
-_INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))  # read when triton.jit decides, at import
-
-
 @triton.jit
 def to_bf16(x):
-    """fp32 -> bf16, round to nearest even (what torch's .to(bfloat16) does for finite values): the device's
-    conversion (one cvt.rn for two values), or under the interpreter the same rounding done on the bits."""
-    if _INTERPRETED:
-        bits = x.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(tl.bfloat16)
+    """fp32 -> bf16 bits, round to nearest even (what torch's .to(bfloat16) does for finite values)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
 def situ_glu_value(hf, uf):
     """a = situ(h) * cap(u) in bf16 from fp32 h, u; also the epilogue of moonep.kernels.grouped_glu."""
-    t, _ = _tanh_sech2(hf * 0.25)
+    t, _ = _tanh_sech2(hf / 4.0)
     sig, _ = _sigmoid_dsigmoid(hf)
-    c, _ = _tanh_sech2(uf * 0.04)
+    c, _ = _tanh_sech2(uf / 25.0)
     return to_bf16((4.0 * t * sig) * (25.0 * c))
 
 
@@ -82,9 +73,9 @@ def _situ_glu_fwd_kernel(h_ptr, u_ptr, a_ptr, n, BLOCK: tl.constexpr):
 def situ_glu_grads(ga, hf, uf):
     """(grad_h, grad_u, a) in fp32 from fp32 grad_a, h, u (moonep.activation.situ_glu_backward's order);
     rounded by the caller (here and in moonep.kernels.glu_route)."""
-    t, sech2_t = _tanh_sech2(hf * 0.25)
+    t, sech2_t = _tanh_sech2(hf / 4.0)
     sig, dsig = _sigmoid_dsigmoid(hf)
-    c, sech2_c = _tanh_sech2(uf * 0.04)
+    c, sech2_c = _tanh_sech2(uf / 25.0)
     situ = 4.0 * t * sig
     cap = 25.0 * c
     dsitu = sech2_t * sig + 4.0 * t * dsig

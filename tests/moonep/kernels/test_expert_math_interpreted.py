@@ -18,15 +18,17 @@ from tests.moonep.helpers.situ_glu_cases import assert_bitwise, assert_close_to_
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "situ_glu"])
-@pytest.mark.parametrize("F", [700, 1100], ids=["one-chunk", "chunks"])
+@pytest.mark.parametrize("F", [700, 1100, 384], ids=["one-chunk", "chunks", "128-chunks"])
 def test_glu_route_kernel_matches_specification(activation: str, F: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """expert_glu's backward pass over [rows, F] with the route weights folded in: with one exp on both
     sides SiTU-GLU's outputs are bitwise the specification's; swiglu's specification takes torch.sigmoid
-    (within ulps); grad_w within the derived bound (tests/moonep/helpers/glu_route_cases.py). Both tile
-    choices of glu_route.backward_tiles: F <= 1024 in one masked chunk, F > 1024 over chunks, the last partial."""
+    (within ulps); grad_w within the derived bound (tests/moonep/helpers/glu_route_cases.py). Each tile
+    choice of glu_route.backward_tiles: F <= 1024 a multiple of 128 in 128-wide chunks, other F <= 1024 in one
+    masked chunk, F > 1024 over chunks with the last partial."""
     from moonep.kernels.glu_route import backward_tiles, glu_route_backward, glu_route_backward_rows
 
-    assert backward_tiles(F)[1] >= F if F <= 1024 else F % backward_tiles(F)[1]
+    block_f = backward_tiles(F)[1]
+    assert {700: block_f >= F, 1100: F % block_f != 0, 384: block_f == 128 < F}[F]
     g, h, u, w = glu_route_inputs(activation, 37, F, "cpu")  # rows past a block
     got = glu_route_backward(activation, g, h, u, w)
     with monkeypatch.context() as m:
@@ -46,7 +48,7 @@ def test_glu_route_kernel_matches_specification(activation: str, F: int, monkeyp
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "situ_glu"])
-@pytest.mark.parametrize("F", [300, 1100], ids=["one-chunk", "chunks"])
+@pytest.mark.parametrize("F", [300, 1100, 384], ids=["one-chunk", "chunks", "128-chunks"])
 def test_glu_forward_rows_matches_specification(activation: str, F: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """a = f(h, u) on the halves of hu [rows, 2F]. SiTU-GLU with one exp on both sides: bitwise the
     specification's; swiglu (silu rounded, then the product, as F.silu(h) * u): at most 2 bf16 ulps."""
