@@ -9,9 +9,10 @@ its tiles (the row kernels' last row: the tiles glu_route.backward_tiles picks f
 
 Shapes (rows x F, bf16, SiTU-GLU): the routed experts of one pass at 4 x 4096 tokens, top-8 and padding
 (132,032 x 896), the two shared experts (16,384 x 1,792) and the dense FFN (16,384 x 5,632). Per tile: the
-median ms of CUDA-event timings (the device's time: the host launches ahead), the HBM rate its traffic implies (backward: g, h, u read and grad_h,
-grad_u, a_w written, 12 bytes an element; forwards: 6), and whether its outputs equal the first tile's
-(elementwise outputs bitwise; the route weights' grad, a row sum in fp32, to its summation order). GPU only.
+median ms of CUDA-event timings (the device's time: the host launches ahead), the HBM rate its traffic implies
+(backward: g, h, u read and grad_h, grad_u, a_w written, 12 bytes an element; forwards: 6), and whether its
+outputs equal the first tile's (elementwise outputs bitwise; the route weights' grad, a row sum in fp32, to its
+summation order). GPU only.
 """
 
 from __future__ import annotations
