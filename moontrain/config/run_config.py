@@ -42,6 +42,10 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
+        ac, layers = self.train.activation_checkpointing, self.model.num_layers
+        if not isinstance(ac, bool) and isinstance(ac, int) and ac > layers:
+            raise ValueError(f"train.activation_checkpointing={ac} layers, the model has model.num_layers={layers}; "
+                             f"use at most {layers} (true recomputes every layer)")
         if self.kernels.short_conv_backward == "walk" and self.model.kda_conv_size > SHORT_CONV_WALK_TAPS:
             raise ValueError(f"kernels.short_conv_backward=walk takes at most {SHORT_CONV_WALK_TAPS} taps, "
                              f"model.kda_conv_size={self.model.kda_conv_size}; set kernels.short_conv_backward=tiles "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(kw_only=True, slots=True)
@@ -16,7 +17,10 @@ class TrainConfig:
     seed: int = 0  # the model's initial weights (data.seed seeds the data)
     log_every: int = 1  # a metrics line (console, metrics.jsonl, wandb) every this many steps
     run_dir: str = "runs/default"  # config.yaml, console.log, metrics, heatmaps and (by default) checkpoints
-    activation_checkpointing: bool = False  # recompute every block in backward (saves its activations)
+    # recompute blocks in backward instead of keeping their activations: true every layer, false none, an integer
+    # n the n layers that free the most memory, "auto" the fewest of those whose estimate fits the GPU (none on
+    # a GPU where everything fits, and on CPU), chosen at launch (moontrain.planning.activations)
+    activation_checkpointing: bool | int | Literal["auto"] = False
     # torch.compile the dense parts of every block (norms, attention, dense FFN / shared experts) and the
     # loss: fuses their elementwise work and casts; routed experts and their communication stay eager.
     # The first step of each shape compiles (tens of seconds on a GPU; inductor caches on disk)
@@ -39,6 +43,10 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.kernel_warmup_workers < 0:
             raise ValueError(f"train.kernel_warmup_workers must be >= 0 (0: no warm-up), got {self.kernel_warmup_workers}")
+        ac = self.activation_checkpointing
+        if not isinstance(ac, bool) and ac != "auto" and (not isinstance(ac, int) or ac < 0):
+            raise ValueError(f"train.activation_checkpointing must be true, false, auto or a number of layers >= 0, "
+                             f"got {ac!r}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"train.micro_batch_size must be >= 1 or null (no accumulation), got {self.micro_batch_size}")
 

@@ -28,7 +28,7 @@ moontrain.parallel.parallelize, through enable_activation_checkpointing and atta
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 
 import torch
@@ -197,9 +197,13 @@ class K3Model(nn.Module):
                 block.ffn.router.score_bias_E.zero_()
                 moe_idx += 1
 
-    def enable_activation_checkpointing(self) -> None:
-        for block in self.layers:
-            block.activation_checkpointing = True
+    def enable_activation_checkpointing(self, layers: Iterable[int] | None = None) -> None:
+        """Recompute these layers' forward in backward (None: every layer)."""
+        chosen = range(len(self.layers)) if layers is None else layers
+        for i in chosen:
+            if not 0 <= i < len(self.layers):
+                raise ValueError(f"layer {i} to recompute: the model has {len(self.layers)} layers (0-based)")
+            self.layers[i].activation_checkpointing = True
 
     def attach_experts_backends(self, name: str, ctx: ExpertsContext) -> ExpertsRuntime:
         """Give every MoE layer its backend of `name`; returns the runtime that owns what they share."""

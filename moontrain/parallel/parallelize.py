@@ -1,9 +1,9 @@
 """parallelize: the one step between a model built for this rank (K3Model with its ExpertPlacement, weights
 initialised) and the model a train step runs. It applies, in this order:
 
-1. activation checkpointing (train.activation_checkpointing): every block recomputes its forward in
-   backward (K3Model.enable_activation_checkpointing); the experts' backends are told (step 4), since a
-   recompute re-runs their collectives.
+1. activation checkpointing (train.activation_checkpointing, the layers moontrain.trainer.recompute chose):
+   those blocks recompute their forward in backward (K3Model.enable_activation_checkpointing); the experts'
+   backends are told (step 4), since a recompute re-runs their collectives.
 2. torch.compile (train.compile), in place, of what runs between the routed experts: per block the norms
    (the MoE's latent norm included), the attention and the dense FFN or the shared experts; the AttnRes
    aggregations' math; the final norm and the loss's per-chunk math (moontrain.model.lm_loss). The routed
@@ -25,6 +25,7 @@ then knows the mesh), and the trainer applying them one by one (the order then h
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,12 +52,13 @@ class Parallelized:
 
 
 def parallelize(model: K3Model, layout: ParallelLayout, *, parallel: ParallelConfig, experts: ExpertsConfig,
-                compute_dtype: torch.dtype, max_tokens: int, activation_checkpointing: bool = False,
+                compute_dtype: torch.dtype, max_tokens: int, recomputed: Sequence[int] = (),
                 compile_dense: bool = False) -> Parallelized:
     """Collective with a process group: steps 1-4 of the module docstring on `model`, in place. max_tokens:
-    tokens per rank per forward (micro-batch * seq_len), the experts' buffer bound."""
-    if activation_checkpointing:
-        model.enable_activation_checkpointing()
+    tokens per rank per forward (micro-batch * seq_len), the experts' buffer bound; recomputed: the layers
+    activation checkpointing recomputes."""
+    if recomputed:
+        model.enable_activation_checkpointing(recomputed)
     if compile_dense:
         compile_dense_parts(model)
     dense = parallel.dense_at(layout.world_size, layout.distributed)
@@ -69,7 +71,7 @@ def parallelize(model: K3Model, layout: ParallelLayout, *, parallel: ParallelCon
         num_experts=cfg.num_experts, topk=cfg.num_experts_per_tok, ep_group=layout.ep_group, ep=layout.ep,
         compute_dtype=compute_dtype, token_padding=experts.token_padding, max_tokens=max_tokens,
         device=layout.device, activation=cfg.ffn_activation, loss_scale=1.0 / layout.world_size,
-        recomputed_in_backward=activation_checkpointing, moonep=experts.moonep,
+        recomputed_in_backward=bool(recomputed), moonep=experts.moonep,
         ep_host_group=layout.ep_host_group, ep_rail_group=layout.ep_rail_group,
     )
     runtime = model.attach_experts_backends(experts.backend, ctx)

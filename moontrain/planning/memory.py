@@ -26,32 +26,24 @@ L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
   (dynamic: up to R times that under full skew). Hierarchical EP (parallel.ep_hosts = N > 1): the host
   Buffer's segment (N*S rows of up to K entries per rank, E/N experts over R/N ranks: the worst case of
   every rail peer's tokens visiting this host), and the routed experts' saved rows N times the one-level ones.
-- activations: tensors saved for backward per token per layer: the compute dtype for most, fp32 for
-  routing weights (a rough model, ~30%; the routed experts keep h, u and a weight per row). The head and the loss (moontrain.model.lm_loss,
-  never [S, V] logits): the saved grads of the head's input (D per token, compute dtype) and of its weight
-  (V x D), the fp32 weight-grad accumulator and one chunk's logits (compute dtype, fp32 and one fp32
-  temporary) while the loss's forward runs. KDA layers (fla's kernel):
-  the projections before and after the short convolutions, gate, output, fp32 decays, the chunk's two
-  L x L matrices per head and the chunk-boundary states (K x V per head per L tokens). With activation
-  checkpointing: each block's input, plus one block's full activations during its recompute.
-  AttnRes (model.attn_res_block_size): each aggregation keeps two fp32 values per token per value it
-  attends over (its rsqrt factors and weights), and each layer's two partial sums are kept besides the
-  norms' inputs; with checkpointing the completed blocks are block inputs already counted, and only
-  the recomputed block's aggregations add. SiTU-GLU saves what SwiGLU saves (the gate and up outputs).
+- activations: what a pass keeps for backward (moontrain.planning.activations: per layer, and with the layers
+  train.activation_checkpointing recomputes). The head and the loss (moontrain.model.lm_loss, never [S, V]
+  logits): the saved grad of the head's weight (V x D), the fp32 weight-grad accumulator and one chunk's logits
+  (compute dtype, fp32 and one fp32 temporary) while the loss's forward runs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
 from moonep import BufferConfig, Layout, glu_projections
 from moontrain.config.run_config import RunConfig
-from moontrain.model.attn_res import aggregation_sizes
-from moontrain.model.kda.ops import CHUNK as KDA_CHUNK
 from moontrain.model.lm_loss import TRITON_LOGITS_BYTES_PER_CHUNK, chunk_tokens
 from moontrain.model.params import ParamCounts
+from moontrain.planning.activations import activation_bytes_per_token, configured_recompute, recompute_order
 
 ROWS = ("weights", "master", "grads", "optimizer", "symmetric_heap", "receive_buffers", "activations")
 
@@ -75,8 +67,13 @@ class MemoryEstimate:
         return self.total - sum(self.heap.values())
 
 
-def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, compute_bytes: int) -> MemoryEstimate:
+def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, compute_bytes: int,
+                    recomputed: Collection[int] | None = None) -> MemoryEstimate:
+    """recomputed: the layers activation checkpointing recomputes; None: those train.activation_checkpointing
+    names, none for "auto" before it is resolved (fit_recompute)."""
     m, R = cfg.model, cfg.parallel.ep
+    if recomputed is None:
+        recomputed = configured_recompute(cfg, compute_bytes) or ()
     epn = m.num_experts // R
     H, F, K = m.expert_width, m.moe_intermediate_size, m.num_experts_per_tok
     S = cfg.train.micro_batch(world_size) * cfg.train.seq_len  # tokens per rank per forward/backward
@@ -98,7 +95,7 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
         "master": 4 * P / dense_shards,
         "grads": dense_grads,
         "optimizer": moments * P / dense_shards,
-        "activations": (S * _activation_bytes_per_token(cfg, compute_bytes, cfg.train.activation_checkpointing)
+        "activations": (S * activation_bytes_per_token(cfg, compute_bytes, recomputed)
                         + _head_loss_bytes(cfg, compute_bytes, S)),
     }
     shards = world_size // R if cfg.parallel.shard_expert_state else 1  # the replicas the expert state splits over
@@ -134,28 +131,30 @@ def _head_loss_bytes(cfg: RunConfig, c: int, S: int) -> float:
     return V * D * (c + 4) + max(torch_chunk, triton_chunk)
 
 
-def _activation_bytes_per_token(cfg: RunConfig, c: int, checkpointed: bool) -> float:
-    m = cfg.model
-    D, N, K = m.hidden_size, m.num_heads, m.num_experts_per_tok
-    qk, dv = m.qk_head_dim, m.v_head_dim
-    q_low = 2 * m.q_lora_rank if m.q_lora_rank is not None else 0
-    attn = (2 * D + q_low + N * qk + (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
-            + N * (m.qk_nope_head_dim + dv) + 2 * N * qk + 4 * N * dv) * c
-    dense_ffn = (2 * D + 2 * m.dense_intermediate_size) * c
-    H, F = m.expert_width, m.moe_intermediate_size
-    latent = 2 * H + D if m.moe_latent_size is not None else 0
-    rows = K * cfg.parallel.ep_hosts  # hierarchical EP: the host stage's static rows (see the module docstring)
-    routed = rows * 2 * F * c + rows * 4 + m.num_experts * 8  # h, u and the route weight per row (moonep.expert_glu)
-    shared = (2 * m.num_shared_experts * F + D) * c  # h, u (moontrain.model.ffn recomputes the activation)
-    moe = (2 * D + latent) * c + routed + shared
-    HK, L = m.kda_heads * m.kda_head_dim, KDA_CHUNK
-    kda = (2 * D + 11 * HK + m.kda_head_dim * HK // L) * c + (2 * HK + 2 * L * m.kda_heads) * 4
-    head = D * c  # the saved grad of the head's input; the per-step part is _head_loss_bytes
-    sizes = aggregation_sizes(m.num_layers, m.attn_res_block_size)
-    if checkpointed:
-        recomputed_res = 2 * 8 * max(sizes) + 2 * D * c if sizes else 0  # one block's aggregations
-        mixing = max(attn if m.num_mla_layers else 0, kda if m.num_kda_layers else 0)
-        return m.num_layers * D * c + mixing + max(dense_ffn, moe) + recomputed_res + head
-    attn_res = 8 * sum(sizes) + 2 * m.num_layers * D * c if sizes else 0
-    return (m.num_mla_layers * attn + m.num_kda_layers * kda + m.num_dense_layers * dense_ffn
-            + m.num_moe_layers * moe + attn_res + head)
+# train.activation_checkpointing=auto fits the estimate into this share of the GPU's memory, leaving the rest to
+# what the estimate does not count: the CUDA context, the libraries' workspaces and the allocator's fragmentation
+# (k3_small's recipe batch on an H200: 75.1 GiB allocated at the peak, 78.3 GiB reserved, beside the 15.3 GiB
+# symmetric heap; the estimate, 93.0 GiB, sits near the reserved sum)
+AUTO_SHARE = 0.95
+
+
+def planned_recompute(cfg: RunConfig, counts: ParamCounts, world_size: int, compute_bytes: int,
+                      gpu_bytes: float | None) -> tuple[int, ...]:
+    """The layers a run recomputes: those train.activation_checkpointing names, "auto" resolved against a GPU of
+    gpu_bytes (AUTO_SHARE of it; None, a CPU run: none)."""
+    layers = configured_recompute(cfg, compute_bytes)
+    if layers is not None:
+        return layers
+    return () if gpu_bytes is None else fit_recompute(cfg, counts, world_size, compute_bytes, AUTO_SHARE * gpu_bytes)
+
+
+def fit_recompute(cfg: RunConfig, counts: ParamCounts, world_size: int, compute_bytes: int,
+                  have: float) -> tuple[int, ...]:
+    """The fewest layers of activations.recompute_order whose estimate fits `have` bytes (ascending); every layer
+    when none fits (the launch then warns)."""
+    order = recompute_order(cfg, compute_bytes)
+    for n in range(len(order) + 1):
+        layers = tuple(sorted(order[:n]))
+        if estimate_memory(cfg, counts, world_size, compute_bytes, layers).total <= have:
+            return layers
+    return tuple(range(len(order)))

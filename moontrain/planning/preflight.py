@@ -24,7 +24,7 @@ from pathlib import Path
 from moontrain.config.run_config import RunConfig
 from moontrain.data.config import SourceConfig
 from moontrain.model.params import count_params
-from moontrain.planning.memory import estimate_memory
+from moontrain.planning.memory import estimate_memory, planned_recompute
 
 
 def check_data(cfg: RunConfig) -> list[str]:
@@ -144,7 +144,9 @@ def gpu_memory_warning(cfg: RunConfig, world_size: int, what: str, have: float) 
     """None where the per-rank estimate fits `have` bytes; else one line: the estimate, the GPU's memory and
     smaller_settings."""
     compute_bytes = 4 if cfg.parallel.compute_dtype == "float32" else 2
-    need = estimate_memory(cfg, count_params(cfg.model), world_size, compute_bytes).total
+    counts = count_params(cfg.model)
+    recomputed = planned_recompute(cfg, counts, world_size, compute_bytes, have)  # "auto" as the trainer resolves it
+    need = estimate_memory(cfg, counts, world_size, compute_bytes, recomputed).total
     if need <= have:
         return None
     return (f"the memory estimate is {need / 2**30:.1f} GiB a rank and {what} has {have / 2**30:.1f} GiB, so this run "

@@ -6,7 +6,8 @@ from __future__ import annotations
 from moonep import remote_experts
 from moontrain.config.run_config import RunConfig
 from moontrain.model.params import count_params
-from moontrain.planning.memory import ROWS, MemoryEstimate, estimate_memory
+from moontrain.planning.activations import describe_recompute
+from moontrain.planning.memory import ROWS, MemoryEstimate, estimate_memory, planned_recompute
 from moontrain.planning.preflight import smaller_settings, visible_gpu_memory
 from moontrain.planning.step_time import step_time_lines
 
@@ -19,7 +20,10 @@ def dry_run_report(cfg: RunConfig, world_size: int, device: str,
     dtype = cfg.parallel.compute_dtype
     compute_bytes = 4 if dtype == "float32" or (dtype == "auto" and device == "cpu") else 2
     counts = count_params(m)
-    mem = estimate_memory(cfg, counts, world_size, compute_bytes)
+    if device == "cuda":
+        what, have = gpu_memory if gpu_memory is not None else visible_gpu_memory()
+    recomputed = planned_recompute(cfg, counts, world_size, compute_bytes, have if device == "cuda" else None)
+    mem = estimate_memory(cfg, counts, world_size, compute_bytes, recomputed)
     tokens_per_rank = cfg.train.global_batch_size // world_size * cfg.train.seq_len
     lines = [
         "== layout ==",
@@ -49,21 +53,25 @@ def dry_run_report(cfg: RunConfig, world_size: int, device: str,
         dense, experts = mem.dense.get(name, 0.0), mem.experts.get(name, 0.0)
         lines.append(f"  {name:<16} {_bytes(dense):>12} {_bytes(experts):>12} {_bytes(dense + experts):>12}")
     lines.append(f"  {'total':<16} {'':>12} {'':>12} {_bytes(mem.total):>12}")
-    recompute = "with" if cfg.train.activation_checkpointing else "without"
+    recompute = (f"train.activation_checkpointing={_setting(cfg.train.activation_checkpointing)}: "
+                 f"{describe_recompute(cfg, recomputed)}")
     if device == "cuda":
-        what, have = gpu_memory if gpu_memory is not None else visible_gpu_memory()
         fits = mem.total <= have
-        lines.append(f"  (activations {recompute} recomputation; {what} has {_bytes(have)}: "
+        lines.append(f"  (activations: {recompute}; {what} has {_bytes(have)}: "
                      f"{'fits' if fits else 'does NOT fit'})")
         if not fits:
             lines += [f"  {line}" for line in smaller_settings(cfg, world_size, compute_bytes, have)]
     else:  # the host-memory check follows under == checks ==
-        lines.append(f"  (activations {recompute} recomputation)")
+        lines.append(f"  (activations: {recompute})")
     if mem.heap:
         lines += _heap_lines(cfg, mem)
     if device == "cuda":
-        lines += step_time_lines(cfg, world_size)
+        lines += step_time_lines(cfg, world_size, recomputed=recomputed)
     return "\n".join(lines)
+
+
+def _setting(value: bool | int | str) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 _HEAP_ROLES = {

@@ -14,11 +14,13 @@ one expert group per host caps it at topk_expert_groups.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from moontrain.config.run_config import RunConfig
 from moontrain.metrics.flops import flops_per_token
 from moontrain.parallel.hosts import H200_HOST_GPUS
+from moontrain.planning.activations import configured_recompute
 
 
 @dataclass(kw_only=True, slots=True)
@@ -57,11 +59,17 @@ def remote_hosts_per_token(hosts: int, experts: int, topk: int, groups: int, top
     return expected
 
 
-def predict_step_time(cfg: RunConfig, world_size: int, a: StepTimeAssumptions) -> StepTimePrediction:
+def predict_step_time(cfg: RunConfig, world_size: int, a: StepTimeAssumptions,
+                      recomputed: Collection[int] | None = None) -> StepTimePrediction:
+    """recomputed: the layers activation checkpointing recomputes (None: train.activation_checkpointing's, none
+    for an unresolved "auto")."""
     m, tr = cfg.model, cfg.train
     tokens = tr.global_batch_size // world_size * tr.seq_len
-    passes = 3 if tr.activation_checkpointing else 2
-    recompute = 4 / 3 if tr.activation_checkpointing else 1.0  # one more forward: 2 of the 6 FLOPs per parameter
+    if recomputed is None:
+        recomputed = configured_recompute(cfg, 2) or ()
+    share = len(recomputed) / m.num_layers  # the recomputed layers' share of the forward
+    passes = 2 + share
+    recompute = 1 + share / 3  # one more forward of those layers: 2 of the 6 FLOPs per parameter
     compute_s = flops_per_token(m, tr.seq_len) * tokens * recompute / (a.peak_flops * a.mfu)
     hosts = max(1, cfg.parallel.ep // a.gpus_per_host) if cfg.experts.backend != "moonep" else cfg.parallel.ep_hosts
     remote = remote_hosts_per_token(hosts, m.num_experts, m.num_experts_per_tok, m.num_expert_groups,
@@ -72,9 +80,10 @@ def predict_step_time(cfg: RunConfig, world_size: int, a: StepTimeAssumptions) -
                               remote_hosts_per_token=remote)
 
 
-def step_time_lines(cfg: RunConfig, world_size: int, a: StepTimeAssumptions | None = None) -> list[str]:
+def step_time_lines(cfg: RunConfig, world_size: int, a: StepTimeAssumptions | None = None,
+                    recomputed: Collection[int] | None = None) -> list[str]:
     a = a or StepTimeAssumptions()
-    p = predict_step_time(cfg, world_size, a)
+    p = predict_step_time(cfg, world_size, a, recomputed)
     return [
         "== step time (prediction; docs/scale.md) ==",
         f"  assumptions: {a.peak_flops / 1e12:.0f} TFLOP/s peak at MFU {a.mfu:.1%} (measured: k3_small_moe, 2 x H200); "

@@ -51,6 +51,7 @@ from moontrain.trainer.evaluate import Evaluator
 from moontrain.trainer.first_step import FirstStepClock
 from moontrain.trainer.guard import DivergenceGuard, StepVerdict, launch_verdict
 from moontrain.trainer.preempt import PreemptionHandler
+from moontrain.trainer.recompute import recomputed_layers
 
 
 def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -82,11 +83,11 @@ class Trainer:
         self.model.init_weights(cfg.train.seed)
         micro_batch = cfg.train.micro_batch(layout.world_size)
         self.accumulation_steps = cfg.train.accumulation_steps(layout.world_size)
+        self.recomputed = recomputed_layers(cfg, layout, self.compute_dtype.itemsize)
         # recompute, compile, FSDP / plain dense, the experts' backends: in that order (moontrain.parallel.parallelize)
         parallel = parallelize(self.model, layout, parallel=cfg.parallel, experts=cfg.experts,
                                compute_dtype=self.compute_dtype, max_tokens=micro_batch * cfg.train.seq_len,
-                               activation_checkpointing=cfg.train.activation_checkpointing,
-                               compile_dense=cfg.train.compile)
+                               recomputed=self.recomputed, compile_dense=cfg.train.compile)
         self.fsdp, self.plain_dense = parallel.fsdp, parallel.plain_dense
         self.experts_ctx, self.experts_runtime = parallel.experts_ctx, parallel.experts_runtime
         self.experts = [moe.experts for moe in self.model.moe_layers()]

@@ -17,7 +17,9 @@ H100 = ("an H100 80GB", 79.1 * GiB)
 
 
 def _k3_small_one_gpu() -> RunConfig:
-    return from_dict(RunConfig, load_recipe("recipes/k3_small.yaml", ["parallel.ep=1"]))
+    """The recipe at one GPU with nothing recomputed (its own setting, auto, is tested in test_recompute.py)."""
+    return from_dict(RunConfig, load_recipe("recipes/k3_small.yaml", ["parallel.ep=1",
+                                                                      "train.activation_checkpointing=false"]))
 
 
 def _estimate(cfg: RunConfig, **settings) -> float:

@@ -1,0 +1,111 @@
+"""train.activation_checkpointing as true, false, a number of layers or "auto": which layers, the activation
+estimate with them, and auto's choice against a GPU's memory. References: the k3_small recipe's layer types (12
+KDA, 4 MLA, a dense first layer), the activation model's own per-layer rows summed by hand, and estimate_memory
+at the layers named explicitly."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from moontrain.config import RunConfig, from_dict, load_recipe
+from moontrain.model.params import count_params
+from moontrain.planning.activations import (
+    activation_bytes_per_token,
+    configured_recompute,
+    layer_activations,
+    recompute_order,
+)
+from moontrain.planning.memory import AUTO_SHARE, estimate_memory, fit_recompute, planned_recompute
+from moontrain.planning.preflight import gpu_memory_warning
+from moontrain.planning.report import dry_run_report
+
+GiB = 2**30
+
+
+def _k3_small(*overrides: str) -> RunConfig:
+    return from_dict(RunConfig, load_recipe("recipes/k3_small.yaml", ["parallel.ep=1", *overrides]))
+
+
+@pytest.mark.parametrize(("value", "want"), [("true", True), ("false", False), ("auto", "auto"), ("6", 6), ("0", 0)])
+def test_setting_parses(value: str, want: object) -> None:
+    assert _k3_small(f"train.activation_checkpointing={value}").train.activation_checkpointing == want
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("17", "train.activation_checkpointing=17 layers, the model has model.num_layers=16; use at most 16"),
+    ("-1", "train.activation_checkpointing must be true, false, auto or a number of layers >= 0, got -1"),
+    ("1.5", "train.activation_checkpointing: expected bool or int or one of ['auto'], got 1.5"),
+    ("most", "expected bool or int or one of ['auto'], got 'most'"),
+])
+def test_bad_setting_names_the_value_and_the_fix(value: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
+        _k3_small(f"train.activation_checkpointing={value}")
+
+
+def test_the_kda_layers_go_first() -> None:
+    """The layers that keep the most go first: k3_small's KDA+MoE layers (151 KB a token), then its first layer
+    (KDA with the dense FFN, 125 KB), then the MLA+MoE layers (119 KB); n layers are the first n of that order."""
+    cfg = _k3_small()
+    kda = [i for i in range(16) if cfg.model.layer_is_kda(i) and i >= cfg.model.num_dense_layers]
+    mla = [i for i in range(16) if not cfg.model.layer_is_kda(i)]
+    order = recompute_order(cfg, 2)
+    assert (len(kda), len(mla)) == (11, 4)
+    assert sorted(order[:11]) == kda and order[11] == 0 and sorted(order[12:]) == mla
+    kept = [layer.total for layer in layer_activations(cfg, 2)]
+    assert [kept[i] for i in order] == sorted(kept, reverse=True)
+    assert configured_recompute(_k3_small("train.activation_checkpointing=5"), 2) == tuple(sorted(order[:5]))
+    assert configured_recompute(_k3_small("train.activation_checkpointing=true"), 2) == tuple(range(16))
+    assert configured_recompute(_k3_small("train.activation_checkpointing=false"), 2) == ()
+    assert configured_recompute(_k3_small("train.activation_checkpointing=auto"), 2) is None
+
+
+def test_activation_bytes_sum_the_kept_layers_and_one_recompute() -> None:
+    """Kept layers count whole; recomputed ones their input (D a token) plus, once, the largest mixing, FFN
+    and aggregations among them; beside the layers the final aggregation (N values x 8 bytes) and the head's
+    input grad."""
+    cfg = _k3_small()
+    D, c = cfg.model.hidden_size, 2
+    layers = layer_activations(cfg, c)
+    final = 8 * 4 + D * c  # the final aggregation: 3 completed blocks (layers 0, 6, 12 start one) and the partial sum
+    assert activation_bytes_per_token(cfg, c, ()) == sum(layer.total for layer in layers) + final
+    some = (8, 9, 3)  # two KDA layers, one MLA layer
+    again = max(layers[i].mixing for i in some) + max(layers[i].ffn for i in some)
+    res = 2 * 8 * 3 + 2 * D * c  # their aggregations attend over at most 3 values
+    kept = sum(layer.total for i, layer in enumerate(layers) if i not in some)
+    assert activation_bytes_per_token(cfg, c, some) == kept + 3 * D * c + again + res + final
+
+
+def test_auto_takes_the_fewest_layers_that_fit() -> None:
+    cfg = _k3_small("train.activation_checkpointing=auto")
+    counts, order = count_params(cfg.model), recompute_order(_k3_small(), 2)
+    totals = [estimate_memory(cfg, counts, 1, 2, tuple(order[:n])).total for n in range(17)]
+    assert totals[0] == estimate_memory(_k3_small(), counts, 1, 2).total  # auto unresolved: nothing recomputed
+    assert totals[16] == estimate_memory(_k3_small("train.activation_checkpointing=true"), counts, 1, 2).total
+    assert all(b < a for a, b in itertools.pairwise(totals[2:]))  # more layers, less memory (from 2 on)
+    assert fit_recompute(cfg, counts, 1, 2, totals[0]) == ()
+    assert fit_recompute(cfg, counts, 1, 2, totals[9]) == tuple(sorted(order[:9]))
+    assert fit_recompute(cfg, counts, 1, 2, totals[9] - 1) == tuple(sorted(order[:10]))
+    assert fit_recompute(cfg, counts, 1, 2, 1.0) == tuple(range(16))  # nothing fits: every layer (and a warning)
+    assert planned_recompute(cfg, counts, 1, 2, None) == ()  # a CPU run
+    assert planned_recompute(cfg, counts, 1, 2, totals[9] / AUTO_SHARE) == tuple(sorted(order[:9]))
+    assert planned_recompute(cfg, counts, 1, 2, 141e9) == ()  # an H200: the recipe's pass fits whole
+
+
+def test_auto_in_the_dry_run_and_the_launch_warning() -> None:
+    """On an 80 GB H100 auto recomputes part of the model and the launch has nothing to warn about; on a 40 GB
+    GPU every layer is recomputed, which still does not fit: the warning says so."""
+    cfg = _k3_small("train.activation_checkpointing=auto")
+    counts = count_params(cfg.model)
+    h100 = 79.1 * GiB
+    layers = planned_recompute(cfg, counts, 1, 2, h100)
+    assert 0 < len(layers) < 16
+    report = dry_run_report(cfg, 1, "cuda", gpu_memory=("an H100", h100))
+    named = ", ".join(map(str, layers))
+    assert (f"(activations: train.activation_checkpointing=auto: {len(layers)} of 16 layers recomputed ({named}); "
+            "an H100 has 79.10 GiB: fits)") in report
+    assert gpu_memory_warning(cfg, 1, "an H100", h100) is None
+    warning = gpu_memory_warning(cfg, 1, "a 40 GB GPU", 40 * GiB)
+    need = estimate_memory(cfg, counts, 1, 2, tuple(range(16))).total
+    assert warning is not None and warning.startswith(f"the memory estimate is {need / GiB:.1f} GiB a rank")
