@@ -13,7 +13,11 @@ the final aggregation and the saved grad of the head's input (D per token).
 
 A recomputed layer (torch.utils.checkpoint around the block) keeps its input (D per token; the completed
 AttnRes blocks are earlier layers' tensors, counted there) and, while its backward runs, its full activations
-again: the estimate adds the largest mixing, FFN and aggregations among the recomputed layers once.
+again. The peak is the larger of two moments: the forward's end (every kept layer, the recomputed layers'
+inputs, the head's and the loss's transients) and a layer's backward (its activations whole beside the kept
+layers before it: the later ones are freed by then). Measured on an H100 (k3_small's recipe batch, bf16
+moments; docs/performance.md): 41.9 / 53.8 / 75.1 GiB allocated at 16 / 9 / 0 recomputed layers (the last
+on an H200) against this model's 44.2 / 57.6 / 77.7.
 
 Which layers: train.activation_checkpointing = true recomputes every layer, false none, an integer n the n
 layers that free the most memory (the largest saved bytes first: at k3_small the KDA layers, 151 KB a token
@@ -96,17 +100,20 @@ def describe_recompute(cfg: RunConfig, layers: Collection[int]) -> str:
     return f"{len(layers)} of {L} layers recomputed ({', '.join(map(str, sorted(layers)))})"
 
 
-def activation_bytes_per_token(cfg: RunConfig, c: int, recomputed: Collection[int]) -> float:
-    """Bytes per token the pass keeps for backward with `recomputed` layers checkpointed (the module docstring)."""
+def activation_bytes(cfg: RunConfig, c: int, recomputed: Collection[int], tokens: int, head_loss: float) -> float:
+    """The most the pass holds for backward at once, in bytes, with `recomputed` layers checkpointed, at `tokens`
+    tokens a pass (head_loss: the head's and the loss's own bytes at the forward's end, which the head's backward,
+    the first to run, frees). Two moments can hold the most (the module docstring): the forward's end, every
+    kept layer and every recomputed layer's input beside head_loss; or a layer's backward, its activations
+    whole (kept, or recomputed just now) beside the kept layers before it and the recomputed inputs up to it."""
     m = cfg.model
     D = m.hidden_size
     layers = layer_activations(cfg, c)
     sizes = aggregation_sizes(m.num_layers, m.attn_res_block_size)
-    final = 8 * sizes[-1] if sizes else 0  # the final aggregation, before the last norm
-    kept = sum(layer.total for i, layer in enumerate(layers) if i not in recomputed)
-    if recomputed:
-        again = [layers[i] for i in recomputed]
-        res = 2 * 8 * max(max(sizes[2 * i], sizes[2 * i + 1]) for i in recomputed) + 2 * D * c if sizes else 0
-        kept += (len(recomputed) * D * c + max(layer.mixing for layer in again) + max(layer.ffn for layer in again)
-                 + res)
-    return kept + final + D * c  # D * c: the saved grad of the head's input
+    outside = (8 * sizes[-1] if sizes else 0) + D * c  # the final aggregation; the saved grad of the head's input
+    inputs = [D * c if i in recomputed else 0 for i in range(len(layers))]
+    kept = [0.0 if i in recomputed else layer.total for i, layer in enumerate(layers)]
+    forward_end = tokens * (sum(kept) + sum(inputs) + outside) + head_loss
+    backward = max(tokens * (sum(kept[:i]) + layers[i].total + sum(inputs[:i + 1]) + outside)
+                   for i in range(len(layers))) if layers else 0.0
+    return max(forward_end, backward)

@@ -43,7 +43,7 @@ from moonep import BufferConfig, Layout, glu_projections
 from moontrain.config.run_config import RunConfig
 from moontrain.model.lm_loss import TRITON_LOGITS_BYTES_PER_CHUNK, chunk_tokens
 from moontrain.model.params import ParamCounts
-from moontrain.planning.activations import activation_bytes_per_token, configured_recompute, recompute_order
+from moontrain.planning.activations import activation_bytes, configured_recompute, recompute_order
 
 ROWS = ("weights", "master", "grads", "optimizer", "symmetric_heap", "receive_buffers", "activations")
 
@@ -95,8 +95,7 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
         "master": 4 * P / dense_shards,
         "grads": dense_grads,
         "optimizer": moments * P / dense_shards,
-        "activations": (S * activation_bytes_per_token(cfg, compute_bytes, recomputed)
-                        + _head_loss_bytes(cfg, compute_bytes, S)),
+        "activations": activation_bytes(cfg, compute_bytes, recomputed, S, _head_loss_bytes(cfg, compute_bytes, S)),
     }
     shards = world_size // R if cfg.parallel.shard_expert_state else 1  # the replicas the expert state splits over
     experts = {

@@ -12,7 +12,7 @@ import pytest
 from moontrain.config import RunConfig, from_dict, load_recipe
 from moontrain.model.params import count_params
 from moontrain.planning.activations import (
-    activation_bytes_per_token,
+    activation_bytes,
     configured_recompute,
     layer_activations,
     recompute_order,
@@ -61,20 +61,23 @@ def test_the_kda_layers_go_first() -> None:
     assert configured_recompute(_k3_small("train.activation_checkpointing=auto"), 2) is None
 
 
-def test_activation_bytes_sum_the_kept_layers_and_one_recompute() -> None:
-    """Kept layers count whole; recomputed ones their input (D a token) plus, once, the largest mixing, FFN
-    and aggregations among them; beside the layers the final aggregation (N values x 8 bytes) and the head's
-    input grad."""
+def test_activation_peak_is_the_forward_end_or_a_layers_backward() -> None:
+    """The forward's end holds every kept layer, the recomputed layers' inputs (D a token) and the head's bytes; a
+    layer's backward its own activations whole beside the kept layers before it and the recomputed inputs up to
+    it; outside the layers, the final aggregation (N values x 8 bytes) and the head input's grad."""
     cfg = _k3_small()
-    D, c = cfg.model.hidden_size, 2
-    layers = layer_activations(cfg, c)
-    final = 8 * 4 + D * c  # the final aggregation: 3 completed blocks (layers 0, 6, 12 start one) and the partial sum
-    assert activation_bytes_per_token(cfg, c, ()) == sum(layer.total for layer in layers) + final
-    some = (8, 9, 3)  # two KDA layers, one MLA layer
-    again = max(layers[i].mixing for i in some) + max(layers[i].ffn for i in some)
-    res = 2 * 8 * 3 + 2 * D * c  # their aggregations attend over at most 3 values
-    kept = sum(layer.total for i, layer in enumerate(layers) if i not in some)
-    assert activation_bytes_per_token(cfg, c, some) == kept + 3 * D * c + again + res + final
+    D, c, S = cfg.model.hidden_size, 2, 100
+    full = [layer.total for layer in layer_activations(cfg, c)]
+    outside = 8 * 4 + D * c  # the final aggregation: 3 completed blocks (layers 0, 6, 12 start one) and the partial sum
+    assert activation_bytes(cfg, c, (), S, 7.0) == S * (sum(full) + outside) + 7.0  # the forward's end
+    # only the last layer recomputed, no head bytes: its backward (its activations again) is the peak
+    assert activation_bytes(cfg, c, (15,), S, 0.0) == S * (sum(full) + D * c + outside)
+    # with the head's bytes above one layer's, the forward's end is
+    big = S * full[15]
+    assert activation_bytes(cfg, c, (15,), S, big) == S * (sum(full[:15]) + D * c + outside) + big
+    # every layer recomputed, no head bytes: the layer whose activations and inputs up to it are the most
+    want = max(full[i] + (i + 1) * D * c for i in range(16))
+    assert activation_bytes(cfg, c, tuple(range(16)), S, 0.0) == S * (want + outside)
 
 
 def test_auto_takes_the_fewest_layers_that_fit() -> None:
