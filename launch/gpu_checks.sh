@@ -107,7 +107,7 @@ for step in "${steps[@]}"; do
     warmup) # the first step on empty Triton and inductor caches, k3_small at EP = 1: without the kernel warm-up (recording
            # the kernels, OUT/kernels_markov.json), on documents (recording, OUT/kernels_docs.json), then on new empty caches
            # with the two merged (OUT/kernels_merged.json; docs/performance.md, session 38). WARMUP_ARGS: extra overrides
-           # (an 80 GB card: optim.state_dtype=bfloat16 train.activation_checkpointing=true)
+           # (an 80 GB card needs none: the recipe's train.activation_checkpointing=auto recomputes what it cannot hold)
            wl="python -m moontrain.cli launch recipes/k3_small.yaml parallel.ep=1 --nproc 1 train.steps=2 checkpoint.save_final=false checkpoint.resume=none ${WARMUP_ARGS:-}"
            docs="data.source=dataset data.path=$PWD/recipes/data/learning/corpus.jsonl data.tokenizer=$PWD/recipes/data/learning/tokenizer"
            for run in "cold_record:A:MOONTRAIN_RECORD_KERNELS=$out/kernels_markov.json:train.kernel_warmup=none" \
@@ -126,7 +126,7 @@ for step in "${steps[@]}"; do
            # recipes/data/fla_autotune_h200/README): k3_small's first 2 steps on Markov tokens and on the learning
            # corpus's documents, and bench_kda's first case, then every *.autotune.json written in Triton's cache since,
            # copied to OUT/new_entries/<key folder>/ (to ship: copy them into the folder when timed on its GPU, an H200).
-           # ENTRIES_ARGS: extra launch overrides (an 80 GB card: optim.state_dtype=bfloat16 train.activation_checkpointing=true)
+           # ENTRIES_ARGS: extra launch overrides (an 80 GB card needs none: the recipe's activation_checkpointing=auto)
            touch "$out/.entries_since"; sleep 1
            el="python -m moontrain.cli launch recipes/k3_small.yaml parallel.ep=1 --nproc 1 train.steps=2 checkpoint.save_final=false checkpoint.resume=none ${ENTRIES_ARGS:-}"
            docs="data.source=dataset data.path=$PWD/recipes/data/learning/corpus.jsonl data.tokenizer=$PWD/recipes/data/learning/tokenizer"
