@@ -124,18 +124,22 @@ def visible_gpu_memory() -> tuple[str, float]:
 
 
 def smaller_settings(cfg: RunConfig, world_size: int, compute_bytes: int, have: float) -> list[str]:
-    """The estimate with the SMALLER settings the recipe lacks, added one after another, and whether each fits."""
+    """The estimate with the SMALLER settings the recipe lacks, added one after another, and whether each fits
+    (train.activation_checkpointing=auto counts as recomputation already: it recomputes what it must, resolved
+    here against `have` as at launch)."""
     import copy
 
     out, trial, added = [], copy.deepcopy(cfg), []
     counts = count_params(cfg.model)
     for key, section, field, value in SMALLER:
-        if getattr(getattr(trial, section), field) == value or (
+        current = getattr(getattr(trial, section), field)
+        if (current == value and type(current) is type(value)) or (key.startswith("train.") and current == "auto") or (
                 section == "optim" and (trial.optim.name != "adamw" or trial.optim.fused)):  # what OptimConfig refuses
             continue
         setattr(getattr(trial, section), field, value)
         added.append(key)
-        total = estimate_memory(trial, counts, world_size, compute_bytes).total
+        recomputed = planned_recompute(trial, counts, world_size, compute_bytes, have)
+        total = estimate_memory(trial, counts, world_size, compute_bytes, recomputed).total
         out.append(f"with {' '.join(added)}: {total / 2**30:.2f} GiB ({'fits' if total <= have else 'does NOT fit'})")
     return out or ["a smaller train.micro_batch_size, a larger parallel.ep or more GPUs (the estimate is per rank)"]
 

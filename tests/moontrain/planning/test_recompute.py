@@ -18,7 +18,7 @@ from moontrain.planning.activations import (
     recompute_order,
 )
 from moontrain.planning.memory import AUTO_SHARE, estimate_memory, fit_recompute, planned_recompute
-from moontrain.planning.preflight import gpu_memory_warning
+from moontrain.planning.preflight import gpu_memory_warning, smaller_settings
 from moontrain.planning.report import dry_run_report
 
 GiB = 2**30
@@ -112,3 +112,21 @@ def test_auto_in_the_dry_run_and_the_launch_warning() -> None:
     warning = gpu_memory_warning(cfg, 1, "a 40 GB GPU", 40 * GiB)
     need = estimate_memory(cfg, counts, 1, 2, tuple(range(16))).total
     assert warning is not None and warning.startswith(f"the memory estimate is {need / GiB:.1f} GiB a rank")
+
+
+def test_the_suggestions_resolve_auto_and_do_not_repeat_it() -> None:
+    """Where auto cannot fit (fp32 moments on a 70 GiB GPU), the suggestions are estimated with auto resolved as
+    at launch (not as if nothing were recomputed), and recomputing every layer is not suggested on top of auto;
+    a recipe that recomputes one layer (1, not true) still gets that suggestion."""
+    cfg = _k3_small("train.activation_checkpointing=auto", "optim.state_dtype=float32")
+    counts, have = count_params(cfg.model), 70 * GiB
+    trial = _k3_small("train.activation_checkpointing=auto", "optim.state_dtype=bfloat16")
+    want = estimate_memory(trial, counts, 1, 2, planned_recompute(trial, counts, 1, 2, have)).total
+    assert want < estimate_memory(trial, counts, 1, 2).total  # auto recomputes some layers there
+    fits = "fits" if want <= have else "does NOT fit"
+    assert smaller_settings(cfg, 1, 2, have) == [f"with optim.state_dtype=bfloat16: {want / GiB:.2f} GiB ({fits})"]
+    one = _k3_small("train.activation_checkpointing=1")
+    assert smaller_settings(one, 1, 2, 1.0 * GiB) == [
+        f"with train.activation_checkpointing=true: "
+        f"{estimate_memory(_k3_small('train.activation_checkpointing=true'), counts, 1, 2).total / GiB:.2f} GiB "
+        "(does NOT fit)"]
