@@ -13,7 +13,8 @@ L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
 - grads: dense: the fp32 reduce-scatter output 4P/W plus the gathered compute-dtype grads of two
   blocks; experts: fp32 local rows (moonep: the grad mirror's local rows, in the heap).
 - parallel.dense=plain (one rank): compute-dtype copies of all P, one pass's compute-dtype grads, the fp32
-  accumulators and a bounded fp32 scratch (moontrain.parallel.plain_dense).
+  accumulators and, from a step's second pass on, a bounded fp32 scratch unless the Triton accumulator adds in
+  place (moontrain.parallel.plain_dense).
 - parallel.dense=allreduce: every rank holds all P as fp32 masters and runs them as they are (no
   copies), with fp32 grads of all P and Adam's moments of all P (the dense activations, fp32 then, are
   still counted at the compute dtype).
@@ -43,6 +44,7 @@ from moonep import BufferConfig, Layout, glu_projections
 from moontrain.config.run_config import RunConfig
 from moontrain.model.lm_loss import TRITON_LOGITS_BYTES_PER_CHUNK, chunk_tokens
 from moontrain.model.params import ParamCounts
+from moontrain.parallel.plain_dense import SCRATCH_BYTES
 from moontrain.planning.activations import activation_bytes, configured_recompute, recompute_order
 
 ROWS = ("weights", "master", "grads", "optimizer", "symmetric_heap", "receive_buffers", "activations")
@@ -85,7 +87,7 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
     dense_mode = cfg.parallel.dense_at(world_size)
     if dense_mode == "plain":  # world 1: every dense weight's copy, fp32 accumulators (+ scratch)
         gathered = P
-        dense_grads = P * compute_bytes + 4 * P * (2 if cfg.train.accumulation_steps(world_size) > 1 else 1)
+        dense_grads = P * compute_bytes + 4 * P + _plain_scratch_bytes(cfg, world_size, compute_bytes)
     elif dense_mode == "allreduce":  # the fp32 parameters whole on every rank, run as they are
         gathered, dense_grads, dense_shards = 0, 4 * P, 1
     moonep = cfg.experts.backend == "moonep"
@@ -118,6 +120,16 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
         experts["symmetric_heap"] = heap["slot_pool"] + heap["reduce_pool"]
         experts["receive_buffers"] = heap["comm"]
     return MemoryEstimate(dense=dense, experts=experts, heap=heap)
+
+
+def _plain_scratch_bytes(cfg: RunConfig, world_size: int, compute_bytes: int) -> int:
+    """parallel.dense=plain's fp32 scratch, from a step's second pass on: the foreach adds widen each group of
+    grads into one bounded buffer (the largest dense tensor, at least SCRATCH_BYTES); the Triton accumulator
+    (parallel.plain_accumulate triton, or auto on a GPU: a bf16 run here) adds in place and needs none."""
+    triton = cfg.parallel.plain_accumulate == "triton" or (cfg.parallel.plain_accumulate == "auto" and compute_bytes == 2)
+    if cfg.train.accumulation_steps(world_size) == 1 or triton:
+        return 0
+    return max(4 * cfg.model.vocab_size * cfg.model.hidden_size, SCRATCH_BYTES)
 
 
 def _head_loss_bytes(cfg: RunConfig, c: int, S: int) -> float:

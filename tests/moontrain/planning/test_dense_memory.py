@@ -56,3 +56,25 @@ def test_bf16_moments_halve_the_optimizer_rows() -> None:
     assert b.dense["optimizer"] == 4 * counts.dense / WORLD == a.dense["optimizer"] / 2
     assert b.experts["optimizer"] == a.experts["optimizer"] / 2 > 0
     assert {k: v for k, v in b.dense.items() if k != "optimizer"} == {k: v for k, v in a.dense.items() if k != "optimizer"}
+
+
+@pytest.mark.parametrize(("accumulate", "compute_bytes", "scratch"), [
+    ("auto", 2, False), ("triton", 2, False), ("torch", 2, True), ("auto", 4, True)])
+def test_plain_dense_grads_hold_a_bounded_scratch_only_for_the_foreach_adds(accumulate: str, compute_bytes: int,
+                                                                           scratch: bool) -> None:
+    """parallel.dense=plain at one rank: one pass's compute-dtype grads and the fp32 accumulators; from a step's
+    second pass on, the foreach adds widen grads into one fp32 scratch of the largest dense tensor (k3_small's
+    embedding, V x D; at least plain_dense.SCRATCH_BYTES), which the Triton accumulator (auto on a GPU's bf16
+    run) does without."""
+    from moontrain.parallel.plain_dense import SCRATCH_BYTES
+
+    one, eight = _k3_small("plain"), _k3_small("plain")
+    for cfg in (one, eight):
+        cfg.parallel.plain_accumulate = accumulate
+    eight.train.global_batch_size, eight.train.micro_batch_size = 32, 4
+    counts = count_params(one.model)
+    P, V, D = counts.dense, one.model.vocab_size, one.model.hidden_size
+    single = estimate_memory(one, counts, 1, compute_bytes).dense["grads"]
+    assert single == P * compute_bytes + 4 * P
+    extra = max(4 * V * D, SCRATCH_BYTES) if scratch else 0
+    assert estimate_memory(eight, counts, 1, compute_bytes).dense["grads"] == single + extra
