@@ -253,6 +253,7 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
     redundant: list[float] = []
     data_wait: list[float] = []  # seconds the step waited for its batch (the loader's prefetch thread)
     oom_where, heap_bytes, flops_per_token, pooled, syncs, trace_peak = None, 0, None, 0, None, None
+    recomputed: list[int] | None = None
     window_s = window_wait_s = None
     trainer = None
     # the same answer on every rank (collectives follow); the learning row when --diagnose-learning
@@ -265,6 +266,7 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
         set_router_biases(trainer, bias_LE)
         apply_skew(trainer, sigma, args.placement)
         flops_per_token = trainer.flops_per_token
+        recomputed = list(trainer.recomputed)  # train.activation_checkpointing as the trainer resolved it
         buf = trainer.experts_runtime.buffer if isinstance(trainer.experts_runtime, MoonEPRuntime) else None
         heap_bytes = buf.heap.local_bytes if buf is not None else 0
         for _ in range(args.warmup + args.steps):
@@ -379,6 +381,7 @@ def run_point(cfg: RunConfig, layout: ParallelLayout, args: argparse.Namespace, 
         step_peak_requested_bytes=[min(req_max[args.warmup:]), max(req_max[args.warmup:])] if has_req else None,
         alloc_retries=int(_reduce(mem["mem/alloc_retries"] - retries0, dist.ReduceOp.MAX, layout)) if cuda else None,
         symmetric_heap_gib=_reduce(heap_bytes / GIB, dist.ReduceOp.MAX, layout),
+        recomputed_layers=recomputed,
     )
     return point
 
