@@ -126,7 +126,8 @@ def _plain_scratch_bytes(cfg: RunConfig, world_size: int, compute_bytes: int) ->
     """parallel.dense=plain's fp32 scratch, from a step's second pass on: the foreach adds widen each group of
     grads into one bounded buffer (the largest dense tensor, at least SCRATCH_BYTES); the Triton accumulator
     (parallel.plain_accumulate triton, or auto on a GPU: a bf16 run here) adds in place and needs none."""
-    triton = cfg.parallel.plain_accumulate == "triton" or (cfg.parallel.plain_accumulate == "auto" and compute_bytes == 2)
+    choice = cfg.parallel.plain_accumulate
+    triton = choice == "triton" or (choice == "auto" and compute_bytes == 2)
     if cfg.train.accumulation_steps(world_size) == 1 or triton:
         return 0
     return max(4 * cfg.model.vocab_size * cfg.model.hidden_size, SCRATCH_BYTES)
