@@ -16,8 +16,8 @@ AttnRes blocks are earlier layers' tensors, counted there) and, while its backwa
 again. The peak is the larger of two moments: the forward's end (every kept layer, the recomputed layers'
 inputs, the head's and the loss's transients) and a layer's backward (its activations whole beside the kept
 layers before it: the later ones are freed by then). Measured on an H100 (k3_small's recipe batch, bf16
-moments; docs/performance.md): 41.9 / 53.8 / 75.1 GiB allocated at 16 / 9 / 0 recomputed layers (the last
-on an H200) against this model's 44.2 / 57.6 / 77.7.
+moments; docs/performance.md): 41.9 / 53.8 / 56.1 / 75.1 GiB allocated at the peak with 16 / 9 / 8 / 0 layers
+recomputed (the last on an H200), where the estimate outside the symmetric heap says 44.2 / 57.6 / 59.8 / 77.7.
 
 Which layers: train.activation_checkpointing = true recomputes every layer, false none, an integer n the n
 layers that free the most memory (the largest saved bytes first: at k3_small the KDA layers, 151 KB a token
