@@ -16,8 +16,9 @@ AttnRes blocks are earlier layers' tensors, counted there) and, while its backwa
 again. The peak is the larger of two moments: the forward's end (every kept layer, the recomputed layers'
 inputs, the head's and the loss's transients) and a layer's backward (its activations whole beside the kept
 layers before it: the later ones are freed by then). Measured on an H100 (k3_small's recipe batch, bf16
-moments; docs/performance.md): 41.9 / 53.8 / 56.1 / 75.1 GiB allocated at the peak with 16 / 9 / 8 / 0 layers
-recomputed (the last on an H200), where the estimate outside the symmetric heap says 44.2 / 57.6 / 59.8 / 77.7.
+moments; docs/performance.md): 41.9 / 53.8 / 56.1 / 58.4 / 75.1 GiB allocated at the peak with 16 / 9 / 8 / 7 /
+0 layers recomputed (the last on an H200), where the estimate outside the symmetric heap says 42.2 / 55.2 / 57.4 /
+59.6 / 75.4 (the pass's dense grads, which exist only in backward, counted there: moontrain.planning.memory).
 
 Which layers: train.activation_checkpointing = true recomputes every layer, false none, an integer n the n
 layers that free the most memory (the largest saved bytes first: at k3_small the KDA layers, 151 KB a token
@@ -100,12 +101,14 @@ def describe_recompute(cfg: RunConfig, layers: Collection[int]) -> str:
     return f"{len(layers)} of {L} layers recomputed ({', '.join(map(str, sorted(layers)))})"
 
 
-def activation_bytes(cfg: RunConfig, c: int, recomputed: Collection[int], tokens: int, head_loss: float) -> float:
+def activation_bytes(cfg: RunConfig, c: int, recomputed: Collection[int], tokens: int, head_loss: float,
+                     backward: float = 0.0) -> float:
     """The most the pass holds for backward at once, in bytes, with `recomputed` layers checkpointed, at `tokens`
     tokens a pass (head_loss: the head's and the loss's own bytes at the forward's end, which the head's backward,
-    the first to run, frees). Two moments can hold the most (the module docstring): the forward's end, every
-    kept layer and every recomputed layer's input beside head_loss; or a layer's backward, its activations
-    whole (kept, or recomputed just now) beside the kept layers before it and the recomputed inputs up to it."""
+    the first to run, frees; backward: bytes that exist only while the backward runs, e.g. the pass's dense
+    grads). Two moments can hold the most (the module docstring): the forward's end, every kept layer and every
+    recomputed layer's input beside head_loss; or a layer's backward, its activations whole (kept, or recomputed
+    just now) beside the kept layers before it, the recomputed inputs up to it and `backward`."""
     m = cfg.model
     D = m.hidden_size
     layers = layer_activations(cfg, c)
@@ -114,6 +117,6 @@ def activation_bytes(cfg: RunConfig, c: int, recomputed: Collection[int], tokens
     inputs = [D * c if i in recomputed else 0 for i in range(len(layers))]
     kept = [0.0 if i in recomputed else layer.total for i, layer in enumerate(layers)]
     forward_end = tokens * (sum(kept) + sum(inputs) + outside) + head_loss
-    backward = max(tokens * (sum(kept[:i]) + layers[i].total + sum(inputs[:i + 1]) + outside)
-                   for i in range(len(layers))) if layers else 0.0
-    return max(forward_end, backward)
+    in_backward = max(tokens * (sum(kept[:i]) + layers[i].total + sum(inputs[:i + 1]) + outside)
+                      for i in range(len(layers))) if layers else 0.0
+    return max(forward_end, in_backward + backward)

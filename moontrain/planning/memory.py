@@ -12,9 +12,10 @@ L_moe * epn * 3*H*F parameters, replicated over dp_replicate):
   parameter of the replica's 1/dp_replicate of the local rows, dp_replicate = W / R).
 - grads: dense: the fp32 reduce-scatter output 4P/W plus the gathered compute-dtype grads of two
   blocks; experts: fp32 local rows (moonep: the grad mirror's local rows, in the heap).
-- parallel.dense=plain (one rank): compute-dtype copies of all P, one pass's compute-dtype grads, the fp32
-  accumulators and, from a step's second pass on, a bounded fp32 scratch unless the Triton accumulator adds in
-  place (moontrain.parallel.plain_dense).
+- parallel.dense=plain (one rank): compute-dtype copies of all P, the fp32 accumulators and, from a step's
+  second pass on, a bounded fp32 scratch unless the Triton accumulator adds in place (moontrain.parallel.
+  plain_dense); a pass's compute-dtype grads (P of them) live from its backward to their accumulation, so they
+  count in the activations row, beside the backward's activations only (none exist at the forward's end).
 - parallel.dense=allreduce: every rank holds all P as fp32 masters and runs them as they are (no
   copies), with fp32 grads of all P and Adam's moments of all P (the dense activations, fp32 then, are
   still counted at the compute dtype).
@@ -85,9 +86,11 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
     dense_grads = 4 * P / world_size + 2 * counts.max_block_dense(m) * compute_bytes
     dense_shards = world_size  # the ranks the fp32 dense masters and their Adam state are split over
     dense_mode = cfg.parallel.dense_at(world_size)
+    pass_grads = 0  # compute-dtype grads that live only from a pass's backward to its accumulation
     if dense_mode == "plain":  # world 1: every dense weight's copy, fp32 accumulators (+ scratch)
         gathered = P
-        dense_grads = P * compute_bytes + 4 * P + _plain_scratch_bytes(cfg, world_size, compute_bytes)
+        dense_grads = 4 * P + _plain_scratch_bytes(cfg, world_size, compute_bytes)
+        pass_grads = P * compute_bytes
     elif dense_mode == "allreduce":  # the fp32 parameters whole on every rank, run as they are
         gathered, dense_grads, dense_shards = 0, 4 * P, 1
     moonep = cfg.experts.backend == "moonep"
@@ -97,7 +100,8 @@ def estimate_memory(cfg: RunConfig, counts: ParamCounts, world_size: int, comput
         "master": 4 * P / dense_shards,
         "grads": dense_grads,
         "optimizer": moments * P / dense_shards,
-        "activations": activation_bytes(cfg, compute_bytes, recomputed, S, _head_loss_bytes(cfg, compute_bytes, S)),
+        "activations": activation_bytes(cfg, compute_bytes, recomputed, S, _head_loss_bytes(cfg, compute_bytes, S),
+                                        backward=pass_grads),
     }
     shards = world_size // R if cfg.parallel.shard_expert_state else 1  # the replicas the expert state splits over
     experts = {
@@ -146,7 +150,8 @@ def _head_loss_bytes(cfg: RunConfig, c: int, S: int) -> float:
 # train.activation_checkpointing=auto fits the estimate into this share of the GPU's memory, leaving the rest to
 # what the estimate does not count: the CUDA context, the libraries' workspaces and the allocator's fragmentation
 # (k3_small's recipe batch on an H200: 75.1 GiB allocated at the peak, 78.3 GiB reserved, beside the 15.3 GiB
-# symmetric heap; the estimate, 93.0 GiB, sits near the reserved sum)
+# symmetric heap; the estimate, 90.6 GiB, sits at the allocated sum; on an H100 with 7 layers recomputed, 58.4
+# GiB allocated, 59.8 reserved)
 AUTO_SHARE = 0.95
 
 

@@ -79,6 +79,9 @@ def test_activation_peak_is_the_forward_end_or_a_layers_backward() -> None:
     # every layer recomputed, no head bytes: the layer whose activations and inputs up to it are the most
     want = max(full[i] + (i + 1) * D * c for i in range(16))
     assert activation_bytes(cfg, c, tuple(range(16)), S, 0.0) == S * (want + outside)
+    # bytes of the backward alone (a pass's dense grads) add to the backward's moments, not to the forward's end
+    assert activation_bytes(cfg, c, tuple(range(16)), S, 0.0, backward=5.0) == S * (want + outside) + 5.0
+    assert activation_bytes(cfg, c, (), S, 7.0, backward=5.0) == S * (sum(full) + outside) + 7.0
 
 
 def test_auto_takes_the_fewest_layers_that_fit() -> None:
