@@ -133,7 +133,7 @@ def smaller_settings(cfg: RunConfig, world_size: int, compute_bytes: int, have: 
     counts = count_params(cfg.model)
     for key, section, field, value in SMALLER:
         current = getattr(getattr(trial, section), field)
-        if (current == value and type(current) is type(value)) or (key.startswith("train.") and current == "auto") or (
+        if (current == value and type(current) is type(value)) or (field == "activation_checkpointing" and current == "auto") or (
                 section == "optim" and (trial.optim.name != "adamw" or trial.optim.fused)):  # what OptimConfig refuses
             continue
         setattr(getattr(trial, section), field, value)

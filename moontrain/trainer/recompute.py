@@ -25,7 +25,8 @@ def recomputed_layers(cfg: RunConfig, layout: ParallelLayout, compute_bytes: int
     device = layout.device
     if cfg.train.activation_checkpointing != "auto" or device.type != "cuda":
         return planned_recompute(cfg, counts, layout.world_size, compute_bytes, None)
-    have = torch.tensor(float(torch.cuda.get_device_properties(device).total_memory), device=device)
+    have = torch.tensor(float(torch.cuda.get_device_properties(device).total_memory), dtype=torch.float64,
+                        device=device)
     if layout.distributed:
         dist.all_reduce(have, op=dist.ReduceOp.MIN, group=layout.world_group)
     gpu_bytes = have.item()
