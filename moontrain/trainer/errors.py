@@ -1,6 +1,7 @@
 """Which errors a worker reports as one line (the user's to fix) and which keep their traceback (ours).
 
-One line: ValueError (a bad setting, named with its fix), CheckpointError, DivergenceError, and any
+One line: ValueError (a bad setting, named with its fix), CheckpointError, DivergenceError, a step out of GPU
+memory (moontrain.trainer.out_of_memory: where, and the settings that fit by the estimate), and any
 exception raised while reading the training data (raised from a frame in moontrain.data or the
 libraries it reads with: an empty corpus, a null text value, an unreadable file), which is reported
 with the data settings to check. Everything else is a bug or a system fault and keeps its traceback.
@@ -14,6 +15,7 @@ from pathlib import Path
 from moontrain.checkpoint.tensors import CheckpointError
 from moontrain.data.config import DataConfig
 from moontrain.trainer.guard import DivergenceError
+from moontrain.trainer.out_of_memory import TrainingOutOfMemory
 
 _DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 _DATA_LIBRARIES = ("/datasets/", "/pyarrow/", "/tokenizers/")
@@ -33,7 +35,7 @@ def _from_data(err: BaseException) -> traceback.FrameSummary | None:
 
 def one_line(err: BaseException, data: DataConfig) -> str | None:
     """The one-line report of a user error, or None when the traceback should be shown."""
-    if isinstance(err, (ValueError, CheckpointError, DivergenceError)):
+    if isinstance(err, (ValueError, CheckpointError, DivergenceError, TrainingOutOfMemory)):
         return f"error: {err}"
     frame = _from_data(err)
     if frame is None:

@@ -55,6 +55,7 @@ from moontrain.trainer.errors import one_line
 from moontrain.trainer.first_step import FirstStepClock, first_step_note
 from moontrain.trainer.kernel_cache import seed_fla_cache
 from moontrain.trainer.kernel_warmup import KernelRecorder, start_warmup
+from moontrain.trainer.out_of_memory import TrainingOutOfMemory, out_of_memory_line
 from moontrain.trainer.preempt import PreemptionHandler
 from moontrain.trainer.quiet import silence_known_warnings
 from moontrain.trainer.run_lock import RunLock
@@ -240,7 +241,12 @@ def _train_locked(cfg: RunConfig, device: torch.device, preemption: PreemptionHa
         if is_main and note and trainer.step < cfg.train.steps:
             print(f"moontrain: {note}", flush=True)
             trainer.first_step = FirstStepClock(fla_seed)
-        trainer.fit()
+        try:
+            trainer.fit()
+        except torch.OutOfMemoryError as err:
+            gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+            raise TrainingOutOfMemory(out_of_memory_line(cfg, layout.world_size, trainer.compute_dtype.itemsize,
+                                                         trainer.recomputed, trainer.step + 1, err, gpu_bytes)) from err
         if trainer.log is not None:
             console = Path(cfg.train.run_dir) / "console.log"
             print(trainer.log.summary(step=trainer.step, tokens_seen=trainer.tokens_seen,
