@@ -157,9 +157,11 @@ for step in "${steps[@]}"; do
              mkdir -p "$out/profile_$c"; mv "$out"/profile_moonep_*.txt "$out/profile_$c/" 2>/dev/null
            done ;;
     k3)    # issue 35's K3 points on one GPU, each a speed row that learns (lr 6e-4 on text): k3_small at 131,072
-           # tokens a step (8 passes of 4 x 4096), the recipe's own batch, then the recipe launched as a newcomer runs it
-           k3_rows=(131k "parallel.dense=plain train.micro_batch_size=4 train.global_batch_size=32" recipe_batch "")
-           for i in 0 2; do
+           # tokens a step (4 passes of 8 x 4096: half the passes' fixed work of 8 x 4 x 4096, which runs second), the
+           # recipe's own batch, then the recipe launched as a newcomer runs it
+           k3_rows=(131k "parallel.dense=plain train.micro_batch_size=8 train.global_batch_size=32"
+                    131k_mb4 "parallel.dense=plain train.micro_batch_size=4 train.global_batch_size=32" recipe_batch "")
+           for i in 0 2 4; do
              timeout "${K3_TIMEOUT:-300}" torchrun --nproc_per_node=1 benchmarks/bench_train.py --learning-row \
                --recipe recipes/k3_small.yaml --backends moonep --targets --steps 3 --warmup 2 --window 6 \
                --tag "k3_small_${k3_rows[$i]}" --out "$out" parallel.ep=1 ${k3_rows[$((i + 1))]} ${K3_ARGS:-} \
