@@ -14,7 +14,7 @@ and the unscaled g written, then p read and the bf16 copy written: 38 B a parame
 rate they imply at the device's time. Check: one step of each from the same state; p within 64 fp32 ulps of max |p| (the kernel contracts
 to FMA, as tests/moontrain/optim/write_back_cases.py bounds it), the bf16 copies equal where p is. Table
 printed; JSON to --out. --tiles: the write-back timed at each (elements a program) x (warps) tile
-(moontrain.optim.write_back_kernel.TILE; default: the shipped one). --experts: the same rows at the recipe's
+(moontrain.optim.write_back_kernel.TILE, one per moment dtype; default: the shipped ones). --experts: the same rows at the recipe's
 expert masters too ([E, ., .] per MoE layer; timed only, the check runs on the dense set). --bf16-moments:
 the write-back with bf16 moments too (optim.state_dtype=bfloat16: 22 B a parameter; tests/moontrain/optim/
 write_back_cases.py checks its values).
@@ -80,6 +80,10 @@ def write_back_step(s: State) -> None:
                       zero_grads=False, **HPARAMS)
 
 
+def _named(tile: tuple[int, int]) -> str:
+    return "x".join(map(str, tile))
+
+
 def host_ms(fn, state: State, iters: int) -> float:
     times = []
     for _ in range(iters):
@@ -104,8 +108,8 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_write_back needs a CUDA GPU")
-    shipped = write_back_kernel.TILE
-    tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles] if args.tiles else [shipped]
+    shipped = dict(write_back_kernel.TILE)
+    tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles] if args.tiles else [None]
     shapes = master_shapes(args.recipe, experts=False)
     n = sum(s.numel() for s in shapes)
     a, b = State(shapes), State(shapes)
@@ -123,15 +127,16 @@ def main() -> None:
     for set_name, set_shapes in sets:
         n_set = sum(s.numel() for s in set_shapes)
         variants = [("torch fused AdamW + cast", torch_step, 38, None, torch.float32)]
-        variants += [(f"write-back {t[0]}x{t[1]}", write_back_step, 30, t, torch.float32) for t in tiles]
+        variants += [(f"write-back {_named(t or shipped[torch.float32])}", write_back_step, 30, t, torch.float32) for t in tiles]
         if args.bf16_moments:  # optim.state_dtype=bfloat16: m and v read and written as bf16
-            variants += [(f"write-back bf16 m, v {t[0]}x{t[1]}", write_back_step, 22, t, torch.bfloat16) for t in tiles]
+            variants += [(f"write-back bf16 m, v {_named(t or shipped[torch.bfloat16])}", write_back_step, 22, t, torch.bfloat16)
+                         for t in tiles]
         state = None
         for name, fn, bytes_per, tile, moments in variants:
             if state is None or state.m[0].dtype != moments:
                 del state  # one set of tensors at a time: the expert masters' take ~50 GB
                 state = State(set_shapes, seed=1, moments=moments)
-            write_back_kernel.TILE = tile or shipped
+            write_back_kernel.TILE = {**shipped, moments: tile} if tile else shipped
             ms = median_ms(lambda fn=fn, state=state: fn(state), args.iters, args.warmup)
             device_ms = median_ms(lambda fn=fn, state=state: fn(state), args.iters, 1, host_ahead_ms=20.0)
             rows.append({"set": set_name, "variant": name, "tile": tile, "gpu_ms": ms, "device_ms": device_ms,

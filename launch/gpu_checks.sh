@@ -248,9 +248,10 @@ for step in "${steps[@]}"; do
            timeout "${GRADACC_TIMEOUT:-300}" python -m pytest -q -m gpu tests/moontrain/parallel/test_plain_dense_gpu.py \
              > "$out/plain_dense_tests.log" 2>&1
            echo "plain dense GPU tests rc=$?"; tail -3 "$out/plain_dense_tests.log" ;;
-    writeback) # the write-back AdamW against torch's fused AdamW + cast at k3_small's dense masters, then its GPU tests
-           timeout "${WRITEBACK_TIMEOUT:-300}" python benchmarks/bench_write_back.py \
-             --out "$out/bench_write_back.json" > "$out/write_back.log" 2>&1
+    writeback) # the write-back AdamW against torch's fused AdamW + cast at k3_small's masters, its tiles with both
+           # moment dtypes, then its GPU tests
+           timeout "${WRITEBACK_TIMEOUT:-300}" python benchmarks/bench_write_back.py --experts --bf16-moments \
+             --tiles 2048x4 1024x4 4096x4 2048x8 --out "$out/bench_write_back.json" > "$out/write_back.log" 2>&1
            echo "bench_write_back rc=$?"; tail -4 "$out/write_back.log"
            timeout "${WRITEBACK_TIMEOUT:-300}" python -m pytest -q -m gpu tests/moontrain/optim/test_write_back_gpu.py \
              tests/moontrain/parallel/test_plain_dense_gpu.py > "$out/write_back_tests.log" 2>&1

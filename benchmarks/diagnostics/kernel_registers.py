@@ -132,6 +132,8 @@ def main() -> None:
 def router_and_write_back_rows() -> None:
     """The router's routing kernels (moontrain.model.router_kernel) at k3_small's 64 experts and K3's 384 with the
     tokens per program their launcher picks, and the write-back AdamW kernel with fp32 and bf16 moments."""
+    import torch
+
     from moontrain.model import router_kernel as rk
     from moontrain.optim import write_back_kernel as wk
 
@@ -148,9 +150,9 @@ def router_and_write_back_rows() -> None:
     ptrs = {"ptrs_ptr": "*i64", "numel_ptr": "*i64", "first_ptr": "*i64", "owner_ptr": "*i32", "bc_ptr": "*fp32",
             "scale_ptr": "*fp32", "skip_ptr": "*fp32", "lr": "fp32", "beta1": "fp32", "beta2": "fp32", "eps": "fp32",
             "weight_decay": "fp32"}
-    block, warps = wk.TILE
     print("kernel (write-back AdamW)     moments  block warps")
     for bf16 in (False, True):
+        block, warps = wk.TILE[torch.bfloat16 if bf16 else torch.float32]
         consts = dict(HAS_SCALE=True, HAS_SKIP=True, ZERO=False, OUT_KIND=1, STATE_BF16=bf16, BLOCK=block)
         print(f"moontrain _adamw_write_back   {'bf16' if bf16 else 'fp32':>7} {block:6d} {warps:5d}  "
               f"{ptxas_report(wk._adamw_write_back_kernel, ptrs, consts, warps, 1)}", flush=True)
