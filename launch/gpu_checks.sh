@@ -125,7 +125,8 @@ for step in "${steps[@]}"; do
     entries) # the autotune entries a run makes beyond the shipped ones (after a kernel, its keys or its launch changed;
            # recipes/data/fla_autotune_h200/README): k3_small's first 2 steps on Markov tokens and on the learning
            # corpus's documents, and bench_kda's first case, then every *.autotune.json written in Triton's cache since,
-           # copied to OUT/new_entries/<key folder>/ (to ship: copy them into the folder when timed on its GPU, an H200).
+           # copied to OUT/new_entries/<key folder>/ (to ship: copy them into recipes/data/fla_autotune_h200 when timed on an
+           # H200, else into the folder of the GPU that timed them, e.g. fla_autotune_h100).
            # ENTRIES_ARGS: extra launch overrides (an 80 GB card needs none: the recipe's activation_checkpointing=auto)
            touch "$out/.entries_since"; sleep 1
            el="python -m moontrain.cli launch recipes/k3_small.yaml parallel.ep=1 --nproc 1 train.steps=2 checkpoint.save_final=false checkpoint.resume=none ${ENTRIES_ARGS:-}"

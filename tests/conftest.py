@@ -56,9 +56,9 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     if ON_GPU and importlib.util.find_spec("fla") is not None:
-        from moontrain.trainer.kernel_cache import seed_fla_cache
+        from moontrain.trainer.kernel_cache import seed_shipped_fla
 
-        seed_fla_cache(torch.device("cuda"))
+        seed_shipped_fla(torch.device("cuda"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

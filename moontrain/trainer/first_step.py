@@ -35,10 +35,10 @@ import torch
 
 from moontrain.config import RunConfig
 from moontrain.model.kda.layer import uses_fla
-from moontrain.trainer.kernel_cache import FlaSeed, autotune_entries
+from moontrain.trainer.kernel_cache import FlaSeed, FlaSeeds, autotune_entries
 
 
-def first_step_note(cfg: RunConfig, device: torch.device, fla_seed: FlaSeed | None = None,
+def first_step_note(cfg: RunConfig, device: torch.device, fla_seed: FlaSeed | FlaSeeds | None = None,
                     warmed: bool = False) -> str | None:
     """What makes the first GPU step slow, said before it starts (it can take a minute or more). fla_seed:
     what seeding Triton's cache did (None: not seeded); warmed: the kernel warm-up compiled its manifest's
@@ -153,7 +153,7 @@ class FirstStepClock:
     """Started right before the first step; line() after it says what the wait was. triton: count Triton's
     compiles (a GPU job)."""
 
-    def __init__(self, fla_seed: FlaSeed | None, triton: bool = True) -> None:
+    def __init__(self, fla_seed: FlaSeed | FlaSeeds | None, triton: bool = True) -> None:
         self.fla_seed = fla_seed
         self.entries = autotune_entries(fla_seed.cache_dir) if fla_seed is not None else 0
         self.compiles = TritonCompiles() if triton else None
@@ -176,7 +176,7 @@ class FirstStepClock:
         return first_step_line(total_s, compile_s, self.fla_seed, searched, triton)
 
 
-def first_step_line(total_s: float, compile_s: float, fla_seed: FlaSeed | None, searched: int,
+def first_step_line(total_s: float, compile_s: float, fla_seed: FlaSeed | FlaSeeds | None, searched: int,
                     triton: list[tuple[str, str, float]] | None = None) -> str:
     """The console line after the first step. fla_seed None: the run does not use fla. triton: the kernels
     Triton compiled (TritonCompiles.compiled: package, name, host seconds), said when any were."""

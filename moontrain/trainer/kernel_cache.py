@@ -5,7 +5,8 @@ the choice on disk through Triton's `cache_results`: <cache dir>/<key>/<kernel>.
 base32 sha256 of Triton's own hash, the backend's (ptxas version, GPU architecture), the kernel's source,
 the cache-invalidating environment, the call's shape key and the configuration list. The repository ships
 such entries (recipes/data/fla_autotune_h200: its README says which shapes and how they were made,
-made_with.json what they hash for). The worker seeds them on every rank of a run that uses fla on CUDA,
+made_with.json what they hash for; recipes/data/fla_autotune_h100: keys the H200's folder lacks, timed on an H100,
+seeded after it, so an H200 entry for the same key would win). The worker seeds them on every rank of a run that uses fla on CUDA,
 before the trainer is built; tests/conftest.py at the start of a GPU session; launch/gpu_checks.sh through
 `python -m moontrain.trainer.kernel_cache`.
 
@@ -42,6 +43,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_FLA_DIR = REPO / "recipes" / "data" / "fla_autotune_h200"
+# seeded in this order (an entry the cache holds already wins): the H200's, then keys it lacks timed on an H100
+SHIPPED_FLA_DIRS = (SHIPPED_FLA_DIR, REPO / "recipes" / "data" / "fla_autotune_h100")
 SUFFIX = ".autotune.json"
 KEY_FOLDER = re.compile(r"[A-Z2-7]{52}")  # base32 of a sha256, unpadded (triton.runtime.cache._base32)
 KERNEL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,149}")  # Triton keeps fn.__name__[:150]
@@ -62,8 +65,33 @@ class FlaSeed:
     def describe(self) -> str:
         if self.mismatch is not None:
             return f"nothing seeded from {shown(self.shipped)}: {self.mismatch}"
-        return (f"{self.in_cache} entries seeded from {shown(self.shipped)}"
+        return (f"{self.in_cache} {'entry' if self.in_cache == 1 else 'entries'} seeded from {shown(self.shipped)}"
                 + (f", timed on an {self.timed_on}" if self.timed_on else ""))
+
+
+@dataclass(frozen=True, slots=True)
+class FlaSeeds:
+    """What seeding the shipped folders (SHIPPED_FLA_DIRS, in order) did, read as one FlaSeed is."""
+
+    seeds: tuple[FlaSeed, ...]
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.seeds[0].cache_dir
+
+    @property
+    def mismatch(self) -> str | None:
+        """Why no shipped entry can be read here: the first folder's reason, when no folder applies."""
+        return self.seeds[0].mismatch if all(seed.mismatch is not None for seed in self.seeds) else None
+
+    def describe(self) -> str:
+        applied = [seed for seed in self.seeds if seed.mismatch is None] or self.seeds[:1]
+        return ", and ".join(seed.describe() for seed in applied)
+
+
+def seed_shipped_fla(device: torch.device) -> FlaSeeds:
+    """seed_fla_cache from each shipped folder in turn (a run's worker, the GPU tests, gpu_checks.sh)."""
+    return FlaSeeds(tuple(seed_fla_cache(device, folder) for folder in SHIPPED_FLA_DIRS))
 
 
 def shown(path: Path) -> str:
@@ -209,7 +237,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("moontrain: no CUDA GPU: Triton's cache is not seeded")
         return
-    print(f"moontrain: fla autotune: {seed_fla_cache(torch.device('cuda', 0)).describe()}")
+    print(f"moontrain: fla autotune: {seed_shipped_fla(torch.device('cuda', 0)).describe()}")
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from moontrain.supervisor import die_with_parent
 from moontrain.trainer.determinism import set_cublas_workspace
 from moontrain.trainer.errors import one_line
 from moontrain.trainer.first_step import FirstStepClock, first_step_note
-from moontrain.trainer.kernel_cache import seed_fla_cache
+from moontrain.trainer.kernel_cache import seed_shipped_fla
 from moontrain.trainer.kernel_warmup import KernelRecorder, start_warmup
 from moontrain.trainer.out_of_memory import TrainingOutOfMemory, out_of_memory_line
 from moontrain.trainer.preempt import PreemptionHandler
@@ -170,7 +170,7 @@ def _train_locked(cfg: RunConfig, device: torch.device, preemption: PreemptionHa
     is_main = layout.rank == 0
     config_path = Path(cfg.train.run_dir) / "config.yaml"  # written once the resume is settled
     # before any KDA kernel runs; on every rank, as ranks on several hosts have a cache each
-    fla_seed = (seed_fla_cache(device) if device.type == "cuda" and uses_fla(cfg.model, cfg.kernels.kda, device)
+    fla_seed = (seed_shipped_fla(device) if device.type == "cuda" and uses_fla(cfg.model, cfg.kernels.kda, device)
                 else None)
     # Triton kernels compiling in other processes while the trainer is built; joined before the first step
     warmup = start_warmup(cfg.train.kernel_warmup, cfg.train.kernel_warmup_workers, device)

@@ -6,7 +6,8 @@
   that leaves the shipped folder or its layout (a symbolic link to a file or folder outside, a folder that
   is not a cache key, a kernel name with other characters) is named in a warning and not copied;
 - the cache is the folder Triton resolves (TRITON_CACHE_DIR, else $TRITON_HOME/.triton/cache);
-- entries made with another Triton, fla-core or GPU architecture are reported as not applying.
+- entries made with another Triton, fla-core or GPU architecture are reported as not applying;
+- the H100's folder holds only keys the H200's lacks, and both folders seed in order, said in one line.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ import torch
 
 from moontrain.trainer.kernel_cache import (
     SHIPPED_FLA_DIR,
+    SHIPPED_FLA_DIRS,
     copy_missing,
+    read_entry,
     seed_fla_cache,
+    seed_shipped_fla,
     shipped_mismatch,
     triton_cache_dir,
 )
@@ -120,3 +124,36 @@ def test_a_missing_shipped_folder_is_said(tmp_path: Path, monkeypatch: pytest.Mo
     assert (seed.cache_dir, seed.in_cache, seed.copied) == (tmp_path / "cache", 0, 0)
     assert seed.describe() == (f"nothing seeded from {tmp_path / 'absent'}: the folder is missing (moontrain "
                                "installed without its repository)")
+
+
+def test_the_h100_folder_holds_sound_entries_for_keys_the_h200_folder_lacks() -> None:
+    h200, h100 = SHIPPED_FLA_DIRS
+    made = json.loads((h100 / "made_with.json").read_text())
+    assert made == {"triton": "3.6.0", "fla-core": "0.6.0", "capability": "9.0", "gpu": "NVIDIA H100 80GB HBM3"}
+    names = {folder: {p.relative_to(folder).as_posix() for p in folder.glob("*/*.autotune.json")}
+             for folder in SHIPPED_FLA_DIRS}
+    assert names[h100] and not names[h100] & names[h200]  # seeded second, so an H200 entry would win anyway
+    for name in names[h100]:
+        assert read_entry(h100 / name)[1] is None, name
+
+
+def test_the_shipped_folders_seed_in_order_and_are_described_together(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from moontrain.trainer import kernel_cache
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernel_cache, "_version", {"triton": "3.6.0", "fla-core": "0.6.0"}.get)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H200")
+    seeds = seed_shipped_fla(torch.device("cuda"))
+    counts = [len(list(folder.glob("*/*.autotune.json"))) for folder in SHIPPED_FLA_DIRS]
+    assert [(s.in_cache, s.copied) for s in seeds.seeds] == [(n, n) for n in counts]
+    assert len(_cache_files(tmp_path / "cache")) == sum(counts)
+    assert seeds.mismatch is None and seeds.cache_dir == tmp_path / "cache"
+    assert seeds.describe() == (f"{counts[0]} entries seeded from recipes/data/fla_autotune_h200, and "
+                                f"{counts[1]} {'entry' if counts[1] == 1 else 'entries'} seeded from "
+                                "recipes/data/fla_autotune_h100, timed on an NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(kernel_cache, "_version", {"triton": "3.5.0", "fla-core": "0.6.0"}.get)
+    foreign = seed_shipped_fla(torch.device("cuda"))
+    assert foreign.mismatch == "triton 3.5.0 here, they are for 3.6.0"
+    assert foreign.describe() == "nothing seeded from recipes/data/fla_autotune_h200: triton 3.5.0 here, they are for 3.6.0"
