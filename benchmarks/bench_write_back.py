@@ -11,11 +11,12 @@ passes them. Per variant: the median GPU time of the call (CUDA events, benchmar
 work inside it), the device's time alone (the same with the host run ahead, as in a GPU-bound step), the median
 host time of the call alone (its launches, no wait), the HBM bytes it must move (torch: p, g, m, v read, p, m, v
 and the unscaled g written, then p read and the bf16 copy written: 38 B a parameter; write-back: 30 B) and the
-rate they imply at the device's time. Check: one step of each from the same state; p within 64 fp32 ulps of max |p| (the kernel contracts
-to FMA, as tests/moontrain/optim/write_back_cases.py bounds it), the bf16 copies equal where p is. Table
-printed; JSON to --out. --tiles: the write-back timed at each (elements a program) x (warps) tile
-(moontrain.optim.write_back_kernel.TILE, one per moment dtype; default: the shipped ones). --experts: the same rows at the recipe's
-expert masters too ([E, ., .] per MoE layer; timed only, the check runs on the dense set). --bf16-moments:
+rate they imply at the device's time. Check: one step of each from the same state; p within 64 fp32 ulps of
+max |p| (the kernel contracts to FMA, as tests/moontrain/optim/write_back_cases.py bounds it), the bf16 copies
+equal where p is. Table printed; JSON to --out. --tiles: the write-back timed at each (elements a program) x
+(warps) tile (moontrain.optim.write_back_kernel.TILE, one per moment dtype; default: the shipped ones).
+--experts: the same rows at the recipe's expert masters too ([E, ., .] per MoE layer; timed only, the check
+runs on the dense set). --bf16-moments:
 the write-back with bf16 moments too (optim.state_dtype=bfloat16: 22 B a parameter; tests/moontrain/optim/
 write_back_cases.py checks its values).
 """
@@ -127,10 +128,11 @@ def main() -> None:
     for set_name, set_shapes in sets:
         n_set = sum(s.numel() for s in set_shapes)
         variants = [("torch fused AdamW + cast", torch_step, 38, None, torch.float32)]
-        variants += [(f"write-back {_named(t or shipped[torch.float32])}", write_back_step, 30, t, torch.float32) for t in tiles]
+        variants += [(f"write-back {_named(t or shipped[torch.float32])}", write_back_step, 30, t, torch.float32)
+                     for t in tiles]
         if args.bf16_moments:  # optim.state_dtype=bfloat16: m and v read and written as bf16
-            variants += [(f"write-back bf16 m, v {_named(t or shipped[torch.bfloat16])}", write_back_step, 22, t, torch.bfloat16)
-                         for t in tiles]
+            variants += [(f"write-back bf16 m, v {_named(t or shipped[torch.bfloat16])}", write_back_step, 22, t,
+                          torch.bfloat16) for t in tiles]
         state = None
         for name, fn, bytes_per, tile, moments in variants:
             if state is None or state.m[0].dtype != moments:

@@ -156,4 +156,5 @@ def test_the_shipped_folders_seed_in_order_and_are_described_together(tmp_path: 
     monkeypatch.setattr(kernel_cache, "_version", {"triton": "3.5.0", "fla-core": "0.6.0"}.get)
     foreign = seed_shipped_fla(torch.device("cuda"))
     assert foreign.mismatch == "triton 3.5.0 here, they are for 3.6.0"
-    assert foreign.describe() == "nothing seeded from recipes/data/fla_autotune_h200: triton 3.5.0 here, they are for 3.6.0"
+    assert foreign.describe() == ("nothing seeded from recipes/data/fla_autotune_h200: triton 3.5.0 here, they are "
+                                  "for 3.6.0")
