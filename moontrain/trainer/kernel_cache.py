@@ -6,9 +6,9 @@ base32 sha256 of Triton's own hash, the backend's (ptxas version, GPU architectu
 the cache-invalidating environment, the call's shape key and the configuration list. The repository ships
 such entries (recipes/data/fla_autotune_h200: its README says which shapes and how they were made,
 made_with.json what they hash for; recipes/data/fla_autotune_h100: keys the H200's folder lacks, timed on an
-H100, seeded after it, so an H200 entry for the same key would win). The worker seeds them on every rank of a run that uses fla on CUDA,
-before the trainer is built; tests/conftest.py at the start of a GPU session; launch/gpu_checks.sh through
-`python -m moontrain.trainer.kernel_cache`.
+H100, seeded after it, so an H200 entry for the same key would win). The worker seeds them on every rank of a
+run that uses fla on CUDA, before the trainer is built; tests/conftest.py at the start of a GPU session;
+launch/gpu_checks.sh through `python -m moontrain.trainer.kernel_cache`.
 
 Where: Triton's knobs.cache.dir, read when seeding: TRITON_CACHE_DIR, else $TRITON_HOME/.triton/cache
 (TRITON_HOME defaults to the home directory), the folder the ranks' Triton reads.
