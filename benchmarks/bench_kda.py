@@ -2,7 +2,7 @@
 softmax attention at MLA's head dims (q/k 192, v 128), forward + backward, with and without packed documents.
 
     python benchmarks/bench_kda.py [--iters 20] [--warmup 5] [--doc-len 1024] [--dqkg moontrain|fla]
-        [--intra fla_k64|fla|moontrain] [--out results/bench_kda.json]
+        [--intra fla_k64|fla] [--out results/bench_kda.json]
 
 Cases (batch x seq x heads, KDA heads of 128): T = 4k, 8k and 32k at k3_small's 16 heads by default (4 x 4096 x 16,
 2 x 8192 x 16, 1 x 32768 x 16; fla's tiles for 16 heads are shipped); --cases 2x8192x32 for 32 heads, whose tiles
@@ -103,7 +103,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--dqkg", choices=("moontrain", "fla"), default="moontrain",
                    help="the kernel of fla's dqkg backward stage (kernels.kda_dqkg; default: the model's)")
-    p.add_argument("--intra", choices=("fla_k64", "fla", "moontrain"), default="fla_k64",
+    p.add_argument("--intra", choices=("fla_k64", "fla"), default="fla_k64",
                    help="the kernel of fla's intra-chunk backward stage (kernels.kda_intra; default: the model's)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_kda_<date>.json)")
     args = p.parse_args()

@@ -1,4 +1,4 @@
-"""KDA's chunked backward on one GPU: fla-core's two slowest backward stages against moontrain's kernels (same
+"""KDA's chunked backward on one GPU: fla-core's two slowest backward stages against moontrain's launches (same
 arguments, same outputs), then KDA's whole forward + backward with each stage on either.
 
     python benchmarks/bench_kda_bwd.py [--iters 20] [--warmup 3] [--out bench_kda_bwd.json]
@@ -7,7 +7,7 @@ Stages:
 - dqkg, the WY / inter-chunk stage: fla's chunk_kda_bwd_wy_dqkg_fused against
   moontrain.model.kda.dqkg_kernel.kda_dqkg (kernels.kda_dqkg).
 - intra, the intra-chunk stage: fla's chunk_kda_bwd_intra (safe gate, lower bound -5, as the model's KDA calls
-  it) against moontrain.model.kda.intra_kernel.kda_intra (kernels.kda_intra).
+  it) against moontrain.model.kda.intra_fla.kda_intra_fla (fla's kernel with 64-wide K-blocks, kernels.kda_intra).
 Shape: B=4, T=4096, H=16, K=V=128, chunk 64, bf16 q/k/v/h/A, fp32 g and gradients (random inputs at fla's
 scales, as the specifications' random_stage_inputs build them), without documents and with packed documents of
 1024 tokens (cu_seqlens over the flattened batch, fla's host-listed chunks). Rows: median ms of CUDA-event
@@ -16,8 +16,7 @@ matmuls as fla computes them (dqkg: 6CKV + 4C^2 (K + V) + 4C^3 per chunk and hea
 lower [C, C] halves with [C, K], 4C^2 K), GB/s of the compulsory traffic (inputs read once, outputs written
 once), and per output the max |ours - fla| and max |fla|. Then KDA's whole forward + backward (kda_fla: the
 numbers bench_kda reports, issue 35's 2.7 ms target) with the stages on fla's kernels, dqkg routed here, dqkg
-here and intra on fla's kernel with 64-wide K-blocks (the model's defaults), and both here. GPU only; needs
-fla-core.
+here and intra on fla's kernel with 64-wide K-blocks (the model's defaults). GPU only; needs fla-core.
 """
 
 from __future__ import annotations
@@ -62,7 +61,7 @@ def stage_setup(stage: str, docs: bool) -> tuple[dict, object, object, tuple[str
         return args, chunk_kda_bwd_wy_dqkg_fused, ours, kda_dqkg.STAGE_OUTPUTS, flops, names
     from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
 
-    from moontrain.model.kda.intra_kernel import kda_intra as ours
+    from moontrain.model.kda.intra_fla import kda_intra_fla as ours
 
     args = kda_intra.random_stage_inputs(shape.pop("B"), shape.pop("T"), H, K, torch.bfloat16, "cuda", seed=0,
                                          **shape)
@@ -101,14 +100,14 @@ def tuned_configs(stage: str) -> list[str]:
         from moontrain.model.kda import dqkg_kernel as kernel
 
         return [str(kernel._kblock_tuned.best_config), str(kernel._finish_tuned.best_config)]
-    from moontrain.model.kda import intra_kernel as kernel
+    from fla.ops.kda.chunk_intra import chunk_kda_bwd_kernel_intra  # fla's autotuner, last run by ours (BK 64)
 
-    return [str(kernel._intra_tuned.best_config)]
+    return [str(chunk_kda_bwd_kernel_intra.best_config)]
 
 
 def layer_case(docs: bool, iters: int, warmup: int) -> list[dict]:
     """KDA's whole fwd + bwd (kda_fla, fla's chunk_kda with the gate and L2 norm fused) with the two stages on
-    fla's kernels, the dqkg stage routed here, and both routed here, as bench_kda times it."""
+    fla's kernels, the dqkg stage routed here, and both routed here (the defaults), as bench_kda times it."""
     from moontrain.model.kda.ops import kda_fla, random_kda_inputs
 
     leaves, kwargs, go = random_kda_inputs(B, T, H, K, doc_len=DOC_LEN if docs else None)
@@ -117,7 +116,7 @@ def layer_case(docs: bool, iters: int, warmup: int) -> list[dict]:
         torch.autograd.grad(kda_fla(*leaves, **kwargs), leaves, go)
 
     rows = []
-    for dqkg, intra in (("fla", "fla"), ("moontrain", "fla"), ("moontrain", "fla_k64"), ("moontrain", "moontrain")):
+    for dqkg, intra in (("fla", "fla"), ("moontrain", "fla"), ("moontrain", "fla_k64")):
         route_fla_stages(dqkg=dqkg, intra=intra)
         try:
             rows.append(dict(docs=docs, layer_fwd_bwd=dict(dqkg=dqkg, intra=intra), ms=median_ms(run, iters, warmup)))

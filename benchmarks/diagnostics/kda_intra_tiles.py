@@ -1,9 +1,9 @@
 """KDA's intra-chunk backward stage (fla's chunk_kda_bwd_intra) timed over its K-block width: fla's wrapper fixes
 BK = 32 (the kernel's autotuner searches only warps and stages), so each program re-reads its chunk's [16, 16]
 dA tiles and its gates K / 32 times. This launches fla's kernel as its wrapper does with BK in --bk
-(moontrain.model.kda.intra_fla, kernels.kda_intra=fla_k64 at BK 64), beside fla's own call and moontrain's intra
-kernel, on the stage's inputs captured from a real chunk_kda backward (one KDA layer call at B x T x H heads of
-128, with and without packed documents).
+(moontrain.model.kda.intra_fla, kernels.kda_intra=fla_k64 at BK 64), beside fla's own call, on the stage's inputs
+captured from a real chunk_kda backward (one KDA layer call at B x T x H heads of 128, with and without packed
+documents).
 
     python benchmarks/diagnostics/kda_intra_tiles.py [--case 4x4096x16] [--doc-len 1024] [--bk 32 64 128]
         [--iters 30] [--warmup 5] [--out kda_intra_tiles.json]
@@ -60,11 +60,9 @@ def variants(bks: list[int]) -> dict:
     from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
 
     from moontrain.model.kda.intra_fla import kda_intra_fla
-    from moontrain.model.kda.intra_kernel import kda_intra
 
     rows = {"fla (BK 32, its call)": lambda kw: chunk_kda_bwd_intra(**kw)}
     rows.update({f"fla's kernel, BK {bk}": (lambda kw, bk=bk: kda_intra_fla(**kw, block_k=bk)) for bk in bks})
-    rows["moontrain intra_kernel"] = lambda kw: kda_intra(**kw)
     return rows
 
 

@@ -1,11 +1,9 @@
 """Registers and spills of the KDA backward's WY / inter-chunk stage per tile, from ptxas, without a GPU: fla's
 chunk_kda_bwd_kernel_wy_dqkg_fused and moontrain.model.kda.dqkg_kernel's two kernels (and the intra-chunk
-stage: fla's chunk_kda_bwd_kernel_intra over its autotune list, moontrain.model.kda.intra_kernel over its
-own; then the short convolution's kernels, dpre over bench_short_conv's tiles and the walking backward over its
-spans; then the router's routing kernels and the write-back AdamW kernel with fp32 and bf16 moments; then KDA's
-gate-and-norm kernels over 4 / 8 / 16 warps; then the AttnRes aggregation's kernels), compiled by
-Triton for
-sm90 (H100 / H200) at k3_small's shape (16 heads, K = V = 128, chunk 64, bf16, no documents) and read back
+stage: fla's chunk_kda_bwd_kernel_intra over its autotune list; then the short convolution's kernels, dpre over
+bench_short_conv's tiles and the walking backward over its spans; then the router's routing kernels and the
+write-back AdamW kernel with fp32 and bf16 moments; then KDA's gate-and-norm kernels over 4 / 8 / 16 warps; then
+the AttnRes aggregation's kernels), compiled by Triton for sm90 (H100 / H200) at k3_small's shape (16 heads, K = V = 128, chunk 64, bf16, no documents) and read back
 with the ptxas Triton ships (`ptxas -v`).
 
     python benchmarks/diagnostics/kernel_registers.py        # fla's rows need fla-core importable
@@ -106,16 +104,6 @@ def main() -> None:
         consts = dict(SHAPE, BK=bk, BV=bv, IS_VARLEN=False)
         print(f"moontrain _kblock_kernel      {bk:3d} {bv:3d} {w:5d} {s:6d}  "
               f"{ptxas_report(ours._kblock_kernel, pointers, consts, w, s)}", flush=True)
-    from moontrain.model.kda import intra_kernel as intra
-
-    pointers = {n: "*bf16" for n in ("q", "k")}
-    pointers |= {n: "*fp32" for n in ("g", "beta", "dAqk", "dAkk", "dq", "dq2", "dk", "dk2", "dg", "dg2", "db_part")}
-    pointers |= {"cu_seqlens": "*i64", "chunk_indices": "*i64"}
-    for config in intra._configs():
-        bk, w = config.kwargs["BK"], config.num_warps
-        consts = dict(H=SHAPE["H"], K=SHAPE["K"], BT=SHAPE["BT"], BC=intra.BLOCK, BK=bk, IS_VARLEN=False)
-        print(f"moontrain _intra_kernel       {bk:3d}   - {w:5d} {1:6d}  "
-              f"{ptxas_report(intra._intra_kernel, pointers, consts, w, 1)}", flush=True)
     pointers = {n: "*bf16" for n in ("v", "A", "dv", "dv2")}
     pointers |= {n: "*fp32" for n in ("beta", "db", "dA", "dA_part", "db_part")}
     pointers |= {"cu_seqlens": "*i64", "chunk_indices": "*i64"}

@@ -255,11 +255,8 @@ class KernelsConfig:
     # the kernel of fla's KDA backward stage that adds the intra-chunk matrices' part to dq, dk, db and dg:
     # "fla_k64" (fla's kernel launched with 64-wide K-blocks, moontrain.model.kda.intra_fla: dq, dk, dg bitwise
     # fla's; at k3_small's pass the stage 0.2 ms faster, a KDA call 0.06-0.1 ms: docs/kda.md), "fla" (fla's
-    # chunk_kda_bwd_intra, 32-wide)
-    # or "moontrain" (moontrain.model.kda.intra_kernel, one program per 64-row chunk; slower than fla's: it needs a
-    # bounded gate, model.kda_gate_lower_bound in [-10, 0), else fla_k64 runs). Only where the KDA layers run fla;
-    # process-wide
-    kda_intra: Literal["fla", "fla_k64", "moontrain"] = "fla_k64"
+    # chunk_kda_bwd_intra, 32-wide). Only where the KDA layers run fla; process-wide
+    kda_intra: Literal["fla", "fla_k64"] = "fla_k64"
     # the two elementwise ends of the KDA call (q and k's L2 norms, the gate and its chunk-local cumulative sum,
     # and their backward): "moontrain" (moontrain.model.kda.chunk: fla's stages between moontrain's Triton
     # kernels, one launch at each end instead of three forward and six backward, f read in place) or "fla"
@@ -301,8 +298,8 @@ class KernelsConfig:
             raise ValueError(f"kernels.kda must be 'auto', 'torch' or 'fla', got {self.kda!r}")
         if self.kda_dqkg not in ("fla", "moontrain"):
             raise ValueError(f"kernels.kda_dqkg must be 'fla' or 'moontrain', got {self.kda_dqkg!r}")
-        if self.kda_intra not in ("fla", "fla_k64", "moontrain"):
-            raise ValueError(f"kernels.kda_intra must be 'fla', 'fla_k64' or 'moontrain', got {self.kda_intra!r}")
+        if self.kda_intra not in ("fla", "fla_k64"):
+            raise ValueError(f"kernels.kda_intra must be 'fla' or 'fla_k64', got {self.kda_intra!r}")
         if self.kda_gate_norm not in ("fla", "moontrain"):
             raise ValueError(f"kernels.kda_gate_norm must be 'fla' or 'moontrain', got {self.kda_gate_norm!r}")
         if self.short_conv not in ("auto", "torch", "triton"):

@@ -1,7 +1,6 @@
 """Which kernels run two of fla-core's KDA backward stages (kernels.kda_dqkg: the WY / inter-chunk stage, "fla"
-or "moontrain": moontrain.model.kda.dqkg_kernel; kernels.kda_intra: the intra-chunk stage, "fla", "fla_k64":
-fla's kernel with 64-wide K-blocks, moontrain.model.kda.intra_fla, or "moontrain":
-moontrain.model.kda.intra_kernel). Process-wide, as fla's choice is: fla dispatches both stages through its
+or "moontrain": moontrain.model.kda.dqkg_kernel; kernels.kda_intra: the intra-chunk stage, "fla" or "fla_k64":
+fla's kernel with 64-wide K-blocks, moontrain.model.kda.intra_fla). Process-wide, as fla's choice is: fla dispatches both stages through its
 backend registry (fla.backends); the one backend registered here answers a stage's calls while that stage is
 routed here, and only the calls its kernel takes (its verifier); fla's own wrappers run the others."""
 
@@ -17,7 +16,7 @@ INTRA = "chunk_kda_bwd_intra"
 
 
 DQKG_KERNELS = ("fla", "moontrain")
-INTRA_KERNELS = ("fla", "fla_k64", "moontrain")
+INTRA_KERNELS = ("fla", "fla_k64")
 
 
 def route_fla_stages(*, dqkg: str, intra: str) -> None:
@@ -39,7 +38,7 @@ def _fla_backend() -> type:
     """The backend class, registered with fla once per process (routing nothing until route_fla_stages)."""
     from fla.backends import BaseBackend, register
 
-    from moontrain.model.kda import dqkg, intra
+    from moontrain.model.kda import dqkg
 
     @register("kda")
     class MoontrainStages(BaseBackend):
@@ -67,30 +66,13 @@ def _fla_backend() -> type:
             return dqkg_kernel.kda_dqkg(**kwargs)
 
         def chunk_kda_bwd_intra_verifier(self, **kwargs) -> tuple[bool, str | None]:
-            kernel = type(self).routed[INTRA]
-            if kernel == "fla":
+            if type(self).routed[INTRA] == "fla":
                 return False, "kernels.kda_intra=fla"
-            if kernel == "fla_k64":  # fla's own kernel: it takes every call fla's wrapper takes
-                return True, None
-            if not kwargs.get("safe_gate", False):
-                return False, "safe_gate=False: an unbounded gate runs on fla's kernel"
-            names = ("q", "k", "g", "beta", "dAqk", "dAkk", "dq", "dk", "db", "dg")
-            try:
-                intra.validate(*(kwargs[n] for n in names), kwargs.get("cu_seqlens"),
-                                   kwargs.get("chunk_size", intra.CHUNK))
-            except ValueError as err:
-                return False, str(err)
-            if any(kwargs[n].dtype != torch.float32 for n in ("dq", "dk", "db", "dg")):
-                return False, "dq, dk, db and dg are not all fp32"
-            return True, None
+            return True, None  # fla_k64: fla's own kernel, which takes every call fla's wrapper takes
 
         def chunk_kda_bwd_intra(self, **kwargs) -> tuple[torch.Tensor, ...]:
-            if type(self).routed[INTRA] == "fla_k64":
-                from moontrain.model.kda import intra_fla
+            from moontrain.model.kda import intra_fla
 
-                return intra_fla.kda_intra_fla(**kwargs)
-            from moontrain.model.kda import intra_kernel
-
-            return intra_kernel.kda_intra(**kwargs)
+            return intra_fla.kda_intra_fla(**kwargs)
 
     return MoontrainStages

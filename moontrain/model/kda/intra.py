@@ -1,5 +1,5 @@
 """KDA's chunked backward, the intra-chunk stage (fla-core's chunk_kda_bwd_intra): its PyTorch specification
-(moontrain.model.kda.intra_kernel: the Triton kernel that matches it).
+(moontrain.model.kda.intra_fla runs fla's kernel for it with 64-wide K-blocks; tests hold both to this).
 
 Legend as moontrain.model.kda.dqkg: B batch, T tokens, H heads, K key head dim, C chunk length (64), g the
 chunk-local cumulative log2 gate (fp32, non-increasing along a chunk).
@@ -31,7 +31,6 @@ import torch
 from moontrain.model.kda.dqkg import CHUNK, chunk_rows, prepare_chunk_indices
 
 STAGE_OUTPUTS = ("dq", "dk", "db", "dg")
-MIN_GATE_BOUND = -10.0  # the lowest per-token log-decay (nats) the kernel's factored exponentials stay finite for
 SLAB_ROWS = 32  # chunks per step of the specification's [rows, H, C, C, K] exponent tensor (bounds its memory)
 
 

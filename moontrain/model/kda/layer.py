@@ -132,13 +132,8 @@ class KimiDeltaAttention(nn.Module):
         self.kernel = select_kda_kernel(kernel, device)  # kernel: kernels.kda; called by recurrence()
         if self.kernel is kda_fla:
             from moontrain.model.kda.fla_backend import route_fla_stages  # imports fla: only where fla runs
-            from moontrain.model.kda.intra import MIN_GATE_BOUND
 
-            # dqkg, intra: kernels.kda_dqkg / kda_intra (process-wide, as fla's choice is); moontrain's intra-chunk
-            # kernel factors the gate's exponentials and needs the bound (kernels.kda_intra's comment)
-            bound = cfg.kda_gate_lower_bound
-            bounded = bound is not None and bound >= MIN_GATE_BOUND
-            route_fla_stages(dqkg=dqkg, intra="fla_k64" if intra == "moontrain" and not bounded else intra)
+            route_fla_stages(dqkg=dqkg, intra=intra)  # kernels.kda_dqkg / kda_intra: process-wide, as fla's choice is
             # recompute: kernels.kda_recompute; gate_norm: kernels.kda_gate_norm
             self.kernel = functools.partial(kda_fla, recompute=recompute, gate_norm=gate_norm == "moontrain")
         # recurrence() outside torch.compile; wrapped here, not as a decorator, which would import torch._dynamo

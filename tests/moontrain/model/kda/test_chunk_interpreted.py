@@ -3,7 +3,7 @@ chunk_kda, both in Triton's interpreter on the CPU (tests.moontrain.model.kda.fl
 fla-core is not installed): the output and every input gradient, with the forward's states kept and recomputed,
 on batch rows with a partial last chunk and on packed documents listed on the device (fla's use_graph), for the
 bounded and the softplus gate, with the intra-chunk stage on each of its kernels (kernels.kda_intra: fla_k64, the
-default, fla's and moontrain's).
+default, and fla's).
 
 Tolerance: the two calls run the same fla kernels between ends that compute the same values in another order:
 the forward's g and norms are bitwise fla's (checked here), so o is bitwise; the backward's ends sum the same
@@ -21,11 +21,10 @@ import torch
 # module where triton is absent; then fla's shims (skips where fla-core is absent)
 import tests.moonep.helpers.triton_interpreted
 import tests.moontrain.model.kda.fla_interpreted  # noqa: F401
-from moontrain.model.kda import intra_fla, intra_kernel
+from moontrain.model.kda import intra_fla
 from moontrain.model.kda.fla_backend import route_fla_stages, routed_stages
 from moontrain.model.kda.ops import kda, kda_fla, random_kda_inputs
 from tests.moontrain.model.kda.test_dqkg_kernel_interpreted import use_tiles
-from tests.moontrain.model.kda.test_intra_kernel_interpreted import use_tile
 
 NAMES = ("o", "dq", "dk", "dv", "df", "dbeta", "dA_log", "ddt_bias")
 
@@ -51,8 +50,7 @@ def run(fn, inputs: list, kwargs: dict, go: torch.Tensor, **extra) -> list[torch
 
 
 # (T, document length, recompute, gate's lower bound, the intra-chunk stage's kernel: kernels.kda_intra)
-CASES = [(160, None, False, -5.0, "fla_k64"), (160, 48, True, -5.0, "fla_k64"), (96, 40, False, None, "fla"),
-         (96, 40, False, -5.0, "moontrain")]
+CASES = [(160, None, False, -5.0, "fla_k64"), (160, 48, True, -5.0, "fla_k64"), (96, 40, False, None, "fla")]
 
 
 @pytest.mark.slow  # ~12 s a case in the interpreter; CI runs them
@@ -61,11 +59,7 @@ def test_chunk_matches_fla_chunk_kda(T: int, doc_len: int | None, recompute: boo
                                      intra: str, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     route_fla_stages(dqkg="moontrain", intra=intra)  # both calls then run it: the comparison still isolates the ends
-    if intra == "moontrain":
-        use_tile(monkeypatch, 32)
-        kernel = intra_kernel.kda_intra
-        monkeypatch.setattr(intra_kernel, "kda_intra", lambda **kw: calls.append(1) or kernel(**kw))
-    elif intra == "fla_k64":
+    if intra == "fla_k64":
         launch = intra_fla.kda_intra_fla
         monkeypatch.setattr(intra_fla, "kda_intra_fla", lambda **kw: calls.append(1) or launch(**kw))
     inputs, kwargs, go = random_kda_inputs(2, T, 2, 64, doc_len=doc_len, seed=T, device="cpu")

@@ -44,23 +44,15 @@ def test_dqkg_stage_routes(backend, monkeypatch: pytest.MonkeyPatch) -> None:
     assert not backend().is_enabled()
 
 
-def test_intra_stage_routes(backend, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
-
-    from moontrain.model.kda import intra_kernel as kda_intra_kernel
+def test_intra_stage_routes(backend) -> None:
+    """fla_k64 runs fla's own kernel, so its verifier takes every call fla's wrapper takes (the call reaching the
+    launch: test_intra_fla_interpreted.py); the dqkg stage, unrouted, is left to fla's."""
     from moontrain.model.kda.fla_backend import route_fla_stages
 
-    calls = []
-    monkeypatch.setattr(kda_intra_kernel, "kda_intra", lambda **kw: calls.append(kw) or ("ours",))
     inputs = kda_intra.random_stage_inputs(1, 64, 2, 32, torch.float32, "cpu", seed=0)
-    route_fla_stages(dqkg="fla", intra="moontrain")
-    assert chunk_kda_bwd_intra(**inputs) == ("ours",)
-    assert len(calls) == 1 and all(calls[0][name] is x for name, x in inputs.items())
-    for change, reason in ((dict(safe_gate=False), "safe_gate=False"),
-                           (dict(g=torch.cat([inputs["g"]] * 2, dim=2)), "grouped value heads"),
-                           (dict(dq=inputs["dq"].double()), "not all fp32")):
-        accepted, why = backend().verify("chunk_kda_bwd_intra", **dict(inputs, **change))
-        assert not accepted and reason in why, why
+    route_fla_stages(dqkg="fla", intra="fla_k64")
+    for change in ({}, dict(safe_gate=False), dict(g=torch.cat([inputs["g"]] * 2, dim=2))):
+        assert backend().verify("chunk_kda_bwd_intra", **dict(inputs, **change)) == (True, None)
     accepted, why = backend().verify("chunk_kda_bwd_wy_dqkg_fused", **kda_dqkg.random_stage_inputs(
         1, 64, 2, 32, 32, torch.float32, "cpu", seed=0))
     assert not accepted and why == "kernels.kda_dqkg=fla"

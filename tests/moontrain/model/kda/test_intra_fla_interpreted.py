@@ -87,5 +87,5 @@ def test_route_reaches_the_wide_launch(fla_routes, monkeypatch: pytest.MonkeyPat
     route_fla_stages(dqkg="fla", intra="fla_k64")
     assert chunk_kda_bwd_intra(**inputs) == ("wide",)
     assert len(calls) == 1 and all(calls[0][name] is x for name, x in inputs.items())
-    with pytest.raises(ValueError, match=r"intra='fla_k32' \(one of \('fla', 'fla_k64', 'moontrain'\)\)"):
+    with pytest.raises(ValueError, match=r"intra='fla_k32' \(one of \('fla', 'fla_k64'\)\)"):
         route_fla_stages(dqkg="fla", intra="fla_k32")
