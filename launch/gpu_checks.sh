@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|router|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|gatenorm|kdakernels|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|k3ab|k3ref|learning|warmup|entries ...]
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|router|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|gatenorm|kdakernels|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|k3ab|k3ref|overlap|learning|warmup|entries ...]
 #   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, router, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, gatenorm, kdakernels, opsites, outputcode,
-#   optim, determinism, ckpt, dense, mfu, k3, k3ab, k3ref, warmup and entries run on one GPU)
+#   optim, determinism, ckpt, dense, mfu, k3, k3ab, k3ref, overlap, warmup and entries run on one GPU)
 # tests: on one GPU the single-GPU tier (`pytest -m "gpu or multigpu"`, the multigpu tests skip) in TEST_WORKERS
 # (default 4) pytest-xdist workers sharing the GPU, whole files per worker, TEST_LIMIT s (default 300) per test
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
@@ -172,6 +172,13 @@ for step in "${steps[@]}"; do
            timeout "${K3_TIMEOUT:-300}" python -m moontrain.cli launch recipes/k3_small.yaml parallel.ep=1 --nproc 1 \
              train.steps=20 checkpoint.save_final=false ${K3_ARGS:-} > "$out/k3_recipe_launch.log" 2>&1
            echo "k3 recipe launch rc=$?"; grep -E "^step" "$out/k3_recipe_launch.log" | tail -3 | cut -c1-160 ;;
+    overlap) # could the optimizer's step hide behind the next forward? (benchmarks/diagnostics/optimizer_overlap.py:
+           # a timing experiment, values not checked) at the recipe's batch, then with the pass on a high-priority stream
+           for prio in default high; do
+             timeout "${OVERLAP_TIMEOUT:-240}" torchrun --nproc_per_node=1 benchmarks/diagnostics/optimizer_overlap.py \
+               --main-priority $prio --out "$out/optimizer_overlap_$prio.json" ${OVERLAP_ARGS:-} > "$out/overlap_$prio.log" 2>&1
+             echo "optimizer overlap ($prio priority) rc=$?"; tail -4 "$out/overlap_$prio.log"
+           done ;;
     k3ab)  # one change measured against main on one machine: k3_small's 131k row (speed and learning) as main runs it,
            # then with K3_AB_ARGS (e.g. "kernels.kda_gate_norm=moontrain"), back to back
            for variant in main change; do
