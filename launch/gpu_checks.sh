@@ -176,7 +176,7 @@ for step in "${steps[@]}"; do
            # a timing experiment, values not checked) at the recipe's batch, then with the pass on a high-priority stream
            for prio in default high; do
              timeout "${OVERLAP_TIMEOUT:-240}" torchrun --nproc_per_node=1 benchmarks/diagnostics/optimizer_overlap.py \
-               --main-priority $prio --out "$out/optimizer_overlap_$prio.json" ${OVERLAP_ARGS:-} > "$out/overlap_$prio.log" 2>&1
+               --main-priority $prio --out "$out/optimizer_overlap_$prio.json" optim.lr=1e-10 ${OVERLAP_ARGS:-} > "$out/overlap_$prio.log" 2>&1
              echo "optimizer overlap ($prio priority) rc=$?"; tail -4 "$out/overlap_$prio.log"
            done ;;
     k3ab)  # one change measured against main on one machine: k3_small's 131k row (speed and learning) as main runs it,

@@ -10,12 +10,13 @@ k3_small on an H200) is queued on a second stream of the same priority and the d
 the end of the next forward, before the backward that accumulates into the grads it reads. The step time is
 the window's wall time over its steps (the device synchronised at both ends); "hidden" is serial - overlapped.
 
-Values are not checked and the overlapped windows' are wrong: the next forward reads the bf16 compute copies
-while the step writes them (a real implementation would make each layer's forward wait for that layer's
-write-back). What the windows measure is whether the GPU finds room for the step's memory-bound kernels among
-the pass's: the gaps where the host is behind and the kernels that leave SMs free can take them, the GEMMs that
-fill every SM cannot. --main-priority high runs the whole trainer on a high-priority stream (both kinds of
-window), so that the pass's blocks go first wherever both streams have work.
+Values are not checked: the next forward reads the bf16 compute copies while the step writes them (a real
+implementation would make each layer's forward wait for that layer's write-back); at optim.lr=1e-10 (bench_train's
+speed points' rate: the weights stay put; gpu_checks.sh overlap passes it) the race changes nothing. What the
+windows measure is whether the GPU finds room for the step's memory-bound kernels among the pass's: the gaps where
+the host is behind and the kernels that leave SMs free can take them, the GEMMs that fill every SM cannot.
+--main-priority high runs the whole trainer on a high-priority stream (both kinds of window), so that the pass's
+blocks go first wherever both streams have work.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class Overlap:
         self.on = False
         self.side = torch.cuda.Stream(trainer.layout.device)
         self.done: torch.cuda.Event | None = None
+        self.held: list[torch.Tensor | None] = []
+        self.optimizer = trainer.optimizer
         self._step, self._forward = trainer.optimizer.step, trainer.model.forward
         trainer.optimizer.step = self.step
         trainer.model.forward = self.forward
@@ -53,6 +56,11 @@ class Overlap:
         if not self.on:
             return self._step(*args, **kwargs)
         self.side.wait_stream(torch.cuda.current_stream())  # the clip factor, the verdict, the grads
+        # what the step reads was made on the caller's stream, and the host lets go of some of it when step()
+        # returns (the clip factor, the skip flag): held until the wait, or the caller's stream would reuse it
+        opt = self.optimizer
+        self.held = [getattr(opt, "grad_scale", None), getattr(opt, "found_inf", None),
+                     *(p.grad for group in opt.param_groups for p in group["params"])]
         with torch.cuda.stream(self.side):
             out = self._step(*args, **kwargs)
             self.done = torch.cuda.Event()
@@ -63,7 +71,7 @@ class Overlap:
         out = self._forward(*args, **kwargs)
         if self.done is not None:
             torch.cuda.current_stream().wait_event(self.done)
-            self.done = None
+            self.done, self.held = None, []
         return out
 
 

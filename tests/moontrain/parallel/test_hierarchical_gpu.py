@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moonep import Buffer, BufferConfig, BufferOptions, ExpertPools, expert_glu, glu_projections
+from moonep import Buffer, BufferConfig, BufferOptions, ExpertPools, expert_glu, glu_projections, merge_gate_up
 from moonep.hierarchical import HierarchicalBuffer, hierarchical_expert_glu, host_groups
 from moonep.routing import generate_routing
 
@@ -35,8 +35,8 @@ DEVICE = torch.device("cuda")
 def _problem():
     g = torch.Generator().manual_seed(99)
     x = torch.randn(S, H, generator=g).to(torch.bfloat16)
-    w = {"gate": torch.randn(E, H, F, generator=g) / H**0.5, "up": torch.randn(E, H, F, generator=g) / H**0.5,
-         "down": torch.randn(E, F, H, generator=g) / F**0.5}
+    gate, up = (torch.randn(E, H, F, generator=g) / H**0.5 for _ in range(2))
+    w = {"gate_up": merge_gate_up(gate, up), "down": torch.randn(E, F, H, generator=g) / F**0.5}  # glu_projections
     w = {k: v.to(torch.bfloat16) for k, v in w.items()}
     topk = generate_routing(num_ranks=1, tokens_per_rank=S, num_experts=E, topk=K, target_maxvio=2.0,
                             seed=5).topk_RsK[0].to(torch.int32)
