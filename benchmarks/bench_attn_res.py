@@ -3,7 +3,8 @@
 and backward, for N = 1..4 values (K3's 16 layers in blocks of 6 aggregate over 1 to 4), over a sweep of the
 kernels' tiles.
 
-    python benchmarks/bench_attn_res.py [--values 1 2 3 4] [--iters 20] [--warmup 3] [--out bench_attn_res.json]
+    python benchmarks/bench_attn_res.py [--values 1 2 3 4] [--tiles 4x1024x4x4 2x2048x8x8 ...] [--programs 512 264]
+                                        [--iters 20] [--warmup 3] [--out bench_attn_res.json]
 
 Shape: 4 x 4096 tokens of D 2048, bf16. Per case: the median ms of CUDA-event timings, the HBM rate the least
 traffic implies (forward: N values read, h written; backward: gh and N values read, N grads written; 2 bytes
@@ -27,7 +28,8 @@ from moontrain.model import attn_res, attn_res_kernel
 
 B, T, D = 4, 4096, 2048
 TILES = [(4, 1024, 4, 4), (4, 2048, 8, 8), (2, 1024, 4, 4), (8, 1024, 8, 8), (4, 512, 4, 4), (8, 256, 4, 8)]
-# BLOCK_M, BLOCK_D, forward / backward warps; the first is the kernels' default
+# BLOCK_M, BLOCK_D, forward / backward warps (--tiles BMxBDxFWxBW replaces the list); the first is the kernels'
+# default. --programs: the backward's most programs (BWD_PROGRAMS) to time each tile's backward at
 
 
 def inputs(N: int) -> tuple[torch.Tensor, ...]:
@@ -44,7 +46,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
-def case(N: int, iters: int, warmup: int) -> list[dict]:
+def case(N: int, iters: int, warmup: int, tiles: list[tuple[int, ...]], programs: list[int]) -> list[dict]:
     query, key_weight, values, grad_h = inputs(N)
     fwd, bwd = attn_res.compiled_math()
     h, r, p = fwd(query, key_weight, 1e-6, values)
@@ -57,9 +59,11 @@ def case(N: int, iters: int, warmup: int) -> list[dict]:
                     bwd_gb_s=gb_b / ms_b * 1e3))
     print(f"  N {N}  compiled torch           fwd {ms_f * 1e3:7.1f} us ({gb_f / ms_f * 1e3:5.0f} GB/s)  "
           f"bwd {ms_b * 1e3:7.1f} us ({gb_b / ms_b * 1e3:5.0f} GB/s)", flush=True)
-    saved = (attn_res_kernel.BLOCK_M, attn_res_kernel.BLOCK_D, attn_res_kernel.FWD_WARPS, attn_res_kernel.BWD_WARPS)
-    for tile in TILES:
-        attn_res_kernel.BLOCK_M, attn_res_kernel.BLOCK_D, attn_res_kernel.FWD_WARPS, attn_res_kernel.BWD_WARPS = tile
+    saved = (attn_res_kernel.BLOCK_M, attn_res_kernel.BLOCK_D, attn_res_kernel.FWD_WARPS, attn_res_kernel.BWD_WARPS,
+             attn_res_kernel.BWD_PROGRAMS)
+    for tile, progs in [(t, n) for t in tiles for n in programs]:
+        (attn_res_kernel.BLOCK_M, attn_res_kernel.BLOCK_D, attn_res_kernel.FWD_WARPS, attn_res_kernel.BWD_WARPS,
+         attn_res_kernel.BWD_PROGRAMS) = (*tile, progs)
         kf, kb = attn_res_kernel.depth_forward, attn_res_kernel.depth_backward
         h2, r2, p2 = kf(query, key_weight, 1e-6, values)
         got_b = kb(query, key_weight, r2, p2, grad_h, values)
@@ -67,21 +71,28 @@ def case(N: int, iters: int, warmup: int) -> list[dict]:
         diff_q = max(rel(got_b[0], ref_b[0]), rel(got_b[1], ref_b[1]))
         ms_f = median_ms(lambda: kf(query, key_weight, 1e-6, values), iters, warmup)  # noqa: B023 (called here)
         ms_b = median_ms(lambda: kb(query, key_weight, r2, p2, grad_h, values), iters, warmup)  # noqa: B023
-        out.append(dict(N=N, impl="triton", tile=list(tile), fwd_ms=ms_f, bwd_ms=ms_b, fwd_gb_s=gb_f / ms_f * 1e3,
+        out.append(dict(N=N, impl="triton", tile=list(tile), bwd_programs=progs, fwd_ms=ms_f, bwd_ms=ms_b, fwd_gb_s=gb_f / ms_f * 1e3,
                         bwd_gb_s=gb_b / ms_b * 1e3, rel_diff=diff, rel_diff_query=diff_q))
-        print(f"  N {N}  triton {tile[0]:2d} x {tile[1]:3d}, {tile[2]}/{tile[3]} w  fwd {ms_f * 1e3:7.1f} us "
+        print(f"  N {N}  triton {tile[0]:2d} x {tile[1]:4d}, {tile[2]}/{tile[3]} w, {progs:4d} p  fwd {ms_f * 1e3:7.1f} us "
               f"({gb_f / ms_f * 1e3:5.0f} GB/s)  bwd {ms_b * 1e3:7.1f} us ({gb_b / ms_b * 1e3:5.0f} GB/s)  "
               f"rel diff {diff:.1e} (query {diff_q:.1e})", flush=True)
-    attn_res_kernel.BLOCK_M, attn_res_kernel.BLOCK_D, attn_res_kernel.FWD_WARPS, attn_res_kernel.BWD_WARPS = saved
+    (attn_res_kernel.BLOCK_M, attn_res_kernel.BLOCK_D, attn_res_kernel.FWD_WARPS, attn_res_kernel.BWD_WARPS,
+     attn_res_kernel.BWD_PROGRAMS) = saved
     return out
 
 
 def main() -> None:
     args = kernel_bench_args(__doc__, "bench_attn_res", values=dict(type=int, nargs="+", default=[1, 2, 3, 4],
-                                                                   help="numbers of values N to time"))
+                                                                   help="numbers of values N to time"),
+                             tiles=dict(nargs="+", default=None, help="BMxBDxFWxBW tiles (default: TILES)"),
+                             programs=dict(type=int, nargs="+", default=[attn_res_kernel.BWD_PROGRAMS],
+                                           help="the backward's most programs (BWD_PROGRAMS)"))
+    tiles = TILES if args.tiles is None else [tuple(int(x) for x in t.split("x")) for t in args.tiles]
+    if any(len(t) != 4 for t in tiles):
+        raise SystemExit(f"--tiles takes BMxBDxFWxBW (four integers), got {args.tiles}")
     rows = []
     for N in args.values:
-        rows += case(N, args.iters, args.warmup)
+        rows += case(N, args.iters, args.warmup, tiles, args.programs)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), shape=[B, T, D], rows=rows),
                                              indent=1))
