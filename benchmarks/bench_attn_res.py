@@ -6,7 +6,7 @@ kernels' tiles.
     python benchmarks/bench_attn_res.py [--values 1 2 3 4] [--tiles 4x1024x4x4 2x2048x8x8 ...] [--programs 512 264]
                                         [--iters 20] [--warmup 3] [--out bench_attn_res.json]
 
-Shape: 4 x 4096 tokens of D 2048, bf16. Per case: the median ms of CUDA-event timings, the HBM rate the least
+Shape: 4 x 4096 tokens of D 2048, bf16. Per case: the median ms of CUDA-event timings (the device alone), the HBM rate the least
 traffic implies (forward: N values read, h written; backward: gh and N values read, N grads written; 2 bytes
 an element), and the largest difference from the compiled math relative to its largest magnitude (h and the
 values' grads; the query's grad separately). The step runs 33 aggregations a pass (docs/performance.md). GPU
@@ -28,6 +28,9 @@ from moontrain.model import attn_res, attn_res_kernel
 
 B, T, D = 4, 4096, 2048
 TILES = [(4, 1024, 4, 4), (4, 2048, 8, 8), (2, 1024, 4, 4), (8, 1024, 8, 8), (4, 512, 4, 4), (8, 256, 4, 8)]
+# the device spins this long before each timed call, so the host's launch work (allocations, checks, two launches
+# a backward) overlaps it and the times are the device's alone, as in a step whose host runs ahead
+HOST_AHEAD_MS = 1.0
 # BLOCK_M, BLOCK_D, forward / backward warps (--tiles BMxBDxFWxBW replaces the list); the first is the kernels'
 # default. --programs: the backward's most programs (BWD_PROGRAMS) to time each tile's backward at
 
@@ -53,8 +56,9 @@ def case(N: int, iters: int, warmup: int, tiles: list[tuple[int, ...]], programs
     ref_b = bwd(query, key_weight, r, p, grad_h, values)
     gb_f, gb_b = 2 * (N + 1) * B * T * D / 1e9, 2 * (2 * N + 1) * B * T * D / 1e9
     out = []
-    ms_f = median_ms(lambda: fwd(query, key_weight, 1e-6, values), iters, warmup)
-    ms_b = median_ms(lambda: bwd(query, key_weight, r, p, grad_h, values), iters, warmup)
+    ms_f = median_ms(lambda: fwd(query, key_weight, 1e-6, values), iters, warmup, host_ahead_ms=HOST_AHEAD_MS)
+    ms_b = median_ms(lambda: bwd(query, key_weight, r, p, grad_h, values), iters, warmup,
+                     host_ahead_ms=HOST_AHEAD_MS)
     out.append(dict(N=N, impl="compiled torch", fwd_ms=ms_f, bwd_ms=ms_b, fwd_gb_s=gb_f / ms_f * 1e3,
                     bwd_gb_s=gb_b / ms_b * 1e3))
     print(f"  N {N}  compiled torch           fwd {ms_f * 1e3:7.1f} us ({gb_f / ms_f * 1e3:5.0f} GB/s)  "
@@ -69,8 +73,10 @@ def case(N: int, iters: int, warmup: int, tiles: list[tuple[int, ...]], programs
         got_b = kb(query, key_weight, r2, p2, grad_h, values)
         diff = max([rel(h2, h)] + [rel(a, b) for a, b in zip(got_b[2], ref_b[2], strict=True)])
         diff_q = max(rel(got_b[0], ref_b[0]), rel(got_b[1], ref_b[1]))
-        ms_f = median_ms(lambda: kf(query, key_weight, 1e-6, values), iters, warmup)  # noqa: B023 (called here)
-        ms_b = median_ms(lambda: kb(query, key_weight, r2, p2, grad_h, values), iters, warmup)  # noqa: B023
+        ms_f = median_ms(lambda: kf(query, key_weight, 1e-6, values),  # noqa: B023 (called here)
+                         iters, warmup, host_ahead_ms=HOST_AHEAD_MS)
+        ms_b = median_ms(lambda: kb(query, key_weight, r2, p2, grad_h, values),  # noqa: B023
+                         iters, warmup, host_ahead_ms=HOST_AHEAD_MS)
         out.append(dict(N=N, impl="triton", tile=list(tile), bwd_programs=progs, fwd_ms=ms_f, bwd_ms=ms_b, fwd_gb_s=gb_f / ms_f * 1e3,
                         bwd_gb_s=gb_b / ms_b * 1e3, rel_diff=diff, rel_diff_query=diff_q))
         print(f"  N {N}  triton {tile[0]:2d} x {tile[1]:4d}, {tile[2]}/{tile[3]} w, {progs:4d} p  fwd {ms_f * 1e3:7.1f} us "
