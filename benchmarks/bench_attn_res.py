@@ -6,7 +6,8 @@ kernels' tiles.
     python benchmarks/bench_attn_res.py [--values 1 2 3 4] [--tiles 4x1024x4x4 2x2048x8x8 ...] [--programs 512 264]
                                         [--iters 20] [--warmup 3] [--out bench_attn_res.json]
 
-Shape: 4 x 4096 tokens of D 2048, bf16. Per case: the median ms of CUDA-event timings (the device alone), the HBM rate the least
+Shape: 4 x 4096 tokens of D 2048, bf16. Per case: the median ms of CUDA-event timings (the device alone), the HBM
+rate the least
 traffic implies (forward: N values read, h written; backward: gh and N values read, N grads written; 2 bytes
 an element), and the largest difference from the compiled math relative to its largest magnitude (h and the
 values' grads; the query's grad separately). The step runs 33 aggregations a pass (docs/performance.md). GPU
@@ -77,9 +78,11 @@ def case(N: int, iters: int, warmup: int, tiles: list[tuple[int, ...]], programs
                          iters, warmup, host_ahead_ms=HOST_AHEAD_MS)
         ms_b = median_ms(lambda: kb(query, key_weight, r2, p2, grad_h, values),  # noqa: B023
                          iters, warmup, host_ahead_ms=HOST_AHEAD_MS)
-        out.append(dict(N=N, impl="triton", tile=list(tile), bwd_programs=progs, fwd_ms=ms_f, bwd_ms=ms_b, fwd_gb_s=gb_f / ms_f * 1e3,
+        out.append(dict(N=N, impl="triton", tile=list(tile), bwd_programs=progs, fwd_ms=ms_f, bwd_ms=ms_b,
+                        fwd_gb_s=gb_f / ms_f * 1e3,
                         bwd_gb_s=gb_b / ms_b * 1e3, rel_diff=diff, rel_diff_query=diff_q))
-        print(f"  N {N}  triton {tile[0]:2d} x {tile[1]:4d}, {tile[2]}/{tile[3]} w, {progs:4d} p  fwd {ms_f * 1e3:7.1f} us "
+        print(f"  N {N}  triton {tile[0]:2d} x {tile[1]:4d}, {tile[2]}/{tile[3]} w, {progs:4d} p  "
+              f"fwd {ms_f * 1e3:7.1f} us "
               f"({gb_f / ms_f * 1e3:5.0f} GB/s)  bwd {ms_b * 1e3:7.1f} us ({gb_b / ms_b * 1e3:5.0f} GB/s)  "
               f"rel diff {diff:.1e} (query {diff_q:.1e})", flush=True)
     (attn_res_kernel.BLOCK_M, attn_res_kernel.BLOCK_D, attn_res_kernel.FWD_WARPS, attn_res_kernel.BWD_WARPS,
