@@ -7,9 +7,8 @@ kernels' tiles.
                                         [--iters 20] [--warmup 3] [--out bench_attn_res.json]
 
 Shape: 4 x 4096 tokens of D 2048, bf16. Per case: the median ms of CUDA-event timings (the device alone), the HBM
-rate the least
-traffic implies (forward: N values read, h written; backward: gh and N values read, N grads written; 2 bytes
-an element), and the largest difference from the compiled math relative to its largest magnitude (h and the
+rate the least traffic implies (forward: N values read, h written; backward: gh and N values read, N grads
+written; 2 bytes an element), and the largest difference from the compiled math relative to its largest magnitude (h and the
 values' grads; the query's grad separately). The step runs 33 aggregations a pass (docs/performance.md). GPU
 only.
 """
