@@ -98,7 +98,12 @@ def main() -> None:
     tiles = TILES if args.tiles is None else [tuple(int(x) for x in t.split("x")) for t in args.tiles]
     if any(len(t) != 4 for t in tiles):
         raise SystemExit(f"--tiles takes BMxBDxFWxBW (four integers), got {args.tiles}")
-    rows = []
+    src = torch.randn(B, T, D, device="cuda").to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms_copy = median_ms(lambda: dst.copy_(src), args.iters, args.warmup, host_ahead_ms=HOST_AHEAD_MS)
+    copy_gb_s = 2 * src.numel() * 2 / 1e9 / ms_copy * 1e3
+    print(f"  a copy of one value (the HBM rate within reach): {ms_copy * 1e3:.1f} us ({copy_gb_s:.0f} GB/s)")
+    rows = [dict(impl="copy", ms=ms_copy, gb_s=copy_gb_s)]
     for N in args.values:
         rows += case(N, args.iters, args.warmup, tiles, args.programs)
     if args.out:
