@@ -38,10 +38,10 @@ import triton
 import triton.language as tl
 
 MAX_VALUES = 16
-# rows, columns and warps per program: the fastest of 11 tiles benchmarks/bench_attn_res.py timed on one H200 at
-# k3_small's shape (docs/performance.md); sm90 at N <= 4 (ptxas, benchmarks/diagnostics/kernel_registers.py): forward
-# 72-108 registers, backward 168-255 with spills of at most 8 bytes stored and 12 loaded a thread
-BLOCK_M, BLOCK_D = 4, 1024
+# rows, columns and warps per program: one row of 2048 columns, 4 warps, the fastest forward and backward at
+# N = 2..4 of 8 tiles x 3 program counts that benchmarks/bench_attn_res.py timed, device alone, at k3_small's shape
+# on an H100 (docs/performance.md)
+BLOCK_M, BLOCK_D = 1, 2048
 FWD_WARPS, BWD_WARPS = 4, 4
 # backward programs at most: each walks its row blocks in turn and keeps one dq partial, so the partials are few
 # (and as many on every GPU: dq sums in the same order everywhere); _param_grad_kernel's tile over them

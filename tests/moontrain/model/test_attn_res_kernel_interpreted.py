@@ -27,8 +27,9 @@ U32 = 2.0**-24
 @pytest.fixture
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Columns in smaller tiles than the GPU's: D = 40 over three column blocks of 16 (the last partial); 3 x 7
-    = 21 rows over six row blocks of 4 (the last partial)."""
+    = 21 rows over six row blocks of 4 (the last partial; the GPU's tile takes one row a block)."""
     monkeypatch.setattr(attn_res_kernel, "BLOCK_D", 16)
+    monkeypatch.setattr(attn_res_kernel, "BLOCK_M", 4)
 
 
 def _inputs(N: int, dtype: torch.dtype, D: int = 40, seed: int = 0):
@@ -76,27 +77,30 @@ def test_kernels_match_spec(N: int, dtype: torch.dtype, small_blocks: None) -> N
 
 
 def test_gpu_tiles_match_spec() -> None:
-    """The GPU's tile sizes: D = 1100 over two column blocks of 1024 (the second partial), 21 rows over six
-    row blocks of 4 (the last partial)."""
-    query, key_weight, values, grad_h = _inputs(3, torch.float32, D=1100, seed=7)
+    """The GPU's tile sizes: D = 2100 over two column blocks of 2048 (the second partial), 21 rows in one-row
+    blocks, one backward program each."""
+    assert (attn_res_kernel.BLOCK_M, attn_res_kernel.BLOCK_D) == (1, 2048), "the shipped tile changed: adapt D"
+    D = 2100
+    query, key_weight, values, grad_h = _inputs(3, torch.float32, D=D, seed=7)
     h, r, p = attn_res_kernel.depth_forward(query, key_weight, 1e-6, values)
     gq, gw, gv = attn_res_kernel.depth_backward(query, key_weight, r, p, grad_h, values)
     want = _spec64(query, key_weight, 1e-6, values, grad_h)
-    rel = 16 * (1100 + 3) * U32
+    rel = 16 * (D + 3) * U32
     for name, a, b in (("h", h, want[0]), ("p", p, want[2]), ("grad value 2", gv[2], want[5][2])):
         _close(name, a, b, rel)
-    _close("grad query", gq, want[3], 16 * (1100 + 3 + 21) * U32)
-    _close("grad key weight", gw, want[4], 16 * (1100 + 3 + 21) * U32)
+    _close("grad query", gq, want[3], 16 * (D + 3 + 21) * U32)
+    _close("grad key weight", gw, want[4], 16 * (D + 3 + 21) * U32)
 
 
-@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
-def test_programs_walking_several_row_blocks_match_spec(param_dtype: torch.dtype, small_blocks: None,
+@pytest.mark.parametrize(("param_dtype", "block_m"), [(torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 1)])
+def test_programs_walking_several_row_blocks_match_spec(param_dtype: torch.dtype, block_m: int, small_blocks: None,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """At most BWD_PROGRAMS backward programs: with 5 for the 6 row blocks, program 0 walks blocks 0 and 5 (its dq
-    partial summed over both, the last block partial) and the others one; the parameters' kernel reads the 5
-    partials in tiles of 2 (the last partial) and columns in tiles of 16 (D = 40: the last partial). The parameters
-    in param_dtype: their gradients come back in it, each rounded once (bf16: 2^-7 in the interpreter, above the
-    fp32 bound)."""
+    """At most BWD_PROGRAMS backward programs: with 5 for the 6 row blocks of 4 rows, program 0 walks blocks 0 and
+    5 (its dq partial summed over both, the last block partial) and the others one; with one-row blocks (the GPU's)
+    program 0 walks rows 0, 5, 10, 15 and 20. The parameters' kernel reads the 5 partials in tiles of 2 (the last
+    partial) and columns in tiles of 16 (D = 40: the last partial). The parameters in param_dtype: their gradients
+    come back in it, each rounded once (bf16: 2^-7 in the interpreter, above the fp32 bound)."""
+    monkeypatch.setattr(attn_res_kernel, "BLOCK_M", block_m)
     monkeypatch.setattr(attn_res_kernel, "BWD_PROGRAMS", 5)
     monkeypatch.setattr(attn_res_kernel, "PARAM_PARTS", 2)
     monkeypatch.setattr(attn_res_kernel, "PARAM_COLS", 16)
