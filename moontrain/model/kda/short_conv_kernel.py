@@ -19,7 +19,7 @@ The walking backward (kernels.short_conv_backward=walk; W <= WALK_TAPS): each pr
 batch row, walks its WALK_SPAN rows down one at a time with x[t-3..t], dpre[t+1..t+3] and the document ids
 around t in registers: pre[t], dpre[t] (fp32), dx[t] from dpre[t..t+3] (rounded once), dpre[t] x[t-s] into its
 dw partial; three rows above the span first, for their dpre. No dpre tensor, each row of x and dy read about
-once. Not yet timed on a GPU (bench_short_conv.py sweeps it); "tiles" is the default.
+once. The default backward since it was measured (docs/performance.md; bench_short_conv.py sweeps it).
 
 Inputs: x [B, T, C] with unit channel stride, any batch and time strides (a column slice of a projection
 output is read in place); w the [C, 1, W] parameter (fp32 or bf16); doc_id int64 [B, T] or None (a constexpr:
@@ -48,12 +48,12 @@ import triton.language as tl
 
 from moontrain.model.config import SHORT_CONV_WALK_TAPS
 
-FWD_BLOCK_T, FWD_BLOCK_C = 32, 128  # measured best of 16-128 x 64-256 rows x channels, 4 or 8 warps
+FWD_BLOCK_T, FWD_BLOCK_C = 32, 128  # within 2 us of the best of 10 tiles of 8-64 x 64-512, 2-8 warps (device alone)
 BWD_BLOCK_T, BWD_BLOCK_C = 64, 64
 NUM_WARPS = 4
-# the walking backward: rows a program walks, its channels (4 a thread at 4 warps); the most taps it takes is the
-# config's (a run is checked against it before it starts)
-WALK_SPAN, WALK_BLOCK_C, WALK_WARPS, WALK_TAPS = 64, 512, 4, SHORT_CONV_WALK_TAPS
+# the walking backward: rows a program walks (128: the fastest of 11 spans x channel blocks x warps, device alone, on
+# an H100), its channels (4 a thread at 4 warps); the most taps it takes is the config's (checked before a run)
+WALK_SPAN, WALK_BLOCK_C, WALK_WARPS, WALK_TAPS = 128, 512, 4, SHORT_CONV_WALK_TAPS
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
