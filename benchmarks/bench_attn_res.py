@@ -8,8 +8,9 @@ kernels' tiles.
 
 Shape: 4 x 4096 tokens of D 2048, bf16. Per case: the median ms of CUDA-event timings (the device alone), the HBM
 rate the least traffic implies (forward: N values read, h written; backward: gh and N values read, N grads
-written; 2 bytes an element), and the largest difference from the compiled math relative to its largest magnitude (h and the
-values' grads; the query's grad separately). The step runs 33 aggregations a pass (docs/performance.md). GPU
+written; summed into: the step's backward, each grad added to a sum so far, so N sums read too; 2 bytes an
+element), and the largest difference from the compiled math relative to its largest magnitude (h and the values'
+grads; the query's grad separately). The step runs 33 aggregations a pass (docs/performance.md). GPU
 only.
 """
 
@@ -54,7 +55,8 @@ def case(N: int, iters: int, warmup: int, tiles: list[tuple[int, ...]], programs
     fwd, bwd = attn_res.compiled_math()
     h, r, p = fwd(query, key_weight, 1e-6, values)
     ref_b = bwd(query, key_weight, r, p, grad_h, values)
-    gb_f, gb_b = 2 * (N + 1) * B * T * D / 1e9, 2 * (2 * N + 1) * B * T * D / 1e9
+    gb_f, gb_b, gb_s = (2 * (N + 1) * B * T * D / 1e9, 2 * (2 * N + 1) * B * T * D / 1e9,
+                        2 * (3 * N + 1) * B * T * D / 1e9)
     out = []
     ms_f = median_ms(lambda: fwd(query, key_weight, 1e-6, values), iters, warmup, host_ahead_ms=HOST_AHEAD_MS)
     ms_b = median_ms(lambda: bwd(query, key_weight, r, p, grad_h, values), iters, warmup,
@@ -77,12 +79,16 @@ def case(N: int, iters: int, warmup: int, tiles: list[tuple[int, ...]], programs
                          iters, warmup, host_ahead_ms=HOST_AHEAD_MS)
         ms_b = median_ms(lambda: kb(query, key_weight, r2, p2, grad_h, values),  # noqa: B023
                          iters, warmup, host_ahead_ms=HOST_AHEAD_MS)
+        # the step's usual call: every value's gradient added into a sum so far (attn_res.BlockGrad)
+        sums = [torch.zeros_like(v) for v in values]
+        ms_s = median_ms(lambda: kb(query, key_weight, r2, p2, grad_h, values, into=sums),  # noqa: B023
+                         iters, warmup, host_ahead_ms=HOST_AHEAD_MS)
         out.append(dict(N=N, impl="triton", tile=list(tile), bwd_programs=progs, fwd_ms=ms_f, bwd_ms=ms_b,
-                        fwd_gb_s=gb_f / ms_f * 1e3,
-                        bwd_gb_s=gb_b / ms_b * 1e3, rel_diff=diff, rel_diff_query=diff_q))
+                        bwd_sum_into_ms=ms_s, fwd_gb_s=gb_f / ms_f * 1e3, bwd_gb_s=gb_b / ms_b * 1e3,
+                        bwd_sum_into_gb_s=gb_s / ms_s * 1e3, rel_diff=diff, rel_diff_query=diff_q))
         print(f"  N {N}  triton {tile[0]:2d} x {tile[1]:4d}, {tile[2]}/{tile[3]} w, {progs:4d} p  "
-              f"fwd {ms_f * 1e3:7.1f} us "
-              f"({gb_f / ms_f * 1e3:5.0f} GB/s)  bwd {ms_b * 1e3:7.1f} us ({gb_b / ms_b * 1e3:5.0f} GB/s)  "
+              f"fwd {ms_f * 1e3:7.1f} us ({gb_f / ms_f * 1e3:5.0f} GB/s)  bwd {ms_b * 1e3:7.1f} us "
+              f"({gb_b / ms_b * 1e3:5.0f} GB/s)  summed into {ms_s * 1e3:7.1f} us ({gb_s / ms_s * 1e3:5.0f} GB/s)  "
               f"rel diff {diff:.1e} (query {diff_q:.1e})", flush=True)
     (attn_res_kernel.BLOCK_M, attn_res_kernel.BLOCK_D, attn_res_kernel.FWD_WARPS, attn_res_kernel.BWD_WARPS,
      attn_res_kernel.BWD_PROGRAMS) = saved
