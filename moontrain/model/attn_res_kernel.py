@@ -40,7 +40,8 @@ import triton.language as tl
 MAX_VALUES = 16
 # rows, columns and warps per program: one row of 2048 columns, 4 warps, the fastest forward and backward at
 # N = 2..4 of 8 tiles x 3 program counts that benchmarks/bench_attn_res.py timed, device alone, at k3_small's shape
-# on an H100 (docs/performance.md)
+# on an H100 (docs/performance.md); the warm-up manifest's entries of the two kernels (recipes/data/
+# triton_kernels_sm90.json) carry BM and BD: a new tile makes them stale, compiled for nothing
 BLOCK_M, BLOCK_D = 1, 2048
 FWD_WARPS, BWD_WARPS = 4, 4
 # backward programs at most: each walks its row blocks in turn and keeps one dq partial, so the partials are few
