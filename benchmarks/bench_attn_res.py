@@ -28,12 +28,13 @@ from benchmarks.timing import kernel_bench_args, median_ms
 from moontrain.model import attn_res, attn_res_kernel
 
 B, T, D = 4, 4096, 2048
-TILES = [(4, 1024, 4, 4), (4, 2048, 8, 8), (2, 1024, 4, 4), (8, 1024, 8, 8), (4, 512, 4, 4), (8, 256, 4, 8)]
+TILES = [(1, 2048, 4, 4), (4, 1024, 4, 4), (2, 2048, 4, 4), (2, 2048, 8, 8), (4, 2048, 8, 8), (2, 1024, 4, 4)]
+# BLOCK_M, BLOCK_D, forward / backward warps (--tiles BMxBDxFWxBW replaces the list), each at every N; the shipped
+# kernels, which pick the backward's tile by N, are timed first. --programs: the backward's most programs
+# (BWD_PROGRAMS) to time each tile's backward at
 # the device spins this long before each timed call, so the host's launch work (allocations, checks, two launches
 # a backward) overlaps it and the times are the device's alone, as in a step whose host runs ahead
 HOST_AHEAD_MS = 1.0
-# BLOCK_M, BLOCK_D, forward / backward warps (--tiles BMxBDxFWxBW replaces the list); the first is the kernels'
-# default. --programs: the backward's most programs (BWD_PROGRAMS) to time each tile's backward at
 
 
 def inputs(N: int) -> tuple[torch.Tensor, ...]:
@@ -66,10 +67,12 @@ def case(N: int, iters: int, warmup: int, tiles: list[tuple[int, ...]], programs
     print(f"  N {N}  compiled torch           fwd {ms_f * 1e3:7.1f} us ({gb_f / ms_f * 1e3:5.0f} GB/s)  "
           f"bwd {ms_b * 1e3:7.1f} us ({gb_b / ms_b * 1e3:5.0f} GB/s)", flush=True)
     saved = (attn_res_kernel.BLOCK_M, attn_res_kernel.BLOCK_D, attn_res_kernel.FWD_WARPS, attn_res_kernel.BWD_WARPS,
-             attn_res_kernel.BWD_PROGRAMS)
-    for tile, progs in [(t, n) for t in tiles for n in programs]:
-        (attn_res_kernel.BLOCK_M, attn_res_kernel.BLOCK_D, attn_res_kernel.FWD_WARPS, attn_res_kernel.BWD_WARPS,
-         attn_res_kernel.BWD_PROGRAMS) = (*tile, progs)
+             attn_res_kernel.BWD_PROGRAMS, attn_res_kernel.BWD_MANY_N)
+    # first the kernels as shipped (tile "shipped": the backward's tile by N), then each swept tile at every N
+    for tile, progs in [(None, attn_res_kernel.BWD_PROGRAMS)] + [(t, n) for t in tiles for n in programs]:
+        if tile is not None:
+            (attn_res_kernel.BLOCK_M, attn_res_kernel.BLOCK_D, attn_res_kernel.FWD_WARPS, attn_res_kernel.BWD_WARPS,
+             attn_res_kernel.BWD_PROGRAMS, attn_res_kernel.BWD_MANY_N) = (*tile, progs, attn_res_kernel.MAX_VALUES + 1)
         kf, kb = attn_res_kernel.depth_forward, attn_res_kernel.depth_backward
         h2, r2, p2 = kf(query, key_weight, 1e-6, values)
         got_b = kb(query, key_weight, r2, p2, grad_h, values)
@@ -83,15 +86,17 @@ def case(N: int, iters: int, warmup: int, tiles: list[tuple[int, ...]], programs
         sums = [torch.zeros_like(v) for v in values]
         ms_s = median_ms(lambda: kb(query, key_weight, r2, p2, grad_h, values, into=sums),  # noqa: B023
                          iters, warmup, host_ahead_ms=HOST_AHEAD_MS)
-        out.append(dict(N=N, impl="triton", tile=list(tile), bwd_programs=progs, fwd_ms=ms_f, bwd_ms=ms_b,
+        out.append(dict(N=N, impl="triton", tile="shipped" if tile is None else list(tile), bwd_programs=progs,
+                        fwd_ms=ms_f, bwd_ms=ms_b,
                         bwd_sum_into_ms=ms_s, fwd_gb_s=gb_f / ms_f * 1e3, bwd_gb_s=gb_b / ms_b * 1e3,
                         bwd_sum_into_gb_s=gb_s / ms_s * 1e3, rel_diff=diff, rel_diff_query=diff_q))
-        print(f"  N {N}  triton {tile[0]:2d} x {tile[1]:4d}, {tile[2]}/{tile[3]} w, {progs:4d} p  "
+        name = "shipped           " if tile is None else f"{tile[0]:2d} x {tile[1]:4d}, {tile[2]}/{tile[3]} w"
+        print(f"  N {N}  triton {name}, {progs:4d} p  "
               f"fwd {ms_f * 1e3:7.1f} us ({gb_f / ms_f * 1e3:5.0f} GB/s)  bwd {ms_b * 1e3:7.1f} us "
               f"({gb_b / ms_b * 1e3:5.0f} GB/s)  summed into {ms_s * 1e3:7.1f} us ({gb_s / ms_s * 1e3:5.0f} GB/s)  "
               f"rel diff {diff:.1e} (query {diff_q:.1e})", flush=True)
     (attn_res_kernel.BLOCK_M, attn_res_kernel.BLOCK_D, attn_res_kernel.FWD_WARPS, attn_res_kernel.BWD_WARPS,
-     attn_res_kernel.BWD_PROGRAMS) = saved
+     attn_res_kernel.BWD_PROGRAMS, attn_res_kernel.BWD_MANY_N) = saved
     return out
 
 

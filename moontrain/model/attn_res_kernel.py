@@ -41,9 +41,13 @@ MAX_VALUES = 16
 # rows, columns and warps per program: one row of 2048 columns, 4 warps, the fastest forward and backward at
 # N = 2..4 of 8 tiles x 3 program counts that benchmarks/bench_attn_res.py timed, device alone, at k3_small's shape
 # on an H100 (docs/performance.md); the warm-up manifest's entries of the two kernels (recipes/data/
-# triton_kernels_sm90.json) carry BM and BD: a new tile makes them stale, compiled for nothing
+# triton_kernels_sm90.json) carry BM and BD: a new tile (or BWD_MANY_*) makes them stale, compiled for nothing
 BLOCK_M, BLOCK_D = 1, 2048
 FWD_WARPS, BWD_WARPS = 4, 4
+# the backward's tile from BWD_MANY_N values up: with N = 4 values summed into their block gradients (the step's
+# call) the row tile takes 138 registers (ptxas), 3 programs an SM, so its BWD_PROGRAMS run in two waves; there
+# the 4 x 1024 tile ran faster (441 against 550 us at N 4 on an H100; faster below N 4: docs/performance.md)
+BWD_MANY_N, BWD_MANY_TILE = 4, (4, 1024)
 # backward programs at most: each walks its row blocks in turn and keeps one dq partial, so the partials are few
 # (and as many on every GPU: dq sums in the same order everywhere); _param_grad_kernel's tile over them
 BWD_PROGRAMS = 512
@@ -238,8 +242,8 @@ def _check_params(query: torch.Tensor, key_weight: torch.Tensor, D: int) -> None
                              f"{t.dtype} contiguous={t.is_contiguous()}")
 
 
-def _block_d(D: int) -> int:
-    return min(BLOCK_D, triton.next_power_of_2(D))
+def _block_d(D: int, block_d: int | None = None) -> int:
+    return min(BLOCK_D if block_d is None else block_d, triton.next_power_of_2(D))
 
 
 def _slots(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -279,12 +283,13 @@ def depth_backward(query: torch.Tensor, key_weight: torch.Tensor, r_NBT: torch.T
     _check_params(query, key_weight, D)
     grads = [torch.empty_like(v) if t is None else t for v, t in zip(values, into, strict=True)]
     sum_into = sum(1 << n for n, t in enumerate(into) if t is not None)
-    programs = min(triton.cdiv(M, BLOCK_M), BWD_PROGRAMS)
+    block_m, block_d = (BLOCK_M, BLOCK_D) if N < BWD_MANY_N else BWD_MANY_TILE
+    programs = min(triton.cdiv(M, block_m), BWD_PROGRAMS)
     gq_parts = torch.empty(programs, D, dtype=torch.float32, device=query.device)
     if programs:
         _bwd_kernel[(programs,)](grad_h.contiguous(), r_NBT.contiguous(), p_NBT.contiguous(), query, key_weight,
                                  gq_parts, M, *_slots(values), *_slots(grads), D=D, N=N,
-                                 N_P=triton.next_power_of_2(N), BM=BLOCK_M, BD=_block_d(D), SUM_INTO=sum_into,
+                                 N_P=triton.next_power_of_2(N), BM=block_m, BD=_block_d(D, block_d), SUM_INTO=sum_into,
                                  num_warps=BWD_WARPS)
     grad_query, grad_key_weight = torch.empty_like(query), torch.empty_like(key_weight)
     _param_grad_kernel[(triton.cdiv(D, PARAM_COLS),)](gq_parts, query, key_weight, grad_query, grad_key_weight,

@@ -30,6 +30,7 @@ def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     = 21 rows over six row blocks of 4 (the last partial; the GPU's tile takes one row a block)."""
     monkeypatch.setattr(attn_res_kernel, "BLOCK_D", 16)
     monkeypatch.setattr(attn_res_kernel, "BLOCK_M", 4)
+    monkeypatch.setattr(attn_res_kernel, "BWD_MANY_TILE", (4, 16))  # the backward's tile from BWD_MANY_N values
 
 
 def _inputs(N: int, dtype: torch.dtype, D: int = 40, seed: int = 0):
@@ -76,20 +77,22 @@ def test_kernels_match_spec(N: int, dtype: torch.dtype, small_blocks: None) -> N
         _close(f"grad value {i}", a, b, rel)
 
 
-def test_gpu_tiles_match_spec() -> None:
+@pytest.mark.parametrize("N", [3, 4])
+def test_gpu_tiles_match_spec(N: int) -> None:
     """The GPU's tile sizes: D = 2100 over two column blocks of 2048 (the second partial), 21 rows in one-row
-    blocks, one backward program each."""
+    blocks; the backward of N = 4 values in its own tile (three column blocks of 1024, six row blocks of 4)."""
     assert (attn_res_kernel.BLOCK_M, attn_res_kernel.BLOCK_D) == (1, 2048), "the shipped tile changed: adapt D"
+    assert attn_res_kernel.BWD_MANY_N == 4 and attn_res_kernel.BWD_MANY_TILE == (4, 1024)
     D = 2100
-    query, key_weight, values, grad_h = _inputs(3, torch.float32, D=D, seed=7)
+    query, key_weight, values, grad_h = _inputs(N, torch.float32, D=D, seed=7)
     h, r, p = attn_res_kernel.depth_forward(query, key_weight, 1e-6, values)
     gq, gw, gv = attn_res_kernel.depth_backward(query, key_weight, r, p, grad_h, values)
     want = _spec64(query, key_weight, 1e-6, values, grad_h)
-    rel = 16 * (D + 3) * U32
+    rel = 16 * (D + N) * U32
     for name, a, b in (("h", h, want[0]), ("p", p, want[2]), ("grad value 2", gv[2], want[5][2])):
         _close(name, a, b, rel)
-    _close("grad query", gq, want[3], 16 * (D + 3 + 21) * U32)
-    _close("grad key weight", gw, want[4], 16 * (D + 3 + 21) * U32)
+    _close("grad query", gq, want[3], 16 * (D + N + 21) * U32)
+    _close("grad key weight", gw, want[4], 16 * (D + N + 21) * U32)
 
 
 @pytest.mark.parametrize(("param_dtype", "block_m"), [(torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 1)])
