@@ -14,9 +14,9 @@ as the specification sums, rounded once to the values' dtype); the backward once
 every value, once for the value gradients and dq. A program's rows of the N values (BM x D x N elements) are
 read from HBM in the first walk and mostly from L2 in the second, where the compiled specification reads
 every value three times and gh twice per value in separate reductions. dq is deterministic: the backward runs at most
-BWD_PROGRAMS programs, each walking its row blocks in turn and summing its fp32 [D] partial in its own row of a
-[programs, D] buffer; one small kernel sums the rows in a fixed order and forms both parameters' gradients (no
-atomics, and no [M / BM, D] buffer or separate sum, products and casts).
+BWD_PROGRAMS programs (BWD_PROGRAMS_MANY from BWD_MANY_N values), each walking its row blocks in turn and summing
+its fp32 [D] partial in its own row of a [programs, D] buffer; one small kernel sums the rows in a fixed order
+and forms both parameters' gradients (no atomics, and no [M / BM, D] buffer or separate sum, products and casts).
 A completed block's gradient is the sum over the aggregations that read it (attn_res.BlockGrad): for such a
 value the backward loads the sum so far and stores the sum (SUM_INTO, a compile-time bit per value), where
 autograd would store the gradient and add it in another kernel (one read and one write of it against four).
@@ -41,13 +41,13 @@ MAX_VALUES = 16
 # rows, columns and warps per program: one row of 2048 columns, 4 warps, the fastest forward and backward at
 # N = 2..4 of 8 tiles x 3 program counts that benchmarks/bench_attn_res.py timed, device alone, at k3_small's shape
 # on an H100 (docs/performance.md); the warm-up manifest's entries of the two kernels (recipes/data/
-# triton_kernels_sm90.json) carry BM and BD: a new tile (or BWD_MANY_*) makes them stale, compiled for nothing
+# triton_kernels_sm90.json) carry BM and BD: a new tile makes them stale, compiled for nothing
 BLOCK_M, BLOCK_D = 1, 2048
 FWD_WARPS, BWD_WARPS = 4, 4
-# the backward's tile from BWD_MANY_N values up: with N = 4 values summed into their block gradients (the step's
-# call) the row tile takes 138 registers (ptxas), 3 programs an SM, so its BWD_PROGRAMS run in two waves; there
-# the 4 x 1024 tile ran faster (441 against 550 us at N 4 on an H100; faster below N 4: docs/performance.md)
-BWD_MANY_N, BWD_MANY_TILE = 4, (4, 1024)
+# the backward's programs from BWD_MANY_N values up: with N = 4 values summed into their block gradients (the step's
+# call) the backward takes 138 registers (ptxas), 3 programs an SM, so BWD_PROGRAMS would run in two waves; 3 x
+# 132 SMs (H100, H200) run in one (413 against 554 us at N 4 on an H100, docs/performance.md)
+BWD_MANY_N, BWD_PROGRAMS_MANY = 4, 396
 # backward programs at most: each walks its row blocks in turn and keeps one dq partial, so the partials are few
 # (and as many on every GPU: dq sums in the same order everywhere); _param_grad_kernel's tile over them
 BWD_PROGRAMS = 512
@@ -242,8 +242,8 @@ def _check_params(query: torch.Tensor, key_weight: torch.Tensor, D: int) -> None
                              f"{t.dtype} contiguous={t.is_contiguous()}")
 
 
-def _block_d(D: int, block_d: int | None = None) -> int:
-    return min(BLOCK_D if block_d is None else block_d, triton.next_power_of_2(D))
+def _block_d(D: int) -> int:
+    return min(BLOCK_D, triton.next_power_of_2(D))
 
 
 def _slots(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -283,13 +283,12 @@ def depth_backward(query: torch.Tensor, key_weight: torch.Tensor, r_NBT: torch.T
     _check_params(query, key_weight, D)
     grads = [torch.empty_like(v) if t is None else t for v, t in zip(values, into, strict=True)]
     sum_into = sum(1 << n for n, t in enumerate(into) if t is not None)
-    block_m, block_d = (BLOCK_M, BLOCK_D) if N < BWD_MANY_N else BWD_MANY_TILE
-    programs = min(triton.cdiv(M, block_m), BWD_PROGRAMS)
+    programs = min(triton.cdiv(M, BLOCK_M), BWD_PROGRAMS if N < BWD_MANY_N else BWD_PROGRAMS_MANY)
     gq_parts = torch.empty(programs, D, dtype=torch.float32, device=query.device)
     if programs:
         _bwd_kernel[(programs,)](grad_h.contiguous(), r_NBT.contiguous(), p_NBT.contiguous(), query, key_weight,
                                  gq_parts, M, *_slots(values), *_slots(grads), D=D, N=N,
-                                 N_P=triton.next_power_of_2(N), BM=block_m, BD=_block_d(D, block_d), SUM_INTO=sum_into,
+                                 N_P=triton.next_power_of_2(N), BM=BLOCK_M, BD=_block_d(D), SUM_INTO=sum_into,
                                  num_warps=BWD_WARPS)
     grad_query, grad_key_weight = torch.empty_like(query), torch.empty_like(key_weight)
     _param_grad_kernel[(triton.cdiv(D, PARAM_COLS),)](gq_parts, query, key_weight, grad_query, grad_key_weight,

@@ -30,7 +30,6 @@ def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     = 21 rows over six row blocks of 4 (the last partial; the GPU's tile takes one row a block)."""
     monkeypatch.setattr(attn_res_kernel, "BLOCK_D", 16)
     monkeypatch.setattr(attn_res_kernel, "BLOCK_M", 4)
-    monkeypatch.setattr(attn_res_kernel, "BWD_MANY_TILE", (4, 16))  # the backward's tile from BWD_MANY_N values
 
 
 def _inputs(N: int, dtype: torch.dtype, D: int = 40, seed: int = 0):
@@ -80,9 +79,9 @@ def test_kernels_match_spec(N: int, dtype: torch.dtype, small_blocks: None) -> N
 @pytest.mark.parametrize("N", [3, 4])
 def test_gpu_tiles_match_spec(N: int) -> None:
     """The GPU's tile sizes: D = 2100 over two column blocks of 2048 (the second partial), 21 rows in one-row
-    blocks; the backward of N = 4 values in its own tile (three column blocks of 1024, six row blocks of 4)."""
+    blocks, below and from BWD_MANY_N values (the backward's program counts differ there; here both exceed 21)."""
     assert (attn_res_kernel.BLOCK_M, attn_res_kernel.BLOCK_D) == (1, 2048), "the shipped tile changed: adapt D"
-    assert attn_res_kernel.BWD_MANY_N == 4 and attn_res_kernel.BWD_MANY_TILE == (4, 1024)
+    assert attn_res_kernel.BWD_MANY_N == 4
     D = 2100
     query, key_weight, values, grad_h = _inputs(N, torch.float32, D=D, seed=7)
     h, r, p = attn_res_kernel.depth_forward(query, key_weight, 1e-6, values)
@@ -95,29 +94,32 @@ def test_gpu_tiles_match_spec(N: int) -> None:
     _close("grad key weight", gw, want[4], 16 * (D + N + 21) * U32)
 
 
-@pytest.mark.parametrize(("param_dtype", "block_m"), [(torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 1)])
-def test_programs_walking_several_row_blocks_match_spec(param_dtype: torch.dtype, block_m: int, small_blocks: None,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("param_dtype", "block_m", "N"), [(torch.float32, 4, 3), (torch.bfloat16, 4, 3),
+                                                            (torch.float32, 1, 3), (torch.float32, 1, 4)])
+def test_programs_walking_several_row_blocks_match_spec(param_dtype: torch.dtype, block_m: int, N: int,
+                                                        small_blocks: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """At most BWD_PROGRAMS backward programs: with 5 for the 6 row blocks of 4 rows, program 0 walks blocks 0 and
     5 (its dq partial summed over both, the last block partial) and the others one; with one-row blocks (the GPU's)
     program 0 walks rows 0, 5, 10, 15 and 20. The parameters' kernel reads the 5 partials in tiles of 2 (the last
     partial) and columns in tiles of 16 (D = 40: the last partial). The parameters in param_dtype: their gradients
-    come back in it, each rounded once (bf16: 2^-7 in the interpreter, above the fp32 bound)."""
+    come back in it, each rounded once (bf16: 2^-7 in the interpreter, above the fp32 bound). N = 4 takes its count
+    from BWD_PROGRAMS_MANY (set to 5 too)."""
     monkeypatch.setattr(attn_res_kernel, "BLOCK_M", block_m)
-    monkeypatch.setattr(attn_res_kernel, "BWD_PROGRAMS", 5)
+    monkeypatch.setattr(attn_res_kernel, "BWD_PROGRAMS", 5 if N < attn_res_kernel.BWD_MANY_N else 1000)
+    monkeypatch.setattr(attn_res_kernel, "BWD_PROGRAMS_MANY", 5 if N >= attn_res_kernel.BWD_MANY_N else 1000)
     monkeypatch.setattr(attn_res_kernel, "PARAM_PARTS", 2)
     monkeypatch.setattr(attn_res_kernel, "PARAM_COLS", 16)
-    query, key_weight, values, grad_h = _inputs(3, torch.float32, seed=17)
+    query, key_weight, values, grad_h = _inputs(N, torch.float32, seed=17)
     query, key_weight = query.to(param_dtype), key_weight.to(param_dtype)
     _, r, p = attn_res_kernel.depth_forward(query, key_weight, 1e-6, values)
     gq, gw, gv = attn_res_kernel.depth_backward(query, key_weight, r, p, grad_h, values)
     want = _spec64(query, key_weight, 1e-6, values, grad_h)
     assert gq.dtype == gw.dtype == param_dtype
-    rel_q = 16 * (40 + 3 + 21) * U32 + (2.0**-7 if param_dtype == torch.bfloat16 else 0.0)
+    rel_q = 16 * (40 + N + 21) * U32 + (2.0**-7 if param_dtype == torch.bfloat16 else 0.0)
     _close("grad query", gq, want[3], rel_q)
     _close("grad key weight", gw, want[4], rel_q)
     for i, (a, b) in enumerate(zip(gv, want[5], strict=True)):
-        _close(f"grad value {i}", a, b, 16 * (40 + 3) * U32)
+        _close(f"grad value {i}", a, b, 16 * (40 + N) * U32)
 
 
 def test_more_values_than_the_kernel_takes_run_the_spec(small_blocks: None) -> None:
