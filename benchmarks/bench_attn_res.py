@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.timing import kernel_bench_args, median_ms
+from benchmarks.timing import ONE_CALL_AHEAD_MS, kernel_bench_args, median_ms
 from moontrain.model import attn_res, attn_res_kernel
 
 B, T, D = 4, 4096, 2048
@@ -32,9 +32,6 @@ TILES = [(1, 2048, 4, 4), (4, 1024, 4, 4), (2, 2048, 4, 4), (2, 2048, 8, 8), (4,
 # BLOCK_M, BLOCK_D, forward / backward warps (--tiles BMxBDxFWxBW replaces the list), each at every N; the shipped
 # kernels, which pick the backward's tile by N, are timed first. --programs: the backward's most programs
 # (BWD_PROGRAMS) to time each tile's backward at
-# the device spins this long before each timed call, so the host's launch work (allocations, checks, two launches
-# a backward) overlaps it and the times are the device's alone, as in a step whose host runs ahead
-HOST_AHEAD_MS = 1.0
 
 
 def inputs(N: int) -> tuple[torch.Tensor, ...]:
@@ -59,9 +56,9 @@ def case(N: int, iters: int, warmup: int, tiles: list[tuple[int, ...]], programs
     gb_f, gb_b, gb_s = (2 * (N + 1) * B * T * D / 1e9, 2 * (2 * N + 1) * B * T * D / 1e9,
                         2 * (3 * N + 1) * B * T * D / 1e9)
     out = []
-    ms_f = median_ms(lambda: fwd(query, key_weight, 1e-6, values), iters, warmup, host_ahead_ms=HOST_AHEAD_MS)
+    ms_f = median_ms(lambda: fwd(query, key_weight, 1e-6, values), iters, warmup, host_ahead_ms=ONE_CALL_AHEAD_MS)
     ms_b = median_ms(lambda: bwd(query, key_weight, r, p, grad_h, values), iters, warmup,
-                     host_ahead_ms=HOST_AHEAD_MS)
+                     host_ahead_ms=ONE_CALL_AHEAD_MS)
     out.append(dict(N=N, impl="compiled torch", fwd_ms=ms_f, bwd_ms=ms_b, fwd_gb_s=gb_f / ms_f * 1e3,
                     bwd_gb_s=gb_b / ms_b * 1e3))
     print(f"  N {N}  compiled torch           fwd {ms_f * 1e3:7.1f} us ({gb_f / ms_f * 1e3:5.0f} GB/s)  "
@@ -79,13 +76,13 @@ def case(N: int, iters: int, warmup: int, tiles: list[tuple[int, ...]], programs
         diff = max([rel(h2, h)] + [rel(a, b) for a, b in zip(got_b[2], ref_b[2], strict=True)])
         diff_q = max(rel(got_b[0], ref_b[0]), rel(got_b[1], ref_b[1]))
         ms_f = median_ms(lambda: kf(query, key_weight, 1e-6, values),  # noqa: B023 (called here)
-                         iters, warmup, host_ahead_ms=HOST_AHEAD_MS)
+                         iters, warmup, host_ahead_ms=ONE_CALL_AHEAD_MS)
         ms_b = median_ms(lambda: kb(query, key_weight, r2, p2, grad_h, values),  # noqa: B023
-                         iters, warmup, host_ahead_ms=HOST_AHEAD_MS)
+                         iters, warmup, host_ahead_ms=ONE_CALL_AHEAD_MS)
         # the step's usual call: every value's gradient added into a sum so far (attn_res.BlockGrad)
         sums = [torch.zeros_like(v) for v in values]
         ms_s = median_ms(lambda: kb(query, key_weight, r2, p2, grad_h, values, into=sums),  # noqa: B023
-                         iters, warmup, host_ahead_ms=HOST_AHEAD_MS)
+                         iters, warmup, host_ahead_ms=ONE_CALL_AHEAD_MS)
         out.append(dict(N=N, impl="triton", tile="shipped" if tile is None else list(tile), bwd_programs=progs,
                         fwd_ms=ms_f, bwd_ms=ms_b,
                         bwd_sum_into_ms=ms_s, fwd_gb_s=gb_f / ms_f * 1e3, bwd_gb_s=gb_b / ms_b * 1e3,
@@ -111,7 +108,7 @@ def main() -> None:
         raise SystemExit(f"--tiles takes BMxBDxFWxBW (four integers), got {args.tiles}")
     src = torch.randn(B, T, D, device="cuda").to(torch.bfloat16)
     dst = torch.empty_like(src)
-    ms_copy = median_ms(lambda: dst.copy_(src), args.iters, args.warmup, host_ahead_ms=HOST_AHEAD_MS)
+    ms_copy = median_ms(lambda: dst.copy_(src), args.iters, args.warmup, host_ahead_ms=ONE_CALL_AHEAD_MS)
     copy_gb_s = 2 * src.numel() * 2 / 1e9 / ms_copy * 1e3
     print(f"  a copy of one value (the HBM rate within reach): {ms_copy * 1e3:.1f} us ({copy_gb_s:.0f} GB/s)")
     rows = [dict(impl="copy", ms=ms_copy, gb_s=copy_gb_s)]

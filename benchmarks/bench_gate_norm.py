@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.timing import kernel_bench_args, median_ms
+from benchmarks.timing import ONE_CALL_AHEAD_MS, kernel_bench_args, median_ms
 from moontrain.model.kda.dqkg import prepare_chunk_indices
 from moontrain.model.kda.gate_norm_kernel import kda_gate_norm, kda_gate_norm_backward
 
@@ -68,8 +68,10 @@ def run_case(B: int, T: int, H: int, doc_len: int | None, warps_list: list[int],
                    chunk_indices=fwd.get("chunk_indices"))
         outs = (qn, q_rstd, kn, k_rstd, g, *kda_gate_norm_backward(**bwd, warps=warps))
         first = first or outs
-        fwd_ms = median_ms(lambda: kda_gate_norm(**fwd, warps=warps), iters, warmup, host_ahead_ms=1.0)  # noqa: B023
-        bwd_ms = median_ms(lambda: kda_gate_norm_backward(**bwd, warps=warps), iters, warmup, host_ahead_ms=1.0)  # noqa: B023
+        fwd_ms = median_ms(lambda: kda_gate_norm(**fwd, warps=warps),  # noqa: B023
+                           iters, warmup, host_ahead_ms=ONE_CALL_AHEAD_MS)
+        bwd_ms = median_ms(lambda: kda_gate_norm_backward(**bwd, warps=warps),  # noqa: B023
+                           iters, warmup, host_ahead_ms=ONE_CALL_AHEAD_MS)
         rows.append(dict(case=f"{B}x{T}x{H}", documents=doc_len, warps=warps, fwd_ms=fwd_ms, bwd_ms=bwd_ms,
                          fwd_gb=fwd_gb, bwd_gb=bwd_gb, fwd_tbs=fwd_gb / fwd_ms, bwd_tbs=bwd_gb / bwd_ms,
                          max_rel_diff=max(_rel(a, b) for a, b in zip(outs, first, strict=True))))

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 import moonep.kernels.glu_launch as launch
 import moonep.kernels.glu_route as route
 import moonep.kernels.glu_rows as glu_rows
-from benchmarks.timing import kernel_bench_args, median_ms
+from benchmarks.timing import ONE_CALL_AHEAD_MS, kernel_bench_args, median_ms
 from moonep.kernels.situ_glu import situ_glu_forward
 
 SHAPES = {"routed": (132032, 896), "shared": (16384, 1792), "dense": (16384, 5632)}
@@ -37,7 +37,6 @@ SHAPES = {"routed": (132032, 896), "shared": (16384, 1792), "dense": (16384, 563
 BWD_TILES = [(2, 1024, 4), (4, 256, 4), (1, 1024, 4), (8, 128, 4), (16, 128, 8), (4, 128, 4), (8, 128, 8),
              (16, 64, 4), (8, 256, 8), (16, 256, 8), (4, 512, 4)]
 ROWS_FWD_TILES = BWD_TILES  # the merged rows' forward
-HOST_AHEAD_MS = 1.0  # the device's time alone (benchmarks.timing.median_ms)
 FWD_TILES = [(2048, 8), (1024, 4), (4096, 8), (8192, 16), (2048, 4)]  # BLOCK, warps; the first is the default
 
 
@@ -66,7 +65,7 @@ def row_tiles(module, tiles: list[tuple[int, int, int]], call, label: str, iters
             except Exception as err:  # the sweep goes on
                 print(f"  {label} {tile}: {type(err).__name__}: {str(err).splitlines()[0][:120]}", flush=True)
                 continue
-            yield tile, got, median_ms(call, iters, warmup, host_ahead_ms=HOST_AHEAD_MS)
+            yield tile, got, median_ms(call, iters, warmup, host_ahead_ms=ONE_CALL_AHEAD_MS)
     finally:
         module.backward_tiles = default
 
@@ -112,7 +111,7 @@ def sweep_forward(name: str, rows: int, F: int, iters: int, warmup: int) -> list
         launch._BLOCK, launch._WARPS = tile
         got = situ_glu_forward(h, u)
         ref = got if ref is None else ref
-        ms = median_ms(lambda: situ_glu_forward(h, u), iters, warmup, host_ahead_ms=HOST_AHEAD_MS)
+        ms = median_ms(lambda: situ_glu_forward(h, u), iters, warmup, host_ahead_ms=ONE_CALL_AHEAD_MS)
         gbs = 6 * rows * F / ms / 1e6
         out.append(dict(kernel="situ_glu_forward", shape=name, rows=rows, F=F, tile=list(tile), ms=ms,
                         gb_per_s=gbs, bitwise=torch.equal(got, ref)))

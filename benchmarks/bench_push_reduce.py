@@ -38,12 +38,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.timing import median_ms
+from benchmarks.timing import ONE_CALL_AHEAD_MS, median_ms
 from moonep.datapath.reference import row_values
 from moonep.kernels import dispatch_combine as dc
 from moonep.routing import generate_routing
 
-HOST_AHEAD_MS = 1.0  # the device spins this long before each timed call: its time alone, the launches overlapped
 SHAPES = {
     "k3_small": dict(R=1, S=16384, H=1024, K=8, E=64),
     "k3_small_moe": dict(R=1, S=32768, H=2048, K=8, E=64),
@@ -140,10 +139,10 @@ def run_shape(name: str, args: argparse.Namespace, sms: int) -> list[dict]:
         print(f"{name:>13} {case:>12} {config:>22} {ms * 1e3:9.1f} us {rows[-1]['GBps']:8.0f} GB/s  {ok}", flush=True)
 
     ms = median_ms(lambda: dc.push(d["y"], None, d["row_link"], n, land, land_scal, SK, sms), args.iters,
-                   args.warmup, host_ahead_ms=HOST_AHEAD_MS)
+                   args.warmup, host_ahead_ms=ONE_CALL_AHEAD_MS)
     record("push plain", "-", ms, 2 * n * row_bytes, "-")
     ms = median_ms(lambda: dc.chain_lists(d["row_link"], d["row_chain"], n, *scratch), args.iters, args.warmup,
-                   host_ahead_ms=HOST_AHEAD_MS)
+                   host_ahead_ms=ONE_CALL_AHEAD_MS)
     record("chain lists", "-", ms, n * 8 + n * K * 4, "-")
     defaults = (dc._REDUCE_PUSH_MAX_H, dc._REDUCE_PUSH_WARPS, dc._REDUCE_PUSH_PER_SM)
     try:
@@ -164,7 +163,7 @@ def run_shape(name: str, args: argparse.Namespace, sms: int) -> list[dict]:
                 land_scal.zero_()
                 call()
                 ok = same_bits(land, want) and (scal is None or same_bits(land_scal, want_scal))
-                ms = median_ms(call, args.iters, args.warmup, host_ahead_ms=HOST_AHEAD_MS)
+                ms = median_ms(call, args.iters, args.warmup, host_ahead_ms=ONE_CALL_AHEAD_MS)
                 record(case, config, ms, nbytes, "bitwise" if ok else "MISMATCH")
     finally:
         dc._REDUCE_PUSH_MAX_H, dc._REDUCE_PUSH_WARPS, dc._REDUCE_PUSH_PER_SM = defaults

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 import moontrain.model.kda.short_conv_kernel as kernel
-from benchmarks.timing import kernel_bench_args, median_ms
+from benchmarks.timing import ONE_CALL_AHEAD_MS, kernel_bench_args, median_ms
 from moontrain.model.kda.short_conv import short_conv
 
 B, T, C, W, WIDE = 4, 4096, 2048, 4, 10256
@@ -40,7 +40,6 @@ TILES = [(64, 64, 4), (32, 64, 4), (32, 128, 4), (16, 128, 4), (16, 256, 8), (12
 WALKS = [(64, 512, 4), (128, 512, 4), (32, 512, 4), (64, 256, 2), (64, 1024, 8), (64, 256, 4), (256, 512, 4),
          (16, 512, 4), (32, 256, 2), (16, 256, 2), (32, 256, 4)]
 # WALK_SPAN, WALK_BLOCK_C, warps
-HOST_AHEAD_MS = 1.0
 
 
 def inputs(docs: bool) -> tuple[torch.Tensor, ...]:
@@ -112,7 +111,7 @@ def main() -> None:
     args = kernel_bench_args(__doc__, "bench_short_conv")
     rows = []
     for docs in (False, True):
-        rows += bench_case(docs, lambda fn: median_ms(fn, args.iters, args.warmup, host_ahead_ms=HOST_AHEAD_MS))
+        rows += bench_case(docs, lambda fn: median_ms(fn, args.iters, args.warmup, host_ahead_ms=ONE_CALL_AHEAD_MS))
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), shape=[B, T, C, W],
                                                   rows=rows), indent=1))

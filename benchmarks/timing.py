@@ -9,6 +9,10 @@ from collections.abc import Callable
 
 import torch
 
+# host_ahead_ms for a call of one or two kernel launches: longer than its host work (checks, allocations, launches:
+# tens of us), short against a sweep
+ONE_CALL_AHEAD_MS = 1.0
+
 
 def median_ms(fn: Callable[[], object], iters: int, warmup: int, *, host_ahead_ms: float = 0.0) -> float:
     """Median milliseconds of fn() over `iters` calls after `warmup` untimed ones, each timed by CUDA
