@@ -109,11 +109,23 @@ def test_programs_walking_several_row_blocks_match_spec(param_dtype: torch.dtype
     monkeypatch.setattr(attn_res_kernel, "BWD_PROGRAMS_MANY", 5 if N >= attn_res_kernel.BWD_MANY_N else 1000)
     monkeypatch.setattr(attn_res_kernel, "PARAM_PARTS", 2)
     monkeypatch.setattr(attn_res_kernel, "PARAM_COLS", 16)
+    partials = []  # the partials' count the parameters' kernel sums: the backward's programs
+    real = attn_res_kernel._param_grad_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                partials.append(args[5])
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(attn_res_kernel, "_param_grad_kernel", Spy())
     query, key_weight, values, grad_h = _inputs(N, torch.float32, seed=17)
     query, key_weight = query.to(param_dtype), key_weight.to(param_dtype)
     _, r, p = attn_res_kernel.depth_forward(query, key_weight, 1e-6, values)
     gq, gw, gv = attn_res_kernel.depth_backward(query, key_weight, r, p, grad_h, values)
     want = _spec64(query, key_weight, 1e-6, values, grad_h)
+    assert partials == [5], f"the backward ran {partials} programs, not its count for N = {N}"
     assert gq.dtype == gw.dtype == param_dtype
     rel_q = 16 * (40 + N + 21) * U32 + (2.0**-7 if param_dtype == torch.bfloat16 else 0.0)
     _close("grad query", gq, want[3], rel_q)
