@@ -3,16 +3,18 @@ stage on --dqkg's kernel, the intra-chunk stage on fla's), with and without pack
 torch.profiler (CUDA activity alone).
 
     python benchmarks/diagnostics/kda_kernels.py [--case 4x4096x16] [--doc-len 1024] [--iters 10]
-        [--recompute off on] [--dqkg moontrain|fla] [--gate-norm fla moontrain]
+        [--recompute off on] [--dqkg moontrain|fla] [--intra fla_k64|fla] [--gate-norm fla moontrain intra_norm]
 
 Prints, per case, each kernel's time a call (the mean over --iters profiled calls after 5 untimed ones), its
 launches a call and the kernels' total; that total leaves out the launch gaps bench_kda.py's wall times hold.
 Beside it: the call's median wall time (CUDA events around forward + backward, --iters calls) and the bytes the
 forward leaves saved for the backward (allocated after the forward minus before). --recompute: fla's
 disable_recompute negated (kernels.kda_recompute), one table per value; --dqkg: the WY / inter-chunk backward
-stage on moontrain's kernel or fla's (kernels.kda_dqkg); --gate-norm: the call's two elementwise ends on fla's
-kernels or moontrain's (kernels.kda_gate_norm), one table per value. The defaults are the model's: off,
-moontrain, fla.
+stage on moontrain's kernel or fla's (kernels.kda_dqkg); --intra: fla's intra-chunk stage's launch
+(kernels.kda_intra); --gate-norm: the call's two elementwise ends on fla's kernels or moontrain's
+(kernels.kda_gate_norm), or intra_norm: moontrain's, with the intra-chunk stage and the norms' backward in one
+kernel (kernels.kda_intra=moontrain); one table per value. The defaults are the model's: off, moontrain, fla_k64,
+fla.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ from benchmarks.timing import median_ms
 from moontrain.model.kda.ops import kda_fla, random_kda_inputs
 
 
-def kernel_table(B: int, T: int, H: int, doc_len: int | None, iters: int, recompute: bool, gate_norm: bool
+def kernel_table(B: int, T: int, H: int, doc_len: int | None, iters: int, recompute: bool, gate_norm: str
                  ) -> tuple[float, list[tuple], float, int]:
     """(kernel us a call in all, [(us a call, launches a call, name)] largest first, median wall ms a call,
     bytes saved by the forward for the backward)."""
     leaves, kwargs, go = random_kda_inputs(B, T, H, 128, doc_len=doc_len)
     kwargs["recompute"] = recompute
-    kwargs["gate_norm"] = gate_norm
+    kwargs["gate_norm"] = gate_norm != "fla"
+    kwargs["intra_norm"] = gate_norm == "intra_norm"
 
     def run() -> None:
         o = kda_fla(*leaves, **kwargs)
@@ -71,8 +74,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--recompute", nargs="+", choices=("on", "off"), default=["off"])
     p.add_argument("--dqkg", choices=("fla", "moontrain"), default="moontrain")
-    p.add_argument("--intra", choices=("fla_k64", "fla", "moontrain"), default="fla_k64")
-    p.add_argument("--gate-norm", nargs="+", choices=("fla", "moontrain"), default=["fla"])
+    p.add_argument("--intra", choices=("fla_k64", "fla"), default="fla_k64")
+    p.add_argument("--gate-norm", nargs="+", choices=("fla", "moontrain", "intra_norm"), default=["fla"])
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kda_kernels needs a CUDA GPU and fla-core")
@@ -85,17 +88,17 @@ def main() -> None:
         for recompute in args.recompute:
             for doc_len in (None, args.doc_len):
                 total, table, wall_ms, saved = kernel_table(B, T, H, doc_len, args.iters, recompute == "on",
-                                                            gate_norm == "moontrain")
+                                                            gate_norm)
                 summary.append((gate_norm, recompute, doc_len, total, wall_ms, saved))
                 print(f"\n== {args.case}, documents {doc_len}, recompute {recompute}, dqkg {args.dqkg}, gate_norm "
                       f"{gate_norm}: kernels {total:.1f} us a call, wall {wall_ms * 1e3:.1f} us, saved for backward "
                       f"{saved / 2**20:.0f} MiB")
                 for us, n, name in table:
                     print(f"{us:9.1f} us  x{n:2d}  {name[:110]}")
-    print(f"\n{'gate_norm':>9s} {'recompute':>9s} {'documents':>9s} {'kernels us':>10s} {'wall us':>8s} "
+    print(f"\n{'gate_norm':>10s} {'recompute':>9s} {'documents':>9s} {'kernels us':>10s} {'wall us':>8s} "
           f"{'saved MiB':>9s}")
     for gate_norm, recompute, doc_len, total, wall_ms, saved in summary:
-        print(f"{gate_norm:>9s} {recompute:>9s} {doc_len!s:>9s} {total:10.1f} {wall_ms * 1e3:8.1f} "
+        print(f"{gate_norm:>10s} {recompute:>9s} {doc_len!s:>9s} {total:10.1f} {wall_ms * 1e3:8.1f} "
               f"{saved / 2**20:9.0f}")
 
 

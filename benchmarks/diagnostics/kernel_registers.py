@@ -191,7 +191,7 @@ def gate_norm_rows() -> None:
         print(f"moontrain gate_norm _forward_kernel {w:4d}  "
               f"{ptxas_report(gn._forward_kernel, fwd, dict(consts, NORMS=True), w, 3)}", flush=True)
         print(f"moontrain gate_norm _backward_kernel{w:4d}  "
-              f"{ptxas_report(gn._backward_kernel, bwd, consts, w, 3)}", flush=True)
+              f"{ptxas_report(gn._backward_kernel, bwd, dict(consts, NORMS=True), w, 3)}", flush=True)
 
 
 def attn_res_rows() -> None:

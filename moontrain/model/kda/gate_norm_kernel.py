@@ -5,7 +5,7 @@ Kernel. One program per (chunk, head) reads the chunk's [64, K] tiles once, row 
 - forward: q and k (their L2 norms and the normalised rows), f (the gate and its chunk-local cumulative sum);
 - backward: dg and f (the reverse cumulative sum, the gate's input gradient, and one fp32 partial of dA_log and
   of dt_bias's gradient per program, which the launcher sums in a fixed order), then dq with qn and dk with kn
-  (the L2 norms' backward).
+  (the L2 norms' backward; off in kda_gate_backward, whose caller's intra-chunk kernel applied them).
 q, k and f are read in place at their token stride (a column slice of the projection needs no copy). Rows of the
 chunk list with a negative sequence (fla's use_graph padding) mask every load and store and leave zero partials.
 """
@@ -80,7 +80,7 @@ if triton is not None:
     def _backward_kernel(dq, dk, dg, qn, kn, q_rstd, k_rstd, f, A_log, dt_bias, dq_in, dk_in, df, dA_part,
                          dbias_part, cu_seqlens, chunk_indices, lower_bound, T, NT, stride_f, H: tl.constexpr,
                          K: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
-                         USE_LOWER_BOUND: tl.constexpr):
+                         USE_LOWER_BOUND: tl.constexpr, NORMS: tl.constexpr):
         i_h, _, row, tok0, n_t = _program_chunk(cu_seqlens, chunk_indices, T, NT, H, 1, BT, IS_VARLEN)
         o_t = tl.arange(0, BT)
         o_k = tl.arange(0, K)
@@ -98,8 +98,9 @@ if triton is not None:
         tl.store(df + at_y + o_t[:, None] * (H * K) + o_k[None, :], b_df.to(df.dtype.element_ty), mask=m)
         tl.store(dA_part + part, tl.sum(tl.sum(tl.where(m, b_dgate * d_a, 0.0), axis=1), axis=0))
         tl.store(dbias_part + part * K + o_k, tl.sum(b_df, axis=0))
-        _norm_backward(dq, qn, q_rstd, dq_in, at_y, o_t, o_k, at_r, m_t, m, H, K)
-        _norm_backward(dk, kn, k_rstd, dk_in, at_y, o_t, o_k, at_r, m_t, m, H, K)
+        if NORMS:
+            _norm_backward(dq, qn, q_rstd, dq_in, at_y, o_t, o_k, at_r, m_t, m, H, K)
+            _norm_backward(dk, kn, k_rstd, dk_in, at_y, o_t, o_k, at_r, m_t, m, H, K)
 
 
 def _token_strided(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -196,17 +197,37 @@ def kda_gate_norm_backward(dq: torch.Tensor, dk: torch.Tensor, dg: torch.Tensor,
     if any(t.dtype != torch.float32 for t in (dq, dk, dg, q_rstd, k_rstd)):
         raise ValueError("kda_gate_norm_backward: dq, dk, dg, q_rstd and k_rstd must be fp32 on the kernel (fp64 "
                          "runs on the specification)")
-    B, T, H, K = kn.shape
+    dq_in, dk_in = torch.empty_like(qn), torch.empty_like(kn)
+    return (dq_in, dk_in, *_launch_backward(dg, f, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices,
+                                            (dq, dk, qn, kn, q_rstd, k_rstd, dq_in, dk_in), warps))
+
+
+def kda_gate_backward(dg: torch.Tensor, f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *,
+                      lower_bound: float | None, cu_seqlens: torch.Tensor | None = None,
+                      chunk_indices: torch.Tensor | None = None, warps: int | None = None) -> tuple[torch.Tensor, ...]:
+    """kda_gate_norm_backward's gate part alone (the same kernel, its norms switched off): (df in f's dtype,
+    dA_log, ddt_bias), for a route whose intra-chunk kernel applied the norms' backward
+    (moontrain.model.kda.intra_norm_kernel). dg: fp32, contiguous."""
+    _require_triton("kda_gate_backward")
+    validate(f, f, f, A_log, dt_bias, cu_seqlens)
+    if not dg.is_contiguous() or dg.dtype != torch.float32:
+        raise ValueError(f"kda_gate_backward: dg must be fp32 and contiguous, got {dg.dtype} with strides {dg.stride()}")
+    return _launch_backward(dg, f, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, None, warps)
+
+
+def _launch_backward(dg: torch.Tensor, f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                     lower_bound: float | None, cu_seqlens: torch.Tensor | None, chunk_indices: torch.Tensor | None,
+                     norms: tuple[torch.Tensor, ...] | None, warps: int | None) -> tuple[torch.Tensor, ...]:
+    B, T, H, K = dg.shape
     f, sf = _token_strided(f)
     chunk_indices, NT, grid = _grid(B, T, H, cu_seqlens, chunk_indices)
-    dq_in, dk_in = torch.empty_like(qn), torch.empty_like(kn)
     df = torch.empty(B, T, H, K, dtype=f.dtype, device=f.device)
     dA_part = torch.empty(grid[0] * B, H, dtype=torch.float32, device=f.device)
     dbias_part = torch.empty(grid[0] * B, H * K, dtype=torch.float32, device=f.device)
+    dq, dk, qn, kn, q_rstd, k_rstd, dq_in, dk_in = norms if norms is not None else (dg,) * 8  # unread without
     _backward_kernel[grid](dq, dk, dg, qn, kn, q_rstd, k_rstd, f, A_log.float().contiguous(),
                            dt_bias.float().contiguous(), dq_in, dk_in, df, dA_part, dbias_part, cu_seqlens,
                            chunk_indices, 0.0 if lower_bound is None else lower_bound, T, NT, sf, H=H, K=K, BT=CHUNK,
                            IS_VARLEN=cu_seqlens is not None, USE_LOWER_BOUND=lower_bound is not None,
-                           num_warps=_warps(K, warps))
-    return (dq_in, dk_in, df, dA_part.sum(0).view_as(A_log).to(A_log.dtype),
-            dbias_part.sum(0).view_as(dt_bias).to(dt_bias.dtype))
+                           NORMS=norms is not None, num_warps=_warps(K, warps))
+    return (df, dA_part.sum(0).view_as(A_log).to(A_log.dtype), dbias_part.sum(0).view_as(dt_bias).to(dt_bias.dtype))

@@ -90,3 +90,46 @@ def test_chunk_matches_fla_and_the_spec(lower_bound: float | None, doc_len: int 
     vs_spec = {n: _rel_rms(a, b) for n, a, b in zip(NAMES, ours, spec, strict=True)}
     assert all(e <= 2 ** -7 for e in vs_fla.values()), vs_fla
     assert all(e <= 2 ** -6 for e in vs_spec.values()), vs_spec
+
+
+@pytest.mark.parametrize("doc_len", [None, 300], ids=["rows", "documents"])
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "kept"])
+def test_chunk_with_the_fused_intra_stage_matches_fla_and_the_spec(doc_len: int | None, recompute: bool) -> None:
+    """kernels.kda_intra=moontrain (the intra-chunk stage and the norms' backward in one kernel) inside the same
+    call, held to the same bounds: its off-diagonal products run in TF32 as fla's do, its diagonal ones in fp32."""
+    B, T, H, K = 2, 1000, 16, 128
+    inputs, kwargs, go = random_kda_inputs(B, T, H, K, doc_len=doc_len, seed=2)
+    results = []
+    for fn, cast in ((functools.partial(kda_fla, recompute=recompute, gate_norm=True, intra_norm=True), lambda t: t),
+                     (functools.partial(kda_fla, recompute=recompute, gate_norm=False), lambda t: t),
+                     (kda, lambda t: t.float())):
+        leaves = [cast(t).detach().requires_grad_() for t in inputs]
+        params = [kwargs["A_log_H"].detach().requires_grad_(), kwargs["dt_bias_HK"].detach().requires_grad_()]
+        o = fn(*leaves, **{**kwargs, "A_log_H": params[0], "dt_bias_HK": params[1]})
+        results.append((o, *torch.autograd.grad(o, leaves + params, go.to(o.dtype))))
+    ours, fla, spec = results
+    vs_fla = {n: _rel_rms(a, b) for n, a, b in zip(NAMES, ours, fla, strict=True)}
+    vs_spec = {n: _rel_rms(a, b) for n, a, b in zip(NAMES, ours, spec, strict=True)}
+    assert all(e <= 2 ** -7 for e in vs_fla.values()), vs_fla
+    assert all(e <= 2 ** -6 for e in vs_spec.values()), vs_spec
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["rows", "documents"])
+def test_intra_norm_kernel_matches_the_composed_spec(documents: bool) -> None:
+    """moontrain.model.kda.intra_norm_kernel at k3_small's heads against the intra stage's and the norms'
+    specifications composed in float64, with the bounds tests/moontrain/model/kda/intra_norm_cases.py derives."""
+    from moontrain.model.kda.intra import random_stage_inputs
+    from tests.moontrain.model.kda.intra_norm_cases import OUT_TOL, reference, run, with_rstd
+
+    B, T, H, K = (1, 2000, 16, 128) if documents else (2, 1000, 16, 128)
+    lists = {}
+    if documents:  # one-token documents, a start on a chunk edge; fla's use_graph padding rows at the end
+        cu_seqlens = torch.tensor([0, 1, 64, 65, 300, 999, 1513, 2000], device="cuda")
+        chunk_indices = torch.cat([prepare_chunk_indices(cu_seqlens), torch.tensor([[-1, 0]] * 5, device="cuda")])
+        lists = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    for gate in (5.0, 0.1):  # the recipe's bound, and a weak gate whose terms between sub-chunks count
+        x = with_rstd(random_stage_inputs(B, T, H, K, torch.bfloat16, "cuda", seed=3, gate=gate, **lists), seed=4)
+        for name, a, b in zip(("dq_in", "dk_in", "db", "dg"), run(x), reference(x), strict=True):
+            err = (a.double() - b.double()).abs().max().item()
+            top = b.abs().max().item()
+            assert err <= OUT_TOL[name] * top, f"gate {gate} {name}: max |diff| {err:.2e} vs max |ref| {top:.2e}"

@@ -3,7 +3,7 @@ chunk_kda, both in Triton's interpreter on the CPU (tests.moontrain.model.kda.fl
 fla-core is not installed): the output and every input gradient, with the forward's states kept and recomputed,
 on batch rows with a partial last chunk and on packed documents listed on the device (fla's use_graph), for the
 bounded and the softplus gate, with the intra-chunk stage on each of its kernels (kernels.kda_intra: fla_k64, the
-default, and fla's).
+default, fla's, and moontrain's, which applies the norms' backward in the same kernel).
 
 Tolerance: the two calls run the same fla kernels between ends that compute the same values in another order:
 the forward's g and norms are bitwise fla's (checked here), so o is bitwise; the backward's ends sum the same
@@ -21,7 +21,7 @@ import torch
 # module where triton is absent; then fla's shims (skips where fla-core is absent)
 import tests.moonep.helpers.triton_interpreted
 import tests.moontrain.model.kda.fla_interpreted  # noqa: F401
-from moontrain.model.kda import intra_fla
+from moontrain.model.kda import chunk, intra_fla
 from moontrain.model.kda.fla_backend import route_fla_stages, routed_stages
 from moontrain.model.kda.ops import kda, kda_fla, random_kda_inputs
 from tests.moontrain.model.kda.test_dqkg_kernel_interpreted import use_tiles
@@ -50,7 +50,8 @@ def run(fn, inputs: list, kwargs: dict, go: torch.Tensor, **extra) -> list[torch
 
 
 # (T, document length, recompute, gate's lower bound, the intra-chunk stage's kernel: kernels.kda_intra)
-CASES = [(160, None, False, -5.0, "fla_k64"), (160, 48, True, -5.0, "fla_k64"), (96, 40, False, None, "fla")]
+CASES = [(160, None, False, -5.0, "fla_k64"), (160, 48, True, -5.0, "fla_k64"), (96, 40, False, None, "fla"),
+         (160, 48, False, -5.0, "moontrain")]
 
 
 @pytest.mark.slow  # ~12 s a case in the interpreter; CI runs them
@@ -58,16 +59,21 @@ CASES = [(160, None, False, -5.0, "fla_k64"), (160, 48, True, -5.0, "fla_k64"), 
 def test_chunk_matches_fla_chunk_kda(T: int, doc_len: int | None, recompute: bool, lower_bound: float | None,
                                      intra: str, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    route_fla_stages(dqkg="moontrain", intra=intra)  # both calls then run it: the comparison still isolates the ends
+    # both calls run fla's dispatched stage on it (the comparison still isolates the ends); moontrain's is no fla
+    # stage: fla's call takes fla_k64, ours the fused kernel
+    route_fla_stages(dqkg="moontrain", intra=intra if intra != "moontrain" else "fla_k64")
     if intra == "fla_k64":
         launch = intra_fla.kda_intra_fla
         monkeypatch.setattr(intra_fla, "kda_intra_fla", lambda **kw: calls.append(1) or launch(**kw))
+    if intra == "moontrain":
+        launch = chunk.kda_intra_norm
+        monkeypatch.setattr(chunk, "kda_intra_norm", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
     inputs, kwargs, go = random_kda_inputs(2, T, 2, 64, doc_len=doc_len, seed=T, device="cpu")
     kwargs["lower_bound"] = lower_bound
-    ours = run(kda_fla, inputs, kwargs, go, recompute=recompute, gate_norm=True)
+    ours = run(kda_fla, inputs, kwargs, go, recompute=recompute, gate_norm=True, intra_norm=intra == "moontrain")
     fla = run(kda_fla, inputs, kwargs, go, recompute=recompute, gate_norm=False)
     spec = run(kda, inputs, kwargs, go)
-    assert len(calls) == (0 if intra == "fla" else 2), f"kda_intra={intra}'s launch ran {len(calls)} times"
+    assert len(calls) == {"fla": 0, "fla_k64": 2, "moontrain": 1}[intra], f"kda_intra={intra}: {len(calls)} launches"
     assert torch.equal(ours[0], fla[0]), "o: not bitwise fla's"
     for name, x, y, z in zip(NAMES, ours, fla, spec, strict=True):
         assert x.dtype == y.dtype and x.shape == y.shape, f"{name}: {x.dtype} {tuple(x.shape)} vs {y.dtype}"

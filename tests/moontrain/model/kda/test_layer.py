@@ -241,3 +241,13 @@ def test_rope_table_is_made_once_per_length_and_equals_rope_cos_sin() -> None:
     want = rope_cos_sin(12, cfg.qk_rope_head_dim, cfg.rope_theta, torch.device("cpu"), yarn=cfg.rope_yarn)
     assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
     assert model.rope_table(12, torch.device("cpu"))[0] is cos and model.rope_table(8, torch.device("cpu"))[0].shape[0] == 8
+
+
+def test_fused_intra_stage_needs_the_gate_norm_route() -> None:
+    """kernels.kda_intra=moontrain applies the norms' backward that only kda_gate_norm=moontrain leaves to it; with
+    fla's ends the two would be applied twice or never: refused at config time, naming both fixes."""
+    from moontrain.model.config import KernelsConfig
+
+    assert KernelsConfig(kda_intra="moontrain", kda_gate_norm="moontrain").kda_intra == "moontrain"
+    with pytest.raises(ValueError, match=r"kda_intra=moontrain .* kernels.kda_gate_norm=moontrain .*'fla'.*kda_intra=fla_k64"):
+        KernelsConfig(kda_intra="moontrain", kda_gate_norm="fla")
