@@ -34,6 +34,33 @@ def _rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).square().mean().sqrt() / want.float().square().mean().sqrt()).item()
 
 
+def _stage_shape(documents: bool) -> tuple[tuple[int, ...], dict]:
+    """(B, T, H, K) and the chunk lists of a stage test at k3_small's heads: two rows of 1000 tokens, or one of 2000
+    in one-token documents, a start on a chunk edge, and fla's use_graph padding rows at the end."""
+    if not documents:
+        return (2, 1000, 16, 128), {}
+    cu_seqlens = torch.tensor([0, 1, 64, 65, 300, 999, 1513, 2000], device="cuda")
+    chunk_indices = torch.cat([prepare_chunk_indices(cu_seqlens), torch.tensor([[-1, 0]] * 5, device="cuda")])
+    return (1, 2000, 16, 128), dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+
+
+def _against_fla_and_the_spec(ours, recompute: bool, inputs: list, kwargs: dict, go: torch.Tensor) -> None:
+    """The call `ours` (kda_fla on a moontrain route), fla's chunk_kda and the PyTorch KDA on the same inputs: the
+    output and every input and parameter gradient within the module docstring's bounds of fla's and the spec's."""
+    results = []
+    for fn, cast in ((ours, lambda t: t), (functools.partial(kda_fla, recompute=recompute, gate_norm=False),
+                                          lambda t: t), (kda, lambda t: t.float())):
+        leaves = [cast(t).detach().requires_grad_() for t in inputs]
+        params = [kwargs["A_log_H"].detach().requires_grad_(), kwargs["dt_bias_HK"].detach().requires_grad_()]
+        o = fn(*leaves, **{**kwargs, "A_log_H": params[0], "dt_bias_HK": params[1]})
+        results.append((o, *torch.autograd.grad(o, leaves + params, go.to(o.dtype))))
+    ours_r, fla, spec = results
+    vs_fla = {n: _rel_rms(a, b) for n, a, b in zip(NAMES, ours_r, fla, strict=True)}
+    vs_spec = {n: _rel_rms(a, b) for n, a, b in zip(NAMES, ours_r, spec, strict=True)}
+    assert all(e <= 2 ** -7 for e in vs_fla.values()), vs_fla
+    assert all(e <= 2 ** -6 for e in vs_spec.values()), vs_spec
+
+
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded-gate", "softplus-gate"])
 @pytest.mark.parametrize("documents", [False, True], ids=["rows", "documents"])
 @pytest.mark.parametrize("warps", [None, 4, 16], ids=["default-warps", "4-warps", "16-warps"])
@@ -47,12 +74,7 @@ def test_gate_norm_kernels_match_the_reference(lower_bound: float | None, docume
     )
     from moontrain.model.kda.gate_norm_kernel import kda_gate_norm, kda_gate_norm_backward
 
-    B, T, H, K = (1, 2000, 16, 128) if documents else (2, 1000, 16, 128)
-    lists = {}
-    if documents:  # one-token documents, a start on a chunk edge; fla's use_graph padding rows at the end
-        cu_seqlens = torch.tensor([0, 1, 64, 65, 300, 999, 1513, 2000], device="cuda")
-        chunk_indices = torch.cat([prepare_chunk_indices(cu_seqlens), torch.tensor([[-1, 0]] * 5, device="cuda")])
-        lists = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    (B, T, H, K), lists = _stage_shape(documents)
     fwd, bwd = random_stage_inputs(B, T, H, K, torch.bfloat16, "cuda", seed=0, lower_bound=lower_bound, **lists)
     # dA_log sums 2000 x 128 terms a head and dt_bias's gradient 2000: with dg >= 0 every term of either has one
     # sign (dgate >= 0; the gate's derivatives by x and A_log keep one sign where f + dt_bias < 0, all but ~0.2 %
@@ -77,19 +99,8 @@ def test_chunk_matches_fla_and_the_spec(lower_bound: float | None, doc_len: int 
     B, T, H, K = 2, 1000, 16, 128  # T not a multiple of the chunk; k3_small's heads
     inputs, kwargs, go = random_kda_inputs(B, T, H, K, doc_len=doc_len, seed=1)
     kwargs["lower_bound"] = lower_bound
-    results = []
-    for fn, cast in ((functools.partial(kda_fla, recompute=recompute, gate_norm=True), lambda t: t),
-                     (functools.partial(kda_fla, recompute=recompute, gate_norm=False), lambda t: t),
-                     (kda, lambda t: t.float())):
-        leaves = [cast(t).detach().requires_grad_() for t in inputs]
-        params = [kwargs["A_log_H"].detach().requires_grad_(), kwargs["dt_bias_HK"].detach().requires_grad_()]
-        o = fn(*leaves, **{**kwargs, "A_log_H": params[0], "dt_bias_HK": params[1]})
-        results.append((o, *torch.autograd.grad(o, leaves + params, go.to(o.dtype))))
-    ours, fla, spec = results
-    vs_fla = {n: _rel_rms(a, b) for n, a, b in zip(NAMES, ours, fla, strict=True)}
-    vs_spec = {n: _rel_rms(a, b) for n, a, b in zip(NAMES, ours, spec, strict=True)}
-    assert all(e <= 2 ** -7 for e in vs_fla.values()), vs_fla
-    assert all(e <= 2 ** -6 for e in vs_spec.values()), vs_spec
+    _against_fla_and_the_spec(functools.partial(kda_fla, recompute=recompute, gate_norm=True), recompute, inputs,
+                              kwargs, go)
 
 
 @pytest.mark.parametrize("doc_len", [None, 300], ids=["rows", "documents"])
@@ -99,19 +110,8 @@ def test_chunk_with_the_fused_intra_stage_matches_fla_and_the_spec(doc_len: int 
     call, held to the same bounds: its off-diagonal products run in TF32 as fla's do, its diagonal ones in fp32."""
     B, T, H, K = 2, 1000, 16, 128
     inputs, kwargs, go = random_kda_inputs(B, T, H, K, doc_len=doc_len, seed=2)
-    results = []
-    for fn, cast in ((functools.partial(kda_fla, recompute=recompute, gate_norm=True, intra_norm=True), lambda t: t),
-                     (functools.partial(kda_fla, recompute=recompute, gate_norm=False), lambda t: t),
-                     (kda, lambda t: t.float())):
-        leaves = [cast(t).detach().requires_grad_() for t in inputs]
-        params = [kwargs["A_log_H"].detach().requires_grad_(), kwargs["dt_bias_HK"].detach().requires_grad_()]
-        o = fn(*leaves, **{**kwargs, "A_log_H": params[0], "dt_bias_HK": params[1]})
-        results.append((o, *torch.autograd.grad(o, leaves + params, go.to(o.dtype))))
-    ours, fla, spec = results
-    vs_fla = {n: _rel_rms(a, b) for n, a, b in zip(NAMES, ours, fla, strict=True)}
-    vs_spec = {n: _rel_rms(a, b) for n, a, b in zip(NAMES, ours, spec, strict=True)}
-    assert all(e <= 2 ** -7 for e in vs_fla.values()), vs_fla
-    assert all(e <= 2 ** -6 for e in vs_spec.values()), vs_spec
+    _against_fla_and_the_spec(functools.partial(kda_fla, recompute=recompute, gate_norm=True, intra_norm=True),
+                              recompute, inputs, kwargs, go)
 
 
 @pytest.mark.parametrize("documents", [False, True], ids=["rows", "documents"])
@@ -121,12 +121,7 @@ def test_intra_norm_kernel_matches_the_composed_spec(documents: bool) -> None:
     from moontrain.model.kda.intra import random_stage_inputs
     from tests.moontrain.model.kda.intra_norm_cases import OUT_TOL, reference, run, with_rstd
 
-    B, T, H, K = (1, 2000, 16, 128) if documents else (2, 1000, 16, 128)
-    lists = {}
-    if documents:  # one-token documents, a start on a chunk edge; fla's use_graph padding rows at the end
-        cu_seqlens = torch.tensor([0, 1, 64, 65, 300, 999, 1513, 2000], device="cuda")
-        chunk_indices = torch.cat([prepare_chunk_indices(cu_seqlens), torch.tensor([[-1, 0]] * 5, device="cuda")])
-        lists = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    (B, T, H, K), lists = _stage_shape(documents)
     for gate in (5.0, 0.1):  # the recipe's bound, and a weak gate whose terms between sub-chunks count
         x = with_rstd(random_stage_inputs(B, T, H, K, torch.bfloat16, "cuda", seed=3, gate=gate, **lists), seed=4)
         for name, a, b in zip(("dq_in", "dk_in", "db", "dg"), run(x), reference(x), strict=True):
