@@ -39,8 +39,8 @@ def reference(x: dict) -> tuple[torch.Tensor, ...]:
                                   "chunk_indices", "safe_gate", "lower_bound")}
     dq, dk, db, dg = kda_intra_reference(**stage)
     H, K = x["k"].shape[2:]
-    gate = dict(f=torch.zeros_like(dq), A_log=torch.zeros(H, dtype=torch.float64),
-                dt_bias=torch.zeros(H * K, dtype=torch.float64), lower_bound=x["lower_bound"],
+    gate = dict(f=torch.zeros_like(dq), A_log=torch.zeros(H, dtype=torch.float64, device=dq.device),
+                dt_bias=torch.zeros(H * K, dtype=torch.float64, device=dq.device), lower_bound=x["lower_bound"],
                 cu_seqlens=x["cu_seqlens"], chunk_indices=x["chunk_indices"])
     dq_in, dk_in, *_ = kda_gate_norm_backward_reference(dq, dk, dg, wide["q"], wide["q_rstd"], wide["k"],
                                                         wide["k_rstd"], **gate)
