@@ -17,8 +17,10 @@ values a thread at K = 128 and 4 warps), as fla's kernel splits the chunk but wi
 - the sums over later sub-chunks S for the rows as the column index: t_j = sum_i dAqk_ij q_i E_ij + dAkk_ij
   beta_i k_i E_ij, through q_S 2^(g_S - g_ref') with g_ref' the sub-chunk's last row, then times 2^(g_ref' - g_j);
 - the diagonal [16, 16] block through its middle row's gate: both factors within 2^(8 |lower bound| / ln 2),
-  finite in fp32 for a lower bound down to -10 (the gate must be bounded: kernels.kda_intra=fla_k64 otherwise),
-  its products in fp32 FMA (input_precision ieee), the off-diagonal ones in TF32 as fla's kernel runs them.
+  finite in fp32 for a lower bound down to -10 (the gate must be bounded: kernels.kda_intra=fla_k64 otherwise).
+Every product runs in TF32 (fla's kernel: its off-diagonal ones; its diagonal ones in bf16x3): each operand is
+rounded relative to itself, so a diagonal term's two factors (2^58 and 2^-58 at most at the recipe's bound) cost no more than
+an off-diagonal term's.
 Then dq, dk, dg, db gain their parts (moontrain.model.kda.intra's formulas) and the norms' backward is applied to
 dq and dk in the registers. Rows of the chunk list with a negative sequence (fla's use_graph padding) and
 sub-chunks past a chunk's end do nothing.
@@ -40,7 +42,7 @@ except ImportError:  # the specifications run without triton; the launcher needs
     triton = None
 
 SUB = 16  # rows of a sub-chunk (fla's BC)
-DIAG = "ieee"  # the diagonal blocks' products: fp32 FMA
+DIAG = "tf32"  # the diagonal blocks' products, as the others (docs/kda.md: against "ieee", fp32 FMA)
 LOWEST_BOUND = -10.0  # the diagonal block's factors reach 2^(8 |lower bound| / ln 2): < 2^116 down to here
 
 

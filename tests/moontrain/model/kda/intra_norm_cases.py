@@ -2,9 +2,10 @@
 tests): the two stages it fuses composed in float64, moontrain.model.kda.intra's reference then the norms' part of
 moontrain.model.kda.gate_norm's backward reference.
 
-Tolerances, relative to each output's largest magnitude. On a GPU the off-diagonal [16, 16] x [16, K] products
-run in TF32 (as fla's kernel runs them): each operand rounded to 2^-11 of itself, each product's terms within
-2^-10 of theirs; a row's sum holds <= 64 terms of |dA| |k| <= |dA| (unit rows, factors <= 1), whose absolute
+Tolerances, relative to each output's largest magnitude. On a GPU the [16, 16] x [16, K] products run in TF32:
+each operand rounded to 2^-11 of itself, each product's terms within 2^-10 of theirs (the diagonal block's
+factored operands too: the rounding is relative); a row's sum holds <= 64 terms of |dA| |k| E <= |dA| (unit rows,
+E <= 1), whose absolute
 sum stays within 4x the largest output at these sizes: 4 * 2^-10 = 3.9e-3, which bounds dg and db (fp32
 outputs). dq_in and dk_in add one rounding to q's dtype, one bf16 ulp at most (2^-7 of the value: the
 interpreter's conversion truncates, the GPU's rounds to nearest): 3.9e-3 + 2^-7. The interpreter computes the
