@@ -19,8 +19,8 @@ values a thread at K = 128 and 4 warps), as fla's kernel splits the chunk but wi
 - the diagonal [16, 16] block through its middle row's gate: both factors within 2^(8 |lower bound| / ln 2),
   finite in fp32 for a lower bound down to -10 (the gate must be bounded: kernels.kda_intra=fla_k64 otherwise).
 Every product runs in TF32 (fla's kernel: its off-diagonal ones; its diagonal ones in bf16x3): each operand is
-rounded relative to itself, so a diagonal term's two factors (2^58 and 2^-58 at most at the recipe's bound) cost no more than
-an off-diagonal term's.
+rounded relative to itself, so a diagonal term's two factors (2^58 and 2^-58 at most at the recipe's bound)
+cost no more than an off-diagonal term's.
 Then dq, dk, dg, db gain their parts (moontrain.model.kda.intra's formulas) and the norms' backward is applied to
 dq and dk in the registers. Rows of the chunk list with a negative sequence (fla's use_graph padding) and
 sub-chunks past a chunk's end do nothing.

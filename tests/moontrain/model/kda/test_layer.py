@@ -249,5 +249,6 @@ def test_fused_intra_stage_needs_the_gate_norm_route() -> None:
     from moontrain.model.config import KernelsConfig
 
     assert KernelsConfig(kda_intra="moontrain", kda_gate_norm="moontrain").kda_intra == "moontrain"
-    with pytest.raises(ValueError, match=r"kda_intra=moontrain .* kernels.kda_gate_norm=moontrain .*'fla'.*kda_intra=fla_k64"):
+    fixes = r"kda_intra=moontrain .* kernels.kda_gate_norm=moontrain .*'fla'.*kda_intra=fla_k64"
+    with pytest.raises(ValueError, match=fixes):
         KernelsConfig(kda_intra="moontrain", kda_gate_norm="fla")
