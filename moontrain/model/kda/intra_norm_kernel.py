@@ -1,6 +1,6 @@
 """KDA's intra-chunk backward stage and the L2 norms' backward as one Triton kernel (kernels.kda_intra=moontrain,
-with kernels.kda_gate_norm=moontrain); the specification is the two stages it fuses, composed:
-moontrain.model.kda.intra (dq, dk, db, dg from the dqkg stage's) then the norms' part of
+with kernels.kda_gate_norm=moontrain); its specification, moontrain.model.kda.intra_norm, is the two stages it
+fuses, composed: moontrain.model.kda.intra (dq, dk, db, dg from the dqkg stage's) then the norms' part of
 moontrain.model.kda.gate_norm's backward (dq_in = q_rstd (dq - (dq . qn) qn), dk_in likewise).
 
 Why fused. On the default route fla's intra kernel writes fp32 dq, dk and dg ([B, T, H, K] each) and the ends'
@@ -143,10 +143,11 @@ def kda_intra_norm(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torc
                    dAkk: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, db: torch.Tensor, dg: torch.Tensor,
                    q_rstd: torch.Tensor, k_rstd: torch.Tensor, *, lower_bound: float | None,
                    cu_seqlens: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
-                   warps: int = 4) -> tuple[torch.Tensor, ...]:
+                   warps: int = 4, stages: int = 3, diag: str = DIAG) -> tuple[torch.Tensor, ...]:
     """The intra-chunk stage (moontrain.model.kda.intra's arguments: q, k the normalised rows as the forward
     stored them) followed by the L2 norms' backward: (dq_in, dk_in in q's dtype, db, dg fp32). q_rstd, k_rstd:
-    the forward's reciprocal norms (fp32 [B, T, H]); lower_bound: the gate's (required, >= -10)."""
+    the forward's reciprocal norms (fp32 [B, T, H]); lower_bound: the gate's (required, >= -10). warps, stages,
+    diag (the diagonal blocks' input_precision): the launch's (benchmarks/bench_kda_intra_norm.py sweeps them)."""
     if triton is None:
         raise ValueError("kda_intra_norm: triton is not installed; compose moontrain.model.kda.intra's and "
                          "moontrain.model.kda.gate_norm's references")
@@ -172,7 +173,7 @@ def kda_intra_norm(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torc
     dg_out, db_out = torch.empty_like(dg), torch.empty_like(db)
     _intra_norm_kernel[(rows * (CHUNK // SUB), B * H)](
         q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, q_rstd, k_rstd, dq_out, dk_out, dg_out, db_out, cu_seqlens,
-        chunk_indices, T, NT, H=H, K=K, BT=CHUNK, BC=SUB, IS_VARLEN=cu_seqlens is not None, DIAG=DIAG,
-        num_warps=warps)
+        chunk_indices, T, NT, H=H, K=K, BT=CHUNK, BC=SUB, IS_VARLEN=cu_seqlens is not None, DIAG=diag,
+        num_warps=warps, num_stages=stages)
     return dq_out, dk_out, db_out, dg_out
 

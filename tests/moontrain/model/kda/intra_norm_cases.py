@@ -1,6 +1,6 @@
-"""Inputs, the specification and the bounds for moontrain.model.kda.intra_norm_kernel (the interpreted and the GPU
-tests): the two stages it fuses composed in float64, moontrain.model.kda.intra's reference then the norms' part of
-moontrain.model.kda.gate_norm's backward reference.
+"""Inputs, the specification's call and the bounds for moontrain.model.kda.intra_norm_kernel (the interpreted and the
+GPU tests): moontrain.model.kda.intra_norm's reference in float64, the intra-chunk stage's reference then the
+norms' part of the gate-and-norm backward's.
 
 Tolerances, relative to each output's largest magnitude. On a GPU the [16, 16] x [16, K] products run in TF32:
 each operand rounded to 2^-11 of itself, each product's terms within 2^-10 of theirs (the diagonal block's
@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from moontrain.model.kda.gate_norm import kda_gate_norm_backward_reference
-from moontrain.model.kda.intra import kda_intra_reference
+from moontrain.model.kda.intra_norm import kda_intra_norm_reference
 from moontrain.model.kda.intra_norm_kernel import kda_intra_norm
 
 TF32_TOL = 4 * 2 ** -10
@@ -34,18 +33,12 @@ def with_rstd(x: dict, seed: int) -> dict:
 
 
 def reference(x: dict) -> tuple[torch.Tensor, ...]:
-    """The two stages' specifications in float64, unrounded: (dq_in, dk_in, db, dg)."""
+    """The specification (moontrain.model.kda.intra_norm) in float64, unrounded: (dq_in, dk_in, db, dg)."""
     wide = {n: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for n, v in x.items()}
-    stage = {n: wide[n] for n in ("q", "k", "g", "beta", "dAqk", "dAkk", "dq", "dk", "db", "dg", "cu_seqlens",
-                                  "chunk_indices", "safe_gate", "lower_bound")}
-    dq, dk, db, dg = kda_intra_reference(**stage)
-    H, K = x["k"].shape[2:]
-    gate = dict(f=torch.zeros_like(dq), A_log=torch.zeros(H, dtype=torch.float64, device=dq.device),
-                dt_bias=torch.zeros(H * K, dtype=torch.float64, device=dq.device), lower_bound=x["lower_bound"],
-                cu_seqlens=x["cu_seqlens"], chunk_indices=x["chunk_indices"])
-    dq_in, dk_in, *_ = kda_gate_norm_backward_reference(dq, dk, dg, wide["q"], wide["q_rstd"], wide["k"],
-                                                        wide["k_rstd"], **gate)
-    return dq_in, dk_in, db, dg
+    return kda_intra_norm_reference(*(wide[n] for n in ("q", "k", "g", "beta", "dAqk", "dAkk", "dq", "dk", "db", "dg",
+                                                        "q_rstd", "k_rstd")),
+                                    lower_bound=x["lower_bound"], cu_seqlens=x["cu_seqlens"],
+                                    chunk_indices=x["chunk_indices"])
 
 
 def run(x: dict) -> tuple[torch.Tensor, ...]:

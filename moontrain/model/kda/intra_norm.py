@@ -1,0 +1,33 @@
+"""The specification of moontrain.model.kda.intra_norm_kernel (kernels.kda_intra=moontrain): KDA's intra-chunk
+backward stage (moontrain.model.kda.intra) followed by the L2 norms' backward of the gate-and-norm route
+(moontrain.model.kda.gate_norm), composed. The gate's backward, the route's last launch, is left out: it runs
+after the fused kernel on the dg that both produce."""
+
+from __future__ import annotations
+
+import torch
+
+from moontrain.model.kda.gate_norm import kda_gate_norm_backward_reference
+from moontrain.model.kda.intra import kda_intra_reference
+
+STAGE_OUTPUTS = ("dq_in", "dk_in", "db", "dg")
+
+
+def kda_intra_norm_reference(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                             dAqk: torch.Tensor, dAkk: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+                             db: torch.Tensor, dg: torch.Tensor, q_rstd: torch.Tensor, k_rstd: torch.Tensor, *,
+                             lower_bound: float | None, cu_seqlens: torch.Tensor | None = None,
+                             chunk_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """(dq_in, dk_in, db, dg) in the inputs' precision, at least fp32 (unrounded: float64 inputs give float64),
+    q and k the normalised rows the forward stored, q_rstd and k_rstd their reciprocal norms."""
+    dq, dk, db, dg = kda_intra_reference(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens=cu_seqlens,
+                                         chunk_indices=chunk_indices, safe_gate=lower_bound is not None,
+                                         lower_bound=lower_bound)
+    H, K = k.shape[2:]
+    p = dq.dtype
+    gate = dict(f=torch.zeros_like(dq), A_log=torch.zeros(H, dtype=p, device=dq.device),
+                dt_bias=torch.zeros(H * K, dtype=p, device=dq.device), lower_bound=lower_bound,
+                cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    dq_in, dk_in, *_ = kda_gate_norm_backward_reference(dq, dk, dg, q.to(p), q_rstd.to(p), k.to(p), k_rstd.to(p),
+                                                        **gate)
+    return dq_in, dk_in, db, dg
