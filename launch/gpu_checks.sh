@@ -8,7 +8,7 @@
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
 # absent. On 2+ GPUs the tier under torchrun --nproc_per_node=2, one log per rank (OUT_DIR/tests_r<rank>.log).
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
-# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / ROUTER_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / GATENORM_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT / K3_TIMEOUT (s), MFU_ARGS / K3_ARGS (extra overrides for the mfu / k3 steps), K3_AB_ARGS (the overrides k3ab measures against main), REF_TREE (k3ref: a tar.xz of the commit it measures this tree against), K3REF_ROWS (k3ref's rows: 131k
+# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / ROUTER_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / GATENORM_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT / K3_TIMEOUT (s), MFU_ARGS / K3_ARGS (extra overrides for the mfu / k3 steps), K3_AB_ARGS (the overrides k3ab measures against main), LEARNING_ARGS (overrides for the learning step's runs, e.g. kernels.kda_gate_norm=moontrain), REF_TREE (k3ref: a tar.xz of the commit it measures this tree against), K3REF_ROWS (k3ref's rows: 131k
 # recipe_batch, the default, or one of them), K3REF_ARGS (extra overrides for k3ref's run of this tree, e.g. kernels.router=auto), OPSITES_ARGS (extra op_sites.py arguments for the opsites / outputcode steps, e.g. --op add), DET_ONLY (runs of check_determinism, default A,B,P,C,D), GEMM_ARGS (bench_expert_gemm.py arguments, e.g. --shapes k3_small --merged-only), COMM_ARGS (bench_comm.py
 # arguments instead of --experts 96 384, e.g. --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
 # --experts 896 --topk 16 --ranks 8).
@@ -144,7 +144,7 @@ for step in "${steps[@]}"; do
     learning)  # docs/learning.md: the DeepSeek-V3 block (60 steps, ~2.5 min) and the K3 block (~2 min) on text, one GPU
            for setup in dsv3 k3_small; do
              timeout "${LEARNING_TIMEOUT:-280}" torchrun --nproc_per_node=1 benchmarks/bench_learning.py --setup "$setup" \
-               --steps 60 --out "$out" > "$out/learning_$setup.log" 2>&1
+               --steps 60 --out "$out" ${LEARNING_ARGS:-} > "$out/learning_$setup.log" 2>&1
              echo "learning $setup rc=$?"; grep -E "^summary|^torchtitan" "$out/learning_$setup.log" | cut -c1-400
            done ;;
     mfu)   # issue 23's one-GPU point: k3_small_moe's widths with 64 experts at EP = 1, all-MLA layout, 131k tokens per
@@ -264,18 +264,23 @@ for step in "${steps[@]}"; do
            timeout "${WRITEBACK_TIMEOUT:-300}" python -m pytest -q -m gpu tests/moontrain/optim/test_write_back_gpu.py \
              tests/moontrain/parallel/test_plain_dense_gpu.py > "$out/write_back_tests.log" 2>&1
            echo "write-back GPU tests rc=$?"; tail -3 "$out/write_back_tests.log" ;;
-    gatenorm) # KDA's gate-and-norm kernels (kernels.kda_gate_norm=moontrain): their GPU tests (default, 8 and 16
-           # warps), then bench_gate_norm over the warps, with and without documents
+    gatenorm) # KDA's gate-and-norm kernels (kernels.kda_gate_norm=moontrain) and the fused intra stage
+           # (kernels.kda_intra=moontrain): their GPU tests (the ends at default, 8 and 16 warps; the fused kernel and
+           # route), bench_gate_norm over the warps, then bench_kda_intra_norm (the route's last two launches against
+           # the fused stage's), with and without documents
            timeout "${GATENORM_TIMEOUT:-200}" python -m pytest -q -m gpu tests/moontrain/model/kda/test_chunk_gpu.py \
-             -k gate_norm_kernels > "$out/gate_norm_tests.log" 2>&1
+             -k "gate_norm_kernels or intra_norm or fused" > "$out/gate_norm_tests.log" 2>&1
            echo "gate-norm tests rc=$?"; tail -2 "$out/gate_norm_tests.log"
            timeout "${GATENORM_TIMEOUT:-200}" python benchmarks/bench_gate_norm.py --out "$out/bench_gate_norm.json" \
              > "$out/gate_norm.log" 2>&1
-           echo "bench_gate_norm rc=$?"; tail -8 "$out/gate_norm.log" ;;
+           echo "bench_gate_norm rc=$?"; tail -8 "$out/gate_norm.log"
+           timeout "${GATENORM_TIMEOUT:-200}" python benchmarks/bench_kda_intra_norm.py \
+             --out "$out/bench_kda_intra_norm.json" > "$out/kda_intra_norm.log" 2>&1
+           echo "bench_kda_intra_norm rc=$?"; tail -8 "$out/kda_intra_norm.log" ;;
     kdakernels) # KDA's forward + backward by kernel (fla's chunk_kda on the model's route: moontrain's dqkg stage,
            # states kept, then recomputed) at 4 x 4096 x 16, with and without documents
            timeout "${KDAK_TIMEOUT:-300}" python benchmarks/diagnostics/kda_kernels.py --dqkg moontrain \
-             --recompute off on --gate-norm fla moontrain > "$out/kda_kernels.log" 2>&1
+             --recompute off on --gate-norm fla moontrain intra_norm > "$out/kda_kernels.log" 2>&1
            echo "kda_kernels rc=$?"; head -24 "$out/kda_kernels.log"; tail -6 "$out/kda_kernels.log" ;;
     opsites) # where the K3 layers' large copies, casts and cats come from (fla's kernels included), 4 layers of
            # k3_small at 4 x 4096 tokens
