@@ -52,7 +52,8 @@ def _inputs(B: int, T: int, H: int, doc_len: int | None, gate: float = 5.0, seed
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
     x |= {n: torch.rand(B, T, H, device="cuda", generator=gen) + 0.5 for n in ("q_rstd", "k_rstd")}
     x |= dict(f=torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16, generator=gen),
-              A_log=torch.rand(H, device="cuda", generator=gen), dt_bias=torch.randn(H * K, device="cuda", generator=gen))
+              A_log=torch.rand(H, device="cuda", generator=gen),
+              dt_bias=torch.randn(H * K, device="cuda", generator=gen))
     return x
 
 

@@ -305,9 +305,9 @@ class KernelsConfig:
         if self.kda_gate_norm not in ("fla", "moontrain"):
             raise ValueError(f"kernels.kda_gate_norm must be 'fla' or 'moontrain', got {self.kda_gate_norm!r}")
         if self.kda_intra == "moontrain" and self.kda_gate_norm != "moontrain":
-            raise ValueError("kernels.kda_intra=moontrain applies the L2 norms' backward that moontrain's gate-and-norm "
-                             f"route leaves to it: set kernels.kda_gate_norm=moontrain too (got {self.kda_gate_norm!r}), "
-                             "or kernels.kda_intra=fla_k64")
+            raise ValueError("kernels.kda_intra=moontrain applies the L2 norms' backward that moontrain's "
+                             "gate-and-norm route leaves to it: set kernels.kda_gate_norm=moontrain too (got "
+                             f"{self.kda_gate_norm!r}), or kernels.kda_intra=fla_k64")
         if self.short_conv not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels.short_conv must be 'auto', 'torch' or 'triton', got {self.short_conv!r}")
         if self.short_conv_backward not in ("tiles", "walk"):

@@ -211,7 +211,8 @@ def kda_gate_backward(dg: torch.Tensor, f: torch.Tensor, A_log: torch.Tensor, dt
     _require_triton("kda_gate_backward")
     validate(f, f, f, A_log, dt_bias, cu_seqlens)
     if not dg.is_contiguous() or dg.dtype != torch.float32:
-        raise ValueError(f"kda_gate_backward: dg must be fp32 and contiguous, got {dg.dtype} with strides {dg.stride()}")
+        raise ValueError(f"kda_gate_backward: dg must be fp32 and contiguous, got {dg.dtype} with strides "
+                         f"{dg.stride()}")
     return _launch_backward(dg, f, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, None, warps)
 
 
