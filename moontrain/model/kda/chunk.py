@@ -30,7 +30,7 @@ from moontrain.model.kda.gate_norm_kernel import (
     kda_gate_norm,
     kda_gate_norm_backward,
 )
-from moontrain.model.kda.intra_norm_kernel import LOWEST_BOUND, kda_intra_norm
+from moontrain.model.kda.intra_norm_kernel import check_lower_bound, kda_intra_norm
 
 CHUNK = 64
 
@@ -133,8 +133,7 @@ def chunk_kda_moontrain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: to
     if q.shape[2] != v.shape[2]:
         raise ValueError(f"chunk_kda_moontrain: q has {q.shape[2]} heads and v {v.shape[2]}; grouped value heads "
                          "(GVA) are not supported")
-    if intra_norm and (lower_bound is None or not LOWEST_BOUND <= lower_bound < 0):
-        raise ValueError(f"kernels.kda_intra=moontrain takes a gate lower bound in [{LOWEST_BOUND}, 0), got "
-                         f"model.kda_gate_lower_bound={lower_bound}; set kernels.kda_intra=fla_k64 for this gate")
+    if intra_norm:  # refused before the forward, not at the backward
+        check_lower_bound(lower_bound)
     return ChunkKDA.apply(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, cu_seqlens_cpu,
                           max_num_seqs, recompute, intra_norm)

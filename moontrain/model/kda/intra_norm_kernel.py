@@ -139,6 +139,14 @@ if triton is not None:
             tl.store(dk_out + at + p_I, b_dk.to(dk_out.dtype.element_ty), mask=m)
 
 
+def check_lower_bound(lower_bound: float | None) -> None:
+    """Refuse a gate whose diagonal blocks' factors could leave fp32 (kernels.kda_intra=fla_k64 takes it)."""
+    if lower_bound is None or not LOWEST_BOUND <= lower_bound < 0:
+        raise ValueError(f"kernels.kda_intra=moontrain takes a gate lower bound in [{LOWEST_BOUND}, 0) (its "
+                         f"diagonal blocks' factors stay finite in fp32 there), got model.kda_gate_lower_bound="
+                         f"{lower_bound}; set kernels.kda_intra=fla_k64 for this gate")
+
+
 def kda_intra_norm(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, dAqk: torch.Tensor,
                    dAkk: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, db: torch.Tensor, dg: torch.Tensor,
                    q_rstd: torch.Tensor, k_rstd: torch.Tensor, *, lower_bound: float | None,
@@ -151,10 +159,7 @@ def kda_intra_norm(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torc
     if triton is None:
         raise ValueError("kda_intra_norm: triton is not installed; compose moontrain.model.kda.intra's and "
                          "moontrain.model.kda.gate_norm's references")
-    if lower_bound is None or not LOWEST_BOUND <= lower_bound < 0:
-        raise ValueError(f"kernels.kda_intra=moontrain takes a gate lower bound in [{LOWEST_BOUND}, 0) (its "
-                         f"diagonal blocks' factors stay finite in fp32 there), got model.kda_gate_lower_bound="
-                         f"{lower_bound}; set kernels.kda_intra=fla_k64 for this gate")
+    check_lower_bound(lower_bound)
     validate(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens, CHUNK)
     named = dict(q=q, k=k, g=g, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, q_rstd=q_rstd,
                  k_rstd=k_rstd)

@@ -75,6 +75,12 @@ def test_gate_backward_alone_is_the_gate_norm_kernels_gate_part() -> None:
 
 
 def test_refusals() -> None:
+    from moontrain.model.kda.chunk import chunk_kda_moontrain
+
+    q = torch.randn(1, 64, 2, 32)
+    with pytest.raises(ValueError, match=r"gate lower bound in \[-10.0, 0\).*got model.kda_gate_lower_bound=None"):
+        chunk_kda_moontrain(q, q, q, q, torch.rand(1, 64, 2), torch.zeros(2), torch.zeros(64), scale=1.0,
+                            lower_bound=None, intra_norm=True)  # refused before the forward runs anything
     x = inputs("batch", 32, 5.0, False)
     with pytest.raises(ValueError, match=r"gate lower bound in \[-10.0, 0\).*kda_intra=fla_k64"):
         kda_intra_norm(*(x[n] for n in ("q", "k", "g", "beta", "dAqk", "dAkk", "dq", "dk", "db", "dg", "q_rstd",
