@@ -257,8 +257,9 @@ class KernelsConfig:
     # fla's; at k3_small's pass the stage 0.2 ms faster, a KDA call 0.06-0.1 ms: docs/kda.md), "fla" (fla's
     # chunk_kda_bwd_intra, 32-wide), "moontrain" (moontrain.model.kda.intra_norm_kernel: the stage and the L2
     # norms' backward in one kernel, dq and dk stored once in their dtype; with kda_gate_norm=moontrain and a
-    # gate lower bound in [-10, 0)). Only where the KDA layers run fla; fla's two: process-wide
-    kda_intra: Literal["fla", "fla_k64", "moontrain"] = "fla_k64"
+    # gate lower bound in [-10, 0)), "auto" (moontrain where it applies, else fla_k64: moontrain.model.kda.layer's
+    # resolve_intra). Only where the KDA layers run fla; fla's two: process-wide
+    kda_intra: Literal["auto", "fla", "fla_k64", "moontrain"] = "auto"
     # the two elementwise ends of the KDA call (q and k's L2 norms, the gate and its chunk-local cumulative sum,
     # and their backward): "moontrain" (moontrain.model.kda.chunk: fla's stages between moontrain's Triton
     # kernels, one launch at each end instead of three forward and six backward, f read in place) or "fla"
@@ -300,8 +301,9 @@ class KernelsConfig:
             raise ValueError(f"kernels.kda must be 'auto', 'torch' or 'fla', got {self.kda!r}")
         if self.kda_dqkg not in ("fla", "moontrain"):
             raise ValueError(f"kernels.kda_dqkg must be 'fla' or 'moontrain', got {self.kda_dqkg!r}")
-        if self.kda_intra not in ("fla", "fla_k64", "moontrain"):
-            raise ValueError(f"kernels.kda_intra must be 'fla', 'fla_k64' or 'moontrain', got {self.kda_intra!r}")
+        if self.kda_intra not in ("auto", "fla", "fla_k64", "moontrain"):
+            raise ValueError(f"kernels.kda_intra must be 'auto', 'fla', 'fla_k64' or 'moontrain', got "
+                             f"{self.kda_intra!r}")
         if self.kda_gate_norm not in ("fla", "moontrain"):
             raise ValueError(f"kernels.kda_gate_norm must be 'fla' or 'moontrain', got {self.kda_gate_norm!r}")
         if self.kda_intra == "moontrain" and self.kda_gate_norm != "moontrain":

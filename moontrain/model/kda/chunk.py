@@ -30,7 +30,8 @@ from moontrain.model.kda.gate_norm_kernel import (
     kda_gate_norm,
     kda_gate_norm_backward,
 )
-from moontrain.model.kda.intra_norm_kernel import check_lower_bound, kda_intra_norm
+from moontrain.model.kda.intra_norm import check_lower_bound
+from moontrain.model.kda.intra_norm_kernel import kda_intra_norm
 
 CHUNK = 64
 

@@ -32,6 +32,7 @@ import torch
 
 from moontrain.model.kda.dqkg import CHUNK, prepare_chunk_indices
 from moontrain.model.kda.intra import validate
+from moontrain.model.kda.intra_norm import check_lower_bound
 
 try:
     import triton
@@ -43,7 +44,6 @@ except ImportError:  # the specifications run without triton; the launcher needs
 
 SUB = 16  # rows of a sub-chunk (fla's BC)
 DIAG = "tf32"  # the diagonal blocks' products, as the others (docs/kda.md: against "ieee", fp32 FMA)
-LOWEST_BOUND = -10.0  # the diagonal block's factors reach 2^(8 |lower bound| / ln 2): < 2^116 down to here
 
 
 if triton is not None:
@@ -137,14 +137,6 @@ if triton is not None:
             b_rs = tl.load(k_rstd + at_r + c_I * H, mask=m_I, other=0.0)
             b_dk = b_rs[:, None] * (b_dk - tl.sum(b_dk * b_kI, axis=1)[:, None] * b_kI)
             tl.store(dk_out + at + p_I, b_dk.to(dk_out.dtype.element_ty), mask=m)
-
-
-def check_lower_bound(lower_bound: float | None) -> None:
-    """Refuse a gate whose diagonal blocks' factors could leave fp32 (kernels.kda_intra=fla_k64 takes it)."""
-    if lower_bound is None or not LOWEST_BOUND <= lower_bound < 0:
-        raise ValueError(f"kernels.kda_intra=moontrain takes a gate lower bound in [{LOWEST_BOUND}, 0) (its "
-                         f"diagonal blocks' factors stay finite in fp32 there), got model.kda_gate_lower_bound="
-                         f"{lower_bound}; set kernels.kda_intra=fla_k64 for this gate")
 
 
 def kda_intra_norm(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, dAqk: torch.Tensor,

@@ -22,11 +22,10 @@ Kernel: kernels.kda picks ops.kda (pure PyTorch, chunked; CPU and GPU) or ops.kd
 likewise the convolutions (short_conv, or moontrain.model.kda.short_conv_kernel's Triton kernel, which reads
 project()'s column slices in place and which torch.compile traces through); kernels.kda_dqkg and
 kernels.kda_intra which kernels run the two fla backward stages moontrain.model.kda.dqkg and kda_intra specify
-(fla's, or moontrain's: moontrain.model.kda.fla_backend routes them); kernels.kda_gate_norm whether fla's
-chunk_kda runs the call or moontrain.model.kda.chunk (fla's stages between moontrain's gate-and-norm kernels). The
-KDA call is
-excluded from torch.compile (fla's autograd function is opaque to it; the reference's chunk loop would
-unroll); the projections, convolutions and the output norm around it compile, with inductor's comprehensive
+(fla's, or moontrain's: moontrain.model.kda.fla_backend routes them; kda_intra=auto: resolve_intra);
+kernels.kda_gate_norm whether fla's chunk_kda runs the call or moontrain.model.kda.chunk (fla's stages between
+moontrain's gate-and-norm kernels). The KDA call is excluded from torch.compile (fla's autograd function is
+opaque to it; the reference's chunk loop would unroll); the projections, convolutions and the output norm around it compile, with inductor's comprehensive
 padding off (compile(): the convolutions' Triton launches carry the projection's strides as traced, so a
 padded projection output would be copied, slice by slice, in forward and backward).
 
@@ -48,6 +47,7 @@ from torch import nn
 
 from moontrain.model.config import ModelConfig
 from moontrain.model.documents import DocumentMask
+from moontrain.model.kda.intra_norm import takes_lower_bound
 from moontrain.model.kda.ops import at_least_fp32, kda, kda_fla
 from moontrain.model.kda.short_conv import select_short_conv
 
@@ -56,6 +56,15 @@ DECAY_RATE_RANGE = (1e-3, 1e-1)
 
 def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
+
+
+def resolve_intra(intra: str, gate_norm: str, lower_bound: float | None) -> str:
+    """kernels.kda_intra as the layer runs it: "auto" is moontrain's fused intra+norm stage where it applies (the
+    gate-and-norm route, kernels.kda_gate_norm=moontrain, with a gate the kernel takes: a lower bound in
+    [-10, 0)), fla_k64 elsewhere; the other values are themselves."""
+    if intra != "auto":
+        return intra
+    return "moontrain" if gate_norm == "moontrain" and takes_lower_bound(lower_bound) else "fla_k64"
 
 
 def select_kda_kernel(choice: str, device: torch.device | str | None) -> Callable[..., torch.Tensor]:
@@ -132,6 +141,8 @@ class KimiDeltaAttention(nn.Module):
         self.kernel = select_kda_kernel(kernel, device)  # kernel: kernels.kda; called by recurrence()
         if self.kernel is kda_fla:
             from moontrain.model.kda.fla_backend import route_fla_stages  # imports fla: only where fla runs
+
+            intra = resolve_intra(intra, gate_norm, cfg.kda_gate_lower_bound)
 
             # kernels.kda_dqkg / kda_intra: process-wide, as fla's choice is (kda_intra=moontrain is no fla stage: its
             # kernel runs inside moontrain's gate-and-norm route, which leaves fla's dispatch to the other layers)

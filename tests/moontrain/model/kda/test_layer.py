@@ -252,3 +252,27 @@ def test_fused_intra_stage_needs_the_gate_norm_route() -> None:
     fixes = r"kda_intra=moontrain .* kernels.kda_gate_norm=moontrain .*'fla'.*kda_intra=fla_k64"
     with pytest.raises(ValueError, match=fixes):
         KernelsConfig(kda_intra="moontrain", kda_gate_norm="fla")
+
+
+def test_auto_intra_stage_is_the_fused_one_where_it_applies() -> None:
+    """kernels.kda_intra=auto (the default) runs moontrain's fused intra+norm stage exactly where the config would
+    accept kda_intra=moontrain and its kernel takes the gate (kda_gate_norm=moontrain, lower bound in [-10, 0):
+    check_lower_bound's range, its edges included), and fla_k64 everywhere else, so no gate or ends are refused.
+    Explicit values pass through unchanged."""
+    from moontrain.model.config import KernelsConfig
+    from moontrain.model.kda.intra_norm import check_lower_bound
+    from moontrain.model.kda.layer import resolve_intra
+
+    assert KernelsConfig().kda_intra == "auto"
+    for bound in (-10.0, -5.0, -1e-6):
+        check_lower_bound(bound)
+        assert resolve_intra("auto", "moontrain", bound) == "moontrain"
+        assert resolve_intra("auto", "fla", bound) == "fla_k64"
+    for bound in (None, -10.5, -20.0):
+        with pytest.raises(ValueError, match="kda_gate_lower_bound"):
+            check_lower_bound(bound)
+        assert resolve_intra("auto", "moontrain", bound) == "fla_k64"
+    for intra in ("fla", "fla_k64", "moontrain"):
+        assert resolve_intra(intra, "moontrain", -5.0) == intra
+    with pytest.raises(ValueError, match="'auto', 'fla', 'fla_k64' or 'moontrain', got 'k64'"):
+        KernelsConfig(kda_intra="k64")
