@@ -8,10 +8,10 @@ Cases (batch x seq x heads, KDA heads of 128): T = 4k, 8k and 32k at k3_small's 
 2 x 8192 x 16, 1 x 32768 x 16; fla's tiles for 16 heads are shipped); --cases 2x8192x32 for 32 heads, whose tiles
 fla searches for minutes on a fresh cache.
 Per case:
-- kda: kda_fla as the model runs it by default (gate, L2 norm and chunked recurrence fused; the forward's
-  states kept for the backward, kernels.kda_recompute=False; the dqkg stage on --dqkg's kernel, default
-  moontrain's as kernels.kda_dqkg, the intra-chunk stage on --intra's, default fla_k64 as kernels.kda_intra;
-  bf16 q/k/v/f, fp32 beta), grads of all inputs.
+- kda: kda_fla on fla's ends (fla's chunk_kda: gate, L2 norm and chunked recurrence fused, kernels.kda_gate_norm=
+  fla; the forward's states kept for the backward, kernels.kda_recompute=False; the dqkg stage on --dqkg's kernel,
+  default moontrain's as kernels.kda_dqkg, the intra-chunk stage on --intra's, default fla_k64, what
+  kernels.kda_intra=auto runs there; bf16 q/k/v/f, fp32 beta), grads of all inputs.
 - kda docs: the same with a document start every --doc-len tokens (cu_seqlens over the flattened batch).
 - sdpa: F.scaled_dot_product_attention, causal, bf16 (the MLA layers without document masking).
 - flex docs: the compiled flex_attention with the same documents' block mask (the MLA layers' CUDA path).
@@ -19,7 +19,7 @@ Per case:
 - kda gate_norm (docs): the first case's kda rows with kernels.kda_gate_norm=moontrain (fla's stages between
   moontrain's gate-and-norm kernels, moontrain.model.kda.chunk).
 - kda intra_norm (docs): the same with kernels.kda_intra=moontrain (the intra-chunk stage and the norms' backward
-  in one kernel, moontrain.model.kda.intra_norm_kernel).
+  in one kernel, moontrain.model.kda.intra_norm_kernel): the model's default route.
 - kda torch: the pure-PyTorch specification, at the first case only (it is the reference, not a kernel).
 Median of --iters timed by CUDA events after --warmup (ms: the host waits for each call, so its launch gaps
 count), and the device's time alone (dev ms: the host run ahead, as in a training step's queue; fla's KDA is

@@ -6,7 +6,8 @@ kernels in the interpreter (benchmarks/diagnostics/host_overhead.py); nothing in
 - a runtime scalar used as an index (a kernel loop to a kernel argument) through the array's one element (numpy 2
   rejects int() of a 1-element array);
 - tl.histogram's counts as the int32 data its label promises;
-- tl.dot on bf16 operands through their fp32 values (the interpreter multiplies their uint16 bits);
+- tl.dot on bf16 operands through their fp32 values (the interpreter multiplies their uint16 bits), fp32 products
+  summed in float64 and rounded once (the same on every CPU, whatever BLAS kernel numpy picks);
 - reductions and scans with a custom combine function on whole slices at once, not element by element.
 """
 
@@ -41,18 +42,27 @@ _interpreter.InterpreterBuilder.create_histogram = _create_histogram_int32
 _create_dot = _interpreter.InterpreterBuilder.create_dot
 
 
-def _create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+def _create_dot_fp32(self, a, b, d, input_precision, max_num_imprecise_acc):
     """triton 3.5's interpreter stores bf16 as its uint16 bits and multiplies those; give tl.dot the
-    fp32 values (exact: a bf16 value is an fp32 value with its low 16 bits zero)."""
+    fp32 values (exact: a bf16 value is an fp32 value with its low 16 bits zero). An fp32 product is
+    summed in float64 and rounded to fp32 once: the interpreter's np.matmul in fp32 sums in the order of
+    the BLAS kernel numpy's OpenBLAS picks for the CPU and the block's shape (its Haswell kernels, which it
+    also runs on AMD's Zen, sum a [16, 16] x [16, 32] product's columns unlike the same columns of a
+    [16, 16] x [16, 64] one), so two launches of one kernel with different tiles would differ by the CPU.
+    In float64 the order moves a sum by ~2^-50 of it, which the rounding to fp32 removes."""
     def as_fp32(x):
         if x.dtype.scalar != _interpreter.tl.bfloat16:
             return x
         return _interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), _interpreter.tl.float32)
 
-    return _create_dot(self, as_fp32(a), as_fp32(b), d, input_precision, max_num_imprecise_acc)
+    a, b = as_fp32(a), as_fp32(b)
+    if a.data.dtype == b.data.dtype == d.data.dtype == np.float32:
+        product = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(np.float32)
+        return _interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+    return _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
 
-_interpreter.InterpreterBuilder.create_dot = _create_dot_bf16
+_interpreter.InterpreterBuilder.create_dot = _create_dot_fp32
 
 
 def _combine_slices(op, left, right, dtypes):

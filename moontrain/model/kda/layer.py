@@ -114,7 +114,7 @@ class GatedRMSNorm(nn.Module):
 class KimiDeltaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, *, kernel: str = "auto", conv: str = "auto", conv_backward: str = "tiles",
                  recompute: bool = False,
-                 dqkg: str = "moontrain", intra: str = "fla", gate_norm: str = "fla",
+                 dqkg: str = "moontrain", intra: str = "auto", gate_norm: str = "moontrain",
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
