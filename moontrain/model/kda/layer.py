@@ -25,9 +25,10 @@ kernels.kda_intra which kernels run the two fla backward stages moontrain.model.
 (fla's, or moontrain's: moontrain.model.kda.fla_backend routes them; kda_intra=auto: resolve_intra);
 kernels.kda_gate_norm whether fla's chunk_kda runs the call or moontrain.model.kda.chunk (fla's stages between
 moontrain's gate-and-norm kernels). The KDA call is excluded from torch.compile (fla's autograd function is
-opaque to it; the reference's chunk loop would unroll); the projections, convolutions and the output norm around it compile, with inductor's comprehensive
-padding off (compile(): the convolutions' Triton launches carry the projection's strides as traced, so a
-padded projection output would be copied, slice by slice, in forward and backward).
+opaque to it; the reference's chunk loop would unroll); the projections, convolutions and the output norm around
+it compile, with inductor's comprehensive padding off (compile(): the convolutions' Triton launches carry the
+projection's strides as traced, so a padded projection output would be copied, slice by slice, in forward and
+backward).
 
 Init (init_parameters, after the model's normal init): A_log = log U(1, 16) per head (fla's range), dt_bias
 so that the initial decay rate -g at f = 0 is log-uniform in [1e-3, 1e-1] per channel (Mamba-2's range for
