@@ -8,7 +8,7 @@
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
 # absent. On 2+ GPUs the tier under torchrun --nproc_per_node=2, one log per rank (OUT_DIR/tests_r<rank>.log).
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
-# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / ROUTER_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / GATENORM_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT / K3_TIMEOUT (s), MFU_ARGS / K3_ARGS (extra overrides for the mfu / k3 steps), K3_AB_ARGS (the overrides k3ab measures against main), LEARNING_ARGS (overrides for the learning step's runs, e.g. kernels.kda_gate_norm=moontrain), REF_TREE (k3ref: a tar.xz of the commit it measures this tree against), K3REF_ROWS (k3ref's rows: 131k
+# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / ROUTER_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / GATENORM_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT / K3_TIMEOUT (s), MFU_ARGS / K3_ARGS (extra overrides for the mfu / k3 steps), K3_AB_ARGS (the overrides k3ab measures against main), LEARNING_ARGS (overrides for the learning step's runs, e.g. kernels.kda_gate_norm=fla), REF_TREE (k3ref: a tar.xz of the commit it measures this tree against), K3REF_ROWS (k3ref's rows: 131k
 # recipe_batch, the default, or one of them), K3REF_ARGS (extra overrides for k3ref's run of this tree, e.g. kernels.router=auto), OPSITES_ARGS (extra op_sites.py arguments for the opsites / outputcode steps, e.g. --op add), DET_ONLY (runs of check_determinism, default A,B,P,C,D), GEMM_ARGS (bench_expert_gemm.py arguments, e.g. --shapes k3_small --merged-only), COMM_ARGS (bench_comm.py
 # arguments instead of --experts 96 384, e.g. --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
 # --experts 896 --topk 16 --ranks 8).
@@ -180,7 +180,7 @@ for step in "${steps[@]}"; do
              echo "optimizer overlap ($prio priority) rc=$?"; tail -4 "$out/overlap_$prio.log"
            done ;;
     k3ab)  # one change measured against main on one machine: k3_small's 131k row (speed and learning) as main runs it,
-           # then with K3_AB_ARGS (e.g. "kernels.kda_gate_norm=moontrain"), back to back
+           # then with K3_AB_ARGS (e.g. "kernels.kda_gate_norm=fla"), back to back
            for variant in main change; do
              args=""; [ "$variant" = change ] && args="${K3_AB_ARGS:?k3ab needs K3_AB_ARGS: the overrides of the change}"
              timeout "${K3_TIMEOUT:-300}" torchrun --nproc_per_node=1 benchmarks/bench_train.py --learning-row \
