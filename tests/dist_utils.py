@@ -63,6 +63,10 @@ def _rank_main(
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)  # the parent's
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        # every rank's gloo connections made before any rank runs fn: a rank whose fn returns at once could
+        # otherwise leave and exit while another's side was still being made, which then failed in
+        # init_process_group ("Connection closed by peer"; seen on a loaded 2-core machine)
+        dist.barrier()
         try:
             payload = pickle.dumps(fn(rank, world_size, *args))
         finally:

@@ -27,20 +27,13 @@ def _rank_info(rank: int, world_size: int, offset: int) -> dict:
     }
 
 
-# Each failing helper below meets the other rank once (dist.barrier) before rank 1 fails. Without it rank 0 could
-# return, leave the group and exit while rank 1's side of gloo's connections was still being made, and rank 1 failed
-# in init_process_group ("Connection closed by peer") instead of as the test means (seen on a loaded 2-core machine).
-
-
 def _raise_on_rank_1(rank: int, world_size: int) -> int:
-    dist.barrier()  # both ranks in the group first (above)
     if rank == 1:
         raise RuntimeError(f"deliberate failure on rank {rank} of {world_size}")
     return rank
 
 
 def _hang_on_rank_1(rank: int, world_size: int) -> int:
-    dist.barrier()  # both ranks in the group first (above)
     if rank == 1:
         time.sleep(3600)
     return rank
@@ -71,7 +64,6 @@ def test_raising_rank_traceback_reaches_parent() -> None:
 
 
 def _exit_on_rank_1(rank: int, world_size: int) -> int:
-    dist.barrier()  # both ranks in the group first (above)
     if rank == 1:
         os._exit(3)
     return rank

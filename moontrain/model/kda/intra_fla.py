@@ -1,5 +1,6 @@
 """KDA's intra-chunk backward stage on fla-core's own kernel (chunk_kda_bwd_kernel_intra), launched with 64-wide
-K-blocks (kernels.kda_intra=fla_k64, the default). moontrain.model.kda.intra is the stage's specification.
+K-blocks (kernels.kda_intra=fla_k64, and what kda_intra=auto runs where the fused stage does not apply).
+moontrain.model.kda.intra is the stage's specification.
 
 fla's wrapper (chunk_kda_bwd_intra) fixes the kernel's K-block at 32 and lets its autotuner search only warps and
 stages, so each program of a 16-row sub-chunk re-reads the chunk's [16, 16] tiles of dAqk / dAkk and the other
