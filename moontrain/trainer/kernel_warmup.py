@@ -283,7 +283,9 @@ class Warmup:
         """Join the processes (at most timeout_s; the step compiles what is left); one line, None if not started."""
         if self._pool is None:
             return None
+        t_wait = time.perf_counter()
         done, pending = wait(self._futures, timeout=timeout_s)
+        waited = time.perf_counter() - t_wait
         failed = []
         for f in done:
             try:
@@ -299,7 +301,7 @@ class Warmup:
             self.mark.parent.mkdir(parents=True, exist_ok=True)
             self.mark.write_text(f"{len(done)} kernels\n")
         line = (f"kernel warm-up: {len(done) - len(failed)} of {len(self._futures)} kernels compiled in "
-                f"{seconds:.1f} s")
+                f"{seconds:.1f} s (the job waited {waited:.1f} s of it, once the trainer was built)")
         if pending:
             line += f"; {len(pending)} not done after {timeout_s:.0f} s (the step compiles them)"
         if failed:

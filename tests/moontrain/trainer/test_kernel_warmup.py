@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -143,6 +144,8 @@ def test_pool_reports_kernels_it_could_not_compile(tmp_path, monkeypatch) -> Non
     assert w.stale[1].endswith("takes 7 (parameter 0: h_ptr -> hu_ptr)"), w.stale[1]
     line = w.wait(timeout_s=300)
     assert line.startswith("kernel warm-up: 0 of 2 kernels compiled in ") and "2 not compiled" in line, line
+    took, waited = map(float, re.search(r"compiled in ([0-9.]+) s \(the job waited ([0-9.]+) s of it", line).groups())
+    assert 0 <= waited <= took, line  # the wait is part of the warm-up's time, counted from wait()'s call
     assert w.ran and w.wait() is None
     w.cancel()  # a no-op once joined
     w2 = kw.Warmup(m, "sm90", 1)
