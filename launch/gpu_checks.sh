@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|router|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|gatenorm|kdakernels|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|k3ab|k3ref|overlap|learning|warmup|entries ...]
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|router|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|gatenorm|kdakernels|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|k3ab|k3ref|overlap|learning|warmup|firststep|entries ...]
 #   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, router, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, gatenorm, kdakernels, opsites, outputcode,
-#   optim, determinism, ckpt, dense, mfu, k3, k3ab, k3ref, overlap, warmup and entries run on one GPU)
+#   optim, determinism, ckpt, dense, mfu, k3, k3ab, k3ref, overlap, warmup, firststep and entries run on one GPU)
 # tests: on one GPU the single-GPU tier (`pytest -m "gpu or multigpu"`, the multigpu tests skip) in TEST_WORKERS
 # (default 4) pytest-xdist workers sharing the GPU, whole files per worker, TEST_LIMIT s (default 300) per test
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
@@ -104,6 +104,29 @@ for step in "${steps[@]}"; do
                parallel.dense=$d > "$out/dense_$d.log" 2>&1
              echo "bench_train dense=$d rc=$?"; grep -v "^\[rank" "$out/dense_$d.log" | tail -4
            done ;;
+    firststep) # where a cold launch's time goes before and in its first step (k3_small, EP = 1, empty caches each run): the
+           # launch with the shipped warm-up manifest and without a warm-up, every console line stamped with the seconds
+           # since the launch (OUT/firststep_{shipped,none}.log); then the worker alone under cProfile for one step
+           # (OUT/firststep.prof; the 40 largest cumulative entries printed), which names what the first step's line
+           # cannot split (docs/performance.md, session 50). FIRSTSTEP_ARGS: extra overrides
+           since() { awk -v now="$(date +%s.%N)" -v t0="$1" 'BEGIN { printf "%7.1f", now - t0 }'; }
+           fl="recipes/k3_small.yaml parallel.ep=1 checkpoint.save_final=false checkpoint.resume=none ${FIRSTSTEP_ARGS:-}"
+           for run in shipped:auto none:none; do
+             IFS=: read -r name warm <<< "$run"
+             t0=$(date +%s.%N)
+             TRITON_CACHE_DIR=/tmp/first_tc_$name TORCHINDUCTOR_CACHE_DIR=/tmp/first_ic_$name timeout "${FIRSTSTEP_TIMEOUT:-200}" \
+               python -u -m moontrain.cli launch $fl --nproc 1 train.steps=2 train.kernel_warmup=$warm \
+               train.run_dir=/tmp/first_$name 2>&1 | while IFS= read -r l; do
+                 printf '%s %s\n' "$(since "$t0")" "$l"; done > "$out/firststep_$name.log"
+             echo "firststep $name: launch to exit $(since "$t0") s"
+             grep -E "kernel warm-up|first step|step [12]/2" "$out/firststep_$name.log" | cut -c1-220
+           done
+           TRITON_CACHE_DIR=/tmp/first_tc_prof TORCHINDUCTOR_CACHE_DIR=/tmp/first_ic_prof timeout "${FIRSTSTEP_TIMEOUT:-200}" \
+             torchrun --nproc_per_node=1 --no-python python -m cProfile -o "$out/firststep.prof" -m moontrain.trainer.worker \
+             $fl train.steps=1 train.run_dir=/tmp/first_prof > "$out/firststep_prof.log" 2>&1
+           echo "firststep cProfile rc=$?"
+           python -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(40)" \
+             "$out/firststep.prof" 2>&1 | grep -E "^ +[0-9]" | cut -c1-200 ;;
     warmup) # the first step on empty Triton and inductor caches, k3_small at EP = 1: without the kernel warm-up (recording
            # the kernels, OUT/kernels_markov.json), on documents (recording, OUT/kernels_docs.json), then on new empty caches
            # with the two merged (OUT/kernels_merged.json; docs/performance.md, session 38). WARMUP_ARGS: extra overrides
