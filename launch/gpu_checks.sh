@@ -108,7 +108,7 @@ for step in "${steps[@]}"; do
            # launch with the shipped warm-up manifest and without a warm-up, every console line stamped with the seconds
            # since the launch (OUT/firststep_{shipped,none}.log); then the worker alone under cProfile for one step
            # (OUT/firststep.prof; the 40 largest cumulative entries printed), which names what the first step's line
-           # cannot split (docs/performance.md, session 50). FIRSTSTEP_ARGS: extra overrides
+           # cannot split (docs/performance.md). FIRSTSTEP_ARGS: extra overrides
            since() { awk -v now="$(date +%s.%N)" -v t0="$1" 'BEGIN { printf "%7.1f", now - t0 }'; }
            fl="recipes/k3_small.yaml parallel.ep=1 checkpoint.save_final=false checkpoint.resume=none ${FIRSTSTEP_ARGS:-}"
            for run in shipped:auto none:none; do
