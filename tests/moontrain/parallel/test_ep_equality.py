@@ -184,7 +184,8 @@ def reference():
 # 2e-8 moves it by ~1e-4: lm_head[127, 28] on an AVX2 host (first grad 1.906e-8 eager, 1.816e-8 compiled, both within
 # 1e-9 of each other at the tensor's scale of 0.12; the parameter 1.1e-4 apart, 2.5x the tolerance). Row reversal
 # (the tolerance's noise estimate) moved that grad by 4e-12, so it cannot see this. At 1e-6 Adam's update is
-# linear in such grads and rounding stays rounding; the updates of the grads above ~1e-5 (nearly all) stay g / |g|.
+# linear in such grads and rounding stays rounding; grads above ~1e-5 (nearly all) are still stepped within 10 % of
+# g / |g|, and the first step's grads are compared on their own (eps does not enter them).
 COMPILED_EPS = 1e-6
 
 
