@@ -182,16 +182,19 @@ for step in "${steps[@]}"; do
            done ;;
     k3)    # issue 35's K3 points on one GPU, each a speed row that learns (lr 6e-4 on text): k3_small at 131,072
            # tokens a step (4 passes of 8 x 4096: half the passes' fixed work of 8 x 4 x 4096, which runs second), the
-           # recipe's own batch, then the recipe launched as a newcomer runs it
+           # recipe's own batch, then the recipe launched as a newcomer runs it. K3_ROWS: the rows to run (default all three:
+           # 131k 131k_mb4 recipe_batch); K3_LAUNCH=0 skips the launch
            k3_rows=(131k "parallel.dense=plain train.micro_batch_size=8 train.global_batch_size=32"
                     131k_mb4 "parallel.dense=plain train.micro_batch_size=4 train.global_batch_size=32" recipe_batch "")
            for i in 0 2 4; do
+             [[ " ${K3_ROWS:-131k 131k_mb4 recipe_batch} " == *" ${k3_rows[$i]} "* ]] || continue
              timeout "${K3_TIMEOUT:-300}" torchrun --nproc_per_node=1 benchmarks/bench_train.py --learning-row \
                --recipe recipes/k3_small.yaml --backends moonep --targets --steps 3 --warmup 2 --window 6 \
                --tag "k3_small_${k3_rows[$i]}" --out "$out" parallel.ep=1 ${k3_rows[$((i + 1))]} ${K3_ARGS:-} \
                > "$out/k3_${k3_rows[$i]}.log" 2>&1
              echo "k3 ${k3_rows[$i]} rc=$?"; grep "learning row" "$out/k3_${k3_rows[$i]}.log" | tail -1
            done
+           [ "${K3_LAUNCH:-1}" = 1 ] || continue
            timeout "${K3_TIMEOUT:-300}" python -m moontrain.cli launch recipes/k3_small.yaml parallel.ep=1 --nproc 1 \
              train.steps=20 checkpoint.save_final=false ${K3_ARGS:-} > "$out/k3_recipe_launch.log" 2>&1
            echo "k3 recipe launch rc=$?"; grep -E "^step" "$out/k3_recipe_launch.log" | tail -3 | cut -c1-160 ;;

@@ -13,7 +13,8 @@
 launch validates the recipe (strict loader, world-size checks, data paths, columns and tokenizer, on a CPU
 host the memory estimate, and the checkpoint it would resume: planning.resume_check) before anything starts,
 says what it will do (data, fresh run or resume, the checkpoint policy), then runs torchrun with one worker
-per rank (`moontrain.trainer.worker`); the worker picks nccl on GPU and gloo on CPU. On one host the
+per rank (`moontrain.trainer.worker`), on a GPU host with the kernel warm-up's processes started just before
+it (moontrain.trainer.warmup_pool); the worker picks nccl on GPU and gloo on CPU. On one host the
 rendezvous store is the launcher's own, on 127.0.0.1 (moontrain.parallel.job_store). Everything printed also
 goes to <run_dir>/console.log (moontrain.console); the ranks' output (tracebacks of unexpected errors
 included) is forwarded as it comes, and a configuration or data error in a worker is printed as the
@@ -44,6 +45,7 @@ from moontrain.console import Console, console_path
 from moontrain.parallel.hosts import check_dry_run_host, check_ep_domain
 from moontrain.parallel.job_store import JobStore
 from moontrain.supervisor import Supervisor
+from moontrain.trainer.warmup_pool import REPORT_ENV, launcher_warmup, publish_in_background
 
 EPILOG = """\
 examples:
@@ -147,6 +149,8 @@ def _main(argv: list[str]) -> int:
             raise ValueError(f"{memory_line}; make the model or batch smaller (model.*, train.global_batch_size, "
                              "train.seq_len), run on GPUs, or pass --no-memory-check")
         resume = None if args.dry_run else check_resume(cfg)
+        warmup = None if args.dry_run else launcher_warmup(cfg.train.kernel_warmup, cfg.train.kernel_warmup_workers,
+                                                           cuda=torch.cuda.is_available())
     except ValueError as err:
         print(f"moontrain: error: {err}", file=sys.stderr)
         return 2
@@ -176,9 +180,16 @@ def _main(argv: list[str]) -> int:
         lines = [*data_lines, start, cfg.checkpoint.describe(run_dir), f"console: {console.path}",
                  " ".join(cmd)]
         console.out("".join(f"moontrain: {line}\n" for line in lines))
-        return run_workers(cmd, console, env=store.env() if store is not None else None)
+        env = store.env() if store is not None else {}
+        if warmup is not None:  # the kernels compile while torchrun and the ranks start; the ranks wait for its report
+            console.out(f"moontrain: {warmup.start()}\n")
+            env[REPORT_ENV] = str(warmup.report_path)
+            publish_in_background(warmup)
+        return run_workers(cmd, console, env=env)
     finally:
         console.close()
+        if warmup is not None:
+            warmup.close()
         if store is not None:
             store.close()
 

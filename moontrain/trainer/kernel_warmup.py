@@ -10,13 +10,14 @@ alignment, constexprs, warps and stages), does not depend on the data, so it can
              written when the job ends (KernelRecorder; merge several with `python -m moontrain.trainer.kernel_warmup
              merge OUT IN...`)
     warm     a CUDA job with train.kernel_warmup (default: the shipped recipes/data/triton_kernels_sm90.json) starts
-             train.kernel_warmup_workers processes before it builds the trainer; each compiles entries into the
-             Triton cache through JITFunction.preload (Triton's API for this), and the job waits for them before
-             its first step, which then finds them compiled
+             train.kernel_warmup_workers processes as it starts (moontrain.trainer.warmup_pool: the launcher's,
+             before torchrun); each compiles entries into the Triton cache through JITFunction.preload (Triton's
+             API for this) and builds their launchers, and the job waits for them before its first step, which
+             then finds them compiled
 
 Each kernel is compiled from the source installed now, so a manifest recorded at another commit still serves
 every kernel whose parameters are unchanged; entries whose kernel was renamed or whose parameters changed are
-left out at the start (stale; the step compiles those kernels as before; `prune` writes a manifest without them).
+left to the step (stale; it compiles those kernels as before; `prune` writes a manifest without them).
 Nothing in a manifest decides what runs beyond the choice of a known kernel and its compile settings
 (docs/security.md): an entry names a module under moonep, moontrain or fla and a function in it by its
 identifiers; its options must not carry an IR file, ptxas options or a library path (the libdevice path is the
@@ -30,11 +31,8 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
-import os
 import re
 import sys
-import time
-from concurrent.futures import ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
@@ -216,16 +214,24 @@ def prune(manifest: Manifest) -> tuple[Manifest, list[str]]:
     return Manifest(manifest.triton, manifest.arch, kept, manifest.made_with), dropped
 
 
-def compile_entry(module: str, name: str, specialization: str) -> str | None:
-    """Compile one entry into Triton's cache (a pool process's task); None on success, else why not."""
+def compile_entry(entry: Entry) -> str | None:
+    """Compile one entry into Triton's cache, its launcher included (a warm-up process's task); None on success,
+    else why not (the step compiles that kernel as before)."""
     try:
-        data = json.loads(specialization)
+        data = json.loads(entry.specialization)
         for key in FORBIDDEN_OPTIONS:
             data["options"].pop(key, None)  # the local libdevice, as the step's own compile takes it
-        _resolve(module, name).preload(json.dumps(data))
-        return None
+        kernel = _resolve(entry.module, entry.name).preload(json.dumps(data))
     except Exception as err:  # a changed kernel: the step compiles it as before
-        return f"{module}.{name}: {type(err).__name__}: {str(err)[:160]}"
+        return f"{entry.label}: {type(err).__name__}: {str(err)[:160]}"
+    try:
+        from triton.runtime.driver import driver
+
+        # what CompiledKernel._init_handles builds at the first launch: cached by its source, found by the step
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception as err:
+        return f"{entry.label}: compiled, but its launcher was not built: {type(err).__name__}: {str(err)[:120]}"
+    return None
 
 
 def cache_dir() -> Path:
@@ -242,92 +248,6 @@ def usable(manifest: Manifest, arch: str) -> str | None:
     if manifest.triton != _triton_version():
         return f"recorded with Triton {manifest.triton}, this is Triton {_triton_version()}"
     return None
-
-
-class Warmup:
-    """The manifest's kernels compiling in `workers` spawned processes (start), joined before the first step (wait).
-    Does nothing when the cache was warmed from this manifest before (its done-mark) or the manifest does not
-    apply (usable)."""
-
-    def __init__(self, manifest: Manifest, arch: str, workers: int) -> None:
-        # at most one process a core but one (the job's own process builds the trainer meanwhile)
-        self.manifest, self.workers = manifest, max(1, min(workers, (os.cpu_count() or 2) - 1))
-        self.mark = cache_dir() / "moontrain_warm" / f"{manifest.digest}.done"
-        self.skip = usable(manifest, arch) or ("warmed before" if self.mark.is_file() else None)
-        self._pool: ProcessPoolExecutor | None = None
-        self._futures: list = []
-        self.stale: list[str] = []  # entries that no longer fit this tree's kernels (start)
-        self._t0 = 0.0
-        self.ran = False  # the processes ran and were joined (wait)
-
-    def start(self) -> str:
-        """Start the processes (unless skipped); one line for the console."""
-        if self.skip is not None:
-            return f"kernel warm-up: not needed ({self.skip})"
-        import multiprocessing
-
-        self._t0 = time.perf_counter()
-        fresh, self.stale = prune(self.manifest)
-        self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
-        self._futures = [self._pool.submit(compile_entry, e.module, e.name, e.specialization)
-                         for e in fresh.kernels]
-        line = (f"kernel warm-up: compiling {len(self._futures)} Triton kernels in {self.workers} "
-                f"process{'es' if self.workers != 1 else ''} while the job starts (Triton's cache: {cache_dir()})")
-        if self.stale:
-            line += (f"; {len(self.stale)} manifest entries left to the step (kernels not installed here or changed "
-                     f"since the recording; `python -m moontrain.trainer.kernel_warmup prune` drops them), e.g. "
-                     f"{self.stale[0]}")
-        return line
-
-    def wait(self, timeout_s: float = 900.0) -> str | None:
-        """Join the processes (at most timeout_s; the step compiles what is left); one line, None if not started."""
-        if self._pool is None:
-            return None
-        t_wait = time.perf_counter()
-        done, pending = wait(self._futures, timeout=timeout_s)
-        waited = time.perf_counter() - t_wait
-        failed = []
-        for f in done:
-            try:
-                if (why := f.result()) is not None:
-                    failed.append(why)
-            except Exception as err:  # a process that died: the step compiles its kernels
-                failed.append(f"{type(err).__name__}: {err}")
-        self._pool.shutdown(wait=not pending, cancel_futures=True)
-        self._pool = None
-        self.ran = True
-        seconds = time.perf_counter() - self._t0
-        if not pending and not failed:
-            self.mark.parent.mkdir(parents=True, exist_ok=True)
-            self.mark.write_text(f"{len(done)} kernels\n")
-        line = (f"kernel warm-up: {len(done) - len(failed)} of {len(self._futures)} kernels compiled in "
-                f"{seconds:.1f} s (the job waited {waited:.1f} s of it, once the trainer was built)")
-        if pending:
-            line += f"; {len(pending)} not done after {timeout_s:.0f} s (the step compiles them)"
-        if failed:
-            line += f"; {len(failed)} not compiled (the step compiles them), e.g. {failed[0]}"
-        return line
-
-    def cancel(self) -> None:
-        """Stop handing out kernels (a job that fails before its first step); the processes finish the one each
-        is compiling. A no-op once joined."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
-
-
-def start_warmup(setting: str, workers: int, device) -> Warmup | None:
-    """The job's warm-up (train.kernel_warmup / kernel_warmup_workers), started; None where it does not apply (off, no
-    CUDA, not the host's first process). A manifest that fails its checks is an error naming the file."""
-    import torch
-
-    if setting == "none" or workers < 1 or device.type != "cuda" or int(os.environ.get("LOCAL_RANK", "0")) != 0:
-        return None
-    path = SHIPPED if setting == "auto" else Path(setting)
-    if setting == "auto" and not path.is_file():
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return Warmup(load_manifest(path), f"sm{major}{minor}", workers)
 
 
 def _main(argv: list[str]) -> int:

@@ -54,12 +54,13 @@ from moontrain.trainer.determinism import set_cublas_workspace
 from moontrain.trainer.errors import one_line
 from moontrain.trainer.first_step import FirstStepClock, first_step_note
 from moontrain.trainer.kernel_cache import seed_shipped_fla
-from moontrain.trainer.kernel_warmup import KernelRecorder, start_warmup
+from moontrain.trainer.kernel_warmup import KernelRecorder
 from moontrain.trainer.out_of_memory import TrainingOutOfMemory, out_of_memory_line
 from moontrain.trainer.preempt import PreemptionHandler
 from moontrain.trainer.quiet import silence_known_warnings
 from moontrain.trainer.run_lock import RunLock
 from moontrain.trainer.trainer import Trainer
+from moontrain.trainer.warmup_pool import rank_warmup
 
 
 def select_device() -> tuple[torch.device, str]:
@@ -172,8 +173,9 @@ def _train_locked(cfg: RunConfig, device: torch.device, preemption: PreemptionHa
     # before any KDA kernel runs; on every rank, as ranks on several hosts have a cache each
     fla_seed = (seed_shipped_fla(device) if device.type == "cuda" and uses_fla(cfg.model, cfg.kernels.kda, device)
                 else None)
-    # Triton kernels compiling in other processes while the trainer is built; joined before the first step
-    warmup = start_warmup(cfg.train.kernel_warmup, cfg.train.kernel_warmup_workers, device)
+    # Triton kernels compiling in other processes (the launcher's, else started here) while the trainer is built;
+    # joined before the first step
+    warmup = rank_warmup(cfg.train.kernel_warmup, cfg.train.kernel_warmup_workers, device)
     if warmup is not None and (line := warmup.start()) and is_main:
         print(f"moontrain: {line}", flush=True)
     record_to = os.environ.get("MOONTRAIN_RECORD_KERNELS") if is_main and device.type == "cuda" else None
@@ -193,7 +195,7 @@ def _train_locked(cfg: RunConfig, device: torch.device, preemption: PreemptionHa
         trainer = Trainer(cfg, layout)
     except BaseException:
         if warmup is not None:
-            warmup.cancel()
+            warmup.close()
         raise
     trainer.preemption = preemption
     sink = None
@@ -258,8 +260,8 @@ def _train_locked(cfg: RunConfig, device: torch.device, preemption: PreemptionHa
                   f"{trainer.step} of {cfg.train.steps}; checkpoint saved in {trainer.checkpoint_dir}; continue "
                   "with checkpoint.resume=auto", flush=True)
     finally:
-        if warmup is not None:  # a job that failed before its first step
-            warmup.cancel()
+        if warmup is not None:  # stops its processes where a job failed before its first step
+            warmup.close()
         if trainer.log is not None:
             trainer.log.close()
         trainer.close()

@@ -1,12 +1,10 @@
-"""The Triton kernel warm-up (moontrain.trainer.kernel_warmup): manifests checked before anything is imported or
-compiled from them, the recorder's entries, the kernels resolved through autotune wrappers, the process pool's
-report, and on a GPU a recorded kernel compiled into an empty cache by the pool and found there by a new process."""
+"""The Triton kernel warm-up's manifests (moontrain.trainer.kernel_warmup): checked before anything is imported or
+compiled from them, the recorder's entries, the kernels resolved through autotune wrappers, the command line and
+the shipped manifest against this tree (its processes: test_warmup_pool.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -111,56 +109,11 @@ def test_resolve_through_wrappers() -> None:
         kw._resolve("moonep.kernels.glu_rows", "glu_forward_rows")
 
 
-def test_usable_and_done_mark(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+def test_usable() -> None:
     m = kw.Manifest(kw._triton_version(), "sm90", [kw.check_entry(_entry(), "t")])
     assert kw.usable(m, "sm80") == "recorded for sm90, this GPU is sm80"
+    assert kw.usable(m, "sm90") is None
     assert "recorded with Triton 0.1" in kw.usable(kw.Manifest("0.1", "sm90"), "sm90")
-    w = kw.Warmup(m, "sm80", 2)
-    assert w.start() == "kernel warm-up: not needed (recorded for sm90, this GPU is sm80)" and w.wait() is None
-    mark = tmp_path / "moontrain_warm" / f"{m.digest}.done"
-    mark.parent.mkdir()
-    mark.write_text("1 kernels\n")
-    assert kw.Warmup(m, "sm90", 2).start() == "kernel warm-up: not needed (warmed before)"
-
-
-def test_pool_reports_kernels_it_could_not_compile(tmp_path, monkeypatch) -> None:
-    """On the CPU Triton has no driver, so every preload fails: the report counts it, no done-mark is written and
-    the step would compile the kernel as before. Entries that no longer fit this tree's kernels (a kernel gone,
-    parameters renamed) are not handed to the processes, and the start line says so."""
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    renamed = json.loads(_spec())
-    renamed["signature"] = {"h_ptr" if k == "hu_ptr" else k: v for k, v in renamed["signature"].items()}
-    m = kw.Manifest(kw._triton_version(), "sm90", [kw.check_entry(_entry(), "t"),
-                                                   kw.check_entry(_entry(name="not_there"), "t"),
-                                                   kw.check_entry(_entry(spec=json.dumps(renamed)), "t"),
-                                                   kw.check_entry(_entry(spec=_spec()), "t")])
-    assert kw.Warmup(m, "sm90", 10_000).workers == max(1, (os.cpu_count() or 2) - 1)
-    w = kw.Warmup(m, "sm90", 1)
-    start = w.start()
-    assert start.startswith("kernel warm-up: compiling 2 Triton kernels in 1 process while"), start
-    assert "; 2 manifest entries left to the step (kernels not installed here or changed" in start, start
-    assert len(w.stale) == 2 and "AttributeError" in w.stale[0], w.stale
-    assert w.stale[1].endswith("takes 7 (parameter 0: h_ptr -> hu_ptr)"), w.stale[1]
-    line = w.wait(timeout_s=300)
-    assert line.startswith("kernel warm-up: 0 of 2 kernels compiled in ") and "2 not compiled" in line, line
-    took, waited = map(float, re.search(r"compiled in ([0-9.]+) s \(the job waited ([0-9.]+) s of it", line).groups())
-    assert 0 <= waited <= took, line  # the wait is part of the warm-up's time, counted from wait()'s call
-    assert w.ran and w.wait() is None
-    w.cancel()  # a no-op once joined
-    w2 = kw.Warmup(m, "sm90", 1)
-    w2.start()
-    w2.cancel()
-    assert w2.wait() is None and not w2.ran
-    assert not (tmp_path / "moontrain_warm").exists()
-
-
-def test_start_warmup_off_where_it_does_not_apply() -> None:
-    import torch
-
-    assert kw.start_warmup("auto", 8, torch.device("cpu")) is None
-    assert kw.start_warmup("none", 8, torch.device("cuda")) is None
-    assert kw.start_warmup("auto", 0, torch.device("cuda")) is None
 
 
 def test_cli_check_and_merge(tmp_path) -> None:
@@ -182,51 +135,6 @@ def test_cli_check_and_merge(tmp_path) -> None:
     r = run("prune", str(out), str(b))
     assert r.returncode == 0 and "1 kernels kept, 1 stale dropped" in r.stdout, r.stderr
     assert [e.name for e in kw.load_manifest(out).kernels] == ["_glu_rows_fwd_kernel"]
-
-
-GPU_CHILD = """
-import sys, torch
-from triton import knobs
-compiled = []
-knobs.compilation.listener = lambda **kw: None if kw["cache_hit"] else compiled.append(1)
-from moonep.kernels.glu_rows import glu_forward_rows
-a = glu_forward_rows("situ_glu", torch.randn(64, 256, device="cuda", dtype=torch.bfloat16))
-torch.cuda.synchronize()
-print("compiled", len(compiled))
-"""
-
-
-@pytest.mark.gpu
-def test_recorded_kernel_warmed_into_an_empty_cache(tmp_path) -> None:
-    """A kernel recorded in this process, compiled by the pool into an empty cache: a new process launching it
-    compiles nothing (Triton's compilation listener hears only a cache hit), where one on another empty cache does."""
-    import torch
-
-    from moonep.kernels.glu_rows import _glu_rows_fwd_kernel, glu_forward_rows
-
-    # another test of this process (pytest-xdist) may have launched it: the hook hears only a compile or a load
-    _glu_rows_fwd_kernel.device_caches.clear()
-    with kw.KernelRecorder() as rec:
-        glu_forward_rows("situ_glu", torch.randn(64, 256, device="cuda", dtype=torch.bfloat16))
-    major, minor = torch.cuda.get_device_capability()
-    manifest = rec.manifest(f"sm{major}{minor}")
-    assert [e.name for e in manifest.kernels] == ["_glu_rows_fwd_kernel"]
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "warm")}
-    old = os.environ.get("TRITON_CACHE_DIR")
-    os.environ["TRITON_CACHE_DIR"] = env["TRITON_CACHE_DIR"]
-    try:
-        w = kw.Warmup(manifest, f"sm{major}{minor}", 2)
-        w.start()
-        assert w.wait(timeout_s=300).startswith("kernel warm-up: 1 of 1 kernels compiled"), "pool"
-    finally:
-        if old is None:
-            del os.environ["TRITON_CACHE_DIR"]
-        else:
-            os.environ["TRITON_CACHE_DIR"] = old
-    for cache, want in ((env["TRITON_CACHE_DIR"], "compiled 0"), (str(tmp_path / "cold"), "compiled 1")):
-        r = subprocess.run([sys.executable, "-c", GPU_CHILD], env={**env, "TRITON_CACHE_DIR": cache},
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0 and want in r.stdout, (cache, r.stdout, r.stderr[-2000:])
 
 
 def test_shipped_manifest_passes_its_checks_and_names_this_tree_s_kernels() -> None:
