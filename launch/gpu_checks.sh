@@ -108,10 +108,11 @@ for step in "${steps[@]}"; do
            # launch with the shipped warm-up manifest and without a warm-up, every console line stamped with the seconds
            # since the launch (OUT/firststep_{shipped,none}.log); then the worker alone under cProfile for one step
            # (OUT/firststep.prof; the 40 largest cumulative entries printed), which names what the first step's line
-           # cannot split (docs/performance.md). FIRSTSTEP_ARGS: extra overrides
+           # cannot split (docs/performance.md). FIRSTSTEP_ARGS: extra overrides; FIRSTSTEP_RUNS (default "shipped:auto
+           # none:none", name:train.kernel_warmup pairs); FIRSTSTEP_PROF=0 skips the cProfile run
            since() { awk -v now="$(date +%s.%N)" -v t0="$1" 'BEGIN { printf "%7.1f", now - t0 }'; }
            fl="recipes/k3_small.yaml parallel.ep=1 checkpoint.save_final=false checkpoint.resume=none ${FIRSTSTEP_ARGS:-}"
-           for run in shipped:auto none:none; do
+           for run in ${FIRSTSTEP_RUNS:-shipped:auto none:none}; do
              IFS=: read -r name warm <<< "$run"
              t0=$(date +%s.%N)
              TRITON_CACHE_DIR=/tmp/first_tc_$name TORCHINDUCTOR_CACHE_DIR=/tmp/first_ic_$name timeout "${FIRSTSTEP_TIMEOUT:-200}" \
@@ -121,6 +122,7 @@ for step in "${steps[@]}"; do
              echo "firststep $name: launch to exit $(since "$t0") s"
              grep -E "kernel warm-up|first step|step [12]/2" "$out/firststep_$name.log" | cut -c1-220
            done
+           [ "${FIRSTSTEP_PROF:-1}" = 1 ] || continue
            TRITON_CACHE_DIR=/tmp/first_tc_prof TORCHINDUCTOR_CACHE_DIR=/tmp/first_ic_prof timeout "${FIRSTSTEP_TIMEOUT:-200}" \
              torchrun --nproc_per_node=1 --no-python python -m cProfile -o "$out/firststep.prof" -m moontrain.trainer.worker \
              $fl train.steps=1 train.run_dir=/tmp/first_prof > "$out/firststep_prof.log" 2>&1
