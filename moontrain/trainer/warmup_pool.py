@@ -175,10 +175,13 @@ class Warmup:
 
     def publish(self) -> None:
         """Join the processes and write the report where the ranks look for it (report_path, whole or not at all)."""
-        text = self.join().to_json()
-        tmp = self.report_path.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, self.report_path)
+        try:
+            text = self.join().to_json()
+            tmp = self.report_path.with_suffix(".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, self.report_path)
+        except OSError:  # the job ended and the launcher removed the folder meanwhile (close): no rank is waiting
+            pass
 
     def cancel(self) -> None:
         """Stop the processes (a job that fails before its first step); a no-op once joined."""
