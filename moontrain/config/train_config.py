@@ -29,7 +29,7 @@ class TrainConfig:
     # row stop the run with an error (moontrain.trainer.guard)
     max_skipped_steps: int = 5
     # Triton kernels compiled before the first step in parallel processes, from a manifest of their
-    # specialisations (moontrain.trainer.kernel_warmup): "auto" the shipped recipes/data/triton_kernels_sm90.json
+    # specialisations (moontrain.trainer.kernel_warmup, warmup_pool): "auto" the shipped recipes/data/triton_kernels_sm90.json
     # on a CUDA job whose cache lacks them, a manifest's path, or "none"
     kernel_warmup: str = "auto"
     kernel_warmup_workers: int = 8  # processes compiling them (each holds a CUDA context while it runs)
