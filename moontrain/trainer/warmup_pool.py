@@ -9,8 +9,8 @@ A job started without the launcher (torchrun, the benchmarks) starts them from i
 (rank_warmup), as the launcher would.
 
 Each process is `python -m moontrain.trainer.warmup_pool WORKDIR`, which imports this module, the manifest's
-checks and each kernel's own module, not the rank's whole import tree (a multiprocessing "spawn" child imports
-its parent's main module: moontrain.trainer.worker and all it imports, once a process). It claims the manifest's
+checks and each kernel's own module (a multiprocessing "spawn" child would also import its parent's main
+module, the rank's moontrain.trainer.worker, and could not be started before the rank). It claims the manifest's
 entries one at a time (an exclusively created file per entry under WORKDIR/claims: the next free kernel, so a
 slow compile holds up no queue) and for each one: an entry whose kernel changed since the recording is left to
 the step (kernel_warmup.stale), else it is compiled (JITFunction.preload) and its launcher built (the small C
