@@ -102,7 +102,7 @@ class Warmup:
         self.workdir: Path | None = None
         self._procs: list[subprocess.Popen] = []
         self._t0 = 0.0
-        self.ran = False  # the processes ran and were joined (wait)
+        self.ran = False  # the processes ran on this GPU and were joined (wait)
 
     @property
     def report_path(self) -> Path:
@@ -139,7 +139,7 @@ class Warmup:
                 p.kill()
                 p.wait()
         report = self._read()
-        self.ran = True
+        self.ran = report.unusable is None
         if not report.pending and not report.failed and report.unusable is None:
             self.mark.parent.mkdir(parents=True, exist_ok=True)
             self.mark.write_text(f"{report.compiled} kernels\n")
@@ -217,7 +217,7 @@ class LauncherWarmup:
             report = Report.from_json(self.path.read_text())
         except ValueError as err:
             return f"kernel warm-up: its report {self.path} is not readable ({err})"
-        self.ran = report.skipped is None
+        self.ran = report.skipped is None and report.unusable is None
         return report.line(time.perf_counter() - t_wait)
 
     def close(self) -> None:
