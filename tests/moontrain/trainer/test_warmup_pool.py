@@ -79,6 +79,21 @@ def test_processes_report_stale_and_failed_entries(tmp_path, monkeypatch) -> Non
     assert not work.exists()
 
 
+def test_a_gpu_the_manifest_was_not_recorded_for(tmp_path, monkeypatch) -> None:
+    """A process whose GPU is another architecture writes why and compiles nothing: the end line says the warm-up
+    was not used, and the job does not count it as run (its first-step note names Triton's compiles as usual)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    w = wp.Warmup(kw.Manifest(kw._triton_version(), "sm90", [_entry()]), 1)
+    w.workdir = tmp_path / "work"
+    (w.workdir / "results").mkdir(parents=True)
+    (w.workdir / "unusable").write_text("recorded for sm90, this GPU is sm80")
+    report = w.join(timeout_s=1)
+    assert report.unusable == "recorded for sm90, this GPU is sm80" and not w.ran
+    assert report.line(0.0) == ("kernel warm-up: not used (recorded for sm90, this GPU is sm80); the step compiles "
+                                "its kernels")
+    assert not (tmp_path / "moontrain_warm").exists()
+
+
 def test_close_stops_the_processes(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     w = wp.Warmup(kw.Manifest(kw._triton_version(), "sm90", [_entry()] * 4), 2)
