@@ -176,9 +176,12 @@ class Warmup:
     def publish(self) -> None:
         """Join the processes and write the report where the ranks look for it (report_path, whole or not at all)."""
         try:
-            text = self.join().to_json()
+            report = self.join()
+        except Exception as err:  # a report in any case: a rank waits for one before its first step
+            report = Report(total=len(self.manifest.kernels), failed=[f"{type(err).__name__}: {str(err)[:160]}"])
+        try:
             tmp = self.report_path.with_suffix(".tmp")
-            tmp.write_text(text)
+            tmp.write_text(report.to_json())
             os.replace(tmp, self.report_path)
         except OSError:  # the job ended and the launcher removed the folder meanwhile (close): no rank is waiting
             pass
