@@ -8,8 +8,9 @@ checkpoint.init_from when set), writes the resolved config (rank 0, once the res
 wandb run (rank 0; the id comes from the checkpoint on resume, so the same run continues), trains and prints
 the end-of-run summary. Resuming names what changed since the checkpoint (optim settings, the LR schedule's
 span); a run that uses fla on CUDA seeds Triton's cache with fla's shipped tile choices on every rank
-(trainer.kernel_cache) and, on a cold cache, compiles the shipped Triton kernels in parallel processes while the
-trainer is built (trainer.kernel_warmup; MOONTRAIN_RECORD_KERNELS=<path> records a job's own); a GPU job says what
+(trainer.kernel_cache) and, on a cold cache, waits before its first step for the shipped Triton kernels compiled
+in parallel processes (trainer.warmup_pool: the launcher's, else started here while the trainer is built;
+MOONTRAIN_RECORD_KERNELS=<path> records a job's own, trainer.kernel_warmup); a GPU job says what
 its first step compiles before it starts and how long it took after (trainer.first_step); known-harmless library
 warnings are filtered (trainer.quiet).
 
