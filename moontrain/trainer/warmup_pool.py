@@ -85,7 +85,7 @@ class Report:
             ok = isinstance(raw[key], kind) and not isinstance(raw[key], bool)
             if not ok or (kind is list and not all(isinstance(s, str) for s in raw[key])):
                 raise ValueError(f"warm-up report: {key} is {type(raw[key]).__name__}")
-        return cls(**{k: (v[:10] if isinstance(v, list) else v) for k, v in raw.items()})
+        return cls(**raw)
 
 
 class Warmup:

@@ -125,6 +125,8 @@ def test_a_rank_reads_the_launcher_s_report(tmp_path, monkeypatch) -> None:
     assert "1 manifest entries left to the step" in line and rank.ran, line
     report = wp.Report.from_json(w.report_path.read_text())
     assert (report.total, report.compiled, len(report.failed), len(report.stale)) == (2, 0, 1, 1)
+    many = wp.Report(total=60, failed=[f"kernel {i}: no driver" for i in range(60)])
+    assert wp.Report.from_json(many.to_json()) == many  # the rank's counts are the launcher's, none cut
     w.report_path.write_text(json.dumps({**json.loads(report.to_json()), "total": "all"}))
     assert "is not readable (warm-up report: total is str)" in wp.LauncherWarmup(w.report_path).wait(1)
     assert wp.LauncherWarmup(tmp_path / "never").wait(0.2) == ("kernel warm-up: not finished after 0 s (the step "
