@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|router|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|gatenorm|kdakernels|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|k3ab|k3ref|overlap|learning|warmup|firststep|entries ...]
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|router|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|gatenorm|kdakernels|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|k3ab|k3ref|overlap|learning|warmup|firststep|pool|entries ...]
 #   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, router, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, gatenorm, kdakernels, opsites, outputcode,
-#   optim, determinism, ckpt, dense, mfu, k3, k3ab, k3ref, overlap, warmup, firststep and entries run on one GPU)
+#   optim, determinism, ckpt, dense, mfu, k3, k3ab, k3ref, overlap, warmup, firststep, pool and entries run on one GPU)
 # tests: on one GPU the single-GPU tier (`pytest -m "gpu or multigpu"`, the multigpu tests skip) in TEST_WORKERS
 # (default 4) pytest-xdist workers sharing the GPU, whole files per worker, TEST_LIMIT s (default 300) per test
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
@@ -110,6 +110,9 @@ for step in "${steps[@]}"; do
            # (OUT/firststep.prof; the 40 largest cumulative entries printed), which names what the first step's line
            # cannot split (docs/performance.md). FIRSTSTEP_ARGS: extra overrides; FIRSTSTEP_RUNS (default "shipped:auto
            # none:none", name:train.kernel_warmup pairs); FIRSTSTEP_PROF=0 skips the cProfile run
+           # the kits' packages (.device/setup.sh installs them without bytecode) and this tree byte-compiled first, as
+           # a pip install and a first run leave them: else the first process to import a module compiles it
+           python -m compileall -q -j 0 ${PYTHONPATH//:/ } > /dev/null 2>&1
            since() { awk -v now="$(date +%s.%N)" -v t0="$1" 'BEGIN { printf "%7.1f", now - t0 }'; }
            fl="recipes/k3_small.yaml parallel.ep=1 checkpoint.save_final=false checkpoint.resume=none ${FIRSTSTEP_ARGS:-}"
            for run in ${FIRSTSTEP_RUNS:-shipped:auto none:none}; do
@@ -129,6 +132,17 @@ for step in "${steps[@]}"; do
            echo "firststep cProfile rc=$?"
            python -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(40)" \
              "$out/firststep.prof" 2>&1 | grep -E "^ +[0-9]" | cut -c1-200 ;;
+    pool)  # the kernel warm-up's processes alone (no job beside them) on empty Triton caches, the shipped manifest, in
+           # POOL_WORKERS processes (default "8 15"): what the warm-up costs where nothing competes for the host
+           python -m compileall -q -j 0 ${PYTHONPATH//:/ } > /dev/null 2>&1
+           for n in ${POOL_WORKERS:-8 15}; do
+             TRITON_CACHE_DIR=/tmp/pool_tc_$n timeout "${POOL_TIMEOUT:-200}" python -c "if True:
+               import sys; from moontrain.trainer.kernel_warmup import SHIPPED, load_manifest
+               from moontrain.trainer.warmup_pool import Warmup
+               w = Warmup(load_manifest(SHIPPED), int(sys.argv[1])); print(w.start()); print(w.wait())" "$n" \
+               > "$out/pool_$n.log" 2>&1
+             echo "pool $n processes rc=$?: $(tail -1 "$out/pool_$n.log" | cut -c1-300)"
+           done ;;
     warmup) # the first step on empty Triton and inductor caches, k3_small at EP = 1: without the kernel warm-up (recording
            # the kernels, OUT/kernels_markov.json), on documents (recording, OUT/kernels_docs.json), then on new empty caches
            # with the two merged (OUT/kernels_merged.json; docs/performance.md, session 38). WARMUP_ARGS: extra overrides

@@ -51,6 +51,9 @@ class Report:
     pending: int = 0  # not done within the wait
     skipped: str | None = None  # why nothing was started (the start line said so)
     unusable: str | None = None  # why the processes compiled nothing (another GPU or Triton)
+    ready: float = 0.0  # the latest a process claimed its first entry, seconds after the start (its imports)
+    busy: float = 0.0  # the compiles' seconds summed over the processes
+    slowest: str | None = None  # the slowest compile, named with its seconds
 
     def line(self, waited: float) -> str | None:
         """The console line once joined (None if nothing was started)."""
@@ -58,8 +61,11 @@ class Report:
             return None
         if self.unusable is not None:
             return f"kernel warm-up: not used ({self.unusable}); the step compiles its kernels"
-        line = (f"kernel warm-up: {self.compiled} of {self.total} kernels compiled in {self.seconds:.1f} s (the "
-                f"job waited {waited:.1f} s of it, once the trainer was built)")
+        line = f"kernel warm-up: {self.compiled} of {self.total} kernels compiled in {self.seconds:.1f} s ("
+        if self.slowest is not None:
+            line += (f"the processes' imports up to {self.ready:.1f} s, their compiles {self.busy:.1f} s of process "
+                     f"time, the slowest {self.slowest}; ")
+        line += f"the job waited {waited:.1f} s of it, once the trainer was built)"
         if self.pending:
             line += f"; {self.pending} not done after {WAIT_S:.0f} s (the step compiles them)"
         if self.failed:
@@ -77,8 +83,9 @@ class Report:
     def from_json(cls, text: str) -> Report:
         """A report file's text, every field type-checked (a ValueError otherwise)."""
         raw = json.loads(text)
-        kinds = {"total": int, "compiled": int, "seconds": (int, float), "failed": list, "stale": list,
-                 "pending": int, "skipped": (str, type(None)), "unusable": (str, type(None))}
+        number, text = (int, float), (str, type(None))
+        kinds = {"total": int, "compiled": int, "seconds": number, "failed": list, "stale": list, "pending": int,
+                 "skipped": text, "unusable": text, "ready": number, "busy": number, "slowest": text}
         if not isinstance(raw, dict) or set(raw) != set(kinds):
             raise ValueError(f"a warm-up report holds exactly {sorted(kinds)}")
         for key, kind in kinds.items():
@@ -114,14 +121,14 @@ class Warmup:
         """Start the processes (unless skipped); one line for the console."""
         if self.skip is not None:
             return f"kernel warm-up: not needed ({self.skip})"
-        self._t0 = time.perf_counter()
+        self._t0, epoch = time.perf_counter(), time.time()
         work = self.report_path.parent
         (work / "claims").mkdir()
         (work / "results").mkdir()
         (work / "manifest.json").write_text(self.manifest.to_json())
         for k in range(min(self.workers, len(self.manifest.kernels))):
             with open(work / f"process_{k}.log", "w") as log:
-                self._procs.append(subprocess.Popen([sys.executable, "-m", "moontrain.trainer.warmup_pool", str(work)],
+                self._procs.append(subprocess.Popen([sys.executable, "-m", "moontrain.trainer.warmup_pool", str(work), repr(epoch)],
                                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
         n = len(self.manifest.kernels)
         return (f"kernel warm-up: compiling {n} Triton kernel{'s' if n != 1 else ''} in {len(self._procs)} "
@@ -151,14 +158,22 @@ class Warmup:
         if (work / "unusable").is_file():
             report.unusable = (work / "unusable").read_text().strip()
             return report
+        slowest = (0.0, "")
         for i in range(report.total):
             f = work / "results" / str(i)
             if not f.is_file():
                 report.pending += 1
-            elif not (why := f.read_text()):
+                continue
+            result = json.loads(f.read_text())  # written by this module's processes (_child)
+            why, seconds = result["why"], float(result["seconds"])
+            report.ready, report.busy = max(report.ready, float(result["ready"])), report.busy + seconds
+            if not why:
                 report.compiled += 1
+                slowest = max(slowest, (seconds, self.manifest.kernels[i].label))
             else:
                 (report.stale if why.startswith("stale: ") else report.failed).append(why.removeprefix("stale: "))
+        if slowest[1]:
+            report.slowest = f"{slowest[1].rsplit('.', 1)[-1]} {slowest[0]:.1f} s"
         died = [p.returncode for p in self._procs if p.returncode != 0]
         if report.pending and died:  # a process that died took its claimed kernel with it
             report.failed.append(f"a warm-up process exited with {died[0]} (its log: {work}/process_*.log)")
@@ -263,7 +278,7 @@ def _arch_problem(manifest: Manifest) -> str | None:
     return usable(manifest, f"sm{target.arch}")
 
 
-def _child(work: Path) -> int:
+def _child(work: Path, epoch: float) -> int:
     from moontrain.supervisor import die_with_parent
 
     die_with_parent()
@@ -271,14 +286,17 @@ def _child(work: Path) -> int:
     if (why := _arch_problem(manifest)) is not None:
         (work / "unusable").write_text(why)
         return 0
+    ready = None
     for i, entry in enumerate(manifest.kernels):
         try:
             os.close(os.open(work / "claims" / str(i), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             continue
-        result = ("stale: " + why) if (why := stale(entry)) is not None else (compile_entry(entry) or "")
+        t0 = time.time()
+        ready = t0 - epoch if ready is None else ready
+        why = ("stale: " + why) if (why := stale(entry)) is not None else (compile_entry(entry) or "")
         tmp = work / "results" / f"{i}.tmp"
-        tmp.write_text(result)
+        tmp.write_text(json.dumps({"why": why, "seconds": time.time() - t0, "ready": ready}))
         os.replace(tmp, work / "results" / str(i))
     return 0
 
@@ -291,4 +309,4 @@ def publish_in_background(warmup: Warmup) -> threading.Thread:
 
 
 if __name__ == "__main__":
-    sys.exit(_child(Path(sys.argv[1])))
+    sys.exit(_child(Path(sys.argv[1]), float(sys.argv[2])))

@@ -68,8 +68,13 @@ def test_processes_report_stale_and_failed_entries(tmp_path, monkeypatch) -> Non
     took, waited = map(float, re.search(r"compiled in ([0-9.]+) s \(the job waited ([0-9.]+) s of it", line).groups())
     assert 0 <= waited <= took, line  # the wait is part of the warm-up's time
     assert sorted(p.name for p in (work / "claims").iterdir()) == ["0", "1", "2", "3", "4"]
-    results = {p.name: p.read_text() for p in (work / "results").iterdir()}
-    assert sorted(results) == ["0", "1", "2", "3", "4"], results  # each entry once: no .tmp left, none twice
+    records = {p.name: json.loads(p.read_text()) for p in (work / "results").iterdir()}
+    assert sorted(records) == ["0", "1", "2", "3", "4"], records  # each entry once: no .tmp left, none twice
+    results = {k: r["why"] for k, r in records.items()}
+    assert all(0 < r["ready"] <= took and 0 <= r["seconds"] <= took for r in records.values()), (records, took)
+    report = w._read()
+    assert report.busy == pytest.approx(sum(r["seconds"] for r in records.values()))
+    assert report.ready == max(r["ready"] for r in records.values()) and report.slowest is None  # none compiled
     assert results["1"].startswith("stale: moonep.kernels.glu_rows.not_there: AttributeError"), results["1"]
     assert results["2"].endswith("takes 7 (parameter 0: h_ptr -> hu_ptr)"), results["2"]
     assert all(results[k].startswith("moonep.kernels.glu_rows._glu_rows_fwd_kernel: ") for k in "034"), results
@@ -132,6 +137,14 @@ def test_a_rank_reads_the_launcher_s_report(tmp_path, monkeypatch) -> None:
     assert wp.LauncherWarmup(tmp_path / "never").wait(0.2) == ("kernel warm-up: not finished after 0 s (the step "
                                                               "compiles what is left)")
     w.close()
+
+
+def test_the_end_line_says_where_the_warm_up_s_time_went() -> None:
+    r = wp.Report(total=60, compiled=60, seconds=36.0, ready=14.25, busy=120.0, slowest="_fused_kernel 4.2 s")
+    assert r.line(13.5) == ("kernel warm-up: 60 of 60 kernels compiled in 36.0 s (the processes' imports up to 14.2 s, "
+                            "their compiles 120.0 s of process time, the slowest _fused_kernel 4.2 s; the job waited "
+                            "13.5 s of it, once the trainer was built)")
+    assert wp.Report.from_json(r.to_json()) == r
 
 
 def test_the_launcher_writes_a_report_whatever_happens(tmp_path, monkeypatch) -> None:
