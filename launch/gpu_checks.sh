@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|router|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|gatenorm|kdakernels|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|k3ab|k3ref|overlap|learning|warmup|firststep|pool|entries ...]
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|router|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|gatenorm|kdakernels|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|k3ab|k3ref|overlap|learning|warmup|firststep|pool|graph|entries ...]
 #   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, router, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, gatenorm, kdakernels, opsites, outputcode,
-#   optim, determinism, ckpt, dense, mfu, k3, k3ab, k3ref, overlap, warmup, firststep, pool and entries run on one GPU)
+#   optim, determinism, ckpt, dense, mfu, k3, k3ab, k3ref, overlap, warmup, firststep, pool, graph and entries run on one GPU)
 # tests: on one GPU the single-GPU tier (`pytest -m "gpu or multigpu"`, the multigpu tests skip) in TEST_WORKERS
 # (default 4) pytest-xdist workers sharing the GPU, whole files per worker, TEST_LIMIT s (default 300) per test
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
@@ -143,6 +143,11 @@ for step in "${steps[@]}"; do
                > "$out/pool_$n.log" 2>&1
              echo "pool $n processes rc=$?: $(tail -1 "$out/pool_$n.log" | cut -c1-300)"
            done ;;
+    graph) # could k3_small's pass (EP = 1, the recipe's batch) replay from a CUDA graph: its host syncs, the capture,
+           # eager against replay (benchmarks/diagnostics/graph_capture.py; GRAPH_ARGS: extra overrides)
+           timeout "${GRAPH_TIMEOUT:-400}" torchrun --nproc_per_node=1 benchmarks/diagnostics/graph_capture.py \
+             --out "$out/graph_capture.json" ${GRAPH_ARGS:-} > "$out/graph_capture.log" 2>&1
+           echo "graph capture rc=$?"; grep -E "^ *[0-9]+\.|^ +[0-9]+ x" "$out/graph_capture.log" | cut -c1-300 | head -30 ;;
     warmup) # the first step on empty Triton and inductor caches, k3_small at EP = 1: without the kernel warm-up (recording
            # the kernels, OUT/kernels_markov.json), on documents (recording, OUT/kernels_docs.json), then on new empty caches
            # with the two merged (OUT/kernels_merged.json; docs/performance.md, session 38). WARMUP_ARGS: extra overrides
