@@ -51,7 +51,7 @@ class Report:
     pending: int = 0  # not done within the wait
     skipped: str | None = None  # why nothing was started (the start line said so)
     unusable: str | None = None  # why the processes compiled nothing (another GPU or Triton)
-    ready: float = 0.0  # the latest a process claimed its first entry, seconds after the start (its imports)
+    ready: float = 0.0  # the latest a process began its first entry, seconds after the start (Python, Triton, CUDA)
     busy: float = 0.0  # the compiles' seconds summed over the processes
     slowest: str | None = None  # the slowest compile, named with its seconds
 
@@ -63,7 +63,7 @@ class Report:
             return f"kernel warm-up: not used ({self.unusable}); the step compiles its kernels"
         line = f"kernel warm-up: {self.compiled} of {self.total} kernels compiled in {self.seconds:.1f} s ("
         if self.slowest is not None:
-            line += (f"the processes' imports up to {self.ready:.1f} s, their compiles {self.busy:.1f} s of process "
+            line += (f"the processes began after up to {self.ready:.1f} s, their compiles {self.busy:.1f} s of process "
                      f"time, the slowest {self.slowest}; ")
         line += f"the job waited {waited:.1f} s of it, once the trainer was built)"
         if self.pending:
@@ -126,10 +126,11 @@ class Warmup:
         (work / "claims").mkdir()
         (work / "results").mkdir()
         (work / "manifest.json").write_text(self.manifest.to_json())
+        command = [sys.executable, "-m", "moontrain.trainer.warmup_pool", str(work), repr(epoch)]
         for k in range(min(self.workers, len(self.manifest.kernels))):
             with open(work / f"process_{k}.log", "w") as log:
-                self._procs.append(subprocess.Popen([sys.executable, "-m", "moontrain.trainer.warmup_pool", str(work), repr(epoch)],
-                                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
+                self._procs.append(subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
+                                                    stderr=subprocess.STDOUT))
         n = len(self.manifest.kernels)
         return (f"kernel warm-up: compiling {n} Triton kernel{'s' if n != 1 else ''} in {len(self._procs)} "
                 f"process{'es' if len(self._procs) != 1 else ''} while the job starts (Triton's cache: {cache_dir()})")
