@@ -140,6 +140,7 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
             run_pass()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the graph's pool is its own: the eager passes' cached blocks go back to the device
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
