@@ -11,9 +11,9 @@ warm-up), then takes one micro-batch of the next step and runs its pass (forward
    after the backward, with no frames of its own);
 2. capture: two passes on a side stream, then the pass captured with torch.cuda.graph. A capture that fails
    prints its error and the project frames it came through;
-3. replay: where the capture held, the pass's wall time eager against a replay of the graph (median of
-   --replays each, the device synchronised around each pass), and the replay's loss against the eager pass's
-   on the same batch and weights (equal: the graph runs the same kernels on the same inputs).
+3. replay: where the capture held, the pass's wall time eager (timed before the capture) against a replay of the
+   graph (median of --replays each, the device synchronised around each pass), and the replay's loss against the
+   eager pass's on the same batch and weights (equal: the graph runs the same kernels on the same inputs).
 
 The idle time this would remove: the recipe's H100 profile has ~5.6 % of the step with no kernel running
 (docs/performance.md); a replay launches the pass's kernels without the host between them.
@@ -132,6 +132,7 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     print(f"1. syncs in one eager pass: {sum(sites.values())} at {len(sites)} sites")
     for site, count in sites.most_common():
         print(f"   {count:>3} x {site}")
+    eager = timed(run_pass, args.replays)  # before the capture: moonep's stream state then holds captured events
     eager_loss = run_pass()
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream())
@@ -154,7 +155,6 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
         graph.replay()
         torch.cuda.synchronize()
         same = bool(torch.equal(graph_loss, eager_loss))
-        eager = timed(run_pass, args.replays)
         replay = timed(graph.replay, args.replays)
         result.update(loss_equal=same, eager_ms=eager, replay_ms=replay)
         print(f"2. capture ok; replay loss {graph_loss.item():.6f} vs eager {eager_loss.item():.6f} "
