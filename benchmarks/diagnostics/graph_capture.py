@@ -25,7 +25,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -33,13 +32,10 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
-from moontrain.config import RunConfig, from_dict, load_recipe
-from moontrain.parallel.layout import build_layout
-from moontrain.trainer.trainer import Trainer
+from benchmarks.diagnostics.one_rank import on_one_gpu, one_rank_trainer, recipe_parser
 
 OURS = ("/moontrain/", "/moonep/", "/fla/")
 
@@ -89,28 +85,16 @@ def timed(fn, n: int) -> list[float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", default="recipes/k3_small.yaml")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides (parallel.ep=1 is added)")
+    p = recipe_parser(__doc__)
     p.add_argument("--warmup", type=int, default=3, help="steps trained first (compile, autotune)")
     p.add_argument("--replays", type=int, default=10, help="timed passes of each kind")
     p.add_argument("--out", default=None, help="JSON path (none: the printout only)")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("graph_capture.py needs a CUDA GPU")
-    device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("nccl", device_id=device)
-    try:
-        run(args, device)
-    finally:
-        dist.destroy_process_group()
+    on_one_gpu("graph_capture.py", lambda device: run(args, device))
 
 
 def run(args: argparse.Namespace, device: torch.device) -> None:
-    overrides = [*args.overrides, "parallel.ep=1", f"train.run_dir={tempfile.mkdtemp(prefix='graph_')}",
-                 f"train.steps={args.warmup + 1}"]
-    cfg = from_dict(RunConfig, load_recipe(args.recipe, overrides))
-    trainer = Trainer(cfg, build_layout(1, device))
+    trainer = one_rank_trainer(args.recipe, args.overrides, args.warmup + 1, device)
     trainer.run_steps(args.warmup)
     tokens, targets = trainer.data.batch(trainer.step)
     n = trainer.accumulation_steps

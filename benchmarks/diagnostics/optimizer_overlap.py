@@ -25,17 +25,14 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
-from moontrain.config import RunConfig, from_dict, load_recipe
-from moontrain.parallel.layout import build_layout
+from benchmarks.diagnostics.one_rank import on_one_gpu, one_rank_trainer, recipe_parser
 from moontrain.trainer.trainer import Trainer
 
 
@@ -84,32 +81,24 @@ def window_ms(trainer: Trainer, steps: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", default="recipes/k3_small.yaml")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides (parallel.ep=1 is added)")
+    p = recipe_parser(__doc__)
     p.add_argument("--steps", type=int, default=5, help="steps a window")
     p.add_argument("--windows", type=int, default=3, help="windows of each kind, alternating")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile, caches)")
     p.add_argument("--main-priority", choices=["default", "high"], default="default")
     p.add_argument("--out", default=None, help="JSON path (none: the table only)")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("optimizer_overlap.py needs a CUDA GPU")
-    device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("nccl", device_id=device)
-    try:
-        stream = torch.cuda.Stream(device, priority=-1) if args.main_priority == "high" else None
-        with torch.cuda.stream(stream):
-            run(args, device)
-    finally:
-        dist.destroy_process_group()
+    on_one_gpu("optimizer_overlap.py", lambda device: run(args, device))
 
 
 def run(args: argparse.Namespace, device: torch.device) -> None:
-    overrides = [*args.overrides, "parallel.ep=1", f"train.run_dir={tempfile.mkdtemp(prefix='overlap_')}",
-                 f"train.steps={args.warmup + 2 * args.windows * args.steps + 1}"]
-    cfg = from_dict(RunConfig, load_recipe(args.recipe, overrides))
-    trainer = Trainer(cfg, build_layout(1, device))
+    stream = torch.cuda.Stream(device, priority=-1) if args.main_priority == "high" else None
+    with torch.cuda.stream(stream):
+        timed_windows(args, device)
+
+
+def timed_windows(args: argparse.Namespace, device: torch.device) -> None:
+    trainer = one_rank_trainer(args.recipe, args.overrides, args.warmup + 2 * args.windows * args.steps + 1, device)
     overlap = Overlap(trainer)
     trainer.run_steps(args.warmup)
     times: dict[str, list[float]] = {"serial": [], "overlapped": []}
