@@ -8,16 +8,16 @@ report (MOONTRAIN_WARMUP_REPORT, a file the launcher writes when its processes a
 A job started without the launcher (torchrun, the benchmarks) starts them from its host's first rank
 (rank_warmup), as the launcher would.
 
-Each process is `python -m moontrain.trainer.warmup_pool WORKDIR`, which imports this module, the manifest's
-checks and each kernel's own module (a multiprocessing "spawn" child would also import its parent's main
-module, the rank's moontrain.trainer.worker, and could not be started before the rank). It claims the manifest's
-entries one at a time (an exclusively created file per entry under WORKDIR/claims: the next free kernel, so a
-slow compile holds up no queue) and for each one: an entry whose kernel changed since the recording is left to
-the step (kernel_warmup.stale), else it is compiled (JITFunction.preload) and its launcher built (the small C
-module Triton's driver builds with the host's C compiler at a kernel's first launch and caches by its source:
-52 of them were 9.2 s of the first step after a warm-up that compiled the kernels only, on an H100). Each
-result is a file under WORKDIR/results; a process whose GPU or Triton differs from the manifest's says so in
-WORKDIR/unusable and compiles nothing.
+Each process is `python -m moontrain.trainer.warmup_pool WORKDIR`, which imports this module, the manifest's checks
+and each kernel's own module (a multiprocessing "spawn" child would also import its parent's main module, the rank's
+moontrain.trainer.worker, and could not be started before the rank). It claims the manifest's entries one at a time
+(an exclusively created file per entry under WORKDIR/claims: the next free kernel in its walk, which groups them by
+module so that few processes import fla; a slow compile holds up no queue) and for each one: an entry whose kernel
+changed since the recording is left to the step (kernel_warmup.stale), else it is compiled (JITFunction.preload) and
+its launcher built (the small C module Triton's driver builds with the host's C compiler at a kernel's first launch
+and caches by its source: 52 of them were 9.2 s of the first step after a warm-up that compiled the kernels only, on
+an H100). Each result is a file under WORKDIR/results; a process whose GPU or Triton differs from the manifest's
+says so in WORKDIR/unusable and compiles nothing.
 
 The report (Report) is the only thing read across processes; it decides one console line and nothing else.
 """
@@ -126,8 +126,9 @@ class Warmup:
         (work / "claims").mkdir()
         (work / "results").mkdir()
         (work / "manifest.json").write_text(self.manifest.to_json())
-        command = [sys.executable, "-m", "moontrain.trainer.warmup_pool", str(work), repr(epoch)]
-        for k in range(min(self.workers, len(self.manifest.kernels))):
+        n = min(self.workers, len(self.manifest.kernels))
+        for k in range(n):
+            command = [sys.executable, "-m", "moontrain.trainer.warmup_pool", str(work), repr(epoch), str(k), str(n)]
             with open(work / f"process_{k}.log", "w") as log:
                 self._procs.append(subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
                                                     stderr=subprocess.STDOUT))
@@ -279,7 +280,17 @@ def _arch_problem(manifest: Manifest) -> str | None:
     return usable(manifest, f"sm{target.arch}")
 
 
-def _child(work: Path, epoch: float) -> int:
+def walk(manifest: Manifest, k: int, n: int) -> list[int]:
+    """The order in which process k of n tries the manifest's entries: grouped by module, from the k-th n-th of
+    them on, wrapping round. A process imports the modules of the entries it compiles, and fla's takes ~3.4 s (all
+    of fla; its kernels are 14 of the shipped manifest's 60): so each module's entries go to the one or two
+    processes whose stretch they fall in, unless those are still busy when the others run out."""
+    order = sorted(range(len(manifest.kernels)), key=lambda i: (manifest.kernels[i].module, i))
+    start = k * len(order) // n
+    return order[start:] + order[:start]
+
+
+def _child(work: Path, epoch: float, k: int, n: int) -> int:
     from moontrain.supervisor import die_with_parent
 
     die_with_parent()
@@ -288,7 +299,8 @@ def _child(work: Path, epoch: float) -> int:
         (work / "unusable").write_text(why)
         return 0
     ready = None
-    for i, entry in enumerate(manifest.kernels):
+    for i in walk(manifest, k, n):
+        entry = manifest.kernels[i]
         try:
             os.close(os.open(work / "claims" / str(i), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
@@ -310,4 +322,4 @@ def publish_in_background(warmup: Warmup) -> threading.Thread:
 
 
 if __name__ == "__main__":
-    sys.exit(_child(Path(sys.argv[1]), float(sys.argv[2])))
+    sys.exit(_child(Path(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])))

@@ -139,6 +139,25 @@ def test_a_rank_reads_the_launcher_s_report(tmp_path, monkeypatch) -> None:
     w.close()
 
 
+def test_each_process_walks_the_entries_grouped_by_module_from_its_own_stretch() -> None:
+    """Every process tries every entry once, in module order from its own n-th of them on, so the shipped
+    manifest's fla entries (whose import is all of fla) fall to the first processes' stretches: with 8 processes,
+    fla is the first module of 2 walks, not of all 8."""
+    shipped = kw.load_manifest(kw.SHIPPED)
+    n_fla = sum(e.module.startswith("fla.") for e in shipped.kernels)
+    assert 0 < n_fla < len(shipped.kernels) / 2, n_fla
+    walks = [wp.walk(shipped, k, 8) for k in range(8)]
+    for k, order in enumerate(walks):
+        assert sorted(order) == list(range(len(shipped.kernels))), k
+        modules = [shipped.kernels[i].module for i in order]
+        start = k * len(order) // 8
+        assert modules[len(order) - start:] + modules[:len(order) - start] == sorted(modules), k  # one wrap
+    firsts = [shipped.kernels[order[0]].module.startswith("fla.") for order in walks]
+    assert sum(firsts) == -(-n_fla * 8 // len(shipped.kernels)), firsts
+    m = kw.Manifest("t", "sm90", [_entry(), _entry(name="b"), _entry()])
+    assert wp.walk(m, 0, 1) == [0, 1, 2] and wp.walk(m, 1, 3) == [1, 2, 0]
+
+
 def test_the_end_line_says_where_the_warm_up_s_time_went() -> None:
     r = wp.Report(total=60, compiled=60, seconds=36.0, ready=14.25, busy=120.0, slowest="_fused_kernel 4.2 s")
     assert r.line(13.5) == ("kernel warm-up: 60 of 60 kernels compiled in 36.0 s (the processes began after up to 14.2 s, "
