@@ -126,13 +126,13 @@ class Warmup:
         (work / "claims").mkdir()
         (work / "results").mkdir()
         (work / "manifest.json").write_text(self.manifest.to_json())
-        n = min(self.workers, len(self.manifest.kernels))
-        for k in range(n):
-            command = [sys.executable, "-m", "moontrain.trainer.warmup_pool", str(work), repr(epoch), str(k), str(n)]
+        n, procs = len(self.manifest.kernels), min(self.workers, len(self.manifest.kernels))
+        for k in range(procs):
+            command = [sys.executable, "-m", "moontrain.trainer.warmup_pool", str(work), repr(epoch), str(k),
+                       str(procs)]
             with open(work / f"process_{k}.log", "w") as log:
                 self._procs.append(subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
                                                     stderr=subprocess.STDOUT))
-        n = len(self.manifest.kernels)
         return (f"kernel warm-up: compiling {n} Triton kernel{'s' if n != 1 else ''} in {len(self._procs)} "
                 f"process{'es' if len(self._procs) != 1 else ''} while the job starts (Triton's cache: {cache_dir()})")
 
