@@ -43,6 +43,9 @@ pack_out() {
     tar -cJf results.tar.xz --null -T "$list" && xargs -0 rm -f < "$list" ); rm -f "$list"
 }
 finish() { save_cache; [ "${PACK_OUT:-0}" = 1 ] && pack_out; }
+# the kits' packages (.device/setup.sh installs them without bytecode) and this tree byte-compiled, as a pip install
+# and a first run leave them (else the first processes to import a module compile it at once: firststep, pool)
+byte_compile() { python -m compileall -q -j 0 ${PYTHONPATH//:/ } > /dev/null 2>&1; }
 trap finish EXIT
 for step in "${steps[@]}"; do
   case "$step" in
@@ -110,9 +113,7 @@ for step in "${steps[@]}"; do
            # (OUT/firststep.prof; the 40 largest cumulative entries printed), which names what the first step's line
            # cannot split (docs/performance.md). FIRSTSTEP_ARGS: extra overrides; FIRSTSTEP_RUNS (default "shipped:auto
            # none:none", name:train.kernel_warmup pairs); FIRSTSTEP_PROF=0 skips the cProfile run
-           # the kits' packages (.device/setup.sh installs them without bytecode) and this tree byte-compiled first, as
-           # a pip install and a first run leave them: else the first process to import a module compiles it
-           python -m compileall -q -j 0 ${PYTHONPATH//:/ } > /dev/null 2>&1
+           byte_compile
            since() { awk -v now="$(date +%s.%N)" -v t0="$1" 'BEGIN { printf "%7.1f", now - t0 }'; }
            fl="recipes/k3_small.yaml parallel.ep=1 checkpoint.save_final=false checkpoint.resume=none ${FIRSTSTEP_ARGS:-}"
            for run in ${FIRSTSTEP_RUNS:-shipped:auto none:none}; do
@@ -134,7 +135,7 @@ for step in "${steps[@]}"; do
              "$out/firststep.prof" 2>&1 | grep -E "^ +[0-9]" | cut -c1-200 ;;
     pool)  # the kernel warm-up's processes alone (no job beside them) on empty Triton caches, the shipped manifest, in
            # POOL_WORKERS processes (default "8 15"): what the warm-up costs where nothing competes for the host
-           python -m compileall -q -j 0 ${PYTHONPATH//:/ } > /dev/null 2>&1
+           byte_compile
            for n in ${POOL_WORKERS:-8 15}; do
              TRITON_CACHE_DIR=/tmp/pool_tc_$n timeout "${POOL_TIMEOUT:-200}" python -c "if True:
                import sys; from moontrain.trainer.kernel_warmup import SHIPPED, load_manifest
