@@ -160,9 +160,9 @@ def test_each_process_walks_the_entries_grouped_by_module_from_its_own_stretch()
 
 def test_the_end_line_says_where_the_warm_up_s_time_went() -> None:
     r = wp.Report(total=60, compiled=60, seconds=36.0, ready=14.25, busy=120.0, slowest="_fused_kernel 4.2 s")
-    assert r.line(13.5) == ("kernel warm-up: 60 of 60 kernels compiled in 36.0 s (the processes began after up to 14.2 s, "
-                            "their compiles 120.0 s of process time, the slowest _fused_kernel 4.2 s; the job waited "
-                            "13.5 s of it, once the trainer was built)")
+    assert r.line(13.5) == ("kernel warm-up: 60 of 60 kernels compiled in 36.0 s (the processes began after up to "
+                            "14.2 s, their compiles 120.0 s of process time, the slowest _fused_kernel 4.2 s; the job "
+                            "waited 13.5 s of it, once the trainer was built)")
     assert wp.Report.from_json(r.to_json()) == r
 
 
