@@ -83,9 +83,9 @@ class Report:
     def from_json(cls, text: str) -> Report:
         """A report file's text, every field type-checked (a ValueError otherwise)."""
         raw = json.loads(text)
-        number, text = (int, float), (str, type(None))
+        number, maybe_str = (int, float), (str, type(None))
         kinds = {"total": int, "compiled": int, "seconds": number, "failed": list, "stale": list, "pending": int,
-                 "skipped": text, "unusable": text, "ready": number, "busy": number, "slowest": text}
+                 "skipped": maybe_str, "unusable": maybe_str, "ready": number, "busy": number, "slowest": maybe_str}
         if not isinstance(raw, dict) or set(raw) != set(kinds):
             raise ValueError(f"a warm-up report holds exactly {sorted(kinds)}")
         for key, kind in kinds.items():
