@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU tiers and benchmarks in one go (run from the repository root):
-#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|router|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|gatenorm|kdakernels|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|k3ab|k3ref|overlap|learning|warmup|firststep|pool|graph|entries ...]
-#   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, router, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, gatenorm, kdakernels, opsites, outputcode,
+#   bash launch/gpu_checks.sh [OUT_DIR] [tests|cute|comm|train|planner|gemm|push|kda|conv|router|glu|tiles|kdabwd|attnres|lmloss|gradacc|writeback|gatenorm|kdakernels|kdacounters|opsites|outputcode|optim|determinism|ckpt|dense|mfu|k3|k3ab|k3ref|overlap|learning|warmup|firststep|pool|graph|entries ...]
+#   (default: the first four, in order; comm and train need 2 GPUs; push, kda, conv, router, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, gatenorm, kdakernels, kdacounters, opsites, outputcode,
 #   optim, determinism, ckpt, dense, mfu, k3, k3ab, k3ref, overlap, warmup, firststep, pool, graph and entries run on one GPU)
 # tests: on one GPU the single-GPU tier (`pytest -m "gpu or multigpu"`, the multigpu tests skip) in TEST_WORKERS
 # (default 4) pytest-xdist workers sharing the GPU, whole files per worker, TEST_LIMIT s (default 300) per test
 # with pytest-timeout, TESTS_TIMEOUT s (default 600) in all, one log OUT_DIR/tests.log; serial where xdist is
 # absent. On 2+ GPUs the tier under torchrun --nproc_per_node=2, one log per rank (OUT_DIR/tests_r<rank>.log).
 # Environment: TESTS (pytest paths, default tests/), TESTS_TIMEOUT / COMM_TIMEOUT / TRAIN_TIMEOUT /
-# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / ROUTER_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / GATENORM_TIMEOUT / KDAK_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT / K3_TIMEOUT (s), MFU_ARGS / K3_ARGS (extra overrides for the mfu / k3 steps), K3_AB_ARGS (the overrides k3ab measures against main), LEARNING_ARGS (overrides for the learning step's runs, e.g. kernels.kda_gate_norm=fla), REF_TREE (k3ref: a tar.xz of the commit it measures this tree against), K3REF_ROWS (k3ref's rows: 131k
+# PLANNER_TIMEOUT / GEMM_TIMEOUT / KDA_TIMEOUT / ROUTER_TIMEOUT / TILES_TIMEOUT / KDABWD_TIMEOUT / ATTNRES_TIMEOUT / LMLOSS_TIMEOUT / GRADACC_TIMEOUT / WRITEBACK_TIMEOUT / GATENORM_TIMEOUT / KDAK_TIMEOUT / KDAC_TIMEOUT / OPSITES_TIMEOUT / OPTIM_TIMEOUT / DET_TIMEOUT / CKPT_TIMEOUT / DENSE_TIMEOUT / MFU_TIMEOUT / K3_TIMEOUT (s), MFU_ARGS / K3_ARGS (extra overrides for the mfu / k3 steps), K3_AB_ARGS (the overrides k3ab measures against main), LEARNING_ARGS (overrides for the learning step's runs, e.g. kernels.kda_gate_norm=fla), REF_TREE (k3ref: a tar.xz of the commit it measures this tree against), K3REF_ROWS (k3ref's rows: 131k
 # recipe_batch, the default, or one of them), K3REF_ARGS (extra overrides for k3ref's run of this tree, e.g. kernels.router=auto), OPSITES_ARGS (extra op_sites.py arguments for the opsites / outputcode steps, e.g. --op add), DET_ONLY (runs of check_determinism, default A,B,P,C,D), GEMM_ARGS (bench_expert_gemm.py arguments, e.g. --shapes k3_small --merged-only), COMM_ARGS (bench_comm.py
 # arguments instead of --experts 96 384, e.g. --shapes k3), TRAIN_ARGS (extra bench_train.py arguments), PLANNER_ARGS (bench_planner.py arguments, e.g.
 # --experts 896 --topk 16 --ranks 8).
@@ -330,6 +330,21 @@ for step in "${steps[@]}"; do
            timeout "${KDAK_TIMEOUT:-300}" python benchmarks/diagnostics/kda_kernels.py --dqkg moontrain \
              --recompute off on --gate-norm fla moontrain intra_norm > "$out/kda_kernels.log" 2>&1
            echo "kda_kernels rc=$?"; head -24 "$out/kda_kernels.log"; tail -6 "$out/kda_kernels.log" ;;
+    kdacounters) # KDA's forward + backward kernels (the model's route, 4 x 4096 x 16) under Nsight Compute: time,
+           # DRAM bytes, occupancy, registers and warp stalls per kernel (benchmarks/diagnostics/kda_counters.py)
+           ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+           kc=(--profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy
+               --section LaunchStats --section WarpStateStats --csv --page raw)
+           timeout "${KDAC_TIMEOUT:-300}" "$ncu_bin" "${kc[@]}" --metrics dram__bytes_read.sum,dram__bytes_write.sum \
+             python benchmarks/diagnostics/kda_counters.py --run > "$out/kda_counters.csv" 2> "$out/kda_counters.err"
+           rc=$?; echo "ncu ($ncu_bin) rc=$rc"
+           if [ $rc -ne 0 ]; then  # without the two DRAM metrics, should the names be this ncu's others
+             timeout "${KDAC_TIMEOUT:-300}" "$ncu_bin" "${kc[@]}" python benchmarks/diagnostics/kda_counters.py --run \
+               > "$out/kda_counters.csv" 2>> "$out/kda_counters.err"; echo "ncu again rc=$?"
+           fi
+           tail -3 "$out/kda_counters.err"
+           python benchmarks/diagnostics/kda_counters.py --table "$out/kda_counters.csv" --out "$out/kda_counters.json" \
+             2>&1 | tee "$out/kda_counters.log" | cut -c1-220 ;;
     opsites) # where the K3 layers' large copies, casts and cats come from (fla's kernels included), 4 layers of
            # k3_small at 4 x 4096 tokens
            timeout "${OPSITES_TIMEOUT:-300}" python benchmarks/diagnostics/op_sites.py --layers 4 ${OPSITES_ARGS:-} \
@@ -342,6 +357,6 @@ for step in "${steps[@]}"; do
            echo "op_sites --compile rc=$?"; head -30 "$out/op_sites_compiled.log"
            grep -oE "def triton_[a-z]+_fused_[A-Za-z0-9_]+" "$out/output_code.log" | sort | uniq -c | sort -rn | head -40
            xz -f "$out/output_code.log" ;;
-    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, gatenorm, kdakernels, opsites, outputcode, optim, determinism, ckpt, dense, mfu, k3, k3ab, k3ref, learning, warmup)"; exit 2 ;;
+    *) echo "unknown step $step (tests, cute, comm, train, planner, gemm, push, kda, conv, glu, tiles, kdabwd, attnres, lmloss, gradacc, writeback, gatenorm, kdakernels, kdacounters, opsites, outputcode, optim, determinism, ckpt, dense, mfu, k3, k3ab, k3ref, learning, warmup, firststep, pool, graph, entries)"; exit 2 ;;
   esac
 done
