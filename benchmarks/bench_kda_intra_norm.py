@@ -6,15 +6,14 @@ KDA call: B x T tokens, 16 heads of 128, the stage's inputs at fla's scales (moo
 random_stage_inputs), with and without packed documents.
 
     python benchmarks/bench_kda_intra_norm.py [--case 4x4096x16] [--doc-len 1024] [--diag tf32 ieee tf32x3]
-        [--tiles sub half chunk] [--warps 4] [--stages 3] [--iters 20] [--warmup 3] [--out FILE]
+        [--warps 4] [--stages 3] [--maxnreg 0 168 128] [--iters 20] [--warmup 3] [--out FILE]
 
 Per row: the median device us (CUDA events, the host run ahead) of fla_k64's stage alone and with the ends'
 backward, and of the fused kernel alone and with the gate's backward for each --diag (the diagonal blocks'
-input_precision) x --tiles (the rows a program takes: moontrain.model.kda.intra_norm_kernel.TILES) x --warps x
---stages; beside each fused variant, its largest difference from the float64
-specification (moontrain.model.kda.intra_norm) on a smaller case with weak gates (0.1 nats a token, where the
-terms between sub-chunks count) relative to each output's largest magnitude. A table is printed; --out writes
-JSON. GPU only.
+input_precision) x --warps x --stages x --maxnreg (ptxas's register cap a thread; 0: uncapped); beside
+each fused variant, its largest difference from the float64 specification (moontrain.model.kda.intra_norm) on a
+smaller case with weak gates (0.1 nats a token, where the terms between sub-chunks count) relative to each
+output's largest magnitude. A table is printed; --out writes JSON. GPU only.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from moontrain.model.kda.gate_norm_kernel import kda_gate_backward, kda_gate_nor
 from moontrain.model.kda.intra import random_stage_inputs
 from moontrain.model.kda.intra_fla import kda_intra_fla
 from moontrain.model.kda.intra_norm import STAGE_OUTPUTS, kda_intra_norm_reference
-from moontrain.model.kda.intra_norm_kernel import TILES, kda_intra_norm
+from moontrain.model.kda.intra_norm_kernel import kda_intra_norm
 
 K = 128
 HOST_AHEAD_MS = 5.0  # two launches and fla's wrapper: longer than one call's host work
@@ -91,17 +90,23 @@ def _errors(variant: dict) -> dict:
             for n, a, b in zip(STAGE_OUTPUTS, got, want, strict=True)}
 
 
+def _cap(maxnreg: int | str | None) -> str:
+    """The table's register cap column: the launcher's default, uncapped, or the cap; '-' for fla's rows."""
+    return {None: "def", 0: "none", "": "-"}.get(maxnreg, str(maxnreg))
+
+
 def main() -> None:
     args = kernel_bench_args(__doc__, "bench_kda_intra_norm",
                              case=dict(default="4x4096x16", help="BxTxH (KDA heads of 128)"),
                              **{"doc-len": dict(type=int, default=1024)},
                              diag=dict(nargs="+", default=["tf32", "ieee"], choices=["tf32", "ieee", "tf32x3"]),
-                             tiles=dict(nargs="+", default=["sub"], choices=sorted(TILES)),
                              warps=dict(type=int, nargs="+", default=[4]),
+                             maxnreg=dict(type=int, nargs="+", default=[-1],
+                                          help="ptxas's register cap a thread; 0: uncapped, -1: the launcher's"),
                              stages=dict(type=int, nargs="+", default=[3]))
     B, T, H = (int(v) for v in args.case.split("x"))
-    variants = [dict(diag=d, tile=t, warps=w, stages=s)
-                for d, t, w, s in itertools.product(args.diag, args.tiles, args.warps, args.stages)]
+    variants = [dict(diag=d, warps=w, stages=s, maxnreg=None if r < 0 else r)
+                for d, w, s, r in itertools.product(args.diag, args.warps, args.stages, args.maxnreg)]
     errors = {str(v): _errors(v) for v in variants}
     rows = []
     for doc_len in (None, args.doc_len):
@@ -118,13 +123,13 @@ def main() -> None:
                              route_us=us(lambda: _fused_route(x, v))))  # noqa: B023
     print(f"{args.case}: the stage alone and with the last launch (us, device alone); fused: largest difference "
           "from the float64 specification (weak gates)")
-    print(f"{'docs':>5} {'route':>8} {'diag':>6} {'tile':>5} {'warps':>5} {'stages':>6} | {'stage':>8} {'+ last':>8} | "
+    print(f"{'docs':>5} {'route':>8} {'diag':>6} {'warps':>5} {'stages':>6} {'regs':>4} | {'stage':>8} {'+ last':>8} | "
           "errors")
     for r in rows:
         errs = " ".join(f"{n} {e:.1e}" for n, e in r.get("errors", {}).items())
-        print(f"{r['documents'] or '-':>5} {r['route']:>8} {r.get('diag', '-'):>6} {r.get('tile', '-'):>5} "
-              f"{r.get('warps', '-'):>5} "
-              f"{r.get('stages', '-'):>6} | {r['stage_us']:8.1f} {r['route_us']:8.1f} | {errs}")
+        print(f"{r['documents'] or '-':>5} {r['route']:>8} {r.get('diag', '-'):>6} {r.get('warps', '-'):>5} "
+              f"{r.get('stages', '-'):>6} {_cap(r.get('maxnreg', '')):>4} | {r['stage_us']:8.1f} {r['route_us']:8.1f} | "
+              f"{errs}")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                                                   case=args.case, rows=rows), indent=1))

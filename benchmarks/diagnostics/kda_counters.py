@@ -84,7 +84,7 @@ def rows_of(text: str) -> list[dict]:
     header, units, body = table[0], table[1], table[2:]
     out = []
     for values in body:
-        raw = dict(zip(header, values))
+        raw = dict(zip(header, values, strict=False))  # a short row (ncu cut off) keeps what it has
         row = {"kernel": raw.get("Kernel Name", "?")}
         for field, names in COLUMNS.items():
             name = next((n for n in names if n in raw), None)

@@ -44,8 +44,10 @@ except ImportError:  # the specifications run without triton; the launcher needs
 
 SUB = 16  # rows of a sub-chunk (fla's BC)
 DIAG = "tf32"  # the diagonal blocks' products, as the others (docs/kda.md: against "ieee", fp32 FMA)
-TILES = {"sub": (SUB, 4), "half": (32, 4), "chunk": (64, 8)}  # a program's rows and its default warps (TILE)
-TILE = "sub"
+# ptxas's register cap a thread at K <= 128: three programs of 4 warps an SM (64k registers; uncapped the kernel
+# takes ~240 and two fit), measured faster on an H100 with 160 B spilled (docs/performance.md); 128 (four) spills
+# more and is slower. At K = 256 the rows need more than the cap: uncapped there
+MAXNREG = 168
 
 
 if triton is not None:
@@ -141,116 +143,26 @@ if triton is not None:
             tl.store(dk_out + at + p_I, b_dk.to(dk_out.dtype.element_ty), mask=m)
 
 
-    @triton.jit
-    def _diag_factors(g, at, o_t, o_k, s_t, n_t, m, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
-        """(2^(g_i - g_mid), 2^(g_mid - g_i)) on the chunk's rows, g_mid the row's sub-chunk's middle row."""
-        r_mid = tl.minimum(s_t * BC + BC // 2 - 1, n_t - 1)
-        b_gmid = tl.load(g + at + r_mid[:, None] * (H * K) + o_k[None, :])
-        b_g = tl.load(g + at + o_t[:, None] * (H * K) + o_k[None, :], mask=m, other=0.0)
-        return _exp2_rows(b_g, b_gmid, m), _exp2_rows(b_gmid, b_g, m)
-
-    @triton.jit(do_not_specialize=["T"])
-    def _intra_chunk_kernel(q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, q_rstd, k_rstd, dq_out, dk_out, dg_out,
-                            db_out, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr, K: tl.constexpr,
-                            BT: tl.constexpr, BC: tl.constexpr, RB: tl.constexpr, IS_VARLEN: tl.constexpr,
-                            DIAG: tl.constexpr):
-        """The same stage as _intra_norm_kernel, one program per (RB rows of a chunk, head) over [RB, K] tiles:
-        each sub-chunk pair's product runs for every row of the block at once ([RB, BC] x [BC, K]), the factor's
-        reference on the pair's earlier side; the rows' sums (dq, r) first, dq_in stored, then the columns' (t).
-        Inputs are reloaded where needed rather than held (L1 / L2 hits), to stay within the registers."""
-        NC: tl.constexpr = BT // BC
-        i_h, i_b, row, tok0, n_t = _program_chunk(cu_seqlens, chunk_indices, T, NT, H, BT // RB, BT, IS_VARLEN)
-        r0 = i_b * RB  # the block's first row in its chunk
-        if (row >= 0) & (r0 < n_t):
-            at = tok0 * (H * K) + i_h * K
-            at_a = tok0 * (H * BT) + i_h * BT
-            at_r = tok0 * H + i_h
-            o_t = r0 + tl.arange(0, RB)
-            o_c = tl.arange(0, BC)
-            o_k = tl.arange(0, K)
-            m_t = o_t < n_t
-            m = m_t[:, None]
-            s_t = o_t // BC  # each row's sub-chunk
-            p_t = o_t[:, None] * (H * K) + o_k[None, :]
-            p_A = o_t[:, None] * (H * BT) + o_t[None, :]
-            p_r = at_r + o_t * H
-            m_D = (s_t[:, None] == s_t[None, :]) & m & m_t[None, :]  # the diagonal blocks
-
-            # the rows' sums: the diagonal blocks through each sub-chunk's middle row
-            b_up, b_down = _diag_factors(g, at, o_t, o_k, s_t, n_t, m, H, K, BC)
-            b_kd = tl.load(k + at + p_t, mask=m, other=0.0).to(tl.float32) * b_down
-            b_D = tl.where(m_D & (o_t[:, None] >= o_t[None, :]), tl.load(dAqk + at_a + p_A, mask=m, other=0.0), 0.0)
-            b_dq = tl.dot(b_D, b_kd, input_precision=DIAG) * b_up
-            b_D = tl.where(m_D & (o_t[:, None] > o_t[None, :]), tl.load(dAkk + at_a + p_A, mask=m, other=0.0), 0.0)
-            b_r = tl.dot(b_D, b_kd, input_precision=DIAG) * b_up
-            # then over each earlier sub-chunk J, through J's last row (both factors <= 1)
-            for j_s in tl.static_range(NC - 1):
-                if ((j_s + 1) * BC < n_t) & ((j_s + 1) * BC < r0 + RB):  # a row after J (all of J in the chunk)
-                    p_J = (j_s * BC + o_c)[:, None] * (H * K) + o_k[None, :]
-                    b_gl = tl.load(g + at + (j_s * BC + BC - 1) * (H * K) + o_k)
-                    b_kJ = tl.load(k + at + p_J).to(tl.float32) * tl.exp2(b_gl[None, :] - tl.load(g + at + p_J))
-                    m_J = m & (s_t > j_s)[:, None]
-                    p_AJ = o_t[:, None] * (H * BT) + (j_s * BC + o_c)[None, :]
-                    b_u = tl.dot(tl.load(dAqk + at_a + p_AJ, mask=m_J, other=0.0), b_kJ)
-                    b_v = tl.dot(tl.load(dAkk + at_a + p_AJ, mask=m_J, other=0.0), b_kJ)
-                    b_f = _exp2_rows(tl.load(g + at + p_t, mask=m, other=0.0), b_gl[None, :], m_J)
-                    b_dq += b_u * b_f
-                    b_r += b_v * b_f
-            # dq_in and db are final; r's parts of dk and dg kept
-            b_k = tl.load(k + at + p_t, mask=m, other=0.0).to(tl.float32)
-            tl.store(db_out + p_r, tl.load(db + p_r, mask=m_t, other=0.0) + tl.sum(b_r * b_k, axis=1), mask=m_t)
-            b_r *= tl.load(beta + p_r, mask=m_t, other=0.0).to(tl.float32)[:, None]
-            b_q = tl.load(q + at + p_t, mask=m, other=0.0).to(tl.float32)
-            b_dg = tl.load(dg + at + p_t, mask=m, other=0.0) + b_q * b_dq + b_r * b_k
-            b_dq += tl.load(dq + at + p_t, mask=m, other=0.0)
-            b_dq = tl.load(q_rstd + p_r, mask=m_t, other=0.0)[:, None] * (
-                b_dq - tl.sum(b_dq * b_q, axis=1)[:, None] * b_q)
-            tl.store(dq_out + at + p_t, b_dq.to(dq_out.dtype.element_ty), mask=m)
-            b_dk = tl.load(dk + at + p_t, mask=m, other=0.0) + b_r
-
-            # the columns' sums: the diagonal blocks again
-            b_up, b_down = _diag_factors(g, at, o_t, o_k, s_t, n_t, m, H, K, BC)
-            b_D = tl.where(m_D & (o_t[:, None] >= o_t[None, :]), tl.load(dAqk + at_a + p_A, mask=m, other=0.0), 0.0)
-            b_t = tl.dot(tl.trans(b_D), b_q * b_up, input_precision=DIAG)
-            b_D = tl.where(m_D & (o_t[:, None] > o_t[None, :]), tl.load(dAkk + at_a + p_A, mask=m, other=0.0), 0.0)
-            b_bu = b_up * tl.load(beta + p_r, mask=m_t, other=0.0).to(tl.float32)[:, None]
-            b_t = tl.dot(tl.trans(b_D), b_k * b_bu, b_t, input_precision=DIAG) * b_down
-            # then over each later sub-chunk S, through S's first row (both factors <= 1)
-            for s_s in tl.static_range(1, NC):
-                if (s_s * BC < n_t) & (s_s * BC > r0):  # a row before S in the block
-                    c_S = s_s * BC + o_c
-                    m_S = (c_S < n_t)[:, None]
-                    p_S = c_S[:, None] * (H * K) + o_k[None, :]
-                    b_gf = tl.load(g + at + s_s * BC * (H * K) + o_k)
-                    b_eS = _exp2_rows(tl.load(g + at + p_S, mask=m_S, other=0.0), b_gf[None, :], m_S)
-                    b_qS = tl.load(q + at + p_S, mask=m_S, other=0.0).to(tl.float32) * b_eS
-                    b_bS = tl.load(beta + at_r + c_S * H, mask=c_S < n_t, other=0.0).to(tl.float32)
-                    b_kS = tl.load(k + at + p_S, mask=m_S, other=0.0).to(tl.float32) * (b_eS * b_bS[:, None])
-                    p_AS = c_S[:, None] * (H * BT) + o_t[None, :]  # [BC, RB]: S's rows, the block's columns
-                    m_AS = m_S & (s_t < s_s)[None, :]
-                    b_u = tl.dot(tl.trans(tl.load(dAqk + at_a + p_AS, mask=m_AS, other=0.0)), b_qS)
-                    b_u = tl.dot(tl.trans(tl.load(dAkk + at_a + p_AS, mask=m_AS, other=0.0)), b_kS, b_u)
-                    b_t += b_u * _exp2_rows(b_gf[None, :], tl.load(g + at + p_t, mask=m, other=0.0),
-                                            m & (s_t < s_s)[:, None])
-
-            tl.store(dg_out + at + p_t, b_dg - b_t * b_k, mask=m)
-            b_dk += b_t
-            b_dk = tl.load(k_rstd + p_r, mask=m_t, other=0.0)[:, None] * (
-                b_dk - tl.sum(b_dk * b_k, axis=1)[:, None] * b_k)
-            tl.store(dk_out + at + p_t, b_dk.to(dk_out.dtype.element_ty), mask=m)
+def _register_cap(maxnreg: int | None, K: int) -> dict:
+    """The launch's maxnreg option: none where uncapped (0, or None at K > 128)."""
+    if maxnreg is None:
+        maxnreg = MAXNREG if K <= 128 else 0
+    if maxnreg < 0 or maxnreg % 8 or (maxnreg and maxnreg < 64):
+        raise ValueError(f"kda_intra_norm: maxnreg={maxnreg}; give 0 (uncapped) or a multiple of 8 >= 64")
+    return dict(maxnreg=maxnreg) if maxnreg else {}
 
 
 def kda_intra_norm(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, dAqk: torch.Tensor,
                    dAkk: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, db: torch.Tensor, dg: torch.Tensor,
                    q_rstd: torch.Tensor, k_rstd: torch.Tensor, *, lower_bound: float | None,
                    cu_seqlens: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
-                   warps: int | None = None, stages: int = 3, diag: str = DIAG,
-                   tile: str = TILE) -> tuple[torch.Tensor, ...]:
+                   warps: int = 4, stages: int = 3, diag: str = DIAG,
+                   maxnreg: int | None = None) -> tuple[torch.Tensor, ...]:
     """The intra-chunk stage (moontrain.model.kda.intra's arguments: q, k the normalised rows as the forward
     stored them) followed by the L2 norms' backward: (dq_in, dk_in in q's dtype, db, dg fp32). q_rstd, k_rstd:
     the forward's reciprocal norms (fp32 [B, T, H]); lower_bound: the gate's (required, >= -10). warps, stages,
-    diag (the diagonal blocks' input_precision), tile ("sub": a program per sub-chunk; "chunk": per chunk; warps
-    default to TILES[tile]): the launch's (benchmarks/bench_kda_intra_norm.py sweeps them)."""
+    diag (the diagonal blocks' input_precision), maxnreg (ptxas's register cap a thread; None: MAXNREG at K <= 128,
+    0: uncapped): the launch's (benchmarks/bench_kda_intra_norm.py sweeps them)."""
     if triton is None:
         raise ValueError("kda_intra_norm: triton is not installed; compose moontrain.model.kda.intra's and "
                          "moontrain.model.kda.gate_norm's references")
@@ -271,16 +183,9 @@ def kda_intra_norm(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torc
     rows = NT if cu_seqlens is None else chunk_indices.shape[0]
     dq_out, dk_out = torch.empty_like(q), torch.empty_like(k)
     dg_out, db_out = torch.empty_like(dg), torch.empty_like(db)
-    if tile not in TILES:
-        raise ValueError(f"kda_intra_norm: tile={tile!r}; choose one of {sorted(TILES)}")
-    args = (q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, q_rstd, k_rstd, dq_out, dk_out, dg_out, db_out, cu_seqlens,
-            chunk_indices, T, NT)
-    rb, default_warps = TILES[tile]
-    launch = dict(H=H, K=K, BT=CHUNK, BC=SUB, IS_VARLEN=cu_seqlens is not None, DIAG=diag,
-                  num_warps=warps or default_warps, num_stages=stages)
-    if tile == "sub":
-        _intra_norm_kernel[(rows * (CHUNK // SUB), B * H)](*args, **launch)
-    else:
-        _intra_chunk_kernel[(rows * (CHUNK // rb), B * H)](*args, RB=rb, **launch)
+    _intra_norm_kernel[(rows * (CHUNK // SUB), B * H)](
+        q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, q_rstd, k_rstd, dq_out, dk_out, dg_out, db_out, cu_seqlens,
+        chunk_indices, T, NT, H=H, K=K, BT=CHUNK, BC=SUB, IS_VARLEN=cu_seqlens is not None, DIAG=diag,
+        num_warps=warps, num_stages=stages, **_register_cap(maxnreg, K))
     return dq_out, dk_out, db_out, dg_out
 

@@ -41,7 +41,7 @@ def reference(x: dict) -> tuple[torch.Tensor, ...]:
                                     chunk_indices=x["chunk_indices"])
 
 
-def run(x: dict, **launch) -> tuple[torch.Tensor, ...]:
+def run(x: dict) -> tuple[torch.Tensor, ...]:
     return kda_intra_norm(x["q"], x["k"], x["g"], x["beta"], x["dAqk"], x["dAkk"], x["dq"], x["dk"], x["db"], x["dg"],
                           x["q_rstd"], x["k_rstd"], lower_bound=x["lower_bound"], cu_seqlens=x["cu_seqlens"],
-                          chunk_indices=x["chunk_indices"], **launch)
+                          chunk_indices=x["chunk_indices"])

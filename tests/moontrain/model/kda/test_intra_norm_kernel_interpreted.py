@@ -3,8 +3,8 @@ kernels.kda_intra=moontrain) in Triton's interpreter on the CPU against its spec
 composed in float64: moontrain.model.kda.intra's reference (itself checked against autograd in test_intra.py),
 then the norms' part of moontrain.model.kda.gate_norm's backward reference. Batch rows with a partial last
 chunk, packed documents on fla's use_graph chunk list (padding rows), gates at the lower bound (the widest
-exponents a bounded gate allows) and spread below it, K = 32, 64 and 128, each program tile (a sub-chunk, half a
-chunk, a chunk of rows); the gate's backward alone against the gate-and-norm kernel's; the refusals.
+exponents a bounded gate allows) and spread below it, K = 32, 64 and 128 (one, two and four sub-chunks of whole
+columns); the gate's backward alone against the gate-and-norm kernel's; the refusals.
 
 Tolerances: tests/moontrain/model/kda/intra_norm_cases.py derives them.
 """
@@ -20,7 +20,7 @@ import tests.moonep.helpers.triton_interpreted  # noqa: F401
 from moontrain.model.kda.dqkg import prepare_chunk_indices
 from moontrain.model.kda.gate_norm_kernel import kda_gate_backward, kda_gate_norm_backward
 from moontrain.model.kda.intra import random_stage_inputs
-from moontrain.model.kda.intra_norm_kernel import TILES, kda_intra_norm
+from moontrain.model.kda.intra_norm_kernel import kda_intra_norm
 from tests.moontrain.model.kda.intra_norm_cases import OUT_TOL, TF32_TOL, reference, run, with_rstd
 from tests.moontrain.model.kda.test_dqkg import CU_SEQLENS
 from tests.moontrain.model.kda.test_gate_norm import stage_inputs as gate_stage_inputs
@@ -46,12 +46,11 @@ CASES = [("batch", 32, 5.0, True, torch.bfloat16), ("batch", 64, 0.1, False, tor
          ("docs", 64, 0.1, False, torch.float32), ("batch", 32, 5.0, False, torch.float32)]
 
 
-@pytest.mark.parametrize("tile", sorted(TILES))
 @pytest.mark.parametrize(("case", "K", "gate", "at_bound", "dtype"), CASES)
 def test_kernel_matches_the_composed_specification(case: str, K: int, gate: float, at_bound: bool,
-                                                   dtype: torch.dtype, tile: str) -> None:
+                                                   dtype: torch.dtype) -> None:
     x = inputs(case, K, gate, at_bound, dtype)
-    got, want = run(x, tile=tile), reference(x)
+    got, want = run(x), reference(x)
     for name, a, b in zip(("dq_in", "dk_in", "db", "dg"), got, want, strict=True):
         assert a.dtype == (dtype if name in ("dq_in", "dk_in") else torch.float32), name
         assert torch.isfinite(a).all(), f"{name}: not finite"
@@ -90,3 +89,16 @@ def test_refusals() -> None:
         kda_intra_norm(*(x[n] if n != "dq" else x[n].transpose(1, 2).contiguous().transpose(1, 2)
                          for n in ("q", "k", "g", "beta", "dAqk", "dAkk", "dq", "dk", "db", "dg", "q_rstd",
                                    "k_rstd")), lower_bound=-5.0)
+
+
+def test_register_cap() -> None:
+    """The launch's maxnreg: the shipped cap at K <= 128, uncapped at K = 256 or for 0, a bad cap refused."""
+    from moontrain.model.kda.intra_norm_kernel import MAXNREG, _register_cap
+
+    assert MAXNREG * 4 * 32 * 3 <= 65536 < MAXNREG * 4 * 32 * 4  # three programs of 4 warps an SM, not four
+    assert _register_cap(None, 128) == {"maxnreg": MAXNREG} and _register_cap(None, 64) == {"maxnreg": MAXNREG}
+    assert _register_cap(None, 256) == {} and _register_cap(0, 128) == {}
+    assert _register_cap(200, 256) == {"maxnreg": 200}
+    for bad in (-8, 100, 32):
+        with pytest.raises(ValueError, match=f"maxnreg={bad}"):
+            _register_cap(bad, 128)
