@@ -8,7 +8,7 @@ gate-and-norm ends, dqkg stage and fused intra stage; fla's other stages).
     python benchmarks/diagnostics/kda_counters.py --table ncu.csv [--out counters.json]
 
 --run: five untimed calls (Triton's autotuning and compiles), then one call between cudaProfilerStart and
-cudaProfilerStop, the window ncu profiles. --table: one row per kernel of that call, in launch order: time,
+cudaProfilerStop, the window ncu profiles (--intra-gate: on kernels.kda_intra=moontrain_gate's route). --table: one row per kernel of that call, in launch order: time,
 DRAM bytes read + written and their rate, the share of DRAM's and of the SMs' peak, achieved occupancy,
 registers a thread, and the three largest warp-stall reasons (cycles a warp spends stalled per issued
 instruction). `bash launch/gpu_checks.sh OUT kdacounters` runs both; docs/performance.md reads the table.
@@ -40,7 +40,7 @@ COLUMNS = {  # the table's fields: raw metric names, first present wins
 }
 
 
-def run(case: str) -> None:
+def run(case: str, intra_gate: bool) -> None:
     """The profiled window: one forward + backward after five untimed ones."""
     import torch
 
@@ -50,7 +50,7 @@ def run(case: str) -> None:
     route_fla_stages(dqkg="moontrain", intra="fla_k64")
     B, T, H = (int(x) for x in case.split("x"))
     leaves, kwargs, go = random_kda_inputs(B, T, H, 128, doc_len=None)
-    kwargs.update(recompute=False, gate_norm=True, intra_norm=True)  # the model's defaults (kernels.kda_*)
+    kwargs.update(recompute=False, gate_norm=True, intra_norm=True, intra_gate=intra_gate)  # kernels.kda_* defaults
 
     def call() -> None:
         o = kda_fla(*leaves, **kwargs)
@@ -126,9 +126,10 @@ def main() -> None:
     mode.add_argument("--table", type=Path, help="ncu's --csv --page raw output to tabulate")
     p.add_argument("--case", default="4x4096x16", help="BxTxH (KDA heads of 128)")
     p.add_argument("--out", type=Path, help="--table: the rows as JSON")
+    p.add_argument("--intra-gate", action="store_true", help="--run: kernels.kda_intra=moontrain_gate's route")
     args = p.parse_args()
     if args.run:
-        run(args.case)
+        run(args.case, args.intra_gate)
         return
     rows = rows_of(args.table.read_text())
     print_table(rows)
