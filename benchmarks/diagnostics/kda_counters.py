@@ -8,10 +8,11 @@ gate-and-norm ends, dqkg stage and fused intra stage; fla's other stages).
     python benchmarks/diagnostics/kda_counters.py --table ncu.csv [--out counters.json]
 
 --run: five untimed calls (Triton's autotuning and compiles), then one call between cudaProfilerStart and
-cudaProfilerStop, the window ncu profiles (--intra-gate: on kernels.kda_intra=moontrain_gate's route). --table: one row per kernel of that call, in launch order: time,
-DRAM bytes read + written and their rate, the share of DRAM's and of the SMs' peak, achieved occupancy,
-registers a thread, and the three largest warp-stall reasons (cycles a warp spends stalled per issued
-instruction). `bash launch/gpu_checks.sh OUT kdacounters` runs both; docs/performance.md reads the table.
+cudaProfilerStop, the window ncu profiles (--intra-gate: kernels.kda_intra=moontrain_gate's route). --table: one
+row per kernel of that call, in launch order: time, DRAM bytes read + written and their rate, the share of
+DRAM's and of the SMs' peak, achieved occupancy, registers a thread, and the three largest warp-stall reasons
+(cycles a warp spends stalled per issued instruction). `bash launch/gpu_checks.sh OUT kdacounters` runs both;
+docs/performance.md reads the table.
 """
 
 from __future__ import annotations
