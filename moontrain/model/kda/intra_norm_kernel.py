@@ -23,7 +23,9 @@ rounded relative to itself, so a diagonal term's two factors (2^58 and 2^-58 at 
 cost no more than an off-diagonal term's.
 Then dq, dk, dg, db gain their parts (moontrain.model.kda.intra's formulas) and the norms' backward is applied to
 dq and dk in the registers. Rows of the chunk list with a negative sequence (fla's use_graph padding) and
-sub-chunks past a chunk's end do nothing.
+sub-chunks past a chunk's end do nothing. kda_intra_norm_gate (kernels.kda_intra=moontrain_gate) runs the same
+sub-chunk code in one program per chunk, from its last sub-chunk, with the gate's backward after each: dg's
+reverse cumulative sum carried across them, so dg is never stored (docs/kda.md).
 """
 
 from __future__ import annotations
