@@ -137,8 +137,8 @@ def main() -> None:
     for r in rows:
         errs = " ".join(f"{n} {e:.1e}" for n, e in r.get("errors", {}).items())
         print(f"{r['documents'] or '-':>5} {r['route']:>8} {r.get('diag', '-'):>6} {r.get('warps', '-'):>5} "
-              f"{r.get('stages', '-'):>6} {_cap(r.get('maxnreg', '')):>4} | {r['stage_us']:8.1f} {r['route_us']:8.1f} | "
-              f"{errs}")
+              f"{r.get('stages', '-'):>6} {_cap(r.get('maxnreg', '')):>4} | {r['stage_us']:8.1f} "
+              f"{r['route_us']:8.1f} | {errs}")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                                                   case=args.case, rows=rows), indent=1))
