@@ -5,7 +5,7 @@ gate-and-norm ends, dqkg stage and fused intra stage; fla's other stages).
     ncu --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \\
         --section LaunchStats --section WarpStateStats --metrics dram__bytes_read.sum,dram__bytes_write.sum \\
         --csv --page raw python benchmarks/diagnostics/kda_counters.py --run [--case 4x4096x16] > ncu.csv
-    python benchmarks/diagnostics/kda_counters.py --table ncu.csv [--out counters.json]
+    python benchmarks/diagnostics/kda_counters.py --table ncu.csv[.xz] [--out counters.json]
 
 --run: five untimed calls (Triton's autotuning and compiles), then one call between cudaProfilerStart and
 cudaProfilerStop, the window ncu profiles (--intra-gate: kernels.kda_intra=moontrain_gate's route). --table: one
@@ -21,6 +21,7 @@ import argparse
 import csv
 import io
 import json
+import lzma
 import sys
 from pathlib import Path
 
@@ -132,7 +133,8 @@ def main() -> None:
     if args.run:
         run(args.case, args.intra_gate)
         return
-    rows = rows_of(args.table.read_text())
+    text = lzma.open(args.table, "rt").read() if args.table.suffix == ".xz" else args.table.read_text()
+    rows = rows_of(text)  # results/ keeps the CSVs xz-compressed
     print_table(rows)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
