@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
+UNIT = {"usecond": 1e3, "msecond": 1e6, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}  # to ns and bytes; others as read
 STALL = "smsp__average_warps_issue_stalled_"  # the WarpStateStats metrics' prefix (cycles per issued instruction)
 COLUMNS = {  # the table's fields: raw metric names, first present wins
     "ns": ("gpu__time_duration.sum",),
@@ -91,13 +92,7 @@ def rows_of(text: str) -> list[dict]:
         for field, names in COLUMNS.items():
             name = next((n for n in names if n in raw), None)
             value = _number(raw[name]) if name else None
-            if name and field == "ns" and units[header.index(name)] in ("usecond", "us"):
-                value = value * 1e3 if value is not None else None
-            if name and field in ("read", "write"):
-                unit = units[header.index(name)]
-                value = value * {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}.get(unit, 1) \
-                    if value is not None else None
-            row[field] = value
+            row[field] = None if value is None else value * UNIT.get(units[header.index(name)], 1)
         stalls = {n[len(STALL):].removesuffix("_per_issue_active.ratio"): _number(raw[n])
                   for n in header if n.startswith(STALL) and n.endswith("_per_issue_active.ratio")}
         row["stalls"] = sorted(((v, k) for k, v in stalls.items() if v), reverse=True)[:3]

@@ -179,6 +179,7 @@ if triton is not None:
             for r in range(0, NC):  # a loop, not unrolled: one sub-chunk's code, the registers of the other kernel
                 i_s = NC - 1 - r
                 if i_s * BC < n_t:
+                    # dg_out unused (STORE_DG off): dq stands in for the pointer
                     b_dg = _sub_chunk(q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, q_rstd, k_rstd, dq_out, dk_out, dq,
                                       db_out, at, tok0 * (H * BT) + i_h * BT, tok0 * H + i_h, i_s, n_t, H, K, BT, BC,
                                       DIAG, False)
