@@ -13,9 +13,7 @@ backward, and of the fused kernel alone and with the gate's backward for each --
 input_precision) x --warps x --stages x --maxnreg (ptxas's register cap a thread; 0: uncapped); beside
 each fused variant, its largest difference from the float64 specification (moontrain.model.kda.intra_norm) on a
 smaller case with weak gates (0.1 nats a token, where the terms between sub-chunks count) relative to each
-output's largest magnitude; then the same variant as one launch with the gate's backward in it (route "gate",
-kernels.kda_intra=moontrain_gate: kda_intra_norm_gate), against the fused row's "+ last". A table is printed;
---out writes JSON. GPU only.
+output's largest magnitude. A table is printed; --out writes JSON. GPU only.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ from moontrain.model.kda.gate_norm_kernel import kda_gate_backward, kda_gate_nor
 from moontrain.model.kda.intra import random_stage_inputs
 from moontrain.model.kda.intra_fla import kda_intra_fla
 from moontrain.model.kda.intra_norm import STAGE_OUTPUTS, kda_intra_norm_reference
-from moontrain.model.kda.intra_norm_kernel import kda_intra_norm, kda_intra_norm_gate
+from moontrain.model.kda.intra_norm_kernel import kda_intra_norm
 
 K = 128
 HOST_AHEAD_MS = 5.0  # two launches and fla's wrapper: longer than one call's host work
@@ -82,11 +80,6 @@ def _fused_route(x: dict, variant: dict) -> tuple[torch.Tensor, ...]:
     return kda_gate_backward(dg, x["f"], x["A_log"], x["dt_bias"], **_lists(x))
 
 
-def _gate_fused(x: dict, variant: dict) -> tuple[torch.Tensor, ...]:
-    return kda_intra_norm_gate(*(x[n] for n in STAGE), x["q_rstd"], x["k_rstd"], x["f"], x["A_log"], x["dt_bias"],
-                               **_lists(x), **variant)
-
-
 def _errors(variant: dict) -> dict:
     """The variant's largest differences from the float64 specification, weak gates, 2 x 1000 tokens."""
     x = _inputs(2, 1000, 16, None, gate=0.1, seed=3)
@@ -128,8 +121,6 @@ def main() -> None:
             rows.append(dict(documents=doc_len, route="fused", **v, errors=errors[str(v)],
                              stage_us=us(lambda: _fused_stage(x, v)),  # noqa: B023
                              route_us=us(lambda: _fused_route(x, v))))  # noqa: B023
-            gate_us = us(lambda: _gate_fused(x, v))  # noqa: B023
-            rows.append(dict(documents=doc_len, route="gate", **v, stage_us=gate_us, route_us=gate_us))
     print(f"{args.case}: the stage alone and with the last launch (us, device alone); fused: largest difference "
           "from the float64 specification (weak gates)")
     print(f"{'docs':>5} {'route':>8} {'diag':>6} {'warps':>5} {'stages':>6} {'regs':>4} | {'stage':>8} {'+ last':>8} | "

@@ -331,16 +331,15 @@ for step in "${steps[@]}"; do
              --recompute off on --gate-norm fla moontrain intra_norm > "$out/kda_kernels.log" 2>&1
            echo "kda_kernels rc=$?"; head -24 "$out/kda_kernels.log"; tail -6 "$out/kda_kernels.log" ;;
     kdacounters) # KDA's forward + backward kernels (the model's route, 4 x 4096 x 16) under Nsight Compute: time,
-           # DRAM bytes, occupancy, registers and warp stalls per kernel (benchmarks/diagnostics/kda_counters.py;
-           # KDAC_ARGS=--intra-gate: kernels.kda_intra=moontrain_gate's route)
+           # DRAM bytes, occupancy, registers and warp stalls per kernel (benchmarks/diagnostics/kda_counters.py)
            ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
            kc=(--profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy
                --section LaunchStats --section WarpStateStats --csv --page raw)
            timeout "${KDAC_TIMEOUT:-300}" "$ncu_bin" "${kc[@]}" --metrics dram__bytes_read.sum,dram__bytes_write.sum \
-             python benchmarks/diagnostics/kda_counters.py --run ${KDAC_ARGS:-} > "$out/kda_counters.csv" 2> "$out/kda_counters.err"
+             python benchmarks/diagnostics/kda_counters.py --run > "$out/kda_counters.csv" 2> "$out/kda_counters.err"
            rc=$?; echo "ncu ($ncu_bin) rc=$rc"
            if [ $rc -ne 0 ]; then  # without the two DRAM metrics, should the names be this ncu's others
-             timeout "${KDAC_TIMEOUT:-300}" "$ncu_bin" "${kc[@]}" python benchmarks/diagnostics/kda_counters.py --run ${KDAC_ARGS:-} \
+             timeout "${KDAC_TIMEOUT:-300}" "$ncu_bin" "${kc[@]}" python benchmarks/diagnostics/kda_counters.py --run \
                > "$out/kda_counters.csv" 2>> "$out/kda_counters.err"; echo "ncu again rc=$?"
            fi
            tail -3 "$out/kda_counters.err"

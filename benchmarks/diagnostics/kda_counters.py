@@ -8,10 +8,10 @@ gate-and-norm ends, dqkg stage and fused intra stage; fla's other stages).
     python benchmarks/diagnostics/kda_counters.py --table ncu.csv[.xz] [--out counters.json]
 
 --run: five untimed calls (Triton's autotuning and compiles), then one call between cudaProfilerStart and
-cudaProfilerStop, the window ncu profiles (--intra-gate: kernels.kda_intra=moontrain_gate's route). --table: one
-row per kernel of that call, in launch order: time, DRAM bytes read + written and their rate, the share of
-DRAM's and of the SMs' peak, achieved occupancy, registers a thread, and the three largest warp-stall reasons
-(cycles a warp spends stalled per issued instruction). `bash launch/gpu_checks.sh OUT kdacounters` runs both;
+cudaProfilerStop, the window ncu profiles. --table: one row per kernel of that call, in launch order: time,
+DRAM bytes read + written and their rate, the share of DRAM's and of the SMs' peak, achieved occupancy,
+registers a thread, and the three largest warp-stall reasons (cycles a warp spends stalled per issued
+instruction). `bash launch/gpu_checks.sh OUT kdacounters` runs both;
 docs/performance.md reads the table.
 """
 
@@ -43,7 +43,7 @@ COLUMNS = {  # the table's fields: raw metric names, first present wins
 }
 
 
-def run(case: str, intra_gate: bool) -> None:
+def run(case: str) -> None:
     """The profiled window: one forward + backward after five untimed ones."""
     import torch
 
@@ -53,7 +53,7 @@ def run(case: str, intra_gate: bool) -> None:
     route_fla_stages(dqkg="moontrain", intra="fla_k64")
     B, T, H = (int(x) for x in case.split("x"))
     leaves, kwargs, go = random_kda_inputs(B, T, H, 128, doc_len=None)
-    kwargs.update(recompute=False, gate_norm=True, intra_norm=True, intra_gate=intra_gate)  # kernels.kda_* defaults
+    kwargs.update(recompute=False, gate_norm=True, intra_norm=True)  # the model's defaults (kernels.kda_*)
 
     def call() -> None:
         o = kda_fla(*leaves, **kwargs)
@@ -123,10 +123,9 @@ def main() -> None:
     mode.add_argument("--table", type=Path, help="ncu's --csv --page raw output to tabulate")
     p.add_argument("--case", default="4x4096x16", help="BxTxH (KDA heads of 128)")
     p.add_argument("--out", type=Path, help="--table: the rows as JSON")
-    p.add_argument("--intra-gate", action="store_true", help="--run: kernels.kda_intra=moontrain_gate's route")
     args = p.parse_args()
     if args.run:
-        run(args.case, args.intra_gate)
+        run(args.case)
         return
     text = lzma.open(args.table, "rt").read() if args.table.suffix == ".xz" else args.table.read_text()
     rows = rows_of(text)  # results/ keeps the CSVs xz-compressed

@@ -257,11 +257,9 @@ class KernelsConfig:
     # fla's; at k3_small's pass the stage 0.2 ms faster, a KDA call 0.06-0.1 ms: docs/kda.md), "fla" (fla's
     # chunk_kda_bwd_intra, 32-wide), "moontrain" (moontrain.model.kda.intra_norm_kernel: the stage and the L2
     # norms' backward in one kernel, dq and dk stored once in their dtype; with kda_gate_norm=moontrain and a
-    # gate lower bound in [-10, 0)), "moontrain_gate" (the same kernel with the gate's backward in it too: one
-    # program per chunk walks its sub-chunks from the last, so dg never leaves the registers; opt-in until measured
-    # on a GPU: docs/kda.md), "auto" (moontrain where it applies, else fla_k64: moontrain.model.kda.layer's
+    # gate lower bound in [-10, 0)), "auto" (moontrain where it applies, else fla_k64: moontrain.model.kda.layer's
     # resolve_intra). Only where the KDA layers run fla; fla's two: process-wide
-    kda_intra: Literal["auto", "fla", "fla_k64", "moontrain", "moontrain_gate"] = "auto"
+    kda_intra: Literal["auto", "fla", "fla_k64", "moontrain"] = "auto"
     # the two elementwise ends of the KDA call (q and k's L2 norms, the gate and its chunk-local cumulative sum,
     # and their backward): "moontrain" (moontrain.model.kda.chunk: fla's stages between moontrain's Triton
     # kernels, one launch at each end instead of three forward and six backward, f read in place; with
@@ -304,13 +302,13 @@ class KernelsConfig:
             raise ValueError(f"kernels.kda must be 'auto', 'torch' or 'fla', got {self.kda!r}")
         if self.kda_dqkg not in ("fla", "moontrain"):
             raise ValueError(f"kernels.kda_dqkg must be 'fla' or 'moontrain', got {self.kda_dqkg!r}")
-        if self.kda_intra not in ("auto", "fla", "fla_k64", "moontrain", "moontrain_gate"):
-            raise ValueError(f"kernels.kda_intra must be 'auto', 'fla', 'fla_k64', 'moontrain' or 'moontrain_gate', "
-                             f"got {self.kda_intra!r}")
+        if self.kda_intra not in ("auto", "fla", "fla_k64", "moontrain"):
+            raise ValueError(f"kernels.kda_intra must be 'auto', 'fla', 'fla_k64' or 'moontrain', got "
+                             f"{self.kda_intra!r}")
         if self.kda_gate_norm not in ("fla", "moontrain"):
             raise ValueError(f"kernels.kda_gate_norm must be 'fla' or 'moontrain', got {self.kda_gate_norm!r}")
-        if self.kda_intra in ("moontrain", "moontrain_gate") and self.kda_gate_norm != "moontrain":
-            raise ValueError(f"kernels.kda_intra={self.kda_intra} applies the L2 norms' backward that moontrain's "
+        if self.kda_intra == "moontrain" and self.kda_gate_norm != "moontrain":
+            raise ValueError("kernels.kda_intra=moontrain applies the L2 norms' backward that moontrain's "
                              "gate-and-norm route leaves to it: set kernels.kda_gate_norm=moontrain too (got "
                              f"{self.kda_gate_norm!r}), or kernels.kda_intra=fla_k64")
         if self.short_conv not in ("auto", "torch", "triton"):

@@ -9,8 +9,7 @@ gate-and-norm backward (the reverse cumulative sum, the gate's and the norms' gr
 partial sums: one launch). fla's chunk_kda runs three launches forward and six backward there instead, reads f
 through a contiguous copy, and keeps that copy for the backward; here f is read in place. With intra_norm
 (kernels.kda_intra=moontrain) the intra-chunk stage is moontrain.model.kda.intra_norm_kernel, which applies the
-norms' backward too, and the last launch is the gate's backward alone; with intra_gate as well
-(kernels.kda_intra=moontrain_gate) the gate's backward runs inside that kernel (kda_intra_norm_gate).
+norms' backward too, and the last launch is the gate's backward alone.
 
 The stages are called as fla's chunk_kda calls them (fla-core 0.6.0), for what the model uses: no initial or
 final state, H == HV, the state stored [K, V], chunks of 64. The backward reads qn, kn, their reciprocal norms,
@@ -32,7 +31,7 @@ from moontrain.model.kda.gate_norm_kernel import (
     kda_gate_norm_backward,
 )
 from moontrain.model.kda.intra_norm import check_lower_bound
-from moontrain.model.kda.intra_norm_kernel import kda_intra_norm, kda_intra_norm_gate
+from moontrain.model.kda.intra_norm_kernel import kda_intra_norm
 
 CHUNK = 64
 
@@ -42,7 +41,7 @@ class ChunkKDA(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
                 A_log: torch.Tensor, dt_bias: torch.Tensor, scale: float, lower_bound: float | None,
                 cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None, max_num_seqs: int | None,
-                recompute: bool, intra_norm: bool, intra_gate: bool) -> torch.Tensor:
+                recompute: bool, intra_norm: bool) -> torch.Tensor:
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
         from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
         from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
@@ -63,7 +62,6 @@ class ChunkKDA(torch.autograd.Function):
         ctx.save_for_backward(qn, q_rstd, kn, k_rstd, v, f, beta, A_log, dt_bias, Aqk, Akk, cu_seqlens,
                               chunk_indices, chunk_offsets, *kept)
         ctx.scale, ctx.lower_bound, ctx.use_graph, ctx.intra_norm = scale, lower_bound, use_graph, intra_norm
-        ctx.intra_gate = intra_gate
         return o.to(q.dtype)
 
     @staticmethod
@@ -93,11 +91,7 @@ class ChunkKDA(torch.autograd.Function):
                                                                 h=h, do=do, dh=dh, dv=dv, scale=scale,
                                                                 chunk_offsets=chunk_offsets, use_graph=use_graph,
                                                                 **lists)
-        if ctx.intra_gate:  # the intra-chunk stage, the norms' and the gate's backward in one launch
-            dq, dk, db, df, dA_log, ddt_bias = kda_intra_norm_gate(
-                qn, kn, g, beta, dAqk, dAkk, dq, dk, db, dg, q_rstd, k_rstd, f, A_log, dt_bias,
-                lower_bound=lower_bound, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-        elif ctx.intra_norm:  # the intra-chunk stage with the norms' backward; the gate's backward after it
+        if ctx.intra_norm:  # the intra-chunk stage with the norms' backward; the gate's backward after it
             dq, dk, db, dg = kda_intra_norm(qn, kn, g, beta, dAqk, dAkk, dq, dk, db, dg, q_rstd, k_rstd,
                                             lower_bound=lower_bound, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
             df, dA_log, ddt_bias = kda_gate_backward(dg, f, A_log, dt_bias, lower_bound=lower_bound,
@@ -110,7 +104,7 @@ class ChunkKDA(torch.autograd.Function):
                                                                   dt_bias, lower_bound=lower_bound,
                                                                   cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
         return (dq, dk, dv.to(v.dtype), df, db.to(beta.dtype), dA_log, ddt_bias, None, None, None, None, None,
-                None, None, None)
+                None, None)
 
 
 def _chunk_list(T: int, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
@@ -133,17 +127,14 @@ def chunk_kda_moontrain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: to
                         A_log: torch.Tensor, dt_bias: torch.Tensor, *, scale: float, lower_bound: float | None,
                         cu_seqlens: torch.Tensor | None = None, cu_seqlens_cpu: torch.Tensor | None = None,
                         max_num_seqs: int | None = None, recompute: bool = False,
-                        intra_norm: bool = False, intra_gate: bool = False) -> torch.Tensor:
+                        intra_norm: bool = False) -> torch.Tensor:
     """o [B, T, H, V] in q's dtype: fla's chunk_kda(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
     safe_gate=lower_bound is not None) on the module docstring's stages. q, k, f may be column slices of the
     projection (token-strided); A_log [H], dt_bias [H * K] fp32."""
     if q.shape[2] != v.shape[2]:
         raise ValueError(f"chunk_kda_moontrain: q has {q.shape[2]} heads and v {v.shape[2]}; grouped value heads "
                          "(GVA) are not supported")
-    if intra_gate and not intra_norm:
-        raise ValueError("chunk_kda_moontrain: intra_gate (kernels.kda_intra=moontrain_gate) is the intra_norm kernel "
-                         "with the gate's backward in it: pass intra_norm=True too")
     if intra_norm:  # refused before the forward, not at the backward
         check_lower_bound(lower_bound)
     return ChunkKDA.apply(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, cu_seqlens_cpu,
-                          max_num_seqs, recompute, intra_norm, intra_gate)
+                          max_num_seqs, recompute, intra_norm)

@@ -23,9 +23,7 @@ rounded relative to itself, so a diagonal term's two factors (2^58 and 2^-58 at 
 cost no more than an off-diagonal term's.
 Then dq, dk, dg, db gain their parts (moontrain.model.kda.intra's formulas) and the norms' backward is applied to
 dq and dk in the registers. Rows of the chunk list with a negative sequence (fla's use_graph padding) and
-sub-chunks past a chunk's end do nothing. kda_intra_norm_gate (kernels.kda_intra=moontrain_gate) runs the same
-sub-chunk code in one program per chunk, from its last sub-chunk, with the gate's backward after each: dg's
-reverse cumulative sum carried across them, so dg is never stored (docs/kda.md).
+sub-chunks past a chunk's end do nothing.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ from __future__ import annotations
 import torch
 
 from moontrain.model.kda.dqkg import CHUNK, prepare_chunk_indices
-from moontrain.model.kda.gate_norm import validate as validate_gate
 from moontrain.model.kda.intra import validate
 from moontrain.model.kda.intra_norm import check_lower_bound
 
@@ -42,7 +39,6 @@ try:
     import triton.language as tl
 
     from moontrain.model.kda.dqkg_kernel import _program_chunk
-    from moontrain.model.kda.gate_norm_kernel import _gate, _token_strided
 except ImportError:  # the specifications run without triton; the launcher needs it
     triton = None
 
@@ -60,142 +56,92 @@ if triton is not None:
         """2^(a - b) on the valid rows, 0 elsewhere (no inf * 0 from a masked row's gate)."""
         return tl.where(valid, tl.exp2(tl.where(valid, a - b, 0.0)), 0.0)
 
-    @triton.jit
-    def _sub_chunk(q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, q_rstd, k_rstd, dq_out, dk_out, dg_out, db_out, at,
-                   at_a, at_r, i_s, n_t, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                   DIAG: tl.constexpr, STORE_DG: tl.constexpr):
-        """The stage on one sub-chunk of a chunk (its rows i_s BC ..., inside the chunk's n_t rows; at, at_a,
-        at_r: the chunk's first row and head in the [B, T, H, K], [B, T, H, BT] and [B, T, H] tensors): stores
-        dq_in, dk_in, db (and dg where STORE_DG) and returns dg's [BC, K] fp32 tile, zero past the chunk's end."""
-        c0 = i_s * BC  # the sub-chunk's first row in its chunk
-        o_i = tl.arange(0, BC)
-        o_k = tl.arange(0, K)
-        c_I = c0 + o_i
-        m_I = c_I < n_t
-        m = m_I[:, None]
-        p_I = c_I[:, None] * (H * K) + o_k[None, :]
-
-        # the rows' sums over the earlier sub-chunks (every row of those is inside the chunk)
-        b_dq = tl.zeros([BC, K], dtype=tl.float32)
-        b_r = tl.zeros([BC, K], dtype=tl.float32)
-        b_gref = tl.load(g + at + c0 * (H * K) + o_k)
-        for j_s in range(0, i_s):
-            c_J = j_s * BC + o_i
-            p_J = c_J[:, None] * (H * K) + o_k[None, :]
-            b_kg = tl.load(k + at + p_J).to(tl.float32) * tl.exp2(b_gref[None, :] - tl.load(g + at + p_J))
-            p_A = c_I[:, None] * (H * BT) + c_J[None, :]
-            b_dq = tl.dot(tl.load(dAqk + at_a + p_A, mask=m, other=0.0), b_kg, b_dq)
-            b_r = tl.dot(tl.load(dAkk + at_a + p_A, mask=m, other=0.0), b_kg, b_r)
-        b_gI = tl.load(g + at + p_I, mask=m, other=0.0)
-        b_eI = _exp2_rows(b_gI, b_gref[None, :], m)
-        b_dq *= b_eI
-        b_r *= b_eI
-
-        # the diagonal block, through its middle row's gate
-        b_gmid = tl.load(g + at + tl.minimum(c0 + BC // 2 - 1, n_t - 1) * (H * K) + o_k)
-        b_up = _exp2_rows(b_gI, b_gmid[None, :], m)  # 2^(g_i - g_mid)
-        b_down = _exp2_rows(b_gmid[None, :], b_gI, m)  # 2^(g_mid - g_j)
-        p_D = c_I[:, None] * (H * BT) + c_I[None, :]
-        m_D = m & m_I[None, :]
-        b_Dq = tl.where(m_D & (o_i[:, None] >= o_i[None, :]), tl.load(dAqk + at_a + p_D, mask=m_D, other=0.0), 0.0)
-        b_Dk = tl.where(m_D & (o_i[:, None] > o_i[None, :]), tl.load(dAkk + at_a + p_D, mask=m_D, other=0.0), 0.0)
-        b_kd = tl.load(k + at + p_I, mask=m, other=0.0).to(tl.float32) * b_down
-        b_dq += tl.dot(b_Dq, b_kd, input_precision=DIAG) * b_up
-        b_r += tl.dot(b_Dk, b_kd, input_precision=DIAG) * b_up
-        b_qu = tl.load(q + at + p_I, mask=m, other=0.0).to(tl.float32) * b_up
-        b_t = tl.dot(tl.trans(b_Dq), b_qu, input_precision=DIAG)
-        b_bI = tl.load(beta + at_r + c_I * H, mask=m_I, other=0.0).to(tl.float32)
-        b_ku = tl.load(k + at + p_I, mask=m, other=0.0).to(tl.float32) * (b_up * b_bI[:, None])
-        b_t = tl.dot(tl.trans(b_Dk), b_ku, b_t, input_precision=DIAG)
-        b_t *= b_down
-
-        # the rows as the column index of the later sub-chunks' sums (only a whole sub-chunk has later rows)
-        if c0 + BC < n_t:
-            b_gref = tl.load(g + at + (c0 + BC - 1) * (H * K) + o_k)
-            b_tS = tl.zeros([BC, K], dtype=tl.float32)
-            for s_s in range(i_s + 1, tl.cdiv(n_t, BC)):
-                c_S = s_s * BC + o_i
-                m_S = (c_S < n_t)[:, None]
-                p_S = c_S[:, None] * (H * K) + o_k[None, :]
-                b_eS = _exp2_rows(tl.load(g + at + p_S, mask=m_S, other=0.0), b_gref[None, :], m_S)
-                p_A = c_S[:, None] * (H * BT) + c_I[None, :]
-                b_qS = tl.load(q + at + p_S, mask=m_S, other=0.0).to(tl.float32) * b_eS
-                b_tS = tl.dot(tl.trans(tl.load(dAqk + at_a + p_A, mask=m_S, other=0.0)), b_qS, b_tS)
-                b_bS = tl.load(beta + at_r + c_S * H, mask=c_S < n_t, other=0.0).to(tl.float32)
-                b_kS = tl.load(k + at + p_S, mask=m_S, other=0.0).to(tl.float32) * (b_eS * b_bS[:, None])
-                b_tS = tl.dot(tl.trans(tl.load(dAkk + at_a + p_A, mask=m_S, other=0.0)), b_kS, b_tS)
-            b_t += b_tS * _exp2_rows(b_gref[None, :], tl.load(g + at + p_I, mask=m, other=0.0), m)
-
-        # the stage's sums, then the norms' backward on dq and dk
-        b_kI = tl.load(k + at + p_I, mask=m, other=0.0).to(tl.float32)
-        tl.store(db_out + at_r + c_I * H, tl.load(db + at_r + c_I * H, mask=m_I, other=0.0) +
-                 tl.sum(b_r * b_kI, axis=1), mask=m_I)
-        b_r *= tl.load(beta + at_r + c_I * H, mask=m_I, other=0.0).to(tl.float32)[:, None]
-        b_qI = tl.load(q + at + p_I, mask=m, other=0.0).to(tl.float32)
-        b_dg = tl.load(dg + at + p_I, mask=m, other=0.0) + b_qI * b_dq + (b_r - b_t) * b_kI
-        if STORE_DG:
-            tl.store(dg_out + at + p_I, b_dg, mask=m)
-        b_dq += tl.load(dq + at + p_I, mask=m, other=0.0)
-        b_rs = tl.load(q_rstd + at_r + c_I * H, mask=m_I, other=0.0)
-        b_dq = b_rs[:, None] * (b_dq - tl.sum(b_dq * b_qI, axis=1)[:, None] * b_qI)
-        tl.store(dq_out + at + p_I, b_dq.to(dq_out.dtype.element_ty), mask=m)
-        b_dk = tl.load(dk + at + p_I, mask=m, other=0.0) + b_r + b_t
-        b_rs = tl.load(k_rstd + at_r + c_I * H, mask=m_I, other=0.0)
-        b_dk = b_rs[:, None] * (b_dk - tl.sum(b_dk * b_kI, axis=1)[:, None] * b_kI)
-        tl.store(dk_out + at + p_I, b_dk.to(dk_out.dtype.element_ty), mask=m)
-
-        return tl.where(m, b_dg, 0.0)
-
     @triton.jit(do_not_specialize=["T"])
     def _intra_norm_kernel(q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, q_rstd, k_rstd, dq_out, dk_out, dg_out,
                            db_out, cu_seqlens, chunk_indices, T, NT, H: tl.constexpr, K: tl.constexpr,
                            BT: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr, DIAG: tl.constexpr):
         NC: tl.constexpr = BT // BC
         i_h, i_s, row, tok0, n_t = _program_chunk(cu_seqlens, chunk_indices, T, NT, H, NC, BT, IS_VARLEN)
-        if (row >= 0) & (i_s * BC < n_t):
-            _sub_chunk(q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, q_rstd, k_rstd, dq_out, dk_out, dg_out, db_out,
-                       tok0 * (H * K) + i_h * K, tok0 * (H * BT) + i_h * BT, tok0 * H + i_h, i_s, n_t, H, K, BT, BC,
-                       DIAG, True)
+        c0 = i_s * BC  # the sub-chunk's first row in its chunk
+        if (row >= 0) & (c0 < n_t):
+            at = tok0 * (H * K) + i_h * K  # the chunk's first row, this head, in the [B, T, H, K] tensors
+            at_a = tok0 * (H * BT) + i_h * BT  # in the [B, T, H, BT] dA tensors
+            at_r = tok0 * H + i_h  # in the [B, T, H] tensors
+            o_i = tl.arange(0, BC)
+            o_k = tl.arange(0, K)
+            c_I = c0 + o_i
+            m_I = c_I < n_t
+            m = m_I[:, None]
+            p_I = c_I[:, None] * (H * K) + o_k[None, :]
 
-    @triton.jit(do_not_specialize=["T"])
-    def _intra_norm_gate_kernel(q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, q_rstd, k_rstd, f, A_log, dt_bias, dq_out,
-                                dk_out, db_out, df, dA_part, dbias_part, cu_seqlens, chunk_indices, lower_bound, T,
-                                NT, stride_f, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                                IS_VARLEN: tl.constexpr, DIAG: tl.constexpr):
-        """The stage, then the gate's backward (moontrain.model.kda.gate_norm_kernel's, norms off) in one program
-        per (chunk, head): the sub-chunks from the last, dg's reverse cumulative sum carried across them, so dg
-        never leaves the registers. Partials of dA_log and dt_bias's gradient as the gate's backward lays them."""
-        NC: tl.constexpr = BT // BC
-        i_h, _split, row, tok0, n_t = _program_chunk(cu_seqlens, chunk_indices, T, NT, H, 1, BT, IS_VARLEN)
-        part = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
-        o_i = tl.arange(0, BC)
-        o_k = tl.arange(0, K)
-        b_carry = tl.zeros([K], dtype=tl.float32)  # dg summed over the rows of the later sub-chunks
-        b_dA = 0.0
-        b_dbias = tl.zeros([K], dtype=tl.float32)
-        if row >= 0:
-            at = tok0 * (H * K) + i_h * K
-            a = tl.exp(tl.load(A_log + i_h))
-            for r in range(0, NC):  # a loop, not unrolled: one sub-chunk's code, the registers of the other kernel
-                i_s = NC - 1 - r
-                if i_s * BC < n_t:
-                    # dg_out unused (STORE_DG off): dq stands in for the pointer
-                    b_dg = _sub_chunk(q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, q_rstd, k_rstd, dq_out, dk_out, dq,
-                                      db_out, at, tok0 * (H * BT) + i_h * BT, tok0 * H + i_h, i_s, n_t, H, K, BT, BC,
-                                      DIAG, False)
-                    b_dgate = tl.cumsum(b_dg, axis=0, reverse=True) + b_carry[None, :]
-                    b_carry += tl.sum(b_dg, axis=0)
-                    c_I = i_s * BC + o_i
-                    m = (c_I < n_t)[:, None]
-                    b_x = tl.load(f + tok0 * stride_f + i_h * K + c_I[:, None] * stride_f + o_k[None, :], mask=m,
-                                  other=0.0).to(tl.float32) + tl.load(dt_bias + i_h * K + o_k)[None, :]
-                    _decay, d_x, d_a = _gate(b_x, a, lower_bound, True)
-                    b_df = tl.where(m, b_dgate * d_x, 0.0)
-                    tl.store(df + at + c_I[:, None] * (H * K) + o_k[None, :], b_df.to(df.dtype.element_ty), mask=m)
-                    b_dA += tl.sum(tl.sum(tl.where(m, b_dgate * d_a, 0.0), axis=1), axis=0)
-                    b_dbias += tl.sum(b_df, axis=0)
-        tl.store(dA_part + part, b_dA)
-        tl.store(dbias_part + part * K + o_k, b_dbias)
+            # the rows' sums over the earlier sub-chunks (every row of those is inside the chunk)
+            b_dq = tl.zeros([BC, K], dtype=tl.float32)
+            b_r = tl.zeros([BC, K], dtype=tl.float32)
+            b_gref = tl.load(g + at + c0 * (H * K) + o_k)
+            for j_s in range(0, i_s):
+                c_J = j_s * BC + o_i
+                p_J = c_J[:, None] * (H * K) + o_k[None, :]
+                b_kg = tl.load(k + at + p_J).to(tl.float32) * tl.exp2(b_gref[None, :] - tl.load(g + at + p_J))
+                p_A = c_I[:, None] * (H * BT) + c_J[None, :]
+                b_dq = tl.dot(tl.load(dAqk + at_a + p_A, mask=m, other=0.0), b_kg, b_dq)
+                b_r = tl.dot(tl.load(dAkk + at_a + p_A, mask=m, other=0.0), b_kg, b_r)
+            b_gI = tl.load(g + at + p_I, mask=m, other=0.0)
+            b_eI = _exp2_rows(b_gI, b_gref[None, :], m)
+            b_dq *= b_eI
+            b_r *= b_eI
+
+            # the diagonal block, through its middle row's gate
+            b_gmid = tl.load(g + at + tl.minimum(c0 + BC // 2 - 1, n_t - 1) * (H * K) + o_k)
+            b_up = _exp2_rows(b_gI, b_gmid[None, :], m)  # 2^(g_i - g_mid)
+            b_down = _exp2_rows(b_gmid[None, :], b_gI, m)  # 2^(g_mid - g_j)
+            p_D = c_I[:, None] * (H * BT) + c_I[None, :]
+            m_D = m & m_I[None, :]
+            b_Dq = tl.where(m_D & (o_i[:, None] >= o_i[None, :]), tl.load(dAqk + at_a + p_D, mask=m_D, other=0.0), 0.0)
+            b_Dk = tl.where(m_D & (o_i[:, None] > o_i[None, :]), tl.load(dAkk + at_a + p_D, mask=m_D, other=0.0), 0.0)
+            b_kd = tl.load(k + at + p_I, mask=m, other=0.0).to(tl.float32) * b_down
+            b_dq += tl.dot(b_Dq, b_kd, input_precision=DIAG) * b_up
+            b_r += tl.dot(b_Dk, b_kd, input_precision=DIAG) * b_up
+            b_qu = tl.load(q + at + p_I, mask=m, other=0.0).to(tl.float32) * b_up
+            b_t = tl.dot(tl.trans(b_Dq), b_qu, input_precision=DIAG)
+            b_bI = tl.load(beta + at_r + c_I * H, mask=m_I, other=0.0).to(tl.float32)
+            b_ku = tl.load(k + at + p_I, mask=m, other=0.0).to(tl.float32) * (b_up * b_bI[:, None])
+            b_t = tl.dot(tl.trans(b_Dk), b_ku, b_t, input_precision=DIAG)
+            b_t *= b_down
+
+            # the rows as the column index of the later sub-chunks' sums (only a whole sub-chunk has later rows)
+            if c0 + BC < n_t:
+                b_gref = tl.load(g + at + (c0 + BC - 1) * (H * K) + o_k)
+                b_tS = tl.zeros([BC, K], dtype=tl.float32)
+                for s_s in range(i_s + 1, tl.cdiv(n_t, BC)):
+                    c_S = s_s * BC + o_i
+                    m_S = (c_S < n_t)[:, None]
+                    p_S = c_S[:, None] * (H * K) + o_k[None, :]
+                    b_eS = _exp2_rows(tl.load(g + at + p_S, mask=m_S, other=0.0), b_gref[None, :], m_S)
+                    p_A = c_S[:, None] * (H * BT) + c_I[None, :]
+                    b_qS = tl.load(q + at + p_S, mask=m_S, other=0.0).to(tl.float32) * b_eS
+                    b_tS = tl.dot(tl.trans(tl.load(dAqk + at_a + p_A, mask=m_S, other=0.0)), b_qS, b_tS)
+                    b_bS = tl.load(beta + at_r + c_S * H, mask=c_S < n_t, other=0.0).to(tl.float32)
+                    b_kS = tl.load(k + at + p_S, mask=m_S, other=0.0).to(tl.float32) * (b_eS * b_bS[:, None])
+                    b_tS = tl.dot(tl.trans(tl.load(dAkk + at_a + p_A, mask=m_S, other=0.0)), b_kS, b_tS)
+                b_t += b_tS * _exp2_rows(b_gref[None, :], tl.load(g + at + p_I, mask=m, other=0.0), m)
+
+            # the stage's sums, then the norms' backward on dq and dk
+            b_kI = tl.load(k + at + p_I, mask=m, other=0.0).to(tl.float32)
+            tl.store(db_out + at_r + c_I * H, tl.load(db + at_r + c_I * H, mask=m_I, other=0.0) +
+                     tl.sum(b_r * b_kI, axis=1), mask=m_I)
+            b_r *= tl.load(beta + at_r + c_I * H, mask=m_I, other=0.0).to(tl.float32)[:, None]
+            b_qI = tl.load(q + at + p_I, mask=m, other=0.0).to(tl.float32)
+            b_dg = tl.load(dg + at + p_I, mask=m, other=0.0) + b_qI * b_dq + (b_r - b_t) * b_kI
+            tl.store(dg_out + at + p_I, b_dg, mask=m)
+            b_dq += tl.load(dq + at + p_I, mask=m, other=0.0)
+            b_rs = tl.load(q_rstd + at_r + c_I * H, mask=m_I, other=0.0)
+            b_dq = b_rs[:, None] * (b_dq - tl.sum(b_dq * b_qI, axis=1)[:, None] * b_qI)
+            tl.store(dq_out + at + p_I, b_dq.to(dq_out.dtype.element_ty), mask=m)
+            b_dk = tl.load(dk + at + p_I, mask=m, other=0.0) + b_r + b_t
+            b_rs = tl.load(k_rstd + at_r + c_I * H, mask=m_I, other=0.0)
+            b_dk = b_rs[:, None] * (b_dk - tl.sum(b_dk * b_kI, axis=1)[:, None] * b_kI)
+            tl.store(dk_out + at + p_I, b_dk.to(dk_out.dtype.element_ty), mask=m)
+
 
 def _register_cap(maxnreg: int | None, K: int) -> dict:
     """The launch's maxnreg option: none where uncapped (0, or None at K > 128)."""
@@ -204,29 +150,6 @@ def _register_cap(maxnreg: int | None, K: int) -> dict:
     if maxnreg < 0 or maxnreg % 8 or (maxnreg and maxnreg < 64):
         raise ValueError(f"kda_intra_norm: maxnreg={maxnreg}; give 0 (uncapped) or a multiple of 8 >= 64")
     return dict(maxnreg=maxnreg) if maxnreg else {}
-
-
-def _checked(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, dAqk: torch.Tensor,
-             dAkk: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, db: torch.Tensor, dg: torch.Tensor,
-             q_rstd: torch.Tensor, k_rstd: torch.Tensor, lower_bound: float | None, cu_seqlens: torch.Tensor | None,
-             chunk_indices: torch.Tensor | None) -> tuple:
-    """The stage's inputs checked: (the kernels' first twelve arguments in their order, (B, T, H, K), chunk_indices,
-    chunks a batch row, rows of the launch grid)."""
-    check_lower_bound(lower_bound)
-    validate(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens, CHUNK)
-    named = dict(q=q, k=k, g=g, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, q_rstd=q_rstd,
-                 k_rstd=k_rstd)
-    for name, t in named.items():
-        if not t.is_contiguous():
-            raise ValueError(f"kda_intra_norm: {name} is not contiguous (strides {t.stride()}); call .contiguous()")
-    if any(t.dtype != torch.float32 for t in (g, dAqk, dAkk, dq, dk, db, dg, q_rstd, k_rstd)):
-        raise ValueError("kda_intra_norm: g, dAqk, dAkk, dq, dk, db, dg, q_rstd and k_rstd must be fp32 (the stages' "
-                         "outputs); fp64 runs on the specifications")
-    if cu_seqlens is not None and chunk_indices is None:
-        chunk_indices = prepare_chunk_indices(cu_seqlens)
-    NT = triton.cdiv(k.shape[1], CHUNK)
-    rows = NT if cu_seqlens is None else chunk_indices.shape[0]
-    return (q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, q_rstd, k_rstd), tuple(k.shape), chunk_indices, NT, rows
 
 
 def kda_intra_norm(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, dAqk: torch.Tensor,
@@ -243,39 +166,26 @@ def kda_intra_norm(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torc
     if triton is None:
         raise ValueError("kda_intra_norm: triton is not installed; compose moontrain.model.kda.intra's and "
                          "moontrain.model.kda.gate_norm's references")
-    args, (B, T, H, K), chunk_indices, NT, rows = _checked(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, q_rstd, k_rstd,
-                                                           lower_bound, cu_seqlens, chunk_indices)
+    check_lower_bound(lower_bound)
+    validate(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens, CHUNK)
+    named = dict(q=q, k=k, g=g, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, q_rstd=q_rstd,
+                 k_rstd=k_rstd)
+    for name, t in named.items():
+        if not t.is_contiguous():
+            raise ValueError(f"kda_intra_norm: {name} is not contiguous (strides {t.stride()}); call .contiguous()")
+    if any(t.dtype != torch.float32 for t in (g, dAqk, dAkk, dq, dk, db, dg, q_rstd, k_rstd)):
+        raise ValueError("kda_intra_norm: g, dAqk, dAkk, dq, dk, db, dg, q_rstd and k_rstd must be fp32 (the stages' "
+                         "outputs); fp64 runs on the specifications")
+    B, T, H, K = k.shape
+    if cu_seqlens is not None and chunk_indices is None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens)
+    NT = triton.cdiv(T, CHUNK)
+    rows = NT if cu_seqlens is None else chunk_indices.shape[0]
     dq_out, dk_out = torch.empty_like(q), torch.empty_like(k)
     dg_out, db_out = torch.empty_like(dg), torch.empty_like(db)
     _intra_norm_kernel[(rows * (CHUNK // SUB), B * H)](
-        *args, dq_out, dk_out, dg_out, db_out, cu_seqlens, chunk_indices, T, NT, H=H, K=K, BT=CHUNK, BC=SUB,
-        IS_VARLEN=cu_seqlens is not None, DIAG=diag, num_warps=warps, num_stages=stages, **_register_cap(maxnreg, K))
+        q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, q_rstd, k_rstd, dq_out, dk_out, dg_out, db_out, cu_seqlens,
+        chunk_indices, T, NT, H=H, K=K, BT=CHUNK, BC=SUB, IS_VARLEN=cu_seqlens is not None, DIAG=diag,
+        num_warps=warps, num_stages=stages, **_register_cap(maxnreg, K))
     return dq_out, dk_out, db_out, dg_out
 
-
-def kda_intra_norm_gate(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, dAqk: torch.Tensor,
-                        dAkk: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, db: torch.Tensor, dg: torch.Tensor,
-                        q_rstd: torch.Tensor, k_rstd: torch.Tensor, f: torch.Tensor, A_log: torch.Tensor,
-                        dt_bias: torch.Tensor, *, lower_bound: float | None, cu_seqlens: torch.Tensor | None = None,
-                        chunk_indices: torch.Tensor | None = None, warps: int = 4, stages: int = 3,
-                        diag: str = DIAG, maxnreg: int | None = None) -> tuple[torch.Tensor, ...]:
-    """kda_intra_norm followed by kda_gate_backward in one kernel (kernels.kda_intra=moontrain_gate): (dq_in, dk_in
-    in q's dtype, db fp32, df in f's dtype, dA_log, ddt_bias in their parameters' shapes). f, A_log, dt_bias as
-    kda_gate_backward takes them (f may be a token-strided column slice)."""
-    if triton is None:
-        raise ValueError("kda_intra_norm_gate: triton is not installed; compose moontrain.model.kda.intra_norm's "
-                         "and moontrain.model.kda.gate_norm's references")
-    args, (B, T, H, K), chunk_indices, NT, rows = _checked(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, q_rstd, k_rstd,
-                                                           lower_bound, cu_seqlens, chunk_indices)
-    validate_gate(f, f, f, A_log, dt_bias, cu_seqlens)
-    f, stride_f = _token_strided(f)
-    dq_out, dk_out, db_out = torch.empty_like(q), torch.empty_like(k), torch.empty_like(db)
-    df = torch.empty(B, T, H, K, dtype=f.dtype, device=f.device)
-    dA_part = torch.empty(rows * B, H, dtype=torch.float32, device=f.device)
-    dbias_part = torch.empty(rows * B, H * K, dtype=torch.float32, device=f.device)
-    _intra_norm_gate_kernel[(rows, B * H)](
-        *args, f, A_log.float().contiguous(), dt_bias.float().contiguous(), dq_out, dk_out, db_out, df, dA_part,
-        dbias_part, cu_seqlens, chunk_indices, lower_bound, T, NT, stride_f, H=H, K=K, BT=CHUNK, BC=SUB,
-        IS_VARLEN=cu_seqlens is not None, DIAG=diag, num_warps=warps, num_stages=stages, **_register_cap(maxnreg, K))
-    return (dq_out, dk_out, db_out, df, dA_part.sum(0).view_as(A_log).to(A_log.dtype),
-            dbias_part.sum(0).view_as(dt_bias).to(dt_bias.dtype))

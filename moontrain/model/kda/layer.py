@@ -147,11 +147,10 @@ class KimiDeltaAttention(nn.Module):
 
             # kernels.kda_dqkg / kda_intra: process-wide, as fla's choice is (kda_intra=moontrain is no fla stage: its
             # kernel runs inside moontrain's gate-and-norm route, which leaves fla's dispatch to the other layers)
-            route_fla_stages(dqkg=dqkg, intra=intra if intra not in ("moontrain", "moontrain_gate") else "fla_k64")
+            route_fla_stages(dqkg=dqkg, intra=intra if intra != "moontrain" else "fla_k64")
             # recompute: kernels.kda_recompute; gate_norm: kernels.kda_gate_norm
             self.kernel = functools.partial(kda_fla, recompute=recompute, gate_norm=gate_norm == "moontrain",
-                                            intra_norm=intra in ("moontrain", "moontrain_gate"),
-                                            intra_gate=intra == "moontrain_gate")
+                                            intra_norm=intra == "moontrain")
         # recurrence() outside torch.compile; wrapped here, not as a decorator, which would import torch._dynamo
         # (and with it triton) with this module; the class's function, not a bound method (copies stay apart)
         self._uncompiled_recurrence = torch.compiler.disable(KimiDeltaAttention.recurrence)

@@ -103,18 +103,15 @@ def test_chunk_matches_fla_and_the_spec(lower_bound: float | None, doc_len: int 
                               kwargs, go)
 
 
-@pytest.mark.parametrize("intra_gate", [False, True], ids=["moontrain", "moontrain_gate"])
 @pytest.mark.parametrize("doc_len", [None, 300], ids=["rows", "documents"])
 @pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "kept"])
-def test_chunk_with_the_fused_intra_stage_matches_fla_and_the_spec(doc_len: int | None, recompute: bool,
-                                                                   intra_gate: bool) -> None:
-    """kernels.kda_intra=moontrain (the intra-chunk stage and the norms' backward in one kernel) and
-    moontrain_gate (the gate's backward in it too) inside the same call, held to the same bounds: the off-diagonal
-    products run in TF32 as fla's do."""
+def test_chunk_with_the_fused_intra_stage_matches_fla_and_the_spec(doc_len: int | None, recompute: bool) -> None:
+    """kernels.kda_intra=moontrain (the intra-chunk stage and the norms' backward in one kernel) inside the same
+    call, held to the same bounds: its off-diagonal products run in TF32 as fla's do, its diagonal ones in fp32."""
     B, T, H, K = 2, 1000, 16, 128
     inputs, kwargs, go = random_kda_inputs(B, T, H, K, doc_len=doc_len, seed=2)
-    _against_fla_and_the_spec(functools.partial(kda_fla, recompute=recompute, gate_norm=True, intra_norm=True,
-                                                intra_gate=intra_gate), recompute, inputs, kwargs, go)
+    _against_fla_and_the_spec(functools.partial(kda_fla, recompute=recompute, gate_norm=True, intra_norm=True),
+                              recompute, inputs, kwargs, go)
 
 
 @pytest.mark.parametrize("documents", [False, True], ids=["rows", "documents"])

@@ -51,7 +51,7 @@ def run(fn, inputs: list, kwargs: dict, go: torch.Tensor, **extra) -> list[torch
 
 # (T, document length, recompute, gate's lower bound, the intra-chunk stage's kernel: kernels.kda_intra)
 CASES = [(160, None, False, -5.0, "fla_k64"), (160, 48, True, -5.0, "fla_k64"), (96, 40, False, None, "fla"),
-         (160, 48, False, -5.0, "moontrain"), (160, 48, False, -5.0, "moontrain_gate")]
+         (160, 48, False, -5.0, "moontrain")]
 
 
 @pytest.mark.slow  # ~12 s a case in the interpreter; CI runs them
@@ -61,22 +61,19 @@ def test_chunk_matches_fla_chunk_kda(T: int, doc_len: int | None, recompute: boo
     calls = []
     # both calls run fla's dispatched stage on it (the comparison still isolates the ends); moontrain's is no fla
     # stage: fla's call takes fla_k64, ours the fused kernel
-    route_fla_stages(dqkg="moontrain", intra="fla_k64" if intra.startswith("moontrain") else intra)
+    route_fla_stages(dqkg="moontrain", intra=intra if intra != "moontrain" else "fla_k64")
     if intra == "fla_k64":
         launch = intra_fla.kda_intra_fla
         monkeypatch.setattr(intra_fla, "kda_intra_fla", lambda **kw: calls.append(1) or launch(**kw))
-    if intra.startswith("moontrain"):
-        name = {"moontrain": "kda_intra_norm", "moontrain_gate": "kda_intra_norm_gate"}[intra]
-        launch = getattr(chunk, name)
-        monkeypatch.setattr(chunk, name, lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    if intra == "moontrain":
+        launch = chunk.kda_intra_norm
+        monkeypatch.setattr(chunk, "kda_intra_norm", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
     inputs, kwargs, go = random_kda_inputs(2, T, 2, 64, doc_len=doc_len, seed=T, device="cpu")
     kwargs["lower_bound"] = lower_bound
-    ours = run(kda_fla, inputs, kwargs, go, recompute=recompute, gate_norm=True,
-               intra_norm=intra.startswith("moontrain"), intra_gate=intra == "moontrain_gate")
+    ours = run(kda_fla, inputs, kwargs, go, recompute=recompute, gate_norm=True, intra_norm=intra == "moontrain")
     fla = run(kda_fla, inputs, kwargs, go, recompute=recompute, gate_norm=False)
     spec = run(kda, inputs, kwargs, go)
-    assert len(calls) == {"fla": 0, "fla_k64": 2, "moontrain": 1, "moontrain_gate": 1}[intra], (
-        f"kda_intra={intra}: {len(calls)} launches")
+    assert len(calls) == {"fla": 0, "fla_k64": 2, "moontrain": 1}[intra], f"kda_intra={intra}: {len(calls)} launches"
     assert torch.equal(ours[0], fla[0]), "o: not bitwise fla's"
     for name, x, y, z in zip(NAMES, ours, fla, spec, strict=True):
         assert x.dtype == y.dtype and x.shape == y.shape, f"{name}: {x.dtype} {tuple(x.shape)} vs {y.dtype}"

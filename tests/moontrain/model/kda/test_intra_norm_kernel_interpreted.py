@@ -20,7 +20,7 @@ import tests.moonep.helpers.triton_interpreted  # noqa: F401
 from moontrain.model.kda.dqkg import prepare_chunk_indices
 from moontrain.model.kda.gate_norm_kernel import kda_gate_backward, kda_gate_norm_backward
 from moontrain.model.kda.intra import random_stage_inputs
-from moontrain.model.kda.intra_norm_kernel import kda_intra_norm, kda_intra_norm_gate
+from moontrain.model.kda.intra_norm_kernel import kda_intra_norm
 from tests.moontrain.model.kda.intra_norm_cases import OUT_TOL, TF32_TOL, reference, run, with_rstd
 from tests.moontrain.model.kda.test_dqkg import CU_SEQLENS
 from tests.moontrain.model.kda.test_gate_norm import stage_inputs as gate_stage_inputs
@@ -102,43 +102,3 @@ def test_register_cap() -> None:
     for bad in (-8, 100, 32):
         with pytest.raises(ValueError, match=f"maxnreg={bad}"):
             _register_cap(bad, 128)
-
-
-@pytest.mark.parametrize(("case", "K", "gate", "at_bound", "dtype"), CASES)
-def test_gate_fused_kernel_is_the_two_kernels(case: str, K: int, gate: float, at_bound: bool,
-                                              dtype: torch.dtype) -> None:
-    """kda_intra_norm_gate (kernels.kda_intra=moontrain_gate) against the two launches it replaces, each held to its
-    own specification (above; test_gate_norm_kernel_interpreted.py): dq_in, dk_in and db bit for bit (the same
-    code per sub-chunk), df, dA_log and dt_bias's gradient up to the order of dg's reverse cumulative sum (16 rows
-    and a carried [K] sum across sub-chunks instead of one 64-row scan): df within one unit of its dtype's last
-    place (the two fp32 sums may round to neighbours: 2^-7 of itself in bf16) plus the reordering's 64 x 2^-24 x
-    64 rows of the largest; the two partial sums within 2^-11 of their largest (<= 64 x K fp32 terms a program,
-    each rounding 2^-24). Dropping the carried sum fails it."""
-    x = inputs(case, K, gate, at_bound, dtype)
-    B, T, H, _ = x["k"].shape
-    gen = torch.Generator().manual_seed(K)
-    f = torch.randn(B, T, H, K, generator=gen).to(torch.bfloat16)
-    A_log, dt_bias = torch.rand(H, generator=gen), torch.randn(H * K, generator=gen)
-    lists = dict(lower_bound=x["lower_bound"], cu_seqlens=x["cu_seqlens"], chunk_indices=x["chunk_indices"])
-    dq_in, dk_in, db, dg = run(x)
-    want = (dq_in, dk_in, db, *kda_gate_backward(dg, f, A_log, dt_bias, **lists))
-    got = kda_intra_norm_gate(*(x[n] for n in ("q", "k", "g", "beta", "dAqk", "dAkk", "dq", "dk", "db", "dg",
-                                               "q_rstd", "k_rstd")), f, A_log, dt_bias, **lists)
-    rows = torch.zeros(B, T, dtype=torch.bool)  # the tokens of listed chunks (the rest is unwritten by both)
-    if x["cu_seqlens"] is None:
-        rows[:] = True
-    else:
-        rows[0, :int(x["cu_seqlens"][-1])] = True
-    for name, a, b in zip(("dq_in", "dk_in", "db", "df", "dA_log", "ddt_bias"), got, want, strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape, name
-        if name in ("dq_in", "dk_in", "db", "df"):
-            a, b = a[rows], b[rows]
-        assert torch.isfinite(a).all(), f"{name}: not finite"
-        if name in ("dq_in", "dk_in", "db"):
-            assert torch.equal(a, b), f"{name}: not bitwise the two kernels'"
-            continue
-        a, b = a.double(), b.double()
-        top = b.abs().max().item()
-        bound = 2 ** -7 * b.abs() + 2 ** -12 * top if name == "df" else torch.full_like(b, 2 ** -11 * top)
-        worst = ((a - b).abs() - bound).max().item()
-        assert worst <= 0, f"{name}: exceeds its bound by {worst:.2e} (max |ref| {top:.2e})"

@@ -248,11 +248,10 @@ def test_fused_intra_stage_needs_the_gate_norm_route() -> None:
     fla's ends the two would be applied twice or never: refused at config time, naming both fixes."""
     from moontrain.model.config import KernelsConfig
 
-    for intra in ("moontrain", "moontrain_gate"):  # the second: the same kernel with the gate's backward in it
-        assert KernelsConfig(kda_intra=intra, kda_gate_norm="moontrain").kda_intra == intra
-        fixes = rf"kda_intra={intra} .* kernels.kda_gate_norm=moontrain .*'fla'.*kda_intra=fla_k64"
-        with pytest.raises(ValueError, match=fixes):
-            KernelsConfig(kda_intra=intra, kda_gate_norm="fla")
+    assert KernelsConfig(kda_intra="moontrain", kda_gate_norm="moontrain").kda_intra == "moontrain"
+    fixes = r"kda_intra=moontrain .* kernels.kda_gate_norm=moontrain .*'fla'.*kda_intra=fla_k64"
+    with pytest.raises(ValueError, match=fixes):
+        KernelsConfig(kda_intra="moontrain", kda_gate_norm="fla")
 
 
 def test_auto_intra_stage_is_the_fused_one_where_it_applies() -> None:
@@ -275,5 +274,5 @@ def test_auto_intra_stage_is_the_fused_one_where_it_applies() -> None:
         assert resolve_intra("auto", "moontrain", bound) == "fla_k64"
     for intra in ("fla", "fla_k64", "moontrain"):
         assert resolve_intra(intra, "moontrain", -5.0) == intra
-    with pytest.raises(ValueError, match="'auto', 'fla', 'fla_k64', 'moontrain' or 'moontrain_gate', got 'k64'"):
+    with pytest.raises(ValueError, match="'auto', 'fla', 'fla_k64' or 'moontrain', got 'k64'"):
         KernelsConfig(kda_intra="k64")
