@@ -2,7 +2,8 @@
 the middle, moontrain's gate-and-norm kernels at the two ends.
 
 Forward: moontrain.model.kda.gate_norm_kernel (q and k L2-normalised, the gate and its chunk-local cumulative
-sum: one launch), then fla's intra-chunk forward (Aqk, Akk, w, u), state recurrence (h, v_new) and output.
+sum: one launch), then fla's intra-chunk forward (Aqk, Akk, w, u, qg, kg), then the state recurrence (h, v_new)
+and the output (fla's two kernels, or with walk=True one: moontrain.model.kda.walk_kernel).
 Backward: fla's dAv, dhu, dqkg and intra-chunk stages (the last two through fla's dispatch, which
 moontrain.model.kda.fla_backend routes to moontrain's kernels per kernels.kda_dqkg / kda_intra), then the
 gate-and-norm backward (the reverse cumulative sum, the gate's and the norms' gradients, dA_log and dt_bias's
@@ -32,6 +33,7 @@ from moontrain.model.kda.gate_norm_kernel import (
 )
 from moontrain.model.kda.intra_norm import check_lower_bound
 from moontrain.model.kda.intra_norm_kernel import kda_intra_norm
+from moontrain.model.kda.walk_kernel import kda_forward_walk
 
 CHUNK = 64
 
@@ -41,7 +43,7 @@ class ChunkKDA(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
                 A_log: torch.Tensor, dt_bias: torch.Tensor, scale: float, lower_bound: float | None,
                 cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None, max_num_seqs: int | None,
-                recompute: bool, intra_norm: bool) -> torch.Tensor:
+                recompute: bool, intra_norm: bool, walk: bool) -> torch.Tensor:
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
         from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
         from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
@@ -52,12 +54,23 @@ class ChunkKDA(torch.autograd.Function):
         qn, q_rstd, kn, k_rstd, g = kda_gate_norm(q, k, f, A_log, dt_bias, lower_bound=lower_bound,
                                                   cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
         v, beta = v.contiguous(), beta.contiguous()
+        # the walk takes qg (q 2^g), which fla's intra forward stores only where the backward keeps it
         w, u, qg, kg, Aqk, Akk = chunk_kda_fwd_intra(q=qn, k=kn, v=v, gk=g, beta=beta, scale=scale,
-                                                     safe_gate=lower_bound is not None, disable_recompute=not recompute,
-                                                     use_graph=use_graph, **lists)
-        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=g, cu_seqlens_cpu=cu_seqlens_cpu,
-                                                   chunk_offsets=chunk_offsets, **lists)
-        o = chunk_gla_fwd_o_gk(q=qn, v=v_new, g=g, A=Aqk, h=h, scale=scale, use_graph=use_graph, **lists)
+                                                     safe_gate=lower_bound is not None,
+                                                     disable_recompute=walk or not recompute, use_graph=use_graph,
+                                                     **lists)
+        if walk:
+            if cu_seqlens is not None and chunk_offsets is None:
+                from fla.ops.utils.index import prepare_chunk_offsets
+
+                chunk_offsets = prepare_chunk_offsets(cu_seqlens, CHUNK)
+            rows = None if cu_seqlens is None else chunk_indices.shape[0]
+            h, v_new, o = kda_forward_walk(kg, w, u, g, qg, Aqk, scale, cu_seqlens=cu_seqlens,
+                                           chunk_offsets=chunk_offsets, rows=rows)
+        else:
+            h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=g, cu_seqlens_cpu=cu_seqlens_cpu,
+                                                       chunk_offsets=chunk_offsets, **lists)
+            o = chunk_gla_fwd_o_gk(q=qn, v=v_new, g=g, A=Aqk, h=h, scale=scale, use_graph=use_graph, **lists)
         kept = () if recompute else (g, w, u, qg, kg, v_new, h)
         ctx.save_for_backward(qn, q_rstd, kn, k_rstd, v, f, beta, A_log, dt_bias, Aqk, Akk, cu_seqlens,
                               chunk_indices, chunk_offsets, *kept)
@@ -104,7 +117,7 @@ class ChunkKDA(torch.autograd.Function):
                                                                   dt_bias, lower_bound=lower_bound,
                                                                   cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
         return (dq, dk, dv.to(v.dtype), df, db.to(beta.dtype), dA_log, ddt_bias, None, None, None, None, None,
-                None, None)
+                None, None, None)
 
 
 def _chunk_list(T: int, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
@@ -127,14 +140,15 @@ def chunk_kda_moontrain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: to
                         A_log: torch.Tensor, dt_bias: torch.Tensor, *, scale: float, lower_bound: float | None,
                         cu_seqlens: torch.Tensor | None = None, cu_seqlens_cpu: torch.Tensor | None = None,
                         max_num_seqs: int | None = None, recompute: bool = False,
-                        intra_norm: bool = False) -> torch.Tensor:
+                        intra_norm: bool = False, walk: bool = False) -> torch.Tensor:
     """o [B, T, H, V] in q's dtype: fla's chunk_kda(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
     safe_gate=lower_bound is not None) on the module docstring's stages. q, k, f may be column slices of the
-    projection (token-strided); A_log [H], dt_bias [H * K] fp32."""
+    projection (token-strided); A_log [H], dt_bias [H * K] fp32. walk: the forward's state walk and output as
+    one kernel (moontrain.model.kda.walk_kernel; False: fla's two)."""
     if q.shape[2] != v.shape[2]:
         raise ValueError(f"chunk_kda_moontrain: q has {q.shape[2]} heads and v {v.shape[2]}; grouped value heads "
                          "(GVA) are not supported")
     if intra_norm:  # refused before the forward, not at the backward
         check_lower_bound(lower_bound)
     return ChunkKDA.apply(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, cu_seqlens_cpu,
-                          max_num_seqs, recompute, intra_norm)
+                          max_num_seqs, recompute, intra_norm, walk)

@@ -6,7 +6,9 @@ bounded and the softplus gate, with the intra-chunk stage on each of its kernels
 default, fla's, and moontrain's, which applies the norms' backward in the same kernel).
 
 Tolerance: the two calls run the same fla kernels between ends that compute the same values in another order:
-the forward's g and norms are bitwise fla's (checked here), so o is bitwise; the backward's ends sum the same
+the forward's g and norms are bitwise fla's (checked here), so o is bitwise on fla's state walk and output
+(walk=False); on moontrain's one-kernel walk (the default) the same products sum in another order in the
+interpreter (each K-block a matmul), which moves a rare element of o by one bf16 ulp; the backward's ends sum the same
 terms in another order, a few fp32 roundings (2^-24 each) of each gradient, then one bf16 rounding of q's, k's
 and f's gradients that can land on the adjacent value: 2^-7 of the largest gradient (one bf16 ulp of it).
 The calls are also checked against the PyTorch KDA (moontrain.model.kda.ops.kda) at bf16's tolerance.
@@ -49,15 +51,16 @@ def run(fn, inputs: list, kwargs: dict, go: torch.Tensor, **extra) -> list[torch
     return [o.detach()] + [t.grad for t in leaves] + [A_log.grad, dt_bias.grad]
 
 
-# (T, document length, recompute, gate's lower bound, the intra-chunk stage's kernel: kernels.kda_intra)
-CASES = [(160, None, False, -5.0, "fla_k64"), (160, 48, True, -5.0, "fla_k64"), (96, 40, False, None, "fla"),
-         (160, 48, False, -5.0, "moontrain")]
+# (T, document length, recompute, gate's lower bound, the intra-chunk stage's kernel: kernels.kda_intra, the
+# forward's walk and output in one kernel)
+CASES = [(160, None, False, -5.0, "fla_k64", True), (160, 48, True, -5.0, "fla_k64", True),
+         (96, 40, False, None, "fla", False), (160, 48, False, -5.0, "moontrain", True)]
 
 
 @pytest.mark.slow  # ~12 s a case in the interpreter; CI runs them
-@pytest.mark.parametrize(("T", "doc_len", "recompute", "lower_bound", "intra"), CASES)
+@pytest.mark.parametrize(("T", "doc_len", "recompute", "lower_bound", "intra", "walk"), CASES)
 def test_chunk_matches_fla_chunk_kda(T: int, doc_len: int | None, recompute: bool, lower_bound: float | None,
-                                     intra: str, monkeypatch: pytest.MonkeyPatch) -> None:
+                                     intra: str, walk: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     # both calls run fla's dispatched stage on it (the comparison still isolates the ends); moontrain's is no fla
     # stage: fla's call takes fla_k64, ours the fused kernel
@@ -70,11 +73,15 @@ def test_chunk_matches_fla_chunk_kda(T: int, doc_len: int | None, recompute: boo
         monkeypatch.setattr(chunk, "kda_intra_norm", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
     inputs, kwargs, go = random_kda_inputs(2, T, 2, 64, doc_len=doc_len, seed=T, device="cpu")
     kwargs["lower_bound"] = lower_bound
-    ours = run(kda_fla, inputs, kwargs, go, recompute=recompute, gate_norm=True, intra_norm=intra == "moontrain")
+    ours = run(kda_fla, inputs, kwargs, go, recompute=recompute, gate_norm=True, intra_norm=intra == "moontrain",
+               walk=walk)
     fla = run(kda_fla, inputs, kwargs, go, recompute=recompute, gate_norm=False)
     spec = run(kda, inputs, kwargs, go)
     assert len(calls) == {"fla": 0, "fla_k64": 2, "moontrain": 1}[intra], f"kda_intra={intra}: {len(calls)} launches"
-    assert torch.equal(ours[0], fla[0]), "o: not bitwise fla's"
+    if not walk:
+        assert torch.equal(ours[0], fla[0]), "o: not bitwise fla's"
+    top = fla[0].float().abs().max().item()
+    assert (ours[0].float() - fla[0].float()).abs().max().item() <= 2 ** -7 * top, "o: over one bf16 ulp from fla's"
     for name, x, y, z in zip(NAMES, ours, fla, spec, strict=True):
         assert x.dtype == y.dtype and x.shape == y.shape, f"{name}: {x.dtype} {tuple(x.shape)} vs {y.dtype}"
         assert torch.isfinite(x).all(), f"{name}: not finite"
