@@ -266,6 +266,10 @@ class KernelsConfig:
     # kda_intra=auto a call 0.18 ms faster than fla's on an H100: docs/kda.md) or "fla" (fla's chunk_kda). Only
     # where the KDA layers run fla
     kda_gate_norm: Literal["fla", "moontrain"] = "moontrain"
+    # the KDA forward's state walk and output: "fla" (fla's chunk_gated_delta_rule_fwd_h, then chunk_gla_fwd_o_gk
+    # reading back the h and v_new it wrote) or "moontrain" (moontrain.model.kda.walk_kernel: both in one walk, the
+    # same outputs; with kda_gate_norm=moontrain: docs/kda.md). Only where the KDA layers run fla
+    kda_walk: Literal["fla", "moontrain"] = "fla"
     # KDA's causal short convolutions (+ SiLU): "auto" runs the Triton kernel (moontrain.model.kda.short_conv_kernel)
     # on CUDA, else the PyTorch specification (moontrain.model.kda.short_conv); "torch" / "triton" force one
     short_conv: Literal["auto", "torch", "triton"] = "auto"
@@ -311,6 +315,11 @@ class KernelsConfig:
             raise ValueError("kernels.kda_intra=moontrain applies the L2 norms' backward that moontrain's "
                              "gate-and-norm route leaves to it: set kernels.kda_gate_norm=moontrain too (got "
                              f"{self.kda_gate_norm!r}), or kernels.kda_intra=fla_k64")
+        if self.kda_walk not in ("fla", "moontrain"):
+            raise ValueError(f"kernels.kda_walk must be 'fla' or 'moontrain', got {self.kda_walk!r}")
+        if self.kda_walk == "moontrain" and self.kda_gate_norm != "moontrain":
+            raise ValueError("kernels.kda_walk=moontrain runs inside moontrain's KDA call: set "
+                             f"kernels.kda_gate_norm=moontrain too (got {self.kda_gate_norm!r}), or kernels.kda_walk=fla")
         if self.short_conv not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels.short_conv must be 'auto', 'torch' or 'triton', got {self.short_conv!r}")
         if self.short_conv_backward not in ("tiles", "walk"):

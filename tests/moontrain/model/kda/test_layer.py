@@ -254,6 +254,18 @@ def test_fused_intra_stage_needs_the_gate_norm_route() -> None:
         KernelsConfig(kda_intra="moontrain", kda_gate_norm="fla")
 
 
+def test_one_kernel_walk_needs_the_gate_norm_route() -> None:
+    """kernels.kda_walk=moontrain replaces two of the stages moontrain's KDA call runs; fla's chunk_kda has no
+    place for it: refused at config time, naming both fixes; an unknown value likewise."""
+    from moontrain.model.config import KernelsConfig
+
+    assert KernelsConfig(kda_walk="moontrain").kda_walk == "moontrain" and KernelsConfig().kda_walk == "fla"
+    with pytest.raises(ValueError, match=r"kda_walk=moontrain .* kernels.kda_gate_norm=moontrain .*'fla'.*kda_walk=fla"):
+        KernelsConfig(kda_walk="moontrain", kda_gate_norm="fla")
+    with pytest.raises(ValueError, match=r"kernels\.kda_walk must be 'fla' or 'moontrain', got 'one'"):
+        KernelsConfig(kda_walk="one")
+
+
 def test_auto_intra_stage_is_the_fused_one_where_it_applies() -> None:
     """kernels.kda_intra=auto (the default) runs moontrain's fused intra+norm stage exactly where the config would
     accept kda_intra=moontrain and its kernel takes the gate (kda_gate_norm=moontrain, lower bound in [-10, 0):
