@@ -53,7 +53,7 @@ def run(case: str) -> None:
     route_fla_stages(dqkg="moontrain", intra="fla_k64")
     B, T, H = (int(x) for x in case.split("x"))
     leaves, kwargs, go = random_kda_inputs(B, T, H, 128, doc_len=None)
-    kwargs.update(recompute=False, gate_norm=True, intra_norm=True)  # the model's defaults (kernels.kda_*)
+    kwargs.update(recompute=False, gate_norm=True, intra_norm=True, walk=True)  # the model's defaults (kernels.kda_*)
 
     def call() -> None:
         o = kda_fla(*leaves, **kwargs)

@@ -267,9 +267,10 @@ class KernelsConfig:
     # where the KDA layers run fla
     kda_gate_norm: Literal["fla", "moontrain"] = "moontrain"
     # the KDA forward's state walk and output: "fla" (fla's chunk_gated_delta_rule_fwd_h, then chunk_gla_fwd_o_gk
-    # reading back the h and v_new it wrote) or "moontrain" (moontrain.model.kda.walk_kernel: both in one walk, the
-    # same outputs; with kda_gate_norm=moontrain: docs/kda.md). Only where the KDA layers run fla
-    kda_walk: Literal["fla", "moontrain"] = "fla"
+    # reading back the h and v_new it wrote), "moontrain" (moontrain.model.kda.walk_kernel: both in one walk, the
+    # same outputs bitwise, 0.10-0.16 ms less a call on an H100: docs/kda.md; with kda_gate_norm=moontrain) or
+    # "auto" (moontrain on moontrain's KDA call, kda_gate_norm=moontrain, else fla). Only where the KDA layers run fla
+    kda_walk: Literal["auto", "fla", "moontrain"] = "auto"
     # KDA's causal short convolutions (+ SiLU): "auto" runs the Triton kernel (moontrain.model.kda.short_conv_kernel)
     # on CUDA, else the PyTorch specification (moontrain.model.kda.short_conv); "torch" / "triton" force one
     short_conv: Literal["auto", "torch", "triton"] = "auto"
@@ -315,8 +316,8 @@ class KernelsConfig:
             raise ValueError("kernels.kda_intra=moontrain applies the L2 norms' backward that moontrain's "
                              "gate-and-norm route leaves to it: set kernels.kda_gate_norm=moontrain too (got "
                              f"{self.kda_gate_norm!r}), or kernels.kda_intra=fla_k64")
-        if self.kda_walk not in ("fla", "moontrain"):
-            raise ValueError(f"kernels.kda_walk must be 'fla' or 'moontrain', got {self.kda_walk!r}")
+        if self.kda_walk not in ("auto", "fla", "moontrain"):
+            raise ValueError(f"kernels.kda_walk must be 'auto', 'fla' or 'moontrain', got {self.kda_walk!r}")
         if self.kda_walk == "moontrain" and self.kda_gate_norm != "moontrain":
             raise ValueError("kernels.kda_walk=moontrain runs inside moontrain's KDA call: set "
                              f"kernels.kda_gate_norm=moontrain too (got {self.kda_gate_norm!r}), or kernels.kda_walk=fla")

@@ -24,8 +24,8 @@ project()'s column slices in place and which torch.compile traces through); kern
 kernels.kda_intra which kernels run the two fla backward stages moontrain.model.kda.dqkg and kda_intra specify
 (fla's, or moontrain's: moontrain.model.kda.fla_backend routes them; kda_intra=auto: resolve_intra);
 kernels.kda_gate_norm whether fla's chunk_kda runs the call or moontrain.model.kda.chunk (fla's stages between
-moontrain's gate-and-norm kernels; there kernels.kda_walk=moontrain runs the forward's state walk and output as one
-kernel, moontrain.model.kda.walk_kernel). The KDA call is excluded from torch.compile (fla's autograd function is
+moontrain's gate-and-norm kernels; there kernels.kda_walk=auto or moontrain runs the forward's state walk and
+output as one kernel, moontrain.model.kda.walk_kernel). The KDA call is excluded from torch.compile (fla's autograd function is
 opaque to it; the reference's chunk loop would unroll); the projections, convolutions and the output norm around
 it compile, with inductor's comprehensive padding off (compile(): the convolutions' Triton launches carry the
 projection's strides as traced, so a padded projection output would be copied, slice by slice, in forward and
@@ -116,7 +116,7 @@ class GatedRMSNorm(nn.Module):
 class KimiDeltaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, *, kernel: str = "auto", conv: str = "auto", conv_backward: str = "tiles",
                  recompute: bool = False,
-                 dqkg: str = "moontrain", intra: str = "auto", gate_norm: str = "moontrain", walk: str = "fla",
+                 dqkg: str = "moontrain", intra: str = "auto", gate_norm: str = "moontrain", walk: str = "auto",
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
@@ -151,7 +151,8 @@ class KimiDeltaAttention(nn.Module):
             route_fla_stages(dqkg=dqkg, intra=intra if intra != "moontrain" else "fla_k64")
             # recompute: kernels.kda_recompute; gate_norm: kernels.kda_gate_norm; walk: kernels.kda_walk
             self.kernel = functools.partial(kda_fla, recompute=recompute, gate_norm=gate_norm == "moontrain",
-                                            intra_norm=intra == "moontrain", walk=walk == "moontrain")
+                                            intra_norm=intra == "moontrain",
+                                            walk=walk == "moontrain" or (walk == "auto" and gate_norm == "moontrain"))
         # recurrence() outside torch.compile; wrapped here, not as a decorator, which would import torch._dynamo
         # (and with it triton) with this module; the class's function, not a bound method (copies stay apart)
         self._uncompiled_recurrence = torch.compiler.disable(KimiDeltaAttention.recurrence)

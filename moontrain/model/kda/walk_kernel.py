@@ -29,9 +29,12 @@ try:
 except ImportError:  # the specification runs without triton; the launcher needs it
     triton = None
 
-BV = 32  # the state's value columns a program (fla's autotuner picks 32 for K = V = 128 on Hopper)
+# the launch's tile at K = V = 128 on an H100 (benchmarks/bench_kda_walk.py, docs/performance.md): value blocks of 64
+# (128 programs at 4 x 4096 x 16 heads, one an SM: 255 registers) with the next chunk's loads one stage ahead; 32
+# (two an SM) or 1 stage was slower, 3 stages do not fit the shared memory
+BV = 64
 WARPS = 4
-STAGES = 1
+STAGES = 2
 
 
 if triton is not None:

@@ -259,10 +259,11 @@ def test_one_kernel_walk_needs_the_gate_norm_route() -> None:
     place for it: refused at config time, naming both fixes; an unknown value likewise."""
     from moontrain.model.config import KernelsConfig
 
-    assert KernelsConfig(kda_walk="moontrain").kda_walk == "moontrain" and KernelsConfig().kda_walk == "fla"
+    assert KernelsConfig(kda_walk="moontrain").kda_walk == "moontrain" and KernelsConfig().kda_walk == "auto"
+    assert KernelsConfig(kda_gate_norm="fla").kda_walk == "auto"  # auto: fla's kernels on fla's call
     with pytest.raises(ValueError, match=r"kda_walk=moontrain .* kernels.kda_gate_norm=moontrain .*'fla'.*kda_walk=fla"):
         KernelsConfig(kda_walk="moontrain", kda_gate_norm="fla")
-    with pytest.raises(ValueError, match=r"kernels\.kda_walk must be 'fla' or 'moontrain', got 'one'"):
+    with pytest.raises(ValueError, match=r"kernels\.kda_walk must be 'auto', 'fla' or 'moontrain', got 'one'"):
         KernelsConfig(kda_walk="one")
 
 
