@@ -49,20 +49,16 @@ def validate(kg: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor
                          "chunk_offsets (each sequence's first row in h: fla's prepare_chunk_offsets)")
 
 
-def _sequences(B: int, T: int, cu_seqlens: torch.Tensor | None,
-               chunk_offsets: torch.Tensor | None) -> list[tuple[int, int, int, int]]:
-    """(batch row, first token, tokens, its first chunk's row in h within the batch row) of every sequence."""
-    if cu_seqlens is None:
-        return [(b, 0, T, 0) for b in range(B)]
-    cu, offs = cu_seqlens.tolist(), chunk_offsets.tolist()
-    return [(0, cu[n], cu[n + 1] - cu[n], offs[n]) for n in range(len(cu) - 1)]
-
-
 def _chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_offsets: torch.Tensor | None):
     """(batch row, row in h, first token, end token, the sequence's first chunk) of every chunk, in walk order."""
-    for b, t0, n, r0 in _sequences(B, T, cu_seqlens, chunk_offsets):
-        for c, s in enumerate(range(t0, t0 + n, CHUNK)):
-            yield b, r0 + c, s, min(s + CHUNK, t0 + n), c == 0
+    if cu_seqlens is None:  # (batch row, first token, end token, its first chunk's row in h) of each sequence
+        seqs = [(b, 0, T, 0) for b in range(B)]
+    else:
+        cu, offs = cu_seqlens.tolist(), chunk_offsets.tolist()
+        seqs = [(0, cu[n], cu[n + 1], offs[n]) for n in range(len(cu) - 1)]
+    for b, t0, t1, r0 in seqs:
+        for c, s in enumerate(range(t0, t1, CHUNK)):
+            yield b, r0 + c, s, min(s + CHUNK, t1), c == 0
 
 
 def kda_forward_walk_reference(kg: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor,

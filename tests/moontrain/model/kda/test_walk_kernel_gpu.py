@@ -15,7 +15,7 @@ import torch
 
 from moontrain.model.kda.dqkg import prepare_chunk_indices
 from moontrain.model.kda.layer import fla_available
-from moontrain.model.kda.walk import kda_forward_walk_reference, random_walk_inputs
+from moontrain.model.kda.walk import STAGE_OUTPUTS, kda_forward_walk_reference, random_walk_inputs
 from moontrain.model.kda.walk_kernel import kda_forward_walk
 
 pytestmark = [pytest.mark.gpu,
@@ -52,7 +52,7 @@ def test_walk_matches_fla_and_the_spec(documents: bool, tile: tuple[int, int, in
     x64 = {n: t.double() if torch.is_tensor(t) and t.is_floating_point() else t for n, t in x.items()}
     spec = kda_forward_walk_reference(**x64, rows=rows)
     n_h = h.shape[1] if not documents else int(x["chunk_offsets"][-1])
-    for name, a, b, c in zip(("h", "v_new", "o"), got, (h, v_new, o), spec, strict=True):
+    for name, a, b, c in zip(STAGE_OUTPUTS, got, (h, v_new, o), spec, strict=True):
         if name == "h":
             a, b, c = a[:, :n_h], b[:, :n_h], c[:, :n_h]
         diff = (a.float() - b.float()).abs()

@@ -21,7 +21,7 @@ import torch
 # module where triton is absent
 import tests.moonep.helpers.triton_interpreted  # noqa: F401
 from moontrain.model.kda.dqkg import prepare_chunk_indices
-from moontrain.model.kda.walk import kda_forward_walk_reference, random_walk_inputs
+from moontrain.model.kda.walk import STAGE_OUTPUTS, kda_forward_walk_reference, random_walk_inputs
 from moontrain.model.kda.walk_kernel import kda_forward_walk
 from tests.moontrain.model.kda.test_dqkg import CU_SEQLENS
 
@@ -57,7 +57,7 @@ def test_kernel_matches_the_specification(case: str, K: int, V: int, bv: int) ->
     got = kda_forward_walk(**x, rows=rows, bv=bv)
     x64 = {n: t.double() if torch.is_tensor(t) and t.is_floating_point() else t for n, t in x.items()}
     want = kda_forward_walk_reference(**x64, rows=rows)
-    for name, a, b in zip(("h", "v_new", "o"), got, want, strict=True):
+    for name, a, b in zip(STAGE_OUTPUTS, got, want, strict=True):
         assert a.dtype == torch.bfloat16 and a.shape == b.shape, f"{name}: {a.dtype} {tuple(a.shape)}"
         if name == "h":
             a, b = written(a, x), written(b, x)
@@ -80,7 +80,7 @@ def test_kernel_matches_flas_two_kernels(case: str, K: int, V: int, bv: int) -> 
     lists.pop("chunk_offsets", None)
     o = chunk_gla_fwd_o_gk(q=x["qg"], v=v_new, g=torch.zeros_like(x["g"]), A=x["Aqk"], h=h, scale=x["scale"],
                            use_graph=case == "docs", **lists)
-    for name, a, b in zip(("h", "v_new", "o"), got, (h, v_new, o), strict=True):
+    for name, a, b in zip(STAGE_OUTPUTS, got, (h, v_new, o), strict=True):
         if name == "h":
             a, b = written(a, x), written(b, x)
         diff = (a.float() - b.float()).abs()
