@@ -5,7 +5,8 @@ Kernel. One program per (chunk, head) reads the chunk's [64, K] tiles once, row 
 - forward: q and k (their L2 norms and the normalised rows), f (the gate and its chunk-local cumulative sum);
 - backward: dg and f (the reverse cumulative sum, the gate's input gradient, and one fp32 partial of dA_log and
   of dt_bias's gradient per program, which the launcher sums in a fixed order), then dq with qn and dk with kn
-  (the L2 norms' backward; off in kda_gate_backward, whose caller's intra-chunk kernel applied them).
+  (the L2 norms' backward; off in kda_gate_backward, whose caller's intra-chunk kernel applied them). Without the
+  norms every column's work is its own, so kda_gate_backward's programs take GATE_BLOCK columns of a chunk each.
 q, k and f are read in place at their token stride (a column slice of the projection needs no copy). Rows of the
 chunk list with a negative sequence (fla's use_graph padding) mask every load and store and leave zero partials.
 """
@@ -24,6 +25,10 @@ try:
     from moontrain.model.kda.dqkg_kernel import _program_chunk
 except ImportError:  # the specification runs without triton; the launchers need it
     triton = None
+
+# the gate's backward alone (kda_gate_backward): [64, 32] tiles at 2 warps, four programs a chunk at K = 128;
+# measured faster than whole rows at 8 warps on an H100 (docs/performance.md)
+GATE_BLOCK, GATE_WARPS = 32, 2
 
 
 if triton is not None:
@@ -79,16 +84,18 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T"])
     def _backward_kernel(dq, dk, dg, qn, kn, q_rstd, k_rstd, f, A_log, dt_bias, dq_in, dk_in, df, dA_part,
                          dbias_part, cu_seqlens, chunk_indices, lower_bound, T, NT, stride_f, H: tl.constexpr,
-                         K: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                         K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
                          USE_LOWER_BOUND: tl.constexpr, NORMS: tl.constexpr):
-        i_h, _, row, tok0, n_t = _program_chunk(cu_seqlens, chunk_indices, T, NT, H, 1, BT, IS_VARLEN)
+        NKB: tl.constexpr = K // BK  # 1 with the norms (they need whole rows)
+        i_h, i_k, row, tok0, n_t = _program_chunk(cu_seqlens, chunk_indices, T, NT, H, NKB, BT, IS_VARLEN)
         o_t = tl.arange(0, BT)
-        o_k = tl.arange(0, K)
+        o_k = i_k * BK + tl.arange(0, BK)
         m_t = (o_t < n_t) & (row >= 0)
         m = m_t[:, None]
         at_y = tok0 * (H * K) + i_h * K
         at_r = tok0 * H + i_h
-        part = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+        part = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)  # this program's dA_log slot
+        chunk_part = (tl.program_id(0).to(tl.int64) // NKB) * tl.num_programs(1) + tl.program_id(1)  # dt_bias's row
         b_dg = tl.load(dg + at_y + o_t[:, None] * (H * K) + o_k[None, :], mask=m, other=0.0)
         b_dgate = tl.cumsum(b_dg, axis=0, reverse=True)
         p_f = tok0 * stride_f + i_h * K + o_t[:, None] * stride_f + o_k[None, :]
@@ -97,7 +104,7 @@ if triton is not None:
         b_df = tl.where(m, b_dgate * d_x, 0.0)
         tl.store(df + at_y + o_t[:, None] * (H * K) + o_k[None, :], b_df.to(df.dtype.element_ty), mask=m)
         tl.store(dA_part + part, tl.sum(tl.sum(tl.where(m, b_dgate * d_a, 0.0), axis=1), axis=0))
-        tl.store(dbias_part + part * K + o_k, tl.sum(b_df, axis=0))
+        tl.store(dbias_part + chunk_part * K + o_k, tl.sum(b_df, axis=0))
         if NORMS:
             _norm_backward(dq, qn, q_rstd, dq_in, at_y, o_t, o_k, at_r, m_t, m, H, K)
             _norm_backward(dk, kn, k_rstd, dk_in, at_y, o_t, o_k, at_r, m_t, m, H, K)
@@ -205,9 +212,10 @@ def kda_gate_norm_backward(dq: torch.Tensor, dk: torch.Tensor, dg: torch.Tensor,
 def kda_gate_backward(dg: torch.Tensor, f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *,
                       lower_bound: float | None, cu_seqlens: torch.Tensor | None = None,
                       chunk_indices: torch.Tensor | None = None, warps: int | None = None) -> tuple[torch.Tensor, ...]:
-    """kda_gate_norm_backward's gate part alone (the same kernel, its norms switched off): (df in f's dtype,
-    dA_log, ddt_bias), for a route whose intra-chunk kernel applied the norms' backward
-    (moontrain.model.kda.intra_norm_kernel). dg: fp32, contiguous."""
+    """kda_gate_norm_backward's gate part alone (the same kernel, its norms switched off, its programs split over
+    column blocks): (df in f's dtype, dA_log, ddt_bias), for a route whose intra-chunk kernel applied the norms'
+    backward (moontrain.model.kda.intra_norm_kernel). dg: fp32, contiguous. warps: the launch's (None:
+    GATE_WARPS)."""
     _require_triton("kda_gate_backward")
     validate(f, f, f, A_log, dt_bias, cu_seqlens)
     if not dg.is_contiguous() or dg.dtype != torch.float32:
@@ -222,13 +230,16 @@ def _launch_backward(dg: torch.Tensor, f: torch.Tensor, A_log: torch.Tensor, dt_
     B, T, H, K = dg.shape
     f, sf = _token_strided(f)
     chunk_indices, NT, grid = _grid(B, T, H, cu_seqlens, chunk_indices)
+    # the gate alone is per column: its programs take GATE_BLOCK columns each (with the norms, whole rows)
+    BK = K if norms is not None else min(K, GATE_BLOCK)
+    split = K // BK
     df = torch.empty(B, T, H, K, dtype=f.dtype, device=f.device)
-    dA_part = torch.empty(grid[0] * B, H, dtype=torch.float32, device=f.device)
+    dA_part = torch.empty(grid[0] * split * B, H, dtype=torch.float32, device=f.device)
     dbias_part = torch.empty(grid[0] * B, H * K, dtype=torch.float32, device=f.device)
     dq, dk, qn, kn, q_rstd, k_rstd, dq_in, dk_in = norms if norms is not None else (dg,) * 8  # unread without
-    _backward_kernel[grid](dq, dk, dg, qn, kn, q_rstd, k_rstd, f, A_log.float().contiguous(),
-                           dt_bias.float().contiguous(), dq_in, dk_in, df, dA_part, dbias_part, cu_seqlens,
-                           chunk_indices, 0.0 if lower_bound is None else lower_bound, T, NT, sf, H=H, K=K, BT=CHUNK,
-                           IS_VARLEN=cu_seqlens is not None, USE_LOWER_BOUND=lower_bound is not None,
-                           NORMS=norms is not None, num_warps=_warps(K, warps))
+    _backward_kernel[(grid[0] * split, grid[1])](
+        dq, dk, dg, qn, kn, q_rstd, k_rstd, f, A_log.float().contiguous(), dt_bias.float().contiguous(), dq_in, dk_in,
+        df, dA_part, dbias_part, cu_seqlens, chunk_indices, 0.0 if lower_bound is None else lower_bound, T, NT, sf,
+        H=H, K=K, BK=BK, BT=CHUNK, IS_VARLEN=cu_seqlens is not None, USE_LOWER_BOUND=lower_bound is not None,
+        NORMS=norms is not None, num_warps=_warps(K, GATE_WARPS if warps is None and norms is None else warps))
     return (df, dA_part.sum(0).view_as(A_log).to(A_log.dtype), dbias_part.sum(0).view_as(dt_bias).to(dt_bias.dtype))
