@@ -201,15 +201,19 @@ def kda_dqkg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_new: torch.Ten
              dv: torch.Tensor, scale: float | None = None, state_v_first: bool = False,
              cu_seqlens: torch.Tensor | None = None, chunk_size: int = CHUNK,
              chunk_indices: torch.Tensor | None = None, chunk_offsets: torch.Tensor | None = None,
-             use_graph: bool = False) -> tuple[torch.Tensor, ...]:
+             use_graph: bool = False, dqk_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
     """fla's chunk_kda_bwd_wy_dqkg_fused on this module's kernels, same keyword arguments and outputs:
     (dq fp32 [B, T, H, K], dk fp32, dv2 in v's dtype [B, T, H, V], db fp32 [B, T, H], dg fp32, dA fp32
     [B, T, H, 64]), freshly allocated. chunk_offsets and use_graph are accepted for fla's signature: the
-    kernels need neither (padding rows of chunk_indices are always skipped)."""
+    kernels need neither (padding rows of chunk_indices are always skipped). dqk_dtype: dq's and dk's, fp32 (fla's)
+    or q's dtype (their fp32 values rounded once, for moontrain.model.kda.intra_norm_kernel, which reads them
+    once: docs/kda.md)."""
     if triton is None:
         raise ValueError("kda_dqkg: triton is not installed; use moontrain.model.kda.dqkg.kda_dqkg_reference (the "
                          "PyTorch specification)")
     validate(q, k, v, g, beta, A, h, state_v_first, cu_seqlens, chunk_size, chunk_indices)
+    if dqk_dtype not in (torch.float32, q.dtype):
+        raise ValueError(f"kda_dqkg: dqk_dtype={dqk_dtype}; give torch.float32 or q's dtype ({q.dtype})")
     tensors = dict(q=q, k=k, v=v, v_new=v_new, g=g, beta=beta, A=A, h=h, do=do, dh=dh, dv=dv)
     for name, t in tensors.items():
         if not t.is_contiguous():
@@ -224,7 +228,7 @@ def kda_dqkg(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_new: torch.Ten
     NT = triton.cdiv(T, CHUNK)
     R = B * NT if cu_seqlens is None else chunk_indices.shape[0]
     grid_t = NT if cu_seqlens is None else R  # programs per head row of the grid
-    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dq = torch.empty(q.shape, dtype=dqk_dtype, device=q.device)
     dk = torch.empty_like(dq)
     dg = torch.empty(g.shape, dtype=torch.float32, device=g.device)
     dv2 = torch.empty_like(v)

@@ -83,7 +83,9 @@ def _rows(x: torch.Tensor, batch_R: torch.Tensor, tok_RC: torch.Tensor, valid_RC
 
 def validate(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, dAqk: torch.Tensor,
              dAkk: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, db: torch.Tensor, dg: torch.Tensor,
-             cu_seqlens: torch.Tensor | None, chunk_size: int) -> None:
+             cu_seqlens: torch.Tensor | None, chunk_size: int, dqk_in_q_dtype: bool = False) -> None:
+    """The stage's inputs checked (a ValueError names the fault); dqk_in_q_dtype: dq and dk may also come in q's
+    dtype (moontrain.model.kda.intra_norm_kernel reads them so from moontrain's dqkg stage)."""
     if k.dim() != 4:
         raise ValueError(f"kda_intra: k must be [B, T, H, K], got {tuple(k.shape)}")
     B, T, H, K = k.shape
@@ -104,8 +106,10 @@ def validate(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tens
         if x.shape != want:
             raise ValueError(f"kda_intra: {name} has shape {tuple(x.shape)}, expected {want}")
     for name, x in (("dq", dq), ("dk", dk), ("db", db), ("dg", dg)):
-        if x.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"kda_intra: {name} is {x.dtype}; the stage takes the dqkg stage's fp32 gradients "
+        allowed = (torch.float32, torch.float64, *((q.dtype,) if dqk_in_q_dtype and name in ("dq", "dk") else ()))
+        if x.dtype not in allowed:
+            also = f" or q's dtype ({q.dtype})" if len(allowed) > 2 else ""
+            raise ValueError(f"kda_intra: {name} is {x.dtype}; the stage takes the dqkg stage's fp32 gradients{also} "
                              "(fla's chunk_kda_bwd_intra takes other dtypes)")
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"kda_intra: packed documents (cu_seqlens) need batch 1, got B={B}; flatten the batch "

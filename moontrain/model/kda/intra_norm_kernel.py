@@ -22,7 +22,8 @@ Every product runs in TF32 (fla's kernel: its off-diagonal ones; its diagonal on
 rounded relative to itself, so a diagonal term's two factors (2^58 and 2^-58 at most at the recipe's bound)
 cost no more than an off-diagonal term's.
 Then dq, dk, dg, db gain their parts (moontrain.model.kda.intra's formulas) and the norms' backward is applied to
-dq and dk in the registers. Rows of the chunk list with a negative sequence (fla's use_graph padding) and
+dq and dk in the registers. dq and dk come in fp32 (fla's dqkg stage) or in q's dtype (moontrain's on this route,
+moontrain.model.kda.chunk: half their bytes written and read; docs/kda.md measures the cost in accuracy). Rows of the chunk list with a negative sequence (fla's use_graph padding) and
 sub-chunks past a chunk's end do nothing.
 """
 
@@ -133,11 +134,11 @@ if triton is not None:
             b_qI = tl.load(q + at + p_I, mask=m, other=0.0).to(tl.float32)
             b_dg = tl.load(dg + at + p_I, mask=m, other=0.0) + b_qI * b_dq + (b_r - b_t) * b_kI
             tl.store(dg_out + at + p_I, b_dg, mask=m)
-            b_dq += tl.load(dq + at + p_I, mask=m, other=0.0)
+            b_dq += tl.load(dq + at + p_I, mask=m, other=0.0).to(tl.float32)
             b_rs = tl.load(q_rstd + at_r + c_I * H, mask=m_I, other=0.0)
             b_dq = b_rs[:, None] * (b_dq - tl.sum(b_dq * b_qI, axis=1)[:, None] * b_qI)
             tl.store(dq_out + at + p_I, b_dq.to(dq_out.dtype.element_ty), mask=m)
-            b_dk = tl.load(dk + at + p_I, mask=m, other=0.0) + b_r + b_t
+            b_dk = tl.load(dk + at + p_I, mask=m, other=0.0).to(tl.float32) + b_r + b_t
             b_rs = tl.load(k_rstd + at_r + c_I * H, mask=m_I, other=0.0)
             b_dk = b_rs[:, None] * (b_dk - tl.sum(b_dk * b_kI, axis=1)[:, None] * b_kI)
             tl.store(dk_out + at + p_I, b_dk.to(dk_out.dtype.element_ty), mask=m)
@@ -159,7 +160,8 @@ def kda_intra_norm(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torc
                    warps: int = 4, stages: int = 3, diag: str = DIAG,
                    maxnreg: int | None = None) -> tuple[torch.Tensor, ...]:
     """The intra-chunk stage (moontrain.model.kda.intra's arguments: q, k the normalised rows as the forward
-    stored them) followed by the L2 norms' backward: (dq_in, dk_in in q's dtype, db, dg fp32). q_rstd, k_rstd:
+    stored them) followed by the L2 norms' backward: (dq_in, dk_in in q's dtype, db, dg fp32). dq, dk: fp32 or q's
+    dtype. q_rstd, k_rstd:
     the forward's reciprocal norms (fp32 [B, T, H]); lower_bound: the gate's (required, >= -10). warps, stages,
     diag (the diagonal blocks' input_precision), maxnreg (ptxas's register cap a thread; None: MAXNREG at K <= 128,
     0: uncapped): the launch's (benchmarks/bench_kda_intra_norm.py sweeps them)."""
@@ -167,14 +169,14 @@ def kda_intra_norm(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torc
         raise ValueError("kda_intra_norm: triton is not installed; compose moontrain.model.kda.intra's and "
                          "moontrain.model.kda.gate_norm's references")
     check_lower_bound(lower_bound)
-    validate(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens, CHUNK)
+    validate(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens, CHUNK, dqk_in_q_dtype=True)
     named = dict(q=q, k=k, g=g, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg, q_rstd=q_rstd,
                  k_rstd=k_rstd)
     for name, t in named.items():
         if not t.is_contiguous():
             raise ValueError(f"kda_intra_norm: {name} is not contiguous (strides {t.stride()}); call .contiguous()")
-    if any(t.dtype != torch.float32 for t in (g, dAqk, dAkk, dq, dk, db, dg, q_rstd, k_rstd)):
-        raise ValueError("kda_intra_norm: g, dAqk, dAkk, dq, dk, db, dg, q_rstd and k_rstd must be fp32 (the stages' "
+    if any(t.dtype != torch.float32 for t in (g, dAqk, dAkk, db, dg, q_rstd, k_rstd)):
+        raise ValueError("kda_intra_norm: g, dAqk, dAkk, db, dg, q_rstd and k_rstd must be fp32 (the stages' "
                          "outputs); fp64 runs on the specifications")
     B, T, H, K = k.shape
     if cu_seqlens is not None and chunk_indices is None:

@@ -105,13 +105,24 @@ def test_chunk_matches_fla_and_the_spec(lower_bound: float | None, doc_len: int 
 
 @pytest.mark.parametrize("doc_len", [None, 300], ids=["rows", "documents"])
 @pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "kept"])
-def test_chunk_with_the_fused_intra_stage_matches_fla_and_the_spec(doc_len: int | None, recompute: bool) -> None:
+@pytest.mark.parametrize("dqkg", ["moontrain", "fla"])
+def test_chunk_with_the_fused_intra_stage_matches_fla_and_the_spec(doc_len: int | None, recompute: bool,
+                                                                    dqkg: str) -> None:
     """kernels.kda_intra=moontrain (the intra-chunk stage and the norms' backward in one kernel) inside the same
-    call, held to the same bounds: its off-diagonal products run in TF32 as fla's do, its diagonal ones in fp32."""
+    call, held to the same bounds: its off-diagonal products run in TF32 as fla's do, its diagonal ones in fp32.
+    dqkg: the dqkg stage's kernel (kernels.kda_dqkg) for the whole test; moontrain's (the model's default) hands
+    the fused stage dq and dk in bf16, and fla's chunk_kda then runs it too (with fp32 dq, dk)."""
+    from moontrain.model.kda.fla_backend import DQKG, INTRA, route_fla_stages, routed_stages
+
     B, T, H, K = 2, 1000, 16, 128
     inputs, kwargs, go = random_kda_inputs(B, T, H, K, doc_len=doc_len, seed=2)
-    _against_fla_and_the_spec(functools.partial(kda_fla, recompute=recompute, gate_norm=True, intra_norm=True),
-                              recompute, inputs, kwargs, go)
+    before = routed_stages()
+    route_fla_stages(dqkg=dqkg, intra=before[INTRA])
+    try:
+        _against_fla_and_the_spec(functools.partial(kda_fla, recompute=recompute, gate_norm=True, intra_norm=True),
+                                  recompute, inputs, kwargs, go)
+    finally:
+        route_fla_stages(dqkg=before[DQKG], intra=before[INTRA])
 
 
 @pytest.mark.parametrize("documents", [False, True], ids=["rows", "documents"])

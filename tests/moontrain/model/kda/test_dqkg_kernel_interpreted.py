@@ -76,6 +76,24 @@ def test_kernel_matches_reference(case: str, dtype: torch.dtype, K: int, V: int,
     check(inputs, dtype)
 
 
+def test_dq_dk_in_q_dtype_are_the_fp32_ones_rounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dqk_dtype=q's dtype (the fused intra route's): dq and dk are the fp32 call's values rounded once (within one
+    bf16 ulp of each: the interpreter's conversion truncates, torch's rounds to nearest; subnormal fp32 values within
+    2^-126), every other output bit for bit the fp32 call's; any other dtype is refused."""
+    use_tiles(monkeypatch, 32, 32, 32)
+    inputs = stage_inputs(2, 160, 2, 64, 64, torch.bfloat16, "cpu", seed=5)
+    wide, low = kda_dqkg(**inputs), kda_dqkg(**inputs, dqk_dtype=torch.bfloat16)
+    for name, x, y in zip(OUTPUTS, low, wide, strict=True):
+        if name in ("dq", "dk"):
+            assert x.dtype == torch.bfloat16, name
+            bound = (2 ** -7 * y.abs()).clamp(min=2 ** -126)  # subnormals: the interpreter's own flushing
+            assert ((x.float() - y).abs() <= bound).all(), f"{name}: more than one bf16 ulp off"
+        else:
+            assert torch.equal(x, y), name
+    with pytest.raises(ValueError, match=r"dqk_dtype=torch.float16; give torch.float32 or q's dtype"):
+        kda_dqkg(**inputs, dqk_dtype=torch.float16)
+
+
 def test_validation_messages(monkeypatch: pytest.MonkeyPatch) -> None:
     use_tiles(monkeypatch, 32, 32, 32)
     inputs = stage_inputs(1, 64, 2, 32, 32, torch.float32, "cpu", seed=0)

@@ -61,6 +61,21 @@ def test_kernel_matches_the_composed_specification(case: str, K: int, gate: floa
         assert err <= tol * top, f"{name}: max |diff| {err:.2e} > {tol:.1e} x max |ref| {top:.2e}"
 
 
+@pytest.mark.parametrize("case", ["batch", "docs"])
+def test_kernel_takes_dq_dk_in_q_dtype(case: str) -> None:
+    """dq and dk as moontrain's dqkg stage hands them on the fused route (q's dtype, not fp32): the kernel against
+    the specification on those same rounded values, at the fp32 inputs' bounds."""
+    x = inputs(case, 64, 0.1, False)
+    x["dq"], x["dk"] = x["dq"].to(torch.bfloat16), x["dk"].to(torch.bfloat16)
+    got, want = run(x), reference(x)
+    for name, a, b in zip(("dq_in", "dk_in", "db", "dg"), got, want, strict=True):
+        err, top = (a.double() - b).abs().max().item(), b.abs().max().item()
+        assert err <= OUT_TOL[name] * top, f"{name}: max |diff| {err:.2e} > {OUT_TOL[name]:.1e} x max |ref| {top:.2e}"
+    with pytest.raises(ValueError, match=r"dq is torch.float16; the stage takes the dqkg stage's fp32 gradients or "
+                                         r"q's dtype \(torch.bfloat16\)"):
+        run(dict(x, dq=x["dq"].half()))
+
+
 @pytest.mark.parametrize("K", [32, 128])  # one column block a chunk, four
 def test_gate_backward_alone_is_the_gate_norm_kernels_gate_part(K: int) -> None:
     """kda_gate_backward (the gate-and-norm backward with its norms off, its programs split over column blocks)
