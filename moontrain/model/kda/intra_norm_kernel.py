@@ -23,8 +23,8 @@ rounded relative to itself, so a diagonal term's two factors (2^58 and 2^-58 at 
 cost no more than an off-diagonal term's.
 Then dq, dk, dg, db gain their parts (moontrain.model.kda.intra's formulas) and the norms' backward is applied to
 dq and dk in the registers. dq and dk come in fp32 (fla's dqkg stage) or in q's dtype (moontrain's on this route,
-moontrain.model.kda.chunk: half their bytes written and read; docs/kda.md measures the cost in accuracy). Rows of the chunk list with a negative sequence (fla's use_graph padding) and
-sub-chunks past a chunk's end do nothing.
+moontrain.model.kda.chunk: half their bytes written and read; docs/kda.md measures the cost in accuracy). Rows of
+the chunk list with a negative sequence (fla's use_graph padding) and sub-chunks past a chunk's end do nothing.
 """
 
 from __future__ import annotations
