@@ -19,9 +19,9 @@ Per case:
 - kda gate_norm (docs): the first case's kda rows with kernels.kda_gate_norm=moontrain (fla's stages between
   moontrain's gate-and-norm kernels, moontrain.model.kda.chunk).
 - kda intra_norm (docs): the same with kernels.kda_intra=moontrain (the intra-chunk stage and the norms' backward
-  in one kernel, moontrain.model.kda.intra_norm_kernel): the model's default route.
+  in one kernel, moontrain.model.kda.intra_norm_kernel; with --dqkg moontrain its dq, dk come in bf16).
 - kda walk (docs): the same with the forward's state walk and output as one kernel (moontrain.model.kda.walk_kernel)
-  instead of fla's two.
+  instead of fla's two: the model's default route.
 - kda torch: the pure-PyTorch specification, at the first case only (it is the reference, not a kernel).
 Median of --iters timed by CUDA events after --warmup (ms: the host waits for each call, so its launch gaps
 count), and the device's time alone (dev ms: the host run ahead, as in a training step's queue; fla's KDA is
