@@ -161,10 +161,9 @@ def kda_intra_norm(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torc
                    maxnreg: int | None = None) -> tuple[torch.Tensor, ...]:
     """The intra-chunk stage (moontrain.model.kda.intra's arguments: q, k the normalised rows as the forward
     stored them) followed by the L2 norms' backward: (dq_in, dk_in in q's dtype, db, dg fp32). dq, dk: fp32 or q's
-    dtype. q_rstd, k_rstd:
-    the forward's reciprocal norms (fp32 [B, T, H]); lower_bound: the gate's (required, >= -10). warps, stages,
-    diag (the diagonal blocks' input_precision), maxnreg (ptxas's register cap a thread; None: MAXNREG at K <= 128,
-    0: uncapped): the launch's (benchmarks/bench_kda_intra_norm.py sweeps them)."""
+    dtype. q_rstd, k_rstd: the forward's reciprocal norms (fp32 [B, T, H]); lower_bound: the gate's (required,
+    >= -10). warps, stages, diag (the diagonal blocks' input_precision), maxnreg (ptxas's register cap a thread;
+    None: MAXNREG at K <= 128, 0: uncapped): the launch's (benchmarks/bench_kda_intra_norm.py sweeps them)."""
     if triton is None:
         raise ValueError("kda_intra_norm: triton is not installed; compose moontrain.model.kda.intra's and "
                          "moontrain.model.kda.gate_norm's references")
@@ -178,6 +177,9 @@ def kda_intra_norm(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torc
     if any(t.dtype != torch.float32 for t in (g, dAqk, dAkk, db, dg, q_rstd, k_rstd)):
         raise ValueError("kda_intra_norm: g, dAqk, dAkk, db, dg, q_rstd and k_rstd must be fp32 (the stages' "
                          "outputs); fp64 runs on the specifications")
+    if any(t.dtype not in (torch.float32, q.dtype) or t.dtype == torch.float64 for t in (dq, dk)):
+        raise ValueError(f"kda_intra_norm: dq is {dq.dtype} and dk {dk.dtype}; give them in fp32 or q's dtype "
+                         f"({q.dtype}); fp64 runs on the specifications")
     B, T, H, K = k.shape
     if cu_seqlens is not None and chunk_indices is None:
         chunk_indices = prepare_chunk_indices(cu_seqlens)

@@ -74,6 +74,8 @@ def test_kernel_takes_dq_dk_in_q_dtype(case: str) -> None:
     with pytest.raises(ValueError, match=r"dq is torch.float16; the stage takes the dqkg stage's fp32 gradients or "
                                          r"q's dtype \(torch.bfloat16\)"):
         run(dict(x, dq=x["dq"].half()))
+    with pytest.raises(ValueError, match=r"dq is torch.float64 and dk torch.bfloat16; give them in fp32 or q's dtype"):
+        run(dict(x, dq=x["dq"].double()))
 
 
 @pytest.mark.parametrize("K", [32, 128])  # one column block a chunk, four
