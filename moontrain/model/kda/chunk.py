@@ -10,8 +10,9 @@ gate-and-norm backward (the reverse cumulative sum, the gate's and the norms' gr
 partial sums: one launch). fla's chunk_kda runs three launches forward and six backward there instead, reads f
 through a contiguous copy, and keeps that copy for the backward; here f is read in place. With intra_norm
 (kernels.kda_intra=moontrain) the intra-chunk stage is moontrain.model.kda.intra_norm_kernel, which applies the
-norms' backward too, and the last launch is the gate's backward alone; there moontrain's dqkg stage (called
-directly) hands it dq and dk in q's dtype, not fp32 (docs/kda.md: the bytes saved and the accuracy kept).
+norms' backward too, and the last launch is the gate's backward alone; there moontrain's dqkg stage, called
+directly where fla's dispatch would run it, hands it dq and dk in q's dtype, not fp32 (docs/kda.md: the bytes
+saved and the accuracy kept).
 
 The stages are called as fla's chunk_kda calls them (fla-core 0.6.0), for what the model uses: no initial or
 final state, H == HV, the state stored [K, V], chunks of 64. The backward reads qn, kn, their reciprocal norms,
@@ -27,7 +28,7 @@ import torch
 
 from moontrain.model.kda.chunk_lists import static_chunk_lists
 from moontrain.model.kda.dqkg_kernel import kda_dqkg
-from moontrain.model.kda.fla_backend import DQKG, routed_stages
+from moontrain.model.kda.fla_backend import runs_moontrain_dqkg
 from moontrain.model.kda.gate_norm_kernel import (
     kda_gate_backward,
     kda_gate_cumsum,
@@ -105,7 +106,7 @@ class ChunkKDA(torch.autograd.Function):
                                                    scale=scale, chunk_offsets=chunk_offsets, **lists)
         dqkg = dict(q=qn, k=kn, v=v, v_new=v_new, g=g, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv, scale=scale,
                     chunk_offsets=chunk_offsets, use_graph=use_graph, **lists)
-        if ctx.intra_norm and routed_stages()[DQKG] == "moontrain":  # dq, dk in q's dtype: read once, by intra_norm
+        if ctx.intra_norm and runs_moontrain_dqkg(**dqkg):  # dq, dk in q's dtype: read once, by intra_norm
             dq, dk, dv, db, dg, dAkk = kda_dqkg(**dqkg, dqk_dtype=qn.dtype)
         else:
             dq, dk, dv, db, dg, dAkk = chunk_kda_bwd_wy_dqkg_fused(**dqkg)

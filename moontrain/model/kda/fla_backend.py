@@ -28,6 +28,13 @@ def route_fla_stages(*, dqkg: str, intra: str) -> None:
     _fla_backend().routed = {DQKG: dqkg, INTRA: intra}
 
 
+def runs_moontrain_dqkg(**kwargs) -> bool:
+    """Would fla's dqkg stage, called with these keyword arguments, run on moontrain's kernel (routed there, and
+    the kernel takes the call)? A caller that calls the kernel directly (with its own options) asks this first,
+    so a call the kernel refuses still goes to fla's own, as the dispatch would send it."""
+    return _fla_backend()().chunk_kda_bwd_wy_dqkg_fused_verifier(**kwargs)[0]
+
+
 def routed_stages() -> dict[str, str]:
     """{fla's stage function name: the kernel that runs it}, as route_fla_stages last set it."""
     return dict(_fla_backend().routed)
@@ -54,8 +61,8 @@ def _fla_backend() -> type:
                 return False, "kernels.kda_dqkg=fla"
             try:
                 dqkg.validate(kwargs["q"], kwargs["k"], kwargs["v"], kwargs["g"], kwargs["beta"], kwargs["A"],
-                                  kwargs["h"], kwargs.get("state_v_first", False), kwargs.get("cu_seqlens"),
-                                  kwargs.get("chunk_size", dqkg.CHUNK), kwargs.get("chunk_indices"))
+                              kwargs["h"], kwargs.get("state_v_first", False), kwargs.get("cu_seqlens"),
+                              kwargs.get("chunk_size", dqkg.CHUNK), kwargs.get("chunk_indices"))
             except ValueError as err:
                 return False, str(err)
             return True, None

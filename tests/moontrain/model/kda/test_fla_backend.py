@@ -56,3 +56,16 @@ def test_intra_stage_routes(backend) -> None:
     accepted, why = backend().verify("chunk_kda_bwd_wy_dqkg_fused", **kda_dqkg.random_stage_inputs(
         1, 64, 2, 32, 32, torch.float32, "cpu", seed=0))
     assert not accepted and why == "kernels.kda_dqkg=fla"
+
+
+def test_runs_moontrain_dqkg_answers_as_the_dispatch_would(backend) -> None:
+    """moontrain.model.kda.chunk calls moontrain's dqkg kernel directly (dq, dk in q's dtype) only where fla's
+    dispatch would have run it: routed there, on a call its verifier takes; elsewhere fla's own kernel runs."""
+    from moontrain.model.kda.fla_backend import route_fla_stages, runs_moontrain_dqkg
+
+    inputs = kda_dqkg.random_stage_inputs(1, 64, 2, 32, 32, torch.float32, "cpu", seed=0)
+    route_fla_stages(dqkg="fla", intra="fla")
+    assert not runs_moontrain_dqkg(**inputs)
+    route_fla_stages(dqkg="moontrain", intra="fla")
+    assert runs_moontrain_dqkg(**inputs)
+    assert not runs_moontrain_dqkg(**dict(inputs, v=torch.cat([inputs["v"]] * 2, dim=2)))  # grouped value heads
