@@ -106,9 +106,9 @@ def validate(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tens
         if x.shape != want:
             raise ValueError(f"kda_intra: {name} has shape {tuple(x.shape)}, expected {want}")
     for name, x in (("dq", dq), ("dk", dk), ("db", db), ("dg", dg)):
-        allowed = (torch.float32, torch.float64, *((q.dtype,) if dqk_in_q_dtype and name in ("dq", "dk") else ()))
-        if x.dtype not in allowed:
-            also = f" or q's dtype ({q.dtype})" if len(allowed) > 2 else ""
+        in_q_dtype = dqk_in_q_dtype and name in ("dq", "dk")
+        if x.dtype not in (torch.float32, torch.float64, *((q.dtype,) if in_q_dtype else ())):
+            also = f" or q's dtype ({q.dtype})" if in_q_dtype else ""
             raise ValueError(f"kda_intra: {name} is {x.dtype}; the stage takes the dqkg stage's fp32 gradients{also} "
                              "(fla's chunk_kda_bwd_intra takes other dtypes)")
     if cu_seqlens is not None and B != 1:
