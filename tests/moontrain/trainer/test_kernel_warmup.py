@@ -145,7 +145,19 @@ def test_shipped_manifest_passes_its_checks_and_names_this_tree_s_kernels() -> N
     import importlib.util
 
     m = kw.load_manifest(kw.SHIPPED)
-    assert m.arch == "sm90" and len(m.kernels) >= 60
+    assert m.arch == "sm90"
+    # recorded on the default KDA route (dq, dk in bf16 into the fused intra stage), on rows and on documents
+
+    def constexprs(e: kw.Entry) -> dict:
+        spec = json.loads(e.specialization)
+        names = list(spec["signature"])
+        return {names[i]: v for (i,), v in zip(spec["constant_keys"], spec["constant_vals"], strict=True)}
+
+    route = {"_walk_kernel", "_intra_norm_kernel", "_kblock_kernel"}
+    kda = {(e.name, constexprs(e)["IS_VARLEN"]) for e in m.kernels if e.name in route}
+    assert kda == {(n, v) for n in route for v in (True, False)}, kda
+    dq = {json.loads(e.specialization)["signature"]["dq"] for e in m.kernels if e.name == "_kblock_kernel"}
+    assert dq == {"*bf16"}, dq
     with_fla = importlib.util.find_spec("fla") is not None
     for e in m.kernels:
         if e.module.startswith("fla") and not with_fla:
