@@ -8,7 +8,8 @@ kernels in the interpreter (benchmarks/diagnostics/host_overhead.py); nothing in
 - tl.histogram's counts as the int32 data its label promises;
 - tl.dot on bf16 operands through their fp32 values (the interpreter multiplies their uint16 bits), fp32 products
   summed in float64 and rounded once (the same on every CPU, whatever BLAS kernel numpy picks);
-- reductions and scans with a custom combine function on whole slices at once, not element by element.
+- reductions and scans with a custom combine function on whole slices at once, not element by element;
+- triton.language patched once per set of language modules a kernel sees, not at every launch and helper call.
 """
 
 from __future__ import annotations
@@ -117,3 +118,20 @@ def _generic_scan_vectorized(self, input):
 
 _interpreter.ReduceOps.generic_reduce = _generic_reduce_vectorized
 _interpreter.ScanOps.generic_scan = _generic_scan_vectorized
+
+_patch_lang = _interpreter._patch_lang
+_patched: set[frozenset[int]] = set()
+
+
+def _patch_lang_once(fn):
+    """triton 3.5's interpreter patches triton.language (inspect.getmembers over its modules) at every launch
+    and at every call of a @triton.jit helper inside a kernel: ~20 % of the fused planner's interpreted tests.
+    The patches replace the language's builtins in place and nothing undoes them, so a second pass over the
+    same modules changes nothing; run it once per set of modules (tl, tl.core) a function's globals hold."""
+    langs = frozenset(id(v) for v in fn.__globals__.values() if v is _interpreter.tl or v is _interpreter.tl.core)
+    if langs not in _patched:
+        _patch_lang(fn)  # also raises, as triton does, for a function that sees neither module
+        _patched.add(langs)
+
+
+_interpreter._patch_lang = _patch_lang_once
