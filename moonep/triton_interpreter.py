@@ -9,7 +9,8 @@ kernels in the interpreter (benchmarks/diagnostics/host_overhead.py); nothing in
 - tl.dot on bf16 operands through their fp32 values (the interpreter multiplies their uint16 bits), fp32 products
   summed in float64 and rounded once (the same on every CPU, whatever BLAS kernel numpy picks);
 - reductions and scans with a custom combine function on whole slices at once, not element by element;
-- triton.language patched once per set of language modules a kernel sees, not at every launch and helper call.
+- triton.language patched once per set of language modules a kernel sees, not at every launch and helper call;
+- the numpy dtype of a Triton dtype looked up in a table built once, not rebuilt at every operation.
 """
 
 from __future__ import annotations
@@ -135,3 +136,26 @@ def _patch_lang_once(fn):
 
 
 _interpreter._patch_lang = _patch_lang_once
+
+_tl = _interpreter.tl
+_get_np_dtype = _interpreter._get_np_dtype  # triton's, the reference the table is tested against
+_NP_DTYPES = {t: np.dtype(d) for t, d in (
+    (_tl.int1, bool), (_tl.float16, np.float16), (_tl.float32, np.float32), (_tl.float64, np.float64),
+    (_tl.int8, np.int8), (_tl.uint8, np.uint8), (_tl.int16, np.int16), (_tl.uint16, np.uint16),
+    (_tl.int32, np.int32), (_tl.uint32, np.uint32), (_tl.int64, np.int64), (_tl.uint64, np.uint64),
+    (_tl.bfloat16, np.uint16),  # stored as its bits, as triton does
+    (_tl.float8e5, np.uint8), (_tl.float8e5b16, np.uint8), (_tl.float8e4nv, np.uint8), (_tl.float8e4b8, np.uint8),
+    (_tl.float8e4b15, np.uint8))}
+
+
+def _get_np_dtype_table(tt_dtype):
+    """triton 3.5's _get_np_dtype with its table built once (it builds the 18-entry dict at every call, ~15 %
+    of an interpreted planner test): pointers as uint64, a block as its element's dtype."""
+    if isinstance(tt_dtype, _tl.block_type):
+        tt_dtype = tt_dtype.element_ty
+    if isinstance(tt_dtype, _tl.pointer_type):
+        return np.dtype(np.uint64)
+    return _NP_DTYPES[tt_dtype]
+
+
+_interpreter._get_np_dtype = _get_np_dtype_table

@@ -1,6 +1,6 @@
 """moonep.triton_interpreter's shim that patches triton.language once: a kernel calling a @triton.jit helper in a
 loop, launched again, patches nothing more (triton 3.5 re-patches at every launch and helper call) and still
-computes what numpy does."""
+computes what numpy does; the dtype table answers as triton's own lookup for every dtype, pointer and block."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import tests.moonep.helpers.triton_interpreted  # noqa: F401
 import triton
 import triton.language as tl
 from triton.runtime import interpreter
+
+import moonep.triton_interpreter as shims
 
 
 @triton.jit
@@ -42,3 +44,13 @@ def test_language_patched_once_and_kernels_still_compute(monkeypatch) -> None:
     _sum_of_scaled_kernel[(2,)](x, out, N=16, STEPS=3)
     assert calls == [], f"triton.language patched again on a second launch: {len(calls)} module passes"
     np.testing.assert_array_equal(out.numpy(), x.numpy() * (1 + 2 + 3))
+
+
+def test_dtype_table_answers_as_tritons_lookup() -> None:
+    dtypes = list(shims._NP_DTYPES)
+    types = [*dtypes, *(tl.pointer_type(t) for t in dtypes), *(tl.block_type(t, [4, 8]) for t in dtypes),
+             tl.block_type(tl.pointer_type(tl.float32), [16])]
+    assert len(dtypes) == 18  # triton 3.5 table's entries
+    for t in types:
+        assert shims._get_np_dtype_table(t) == shims._get_np_dtype(t), t
+    assert interpreter._get_np_dtype is shims._get_np_dtype_table
