@@ -126,7 +126,7 @@ _patched: set[frozenset[int]] = set()
 
 def _patch_lang_once(fn):
     """triton 3.5's interpreter patches triton.language (inspect.getmembers over its modules) at every launch
-    and at every call of a @triton.jit helper inside a kernel: ~20 % of the fused planner's interpreted tests.
+    and at every call of a @triton.jit helper inside a kernel: 45 % of an R = 8 fused-planner case (14.5 s -> 7.9).
     The patches replace the language's builtins in place and nothing undoes them, so a second pass over the
     same modules changes nothing; run it once per set of modules (tl, tl.core) a function's globals hold."""
     langs = frozenset(id(v) for v in fn.__globals__.values() if v is _interpreter.tl or v is _interpreter.tl.core)
@@ -149,8 +149,8 @@ _NP_DTYPES = {t: np.dtype(d) for t, d in (
 
 
 def _get_np_dtype_table(tt_dtype):
-    """triton 3.5's _get_np_dtype with its table built once (it builds the 18-entry dict at every call, ~15 %
-    of an interpreted planner test): pointers as uint64, a block as its element's dtype."""
+    """triton 3.5's _get_np_dtype with its table built once (it builds the 18-entry dict at every call; the R = 8
+    fused-planner case: 7.9 s -> 6.7): pointers as uint64, a block as its element's dtype."""
     if isinstance(tt_dtype, _tl.block_type):
         tt_dtype = tt_dtype.element_ty
     if isinstance(tt_dtype, _tl.pointer_type):
