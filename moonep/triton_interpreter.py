@@ -10,10 +10,12 @@ kernels in the interpreter (benchmarks/diagnostics/host_overhead.py); nothing in
   summed in float64 and rounded once (the same on every CPU, whatever BLAS kernel numpy picks);
 - reductions and scans with a custom combine function on whole slices at once, not element by element;
 - triton.language patched once per set of language modules a kernel sees, not at every launch and helper call;
-- the numpy dtype of a Triton dtype looked up in a table built once, not rebuilt at every operation.
+- the numpy dtype of a Triton dtype remembered, not looked up in a table rebuilt at every operation.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 from triton.runtime import interpreter as _interpreter
@@ -137,25 +139,20 @@ def _patch_lang_once(fn):
 
 _interpreter._patch_lang = _patch_lang_once
 
-_tl = _interpreter.tl
-_get_np_dtype = _interpreter._get_np_dtype  # triton's, the reference the table is tested against
-_NP_DTYPES = {t: np.dtype(d) for t, d in (
-    (_tl.int1, bool), (_tl.float16, np.float16), (_tl.float32, np.float32), (_tl.float64, np.float64),
-    (_tl.int8, np.int8), (_tl.uint8, np.uint8), (_tl.int16, np.int16), (_tl.uint16, np.uint16),
-    (_tl.int32, np.int32), (_tl.uint32, np.uint32), (_tl.int64, np.int64), (_tl.uint64, np.uint64),
-    (_tl.bfloat16, np.uint16),  # stored as its bits, as triton does
-    (_tl.float8e5, np.uint8), (_tl.float8e5b16, np.uint8), (_tl.float8e4nv, np.uint8), (_tl.float8e4b8, np.uint8),
-    (_tl.float8e4b15, np.uint8))}
+_get_np_dtype = _interpreter._get_np_dtype
+_element_np_dtype = functools.lru_cache(maxsize=64)(_get_np_dtype)
+_UINT64 = np.dtype(np.uint64)
 
 
-def _get_np_dtype_table(tt_dtype):
-    """triton 3.5's _get_np_dtype with its table built once (it builds the 18-entry dict at every call; the R = 8
-    fused-planner case: 7.9 s -> 6.7): pointers as uint64, a block as its element's dtype."""
-    if isinstance(tt_dtype, _tl.block_type):
+def _get_np_dtype_cached(tt_dtype):
+    """triton 3.5's _get_np_dtype, remembered per scalar dtype: it builds its 18-entry table at every call (every
+    operation; the R = 8 fused-planner case: 7.9 s -> 6.7). A block's numpy dtype is its element's (triton's
+    rule), a pointer's uint64 (triton's too): both are unhashable, only the scalar dtypes go through the cache."""
+    if isinstance(tt_dtype, _interpreter.tl.block_type):
         tt_dtype = tt_dtype.element_ty
-    if isinstance(tt_dtype, _tl.pointer_type):
-        return np.dtype(np.uint64)
-    return _NP_DTYPES[tt_dtype]
+    if isinstance(tt_dtype, _interpreter.tl.pointer_type):
+        return _UINT64
+    return _element_np_dtype(tt_dtype)
 
 
-_interpreter._get_np_dtype = _get_np_dtype_table
+_interpreter._get_np_dtype = _get_np_dtype_cached
