@@ -1,6 +1,7 @@
 """moonep.triton_interpreter's shim that patches triton.language once: a kernel calling a @triton.jit helper in a
 loop, launched again, patches nothing more (triton 3.5 re-patches at every launch and helper call) and still
-computes what numpy does; the remembered numpy dtypes are triton's own lookup's for dtypes, pointers and blocks."""
+computes what numpy does; the remembered numpy dtypes are triton's own lookup's for dtypes, pointers and blocks; a
+tuple type's name, formed when read, is the one triton forms at construction."""
 
 from __future__ import annotations
 
@@ -54,3 +55,15 @@ def test_remembered_dtypes_answer_as_tritons_lookup() -> None:
     for t in types * 2:  # the second pass answers from the cache
         assert shims._get_np_dtype_cached(t) == shims._get_np_dtype(t), t
     assert interpreter._get_np_dtype is shims._get_np_dtype_cached
+
+
+def test_tuple_type_name_formed_when_read_as_triton_forms_it() -> None:
+    types = [tl.int32, tl.block_type(tl.float32, [4, 8]), tl.pointer_type(tl.bfloat16)]
+    for fields in (None, ["a", "b", "c"]):
+        t = tl.tuple_type(types, fields)
+        assert "name" not in vars(t), "the name is formed at construction again"
+        names = fields or [""] * len(types)
+        want = "[" + ",".join(f"{k}:{v}" for k, v in zip(names, types, strict=True)) + "]"  # triton 3.5 __init__
+        assert t.name == str(t) == want, (t.name, want)
+    shape = tl.tuple([tl.constexpr(4), tl.constexpr(8)])
+    assert str(shape.type) == "[:constexpr_type[4],:constexpr_type[8]]" and shape.type == tl.tuple([4, 8]).type
