@@ -17,16 +17,14 @@ JSON. GPU only.
 from __future__ import annotations
 
 import itertools
-import json
 import sys
 from pathlib import Path
 
 import torch
-from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.timing import kernel_bench_args, median_ms
+from benchmarks.timing import kernel_bench_args, median_ms, sweep_tile, write_sweep
 from moontrain.model.kda.chunk import _chunk_list
 from moontrain.model.kda.gate_norm_kernel import kda_gate_norm
 from moontrain.model.kda.intra_fwd import STAGE_OUTPUTS
@@ -83,7 +81,7 @@ def main() -> None:
                              warps=dict(type=int, nargs="+", default=[4]),
                              stages=dict(type=int, nargs="+", default=[1]))
     B, T, H = (int(n) for n in args.case.split("x"))
-    print(f"{'documents':<10} {'variant':<26} {'us':>8} {'bitwise w/u/qg/kg/Aqk/Akk %':>34} {'max rel':>9}",
+    print(f"{'documents':<10} {'variant':<26} {'us':>8} {'bitwise w/u/qg/kg/Aqk/Akk %':>34} {'max rel diff':>12}",
           flush=True)
     rows = []
     for doc_len in (None, args.doc_len):
@@ -96,21 +94,9 @@ def main() -> None:
         for bk, bv, warps, stages in itertools.product(args.bk, args.bv, args.warps, args.stages):
             def call(bk=bk, bv=bv, warps=warps, stages=stages, x=x):
                 return kda_intra_forward(**x, bk=bk, bv=bv, warps=warps, stages=stages)
-            name = f"one bk{bk} bv{bv} w{warps} s{stages}"
-            try:
-                got = call()
-            except OutOfResources as e:
-                rows.append(dict(documents=docs, variant=name, error=str(e)))
-                print(f"{docs:<10} {name:<26} {'does not fit: ' + str(e)[:60]}", flush=True)
-                continue
-            same, rel = compare(got, ref)
-            us = 1e3 * median_ms(call, args.iters, args.warmup, host_ahead_ms=HOST_AHEAD_MS)
-            rows.append(dict(documents=docs, variant=name, us=us, bitwise_pct=same, max_rel_diff=rel))
-            print(f"{docs:<10} {name:<26} {us:>8.1f} {'/'.join(f'{s:.1f}' for s in same):>34} {rel:>9.2e}",
-                  flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "case": args.case,
-                                              "rows": rows}, indent=1) + "\n")
+            row = dict(documents=docs, variant=f"one bk{bk} bv{bv} w{warps} s{stages}")
+            rows.append(sweep_tile(call, lambda got, ref=ref: compare(got, ref), row, args, HOST_AHEAD_MS, (26, 34)))
+    write_sweep(args.out, args.case, rows)
 
 
 if __name__ == "__main__":

@@ -15,16 +15,14 @@ largest value. A table is printed; --out writes JSON. GPU only.
 from __future__ import annotations
 
 import itertools
-import json
 import sys
 from pathlib import Path
 
 import torch
-from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.timing import kernel_bench_args, median_ms
+from benchmarks.timing import kernel_bench_args, median_ms, sweep_tile, write_sweep
 from moontrain.model.kda.chunk import _chunk_list
 from moontrain.model.kda.gate_norm_kernel import kda_gate_norm
 from moontrain.model.kda.ops import random_kda_inputs
@@ -70,6 +68,19 @@ def fla_two(x: dict, lists: dict) -> tuple[torch.Tensor, ...]:
     return h, v_new, o
 
 
+def compare(got: tuple, ref: tuple, n_h: int) -> tuple[list[float], float]:
+    """(% of h's (its first n_h rows: the sequences' chunks), v_new's and o's elements bitwise fla's, the largest
+    difference over fla's largest value)."""
+    same, rel = [], 0.0
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        if i == 0:
+            a, b = a[:, :n_h], b[:, :n_h]
+        d = (a.float() - b.float()).abs()
+        same.append(100 * (d == 0).float().mean().item())
+        rel = max(rel, d.max().item() / b.float().abs().max().item())
+    return same, rel
+
+
 def main() -> None:
     args = kernel_bench_args(__doc__, "bench_kda_walk", case=dict(default="4x4096x16"),
                              **{"doc-len": dict(type=int, default=1024)},
@@ -92,27 +103,10 @@ def main() -> None:
         for bv, warps, stages in itertools.product(args.bv, args.warps, args.stages):
             def call(bv=bv, warps=warps, stages=stages, walk_args=walk_args, rows_R=rows_R):
                 return kda_forward_walk(**walk_args, rows=rows_R, bv=bv, warps=warps, stages=stages)
-            name = f"walk bv{bv} w{warps} s{stages}"
-            try:
-                got = call()
-            except OutOfResources as e:  # a tile whose pipeline stages do not fit the SM's shared memory
-                rows.append(dict(documents=docs, variant=name, error=str(e)))
-                print(f"{docs:<10} {name:<22} {'does not fit: ' + str(e)[:60]}", flush=True)
-                continue
-            same, rel = [], 0.0
-            for i, (a, b) in enumerate(zip(got, ref, strict=True)):
-                if i == 0:
-                    a, b = a[:, :n_h], b[:, :n_h]
-                d = (a.float() - b.float()).abs()
-                same.append(100 * (d == 0).float().mean().item())
-                rel = max(rel, d.max().item() / b.float().abs().max().item())
-            us = 1e3 * median_ms(call, args.iters, args.warmup, host_ahead_ms=HOST_AHEAD_MS)
-            rows.append(dict(documents=docs, variant=name, us=us, bitwise_pct=same, max_rel_diff=rel))
-            print(f"{docs:<10} {name:<22} {us:>8.1f} {'/'.join(f'{s:.1f}' for s in same):>18} {rel:>12.2e}",
-                  flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "case": args.case,
-                                              "rows": rows}, indent=1) + "\n")
+            row = dict(documents=docs, variant=f"walk bv{bv} w{warps} s{stages}")
+            rows.append(sweep_tile(call, lambda got, ref=ref, n_h=n_h: compare(got, ref, n_h), row, args,
+                                   HOST_AHEAD_MS, (22, 18)))
+    write_sweep(args.out, args.case, rows)
 
 
 if __name__ == "__main__":

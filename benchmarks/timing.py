@@ -1,11 +1,13 @@
-"""GPU timing shared by the one-GPU kernel benchmarks: the median of CUDA-event times after a warm-up, and the
-command line of a kernel sweep."""
+"""GPU timing shared by the one-GPU kernel benchmarks: the median of CUDA-event times after a warm-up, the
+command line of a kernel sweep, and one tile of a sweep timed against its reference."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -48,3 +50,30 @@ def kernel_bench_args(doc: str | None, name: str, **extra: dict) -> argparse.Nam
     if not torch.cuda.is_available():
         raise SystemExit(f"{name} needs a CUDA GPU")
     return args
+
+
+def sweep_tile(call: Callable[[], tuple], compare: Callable[[tuple], tuple[list[float], float]], row: dict,
+               args: argparse.Namespace, host_ahead_ms: float, widths: tuple[int, int]) -> dict:
+    """One tile of a kernel sweep (row: its documents and variant names): run once, a tile whose pipeline does not
+    fit the SM's shared memory named and skipped; compare(outputs) -> (% of each output bitwise the reference's,
+    the largest difference over the reference's largest value); then timed (median_ms). The row, filled in, is
+    printed (variant column widths[0] wide, the bitwise column widths[1]) and returned."""
+    from triton.runtime.errors import OutOfResources
+
+    lead = f"{row['documents']:<10} {row['variant']:<{widths[0]}}"
+    try:
+        got = call()
+    except OutOfResources as e:
+        print(f"{lead} {'does not fit: ' + str(e)[:60]}", flush=True)
+        return dict(row, error=str(e))
+    same, rel = compare(got)
+    us = 1e3 * median_ms(call, args.iters, args.warmup, host_ahead_ms=host_ahead_ms)
+    print(f"{lead} {us:>8.1f} {'/'.join(f'{s:.1f}' for s in same):>{widths[1]}} {rel:>12.2e}", flush=True)
+    return dict(row, us=us, bitwise_pct=same, max_rel_diff=rel)
+
+
+def write_sweep(path: str | None, case: str, rows: list[dict]) -> None:
+    """The sweep's rows as JSON at path (none: nothing), with the device's name and the case."""
+    if path:
+        Path(path).write_text(json.dumps({"device": torch.cuda.get_device_name(), "case": case, "rows": rows},
+                                         indent=1) + "\n")
