@@ -22,37 +22,31 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from benchmarks.bench_kda_intra_fwd import fla_stage
+from benchmarks.bench_kda_intra_fwd import stage_inputs as intra_stage_inputs
 from benchmarks.timing import kernel_bench_args, median_ms, sweep_tile, write_sweep
 from moontrain.model.kda.chunk import _chunk_list
-from moontrain.model.kda.gate_norm_kernel import kda_gate_norm
-from moontrain.model.kda.ops import random_kda_inputs
 from moontrain.model.kda.walk_kernel import kda_forward_walk
 
 HOST_AHEAD_MS = 5.0  # fla's wrappers and two launches: longer than one call's host work
 
 
 def stage_inputs(B: int, T: int, H: int, doc_len: int | None) -> tuple[dict, dict]:
-    """(the walk's inputs, fla's chunk lists) from a forward at random_kda_inputs' scales."""
-    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    """(the walk's inputs, fla's chunk lists) from a forward at random_kda_inputs' scales: bench_kda_intra_fwd's
+    stage inputs through fla's intra-chunk forward."""
     from fla.ops.utils.index import prepare_chunk_offsets
 
-    leaves, kw, _ = random_kda_inputs(B, T, H, 128, doc_len=doc_len)
-    q, k, v, f, beta = (t.detach() for t in leaves)
-    cu = cu_cpu = None
-    if doc_len is not None:
-        cu, cu_cpu = kw["seq_bounds"]
-        q, k, v, f, beta = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, f, beta))
-    chunk_indices, chunk_offsets = _chunk_list(q.shape[1], cu, cu_cpu, None if cu is None else cu_cpu.numel() - 1)
-    if cu is not None and chunk_offsets is None:
-        chunk_offsets = prepare_chunk_offsets(cu, 64)
-    lists = dict(cu_seqlens=cu, chunk_indices=chunk_indices)
-    qn, _, kn, _, g = kda_gate_norm(q, k, f, kw["A_log_H"], kw["dt_bias_HK"].flatten(),
-                                    lower_bound=kw["lower_bound"], **lists)
-    w, u, qg, kg, Aqk, _ = chunk_kda_fwd_intra(q=qn, k=kn, v=v.contiguous(), gk=g, beta=beta.contiguous(),
-                                               scale=kw["scale"], safe_gate=True, disable_recompute=True,
-                                               use_graph=cu is not None, chunk_size=64, **lists)
-    x = dict(kg=kg, w=w, u=u, g=g, qg=qg, Aqk=Aqk, scale=kw["scale"], cu_seqlens=cu, chunk_offsets=chunk_offsets)
-    return x | dict(qn=qn), dict(lists, chunk_offsets=chunk_offsets, use_graph=cu is not None)
+    x = intra_stage_inputs(B, T, H, doc_len)
+    cu, chunk_indices = x["cu_seqlens"], x["chunk_indices"]
+    chunk_offsets = None
+    if cu is not None:
+        _, chunk_offsets = _chunk_list(x["q"].shape[1], cu, None, cu.numel() - 1)
+        chunk_offsets = prepare_chunk_offsets(cu, 64) if chunk_offsets is None else chunk_offsets
+    w, u, qg, kg, Aqk, _ = fla_stage(x)
+    walk = dict(kg=kg, w=w, u=u, g=x["g"], qg=qg, Aqk=Aqk, scale=x["scale"], cu_seqlens=cu,
+                chunk_offsets=chunk_offsets)
+    lists = dict(cu_seqlens=cu, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, use_graph=cu is not None)
+    return walk | dict(qn=x["q"]), lists
 
 
 def fla_two(x: dict, lists: dict) -> tuple[torch.Tensor, ...]:
