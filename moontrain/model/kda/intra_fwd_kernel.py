@@ -52,8 +52,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T"])
     def _intra_fwd_kernel(q, k, v, g, beta, Aqk, Akk, w, u, qg, kg, cu_seqlens, chunk_indices, scale, T,
                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                          BK: tl.constexpr, BV: tl.constexpr, SH: tl.constexpr, IS_VARLEN: tl.constexpr,
-                          ):
+                          BK: tl.constexpr, BV: tl.constexpr, SH: tl.constexpr, IS_VARLEN: tl.constexpr):
         i_t = tl.program_id(0).to(tl.int64)
         i_bh = tl.program_id(1).to(tl.int64)
         i_b, i_h = i_bh // H, i_bh % H
@@ -84,7 +83,7 @@ if triton is not None:
         o_j = tl.arange(0, BT)
         m_t = o_t < n
 
-        # the scores, column block by column block
+        # the scores: per K-block, column block by column block (keys zero outside block t)
         b_Sq = tl.zeros([BT, BT], dtype=tl.float32)
         b_Sk = tl.zeros([BT, BT], dtype=tl.float32)
         blk = o_t // BC
