@@ -1,6 +1,6 @@
 """KDA's forward intra-chunk stage as one Triton kernel; moontrain.model.kda.intra_fwd is the specification it
 matches (the formulas, the roundings and the contract). Not on the model's route: on an H100 it takes twice the
-time of fla's three launches (docs/performance.md, session 58), and it stays as the stage's tested second
+time of fla's three launches (docs/performance.md), and it stays as the stage's tested second
 implementation, timed by benchmarks/bench_kda_intra_fwd.py.
 
 Why one kernel. fla's chunk_kda_fwd_intra runs three launches over the same chunks: the diagonal 16 x 16 score
