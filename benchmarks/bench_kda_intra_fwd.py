@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from benchmarks.timing import kernel_bench_args, median_ms, sweep_tile, write_sweep
 from moontrain.model.kda.chunk import _chunk_list
 from moontrain.model.kda.gate_norm_kernel import kda_gate_norm
-from moontrain.model.kda.intra_fwd import STAGE_OUTPUTS
+from moontrain.model.kda.intra_fwd import STAGE_OUTPUTS, on_or_below_diagonal
 from moontrain.model.kda.intra_fwd_kernel import kda_intra_forward
 from moontrain.model.kda.ops import random_kda_inputs
 
@@ -59,15 +59,14 @@ def fla_stage(x: dict) -> tuple[torch.Tensor, ...]:
     return w, u, qg, kg, Aqk, Akk
 
 
-def compare(got: tuple, ref: tuple) -> tuple[list[float], float]:
+def compare(got: tuple, ref: tuple, cu_seqlens: torch.Tensor | None) -> tuple[list[float], float]:
     """(% of each output's elements bitwise fla's, the largest difference over fla's largest value)."""
     same, rel = [], 0.0
     for name, a, b in zip(STAGE_OUTPUTS, got, ref, strict=True):
         a, b = a.float(), b.float()
         if name == "Aqk":  # fla writes the blocks on and below the diagonal only
-            pos = torch.arange(a.shape[1], device=a.device) % 64
-            lower = torch.arange(64, device=a.device)[None, :] <= pos[:, None]
-            a, b = torch.where(lower[None, :, None], a, 0.0), torch.where(lower[None, :, None], b, 0.0)
+            lower = on_or_below_diagonal(a, cu_seqlens)
+            a, b = torch.where(lower, a, 0.0), torch.where(lower, b, 0.0)
         d = (a - b).abs()
         same.append(100 * (d == 0).float().mean().item())
         rel = max(rel, d.max().item() / b.abs().max().item())
@@ -95,7 +94,7 @@ def main() -> None:
             def call(bk=bk, bv=bv, warps=warps, stages=stages, x=x):
                 return kda_intra_forward(**x, bk=bk, bv=bv, warps=warps, stages=stages)
             row = dict(documents=docs, variant=f"one bk{bk} bv{bv} w{warps} s{stages}")
-            rows.append(sweep_tile(call, lambda got, ref=ref: compare(got, ref), row, args, HOST_AHEAD_MS, (26, 34)))
+            rows.append(sweep_tile(call, lambda got, ref=ref, x=x: compare(got, ref, x["cu_seqlens"]), row, args, HOST_AHEAD_MS, (26, 34)))
     write_sweep(args.out, args.case, rows)
 
 

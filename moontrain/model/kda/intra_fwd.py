@@ -26,7 +26,7 @@ import math
 import torch
 
 from moontrain.model.kda.dqkg import CHUNK, chunk_rows, prepare_chunk_indices
-from moontrain.model.kda.intra import SLAB_ROWS, _rows
+from moontrain.model.kda.intra import SLAB_ROWS, _rows, random_stage_inputs
 
 STAGE_OUTPUTS = ("w", "u", "qg", "kg", "Aqk", "Akk")
 
@@ -87,25 +87,26 @@ def kda_intra_forward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return tuple(outs[n] for n in STAGE_OUTPUTS)
 
 
+def on_or_below_diagonal(x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                         strict: bool = False) -> torch.Tensor:
+    """For chunk matrices laid out [B, T, H, C] (row t of its chunk's matrix at token t): True where column c lies
+    on (strict: below) the row's diagonal, each token's row within its chunk counted from its sequence's start."""
+    pos = torch.arange(x.shape[1], device=x.device)
+    if cu_seqlens is not None:
+        pos = pos - cu_seqlens[torch.searchsorted(cu_seqlens, pos, right=True) - 1]
+    col, row = torch.arange(CHUNK, device=x.device)[None, :], (pos % CHUNK)[:, None]
+    return (col < row if strict else col <= row)[None, :, None, :].expand_as(x)
+
+
 def random_intra_forward_inputs(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, device: str, seed: int,
                                 cu_seqlens: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
                                 gate: float = 5.0, at_bound: bool = False) -> dict:
-    """The stage's inputs at fla's scales, as keyword arguments: q, k unit rows, v N(0, 1) (dtype), beta U(0, 1)
-    (fp32, as the model passes it; fp64 for fp64), g (fp32) the chunk-local cumsum of per-token log2 gates in
-    [-gate log2(e), 0] (most near 0, or all at the bound with at_bound: the widest exponent range a safe gate
-    allows), scale K^-1/2."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    _, batch_R, tok_RC, valid_RC = chunk_rows(B, T, cu_seqlens, chunk_indices, torch.device(device))
-    b_RC = batch_R[:, None].expand_as(tok_RC)
-    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen, device=device), dim=-1)
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen, device=device), dim=-1)
-    v = torch.randn(B, T, H, V, generator=gen, device=device)
-    beta = torch.rand(B, T, H, generator=gen, device=device)
-    u = torch.ones(B, T, H, K, device=device) if at_bound else torch.rand(B, T, H, K, generator=gen, device=device)
-    raw = -u ** 3 * gate * math.log2(math.e)
-    g = torch.zeros(B, T, H, K, device=device)
-    cums = (raw[batch_R[:, None], tok_RC] * valid_RC[..., None, None]).cumsum(1)
-    g[b_RC[valid_RC], tok_RC[valid_RC]] = cums[valid_RC]
-    beta = beta.to(dtype if dtype == torch.float64 else torch.float32)
-    return dict(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), g=g, beta=beta, scale=K ** -0.5,
-                cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    """The stage's inputs at fla's scales, as keyword arguments: q, k, beta and g as
+    moontrain.model.kda.intra.random_stage_inputs draws them (unit rows, beta U(0, 1) in fp32 as the model passes
+    it, g the chunk-local cumsum of log2 gates in [-gate log2(e), 0], or all at the bound with at_bound), v N(0, 1)
+    in dtype, scale K^-1/2."""
+    x = random_stage_inputs(B, T, H, K, dtype, device, seed, cu_seqlens, chunk_indices, gate, at_bound)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    v = torch.randn(B, T, H, V, generator=gen, device=device).to(dtype)
+    return dict(q=x["q"], k=x["k"], v=v, g=x["g"], beta=x["beta"], scale=K ** -0.5, cu_seqlens=cu_seqlens,
+                chunk_indices=chunk_indices)

@@ -17,7 +17,12 @@ import pytest
 import torch
 
 from moontrain.model.kda.dqkg import prepare_chunk_indices
-from moontrain.model.kda.intra_fwd import STAGE_OUTPUTS, kda_intra_forward_reference, random_intra_forward_inputs
+from moontrain.model.kda.intra_fwd import (
+    STAGE_OUTPUTS,
+    kda_intra_forward_reference,
+    on_or_below_diagonal,
+    random_intra_forward_inputs,
+)
 from moontrain.model.kda.intra_fwd_kernel import kda_intra_forward
 from moontrain.model.kda.layer import fla_available
 
@@ -32,13 +37,6 @@ def _inputs(documents: bool) -> dict:
     chunk_indices = torch.cat([prepare_chunk_indices(cu_seqlens), torch.tensor([[-1, 0]] * 5, device="cuda")])
     return random_intra_forward_inputs(1, 2000, 16, 128, 128, torch.bfloat16, "cuda", seed=2, cu_seqlens=cu_seqlens,
                                        chunk_indices=chunk_indices)
-
-
-def _lower(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    pos = torch.arange(x.shape[1], device=x.device)
-    if cu_seqlens is not None:
-        pos = pos - cu_seqlens[torch.searchsorted(cu_seqlens, pos, right=True) - 1]
-    return (torch.arange(64, device=x.device)[None, :] <= (pos % 64)[:, None])[None, :, None, :].expand_as(x)
 
 
 @pytest.mark.parametrize("documents", [False, True], ids=["rows", "documents"])
@@ -57,7 +55,7 @@ def test_intra_forward_matches_fla_and_the_spec(documents: bool, tile: tuple[int
     spec = kda_intra_forward_reference(**x64)
     for name, a, b, c in zip(STAGE_OUTPUTS, got, ref, spec, strict=True):
         if name == "Aqk":  # fla leaves the blocks above the diagonal unwritten
-            keep = _lower(a, x["cu_seqlens"])
+            keep = on_or_below_diagonal(a, x["cu_seqlens"])
             a, b = a.masked_fill(~keep, 0), b.masked_fill(~keep, 0)
         assert torch.isfinite(a).all(), f"{name}: not finite"
         rms = ((a.double() - c).square().mean().sqrt() / c.square().mean().sqrt()).item()

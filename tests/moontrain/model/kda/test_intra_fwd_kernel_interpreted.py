@@ -21,7 +21,12 @@ import torch
 # module where triton is absent
 import tests.moonep.helpers.triton_interpreted  # noqa: F401
 from moontrain.model.kda.dqkg import prepare_chunk_indices
-from moontrain.model.kda.intra_fwd import STAGE_OUTPUTS, kda_intra_forward_reference, random_intra_forward_inputs
+from moontrain.model.kda.intra_fwd import (
+    STAGE_OUTPUTS,
+    kda_intra_forward_reference,
+    on_or_below_diagonal,
+    random_intra_forward_inputs,
+)
 from moontrain.model.kda.intra_fwd_kernel import kda_intra_forward
 from tests.moontrain.model.kda.test_dqkg import CU_SEQLENS
 
@@ -35,17 +40,6 @@ def inputs(case: str, K: int, V: int, at_bound: bool = False) -> dict:
     chunk_indices = torch.cat([prepare_chunk_indices(cu_seqlens), torch.tensor([[-1, 0]] * PADDING_ROWS)])
     return random_intra_forward_inputs(1, CU_SEQLENS[-1], 2, K, V, torch.bfloat16, "cpu", seed=K + V,
                                        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, at_bound=at_bound)
-
-
-def lower(x: torch.Tensor, strict: bool, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, T, H, C] chunk matrices' rows: True on (below) each row's diagonal within its chunk."""
-    pos = torch.arange(x.shape[1])
-    if cu_seqlens is not None:  # each token's place in its document
-        pos = pos - cu_seqlens[torch.searchsorted(cu_seqlens, pos, right=True) - 1]
-    pos = pos % 64
-    col = torch.arange(64)
-    m = col[None, :] < pos[:, None] if strict else col[None, :] <= pos[:, None]
-    return m[None, :, None, :].expand_as(x)
 
 
 # (case, K, V, the kernel's K-block, value block, gates at the bound)
@@ -65,9 +59,9 @@ def test_kernel_matches_the_specification(case: str, K: int, V: int, bk: int, bv
         assert rms <= 2 ** -7, f"{name}: RMS of the difference {rms:.2e} > 2^-7 of the specification's"
     # zero above the diagonals (the walk and the backward read the lower parts), Akk's diagonal one
     Aqk, Akk, cu = got[4], got[5], x["cu_seqlens"]
-    assert not Aqk.masked_select(~lower(Aqk, False, cu)).any(), "Aqk: not zero above its diagonal"
-    assert not Akk.masked_select(~lower(Akk, False, cu)).any(), "Akk: not zero above its diagonal"
-    diag = Akk.masked_select(lower(Akk, False, cu) & ~lower(Akk, True, cu))
+    assert not Aqk.masked_select(~on_or_below_diagonal(Aqk, cu)).any(), "Aqk: not zero above its diagonal"
+    assert not Akk.masked_select(~on_or_below_diagonal(Akk, cu)).any(), "Akk: not zero above its diagonal"
+    diag = Akk.masked_select(on_or_below_diagonal(Akk, cu) & ~on_or_below_diagonal(Akk, cu, strict=True))
     assert torch.equal(diag, torch.ones_like(diag)), "Akk: its diagonal is not one"
 
 
@@ -84,7 +78,7 @@ def test_kernel_matches_flas_three_kernels(case: str, K: int, V: int, bk: int, b
                               disable_recompute=True, use_graph=case == "docs")
     for name, a, b in zip(STAGE_OUTPUTS, got, ref, strict=True):
         if name == "Aqk":  # fla leaves the blocks above the diagonal unwritten
-            keep = lower(a, strict=False, cu_seqlens=x["cu_seqlens"])
+            keep = on_or_below_diagonal(a, x["cu_seqlens"])
             a, b = a.masked_fill(~keep, 0), b.masked_fill(~keep, 0)
         diff = (a.float() - b.float()).abs()
         same = (diff == 0).float().mean().item()
