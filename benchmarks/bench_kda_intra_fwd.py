@@ -16,6 +16,7 @@ JSON. GPU only.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from pathlib import Path
@@ -94,7 +95,8 @@ def main() -> None:
             def call(bk=bk, bv=bv, warps=warps, stages=stages, x=x):
                 return kda_intra_forward(**x, bk=bk, bv=bv, warps=warps, stages=stages)
             row = dict(documents=docs, variant=f"one bk{bk} bv{bv} w{warps} s{stages}")
-            rows.append(sweep_tile(call, lambda got, ref=ref, x=x: compare(got, ref, x["cu_seqlens"]), row, args, HOST_AHEAD_MS, (26, 34)))
+            check = functools.partial(compare, ref=ref, cu_seqlens=x["cu_seqlens"])
+            rows.append(sweep_tile(call, check, row, args, HOST_AHEAD_MS, (26, 34)))
     write_sweep(args.out, args.case, rows)
 
 
