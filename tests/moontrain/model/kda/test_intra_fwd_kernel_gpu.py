@@ -40,7 +40,7 @@ def _inputs(documents: bool) -> dict:
 
 
 @pytest.mark.parametrize("documents", [False, True], ids=["rows", "documents"])
-@pytest.mark.parametrize("tile", [None, (32, 64, 8, 2)], ids=lambda t: "default" if t is None else
+@pytest.mark.parametrize("tile", [None, (32, 64, 2, 1)], ids=lambda t: "default" if t is None else
                          "bk{}-bv{}-w{}-s{}".format(*t))
 def test_intra_forward_matches_fla_and_the_spec(documents: bool, tile: tuple[int, int, int, int] | None) -> None:
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
