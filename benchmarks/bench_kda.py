@@ -21,9 +21,7 @@ Per case:
 - kda intra_norm (docs): the same with kernels.kda_intra=moontrain (the intra-chunk stage and the norms' backward
   in one kernel, moontrain.model.kda.intra_norm_kernel; with --dqkg moontrain its dq, dk come in bf16).
 - kda walk (docs): the same with the forward's state walk and output as one kernel (moontrain.model.kda.walk_kernel)
-  instead of fla's two.
-- kda intra_fwd (docs): the same with the forward's intra-chunk stage in two launches
-  (moontrain.model.kda.intra_fwd_kernel) instead of fla's three: the model's default route.
+  instead of fla's two: the model's default route.
 - kda torch: the pure-PyTorch specification, at the first case only (it is the reference, not a kernel).
 Median of --iters timed by CUDA events after --warmup (ms: the host waits for each call, so its launch gaps
 count), and the device's time alone (dev ms: the host run ahead, as in a training step's queue; fla's KDA is
@@ -54,11 +52,10 @@ DQK, DV, K = 192, 128, 128
 
 
 def kda_case(B: int, T: int, H: int, doc_len: int | None, torch_spec: bool, iters: int, warmup: int,
-             recompute: bool = False, gate_norm: bool = False, intra_norm: bool = False, walk: bool = False,
-             intra_fwd: bool = False) -> dict:
+             recompute: bool = False, gate_norm: bool = False, intra_norm: bool = False, walk: bool = False) -> dict:
     leaves, kwargs, go = random_kda_inputs(B, T, H, K, doc_len=doc_len)
     fn = kda if torch_spec else functools.partial(kda_fla, recompute=recompute, gate_norm=gate_norm or intra_norm,
-                                                  intra_norm=intra_norm, walk=walk, intra_fwd=intra_fwd)
+                                                  intra_norm=intra_norm, walk=walk)
 
     def run() -> tuple[torch.Tensor, ...]:
         o = fn(*leaves, **kwargs)
@@ -70,8 +67,7 @@ def kda_case(B: int, T: int, H: int, doc_len: int | None, torch_spec: bool, iter
     peak_gib = (torch.cuda.max_memory_allocated() - base) / 2 ** 30  # what a forward+backward adds
     device_ms = None if torch_spec else median_ms(run, iters, 1, host_ahead_ms=40.0)
     flops = 3 * B * T * H * (CHUNK * 5 * K + 6 * K * K)  # moontrain.metrics.flops.kda_mixing_flops_per_token
-    name = ("kda torch" if torch_spec else "kda recompute" if recompute else "kda intra_fwd" if intra_fwd
-            else "kda walk" if intra_norm and walk
+    name = ("kda torch" if torch_spec else "kda recompute" if recompute else "kda walk" if intra_norm and walk
             else "kda intra_norm" if intra_norm else "kda gate_norm" if gate_norm else "kda")
     return {"case": name + (" docs" if doc_len else ""), "B": B, "T": T, "H": H, "ms": ms, "device_ms": device_ms,
             "tflops": flops / ms / 1e9, "peak_gib": peak_gib}
@@ -138,8 +134,6 @@ def main() -> None:
                      functools.partial(kda, args.doc_len, False, *it, intra_norm=True),
                      functools.partial(kda, None, False, *it, intra_norm=True, walk=True),
                      functools.partial(kda, args.doc_len, False, *it, intra_norm=True, walk=True),
-                     functools.partial(kda, None, False, *it, intra_norm=True, walk=True, intra_fwd=True),
-                     functools.partial(kda, args.doc_len, False, *it, intra_norm=True, walk=True, intra_fwd=True),
                      functools.partial(kda, None, True, max(3, args.iters // 5), 1)]
         for run in runs:  # each row printed as it is measured, so a time limit keeps the rows done
             r = run()

@@ -1,10 +1,10 @@
 """KDA's forward intra-chunk stage on one GPU: fla's chunk_kda_fwd_intra (three launches and a zero fill, as
-chunk_kda runs it with safe_gate and disable_recompute) against moontrain's one kernel
-(moontrain.model.kda.intra_fwd_kernel) at the recipe's KDA call: B x T tokens, 16 heads of 128, with and without
-packed documents. The stage's inputs are a real forward's (random_kda_inputs through moontrain's gate-and-norm
-kernel).
+chunk_kda runs it with safe_gate and disable_recompute) against moontrain's two launches
+(moontrain.model.kda.intra_fwd_kernel: fla's diagonal-block kernel, then one for the rest) at the recipe's KDA
+call: B x T tokens, 16 heads of 128, with and without packed documents. The stage's inputs are a real forward's
+(random_kda_inputs through moontrain's gate-and-norm kernel).
 
-    python benchmarks/bench_kda_intra_fwd.py [--case 4x4096x16] [--doc-len 1024] [--bk 32] [--bv 64] [--warps 4]
+    python benchmarks/bench_kda_intra_fwd.py [--case 4x4096x16] [--doc-len 1024] [--bk 32] [--bv 64] [--warps 1]
         [--stages 1] [--iters 20] [--warmup 3] [--out FILE]
 
 Per row: the median device us (CUDA events, the host run ahead) of fla's stage and of the kernel for each
@@ -78,7 +78,7 @@ def main() -> None:
     args = kernel_bench_args(__doc__, "bench_kda_intra_fwd", case=dict(default="4x4096x16"),
                              **{"doc-len": dict(type=int, default=1024)},
                              bk=dict(type=int, nargs="+", default=[32]), bv=dict(type=int, nargs="+", default=[64]),
-                             warps=dict(type=int, nargs="+", default=[4]),
+                             warps=dict(type=int, nargs="+", default=[1]),
                              stages=dict(type=int, nargs="+", default=[1]))
     B, T, H = (int(n) for n in args.case.split("x"))
     print(f"{'documents':<10} {'variant':<26} {'us':>8} {'bitwise w/u/qg/kg/Aqk/Akk %':>34} {'max rel diff':>12}",
@@ -94,7 +94,7 @@ def main() -> None:
         for bk, bv, warps, stages in itertools.product(args.bk, args.bv, args.warps, args.stages):
             def call(bk=bk, bv=bv, warps=warps, stages=stages, x=x):
                 return kda_intra_forward(**x, bk=bk, bv=bv, warps=warps, stages=stages)
-            row = dict(documents=docs, variant=f"one bk{bk} bv{bv} w{warps} s{stages}")
+            row = dict(documents=docs, variant=f"two bk{bk} bv{bv} w{warps} s{stages}")
             check = functools.partial(compare, ref=ref, cu_seqlens=x["cu_seqlens"])
             rows.append(sweep_tile(call, check, row, args, HOST_AHEAD_MS, (26, 34)))
     write_sweep(args.out, args.case, rows)

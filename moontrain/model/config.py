@@ -271,11 +271,6 @@ class KernelsConfig:
     # same outputs bitwise, 0.10-0.16 ms less a call on an H100: docs/kda.md; with kda_gate_norm=moontrain) or
     # "auto" (moontrain on moontrain's KDA call, kda_gate_norm=moontrain, else fla). Only where the KDA layers run fla
     kda_walk: Literal["auto", "fla", "moontrain"] = "auto"
-    # the KDA forward's intra-chunk stage (Aqk, Akk, w, u, qg, kg): "fla" (fla's chunk_kda_fwd_intra: three
-    # launches and a zero fill), "moontrain" (moontrain.model.kda.intra_fwd_kernel: fla's diagonal-block kernel,
-    # then one kernel for the rest; with kda_gate_norm=moontrain and a gate lower bound: docs/kda.md) or "auto"
-    # (fla until moontrain's is timed on a GPU). Only where the KDA layers run fla
-    kda_intra_fwd: Literal["auto", "fla", "moontrain"] = "auto"
     # KDA's causal short convolutions (+ SiLU): "auto" runs the Triton kernel (moontrain.model.kda.short_conv_kernel)
     # on CUDA, else the PyTorch specification (moontrain.model.kda.short_conv); "torch" / "triton" force one
     short_conv: Literal["auto", "torch", "triton"] = "auto"
@@ -326,12 +321,6 @@ class KernelsConfig:
         if self.kda_walk == "moontrain" and self.kda_gate_norm != "moontrain":
             raise ValueError("kernels.kda_walk=moontrain runs inside moontrain's KDA call: set "
                              f"kernels.kda_gate_norm=moontrain too (got {self.kda_gate_norm!r}), or kernels.kda_walk=fla")
-        if self.kda_intra_fwd not in ("auto", "fla", "moontrain"):
-            raise ValueError(f"kernels.kda_intra_fwd must be 'auto', 'fla' or 'moontrain', got {self.kda_intra_fwd!r}")
-        if self.kda_intra_fwd == "moontrain" and self.kda_gate_norm != "moontrain":
-            raise ValueError("kernels.kda_intra_fwd=moontrain runs inside moontrain's KDA call: set "
-                             f"kernels.kda_gate_norm=moontrain too (got {self.kda_gate_norm!r}), or "
-                             "kernels.kda_intra_fwd=fla")
         if self.short_conv not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels.short_conv must be 'auto', 'torch' or 'triton', got {self.short_conv!r}")
         if self.short_conv_backward not in ("tiles", "walk"):

@@ -65,8 +65,7 @@ class Block(nn.Module):
         self.attn = (KimiDeltaAttention(cfg, kernel=kernels.kda, conv=kernels.short_conv,
                                         conv_backward=kernels.short_conv_backward, recompute=kernels.kda_recompute,
                                         dqkg=kernels.kda_dqkg, intra=kernels.kda_intra,
-                                        gate_norm=kernels.kda_gate_norm, walk=kernels.kda_walk,
-                                        intra_fwd=kernels.kda_intra_fwd, device=device)
+                                        gate_norm=kernels.kda_gate_norm, walk=kernels.kda_walk, device=device)
                      if self.is_kda
                      else MLAttention(cfg, pad_head_dims=kernels.attn_pad_head_dims, device=device))
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device=device)

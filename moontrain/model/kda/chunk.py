@@ -2,9 +2,8 @@
 the middle, moontrain's gate-and-norm kernels at the two ends.
 
 Forward: moontrain.model.kda.gate_norm_kernel (q and k L2-normalised, the gate and its chunk-local cumulative
-sum: one launch), then the intra-chunk forward (Aqk, Akk, w, u, qg, kg: fla's, or with intra_fwd=True
-moontrain.model.kda.intra_fwd_kernel), then the state recurrence (h, v_new) and the output (fla's two kernels,
-or with walk=True one: moontrain.model.kda.walk_kernel).
+sum: one launch), then fla's intra-chunk forward (Aqk, Akk, w, u, qg, kg), then the state recurrence (h, v_new)
+and the output (fla's two kernels, or with walk=True one: moontrain.model.kda.walk_kernel).
 Backward: fla's dAv, dhu, dqkg and intra-chunk stages (the last two through fla's dispatch, which
 moontrain.model.kda.fla_backend routes to moontrain's kernels per kernels.kda_dqkg / kda_intra), then the
 gate-and-norm backward (the reverse cumulative sum, the gate's and the norms' gradients, dA_log and dt_bias's
@@ -36,7 +35,6 @@ from moontrain.model.kda.gate_norm_kernel import (
     kda_gate_norm,
     kda_gate_norm_backward,
 )
-from moontrain.model.kda.intra_fwd_kernel import kda_intra_forward
 from moontrain.model.kda.intra_norm import check_lower_bound
 from moontrain.model.kda.intra_norm_kernel import kda_intra_norm
 from moontrain.model.kda.walk_kernel import kda_forward_walk
@@ -49,7 +47,7 @@ class ChunkKDA(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
                 A_log: torch.Tensor, dt_bias: torch.Tensor, scale: float, lower_bound: float | None,
                 cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None, max_num_seqs: int | None,
-                recompute: bool, intra_norm: bool, walk: bool, intra_fwd: bool) -> torch.Tensor:
+                recompute: bool, intra_norm: bool, walk: bool) -> torch.Tensor:
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
         from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
         from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
@@ -60,14 +58,11 @@ class ChunkKDA(torch.autograd.Function):
         qn, q_rstd, kn, k_rstd, g = kda_gate_norm(q, k, f, A_log, dt_bias, lower_bound=lower_bound,
                                                   cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
         v, beta = v.contiguous(), beta.contiguous()
-        if intra_fwd:  # two launches for fla's three and its fill (safe gate only: checked by the caller)
-            w, u, qg, kg, Aqk, Akk = kda_intra_forward(qn, kn, v, g, beta, scale, cu_seqlens=cu_seqlens,
-                                                       chunk_indices=chunk_indices)
-        else:  # the walk takes qg (q 2^g), which fla's intra forward stores only where the backward keeps it
-            w, u, qg, kg, Aqk, Akk = chunk_kda_fwd_intra(q=qn, k=kn, v=v, gk=g, beta=beta, scale=scale,
-                                                         safe_gate=lower_bound is not None,
-                                                         disable_recompute=walk or not recompute,
-                                                         use_graph=use_graph, **lists)
+        # the walk takes qg (q 2^g), which fla's intra forward stores only where the backward keeps it
+        w, u, qg, kg, Aqk, Akk = chunk_kda_fwd_intra(q=qn, k=kn, v=v, gk=g, beta=beta, scale=scale,
+                                                     safe_gate=lower_bound is not None,
+                                                     disable_recompute=walk or not recompute, use_graph=use_graph,
+                                                     **lists)
         if walk:
             if cu_seqlens is not None and chunk_offsets is None:
                 from fla.ops.utils.index import prepare_chunk_offsets
@@ -128,7 +123,7 @@ class ChunkKDA(torch.autograd.Function):
                                                                   dt_bias, lower_bound=lower_bound,
                                                                   cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
         return (dq, dk, dv.to(v.dtype), df, db.to(beta.dtype), dA_log, ddt_bias, None, None, None, None, None,
-                None, None, None, None)
+                None, None, None)
 
 
 def _chunk_list(T: int, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None,
@@ -151,20 +146,15 @@ def chunk_kda_moontrain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: to
                         A_log: torch.Tensor, dt_bias: torch.Tensor, *, scale: float, lower_bound: float | None,
                         cu_seqlens: torch.Tensor | None = None, cu_seqlens_cpu: torch.Tensor | None = None,
                         max_num_seqs: int | None = None, recompute: bool = False,
-                        intra_norm: bool = False, walk: bool = False, intra_fwd: bool = False) -> torch.Tensor:
+                        intra_norm: bool = False, walk: bool = False) -> torch.Tensor:
     """o [B, T, H, V] in q's dtype: fla's chunk_kda(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
     safe_gate=lower_bound is not None) on the module docstring's stages. q, k, f may be column slices of the
     projection (token-strided); A_log [H], dt_bias [H * K] fp32. walk: the forward's state walk and output as
-    one kernel (moontrain.model.kda.walk_kernel; False: fla's two). intra_fwd: the forward's intra-chunk stage
-    in two launches (moontrain.model.kda.intra_fwd_kernel; False: fla's chunk_kda_fwd_intra); a safe gate only."""
+    one kernel (moontrain.model.kda.walk_kernel; False: fla's two)."""
     if q.shape[2] != v.shape[2]:
         raise ValueError(f"chunk_kda_moontrain: q has {q.shape[2]} heads and v {v.shape[2]}; grouped value heads "
                          "(GVA) are not supported")
     if intra_norm:  # refused before the forward, not at the backward
         check_lower_bound(lower_bound)
-    if intra_fwd and lower_bound is None:
-        raise ValueError("chunk_kda_moontrain: intra_fwd (kernels.kda_intra_fwd=moontrain) runs fla's safe-gate "
-                         "diagonal blocks and needs a gate lower bound (model.kda_gate_lower_bound); set "
-                         "kernels.kda_intra_fwd=fla (or auto) for an unbounded gate")
     return ChunkKDA.apply(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, cu_seqlens_cpu,
-                          max_num_seqs, recompute, intra_norm, walk, intra_fwd)
+                          max_num_seqs, recompute, intra_norm, walk)

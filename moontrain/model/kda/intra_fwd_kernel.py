@@ -1,5 +1,7 @@
 """KDA's forward intra-chunk stage in two launches; moontrain.model.kda.intra_fwd is the specification it matches
-(the formulas, the roundings and the contract).
+(the formulas, the roundings and the contract). Not on the model's route: on an H100 it takes 1.2 times the time
+of fla's stage (705 against 582 us at 4 x 4096 x 16), and it stays as the stage's tested second implementation,
+timed by benchmarks/bench_kda_intra_fwd.py (docs/performance.md: where its time goes).
 
 Why. fla's chunk_kda_fwd_intra runs three launches and a fill over the same chunks: the diagonal 16 x 16 score
 blocks with their inverses (chunk_kda_fwd_kernel_intra_sub_chunk), a zero fill of Akk, the off-diagonal blocks
@@ -7,7 +9,9 @@ with the triangular solve (chunk_kda_fwd_kernel_inter_solve_fused), then recompu
 read q, k and the fp32 g from memory again, and the solve hands Akk to recompute_w_u through memory. Here the
 first launch is fla's own sub-chunk kernel (its diagonal blocks, bit for bit), and the second does the rest in
 one program per (chunk, head): the off-diagonal scores, the block merge into Akk, and w, u, qg and kg from the
-rounded Akk held in registers, its second read of q, k and g mostly from L2.
+rounded Akk held in registers, its second read of q, k and g mostly from L2. Why that does not pay: the w, qg
+and kg pass is bound by memory traffic, and the scores' registers (255, spilling) leave it one warp a program and
+few programs an SM: it moves its ~470 MB at ~1.7 TB/s, fla's recompute_w_u (u too) ~600 MB at ~2.5.
 
 Kernel (_solve_wu_kernel), on fla's 16 x 16 blocks (BC): the chunk's four row blocks s and the six pairs t < s.
 - Scores: per K-block, for each pair a [BC, BK] x [BK, BC] tf32 product for q-k and one for k-k, the
@@ -19,7 +23,7 @@ Kernel (_solve_wu_kernel), on fla's 16 x 16 blocks (BC): the chunk's four row bl
   beta K K^T, block forward substitution X_st = -D_s sum_{t <= r < s} L_sr X_rt (X_tt = D_t), tf32 products.
 - w, u: Akk's blocks rounded to k's dtype times beta k 2^g and beta v rounded the same way (fla's
   recompute_w_u_fwd); qg = q 2^g, kg = k 2^(g_last - g).
-Registers: 255 at 4 warps with a 32-byte spill (ptxas, triton 3.6, sm_90), two programs an SM.
+Registers (ptxas, triton 3.6, sm_90, BK 32): 255 at every warp count, spilling 288 bytes at 1 warp, 32 at 4.
 """
 
 from __future__ import annotations
@@ -41,10 +45,11 @@ BC = 16  # fla's sub-chunk: the diagonal blocks its first kernel inverts, the me
 SHIFT = 0.5 * (BC - 1) * 2.0 / math.log(2.0)
 # fla's first kernel's gate shift per row of a block (log2 units): chunk_kda passes no lower bound, so 2 nats
 GATE_SHIFT = 2.0 / math.log(2.0)
-# the second launch's tile at K = V = 128 (benchmarks/bench_kda_intra_fwd.py, docs/performance.md)
+# the second launch's tile at K = V = 128 on an H100 (benchmarks/bench_kda_intra_fwd.py, docs/performance.md):
+# one warp a program (705 us; 2 warps 839, 4 warps 1,056), 64-wide K-blocks slower (860-1,017)
 BK = 32
-BV = 32
-WARPS = 4
+BV = 64
+WARPS = 1
 STAGES = 1
 
 

@@ -69,15 +69,6 @@ def resolve_intra(intra: str, gate_norm: str, lower_bound: float | None) -> str:
     return "moontrain" if gate_norm == "moontrain" and takes_lower_bound(lower_bound) else "fla_k64"
 
 
-def resolve_intra_fwd(intra_fwd: str, gate_norm: str, lower_bound: float | None) -> str:
-    """kernels.kda_intra_fwd as the layer runs it: "auto" is fla's stage until moontrain's two-launch stage is
-    timed against it on a GPU (it applies on the gate-and-norm route with a safe gate: a gate lower bound); the
-    other values are themselves."""
-    if intra_fwd != "auto":
-        return intra_fwd
-    return "fla" if gate_norm == "moontrain" and lower_bound is not None else "fla"
-
-
 def select_kda_kernel(choice: str, device: torch.device | str | None) -> Callable[..., torch.Tensor]:
     """The KDA function of kernels.kda = `choice` (auto, torch or fla) on `device`."""
     if choice == "torch":
@@ -126,7 +117,7 @@ class KimiDeltaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, *, kernel: str = "auto", conv: str = "auto", conv_backward: str = "tiles",
                  recompute: bool = False,
                  dqkg: str = "moontrain", intra: str = "auto", gate_norm: str = "moontrain", walk: str = "auto",
-                 intra_fwd: str = "auto", device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         D, H, K, W, r = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_conv_size, cfg.kda_gate_rank
@@ -158,13 +149,10 @@ class KimiDeltaAttention(nn.Module):
             # kernels.kda_dqkg / kda_intra: process-wide, as fla's choice is (kda_intra=moontrain is no fla stage: its
             # kernel runs inside moontrain's gate-and-norm route, which leaves fla's dispatch to the other layers)
             route_fla_stages(dqkg=dqkg, intra=intra if intra != "moontrain" else "fla_k64")
-            # recompute: kernels.kda_recompute; gate_norm: kernels.kda_gate_norm; walk: kernels.kda_walk;
-            # intra_fwd: kernels.kda_intra_fwd
+            # recompute: kernels.kda_recompute; gate_norm: kernels.kda_gate_norm; walk: kernels.kda_walk
             self.kernel = functools.partial(kda_fla, recompute=recompute, gate_norm=gate_norm == "moontrain",
                                             intra_norm=intra == "moontrain",
-                                            walk=walk == "moontrain" or (walk == "auto" and gate_norm == "moontrain"),
-                                            intra_fwd=resolve_intra_fwd(intra_fwd, gate_norm,
-                                                                        cfg.kda_gate_lower_bound) == "moontrain")
+                                            walk=walk == "moontrain" or (walk == "auto" and gate_norm == "moontrain"))
         # recurrence() outside torch.compile; wrapped here, not as a decorator, which would import torch._dynamo
         # (and with it triton) with this module; the class's function, not a bound method (copies stay apart)
         self._uncompiled_recurrence = torch.compiler.disable(KimiDeltaAttention.recurrence)

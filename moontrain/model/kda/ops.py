@@ -139,13 +139,12 @@ def kda_fla(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, f_
             scale: float, doc_start_BT: torch.Tensor | None = None,
             seq_bounds: tuple[torch.Tensor, torch.Tensor] | None = None, recompute: bool = True,
             device_chunks: bool = True, gate_norm: bool = False, intra_norm: bool = False,
-            walk: bool = False, intra_fwd: bool = False) -> torch.Tensor:
+            walk: bool = False) -> torch.Tensor:
     """kda() on fla-core's chunk_kda (CUDA); recompute: kernels.kda_recompute (fla's disable_recompute negated);
     gate_norm: kernels.kda_gate_norm=moontrain, fla's stages between moontrain's gate-and-norm kernels
     (moontrain.model.kda.chunk) instead of fla's chunk_kda; intra_norm (with gate_norm): kernels.kda_intra=moontrain,
     the intra-chunk stage and the norms' backward in one kernel (moontrain.model.kda.intra_norm_kernel); walk (with
-    gate_norm): the forward's state walk and output in one kernel (moontrain.model.kda.walk_kernel), else fla's two;
-    intra_fwd (with gate_norm): the forward's intra-chunk stage in two launches (moontrain.model.kda.intra_fwd_kernel).
+    gate_norm): the forward's state walk and output in one kernel (moontrain.model.kda.walk_kernel), else fla's two.
     With document starts the batch is flattened to one row and every row start and document start opens a
     sequence of cu_seqlens: seq_bounds, the (device, host) pair of moontrain.model.documents.flat_sequence_bounds
     that the forward's DocumentMask carries for all KDA layers, or derived here (one host sync) when not given.
@@ -170,11 +169,8 @@ def kda_fla(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV: torch.Tensor, f_
                                 dt_bias_HK.float().flatten(), scale=scale, lower_bound=lower_bound,
                                 cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                                 max_num_seqs=graph.get("max_num_seqs"), recompute=recompute,
-                                intra_norm=intra_norm, walk=walk, intra_fwd=intra_fwd)
+                                intra_norm=intra_norm, walk=walk)
         return o.reshape(B, T, *o.shape[2:])
-    if intra_fwd:
-        raise ValueError("kda_fla: intra_fwd (kernels.kda_intra_fwd=moontrain) runs inside moontrain's gate-and-norm "
-                         "route: pass gate_norm=True (kernels.kda_gate_norm=moontrain)")
     if intra_norm:
         raise ValueError("kda_fla: intra_norm (kernels.kda_intra=moontrain) runs inside moontrain's gate-and-norm "
                          "route: pass gate_norm=True (kernels.kda_gate_norm=moontrain)")

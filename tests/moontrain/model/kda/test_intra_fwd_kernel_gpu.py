@@ -1,5 +1,5 @@
 """moontrain.model.kda.intra_fwd_kernel on one GPU at k3_small's heads (16 of 128) against fla-core's
-chunk_kda_fwd_intra it replaces (three kernels) and the float64 specification (moontrain.model.kda.intra_fwd), on
+chunk_kda_fwd_intra (three kernels and a fill) and the float64 specification (moontrain.model.kda.intra_fwd), on
 batch rows with a partial last chunk and on packed documents with fla's use_graph padding rows, at the kernel's
 default tile and another. The call through the kernel against fla's chunk_kda is
 tests/moontrain/model/kda/test_chunk_gpu.py's.
@@ -40,7 +40,7 @@ def _inputs(documents: bool) -> dict:
 
 
 @pytest.mark.parametrize("documents", [False, True], ids=["rows", "documents"])
-@pytest.mark.parametrize("tile", [None, (32, 64, 2, 1)], ids=lambda t: "default" if t is None else
+@pytest.mark.parametrize("tile", [None, (32, 32, 4, 1)], ids=lambda t: "default" if t is None else
                          "bk{}-bv{}-w{}-s{}".format(*t))
 def test_intra_forward_matches_fla_and_the_spec(documents: bool, tile: tuple[int, int, int, int] | None) -> None:
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra

@@ -267,30 +267,6 @@ def test_one_kernel_walk_needs_the_gate_norm_route() -> None:
         KernelsConfig(kda_walk="one")
 
 
-def test_forward_intra_stage_where_it_applies() -> None:
-    """kernels.kda_intra_fwd=moontrain runs inside moontrain's KDA call and takes fla's safe-gate diagonal
-    blocks: refused at config time on fla's call and at the call for an unbounded gate, each naming the fix;
-    auto resolves to fla's stage for now; an unknown value is refused."""
-    from moontrain.model.config import KernelsConfig
-    from moontrain.model.kda.chunk import chunk_kda_moontrain
-    from moontrain.model.kda.layer import resolve_intra_fwd
-
-    assert KernelsConfig().kda_intra_fwd == "auto"
-    with pytest.raises(ValueError, match=r"kda_intra_fwd=moontrain .* kernels.kda_gate_norm=moontrain .*'fla'.*"
-                                         r"kda_intra_fwd=fla"):
-        KernelsConfig(kda_intra_fwd="moontrain", kda_gate_norm="fla")
-    with pytest.raises(ValueError, match=r"kernels\.kda_intra_fwd must be 'auto', 'fla' or 'moontrain', got 'x'"):
-        KernelsConfig(kda_intra_fwd="x")
-    assert resolve_intra_fwd("auto", "moontrain", -5.0) == "fla"
-    assert resolve_intra_fwd("auto", "moontrain", None) == "fla"
-    assert resolve_intra_fwd("auto", "fla", -5.0) == "fla"
-    assert resolve_intra_fwd("fla", "moontrain", -5.0) == "fla"
-    x = torch.zeros(1, 64, 2, 32)
-    with pytest.raises(ValueError, match=r"needs a gate lower bound .* kernels\.kda_intra_fwd=fla"):
-        chunk_kda_moontrain(x, x, x, x, x[..., 0], torch.zeros(2), torch.zeros(64), scale=1.0, lower_bound=None,
-                            intra_fwd=True)
-
-
 def test_auto_intra_stage_is_the_fused_one_where_it_applies() -> None:
     """kernels.kda_intra=auto (the default) runs moontrain's fused intra+norm stage exactly where the config would
     accept kda_intra=moontrain and its kernel takes the gate (kda_gate_norm=moontrain, lower bound in [-10, 0):
