@@ -78,6 +78,13 @@ if triton is not None:
         tl.store(p + (s * BC + o_c)[:, None] * ld + o_n[None, :], x.to(p.dtype.element_ty), mask=m[:, None])
 
     @triton.jit
+    def _zero_above(p, z, o_c, BC: tl.constexpr, ld, n):
+        """the six [BC, BC] blocks above a chunk matrix's diagonal blocks, zeroed."""
+        for s in tl.static_range(3):
+            for t in tl.static_range(s + 1, 4):
+                _store(p + t * BC, z, o_c, o_c, s, BC, ld, n)
+
+    @triton.jit
     def _gated_keys(k, g, q, qg, kg, g_last, b, o_c, o_k, s: tl.constexpr, BC: tl.constexpr, HK: tl.constexpr, n):
         """block s's rows of qg and kg, stored; returns beta k 2^g rounded to k's dtype (w's operand)."""
         m = (s * BC + o_c) < n
@@ -149,6 +156,7 @@ if triton is not None:
             a0 = tl.load(g + o_k) - SH
             a1 = tl.load(g + BC * HK + o_k, mask=(o_k >= 0) & (BC < n), other=0.0) - SH
             a2 = tl.load(g + 2 * BC * HK + o_k, mask=(o_k >= 0) & (2 * BC < n), other=0.0) - SH
+            # each pair's sums added here: accumulators passed into _pair compile to more spilled registers
             dq, dk = _pair(q1, k1, g1, m1, k0, g0, a0, SH)
             q10 += dq
             k10 += dk
@@ -174,12 +182,7 @@ if triton is not None:
         _store(Aqk, q30 * scale, o_c, o_c, 3, BC, LD, n)
         _store(Aqk + BC, q31 * scale, o_c, o_c, 3, BC, LD, n)
         _store(Aqk + 2 * BC, q32 * scale, o_c, o_c, 3, BC, LD, n)
-        _store(Aqk + BC, z, o_c, o_c, 0, BC, LD, n)
-        _store(Aqk + 2 * BC, z, o_c, o_c, 0, BC, LD, n)
-        _store(Aqk + 3 * BC, z, o_c, o_c, 0, BC, LD, n)
-        _store(Aqk + 2 * BC, z, o_c, o_c, 1, BC, LD, n)
-        _store(Aqk + 3 * BC, z, o_c, o_c, 1, BC, LD, n)
-        _store(Aqk + 3 * BC, z, o_c, o_c, 2, BC, LD, n)
+        _zero_above(Aqk, z, o_c, BC, LD, n)
         b1 = tl.load(beta + (BC + o_c) * H, mask=(BC + o_c) < n, other=0.0).to(tl.float32)
         b2 = tl.load(beta + (2 * BC + o_c) * H, mask=(2 * BC + o_c) < n, other=0.0).to(tl.float32)
         b3 = tl.load(beta + (3 * BC + o_c) * H, mask=(3 * BC + o_c) < n, other=0.0).to(tl.float32)
@@ -199,7 +202,6 @@ if triton is not None:
         dt = Akk.dtype.element_ty
         A00, A10, A11, A20, A21, A22 = D0.to(dt), X10.to(dt), D1.to(dt), X20.to(dt), X21.to(dt), D2.to(dt)
         A30, A31, A32, A33 = X30.to(dt), X31.to(dt), X32.to(dt), D3.to(dt)
-        zb = z.to(dt)
         _store(Akk, A00, o_c, o_c, 0, BC, LD, n)
         _store(Akk, A10, o_c, o_c, 1, BC, LD, n)
         _store(Akk + BC, A11, o_c, o_c, 1, BC, LD, n)
@@ -210,12 +212,7 @@ if triton is not None:
         _store(Akk + BC, A31, o_c, o_c, 3, BC, LD, n)
         _store(Akk + 2 * BC, A32, o_c, o_c, 3, BC, LD, n)
         _store(Akk + 3 * BC, A33, o_c, o_c, 3, BC, LD, n)
-        _store(Akk + BC, zb, o_c, o_c, 0, BC, LD, n)
-        _store(Akk + 2 * BC, zb, o_c, o_c, 0, BC, LD, n)
-        _store(Akk + 3 * BC, zb, o_c, o_c, 0, BC, LD, n)
-        _store(Akk + 2 * BC, zb, o_c, o_c, 1, BC, LD, n)
-        _store(Akk + 3 * BC, zb, o_c, o_c, 1, BC, LD, n)
-        _store(Akk + 3 * BC, zb, o_c, o_c, 2, BC, LD, n)
+        _zero_above(Akk, z, o_c, BC, LD, n)
         # w, qg, kg and u from the rounded Akk
         b0 = tl.load(beta + o_c * H, mask=o_c < n, other=0.0)
         b1, b2, b3 = b1.to(beta.dtype.element_ty), b2.to(beta.dtype.element_ty), b3.to(beta.dtype.element_ty)
