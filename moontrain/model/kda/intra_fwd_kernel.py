@@ -268,8 +268,13 @@ def kda_intra_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         raise ValueError(f"kda_intra_forward: bk={bk} must divide K={K} and bv={bv} V={V}, both >= 16")
     if cu_seqlens is not None and chunk_indices is None:
         raise ValueError("kda_intra_forward: packed documents need chunk_indices (fla's prepare_chunk_indices)")
-    from fla.ops.kda.chunk_intra import chunk_kda_fwd_kernel_intra_sub_chunk
-    from fla.utils import IS_GATHER_SUPPORTED
+    try:  # the first launch is fla's kernel
+        from fla.ops.kda.chunk_intra import chunk_kda_fwd_kernel_intra_sub_chunk
+        from fla.utils import IS_GATHER_SUPPORTED
+    except ImportError as e:
+        raise ValueError("kda_intra_forward: its first launch is fla-core's diagonal-block kernel; install "
+                         "fla-core (pip install fla-core==0.6.0; on the GPU machine: bash ../shared/device/stage.sh "
+                         "fla)") from e
 
     rows = triton.cdiv(T, CHUNK) if cu_seqlens is None else chunk_indices.shape[0]
     Aqk = k.new_empty(B, T, H, CHUNK)

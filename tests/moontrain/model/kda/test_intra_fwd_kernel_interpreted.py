@@ -14,6 +14,8 @@ such roundings, 2^-7 of the signal's RMS. Against fla: the same values from othe
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -86,8 +88,12 @@ def test_kernel_matches_flas_three_kernels(case: str, K: int, V: int, bk: int, b
         assert diff.max().item() <= 2 ** -7 * top, f"{name}: max |diff| {diff.max().item():.2e} > 2^-7 x {top:.2e}"
 
 
-def test_refusals() -> None:
+def test_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     x = inputs("batch", 32, 32)
+    with monkeypatch.context() as m:  # fla-core absent: its kernel is the first launch
+        m.setitem(sys.modules, "fla.ops.kda.chunk_intra", None)
+        with pytest.raises(ValueError, match="install fla-core"):
+            kda_intra_forward(**x)
     with pytest.raises(ValueError, match="bk=24 must divide K=32"):
         kda_intra_forward(**x, bk=24, bv=32)
     with pytest.raises(ValueError, match="v has shape"):
